@@ -1,0 +1,1 @@
+"""Split prefill/decode inference with stage timings. Knows nothing of Celery or SQL."""

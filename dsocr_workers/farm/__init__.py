@@ -1,0 +1,1 @@
+"""farm package."""

@@ -1,0 +1,1 @@
+"""DeepSeek-OCR v1: modules, preprocessing, postprocessing and checkpoint loading."""

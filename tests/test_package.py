@@ -1,0 +1,16 @@
+from click.testing import CliRunner
+
+import dsocr_workers
+from dsocr_workers import errors
+from dsocr_workers.cli import main
+
+
+def test_error_tree_exit_codes():
+    assert issubclass(errors.CheckpointError, errors.InputError)
+    assert {errors.InputError.exit_code, errors.TransientError.exit_code, errors.PoisonError.exit_code} == {2, 3, 4}
+
+
+def test_cli_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert dsocr_workers.__version__ in result.output
