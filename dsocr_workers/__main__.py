@@ -1,0 +1,3 @@
+from dsocr_workers.cli import main
+
+main()
