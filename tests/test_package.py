@@ -7,7 +7,11 @@ from dsocr_workers.cli import main
 
 def test_error_tree_exit_codes():
     assert issubclass(errors.CheckpointError, errors.InputError)
-    assert {errors.InputError.exit_code, errors.TransientError.exit_code, errors.PoisonError.exit_code} == {2, 3, 4}
+    assert {errors.InputError.exit_code, errors.TransientError.exit_code, errors.PoisonError.exit_code} == {
+        2,
+        3,
+        4,
+    }
 
 
 def test_cli_version():

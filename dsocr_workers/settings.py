@@ -1,0 +1,98 @@
+"""Farm settings, read from the environment (flags override them where a command offers one).
+
+Every process of the farm — `dsocr submit`, `dsocr worker`, `dsocr report` — reads the same variables, so a
+deployment sets them once (compose file, systemd unit, Kubernetes manifest):
+
+    DSOCR_DATABASE_URL        SQLAlchemy URL of the ledger            sqlite:///./dsocr.db
+    DSOCR_BROKER_URL          Celery broker (Redis)                   redis://127.0.0.1:6379/0
+    DSOCR_BROKER_KEY_PREFIX   prefix of every Redis key the farm uses  "" (none)
+    DSOCR_QUEUE               queue that jobs are sent to and read from dsocr
+    DSOCR_ARTIFACTS_DIR       where per-job artifacts go              ./artifacts
+    DSOCR_LEASE_SECONDS       how long a claim holds a job            hard time limit + 60
+    DSOCR_MAX_ATTEMPTS        attempts before a job is poisoned        3
+    DSOCR_SOFT_TIME_LIMIT     seconds before a job is asked to stop    hard limit - 10 %
+    DSOCR_HARD_TIME_LIMIT     seconds before its process is killed     600
+    DSOCR_RETRY_BACKOFF_MAX   ceiling of the retry backoff (seconds)   60
+
+Credentials live only in the two URLs; `redacted()` is what may be printed or stored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsocr_workers.errors import InputError
+
+DEFAULT_DATABASE_URL = "sqlite:///./dsocr.db"
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = DEFAULT_DATABASE_URL
+    broker_url: str = DEFAULT_BROKER_URL
+    broker_key_prefix: str = ""
+    queue: str = "dsocr"
+    artifacts_dir: Path = Path("artifacts")
+    soft_time_limit_s: int = 540
+    hard_time_limit_s: int = 600
+    lease_s: int = 660
+    max_attempts: int = 3
+    retry_backoff_max_s: int = 60
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise InputError("DSOCR_MAX_ATTEMPTS must be at least 1")
+        if not 0 < self.soft_time_limit_s <= self.hard_time_limit_s:
+            raise InputError("DSOCR_SOFT_TIME_LIMIT must be positive and at most DSOCR_HARD_TIME_LIMIT")
+        # A lease shorter than the hard limit would let a second worker take a job that is still running.
+        if self.lease_s <= self.hard_time_limit_s:
+            raise InputError("DSOCR_LEASE_SECONDS must exceed DSOCR_HARD_TIME_LIMIT")
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        # Redis redelivers an unacknowledged message after this long; it must outlast any job (acks_late)
+        # or a long job would be delivered twice while it still runs.
+        return max(3600, 2 * self.lease_s)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        hard = _int(env, "DSOCR_HARD_TIME_LIMIT", cls.hard_time_limit_s)
+        # The soft limit leaves a tenth of the hard one to record the timeout before the kill.
+        soft = _int(env, "DSOCR_SOFT_TIME_LIMIT", max(1, hard - max(1, hard // 10)))
+        return cls(
+            database_url=env.get("DSOCR_DATABASE_URL") or DEFAULT_DATABASE_URL,
+            broker_url=env.get("DSOCR_BROKER_URL") or DEFAULT_BROKER_URL,
+            broker_key_prefix=env.get("DSOCR_BROKER_KEY_PREFIX", ""),
+            queue=env.get("DSOCR_QUEUE") or "dsocr",
+            artifacts_dir=Path(env.get("DSOCR_ARTIFACTS_DIR") or "artifacts"),
+            soft_time_limit_s=soft,
+            hard_time_limit_s=hard,
+            lease_s=_int(env, "DSOCR_LEASE_SECONDS", hard + 60),
+            max_attempts=_int(env, "DSOCR_MAX_ATTEMPTS", cls.max_attempts),
+            retry_backoff_max_s=_int(env, "DSOCR_RETRY_BACKOFF_MAX", cls.retry_backoff_max_s),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def redacted(url: str) -> str:
+    """The URL with its password masked: the only form of a URL that is printed, logged or stored."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: show nothing that could be a secret
+        return url.split("@")[-1]

@@ -1,0 +1,162 @@
+"""Connections to the ledger: one SQLAlchemy engine per process, created after fork, and the schema check.
+
+SQLite is set up for several writer processes on one machine: WAL (readers never block the writer),
+a 30 s busy timeout, and `BEGIN IMMEDIATE` so that a transaction takes the write lock when it starts —
+a deferred transaction that reads and then writes can fail at once with "database is locked" instead of
+waiting for the busy timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.settings import redacted
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+class SchemaError(InputError):
+    """The database's schema is not the one this version of the code was written for."""
+
+
+@dataclass
+class Database:
+    url: str
+    engine: Engine
+    sessions: sessionmaker[Session]
+    pid: int
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A session in one transaction: committed on success, rolled back on error. A lost or refused
+        connection comes out as TransientError so the caller can retry later."""
+        try:
+            with self.sessions.begin() as session:
+                yield session
+        except OperationalError as exc:
+            raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise TransientError(f"database connection lost ({redacted(self.url)}): {exc.orig}") from exc
+            raise
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_database(url: str) -> Database:
+    """A new engine for `url`. Call it in the process that uses it (after fork, never before)."""
+    parsed = make_url(url)
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database and database != ":memory:":
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        options = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
+    engine = create_engine(url, **options)
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine)
+    return Database(
+        url=url, engine=engine, sessions=sessionmaker(engine, expire_on_commit=False), pid=os.getpid()
+    )
+
+
+_process_databases: dict[str, Database] = {}
+
+
+def database_for(url: str) -> Database:
+    """The process's engine for `url`, created on first use; a forked child gets its own."""
+    db = _process_databases.get(url)
+    if db is None or db.pid != os.getpid():
+        db = open_database(url)
+        _process_databases[url] = db
+    return db
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN (pysqlite's own implicit BEGIN is deferred).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# --- schema (Alembic) ---------------------------------------------------------------------------------
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["database_url"] = url
+    return config
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("")).get_current_head()
+    if head is None:
+        raise SchemaError(f"no migrations found in {MIGRATIONS_DIR}")
+    return head
+
+
+def current_revision(db: Database) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    try:
+        with db.engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    except OperationalError as exc:
+        raise TransientError(f"database unavailable ({redacted(db.url)}): {exc.orig}") from exc
+
+
+def upgrade(db: Database) -> str:
+    """Bring the schema to the newest migration; returns the revision it is at."""
+    from alembic import command
+
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+    return head_revision()
+
+
+def check_schema(db: Database) -> None:
+    """Refuse a database whose schema is missing or older (or newer) than this code."""
+    current, head = current_revision(db), head_revision()
+    if current == head:
+        return
+    where = redacted(db.url)
+    if current is None:
+        raise SchemaError(f"the database {where} has no dsocr schema; run `dsocr db upgrade` first")
+    raise SchemaError(
+        f"the database {where} is at schema revision {current}, this version of dsocr needs {head}; "
+        "run `dsocr db upgrade` (with the newest dsocr) before starting workers"
+    )

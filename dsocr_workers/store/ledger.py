@@ -1,0 +1,302 @@
+"""The job ledger's state changes: claim with a lease, complete with the result, record a failure, and
+reconcile. Each function runs inside the caller's transaction (`Database.transaction()`).
+
+    pending ──enqueue──► queued ──claim──► running ──complete──► done
+                           ▲                  │ ├──input error──► failed
+                           └──error < cap─────┘ └──error at cap─► poisoned
+    running with an expired lease (or a dead owner on this host) may be claimed again: that is a new
+    attempt; a job whose attempts reached the cap is poisoned instead of claimed.
+
+Every change to a running job is guarded by its lease owner, so a worker that lost its lease (it was
+too slow, or its job was taken over) can never write a result or a state over the new owner's.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, true, update
+from sqlalchemy.orm import Session
+
+from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, utcnow
+from dsocr_workers.store.upsert import upsert
+
+MAX_ERROR_MESSAGE = 4000
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job this process may run now, until `lease_expires_at`."""
+
+    job_id: str
+    run_id: str
+    image: str
+    image_path: Path
+    repeat: int
+    attempt: int
+    owner: str
+    lease_expires_at: datetime
+    model: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a delivery of a job is not run. `retry_after_s` is set while another live worker holds it."""
+
+    job_id: str
+    reason: str
+    state: str | None
+    retry_after_s: float | None = None
+
+
+# --- lease owners ---------------------------------------------------------------------------------------
+
+_host = socket.gethostname()
+
+
+def process_owner() -> str:
+    """A lease owner name unique to this process: host, pid, and a nonce against pid reuse."""
+    return f"{_host}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """True when `owner` was a process on this host that no longer exists (a killed worker child). Owners
+    on other hosts are never judged dead: only their lease expiry frees their jobs."""
+    if owner is None:
+        return True
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != _host or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+# --- claim / complete / fail --------------------------------------------------------------------------------
+
+
+def claim_job(
+    session: Session,
+    job_id: str,
+    owner: str,
+    *,
+    lease_s: float,
+    max_attempts: int,
+    now: datetime | None = None,
+    is_dead: Callable[[str | None], bool] = owner_is_dead,
+) -> Claim | Refusal:
+    now = now or utcnow()
+    row = session.execute(
+        select(Job, Run).join(Run, Job.run_id == Run.id).where(Job.id == job_id)
+    ).one_or_none()
+    if row is None:
+        return Refusal(job_id, "unknown job", None)
+    job, run = row
+    if job.state in FINAL_STATES:
+        return Refusal(job_id, f"already {job.state}", job.state)
+
+    previous_owner = job.lease_owner
+    continuing = job.state == "running" and previous_owner == owner
+    interrupted = job.state == "running" and not continuing
+    if interrupted:
+        expires = job.lease_expires_at
+        if expires is not None and expires > now and not is_dead(previous_owner):
+            return Refusal(
+                job_id,
+                f"running under a live lease of {previous_owner}",
+                job.state,
+                (expires - now).total_seconds(),
+            )
+
+    # Optimistic guard: the row must still be exactly what was read, or another worker got there first.
+    unchanged = (
+        (Job.id == job_id)
+        & (Job.state == job.state)
+        & (Job.attempts == job.attempts)
+        & Job.lease_owner.is_not_distinct_from(previous_owner)
+    )
+    lost = (
+        {
+            "last_error_class": "WorkerLost",
+            "last_error_message": f"attempt {job.attempts} by {previous_owner} did not finish "
+            "(its worker died or its lease expired)",
+        }
+        if interrupted
+        else {}
+    )
+    if not continuing and job.attempts >= max_attempts:
+        session.execute(
+            update(Job)
+            .where(unchanged)
+            .values(state="poisoned", lease_owner=None, lease_expires_at=None, finished_at=now, **lost)
+        )
+        return Refusal(job_id, f"poisoned after {job.attempts} attempts", "poisoned")
+
+    attempt = job.attempts if continuing else job.attempts + 1
+    lease_expires_at = now + timedelta(seconds=lease_s)
+    changed = session.execute(
+        update(Job)
+        .where(unchanged)
+        .values(
+            state="running",
+            attempts=attempt,
+            lease_owner=owner,
+            lease_expires_at=lease_expires_at,
+            started_at=now,
+            **lost,
+        )
+    )
+    if changed.rowcount != 1:
+        return Refusal(job_id, "claimed concurrently by another worker", None)
+    return Claim(
+        job_id=job_id,
+        run_id=run.id,
+        image=job.image,
+        image_path=Path(run.root) / job.image,
+        repeat=job.repeat,
+        attempt=attempt,
+        owner=owner,
+        lease_expires_at=lease_expires_at,
+        model=run.model,
+        parameters=dict(run.parameters),
+    )
+
+
+def _held(claim: Claim) -> Any:
+    return (Job.id == claim.job_id) & (Job.state == "running") & (Job.lease_owner == claim.owner)
+
+
+def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: datetime | None = None) -> bool:
+    """Mark the job done and upsert its result, both or neither. False (nothing written) when the claim's
+    lease was lost to another worker."""
+    changed = session.execute(
+        update(Job)
+        .where(_held(claim))
+        .values(state="done", lease_owner=None, lease_expires_at=None, finished_at=now or utcnow())
+    )
+    if changed.rowcount != 1:
+        return False
+    upsert(session, Result.__table__, {**result, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+    return True
+
+
+def fail_job(
+    session: Session,
+    claim: Claim,
+    error: BaseException,
+    *,
+    final: bool,
+    max_attempts: int,
+    now: datetime | None = None,
+) -> str | None:
+    """Record a failed attempt: `failed` when final (input errors), `poisoned` at the attempt cap, else
+    back to `queued` for another attempt. Returns the new state, None when the lease was lost."""
+    now = now or utcnow()
+    state = "failed" if final else "poisoned" if claim.attempt >= max_attempts else "queued"
+    changed = session.execute(
+        update(Job)
+        .where(_held(claim))
+        .values(
+            state=state,
+            lease_owner=None,
+            lease_expires_at=None,
+            last_error_class=type(error).__name__,
+            last_error_message=str(error)[:MAX_ERROR_MESSAGE],
+            finished_at=now if state in FINAL_STATES else None,
+            queued_at=now if state == "queued" else Job.queued_at,
+        )
+    )
+    return state if changed.rowcount == 1 else None
+
+
+def release_job(session: Session, claim: Claim, error: BaseException, now: datetime | None = None) -> bool:
+    """Give the job back without counting the attempt (a transient failure: database, broker)."""
+    changed = session.execute(
+        update(Job)
+        .where(_held(claim))
+        .values(
+            state="queued",
+            attempts=Job.attempts - 1,
+            lease_owner=None,
+            lease_expires_at=None,
+            last_error_class=type(error).__name__,
+            last_error_message=str(error)[:MAX_ERROR_MESSAGE],
+            queued_at=now or utcnow(),
+        )
+    )
+    return changed.rowcount == 1
+
+
+# --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
+
+
+def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
+    """pending → queued for jobs whose message is now in the broker."""
+    now = now or utcnow()
+    ids = list(job_ids)
+    for start in range(0, len(ids), 500):
+        session.execute(
+            update(Job)
+            .where(Job.id.in_(ids[start : start + 500]), Job.state == "pending")
+            .values(state="queued", queued_at=now)
+        )
+
+
+@dataclass(frozen=True)
+class ReconcilePlan:
+    requeue: list[tuple[str, str]]  # (job id, queue) of every job that is neither final nor running
+    expired: int  # running jobs whose lease had expired: queued again, or poisoned at the cap
+    poisoned: int  # of those, the ones poisoned
+    running: int  # jobs still running under a live lease (left alone)
+
+
+def reconcile(
+    session: Session, *, max_attempts: int, run_id: str | None = None, now: datetime | None = None
+) -> ReconcilePlan:
+    """Expire stale leases (poisoning jobs at the cap) and list every open job to enqueue again."""
+    now = now or utcnow()
+    in_run = (Job.run_id == run_id) if run_id else true()
+    stale = in_run & (Job.state == "running") & (Job.lease_expires_at <= now)
+    lost = {
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "last_error_class": "LeaseExpired",
+        "last_error_message": "the worker holding this job stopped renewing it (lease expired)",
+    }
+    poisoned = session.execute(
+        update(Job)
+        .where(stale & (Job.attempts >= max_attempts))
+        .values(state="poisoned", finished_at=now, **lost)
+    ).rowcount
+    expired = session.execute(update(Job).where(stale).values(state="queued", queued_at=now, **lost)).rowcount
+    running = (
+        session.scalar(select(func.count()).select_from(Job).where(in_run & (Job.state == "running"))) or 0
+    )
+    requeue = session.execute(
+        select(Job.id, Run.queue)
+        .join(Run, Job.run_id == Run.id)
+        .where(in_run & Job.state.in_(("pending", "queued")))
+        .order_by(Job.run_id, Job.line, Job.repeat)
+    ).all()
+    return ReconcilePlan(
+        [(job_id, queue) for job_id, queue in requeue], expired + poisoned, poisoned, running
+    )
+
+
+def job_counts(session: Session, run_id: str) -> Counter[str]:
+    rows = session.execute(select(Job.state, func.count()).where(Job.run_id == run_id).group_by(Job.state))
+    return Counter({state: count for state, count in rows})

@@ -1,0 +1,150 @@
+"""The ledger's tables: runs, their jobs, one result per job, and the environments that produced them.
+
+Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
+Alembic owns the schema (`migrations/`); a change here needs a new migration.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
+FINAL_STATES: tuple[str, ...] = ("done", "failed", "poisoned")
+OPEN_STATES: tuple[str, ...] = ("pending", "queued", "running")
+
+# Job ids are uuid5 of (run, image, repeat) in this namespace: the same job always has the same id.
+JOB_ID_NAMESPACE = uuid.UUID("6f0c7c1e-4a8e-5f43-9a57-2d1f0b7e9c31")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def job_id_for(run_id: str, image: str, repeat: int) -> str:
+    return str(uuid.uuid5(JOB_ID_NAMESPACE, f"{run_id}\x00{image}\x00{repeat}"))
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=False)}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    filelist: Mapped[str] = mapped_column(Text)  # the list as given to submit
+    root: Mapped[str] = mapped_column(Text)  # absolute; job images are relative to it
+    model: Mapped[str] = mapped_column(Text)  # preset name or checkpoint directory
+    model_label: Mapped[str] = mapped_column(Text)
+    random_weights: Mapped[bool]
+    queue: Mapped[str] = mapped_column(String(200))
+    # Everything that decides what a job computes: mode, prompt, max_new_tokens, ignore_eos, engine,
+    # dtype, repeats. Never credentials.
+    parameters: Mapped[dict[str, Any]]
+    tags: Mapped[dict[str, Any]]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_run_state", "run_id", "state"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)  # job_id_for(run, image, repeat)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    image: Mapped[str] = mapped_column(Text)  # relative to the run's root, posix separators
+    line: Mapped[int]  # line of the file list it came from
+    repeat: Mapped[int]
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None]
+    last_error_class: Mapped[str | None] = mapped_column(String(200))
+    last_error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    queued_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]  # start of the latest attempt
+    finished_at: Mapped[datetime | None]
+
+
+class Worker(Base):
+    """One environment fingerprint: the same host, device, software and model give the same id."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    device: Mapped[str] = mapped_column(String(32))
+    gpu_name: Mapped[str | None] = mapped_column(String(255))
+    gpu_uuid: Mapped[str | None] = mapped_column(String(64))
+    driver: Mapped[str | None] = mapped_column(String(64))
+    cuda: Mapped[str | None] = mapped_column(String(32))
+    torch: Mapped[str] = mapped_column(String(64))
+    transformers: Mapped[str] = mapped_column(String(64))
+    python: Mapped[str] = mapped_column(String(32))
+    project_version: Mapped[str] = mapped_column(String(32))
+    git_sha: Mapped[str | None] = mapped_column(String(40))
+    model_label: Mapped[str] = mapped_column(Text)
+    model_fingerprint: Mapped[str | None] = mapped_column(String(128))
+    random_weights: Mapped[bool]
+    first_seen: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Result(Base):
+    """What one job measured (DESIGN.md §3). Exactly one per job: `job_id` is unique and written by upsert."""
+
+    __tablename__ = "results"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"))
+    attempt: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    clock: Mapped[str] = mapped_column(String(16))  # cuda_event | perf_counter
+    preprocess_ms: Mapped[float] = mapped_column(Float)
+    prefill_ms: Mapped[float] = mapped_column(Float)
+    vision_ms: Mapped[float] = mapped_column(Float)
+    sam_ms: Mapped[float] = mapped_column(Float)
+    clip_ms: Mapped[float] = mapped_column(Float)
+    projector_ms: Mapped[float] = mapped_column(Float)
+    lm_prefill_ms: Mapped[float] = mapped_column(Float)
+    decode_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float] = mapped_column(Float)
+    e2e_ms: Mapped[float] = mapped_column(Float)
+    decode_step_ms: Mapped[list[Any]]
+    decode_ms_per_token_p50: Mapped[float | None] = mapped_column(Float)
+    decode_ms_per_token_p90: Mapped[float | None] = mapped_column(Float)
+    decode_ms_per_token_p99: Mapped[float | None] = mapped_column(Float)
+
+    decode_tokens: Mapped[int]
+    prompt_tokens: Mapped[int]
+    image_tokens: Mapped[int]
+    crop_cols: Mapped[int]
+    crop_rows: Mapped[int]
+    image_width: Mapped[int]
+    image_height: Mapped[int]
+    mode: Mapped[str] = mapped_column(String(32))
+    stop_reason: Mapped[str] = mapped_column(String(32))
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    kv_length: Mapped[int]
+    vision_calls: Mapped[int]
+
+    engine: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(32))
+    dtype: Mapped[str] = mapped_column(String(32))
+    model_label: Mapped[str] = mapped_column(Text)
+    random_weights: Mapped[bool]
+
+    markup: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[list[Any]]
+    boxes: Mapped[list[Any]]
+    box_count: Mapped[int]
+    skipped_spans: Mapped[int]

@@ -1,0 +1,119 @@
+"""Shared fixtures. Every test session gets its own PostgreSQL database and its own Redis key prefix and
+queue, so parallel runs on one machine never see each other's rows or messages.
+
+- `postgres_url`: a fresh database `dsocr_test_<random>` on 127.0.0.1:5432 (migrated), dropped at the end.
+- `sqlite_url`: a migrated SQLite file in the test's tmp dir.
+- `database` (parametrised sqlite / postgres): an open, migrated `Database`; PostgreSQL tables are
+  emptied after each test.
+- `broker_env`: DSOCR_* variables for a unique Redis key prefix and queue; its keys are deleted at the end.
+- `make_png`: writes small PNG pages with Pillow.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _admin_execute(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    from dsocr_workers.store.db import open_database, upgrade
+
+    name = f"dsocr_test_{uuid.uuid4().hex[:10]}"
+    try:
+        _admin_execute(f"CREATE DATABASE {name}")
+    except Exception as exc:  # the suite is written for a machine with PostgreSQL: say so loudly
+        pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is needed (scripts/services.sh starts it): {exc}")
+    url = f"{PG_SERVER}/{name}"
+    db = open_database(url)
+    upgrade(db)
+    db.dispose()
+    yield url
+    _admin_execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    from dsocr_workers.store.db import open_database, upgrade
+
+    url = f"sqlite:///{tmp_path / 'dsocr.db'}"
+    db = open_database(url)
+    upgrade(db)
+    db.dispose()
+    return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database(request: pytest.FixtureRequest):
+    from sqlalchemy import text
+
+    from dsocr_workers.store.db import open_database
+
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+    db = open_database(url)
+    yield db
+    if request.param == "postgres":
+        with db.engine.begin() as conn:
+            conn.execute(text("TRUNCATE results, jobs, workers, runs CASCADE"))
+    db.dispose()
+
+
+@pytest.fixture(scope="session")
+def broker_env() -> Iterator[dict[str, str]]:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis at 127.0.0.1:6379 is needed (scripts/services.sh starts it): {exc}")
+    tag = uuid.uuid4().hex[:10]
+    prefix = f"dsocr-test-{tag}:"
+    yield {
+        "DSOCR_BROKER_URL": REDIS_URL,
+        "DSOCR_BROKER_KEY_PREFIX": prefix,
+        "DSOCR_QUEUE": f"dsocr-test-{tag}",
+    }
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def make_png(tmp_path: Path) -> Callable[..., Path]:
+    from PIL import Image, ImageDraw
+
+    def make(name: str, size: tuple[int, int] = (320, 420), folder: Path | None = None) -> Path:
+        path = (folder or tmp_path / "images") / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        page = Image.new("RGB", size, "white")
+        draw = ImageDraw.Draw(page)
+        draw.text((20, 20), f"Page {name}", fill="black")
+        draw.rectangle((20, 60, size[0] - 20, size[1] // 2), outline="black")
+        page.save(path, format="PNG")
+        return path
+
+    return make
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    """The environment for `python -m dsocr_workers …` subprocesses: this checkout first on the path."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    return env

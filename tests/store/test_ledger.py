@@ -1,0 +1,287 @@
+"""Claim, lease, completion, failure, poison and reconcile against SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import uuid
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, text
+
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database, SchemaError, check_schema, head_revision, open_database
+from dsocr_workers.store.models import Job, Result, Run, Worker, job_id_for, utcnow
+
+CAP = 3
+
+
+def make_run(db: Database, images: int = 1, repeats: int = 1) -> tuple[str, list[str]]:
+    run_id = uuid.uuid4().hex[:12]
+    with db.transaction() as session:
+        session.add(
+            Run(
+                id=run_id,
+                name="t",
+                filelist="list.txt",
+                root="/data",
+                model="tiny",
+                model_label="preset:tiny (random weights)",
+                random_weights=True,
+                queue="q",
+                parameters={"mode": "gundam"},
+                tags={},
+            )
+        )
+        session.flush()
+        ids = []
+        for i in range(images):
+            for r in range(repeats):
+                job_id = job_id_for(run_id, f"img{i}.png", r)
+                session.add(
+                    Job(id=job_id, run_id=run_id, image=f"img{i}.png", line=i + 1, repeat=r, state="queued")
+                )
+                ids.append(job_id)
+    return run_id, ids
+
+
+def add_worker(db: Database) -> str:
+    with db.transaction() as session:
+        session.merge(
+            Worker(
+                id="w1",
+                host="h",
+                device="cpu",
+                torch="2",
+                transformers="5",
+                python="3.11",
+                project_version="0.1.0",
+                model_label="preset:tiny",
+                random_weights=True,
+            )
+        )
+    return "w1"
+
+
+def result_row(worker_id: str, attempt: int = 1, markup: str = "text") -> dict:
+    return dict(
+        worker_id=worker_id,
+        attempt=attempt,
+        clock="perf_counter",
+        preprocess_ms=1.0,
+        prefill_ms=2.0,
+        vision_ms=1.5,
+        sam_ms=0.5,
+        clip_ms=0.5,
+        projector_ms=0.5,
+        lm_prefill_ms=0.5,
+        decode_ms=3.0,
+        ttft_ms=3.5,
+        e2e_ms=6.0,
+        decode_step_ms=[1.0, 2.0],
+        decode_ms_per_token_p50=1.5,
+        decode_ms_per_token_p90=1.9,
+        decode_ms_per_token_p99=2.0,
+        decode_tokens=3,
+        prompt_tokens=10,
+        image_tokens=8,
+        crop_cols=1,
+        crop_rows=1,
+        image_width=100,
+        image_height=100,
+        mode="tiny",
+        stop_reason="max_new_tokens",
+        peak_memory_bytes=None,
+        kv_length=12,
+        vision_calls=1,
+        engine="eager",
+        device="cpu",
+        dtype="float32",
+        model_label="preset:tiny",
+        random_weights=True,
+        markup=markup,
+        token_ids=[1, 2, 3],
+        boxes=[],
+        box_count=0,
+        skipped_spans=0,
+    )
+
+
+def claim(db: Database, job_id: str, owner: str, **kwargs):
+    with db.transaction() as session:
+        return ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP, **kwargs)
+
+
+def job(db: Database, job_id: str) -> Job:
+    with db.transaction() as session:
+        return session.get_one(Job, job_id)
+
+
+def results_for(db: Database, job_id: str) -> int:
+    with db.transaction() as session:
+        return session.scalar(select(func.count()).select_from(Result).where(Result.job_id == job_id)) or 0
+
+
+def test_schema_head_accepted_and_others_refused(database: Database):
+    check_schema(database)
+    with database.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0000'"))
+    with pytest.raises(SchemaError, match=r"revision 0000.*needs " + head_revision()):
+        check_schema(database)
+
+
+def test_schema_missing_refused(tmp_path):
+    db = open_database(f"sqlite:///{tmp_path / 'empty.db'}")
+    with pytest.raises(SchemaError, match="dsocr db upgrade"):
+        check_schema(db)
+
+
+def test_claim_complete_once(database: Database):
+    _, (job_id,) = make_run(database)
+    worker_id = add_worker(database)
+    first = claim(database, job_id, "host-a:1:x", is_dead=lambda owner: False)
+    assert isinstance(first, ledger.Claim) and first.attempt == 1
+    assert job(database, job_id).state == "running"
+
+    # A second delivery while the first runs: refused, told when the lease ends.
+    second = claim(database, job_id, "host-b:2:y", is_dead=lambda owner: False)
+    assert isinstance(second, ledger.Refusal) and 0 < second.retry_after_s <= 60
+
+    with database.transaction() as session:
+        assert ledger.complete_job(session, first, result_row(worker_id))
+    # Delivered again after it finished: refused, still one result.
+    again = claim(database, job_id, "host-b:2:y")
+    assert isinstance(again, ledger.Refusal) and again.state == "done"
+    assert results_for(database, job_id) == 1
+    assert job(database, job_id).attempts == 1
+
+
+def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database):
+    _, (job_id,) = make_run(database)
+    worker_id = add_worker(database)
+    first = claim(database, job_id, "host-a:1:x", is_dead=lambda owner: False)
+    later = utcnow() + timedelta(seconds=120)
+    second = claim(database, job_id, "host-b:2:y", now=later, is_dead=lambda owner: False)
+    assert isinstance(second, ledger.Claim) and second.attempt == 2
+    assert job(database, job_id).last_error_class == "WorkerLost"
+
+    with database.transaction() as session:
+        assert not ledger.complete_job(session, first, result_row(worker_id, markup="stale"))
+    with database.transaction() as session:
+        assert ledger.fail_job(session, first, RuntimeError("late"), final=False, max_attempts=CAP) is None
+        assert ledger.complete_job(session, second, result_row(worker_id, attempt=2))
+    with database.transaction() as session:
+        (markup,) = session.execute(select(Result.markup).where(Result.job_id == job_id)).one()
+    assert markup == "text"
+
+
+def test_dead_owner_on_this_host_taken_over_at_once(database: Database):
+    _, (job_id,) = make_run(database)
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead_owner = f"{ledger.process_owner().split(':')[0]}:{finished.pid}:dead"
+    assert isinstance(claim(database, job_id, dead_owner), ledger.Claim)
+    taken = claim(database, job_id, ledger.process_owner())
+    assert isinstance(taken, ledger.Claim) and taken.attempt == 2
+    # A live owner on this host (this process) is not dead.
+    refused = claim(database, job_id, ledger.process_owner())
+    assert isinstance(refused, ledger.Refusal) and refused.retry_after_s is not None
+
+
+def test_attempt_cap_poisons(database: Database):
+    _, (job_id,) = make_run(database)
+    for attempt in range(1, CAP + 1):
+        got = claim(
+            database,
+            job_id,
+            f"h:{attempt}:x",
+            now=utcnow() + timedelta(minutes=2 * attempt),
+            is_dead=lambda o: False,
+        )
+        assert isinstance(got, ledger.Claim) and got.attempt == attempt
+    refused = claim(database, job_id, "h:99:x", now=utcnow() + timedelta(hours=1), is_dead=lambda o: False)
+    assert isinstance(refused, ledger.Refusal) and refused.state == "poisoned"
+    row = job(database, job_id)
+    assert (row.state, row.attempts, row.last_error_class) == ("poisoned", CAP, "WorkerLost")
+
+
+def test_failures_input_final_others_until_cap(database: Database):
+    _, (input_job, crash_job) = make_run(database, images=2)
+    got = claim(database, input_job, "h:1:x")
+    with database.transaction() as session:
+        assert (
+            ledger.fail_job(session, got, ValueError("not an image"), final=True, max_attempts=CAP)
+            == "failed"
+        )
+    assert isinstance(claim(database, input_job, "h:1:x"), ledger.Refusal)
+
+    states = []
+    for _ in range(CAP):
+        got = claim(database, crash_job, "h:1:x")
+        with database.transaction() as session:
+            states.append(ledger.fail_job(session, got, RuntimeError("boom"), final=False, max_attempts=CAP))
+    assert states == ["queued"] * (CAP - 1) + ["poisoned"]
+    row = job(database, crash_job)
+    assert (row.attempts, row.last_error_class, row.last_error_message) == (CAP, "RuntimeError", "boom")
+
+
+def test_release_does_not_count_an_attempt(database: Database):
+    _, (job_id,) = make_run(database)
+    got = claim(database, job_id, "h:1:x")
+    with database.transaction() as session:
+        assert ledger.release_job(session, got, ConnectionError("db down"))
+    row = job(database, job_id)
+    assert (row.state, row.attempts) == ("queued", 0)
+
+
+def test_reconcile_expires_leases_and_lists_open_jobs(database: Database):
+    run_id, ids = make_run(database, images=4)
+    other_run, other_ids = make_run(database, images=1)
+    claim(database, ids[0], "h:1:x", is_dead=lambda o: False)  # stays live
+    claim(database, ids[1], "h:2:x", is_dead=lambda o: False)  # will expire
+    with database.transaction() as session:
+        session.execute(text("UPDATE jobs SET attempts = :cap WHERE id = :id"), {"cap": CAP, "id": ids[2]})
+        session.execute(
+            text("UPDATE jobs SET state = 'running', lease_expires_at = :t WHERE id = :id"),
+            {"t": utcnow() - timedelta(seconds=1), "id": ids[2]},
+        )
+        session.execute(
+            text("UPDATE jobs SET lease_expires_at = :t WHERE id = :id"),
+            {"t": utcnow() - timedelta(seconds=1), "id": ids[1]},
+        )
+    with database.transaction() as session:
+        plan = ledger.reconcile(session, max_attempts=CAP, run_id=run_id)
+    assert (plan.expired, plan.poisoned, plan.running) == (2, 1, 1)
+    assert sorted(job_id for job_id, _ in plan.requeue) == sorted([ids[1], ids[3]])
+    assert job(database, ids[2]).state == "poisoned"
+    assert job(database, ids[1]).last_error_class == "LeaseExpired"
+    with database.transaction() as session:
+        everything = ledger.reconcile(session, max_attempts=CAP)
+        assert ledger.job_counts(session, run_id) == {"queued": 2, "running": 1, "poisoned": 1}
+    assert {job_id for job_id, _ in everything.requeue} == {ids[1], ids[3], *other_ids}
+    assert other_run
+
+
+def _claim_everything(url: str, job_ids: list[str], worker_id: str) -> int:
+    db = open_database(url)
+    owner = ledger.process_owner()
+    done = 0
+    for job_id in job_ids:
+        with db.transaction() as session:
+            got = ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP)
+        if isinstance(got, ledger.Claim):
+            with db.transaction() as session:
+                done += ledger.complete_job(session, got, result_row(worker_id))
+    return done
+
+
+def test_sqlite_three_concurrent_writers_never_locked(sqlite_url):
+    db = open_database(sqlite_url)
+    _, ids = make_run(db, images=40)
+    worker_id = add_worker(db)
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        done = pool.starmap(_claim_everything, [(sqlite_url, ids, worker_id)] * 3)
+    assert sum(done) == len(ids)
+    with db.transaction() as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == len(ids)
