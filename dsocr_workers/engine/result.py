@@ -22,6 +22,8 @@ class DecodeOptions:
     # None: n-grams over the whole sequence (HF vendor path); an int: only the last `window` tokens
     # are searched (the vendor vLLM path's windowed variant).
     ngram_window: int | None = None
+    # Token ids the no-repeat ban never bans (the vendor vLLM path: (128821, 128822) = <td>, </td>).
+    ngram_whitelist: tuple[int, ...] = ()
     ignore_eos: bool = False
 
 
