@@ -1,0 +1,301 @@
+"""`dsocr submit | worker | run | runs | status | reconcile | db upgrade`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from dsocr_workers.errors import DsocrError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exits_on_errors(command: F) -> F:
+    """Our errors become a one-line message on stderr and their exit code (2 input, 3 transient, …)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except DsocrError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def run_options(command: F) -> F:
+    """The options that decide what a run computes, shared by `submit` and `run`."""
+    options = [
+        click.option("--root", type=click.Path(file_okay=False, path_type=Path),
+                     help="Folder relative paths resolve against (default: the dataset's source-data/, "
+                     "else the list's folder)."),
+        click.option("--name", help="Run name (default: the list's file name)."),
+        click.option("--model", default="tiny", show_default=True,
+                     help="Preset (tiny, full: RANDOM weights) or a checkpoint directory."),
+        click.option("--mode", default="gundam", show_default=True, help="Resolution mode."),
+        click.option("--max-new-tokens", type=int, help="Decode at most this many tokens."),
+        click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
+        click.option("--repeats", type=int, default=1, show_default=True, help="Jobs per image."),
+        click.option("--prompt", help="Prompt (default: the mode's document-to-markdown prompt)."),
+        click.option("--engine", type=click.Choice(["eager", "fast"]), default="eager", show_default=True),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+                     help="Default: bfloat16 on GPU, float32 on CPU."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
+        click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Label the run (repeatable)."),
+        click.option("--skip-invalid", is_flag=True, help="Leave bad lines out instead of refusing the list."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _prepare(filelist: Path, kw: dict[str, Any]) -> tuple[Any, Any, dict[str, str]]:
+    from dsocr_workers.errors import InputError
+    from dsocr_workers.farm.filelist import read_filelist
+    from dsocr_workers.farm.submit import RunOptions, parse_tags
+
+    options = RunOptions(
+        model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
+        ignore_eos=kw["ignore_eos"], engine=kw["engine"], dtype=kw["dtype"], repeats=kw["repeats"], seed=kw["seed"],
+    )  # fmt: skip
+    tags = parse_tags(kw["tags"])
+    listed = read_filelist(filelist, kw["root"])
+    if listed.bad:
+        click.echo(f"{len(listed.bad)} bad line(s) in {filelist}:\n{listed.describe_bad()}", err=True)
+        if not kw["skip_invalid"]:
+            raise InputError(
+                f"{filelist}: refused, nothing was recorded or enqueued (--skip-invalid to leave them out)"
+            )
+    return listed, options, tags
+
+
+@click.command()
+@click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
+@run_options
+@click.option("--queue", help="Queue to send the jobs to (default: DSOCR_QUEUE or dsocr).")
+@exits_on_errors
+def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
+    """Validate FILELIST, record a run and its jobs, and enqueue one job per image and repeat."""
+    from dsocr_workers.farm.celery_app import create_app
+    from dsocr_workers.farm.submit import enqueue, record_run
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import check_schema, open_database
+
+    settings = Settings.from_env()
+    listed, options, tags = _prepare(filelist, kw)
+    db = open_database(settings.database_url)
+    check_schema(db)
+    run = record_run(db, listed, options, queue=queue or settings.queue, name=kw["name"], tags=tags)
+    click.echo(f"run {run.run_id}: {len(run.job_ids)} jobs recorded")
+    sent = enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids])
+    click.echo(f"run {run.run_id}: {sent} jobs enqueued on {run.queue}")
+    click.echo("next:")
+    click.echo(f"  dsocr worker --gpus all --queue {run.queue}")
+    click.echo(f"  dsocr status --run {run.run_id} --watch")
+    click.echo(f"  dsocr report --run {run.run_id}")
+    click.echo(run.run_id)
+
+
+@click.command()
+@click.option("--gpus", default="all", show_default=True, help="all, GPU indices like 0,1, or cpu.")
+@click.option("--queue", "queues", multiple=True, help="Queue(s) to consume (default: DSOCR_QUEUE or dsocr).")
+@click.option("--concurrency-per-device", type=int, default=1, show_default=True,
+              help="Children per device (1 for profiling; more only for tests on CPU).")  # fmt: skip
+@click.option("--loglevel", default="INFO", show_default=True)
+@exits_on_errors
+def worker(gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str) -> None:
+    """Run jobs from the queue: one prefork child per device, each loading the model once.
+
+    Settings come from the environment (DSOCR_DATABASE_URL, DSOCR_BROKER_URL, …). SIGTERM finishes the
+    current jobs and stops; a job cut short is delivered again and resumed from the ledger."""
+    from dsocr_workers.farm.worker import parse_devices, start_worker
+    from dsocr_workers.settings import Settings
+
+    start_worker(
+        Settings.from_env(), parse_devices(gpus), concurrency_per_device=concurrency_per_device,
+        queues=queues, loglevel=loglevel,
+    )  # fmt: skip
+
+
+@click.command()
+@click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
+@run_options
+@click.option("--gpus", default="cpu", show_default=True, help="cpu or one GPU index.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table",
+              show_default=True, help="Format of the closing report.")  # fmt: skip
+@exits_on_errors
+def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
+    """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dsocr_workers.errors import InputError
+    from dsocr_workers.farm.submit import record_run
+    from dsocr_workers.farm.worker import parse_devices, run_in_process
+    from dsocr_workers.report.build import single_report
+    from dsocr_workers.report.queries import load_run
+    from dsocr_workers.report.render import render
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import check_schema, open_database, upgrade
+
+    devices = parse_devices(gpus)
+    if len(devices) != 1:
+        raise InputError("dsocr run uses one device; start `dsocr worker` for several")
+    settings = Settings.from_env()
+    listed, options, tags = _prepare(filelist, kw)
+    db = open_database(settings.database_url)
+    if db.is_sqlite:
+        upgrade(db)  # the embedded default creates or updates its own file
+    check_schema(db)
+    submitted = record_run(db, listed, options, queue="in-process", name=kw["name"], tags=tags)
+    click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[last]}"), console=_stderr_console(),
+    ) as progress:  # fmt: skip
+        bar = progress.add_task(f"run {submitted.run_id}", total=len(submitted.job_ids), last="")
+
+        def advance(outcome: Any) -> None:
+            if outcome.status not in ("queued", "released"):
+                progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
+
+        run_in_process(settings, devices[0], submitted.job_ids, advance)
+    with db.transaction() as session:
+        click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@click.command()
+@click.option("--limit", type=int, default=20, show_default=True)
+@exits_on_errors
+def runs(limit: int) -> None:
+    """List the newest runs with their job counts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsocr_workers.report.queries import list_runs
+
+    with _database().transaction() as session:
+        summaries = list_runs(session, limit)
+    table = Table("run", "created", "name", "model", "jobs", "done", "failed", "poisoned", "open")
+    for s in summaries:
+        open_jobs = sum(s.counts.get(k, 0) for k in ("pending", "queued", "running"))
+        table.add_row(
+            s.run.id, s.run.created_at.isoformat(sep=" ", timespec="seconds"), s.run.name, s.run.model_label,
+            str(sum(s.counts.values())), str(s.counts.get("done", 0)), str(s.counts.get("failed", 0)),
+            str(s.counts.get("poisoned", 0)), str(open_jobs),
+        )  # fmt: skip
+    Console().print(table)
+
+
+def _database() -> Any:
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import open_database
+
+    return open_database(Settings.from_env().database_url)
+
+
+@click.command()
+@click.option("--run", "run_ref", required=True, help="Run id, unique prefix, or latest.")
+@click.option("--watch", is_flag=True, help="Follow the run until every job is final.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between polls.")
+@exits_on_errors
+def status(run_ref: str, watch: bool, interval: float) -> None:
+    """Progress of a run: pending, running, done, failed, pages/s and ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from dsocr_workers.report.queries import resolve_run
+    from dsocr_workers.store import ledger
+
+    db = _database()
+    with db.transaction() as session:
+        run_id = resolve_run(session, run_ref).id
+    started = time.monotonic()
+
+    def poll() -> tuple[dict[str, int], int]:
+        with db.transaction() as session:
+            counts = ledger.job_counts(session, run_id)
+        return counts, sum(counts.values())
+
+    counts, total = poll()
+    first_final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
+    with Progress(
+        TextColumn(f"run {run_id}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[states]}"),
+        auto_refresh=False, transient=False,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("", total=total, states="")
+        while True:
+            final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
+            elapsed = time.monotonic() - started
+            rate = (final - first_final) / elapsed if elapsed > 0 and final > first_final else 0.0
+            eta = f"{(total - final) / rate:.0f}s" if rate > 0 else "-"
+            states = "  ".join(
+                f"{s} {counts.get(s, 0)}"
+                for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+            )
+            progress.update(bar, completed=final, states=f"{states}  {rate:.2f} pages/s  ETA {eta}")
+            progress.refresh()
+            if not watch or final == total:
+                break
+            time.sleep(interval)
+            counts, total = poll()
+
+
+@click.command()
+@click.option("--run", "run_ref", help="Only this run (id, prefix or latest); default: every run.")
+@exits_on_errors
+def reconcile(run_ref: str | None) -> None:
+    """Expire stale leases (poisoning jobs at the attempt cap) and enqueue every job not final."""
+    from dsocr_workers.farm.celery_app import create_app
+    from dsocr_workers.farm.submit import reconcile_and_enqueue
+    from dsocr_workers.report.queries import resolve_run
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import check_schema, open_database
+
+    settings = Settings.from_env()
+    db = open_database(settings.database_url)
+    check_schema(db)
+    run_id = None
+    if run_ref:
+        with db.transaction() as session:
+            run_id = resolve_run(session, run_ref).id
+    plan, sent = reconcile_and_enqueue(
+        db, create_app(settings), max_attempts=settings.max_attempts, run_id=run_id
+    )
+    click.echo(
+        f"expired leases: {plan.expired} (poisoned at the cap: {plan.poisoned}); still running: {plan.running}; "
+        f"enqueued: {sent}"
+    )
+
+
+@click.group()
+def db() -> None:
+    """The ledger's schema."""
+
+
+@db.command()
+@exits_on_errors
+def upgrade() -> None:
+    """Create or migrate the schema of DSOCR_DATABASE_URL to the newest revision."""
+    from dsocr_workers.settings import redacted
+    from dsocr_workers.store.db import upgrade as upgrade_schema
+
+    database = _database()
+    revision = upgrade_schema(database)
+    click.echo(f"{redacted(database.url)}: schema at revision {revision}")
+
+
+def register(group: click.Group) -> None:
+    for command in (submit, worker, run, runs, status, reconcile, db):
+        group.add_command(command)

@@ -1,0 +1,47 @@
+"""`dsocr report --run ID [--vs ID] [--per-image] [--format table|csv|json|md] [--out FILE]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dsocr_workers.cli.commands_farm import exits_on_errors
+
+
+@click.command()
+@click.option("--run", "run_ref", required=True, help="Run id, unique prefix, or latest (A with --vs).")
+@click.option("--vs", "vs_ref", help="Compare with this run (B): side by side, B/A ratios, paired per image.")
+@click.option("--per-image", is_flag=True, help="Add one row per image (and repeat).")
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table", show_default=True
+)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
+@click.option("--width", type=int, help="Table width in characters (format table).")
+@exits_on_errors
+def report(
+    run_ref: str, vs_ref: str | None, per_image: bool, fmt: str, out: Path | None, width: int | None
+) -> None:
+    """Latency percentiles (TTFT, prefill, vision stages, decode ms/token), throughput, outputs and the
+    environment of a run; runs on random weights are labelled as such."""
+    from dsocr_workers.report.build import comparison_report, single_report
+    from dsocr_workers.report.queries import load_run
+    from dsocr_workers.report.render import render
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import open_database
+
+    db = open_database(Settings.from_env().database_url)
+    with db.transaction() as session:
+        a = load_run(session, run_ref)
+        document = comparison_report(a, load_run(session, vs_ref), per_image=per_image) if vs_ref else None
+        document = document or single_report(a, per_image=per_image)
+    text = render(document, fmt, width=width)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text, encoding="utf-8")
+        click.echo(f"wrote {out}", err=True)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(report)

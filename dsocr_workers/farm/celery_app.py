@@ -1,0 +1,42 @@
+"""The one place that creates the Celery app. Messages carry a job id as JSON and nothing else; the SQL
+ledger holds everything else, so losing the broker loses no work (`dsocr reconcile`).
+
+Delivery is at-least-once: a message is acknowledged only after its task returns (`acks_late`), a
+child killed mid-job puts its message back (`reject_on_worker_lost`), and each child holds at most one
+message (prefetch 1). The ledger's claim makes the results exactly-once.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from dsocr_workers.settings import Settings
+
+
+def create_app(settings: Settings) -> Celery:
+    app = Celery("dsocr", broker=settings.broker_url, include=["dsocr_workers.farm.tasks"])
+    transport_options: dict[str, object] = {"visibility_timeout": settings.visibility_timeout_s}
+    if settings.broker_key_prefix:
+        transport_options["global_keyprefix"] = settings.broker_key_prefix
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=settings.queue,
+        task_soft_time_limit=settings.soft_time_limit_s,
+        task_time_limit=settings.hard_time_limit_s,
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        # A worker must not take its siblings' or its own previous incarnation's state: no gossip,
+        # no mingle, no remote-control broadcast queues (one less key space to share with other farms).
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+    )
+    return app

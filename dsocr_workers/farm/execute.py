@@ -1,0 +1,134 @@
+"""One job, start to finish, as plain code (the Celery task and `dsocr run` both call `execute_job`):
+
+    claim (lease) → infer → result + `done` in one transaction guarded by the lease
+                          ↘ failure classified: InputError final, TransientError released, other counted
+
+Nothing here knows about Celery: retries are returned as `Outcome.retry_in_s` for the caller to schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from dsocr_workers.engine.result import InferenceResult
+from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database
+
+Status = Literal["done", "failed", "queued", "poisoned", "refused", "released", "lost"]
+
+# Runs one claimed job: returns the engine's result and the id of the worker fingerprint it ran under.
+Infer = Callable[[ledger.Claim], tuple[InferenceResult, str]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    job_id: str
+    status: Status
+    detail: str = ""
+    retry_in_s: float | None = None  # deliver the job again after this long
+
+
+def retry_backoff_s(attempt: int, settings: Settings) -> float:
+    """Exponential backoff, 2 s doubling up to the configured ceiling (Celery's own helper, with jitter)."""
+    from celery.utils.time import get_exponential_backoff_interval
+
+    return float(
+        get_exponential_backoff_interval(2, attempt, settings.retry_backoff_max_s, full_jitter=True) + 1
+    )
+
+
+def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer) -> Outcome:
+    """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
+    under this owner's lease, and a later delivery to this process continues the same attempt."""
+    with db.transaction() as session:
+        claim = ledger.claim_job(
+            session, job_id, owner, lease_s=settings.lease_s, max_attempts=settings.max_attempts
+        )
+    if isinstance(claim, ledger.Refusal):
+        later = None if claim.retry_after_s is None else claim.retry_after_s + 1
+        return Outcome(job_id, "refused", claim.reason, later)
+
+    try:
+        result, worker_id = infer(claim)
+    except InputError as exc:
+        return _record_failure(db, claim, exc, final=True, settings=settings)
+    except TransientError as exc:
+        with db.transaction() as session:
+            ledger.release_job(session, claim, exc)
+        return Outcome(job_id, "released", str(exc), retry_backoff_s(claim.attempt, settings))
+    except Exception as exc:  # a model bug, CUDA OOM, a soft time limit: counts an attempt
+        return _record_failure(db, claim, exc, final=False, settings=settings)
+
+    with db.transaction() as session:
+        written = ledger.complete_job(session, claim, result_row(result, claim, worker_id))
+    if not written:
+        return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
+    return Outcome(job_id, "done")
+
+
+def _record_failure(
+    db: Database, claim: ledger.Claim, exc: Exception, *, final: bool, settings: Settings
+) -> Outcome:
+    with db.transaction() as session:
+        state = ledger.fail_job(session, claim, exc, final=final, max_attempts=settings.max_attempts)
+    detail = f"{type(exc).__name__}: {exc}"
+    if state is None:
+        return Outcome(claim.job_id, "lost", detail)
+    retry = retry_backoff_s(claim.attempt, settings) if state == "queued" else None
+    return Outcome(claim.job_id, state, detail, retry)  # type: ignore[arg-type]
+
+
+def result_row(result: InferenceResult, claim: ledger.Claim, worker_id: str) -> dict[str, Any]:
+    """The `results` columns for one inference."""
+    t = result.timings
+    steps = np.asarray(t.decode_step_ms, dtype=float)
+    p50, p90, p99 = (
+        (float(v) for v in np.percentile(steps, [50, 90, 99])) if steps.size else (None, None, None)
+    )
+    return {
+        "worker_id": worker_id,
+        "attempt": claim.attempt,
+        "clock": t.clock,
+        "preprocess_ms": t.preprocess_ms,
+        "prefill_ms": t.prefill_ms,
+        "vision_ms": t.vision_ms,
+        "sam_ms": t.sam_ms,
+        "clip_ms": t.clip_ms,
+        "projector_ms": t.projector_ms,
+        "lm_prefill_ms": t.lm_prefill_ms,
+        "decode_ms": t.decode_ms,
+        "ttft_ms": t.ttft_ms,
+        "e2e_ms": t.e2e_ms,
+        "decode_step_ms": list(t.decode_step_ms),
+        "decode_ms_per_token_p50": p50,
+        "decode_ms_per_token_p90": p90,
+        "decode_ms_per_token_p99": p99,
+        "decode_tokens": result.decode_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "image_tokens": result.image_tokens,
+        "crop_cols": result.crop_grid[0],
+        "crop_rows": result.crop_grid[1],
+        "image_width": result.image_size[0],
+        "image_height": result.image_size[1],
+        "mode": result.mode,
+        "stop_reason": result.stop_reason,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "kv_length": result.kv_length,
+        "vision_calls": result.vision_calls,
+        "engine": result.engine,
+        "device": result.device,
+        "dtype": result.dtype,
+        "model_label": result.model.label,
+        "random_weights": result.model.random_weights,
+        "markup": result.text,
+        "token_ids": list(result.token_ids),
+        "boxes": list(result.boxes),
+        "box_count": len(result.boxes),
+        "skipped_spans": result.skipped_spans,
+    }

@@ -1,0 +1,104 @@
+"""Reading and validating an image file list, the input of `dsocr submit` and `dsocr run`.
+
+A file list holds one image path per line; blank lines and lines starting with `#` are skipped.
+Relative paths resolve against the root: `--root`, else for a list under `datasets/<name>/subsets/` the
+sibling `datasets/<name>/source-data/` when it exists, else the list's own folder.
+
+Every line is checked before anything is written: the image must lie inside the root (also after
+following symlinks), exist, be a readable regular file, and be an allowed image by its bytes within the
+pixel limit. A path listed twice (the same file after resolution) is a bad line, "duplicate of line N":
+one run measures each image once per repeat, and `--repeats N` is how to measure it more often.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsocr_workers.errors import InputError
+
+
+@dataclass(frozen=True)
+class ListedImage:
+    line: int
+    image: str  # relative to the root, posix separators: the image's name in the ledger and reports
+    path: Path  # absolute, as the worker will open it
+
+
+@dataclass(frozen=True)
+class BadLine:
+    line: int
+    text: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FileList:
+    path: Path
+    root: Path
+    images: list[ListedImage]
+    bad: list[BadLine]
+
+    def describe_bad(self) -> str:
+        return "\n".join(f"{self.path}:{b.line}: {b.text}: {b.reason}" for b in self.bad)
+
+
+def default_root(list_path: Path) -> Path:
+    parent = list_path.resolve().parent
+    if parent.name == "subsets" and (parent.parent / "source-data").is_dir():
+        return parent.parent / "source-data"
+    return parent
+
+
+def _name_under(base: Path, real_base: Path, candidate: Path, real: Path) -> str:
+    """The image's name relative to the root: as listed when that stays inside the root lexically
+    (a symlink inside the root keeps its own name), else its resolved location under the real root."""
+    lexical = Path(os.path.normpath(candidate))
+    if lexical.is_relative_to(base):
+        return lexical.relative_to(base).as_posix()
+    return real.relative_to(real_base).as_posix()
+
+
+def read_filelist(list_path: str | os.PathLike, root: str | os.PathLike | None = None) -> FileList:
+    from dsocr_workers.model.preprocess import probe_image
+
+    list_path = Path(list_path)
+    try:
+        lines = list_path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"{list_path}: no such file list") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{list_path}: cannot read the file list: {exc}") from None
+    base = Path(root).absolute() if root is not None else default_root(list_path)
+    if not base.is_dir():
+        raise InputError(f"{base}: the image root is not a directory")
+    real_base = base.resolve()
+
+    images: list[ListedImage] = []
+    bad: list[BadLine] = []
+    first_line_of: dict[Path, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        listed = Path(text)
+        candidate = listed if listed.is_absolute() else base / listed
+        real = candidate.resolve()
+        if not real.is_relative_to(real_base):
+            through_link = Path(os.path.normpath(candidate)).is_relative_to(base)
+            why = "resolves outside the root through a symlink" if through_link else "is outside the root"
+            bad.append(BadLine(number, text, f"{why} {base}"))
+            continue
+        if real in first_line_of:
+            bad.append(BadLine(number, text, f"duplicate of line {first_line_of[real]}"))
+            continue
+        first_line_of[real] = number
+        try:
+            probe_image(real)
+        except InputError as exc:
+            # probe_image names the file first; the line already says which file it is.
+            bad.append(BadLine(number, text, str(exc).removeprefix(f"{real}: ")))
+            continue
+        images.append(ListedImage(number, _name_under(base, real_base, candidate, real), real))
+    return FileList(list_path, base, images, bad)

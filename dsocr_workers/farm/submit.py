@@ -1,0 +1,171 @@
+"""Submitting a run: the ledger first (run + one job per image and repeat), then the broker.
+
+If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger and
+`dsocr reconcile --run ID` sends them; nothing is lost.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert
+
+from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.farm.filelist import FileList
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database
+from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
+
+ENGINES = ("eager", "fast")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every job of a run computes; stored in the run row and read back by the worker."""
+
+    model: str = "tiny"
+    mode: str = "gundam"
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    engine: str = "eager"
+    dtype: str | None = None
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from dsocr_workers.model.preprocess import get_mode
+
+        get_mode(self.mode)  # InputError naming the valid modes
+        if self.engine not in ENGINES:
+            raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
+        if self.repeats < 1:
+            raise InputError("--repeats must be at least 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InputError("--max-new-tokens must be at least 1")
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "model"}
+
+
+@dataclass(frozen=True)
+class SubmittedRun:
+    run_id: str
+    job_ids: list[str]
+    queue: str
+    enqueued: int = 0
+    skipped: list[str] = field(default_factory=list)  # bad lines left out with --skip-invalid
+
+
+def model_label(model: str, seed: int) -> tuple[str, bool]:
+    """How a run names its model, and whether its weights are random (a preset)."""
+    from dsocr_workers.model.config import PRESETS
+
+    if model in PRESETS:
+        return f"preset:{model} (RANDOM WEIGHTS, seed {seed})", True
+    directory = Path(model)
+    if not directory.is_dir():
+        raise InputError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    return f"checkpoint:{directory.resolve()}", False
+
+
+def parse_tags(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    tags = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"--tag {pair!r}: expected key=value")
+        tags[key] = value
+    return tags
+
+
+def record_run(
+    db: Database,
+    filelist: FileList,
+    options: RunOptions,
+    *,
+    queue: str,
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> SubmittedRun:
+    """Write the run and its jobs (state `pending`) in one transaction."""
+    if not filelist.images:
+        raise InputError(f"{filelist.path}: no valid image in the file list")
+    label, random_weights = model_label(options.model, options.seed)
+    run_id = uuid.uuid4().hex[:12]
+    now = utcnow()
+    jobs = [
+        {
+            "id": job_id_for(run_id, image.image, repeat),
+            "run_id": run_id,
+            "image": image.image,
+            "line": image.line,
+            "repeat": repeat,
+            "state": "pending",
+            "attempts": 0,
+            "created_at": now,
+        }
+        for image in filelist.images
+        for repeat in range(options.repeats)
+    ]
+    with db.transaction() as session:
+        session.add(
+            Run(
+                id=run_id,
+                name=name or filelist.path.stem,
+                created_at=now,
+                filelist=str(filelist.path),
+                root=str(filelist.root),
+                model=options.model,
+                model_label=label,
+                random_weights=random_weights,
+                queue=queue,
+                parameters=options.parameters,
+                tags=tags or {},
+            )
+        )
+        session.flush()
+        session.execute(insert(Job), jobs)
+    skipped = [f"line {b.line}: {b.text}: {b.reason}" for b in filelist.bad]
+    return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
+
+
+def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
+    """Send one JSON message (the job id) per job, then mark them queued. Returns how many were sent;
+    raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
+    from kombu.exceptions import OperationalError
+
+    from dsocr_workers.farm.tasks import RUN_JOB
+
+    sent: list[str] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            for job_id, queue in jobs:
+                app.send_task(RUN_JOB, args=[job_id], queue=queue, task_id=job_id, producer=producer)
+                sent.append(job_id)
+    except (OperationalError, OSError) as exc:
+        raise TransientError(
+            f"broker unavailable after sending {len(sent)} of {len(jobs)} jobs: {exc}; "
+            "the rest are recorded as pending, run `dsocr reconcile` when the broker is back"
+        ) from exc
+    finally:
+        with db.transaction() as session:
+            ledger.mark_queued(session, sent)
+    return len(sent)
+
+
+def reconcile_and_enqueue(
+    db: Database, app: Any, *, max_attempts: int, run_id: str | None = None
+) -> tuple[ledger.ReconcilePlan, int]:
+    with db.transaction() as session:
+        plan = ledger.reconcile(session, max_attempts=max_attempts, run_id=run_id)
+    return plan, enqueue(db, app, plan.requeue)

@@ -1,0 +1,68 @@
+"""What a report reads from the ledger: one run, its jobs, their results and the workers behind them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from dsocr_workers.errors import InputError
+from dsocr_workers.store.models import Job, Result, Run, Worker
+
+
+@dataclass(frozen=True)
+class RunData:
+    run: Run
+    jobs: list[Job]
+    results: dict[str, Result]  # by job id
+    workers: dict[str, Worker]  # by worker id, the ones that produced results
+
+
+def resolve_run(session: Session, ref: str) -> Run:
+    """A run by id, by unique id prefix, or `latest`."""
+    if ref == "latest":
+        run = session.scalars(select(Run).order_by(Run.created_at.desc()).limit(1)).first()
+        if run is None:
+            raise InputError("there is no run yet")
+        return run
+    run = session.get(Run, ref)
+    if run is not None:
+        return run
+    matches = session.scalars(select(Run).where(Run.id.startswith(ref, autoescape=True)).limit(2)).all()
+    if len(matches) == 1:
+        return matches[0]
+    raise InputError(f"no run {ref!r}" if not matches else f"run id prefix {ref!r} is ambiguous")
+
+
+def load_run(session: Session, ref: str) -> RunData:
+    run = resolve_run(session, ref)
+    jobs = list(session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat)))
+    results = {r.job_id: r for r in session.scalars(select(Result).where(Result.run_id == run.id))}
+    worker_ids = {r.worker_id for r in results.values()}
+    workers = (
+        {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
+        if worker_ids
+        else {}
+    )
+    return RunData(run, jobs, results, workers)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run: Run
+    counts: dict[str, int]
+
+
+def list_runs(session: Session, limit: int = 20) -> list[RunSummary]:
+    runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
+    counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
+    if runs:
+        rows = session.execute(
+            select(Job.run_id, Job.state, func.count())
+            .where(Job.run_id.in_(list(counts)))
+            .group_by(Job.run_id, Job.state)
+        )
+        for run_id, state, count in rows:
+            counts[run_id][state] = count
+    return [RunSummary(r, counts[r.id]) for r in runs]
