@@ -1,0 +1,164 @@
+"""File list validation and `dsocr submit` against the real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+
+import pytest
+import redis
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+from dsocr_workers.cli import main
+from dsocr_workers.farm.filelist import default_root, read_filelist
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Run, job_id_for
+
+
+@pytest.fixture
+def bad_list(tmp_path, make_png):
+    root = tmp_path / "root"
+    make_png("good.png", folder=root)
+    make_png("name with spaces é.png", folder=root)
+    make_png("outside.png", folder=tmp_path)
+    (root / "empty.png").write_bytes(b"")
+    (root / "text.png").write_text("not an image at all")
+    (root / "truncated.png").write_bytes((root / "good.png").read_bytes()[:20])
+    (root / "escape.png").symlink_to(tmp_path / "outside.png")
+    (root / "sub").mkdir()
+    listing = tmp_path / "list.txt"
+    listing.write_text(
+        "# a comment\n"
+        "good.png\n"
+        "\n"
+        "missing.png\n"
+        "empty.png\n"
+        "text.png\n"
+        "truncated.png\n"
+        "../outside.png\n"
+        "escape.png\n"
+        "sub\n"
+        "./good.png\n"
+        "name with spaces é.png\n"
+        f"{tmp_path / 'outside.png'}\n"
+    )
+    return listing, root
+
+
+def test_every_bad_line_is_reported_with_its_reason(bad_list):
+    listing, root = bad_list
+    listed = read_filelist(listing, root)
+    assert [(i.line, i.image) for i in listed.images] == [(2, "good.png"), (12, "name with spaces é.png")]
+    reasons = {b.line: b.reason for b in listed.bad}
+    assert set(reasons) == {4, 5, 6, 7, 8, 9, 10, 11, 13}
+    assert "no such file" in reasons[4]
+    assert "empty" in reasons[5]
+    assert "not an image" in reasons[6]
+    assert reasons[7]  # truncated header: refused by its bytes
+    assert reasons[8].startswith("is outside the root")
+    assert "through a symlink" in reasons[9]
+    assert "not a regular file" in reasons[10]
+    assert reasons[11] == "duplicate of line 2"
+    assert reasons[13].startswith("is outside the root")
+
+
+def test_default_root_is_the_datasets_source_data(tmp_path):
+    subsets = tmp_path / "datasets" / "omni" / "subsets"
+    subsets.mkdir(parents=True)
+    assert default_root(subsets / "dev.txt") == subsets.resolve()
+    (tmp_path / "datasets" / "omni" / "source-data").mkdir()
+    assert default_root(subsets / "dev.txt") == (tmp_path / "datasets" / "omni" / "source-data").resolve()
+
+
+def _queue_length(env: dict[str, str], queue: str) -> int:
+    return redis.Redis.from_url(env["DSOCR_BROKER_URL"]).llen(env["DSOCR_BROKER_KEY_PREFIX"] + queue)
+
+
+def _count(url: str, model) -> int:
+    db = open_database(url)
+    with db.transaction() as session:
+        n = session.scalar(select(func.count()).select_from(model)) or 0
+    db.dispose()
+    return n
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_bad_list_refused_nothing_recorded_or_enqueued(bad_list, postgres_url, broker_env, monkeypatch):
+    listing, root = bad_list
+    queue = broker_env["DSOCR_QUEUE"] + "-refused"
+    monkeypatch.setenv("DSOCR_DATABASE_URL", postgres_url)
+    for key, value in broker_env.items():
+        monkeypatch.setenv(key, value)
+    runs_before = _count(postgres_url, Run)
+    result = CliRunner().invoke(main, ["submit", str(listing), "--root", str(root), "--queue", queue])
+    assert result.exit_code == 2, result.output
+    for line in (4, 5, 6, 7, 8, 9, 10, 11, 13):
+        assert re.search(rf"list\.txt:{line}: ", result.output), result.output
+    assert "nothing was recorded or enqueued" in result.output
+    assert _count(postgres_url, Run) == runs_before
+    assert _queue_length(broker_env, queue) == 0
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_submit_records_then_enqueues_json_job_ids(bad_list, postgres_url, broker_env, monkeypatch):
+    listing, root = bad_list
+    queue = broker_env["DSOCR_QUEUE"] + "-submit"
+    monkeypatch.setenv("DSOCR_DATABASE_URL", postgres_url)
+    for key, value in broker_env.items():
+        monkeypatch.setenv(key, value)
+    args = ["submit", str(listing), "--root", str(root), "--queue", queue, "--skip-invalid", "--repeats", "2",
+            "--tag", "purpose=test", "--max-new-tokens", "8"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    run_id = result.output.strip().splitlines()[-1]
+    assert f"dsocr status --run {run_id} --watch" in result.output
+
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        run = session.get_one(Run, run_id)
+        jobs = session.scalars(select(Job).where(Job.run_id == run_id)).all()
+    db.dispose()
+    assert run.random_weights and "RANDOM WEIGHTS" in run.model_label
+    assert run.tags == {"purpose": "test"} and run.parameters["max_new_tokens"] == 8
+    assert "postgres" not in json.dumps(run.parameters)  # no URL, no credential in the run row
+    expected = {
+        job_id_for(run_id, image, r) for image in ("good.png", "name with spaces é.png") for r in (0, 1)
+    }
+    assert {j.id for j in jobs} == expected
+    assert {j.state for j in jobs} == {"queued"}
+
+    client = redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"])
+    messages = client.lrange(broker_env["DSOCR_BROKER_KEY_PREFIX"] + queue, 0, -1)
+    assert len(messages) == 4
+    bodies = []
+    for raw in messages:
+        message = json.loads(raw)
+        assert message["content-type"] == "application/json"
+        args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        assert kwargs == {}
+        bodies.extend(args)
+    assert sorted(bodies) == sorted(expected)
+    client.delete(broker_env["DSOCR_BROKER_KEY_PREFIX"] + queue)
+
+
+def test_broker_down_leaves_jobs_pending_for_reconcile(tmp_path, make_png, sqlite_url, monkeypatch):
+    make_png("a.png", folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\n")
+    monkeypatch.setenv("DSOCR_DATABASE_URL", sqlite_url)
+    # A port nobody listens on: the broker is "down". Connection retries are bounded by Celery's defaults.
+    monkeypatch.setenv("DSOCR_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CELERY_BROKER_CONNECTION_MAX_RETRIES", "0")
+    result = CliRunner().invoke(main, ["submit", str(listing)])
+    assert result.exit_code == 3, result.output
+    assert "dsocr reconcile" in result.output
+    db = open_database(sqlite_url)
+    with db.transaction() as session:
+        assert session.scalars(select(Job.state)).all() == ["pending"]
+    db.dispose()
+    assert os.environ["DSOCR_BROKER_URL"].endswith(":1/0")
