@@ -45,7 +45,8 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
     for section in report.tables:
         table = Table(title=section.title, box=box.SIMPLE_HEAD, title_justify="left")
         for i, column in enumerate(section.columns):
-            table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+            numeric = all(isinstance(row[i], int | float) for row in section.rows if row[i] is not None)
+            table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold")
         for row in section.rows:
             table.add_row(*(_cell(v) for v in row))
         console.print(table)
