@@ -165,7 +165,9 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
             if outcome.status not in ("queued", "released"):
                 progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
 
-        run_in_process(settings, devices[0], submitted.job_ids, advance)
+        run_in_process(
+            settings, devices[0], submitted.job_ids, advance, preload=(options.model, options.parameters)
+        )
     with db.transaction() as session:
         click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
 

@@ -123,7 +123,7 @@ def record_run(
                 id=run_id,
                 name=name or filelist.path.stem,
                 created_at=now,
-                filelist=str(filelist.path),
+                filelist=str(filelist.path.absolute()),
                 root=str(filelist.root),
                 model=options.model,
                 model_label=label,

@@ -95,10 +95,13 @@ def run_in_process(
     job_ids: list[str],
     on_outcome: Callable[[Outcome], None] = lambda outcome: None,
     max_transient_retries: int = 5,
+    preload: tuple[str, dict] | None = None,
 ) -> list[Outcome]:
     """Run jobs here, one after the other (`dsocr run`). Failed attempts go to the back of the line until
     they are final; the ledger decides, exactly as for Celery workers."""
     process = JobProcess.open(settings, device)
+    if preload is not None:
+        process.session_for(*preload)  # load the model before the first claim: its lease starts then
     line = list(job_ids)
     finals: list[Outcome] = []
     transient_failures = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -78,9 +79,14 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 
 
 def wall_seconds(data: RunData) -> float | None:
-    """From the first job's start to the last job's end."""
-    starts = [j.started_at for j in data.jobs if j.started_at is not None]
+    """From the start of the first inference to the end of the last job (model loading excluded: a job's
+    inference starts `e2e_ms` before it finished)."""
     ends = [j.finished_at for j in data.jobs if j.finished_at is not None and j.state in FINAL_STATES]
+    starts = [
+        j.finished_at - timedelta(milliseconds=data.results[j.id].e2e_ms)
+        for j in data.jobs
+        if j.id in data.results and j.finished_at is not None
+    ]
     if not starts or not ends:
         return None
     return max((max(ends) - min(starts)).total_seconds(), 1e-6)

@@ -1,0 +1,158 @@
+"""End to end with the tiny preset: real `python -m dsocr_workers worker` processes on Redis + PostgreSQL,
+and `dsocr run` on SQLite."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from dsocr_workers.farm.celery_app import create_app
+from dsocr_workers.farm.submit import enqueue
+from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Result
+
+PAGES = {"p1.png": (320, 420), "p2.png": (640, 480), "p3 wide.png": (900, 500), "p4.png": (400, 1300)}
+
+
+def dsocr(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dsocr_workers", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def pages(tmp_path, make_png) -> Path:
+    folder = tmp_path / "pages"
+    for name, size in PAGES.items():
+        make_png(name, size, folder=folder)
+    listing = folder / "pages.txt"
+    listing.write_text("# four synthetic pages\n" + "\n".join(PAGES) + "\n")
+    return listing
+
+
+def wait_until_final(url: str, run_id: str, timeout: float) -> dict[str, int]:
+    db = open_database(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            with db.transaction() as session:
+                counts = ledger.job_counts(session, run_id)
+            if not any(counts.get(s) for s in ("pending", "queued", "running")):
+                return dict(counts)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} not final after {timeout}s: {dict(counts)}")
+            time.sleep(0.5)
+    finally:
+        db.dispose()
+
+
+def queue_drained(env: dict[str, str], queue: str, timeout: float) -> bool:
+    client = redis.Redis.from_url(env["DSOCR_BROKER_URL"])
+    prefix = env["DSOCR_BROKER_KEY_PREFIX"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.llen(prefix + queue) == 0 and client.hlen(prefix + "unacked") == 0:
+            return True
+        time.sleep(0.3)
+    return False
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_two_workers_one_result_per_job_and_duplicates_refused(
+    pages, postgres_url, broker_env, subprocess_env, tmp_path
+):
+    queue = broker_env["DSOCR_QUEUE"] + "-e2e"
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue}
+    submitted = dsocr(
+        "submit", str(pages), "--max-new-tokens", "4", "--repeats", "2", "--mode", "tiny", env=env
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]  # noqa: SIM115 (closed below)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", "--loglevel", "INFO"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for log in logs
+    ]
+    try:
+        counts = wait_until_final(postgres_url, run_id, timeout=240)
+        assert counts == {"done": 2 * len(PAGES)}
+
+        # Deliver every job again: each delivery is refused by the claim and acknowledged.
+        settings = Settings.from_env(env)
+        db = open_database(postgres_url)
+        with db.transaction() as session:
+            job_ids = session.scalars(select(Job.id).where(Job.run_id == run_id)).all()
+        assert enqueue(db, create_app(settings), [(job_id, queue) for job_id in job_ids]) == len(job_ids)
+        assert queue_drained(env, queue, timeout=60)
+        with db.transaction() as session:
+            per_job = session.execute(
+                select(Result.job_id, func.count()).where(Result.run_id == run_id).group_by(Result.job_id)
+            ).all()
+            attempts = session.scalars(select(Job.attempts).where(Job.run_id == run_id)).all()
+        db.dispose()
+        assert sorted(job_id for job_id, _ in per_job) == sorted(job_ids)
+        assert {count for _, count in per_job} == {1}
+        assert set(attempts) == {1}
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)  # warm shutdown
+        for worker in workers:
+            worker.wait(timeout=60)
+        for log in logs:
+            log.close()
+    assert all(w.returncode == 0 for w in workers), [
+        p.read_text()[-2000:] for p in tmp_path.glob("worker*.log")
+    ]
+    assert "refused" in "".join(p.read_text() for p in tmp_path.glob("worker*.log"))
+
+    report = dsocr("report", "--run", run_id, "--format", "json", env=env)
+    assert report.returncode == 0, report.stderr
+    facts = {row["field"]: row["value"] for row in json.loads(report.stdout)["tables"]["Run"]}
+    assert (facts["jobs"], facts["ok"], facts["failed"], facts["results"]) == (8, 8, 0, 8)
+
+
+def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, subprocess_env):
+    url = f"sqlite:///{tmp_path / 'embedded.db'}"
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
+    done = dsocr("run", str(pages), "--max-new-tokens", "4", "--mode", "tiny", "--format", "json", env=env)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
+    assert (facts["jobs"], facts["ok"], facts["results"]) == (len(PAGES), len(PAGES), len(PAGES))
+    assert any("RANDOM WEIGHTS" in w for w in document["warnings"])
+    latency = {row["metric"]: row for row in document["tables"]["Latency and output"]}
+    assert latency["tokens out"]["p50"] == 4 and latency["decode ms/token"]["n"] == 3 * len(PAGES)
+    db = open_database(url)
+    with db.transaction() as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == len(PAGES)
+    db.dispose()
+
+
+def test_worker_refuses_a_database_without_the_schema(tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'old.db'}"}
+    refused = dsocr("worker", "--gpus", "cpu", env=env, timeout=60)
+    assert refused.returncode == 2
+    assert "dsocr db upgrade" in refused.stderr
+    upgraded = dsocr("db", "upgrade", env=env, timeout=60)
+    assert upgraded.returncode == 0 and "schema at revision" in upgraded.stdout
