@@ -215,7 +215,10 @@ def _database() -> Any:
 @exits_on_errors
 def status(run_ref: str, watch: bool, interval: float) -> None:
     """Progress of a run: pending, running, done, failed, pages/s and ETA."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress_bar import ProgressBar
+    from rich.text import Text
 
     from dsocr_workers.report.queries import resolve_run
     from dsocr_workers.store import ledger
@@ -223,35 +226,36 @@ def status(run_ref: str, watch: bool, interval: float) -> None:
     db = _database()
     with db.transaction() as session:
         run_id = resolve_run(session, run_ref).id
-    started = time.monotonic()
+    started, first_final = time.monotonic(), None
 
-    def poll() -> tuple[dict[str, int], int]:
+    def view() -> tuple[Group, bool]:
+        nonlocal first_final
         with db.transaction() as session:
             counts = ledger.job_counts(session, run_id)
-        return counts, sum(counts.values())
+        total = sum(counts.values())
+        final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
+        first_final = final if first_final is None else first_final
+        elapsed = time.monotonic() - started
+        rate = (final - first_final) / elapsed if final > first_final else 0.0
+        eta = f"{(total - final) / rate:.0f} s" if rate > 0 else "-"
+        states = "  ".join(
+            f"{s} {counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+        )
+        head = f"run {run_id}: {final}/{total} final" + (f"  {rate:.2f} pages/s  ETA {eta}" if watch else "")
+        return Group(
+            Text(head), ProgressBar(total=max(total, 1), completed=final, width=60), Text(states)
+        ), final == total
 
-    counts, total = poll()
-    first_final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
-    with Progress(
-        TextColumn(f"run {run_id}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[states]}"),
-        auto_refresh=False, transient=False,
-    ) as progress:  # fmt: skip
-        bar = progress.add_task("", total=total, states="")
-        while True:
-            final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
-            elapsed = time.monotonic() - started
-            rate = (final - first_final) / elapsed if elapsed > 0 and final > first_final else 0.0
-            eta = f"{(total - final) / rate:.0f}s" if rate > 0 else "-"
-            states = "  ".join(
-                f"{s} {counts.get(s, 0)}"
-                for s in ("pending", "queued", "running", "done", "failed", "poisoned")
-            )
-            progress.update(bar, completed=final, states=f"{states}  {rate:.2f} pages/s  ETA {eta}")
-            progress.refresh()
-            if not watch or final == total:
-                break
+    console = Console()
+    rendered, finished = view()
+    if not watch:
+        console.print(rendered)
+        return
+    with Live(rendered, console=console, auto_refresh=False) as live:
+        while not finished:
             time.sleep(interval)
-            counts, total = poll()
+            rendered, finished = view()
+            live.update(rendered, refresh=True)
 
 
 @click.command()

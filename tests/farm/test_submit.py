@@ -162,3 +162,34 @@ def test_broker_down_leaves_jobs_pending_for_reconcile(tmp_path, make_png, sqlit
         assert session.scalars(select(Job.state)).all() == ["pending"]
     db.dispose()
     assert os.environ["DSOCR_BROKER_URL"].endswith(":1/0")
+
+
+@pytest.mark.redis
+def test_reconcile_enqueues_what_the_broker_missed_and_status_counts(
+    tmp_path, make_png, sqlite_url, broker_env, monkeypatch
+):
+    for name in ("a.png", "b.png"):
+        make_png(name, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\nb.png\n")
+    monkeypatch.setenv("DSOCR_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("DSOCR_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CELERY_BROKER_CONNECTION_MAX_RETRIES", "0")
+    assert CliRunner().invoke(main, ["submit", str(listing)]).exit_code == 3
+
+    queue = broker_env["DSOCR_QUEUE"] + "-reconcile"
+    for key, value in broker_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DSOCR_QUEUE", queue)
+    status = CliRunner().invoke(main, ["status", "--run", "latest"])
+    assert status.exit_code == 0 and "0/2 final" in status.output and "pending 2" in status.output
+    reconciled = CliRunner().invoke(main, ["reconcile", "--run", "latest"])
+    assert reconciled.exit_code == 0, reconciled.output
+    assert "enqueued: 2" in reconciled.output
+    # The run remembers its queue (the default one when it was submitted), not today's DSOCR_QUEUE.
+    client = redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"])
+    assert client.llen(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr") == 2
+    client.delete(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr")
+    runs = CliRunner().invoke(main, ["runs"])
+    assert runs.exit_code == 0 and "list" in runs.output
+    assert "queued 2" in CliRunner().invoke(main, ["status", "--run", "latest"]).output

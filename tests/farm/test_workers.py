@@ -121,6 +121,7 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
             worker.wait(timeout=60)
         for log in logs:
             log.close()
+    print("".join(p.read_text() for p in sorted(tmp_path.glob("worker*.log"))))
     assert all(w.returncode == 0 for w in workers), [
         p.read_text()[-2000:] for p in tmp_path.glob("worker*.log")
     ]
@@ -130,6 +131,8 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
     assert report.returncode == 0, report.stderr
     facts = {row["field"]: row["value"] for row in json.loads(report.stdout)["tables"]["Run"]}
     assert (facts["jobs"], facts["ok"], facts["failed"], facts["results"]) == (8, 8, 0, 8)
+    watched = dsocr("status", "--run", run_id, "--watch", env=env)
+    assert watched.returncode == 0 and "8/8 final" in watched.stdout
 
 
 def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, subprocess_env):
