@@ -63,7 +63,7 @@ def main() -> int:
     run = record_run(db, read_filelist(scratch / "list.txt"), RunOptions(repeats=args.jobs), queue="bench")
     worker = environment_fingerprint("cpu", SOURCE)
     with db.transaction() as session:
-        upsert(session, Worker.__table__, worker, ["id"])
+        upsert(session, Worker, worker, ["id"])
     result = prepared_result()
     settings = Settings()
     owner = ledger.process_owner()

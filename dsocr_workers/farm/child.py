@@ -62,7 +62,7 @@ class JobProcess:
         )
         fingerprint = environment_fingerprint(self.device, session.source)
         with self.db.transaction() as tx:
-            upsert(tx, Worker.__table__, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
+            upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
         self.loaded = LoadedSession(key, session, fingerprint["id"])
         return self.loaded
 

@@ -103,7 +103,7 @@ def record_run(
     label, random_weights = model_label(options.model, options.seed)
     run_id = uuid.uuid4().hex[:12]
     now = utcnow()
-    jobs = [
+    jobs: list[dict[str, Any]] = [
         {
             "id": job_id_for(run_id, image.image, repeat),
             "run_id": run_id,

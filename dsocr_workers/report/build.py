@@ -273,7 +273,7 @@ def comparison_report(a: RunData, b: RunData, *, per_image: bool = False) -> Rep
 
     identical = sum(by_a[k].markup == by_b[k].markup for k in pairs)
     deltas = [by_b[k].box_count - by_a[k].box_count for k in pairs]
-    agreement = [
+    agreement: list[list[Any]] = [
         ["paired images", len(pairs)],
         ["only in A", len(set(by_a) - set(by_b))],
         ["only in B", len(set(by_b) - set(by_a))],

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, select, true, update
+from sqlalchemy import CursorResult, func, select, true, update
 from sqlalchemy.orm import Session
 
 from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, utcnow
@@ -56,6 +56,11 @@ class Refusal:
     reason: str
     state: str | None
     retry_after_s: float | None = None
+
+
+def _rowcount(result: Any) -> int:
+    """Rows an UPDATE matched (SQLAlchemy types `execute` as Result; an UPDATE returns a CursorResult)."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 # --- lease owners ---------------------------------------------------------------------------------------
@@ -160,7 +165,7 @@ def claim_job(
             **lost,
         )
     )
-    if changed.rowcount != 1:
+    if _rowcount(changed) != 1:
         return Refusal(job_id, "claimed concurrently by another worker", None)
     return Claim(
         job_id=job_id,
@@ -188,9 +193,9 @@ def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: da
         .where(_held(claim))
         .values(state="done", lease_owner=None, lease_expires_at=None, finished_at=now or utcnow())
     )
-    if changed.rowcount != 1:
+    if _rowcount(changed) != 1:
         return False
-    upsert(session, Result.__table__, {**result, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+    upsert(session, Result, {**result, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     return True
 
 
@@ -220,7 +225,7 @@ def fail_job(
             queued_at=now if state == "queued" else Job.queued_at,
         )
     )
-    return state if changed.rowcount == 1 else None
+    return state if _rowcount(changed) == 1 else None
 
 
 def release_job(session: Session, claim: Claim, error: BaseException, now: datetime | None = None) -> bool:
@@ -238,7 +243,7 @@ def release_job(session: Session, claim: Claim, error: BaseException, now: datet
             queued_at=now or utcnow(),
         )
     )
-    return changed.rowcount == 1
+    return _rowcount(changed) == 1
 
 
 # --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
@@ -277,12 +282,11 @@ def reconcile(
         "last_error_class": "LeaseExpired",
         "last_error_message": "the worker holding this job stopped renewing it (lease expired)",
     }
-    poisoned = session.execute(
-        update(Job)
-        .where(stale & (Job.attempts >= max_attempts))
-        .values(state="poisoned", finished_at=now, **lost)
-    ).rowcount
-    expired = session.execute(update(Job).where(stale).values(state="queued", queued_at=now, **lost)).rowcount
+    to_poison = update(Job).where(stale & (Job.attempts >= max_attempts))
+    poisoned = _rowcount(session.execute(to_poison.values(state="poisoned", finished_at=now, **lost)))
+    expired = _rowcount(
+        session.execute(update(Job).where(stale).values(state="queued", queued_at=now, **lost))
+    )
     running = (
         session.scalar(select(func.count()).select_from(Job).where(in_run & (Job.state == "running"))) or 0
     )

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session
 
 
 def upsert(
     session: Session,
-    table: Table,
+    model: type[DeclarativeBase],
     values: Mapping[str, Any],
     conflict_columns: Iterable[str],
     update_columns: Iterable[str] | None = None,
 ) -> None:
-    """Insert `values`; on a conflict on `conflict_columns` overwrite `update_columns` (every other
+    """Insert `values` into `model`'s table; on a conflict on `conflict_columns` overwrite `update_columns` (every other
     column when None; nothing when empty)."""
     dialect = session.get_bind().dialect.name
-    insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect)
+    table = cast(Table, model.__table__)
+    insert: Any = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect)
     if insert is None:
         raise NotImplementedError(f"upsert supports sqlite and postgresql, not {dialect}")
     keys = list(conflict_columns)

@@ -47,7 +47,7 @@ def make_run(db: Database, tmp_path, make_png, outputs: dict[str, tuple[float, s
     run = record_run(db, read_filelist(listing), RunOptions(mode="tiny"), queue="q")
     worker = environment_fingerprint("cpu", SOURCE)
     with db.transaction() as session:
-        upsert(session, Worker.__table__, worker, ["id"])
+        upsert(session, Worker, worker, ["id"])
 
     def infer(claim):
         spec = outputs[claim.image]

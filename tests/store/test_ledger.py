@@ -127,8 +127,12 @@ def test_schema_head_accepted_and_others_refused(database: Database):
     check_schema(database)
     with database.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '0000'"))
-    with pytest.raises(SchemaError, match=r"revision 0000.*needs " + head_revision()):
-        check_schema(database)
+    try:
+        with pytest.raises(SchemaError, match=r"revision 0000.*needs " + head_revision()):
+            check_schema(database)
+    finally:  # the PostgreSQL database is shared by the session's tests
+        with database.engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :head"), {"head": head_revision()})
 
 
 def test_schema_missing_refused(tmp_path):
