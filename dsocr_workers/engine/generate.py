@@ -1,0 +1,103 @@
+"""The inference core, gpt-fast style: `prefill()` runs the language model once over the prompt (image
+embeddings already scattered in) and fills a static KV cache; `decode_one_token()` feeds the last token
+back and picks the next one, entirely on the device.
+
+Decode state lives in preallocated device tensors (the token buffer of `NGramBan`, prompt + output, and
+its length; the cache's own fill counter), updated in place, so the `fast` engine can compile the step
+once and replay it as a CUDA graph: no host sync and no allocation per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.sampling import NGramBan, select_token
+from dsocr_workers.model.modeling import DeepSeekOCR
+
+MIN_CACHE_BUCKET = 1024
+
+
+def cache_bucket(needed: int, max_positions: int) -> int:
+    """Cache sizes come in powers of two (≥ 1024, ≤ the model's positions): a compiled decode step
+    specialises on the cache shape, so a handful of buckets bounds recompilation, while a cache sized
+    to the job keeps decode attention from reading thousands of empty positions."""
+    bucket = MIN_CACHE_BUCKET
+    while bucket < needed:
+        bucket *= 2
+    return min(bucket, max_positions)
+
+
+@dataclass
+class DecodeBuffers:
+    """Static per-bucket state reused by every job of a session: the KV cache and the token buffer."""
+
+    cache: StaticCache
+    tokens: torch.Tensor  # [capacity] int64, prompt then output
+    length: torch.Tensor  # 0-d int64: tokens written so far
+    prompt_length: torch.Tensor  # 0-d int64
+
+    @classmethod
+    def allocate(cls, model: DeepSeekOCR, capacity: int, device: torch.device) -> DecodeBuffers:
+        cache = StaticCache(config=model.language_model.config, max_cache_len=capacity)
+        tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
+        length = torch.zeros((), dtype=torch.int64, device=device)
+        prompt_length = torch.zeros((), dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            # In-place updates of graph inputs are only replayable at fixed addresses.
+            for tensor in (tokens, length, prompt_length):
+                torch._dynamo.mark_static_address(tensor)
+        return cls(cache, tokens, length, prompt_length)
+
+    def start(self, prompt_ids: torch.Tensor, options: DecodeOptions) -> NGramBan:
+        """Reset for a new job and return the job's n-gram state over these buffers."""
+        self.cache.reset()
+        count = prompt_ids.numel()
+        self.tokens[:count].copy_(prompt_ids, non_blocking=True)
+        self.length.fill_(count)
+        self.prompt_length.fill_(count)
+        whitelist = None
+        if options.ngram_whitelist:
+            whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=self.tokens.device)
+        return NGramBan(
+            self.tokens, self.length, self.prompt_length, options.no_repeat_ngram_size, options.ngram_window, whitelist
+        )
+
+    @property
+    def kv_length(self) -> int:
+        """Cache fill (a host sync: for checks, not for the timed path)."""
+        return int(self.cache.get_seq_length())
+
+
+def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    """One forward over the whole prompt (positions 0..L-1); returns the last position's logits [1, V]."""
+    positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
+    hidden = model.language_model(
+        inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+    ).last_hidden_state
+    return model.logits(hidden[:, -1])
+
+
+def choose_token(
+    logits: torch.Tensor, ban: NGramBan, options: DecodeOptions, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Ban repeated n-grams, pick a token, append it to the sequence buffer. Returns it, [1] int64."""
+    token = select_token(ban(logits), options, generator)
+    ban.append(token)
+    return token
+
+
+def decode_one_token(
+    model: DeepSeekOCR, cache: StaticCache, ban: NGramBan, options: DecodeOptions
+) -> torch.Tensor:
+    """Feed the last token of the buffer at its position, choose the next one. Everything it reads and
+    writes is a device tensor at a fixed address; the Python arguments are fixed per job."""
+    position = (ban.length - 1).view(1, 1)
+    token = ban.tokens[position.view(1)].view(1, 1)
+    hidden = model.language_model(
+        inputs_embeds=model.embed(token), position_ids=position, past_key_values=cache, use_cache=True
+    ).last_hidden_state
+    return choose_token(model.logits(hidden[:, -1]), ban, options)

@@ -1,0 +1,292 @@
+"""`DeepSeekOCRSession`: a loaded model on one device plus the split inference loop with stage timings.
+
+    session = DeepSeekOCRSession.from_local("tiny" | "full" | "/path/to/DeepSeek-OCR", device="cuda:0")
+    result = session.run_inference("page.png", mode="gundam", max_new_tokens=512)
+
+Engines: `eager` is plain PyTorch — the vendor's attention (fp32 softmax) and transformers' per-expert
+loop — and the numerical reference. `fast` uses SDPA, grouped expert matmuls, compiled vision encoders
+and a compiled decode step replayed as a CUDA graph; on a CPU it says so and runs eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from dsocr_workers.engine.generate import DecodeBuffers, cache_bucket, choose_token, decode_one_token, prefill
+from dsocr_workers.engine.result import DecodeOptions, InferenceResult, ModelSource, StopReason
+from dsocr_workers.engine.sampling import NGramBan, validate_options
+from dsocr_workers.engine.stages import StageClock
+from dsocr_workers.errors import InputError
+from dsocr_workers.model import postprocess, preprocess
+from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
+from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("eager", "fast")
+# How many decode steps run between two looks at the EOS flag: each look is one host sync, so the
+# loop stays asynchronous; at most this many steps past EOS are computed and discarded.
+EOS_CHECK_INTERVAL = 16
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise InputError(f"unknown device {device!r}: {exc}") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!r} asked for, but CUDA is not available here")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise InputError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+@dataclass
+class _Vision:
+    """The vision stage callables: plain methods (eager) or their compiled versions (fast)."""
+
+    sam: Callable[[torch.Tensor], torch.Tensor]
+    clip: Callable[[torch.Tensor], torch.Tensor]
+    project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DeepSeekOCRSession:
+    loaded: LoadedModel
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    engine: str
+    engine_note: str = ""
+    _vision: _Vision = field(init=False)
+    _decode_step: Callable = field(init=False)
+    _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        model = self.loaded.model
+        if self.engine == "fast":
+            # Vision shapes vary (640 tiles, one global view): default mode, no CUDA graphs there.
+            self._vision = _Vision(torch.compile(model.encode_sam), torch.compile(model.encode_clip),
+                                   torch.compile(model.project))
+            self._decode_step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        else:
+            self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
+            self._decode_step = decode_one_token
+
+    @classmethod
+    def from_local(
+        cls,
+        source: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        engine: str = "eager",
+        seed: int = 0,
+    ) -> DeepSeekOCRSession:
+        """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory."""
+        if engine not in ENGINES:
+            raise InputError(f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
+        resolved = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, resolved)
+        note = ""
+        if engine == "fast" and resolved.type != "cuda":
+            note = "the fast engine needs CUDA (compiled CUDA-graph decode); running the eager engine on the CPU"
+            log.warning(note)
+            engine = "eager"
+        kernels = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"} if engine == "fast" else {
+            "attn_implementation": "eager", "experts_implementation": "eager"}
+        name = os.fspath(source)
+        with torch.inference_mode():
+            if name in PRESETS:
+                loaded = build_preset(name, seed=seed, device=resolved, dtype=torch_dtype, **kernels)
+                model_source = ModelSource("preset", name, random_weights=True, seed=seed,
+                                           fingerprint=loaded.fingerprint)
+            else:
+                loaded = load_checkpoint(Path(name), device=resolved, dtype=torch_dtype, **kernels)
+                model_source = ModelSource("checkpoint", str(Path(name).resolve()), random_weights=False,
+                                           fingerprint=loaded.fingerprint)
+        return cls(loaded, model_source, resolved, torch_dtype, engine, note)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def max_positions(self) -> int:
+        return self.loaded.config.text.max_position_embeddings
+
+    def _buffers_for(self, needed: int) -> DecodeBuffers:
+        capacity = cache_bucket(needed, self.max_positions)
+        if capacity not in self._buffers:
+            self._buffers[capacity] = DecodeBuffers.allocate(self.model, capacity, self.device)
+        return self._buffers[capacity]
+
+    # --- one job ------------------------------------------------------------------------------------
+
+    def prepare(
+        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
+    ) -> preprocess.PreparedPage:
+        return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
+
+    def encode_image(self, page: preprocess.PreparedPage, clock: StageClock) -> torch.Tensor:
+        """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
+        views = page.global_view.to(self.device, self.dtype, non_blocking=True)
+        tiles = None if page.tiles is None else page.tiles.to(self.device, self.dtype, non_blocking=True)
+        with clock.stage("vision/sam"):
+            sam_global = self._vision.sam(views)
+            sam_local = None if tiles is None else self._vision.sam(tiles)
+        with clock.stage("vision/clip"):
+            clip_global = self._vision.clip(sam_global)
+            clip_local = None if sam_local is None else self._vision.clip(sam_local)
+        with clock.stage("vision/projector"):
+            global_tokens = self._vision.project(clip_global, sam_global)[0]
+            local_tokens = None if sam_local is None else self._vision.project(clip_local, sam_local)
+            return self.model.layout(global_tokens, local_tokens, page.crop_grid)
+
+    def prefill_page(
+        self, page: preprocess.PreparedPage, buffers: DecodeBuffers, clock: StageClock
+    ) -> tuple[torch.Tensor, int]:
+        """Vision + LM prefill. Returns the last-position logits and how many times vision ran."""
+        input_ids = page.input_ids.to(self.device, non_blocking=True)
+        with clock.stage("prefill"):
+            # The vendor injects image embeddings only when the global view does not sum to 0
+            # (spec §6.1): an exactly-balanced image silently reads as "no image". Kept for parity;
+            # the check runs on the host copy, so it costs no device sync.
+            inject = bool(page.global_view.to(self.dtype).sum() != 0)
+            image_embeds = self.encode_image(page, clock) if inject else None
+            with clock.stage("lm_prefill"):
+                embeds = self.model.embed(input_ids).unsqueeze(0)
+                if image_embeds is not None:
+                    mask = page.images_seq_mask.to(self.device, non_blocking=True)
+                    embeds[0, mask] = image_embeds.to(embeds.dtype)
+                logits = prefill(self.model, embeds, buffers.cache)
+        return logits, int(inject)
+
+    def run_inference(
+        self,
+        image: str | os.PathLike | bytes | Image.Image,
+        prompt: str | None = None,
+        mode: str = "gundam",
+        max_new_tokens: int | None = None,
+        infer: DecodeOptions | None = None,
+        job_id: str | None = None,
+        return_text: bool = True,
+        max_crops: int = 9,
+        clock: StageClock | None = None,
+    ) -> InferenceResult:
+        """Preprocess → prefill (vision + LM, first token from its logits) → decode loop → parse."""
+        options = infer or DecodeOptions()
+        validate_options(options)
+        clock = clock or StageClock(self.device, job_id=job_id)
+        with torch.inference_mode():
+            with clock.stage("preprocess"):
+                page = self.prepare(image, prompt, mode, max_crops)
+            ceiling = self.max_positions - page.prompt_tokens
+            if ceiling < 1:
+                raise InputError(
+                    f"the prompt takes {page.prompt_tokens} positions; the model has {self.max_positions}"
+                )
+            budget = ceiling if max_new_tokens is None else max_new_tokens
+            if budget < 1:
+                raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            budget = min(budget, ceiling)
+            buffers = self._buffers_for(page.prompt_tokens + budget)
+            if options.seed is not None:
+                torch.manual_seed(options.seed)
+            ban = buffers.start(page.input_ids.to(self.device), options)
+            logits, vision_calls = self.prefill_page(page, buffers, clock)
+            choose_token(logits, ban, options)  # the first token comes from the prefill logits
+            clock.mark_first_token()
+            steps = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
+            peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+            clock.finish()
+            written = buffers.tokens[page.prompt_tokens: page.prompt_tokens + 1 + steps].tolist()
+            kv_length = buffers.kv_length
+        generated, stop_reason = self._stop(written, budget, ceiling, options)
+        timings = clock.stage_timings()
+        kept_steps = timings.decode_step_ms[: len(generated) - 1]
+        timings = dataclasses.replace(timings, decode_step_ms=kept_steps, decode_ms=sum(kept_steps))
+
+        text = self.decode_text(generated) if return_text else ""
+        parsed = postprocess.parse_markup(text, *page.original.size)
+        return InferenceResult(
+            text=text,
+            token_ids=generated,
+            stop_reason=stop_reason,
+            prompt_tokens=page.prompt_tokens,
+            image_tokens=page.image_tokens,
+            crop_grid=page.crop_grid,
+            mode=page.mode.name,
+            image_size=page.original.size,
+            timings=timings,
+            boxes=postprocess.boxes_json(parsed),
+            skipped_spans=parsed.skipped_spans,
+            peak_memory_bytes=peak,
+            engine=self.engine,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            model=self.source,
+            kv_length=kv_length,
+            vision_calls=vision_calls,
+        )
+
+    def _decode_loop(
+        self, prompt_tokens: int, budget: int, ban: NGramBan, buffers: DecodeBuffers, options: DecodeOptions,
+        clock: StageClock,
+    ) -> int:
+        """Run decode steps until the budget is spent or EOS was seen; returns the steps run. The EOS
+        flag is read every EOS_CHECK_INTERVAL steps (one sync each) so the loop stays asynchronous."""
+        steps = 0
+        with clock.stage("decode"):
+            clock.mark_step()
+            while steps < budget - 1:
+                if not options.ignore_eos and steps % EOS_CHECK_INTERVAL == 0:
+                    written = buffers.tokens[prompt_tokens: prompt_tokens + 1 + steps]
+                    if bool((written == EOS_TOKEN_ID).any()):
+                        break
+                self._decode_step(self.model, buffers.cache, ban, options)
+                clock.mark_step()
+                steps += 1
+        return steps
+
+    @staticmethod
+    def _stop(written: list[int], budget: int, ceiling: int, options: DecodeOptions) -> tuple[list[int], StopReason]:
+        """Trim what was computed past EOS and name the reason decoding stopped."""
+        if not options.ignore_eos and EOS_TOKEN_ID in written:
+            return written[: written.index(EOS_TOKEN_ID) + 1], "eos"
+        return written, "max_positions" if budget == ceiling else "max_new_tokens"
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The vendor's output text: special tokens kept, a trailing EOS removed, stripped."""
+        text = self.tokenizer.decode(token_ids)
+        text = text.removesuffix(self.tokenizer.decode([EOS_TOKEN_ID]))
+        return text.strip()

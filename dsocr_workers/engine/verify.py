@@ -1,0 +1,146 @@
+"""Checks the engine runs on demand (`dsocr verify`, DESIGN §3) and the teacher-forced agreement the
+benchmark reports. Nothing here is on the timed path: these loops sync freely."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from dsocr_workers.engine.generate import choose_token
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.sampling import NGramBan
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.stages import VISION_STAGES, StageClock
+
+ImageInput = str | os.PathLike | bytes | Image.Image
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+def one_shot_choices(
+    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
+) -> list[int]:
+    """What one-shot generation picks at every step given the same prefix: a single cache-free forward
+    over prompt + `tokens` (teacher forcing), then the decode policy position by position. If every
+    pick equals `tokens`, free-running one-shot generation reproduces them (by induction)."""
+    page = session.prepare(image, None, mode, 9)
+    model = session.model
+    with torch.inference_mode():
+        clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+        with clock.stage("prefill"):
+            image_embeds = session.encode_image(page, clock)
+        ids = torch.cat([page.input_ids, torch.tensor(tokens[:-1], dtype=torch.int64)]).to(session.device)
+        embeds = model.embed(ids).unsqueeze(0)
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[: page.prompt_tokens] = page.images_seq_mask
+        embeds[0, mask.to(session.device)] = image_embeds.to(embeds.dtype)
+        positions = torch.arange(ids.numel(), device=session.device).unsqueeze(0)
+        hidden = model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False).last_hidden_state
+        logits = model.logits(hidden[0, page.prompt_tokens - 1:])
+        ban = NGramBan.create(page.input_ids.to(session.device), ids.numel() + 1, options)
+        picks = []
+        for step, token in enumerate(tokens):
+            picks.append(int(choose_token(logits[step: step + 1], ban, options)))
+            ban.tokens[ban.length - 1] = token  # continue from the split path's token
+    return picks
+
+
+def split_kv_growth(
+    session: DeepSeekOCRSession, image: ImageInput, steps: int, options: DecodeOptions, mode: str = "gundam"
+) -> tuple[int, list[int], StageClock]:
+    """Run the split path step by step, reading the cache fill after prefill and after every step."""
+    page = session.prepare(image, None, mode, 9)
+    clock = StageClock(session.device)
+    with torch.inference_mode():
+        buffers = session._buffers_for(page.prompt_tokens + steps + 1)
+        ban = buffers.start(page.input_ids.to(session.device), options)
+        logits, _ = session.prefill_page(page, buffers, clock)
+        choose_token(logits, ban, options)
+        after_prefill = buffers.kv_length
+        fills = []
+        with clock.stage("decode"):
+            for _ in range(steps):
+                session._decode_step(session.model, buffers.cache, ban, options)
+                fills.append(buffers.kv_length)
+    clock.finish()
+    return after_prefill, fills, clock
+
+
+def run_checks(
+    session: DeepSeekOCRSession, image: ImageInput, max_new_tokens: int = 32, mode: str = "gundam"
+) -> list[CheckResult]:
+    options = DecodeOptions(ignore_eos=True)  # a fixed length makes the comparison total
+    result = session.run_inference(image, mode=mode, max_new_tokens=max_new_tokens, infer=options)
+    picks = one_shot_choices(session, image, result.token_ids, options, mode)
+    mismatches = [i for i, (a, b) in enumerate(zip(result.token_ids, picks, strict=True)) if a != b]
+    checks = [
+        CheckResult(
+            "split decode == one-shot generation (greedy)",
+            not mismatches,
+            f"{len(result.token_ids)} tokens identical" if not mismatches
+            else f"first divergence at token {mismatches[0]} ({len(mismatches)} of {len(picks)} differ)",
+        )
+    ]
+
+    after_prefill, fills, clock = split_kv_growth(session, image, max_new_tokens - 1, options, mode)
+    expected = [after_prefill + i + 1 for i in range(len(fills))]
+    checks.append(CheckResult(
+        "KV cache grows by exactly one per decode step",
+        after_prefill == result.prompt_tokens and fills == expected,
+        f"after prefill {after_prefill} (prompt {result.prompt_tokens}); after {len(fills)} steps {fills[-1:]}",
+    ))
+
+    counts = {name: clock.count(name) for name in VISION_STAGES}
+    in_decode = [e.name for e in clock.entries if e.name in VISION_STAGES
+                 and clock.entries[e.parent or 0].name != "prefill"]
+    checks.append(CheckResult(
+        "vision stages ran exactly once per job, none during decode",
+        all(count == 1 for count in counts.values()) and not in_decode and result.vision_calls == 1,
+        ", ".join(f"{name}×{count}" for name, count in counts.items()),
+    ))
+
+    pushes = [name for kind, name in clock.nvtx_log if kind == "push"]
+    pops = [name for kind, name in clock.nvtx_log if kind == "pop"]
+    checks.append(CheckResult(
+        "NVTX ranges balanced and timings nested",
+        sorted(pushes) == sorted(pops) and clock.nesting_ok(),
+        f"{len(pushes)} pushes, {len(pops)} pops",
+    ))
+    return checks
+
+
+def teacher_forced_top1(
+    session: DeepSeekOCRSession, image: ImageInput, forced: list[int], options: DecodeOptions, mode: str = "gundam"
+) -> list[int]:
+    """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
+    picks at every step, each from the forced prefix."""
+    page = session.prepare(image, None, mode, 9)
+    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    with torch.inference_mode():
+        buffers = session._buffers_for(page.prompt_tokens + len(forced))
+        ban = buffers.start(page.input_ids.to(session.device), options)
+        logits, _ = session.prefill_page(page, buffers, clock)
+        picks = [int(choose_token(logits, ban, options))]
+        for step in range(1, len(forced)):
+            buffers.tokens[ban.length - 1] = forced[step - 1]
+            picks.append(int(session._decode_step(session.model, buffers.cache, ban, options)))
+    return picks
+
+
+def teacher_forced_agreement(
+    session_a: DeepSeekOCRSession, session_b: DeepSeekOCRSession, image: ImageInput, steps: int = 256,
+    mode: str = "gundam",
+) -> float:
+    """Fraction of steps where B's top-1 equals A's greedy token, B teacher-forced on A's tokens."""
+    options = DecodeOptions(ignore_eos=True)
+    reference = session_a.run_inference(image, mode=mode, max_new_tokens=steps, infer=options).token_ids
+    picks = teacher_forced_top1(session_b, image, reference, options, mode)
+    return sum(a == b for a, b in zip(reference, picks, strict=True)) / len(reference)
