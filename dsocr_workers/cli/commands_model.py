@@ -202,7 +202,7 @@ def infer_command(
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.sampling import validate_options
     from dsocr_workers.model.postprocess import parse_markup, write_outputs
-    from dsocr_workers.model.preprocess import load_image
+    from dsocr_workers.model.preprocess import build_prompt, load_image
 
     if prompt is not None and prompt_name is not None:
         raise click.UsageError("give --prompt or --prompt-name, not both")
@@ -220,7 +220,9 @@ def infer_command(
             ignore_eos=ignore_eos,
         )
         validate_options(options)
-        original = load_image(image)  # the frame of the boxes; also rejects a bad file before loading a model
+        # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).
+        build_prompt(prompt if prompt is not None else prompt_name)
+        original = load_image(image)
         session = open_session(model, device, engine, dtype, preset_seed)
         model_banner(console, session)
         result = session.run_inference(
