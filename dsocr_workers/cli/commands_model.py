@@ -98,6 +98,13 @@ def model_banner(console: Console, session: Any) -> None:
 # infer
 
 
+def parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     import numpy as np
 
@@ -170,6 +177,8 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--no-repeat-ngram-size", type=int, default=20, show_default=True, help="0: off.")
 @click.option("--ngram-window", type=int, default=None,
               help="Search n-grams only in the last N generated tokens (vendor vLLM); default: whole sequence.")
+@click.option("--ngram-whitelist", default="", metavar="ID,ID",
+              help="Token ids never banned (vendor vLLM: 128821,128822 = <td>,</td>).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory. Default: out/<image name>.")
 @click.option("--json", "as_json", is_flag=True, help="Print result.json instead of the table.")
@@ -192,6 +201,7 @@ def infer_command(
     seed: int | None,
     no_repeat_ngram_size: int,
     ngram_window: int | None,
+    ngram_whitelist: str,
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -217,6 +227,7 @@ def infer_command(
             seed=seed,
             no_repeat_ngram_size=no_repeat_ngram_size,
             ngram_window=ngram_window,
+            ngram_whitelist=parse_ids(ngram_whitelist),
             ignore_eos=ignore_eos,
         )
         validate_options(options)

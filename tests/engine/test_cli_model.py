@@ -55,6 +55,8 @@ def test_infer_missing_image_and_option_conflicts(tmp_path):
     assert conflict.exit_code == 2 and "not both" in conflict.output
     bad_p = runner.invoke(main, ["infer", str(page), "--temperature", "1", "--top-p", "0"])
     assert bad_p.exit_code == 2 and "top_p" in bad_p.output
+    bad_ids = runner.invoke(main, ["infer", str(page), "--ngram-whitelist", "td,/td"])
+    assert bad_ids.exit_code == 2 and "token ids" in bad_ids.output
 
 
 def write_page(path: Path, size: tuple[int, int]) -> Path:
