@@ -218,7 +218,10 @@ def load_image(
     except Exception:  # the vendor falls back to the image as stored on any EXIF trouble
         upright = im
     try:
-        rgb = upright.convert("RGB")
+        with warnings.catch_warnings():
+            # Pillow's advice for palette images with transparency; dropping alpha is the vendor's choice.
+            warnings.filterwarnings("ignore", "Palette images with Transparency", UserWarning)
+            rgb = upright.convert("RGB")
     except Exception as exc:
         raise InputError(f"{name}: cannot convert image mode {upright.mode} to RGB: {exc}") from None
     if im is not source:
