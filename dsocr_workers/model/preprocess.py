@@ -152,9 +152,10 @@ def _opener_formats() -> list[str]:
 def _open(fp: str | Path | io.BytesIO, name: str, max_pixels: int) -> Image.Image:
     """Image.open restricted to the allowlist, with our pixel limit instead of Pillow's warning."""
     try:
-        # Pillow warns above its own limit and raises at twice it; ours is the one that counts.
+        # Pillow warns above its own pixel limit (ours is the one that counts) and about odd metadata
+        # ("Corrupt EXIF data"); an untrusted file either opens or raises, so its warnings are noise.
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore")
             im = Image.open(fp, formats=_opener_formats())
     except Image.DecompressionBombError as exc:
         raise InputError(f"{name}: image too large (a possible decompression bomb): {exc}") from None
@@ -214,7 +215,9 @@ def load_image(
     except Exception as exc:  # truncated or corrupt data: decoders raise OSError, SyntaxError, ValueError…
         raise InputError(f"{name}: cannot decode image (truncated or corrupt): {exc}") from None
     try:
-        upright = ImageOps.exif_transpose(im)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Corrupt EXIF data": tolerated, like the vendor does
+            upright = ImageOps.exif_transpose(im)
     except Exception:  # the vendor falls back to the image as stored on any EXIF trouble
         upright = im
     try:

@@ -259,6 +259,13 @@ def test_exif_orientation_is_applied(fmt, tmp_path):
     assert page.original.size == (100, 200)
 
 
+def test_corrupt_exif_is_tolerated_quietly():
+    data = encoded(Image.new("RGB", (20, 10)), "JPEG", exif=b"Exif\x00\x00II*\x00\x08\x00\x00\x00\xff\xff")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(data).size == (20, 10)
+
+
 @pytest.mark.parametrize(
     "make",
     [
