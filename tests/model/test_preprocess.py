@@ -229,10 +229,14 @@ def test_pad_offset_rounds_half_to_even():
 
 
 def test_normalisation_is_true_division_then_half():
-    values = torch.arange(256, dtype=torch.uint8)
-    expected = (values.numpy().astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
-    assert np.array_equal(pp._NORMALIZED, expected)
-    assert pp._NORMALIZED[0] == -1.0 and pp._NORMALIZED[255] == 1.0
+    values = np.arange(256, dtype=np.uint8).reshape(1, 1, 256)
+    expected = (values.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
+    ours = pp._normalize(values).numpy()
+    assert np.array_equal(ours, expected)
+    assert ours[0, 0, 0] == -1.0 and ours[0, 0, 255] == 1.0
+    # multiplying by 1/255 instead would change bf16 inputs: the reason for true division
+    multiplied = torch.from_numpy((values.astype(np.float32) * np.float32(1 / 255) - 0.5) / 0.5)
+    assert not torch.equal(torch.from_numpy(ours).bfloat16(), multiplied.bfloat16())
 
 
 # --- loading: EXIF, modes, formats ------------------------------------------------------------------------
