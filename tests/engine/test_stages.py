@@ -5,6 +5,8 @@ import torch
 
 from dsocr_workers.engine.stages import _STEP_EVENT_POOL, INSTRUMENTATION_ENV, STAGES, StageClock
 
+# CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
+EPS = 0.01
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -63,11 +65,11 @@ def test_timings_positive_and_nested(device):
     for name in STAGES:
         assert clock.ms(name) > 0, name
     vision = clock.ms("vision/sam") + clock.ms("vision/clip") + clock.ms("vision/projector")
-    assert vision + clock.ms("lm_prefill") <= clock.ms("prefill")
+    assert vision + clock.ms("lm_prefill") <= clock.ms("prefill") + EPS
     assert clock.nesting_ok()
     steps = clock.step_ms()
     assert len(steps) == 6 and all(ms > 0 for ms in steps)
-    assert sum(steps) <= clock.ms("decode")
+    assert sum(steps) <= clock.ms("decode") + EPS
     assert clock.count("vision/sam") == 1
 
     timings = clock.stage_timings()
@@ -75,7 +77,7 @@ def test_timings_positive_and_nested(device):
     assert timings.vision_ms == pytest.approx(vision)
     assert timings.decode_step_ms == steps
     assert timings.preprocess_ms >= 2.0  # the 2 ms sleep, on the host clock on every device
-    assert timings.preprocess_ms + timings.prefill_ms <= timings.ttft_ms <= timings.e2e_ms
+    assert timings.preprocess_ms + timings.prefill_ms <= timings.ttft_ms + EPS <= timings.e2e_ms + 2 * EPS
     assert timings.e2e_ms >= timings.ttft_ms + timings.decode_ms * 0.99
 
 
