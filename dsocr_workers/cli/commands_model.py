@@ -30,12 +30,11 @@ ENGINES = ("eager", "fast")
 VERIFY_PAGE_SIZE = (1000, 800)
 
 
-class CommandFailed(click.ClickException):
+def command_failed(error: DsocrError) -> click.ClickException:
     """A DsocrError as a click error with the error class's exit code (2 input, 3 transient, ...)."""
-
-    def __init__(self, error: DsocrError) -> None:
-        super().__init__(str(error))
-        self.exit_code = error.exit_code
+    failure = click.ClickException(str(error))
+    failure.exit_code = error.exit_code  # type: ignore[misc]  # click reads it per instance
+    return failure
 
 
 @contextmanager
@@ -43,7 +42,7 @@ def designed_errors() -> Iterator[None]:
     try:
         yield
     except DsocrError as error:
-        raise CommandFailed(error) from error
+        raise command_failed(error) from error
 
 
 def model_options(func: Any) -> Any:
