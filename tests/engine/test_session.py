@@ -37,7 +37,7 @@ def test_gundam_page_result_contract(session):
     t = result.timings
     assert t.clock == "perf_counter"
     assert len(t.decode_step_ms) == 11 and all(ms > 0 for ms in t.decode_step_ms)
-    assert 0 < t.sam_ms and 0 < t.clip_ms and 0 < t.projector_ms and 0 < t.lm_prefill_ms
+    assert t.sam_ms > 0 and t.clip_ms > 0 and t.projector_ms > 0 and t.lm_prefill_ms > 0
     assert t.vision_ms == pytest.approx(t.sam_ms + t.clip_ms + t.projector_ms)
     assert t.vision_ms + t.lm_prefill_ms <= t.prefill_ms
     assert t.preprocess_ms + t.prefill_ms <= t.ttft_ms <= t.e2e_ms

@@ -78,6 +78,7 @@ def test_saved_preset_loads_with_identical_logits(tiny_dir):
     in_memory = build_preset("tiny", seed=3, device=CPU, dtype=torch.float32).model
     loaded = load_checkpoint(tiny_dir, device=CPU, dtype=torch.float32)
     assert loaded.fingerprint.startswith("sha256:")
+    assert (loaded.preset, loaded.seed) == ("tiny", 3)  # still labelled as random weights
     ids = torch.tensor([[0, 128815, 128815, 201, 128820, 37, 81]])
     with torch.inference_mode():
         a = in_memory.logits(in_memory.language_model(input_ids=ids).last_hidden_state)
