@@ -9,7 +9,7 @@ once and replay it as a CUDA graph: no host sync and no allocation per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
@@ -39,6 +39,9 @@ class DecodeBuffers:
     tokens: torch.Tensor  # [capacity] int64, prompt then output
     length: torch.Tensor  # 0-d int64: tokens written so far
     prompt_length: torch.Tensor  # 0-d int64
+    # The n-gram state over these buffers, kept while the job options allow: a compiled step guards
+    # on its argument objects, and a fresh one per job would recompile the step.
+    _bans: dict[tuple, NGramBan] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, model: DeepSeekOCR, capacity: int, device: torch.device) -> DecodeBuffers:
@@ -59,12 +62,13 @@ class DecodeBuffers:
         self.tokens[:count].copy_(prompt_ids, non_blocking=True)
         self.length.fill_(count)
         self.prompt_length.fill_(count)
-        whitelist = None
-        if options.ngram_whitelist:
-            whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=self.tokens.device)
-        return NGramBan(
-            self.tokens, self.length, self.prompt_length, options.no_repeat_ngram_size, options.ngram_window, whitelist
-        )
+        key = (options.no_repeat_ngram_size, options.ngram_window, options.ngram_whitelist)
+        if key not in self._bans:
+            whitelist = None
+            if options.ngram_whitelist:
+                whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=self.tokens.device)
+            self._bans[key] = NGramBan(self.tokens, self.length, self.prompt_length, *key[:2], whitelist)
+        return self._bans[key]
 
     @property
     def kv_length(self) -> int:

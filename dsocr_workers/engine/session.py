@@ -128,7 +128,9 @@ class DeepSeekOCRSession:
                                            fingerprint=loaded.fingerprint)
             else:
                 loaded = load_checkpoint(Path(name), device=resolved, dtype=torch_dtype, **kernels)
-                model_source = ModelSource("checkpoint", str(Path(name).resolve()), random_weights=False,
+                # A preset saved with `dsocr model save-preset` stays labelled as random weights.
+                model_source = ModelSource("checkpoint", str(Path(name).resolve()),
+                                           random_weights=loaded.preset is not None, seed=loaded.seed,
                                            fingerprint=loaded.fingerprint)
         return cls(loaded, model_source, resolved, torch_dtype, engine, note)
 
@@ -159,17 +161,16 @@ class DeepSeekOCRSession:
 
     def encode_image(self, page: preprocess.PreparedPage, clock: StageClock) -> torch.Tensor:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
-        views = page.global_view.to(self.device, self.dtype, non_blocking=True)
-        tiles = None if page.tiles is None else page.tiles.to(self.device, self.dtype, non_blocking=True)
+        # The global view first, then the tiles (if any) as one batch: one call per view group.
+        groups = [page.global_view] if page.tiles is None else [page.global_view, page.tiles]
+        pixels = [group.to(self.device, self.dtype, non_blocking=True) for group in groups]
         with clock.stage("vision/sam"):
-            sam_global = self._vision.sam(views)
-            sam_local = None if tiles is None else self._vision.sam(tiles)
+            sam = [self._vision.sam(group) for group in pixels]
         with clock.stage("vision/clip"):
-            clip_global = self._vision.clip(sam_global)
-            clip_local = None if sam_local is None else self._vision.clip(sam_local)
+            clip = [self._vision.clip(features) for features in sam]
         with clock.stage("vision/projector"):
-            global_tokens = self._vision.project(clip_global, sam_global)[0]
-            local_tokens = None if sam_local is None else self._vision.project(clip_local, sam_local)
+            tokens = [self._vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
+            global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
             return self.model.layout(global_tokens, local_tokens, page.crop_grid)
 
     def prefill_page(

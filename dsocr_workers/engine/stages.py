@@ -129,9 +129,9 @@ class StageClock:
     def _nvtx_attributes(self, name: str) -> object:
         attributes = self._attributes.get(name)
         if attributes is None:
-            message = name if self.job_id is None else f"{name} [job {self.job_id}]"
-            numeric = self.job_id is not None and self.job_id.isdigit() and len(self.job_id) <= 18
-            payload = int(self.job_id) if numeric else None  # fits the int64 payload
+            job = self.job_id
+            message = name if job is None else f"{name} [job {job}]"
+            payload = int(job) if job is not None and job.isdigit() and len(job) <= 18 else None  # int64
             attributes = self._domain.get_event_attributes(message=message, payload=payload)
             self._attributes[name] = attributes
         return attributes

@@ -26,6 +26,7 @@ from dsocr_workers.model.tokenizer import OCRTokenizer
 
 SAFETENSORS_FILE = "model-00001-of-000001.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PRESET_METADATA_KEY = "dsocr_preset"  # marks a saved preset: its weights are random
 
 # SAM: vendor module path → transformers' (spec §11); block-internal norms are renamed separately.
 _SAM_PATHS = {
@@ -138,6 +139,8 @@ class LoadedModel:
     tokenizer: OCRTokenizer
     config: OCRConfig
     fingerprint: str  # presets: "preset:<name>:seed<N>"; checkpoints: a hash of config + tensor headers/samples
+    preset: str | None = None  # set for presets, also when loaded from a `save_preset` directory
+    seed: int | None = None
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -221,9 +224,11 @@ def load_checkpoint(
     files = _safetensors_files(directory)
 
     found: dict[str, tuple[int, ...]] = {}
+    metadata: dict[str, str] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
+                metadata.update(handle.metadata() or {})
                 for key in handle.keys():
                     found[key] = tuple(handle.get_slice(key).get_shape())
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
@@ -236,7 +241,16 @@ def load_checkpoint(
             for key in handle.keys():
                 vendor[key] = handle.get_tensor(key)
     model = _materialize(config, to_our_state(vendor, config), device, dtype, attn_implementation, experts_implementation)
-    return LoadedModel(model, tokenizer, config, _fingerprint(directory, files))
+    preset, seed = _preset_tag(metadata.get(PRESET_METADATA_KEY))
+    return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
+
+
+def _preset_tag(tag: str | None) -> tuple[str | None, int | None]:
+    """"tiny:seed3" → ("tiny", 3): the safetensors metadata `save_preset` writes."""
+    if not tag or ":seed" not in tag:
+        return None, None
+    name, seed = tag.split(":seed", 1)
+    return name, int(seed) if seed.isdigit() else None
 
 
 def _materialize(
@@ -319,7 +333,7 @@ def build_preset(
     config = PRESETS[name]
     state = dict(preset_state(config, seed))
     model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
-    return LoadedModel(model, OCRTokenizer.build_preset(), config, f"preset:{name}:seed{seed}")
+    return LoadedModel(model, OCRTokenizer.build_preset(), config, f"preset:{name}:seed{seed}", name, seed)
 
 
 def save_preset(name: str, directory: str | Path, *, seed: int = 0) -> Path:
@@ -331,7 +345,7 @@ def save_preset(name: str, directory: str | Path, *, seed: int = 0) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vendor = {key: tensor.contiguous() for key, tensor in to_vendor_state(dict(preset_state(config, seed))).items()}
-    save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", "dsocr_preset": f"{name}:seed{seed}"})
+    save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"})
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in vendor.values())},
         "weight_map": {key: SAFETENSORS_FILE for key in sorted(vendor)},

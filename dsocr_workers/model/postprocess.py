@@ -91,9 +91,7 @@ def parse_markup(text: str, width: int, height: int) -> ParsedMarkup:
 
 
 def boxes_json(parsed: ParsedMarkup) -> list[dict[str, Any]]:
-    return [
-        {"label": r.label, "boxes": [list(b) for b in r.boxes], "text": r.text} for r in parsed.regions
-    ]
+    return [{"label": r.label, "boxes": [list(b) for b in r.boxes], "text": r.text} for r in parsed.regions]
 
 
 def render_mmd(text: str) -> str:

@@ -1,0 +1,345 @@
+"""`dsocr infer`, `dsocr verify` and `dsocr model save-preset`: one page through the engine, the
+engine's self-checks, and random-weight presets written as checkpoint directories."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from dsocr_workers.errors import DsocrError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from dsocr_workers.engine.result import InferenceResult
+
+# Mirrors dsocr_workers.model.preprocess (MODES, PROMPTS); kept literal so `--help` imports no torch.
+# tests/engine/test_cli_model.py pins the two together.
+MODE_NAMES = ("tiny", "small", "base", "large", "gundam")
+PROMPT_NAMES = ("document", "ocr", "free", "figure", "describe")
+PRESET_NAMES = ("tiny", "full")
+DTYPES = ("bfloat16", "float16", "float32")
+ENGINES = ("eager", "fast")
+# `dsocr verify` without --image: a page of this size (Gundam 2×2 grid, small enough for the tiny
+# preset on a CPU in seconds).
+VERIFY_PAGE_SIZE = (1000, 800)
+
+
+def command_failed(error: DsocrError) -> click.ClickException:
+    """A DsocrError as a click error with the error class's exit code (2 input, 3 transient, ...)."""
+    failure = click.ClickException(str(error))
+    failure.exit_code = error.exit_code  # type: ignore[misc]  # click reads it per instance
+    return failure
+
+
+@contextmanager
+def designed_errors() -> Iterator[None]:
+    try:
+        yield
+    except DsocrError as error:
+        raise command_failed(error) from error
+
+
+def model_options(func: Any) -> Any:
+    """--model, --device, --engine, --dtype and --preset-seed, shared by `infer` and `verify`."""
+    for option in reversed(
+        [
+            click.option(
+                "--model",
+                "model",
+                default="tiny",
+                show_default=True,
+                envvar="DSOCR_MODEL",
+                metavar="DIR|tiny|full",
+                help="A vendor checkpoint directory, or a random-weight preset (tiny: CPU tests; full: real dims).",
+            ),
+            click.option("--device", default=None, metavar="cpu|cuda[:N]", help="Default: cuda if available, else cpu."),
+            click.option("--engine", type=click.Choice(ENGINES), default="eager", show_default=True,
+                         help="eager: plain PyTorch reference; fast: static cache + compiled decode (CUDA only)."),
+            click.option("--dtype", type=click.Choice(DTYPES), default=None,
+                         help="Default: bfloat16 on CUDA, float32 on CPU."),
+            click.option("--preset-seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
+        ]
+    ):
+        func = option(func)
+    return func
+
+
+def open_session(model: str, device: str | None, engine: str, dtype: str | None, preset_seed: int):
+    import torch
+
+    from dsocr_workers.engine.session import DeepSeekOCRSession
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeepSeekOCRSession.from_local(
+        model,
+        device=device,
+        dtype=getattr(torch, dtype) if dtype else None,
+        engine=engine,
+        seed=preset_seed,
+    )
+
+
+def model_banner(console: Console, session: Any) -> None:
+    source = session.source
+    console.print(f"model: {source.label}  engine: {session.engine}  device: {session.device}")
+    if source.random_weights:
+        console.print("[bold red]RANDOM WEIGHTS: outputs are noise; timings are real.[/bold red]")
+
+
+# ---------------------------------------------------------------------------------------------------
+# infer
+
+
+def parse_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def result_document(result: InferenceResult, files: list[str]) -> dict[str, Any]:
+    """result.json: the InferenceResult, plus derived decode statistics and the files written."""
+    document = result.to_dict()
+    steps = result.timings.decode_step_ms
+    document["model_label"] = result.model.label
+    document["decode_tokens"] = result.decode_tokens
+    document["decode_ms_per_token"] = percentiles(steps)
+    document["tokens_per_s"] = 1e3 * len(steps) / sum(steps) if steps and sum(steps) > 0 else None
+    document["files"] = files
+    return document
+
+
+def timing_table(result: InferenceResult, title: str) -> Any:
+    from rich.table import Table
+
+    t = result.timings
+    stats = percentiles(t.decode_step_ms)
+    table = Table(title=title, title_justify="left")
+    table.add_column("stage")
+    table.add_column("ms", justify="right")
+    rows = [
+        ("preprocess", t.preprocess_ms),
+        ("prefill", t.prefill_ms),
+        ("  vision/sam", t.sam_ms),
+        ("  vision/clip", t.clip_ms),
+        ("  vision/projector", t.projector_ms),
+        ("  lm_prefill", t.lm_prefill_ms),
+        (f"decode ({result.decode_tokens} tokens, stop: {result.stop_reason})", t.decode_ms),
+        ("  ms/token p50", stats["p50"]),
+        ("  ms/token p90", stats["p90"]),
+        ("  ms/token p99", stats["p99"]),
+        ("TTFT", t.ttft_ms),
+        ("end to end", t.e2e_ms),
+    ]
+    for name, ms in rows:
+        table.add_row(name, "-" if ms is None else f"{ms:.2f}")
+    table.caption = (
+        f"clock: {t.clock}; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
+        f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
+        + (f"; peak memory {result.peak_memory_bytes / 2**30:.2f} GiB" if result.peak_memory_bytes else "")
+    )
+    return table
+
+
+@click.command("infer")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@model_options
+@click.option("--mode", type=click.Choice(MODE_NAMES), default="gundam", show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Default: up to the model's positions.")
+@click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")
+@click.option("--max-crops", type=click.IntRange(2, 9), default=9, show_default=True,
+              help="Most 640-px tiles in gundam mode (the vendor vLLM path uses 6).")
+@click.option("--prompt", default=None, help="Prompt text; must contain <image> once.")
+@click.option("--prompt-name", type=click.Choice(PROMPT_NAMES), default=None,
+              help="One of the vendor prompts (default: document).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed.")
+@click.option("--no-repeat-ngram-size", type=int, default=20, show_default=True, help="0: off.")
+@click.option("--ngram-window", type=int, default=None,
+              help="Search n-grams only in the last N generated tokens (vendor vLLM); default: whole sequence.")
+@click.option("--ngram-whitelist", default="", metavar="ID,ID",
+              help="Token ids never banned (vendor vLLM: 128821,128822 = <td>,</td>).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output directory. Default: out/<image name>.")
+@click.option("--json", "as_json", is_flag=True, help="Print result.json instead of the table.")
+def infer_command(
+    image: Path,
+    model: str,
+    device: str | None,
+    engine: str,
+    dtype: str | None,
+    preset_seed: int,
+    mode: str,
+    max_new_tokens: int | None,
+    ignore_eos: bool,
+    max_crops: int,
+    prompt: str | None,
+    prompt_name: str | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    no_repeat_ngram_size: int,
+    ngram_window: int | None,
+    ngram_whitelist: str,
+    out_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Run one IMAGE through the model: stage timings, raw markup, boxes, result.mmd, an overlay and
+    figure crops, and result.json (machine-readable, with crop grid and token counts)."""
+    from rich.console import Console
+
+    from dsocr_workers.engine.result import DecodeOptions
+    from dsocr_workers.engine.sampling import validate_options
+    from dsocr_workers.model.postprocess import parse_markup, write_outputs
+    from dsocr_workers.model.preprocess import build_prompt, load_image
+
+    if prompt is not None and prompt_name is not None:
+        raise click.UsageError("give --prompt or --prompt-name, not both")
+    if ignore_eos and max_new_tokens is None:
+        raise click.UsageError("--ignore-eos needs --max-new-tokens")
+    console = Console(stderr=as_json)
+    with designed_errors():
+        options = DecodeOptions(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            ngram_window=ngram_window,
+            ngram_whitelist=parse_ids(ngram_whitelist),
+            ignore_eos=ignore_eos,
+        )
+        validate_options(options)
+        # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).
+        build_prompt(prompt if prompt is not None else prompt_name)
+        original = load_image(image)
+        session = open_session(model, device, engine, dtype, preset_seed)
+        model_banner(console, session)
+        result = session.run_inference(
+            image,
+            prompt=prompt if prompt is not None else prompt_name,
+            mode=mode,
+            max_new_tokens=max_new_tokens,
+            infer=options,
+            max_crops=max_crops,
+        )
+    out_dir = out_dir if out_dir is not None else Path("out") / image.stem
+    written = write_outputs(out_dir, result.text, original, parse_markup(result.text, *original.size))
+    document = result_document(result, sorted([*written, "result.json"]))
+    (out_dir / "result.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    label = result.model.label + ("  [RANDOM WEIGHTS]" if result.model.random_weights else "")
+    console.print(timing_table(result, f"{image.name}: {label}, engine {result.engine}, {result.device}"))
+    console.print(f"outputs: {out_dir}/ ({len(written) + 1} files), {len(result.boxes)} regions, "
+                  f"{result.skipped_spans} skipped spans")
+
+
+# ---------------------------------------------------------------------------------------------------
+# verify
+
+
+def demo_page() -> Any:
+    """A deterministic synthetic page (text lines, a table, a figure) for `dsocr verify`."""
+    from PIL import Image, ImageDraw
+
+    width, height = VERIFY_PAGE_SIZE
+    page = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(page)
+    draw.text((60, 40), "Synthetic page for dsocr verify", fill="black")
+    for k in range(18):
+        draw.text((60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black")
+    for r in range(5):
+        for c in range(4):
+            draw.rectangle((60 + 110 * c, 520 + 40 * r, 170 + 110 * c, 560 + 40 * r), outline="black")
+    draw.ellipse((620, 520, 900, 740), fill=(40, 90, 160))
+    return page
+
+
+@click.command("verify")
+@model_options
+@click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Default: a synthetic 1000x800 page.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=24, show_default=True)
+def verify_command(
+    model: str,
+    device: str | None,
+    engine: str,
+    dtype: str | None,
+    preset_seed: int,
+    image: Path | None,
+    max_new_tokens: int,
+) -> None:
+    """Check the engine on one page: split decode equals one-shot generation (greedy), the KV cache
+    grows by one per step, the vision stages ran exactly once. Exit 4 if any check fails."""
+    from rich.console import Console
+
+    from dsocr_workers.engine.verify import run_checks
+    from dsocr_workers.model.preprocess import load_image
+
+    console = Console()
+    with designed_errors():
+        page = load_image(image) if image is not None else demo_page()
+        session = open_session(model, device, engine, dtype, preset_seed)
+        model_banner(console, session)
+        checks = run_checks(session, page, max_new_tokens=max_new_tokens)
+    for check in checks:
+        verdict = "[green]PASS[/green]" if check.passed else "[bold red]FAIL[/bold red]"
+        console.print(f"{verdict} {check.name}: {check.detail}", highlight=False)
+    failed = [check.name for check in checks if not check.passed]
+    if not checks:
+        raise click.ClickException("no checks ran")
+    if failed:
+        console.print(f"{len(failed)} of {len(checks)} checks failed")
+        raise SystemExit(4)
+    console.print(f"all {len(checks)} checks passed")
+
+
+# ---------------------------------------------------------------------------------------------------
+# model save-preset
+
+
+@click.group("model")
+def model_group() -> None:
+    """Model files: random-weight presets as checkpoint directories."""
+
+
+@model_group.command("save-preset")
+@click.argument("name", type=click.Choice(PRESET_NAMES))
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True)
+def save_preset_command(name: str, directory: Path, seed: int) -> None:
+    """Write preset NAME (seeded RANDOM weights) to DIRECTORY in the vendor checkpoint layout; it
+    loads with --model DIRECTORY through the same code path as a real checkpoint."""
+    from dsocr_workers.model.checkpoint import save_preset
+
+    with designed_errors():
+        path = save_preset(name, directory, seed=seed)
+    click.echo(f"wrote preset {name} (RANDOM WEIGHTS, seed {seed}) to {path}")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(infer_command)
+    group.add_command(verify_command)
+    group.add_command(model_group)

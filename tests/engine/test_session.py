@@ -1,0 +1,145 @@
+"""The split prefill/decode engine on the tiny preset (CPU): result contract, stop rules, checks."""
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from dsocr_workers.engine import generate
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
+from dsocr_workers.errors import InputError
+from dsocr_workers.model.config import EOS_TOKEN_ID
+
+
+def page(width: int, height: int) -> Image.Image:
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    for row in range(height // 60):
+        draw.text((40, 20 + row * 60), f"Row {row}: the quick brown fox", fill="black")
+    return image
+
+
+@pytest.fixture(scope="module")
+def session() -> DeepSeekOCRSession:
+    return DeepSeekOCRSession.from_local("tiny")
+
+
+def test_gundam_page_result_contract(session):
+    result = session.run_inference(page(1600, 2000), max_new_tokens=12, job_id="7")
+    assert result.crop_grid == (2, 3)
+    assert result.image_tokens == 903
+    assert result.prompt_tokens > result.image_tokens
+    assert len(result.token_ids) == 12 and result.stop_reason == "max_new_tokens"
+    assert result.kv_length == result.prompt_tokens + 11  # the last token is never fed back
+    assert result.vision_calls == 1
+    assert result.model.random_weights and "random weights" in result.model.label
+    t = result.timings
+    assert t.clock == "perf_counter"
+    assert len(t.decode_step_ms) == 11 and all(ms > 0 for ms in t.decode_step_ms)
+    assert t.sam_ms > 0 and t.clip_ms > 0 and t.projector_ms > 0 and t.lm_prefill_ms > 0
+    assert t.vision_ms == pytest.approx(t.sam_ms + t.clip_ms + t.projector_ms)
+    assert t.vision_ms + t.lm_prefill_ms <= t.prefill_ms
+    assert t.preprocess_ms + t.prefill_ms <= t.ttft_ms <= t.e2e_ms
+    assert result.to_dict()["timings"]["decode_step_ms"] == t.decode_step_ms
+
+
+@pytest.mark.parametrize(("mode", "tokens"), [("tiny", 73), ("small", 111), ("base", 273), ("large", 421)])
+def test_modes_token_schedule(session, mode, tokens):
+    result = session.run_inference(page(800, 600), mode=mode, max_new_tokens=2)
+    assert result.image_tokens == tokens and result.crop_grid == (1, 1)
+
+
+def test_checks_pass_on_a_correct_engine(session):
+    checks = run_checks(session, page(1000, 800), max_new_tokens=16)
+    assert [c.passed for c in checks] == [True] * 4, checks
+
+
+def test_split_check_catches_an_off_by_one_position(session, monkeypatch):
+    def off_by_one(model, cache, ban, options):
+        position = ban.length.view(1, 1)  # one past the token's real position
+        token = ban.tokens[(ban.length - 1).view(1)].view(1, 1)
+        hidden = model.language_model(
+            inputs_embeds=model.embed(token), position_ids=position, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        return generate.choose_token(model.logits(hidden[:, -1]), ban, options)
+
+    monkeypatch.setattr(session, "_decode_step", off_by_one)
+    checks = run_checks(session, page(1000, 800), max_new_tokens=24)
+    assert not checks[0].passed and "first divergence" in checks[0].detail
+
+
+def test_eos_stops_decoding_and_is_trimmed(session):
+    bias = torch.zeros(session.model.config.text.vocab_size)
+    bias[EOS_TOKEN_ID] = 1e4  # make EOS the certain choice from the first token on
+    original = session.model.lm_head
+    head = torch.nn.Linear(original.in_features, original.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(original.weight)
+        head.bias.copy_(bias)
+    session.model.lm_head = head
+    try:
+        result = session.run_inference(page(600, 480), max_new_tokens=50)
+        forced = session.run_inference(page(600, 480), max_new_tokens=5, infer=DecodeOptions(ignore_eos=True))
+    finally:
+        session.model.lm_head = original
+    assert result.token_ids == [EOS_TOKEN_ID] and result.stop_reason == "eos" and result.text == ""
+    assert result.timings.decode_step_ms == []
+    assert len(forced.token_ids) == 5 and forced.stop_reason == "max_new_tokens"
+
+
+def test_cache_buckets_and_ceiling(session):
+    # Decoding all the way to 8192 positions is too slow for CI; the bucket rule is what bounds it.
+    assert session.max_positions == 8192
+    assert generate.cache_bucket(9000, 8192) == 8192
+    assert generate.cache_bucket(916 + 256, 8192) == 2048
+
+
+def test_seeded_sampling_is_reproducible(session):
+    options = DecodeOptions(temperature=1.0, top_p=0.9, top_k=50, seed=11)
+    a = session.run_inference(page(600, 480), max_new_tokens=8, infer=options).token_ids
+    b = session.run_inference(page(600, 480), max_new_tokens=8, infer=options).token_ids
+    greedy = session.run_inference(page(600, 480), max_new_tokens=8).token_ids
+    assert a == b and a != greedy
+
+
+def test_no_repeat_ngram_is_applied(session):
+    plain = session.run_inference(page(600, 480), max_new_tokens=40,
+                                  infer=DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)).token_ids
+    banned = session.run_inference(page(600, 480), max_new_tokens=40,
+                                   infer=DecodeOptions(no_repeat_ngram_size=2, ignore_eos=True)).token_ids
+    bigrams = list(zip(banned, banned[1:], strict=False))
+    assert len(bigrams) == len(set(bigrams))
+    assert plain != banned or len(set(zip(plain, plain[1:], strict=False))) == len(plain) - 1
+
+
+def test_teacher_forced_agreement_with_itself_is_total(session):
+    assert teacher_forced_agreement(session, session, page(600, 480), steps=8) == 1.0
+
+
+def test_fast_engine_on_cpu_says_so_and_runs_eager():
+    fast = DeepSeekOCRSession.from_local("tiny", engine="fast")
+    assert fast.engine == "eager" and "CUDA" in fast.engine_note
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"engine": "turbo"}, "unknown engine"),
+    ({"dtype": "int3"}, "unknown dtype"),
+    ({"device": "cuda:7"}, "CUDA"),
+])
+def test_bad_session_options(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        DeepSeekOCRSession.from_local("tiny", **kwargs)
+
+
+def test_bad_inputs_are_input_errors(session, tmp_path):
+    bad = tmp_path / "page.png"
+    bad.write_text("not an image")
+    with pytest.raises(InputError):
+        session.run_inference(bad)
+    with pytest.raises(InputError, match="mode"):
+        session.run_inference(page(600, 480), mode="huge")
+    with pytest.raises(InputError, match="max_new_tokens"):
+        session.run_inference(page(600, 480), max_new_tokens=0)
+    with pytest.raises(InputError, match="unknown preset|not a checkpoint"):
+        DeepSeekOCRSession.from_local(str(tmp_path / "missing"))

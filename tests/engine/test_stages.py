@@ -1,0 +1,137 @@
+import time
+
+import pytest
+import torch
+
+from dsocr_workers.engine.stages import _STEP_EVENT_POOL, INSTRUMENTATION_ENV, STAGES, StageClock
+
+# CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
+EPS = 0.01
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def work(device: str, size: int = 96) -> None:
+    """Real work on the device, enough for any clock to tick."""
+    a = torch.randn(size, size, device=device)
+    for _ in range(4):
+        a = torch.tanh(a @ a)
+
+
+def run_job(clock: StageClock, device: str, steps: int = 5) -> None:
+    with clock.stage("preprocess"):
+        time.sleep(0.002)
+    with clock.stage("prefill"):
+        with clock.stage("vision/sam"):
+            work(device)
+        with clock.stage("vision/clip"):
+            work(device)
+        with clock.stage("vision/projector"):
+            work(device, 16)
+        with clock.stage("lm_prefill"):
+            work(device)
+    clock.mark_first_token()
+    with clock.stage("decode"):
+        clock.mark_step()
+        for _ in range(steps):
+            work(device, 32)
+            clock.mark_step()
+    clock.finish()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvtx_ranges_are_balanced_and_named(device):
+    clock = StageClock(device, job_id="17")
+    run_job(clock, device)
+    expected = []
+    for name in ("preprocess",):
+        expected += [("push", name), ("pop", name)]
+    expected.append(("push", "prefill"))
+    for name in ("vision/sam", "vision/clip", "vision/projector", "lm_prefill"):
+        expected += [("push", name), ("pop", name)]
+    expected += [("pop", "prefill"), ("push", "decode"), ("pop", "decode")]
+    assert clock.nvtx_log == expected
+    depth = 0
+    for kind, _ in clock.nvtx_log:
+        depth += 1 if kind == "push" else -1
+        assert depth >= 0
+    assert depth == 0
+    assert {name for _, name in clock.nvtx_log} == set(STAGES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_timings_positive_and_nested(device):
+    clock = StageClock(device, job_id="job-a")
+    run_job(clock, device, steps=6)
+    for name in STAGES:
+        assert clock.ms(name) > 0, name
+    vision = clock.ms("vision/sam") + clock.ms("vision/clip") + clock.ms("vision/projector")
+    assert vision + clock.ms("lm_prefill") <= clock.ms("prefill") + EPS
+    assert clock.nesting_ok()
+    steps = clock.step_ms()
+    assert len(steps) == 6 and all(ms > 0 for ms in steps)
+    assert sum(steps) <= clock.ms("decode") + EPS
+    assert clock.count("vision/sam") == 1
+
+    timings = clock.stage_timings()
+    assert timings.clock == ("cuda_event" if device == "cuda" else "perf_counter")
+    assert timings.vision_ms == pytest.approx(vision)
+    assert timings.decode_step_ms == steps
+    assert timings.preprocess_ms >= 2.0  # the 2 ms sleep, on the host clock on every device
+    assert timings.preprocess_ms + timings.prefill_ms <= timings.ttft_ms + EPS <= timings.e2e_ms + 2 * EPS
+    assert timings.e2e_ms >= timings.ttft_ms + timings.decode_ms * 0.99
+
+
+def test_repeated_stage_accumulates():
+    clock = StageClock("cpu")
+    for _ in range(3):
+        with clock.stage("decode"):
+            time.sleep(0.002)
+    clock.finish()
+    assert clock.count("decode") == 3
+    assert clock.ms("decode") >= 6.0
+    assert clock.ms("prefill") == 0.0
+
+
+def test_ranges_close_when_a_stage_raises():
+    clock = StageClock("cpu")
+    with pytest.raises(ZeroDivisionError), clock.stage("prefill"), clock.stage("vision/sam"):
+        _ = 1 / 0
+    assert clock.nvtx_log == [("push", "prefill"), ("push", "vision/sam"), ("pop", "vision/sam"), ("pop", "prefill")]
+    clock.finish()
+    assert clock.nesting_ok()
+
+
+def test_instrumentation_off_by_environment(monkeypatch):
+    monkeypatch.setenv(INSTRUMENTATION_ENV, "0")
+    clock = StageClock("cpu")
+    run_job(clock, "cpu", steps=3)
+    assert clock.nvtx_log == []
+    assert clock.ms("prefill") == 0.0 and clock.step_ms() == []
+    assert clock.steps_marked == 4
+    assert clock.count("vision/sam") == 1
+
+
+def test_misuse_is_reported():
+    clock = StageClock("cpu")
+    with pytest.raises(ValueError, match="unknown stage"), clock.stage("vision"):
+        pass
+    with pytest.raises(RuntimeError, match="finish"):
+        clock.ms("prefill")
+    with clock.stage("prefill"), pytest.raises(RuntimeError, match="still open"):
+        clock.finish()
+    clock.finish()
+    with pytest.raises(RuntimeError, match="already"), clock.stage("decode"):
+        pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_events_are_reused_across_jobs():
+    first = StageClock("cuda", step_capacity=16)
+    run_job(first, "cuda", steps=20)  # past the capacity: grows instead of failing
+    assert len(first.step_ms()) == 20
+    pooled = _STEP_EVENT_POOL[torch.device("cuda")][-1]
+    assert len(pooled) == 21
+    second = StageClock("cuda", step_capacity=16)
+    assert second._step_events is pooled  # no new events for the next job
+    run_job(second, "cuda", steps=3)
+    assert len(second.step_ms()) == 3
