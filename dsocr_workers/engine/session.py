@@ -28,6 +28,7 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.experts import VENDOR_LOOP
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +85,24 @@ class DeepSeekOCRSession:
     engine: str
     engine_note: str = ""
     _vision: _Vision = field(init=False)
+    _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         model = self.loaded.model
         if self.engine == "fast":
-            # Vision shapes vary (640 tiles, one global view): default mode, no CUDA graphs there.
-            self._vision = _Vision(torch.compile(model.encode_sam), torch.compile(model.encode_clip),
-                                   torch.compile(model.project))
+            # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
+            # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
+            # Decode: one graph per cache bucket, replayed as a CUDA graph.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+            self._vision = _Vision(*(torch.compile(fn, dynamic=False)
+                                     for fn in (model.encode_sam, model.encode_clip, model.project)))
+            self._prefill = torch.compile(prefill, dynamic=True)
             self._decode_step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
         else:
             self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
+            self._prefill = prefill
             self._decode_step = decode_one_token
 
     @classmethod
@@ -119,7 +126,7 @@ class DeepSeekOCRSession:
             log.warning(note)
             engine = "eager"
         kernels = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"} if engine == "fast" else {
-            "attn_implementation": "eager", "experts_implementation": "eager"}
+            "attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
         name = os.fspath(source)
         with torch.inference_mode():
             if name in PRESETS:
@@ -189,7 +196,7 @@ class DeepSeekOCRSession:
                 if image_embeds is not None:
                     mask = page.images_seq_mask.to(self.device, non_blocking=True)
                     embeds[0, mask] = image_embeds.to(embeds.dtype)
-                logits = prefill(self.model, embeds, buffers.cache)
+                logits = self._prefill(self.model, embeds, buffers.cache)
         return logits, int(inject)
 
     def run_inference(
