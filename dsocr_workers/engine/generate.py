@@ -50,7 +50,7 @@ class DecodeBuffers:
         # Allocate (and mark static) now rather than lazily at the first update, which would happen
         # inside the compiled prefill where static addresses cannot be marked.
         cache.early_initialization(
-            batch_size=1, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            batch_size=1, num_heads=model.config.text.num_key_value_heads, head_dim=model.config.text.head_dim,
             dtype=model.lm_head.weight.dtype, device=device,
         )
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)

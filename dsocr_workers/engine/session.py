@@ -168,9 +168,11 @@ class DeepSeekOCRSession:
 
     def encode_image(self, page: preprocess.PreparedPage, clock: StageClock) -> torch.Tensor:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
-        # The global view first, then the tiles (if any) as one batch: one call per view group.
-        groups = [page.global_view] if page.tiles is None else [page.global_view, page.tiles]
-        pixels = [group.to(self.device, self.dtype, non_blocking=True) for group in groups]
+        # The global view first, then the tiles (if any) as one batch: one call per view group. Bytes
+        # cross to the device as uint8 and are normalised there (eager ops: bit-identical to the CPU).
+        groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
+        pixels = [preprocess.normalize_pixels(group.to(self.device, non_blocking=True), self.dtype)
+                  for group in groups]
         with clock.stage("vision/sam"):
             sam = [self._vision.sam(group) for group in pixels]
         with clock.stage("vision/clip"):
@@ -189,7 +191,7 @@ class DeepSeekOCRSession:
             # The vendor injects image embeddings only when the global view does not sum to 0
             # (spec §6.1): an exactly-balanced image silently reads as "no image". Kept for parity;
             # the check runs on the host copy, so it costs no device sync.
-            inject = bool(page.global_view.to(self.dtype).sum() != 0)
+            inject = not page.global_view_sums_to_zero()
             image_embeds = self.encode_image(page, clock) if inject else None
             with clock.stage("lm_prefill"):
                 embeds = self.model.embed(input_ids).unsqueeze(0)

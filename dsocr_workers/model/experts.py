@@ -10,6 +10,8 @@ vendor path; the `fast` engine uses transformers' graph-capturable `grouped_mm`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
@@ -18,7 +20,7 @@ VENDOR_LOOP = "dsocr_vendor_loop"
 
 
 def vendor_loop_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """hidden_states (T, H); top_k_index, top_k_weights (T, k). `self` is transformers' experts module
     (fused `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `act_fn`)."""
