@@ -188,18 +188,16 @@ class DeepSeekOCRSession:
         """Vision + LM prefill. Returns the last-position logits and how many times vision ran."""
         input_ids = page.input_ids.to(self.device, non_blocking=True)
         with clock.stage("prefill"):
-            # The vendor injects image embeddings only when the global view does not sum to 0
-            # (spec §6.1): an exactly-balanced image silently reads as "no image". Kept for parity;
-            # the check runs on the host copy, so it costs no device sync.
-            inject = not page.global_view_sums_to_zero()
-            image_embeds = self.encode_image(page, clock) if inject else None
+            image_embeds = self.encode_image(page, clock) if page.injects_image else None
             with clock.stage("lm_prefill"):
                 embeds = self.model.embed(input_ids).unsqueeze(0)
                 if image_embeds is not None:
-                    mask = page.images_seq_mask.to(self.device, non_blocking=True)
-                    embeds[0, mask] = image_embeds.to(embeds.dtype)
+                    # Placeholder positions come from the host copy of the mask: a boolean index on
+                    # the device would sync (nonzero) and stall the GPU between vision and LM.
+                    positions = page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True)
+                    embeds[0].index_copy_(0, positions, image_embeds.to(embeds.dtype))
                 logits = self._prefill(self.model, embeds, buffers.cache)
-        return logits, int(inject)
+        return logits, int(page.injects_image)
 
     def run_inference(
         self,

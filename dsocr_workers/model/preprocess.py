@@ -92,6 +92,9 @@ class PreparedPage:
     prompt_tokens: int  # L
     original: Image.Image  # EXIF-corrected RGB original, the frame of the output boxes
     mode: ModeSpec
+    # False when the normalised global view sums to exactly 0: the vendor then skips image injection
+    # (spec §6.1), so an exactly balanced page silently reads as "no image". Kept for parity.
+    injects_image: bool = True
 
     @property
     def global_view(self) -> torch.Tensor:
@@ -102,12 +105,6 @@ class PreparedPage:
     def tiles(self) -> torch.Tensor | None:
         """float32 [cols*rows, 3, 640, 640] normalised tiles, or None."""
         return None if self.tile_pixels is None else normalize_pixels(self.tile_pixels)
-
-    def global_view_sums_to_zero(self) -> bool:
-        """The vendor skips image injection when the normalised global view sums to exactly 0
-        (spec §6.1). Computed from the byte histogram, without normalising every pixel."""
-        counts = torch.bincount(self.global_pixels.flatten(), minlength=256).double()
-        return bool((counts * _NORMALIZED_BYTES).sum() == 0)
 
 
 def get_mode(mode: str | ModeSpec) -> ModeSpec:
@@ -350,6 +347,12 @@ def normalize_pixels(pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -
 _NORMALIZED_BYTES = normalize_pixels(torch.arange(256, dtype=torch.uint8)).double()
 
 
+def _sums_to_zero(pixels: torch.Tensor) -> bool:
+    """Whether the normalised pixels sum to exactly 0, from the byte histogram (no float copy)."""
+    counts = torch.bincount(pixels.flatten(), minlength=256).double()
+    return bool((counts * _NORMALIZED_BYTES).sum() == 0)
+
+
 def _chw(uint8: np.ndarray) -> torch.Tensor:
     # The channel-first copy is made on uint8 by numpy (several times faster than a strided torch copy).
     return torch.from_numpy(np.require(uint8, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
@@ -419,4 +422,5 @@ def prepare_page(
         prompt_tokens=len(ids),
         original=original,
         mode=spec,
+        injects_image=not _sums_to_zero(global_view),
     )

@@ -244,8 +244,8 @@ def test_balanced_global_view_is_detected_from_the_byte_histogram():
     half = Image.new("RGB", (1024, 1024), (0, 0, 0))
     half.paste((255, 255, 255), (0, 0, 1024, 512))  # normalised: -1 and +1 in equal numbers
     page = prepare_page(half, lambda text: [ord(c) for c in text], mode="base")
-    assert page.global_view.sum() == 0 and page.global_view_sums_to_zero()
-    assert not prepare_page(Image.new("RGB", (64, 64), (200, 10, 10)), lambda t: [1], mode="base").global_view_sums_to_zero()
+    assert page.global_view.sum() == 0 and not page.injects_image
+    assert prepare_page(Image.new("RGB", (64, 64), (200, 10, 10)), lambda t: [1], mode="base").injects_image
 
 
 # --- loading: EXIF, modes, formats ------------------------------------------------------------------------
