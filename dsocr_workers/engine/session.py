@@ -125,8 +125,13 @@ class DeepSeekOCRSession:
             note = "the fast engine needs CUDA (compiled CUDA-graph decode); running the eager engine on the CPU"
             log.warning(note)
             engine = "eager"
-        kernels = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"} if engine == "fast" else {
-            "attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
+        if engine == "fast":
+            # torch's grouped GEMM compiles (and graphs) for bfloat16 only; other dtypes (a float32
+            # numerics check) use transformers' batched experts, which gather the weights they need.
+            experts = "grouped_mm" if torch_dtype == torch.bfloat16 else "batched_mm"
+            kernels = {"attn_implementation": "sdpa", "experts_implementation": experts}
+        else:
+            kernels = {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
         name = os.fspath(source)
         with torch.inference_mode():
             if name in PRESETS:
