@@ -69,11 +69,11 @@ def profile_fast(page: Path, model: str, rows: int) -> None:
     torch.cuda.empty_cache()
 
 
-def determinism(page: Path, model: str, runs: int = 3) -> None:
+def determinism(page: Path, model: str, tokens_per_run: int, runs: int = 3) -> None:
     """Repeat the same page: do vision embeddings, prefill logits and greedy tokens repeat exactly?"""
     session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
     for _ in range(2):
-        session.run_inference(page, max_new_tokens=64, infer=PLAIN)
+        session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN)
     prepared = session.prepare(page, None, "gundam", 9)
     embeds, logits, tokens = [], [], []
     with torch.inference_mode():
@@ -81,12 +81,12 @@ def determinism(page: Path, model: str, runs: int = 3) -> None:
             clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
             with clock.stage("prefill"):
                 embeds.append(session.encode_image(prepared, clock).float().cpu())
-            buffers = session._buffers_for(prepared.prompt_tokens + 64)
+            buffers = session._buffers_for(prepared.prompt_tokens + tokens_per_run)
             buffers.start(prepared.input_ids.to(session.device), PLAIN)
             logits.append(session.prefill_page(prepared, buffers, StageClock(session.device, nvtx_enabled=False,
                                                                               timing_enabled=False))[0].cpu())
     for _ in range(runs):
-        tokens.append(session.run_inference(page, max_new_tokens=64, infer=PLAIN).token_ids)
+        tokens.append(session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN).token_ids)
     for i in range(1, runs):
         diverge = next((k for k, (a, b) in enumerate(zip(tokens[0], tokens[i], strict=True)) if a != b), None)
         print(f"run {i} vs 0: vision max|diff| {(embeds[i] - embeds[0]).abs().max():.3g}, prefill logits "
@@ -98,7 +98,9 @@ def main() -> int:
     parser.add_argument("--model", default="full")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--determinism", action="store_true")
+    parser.add_argument("--determinism", type=int, default=0, metavar="TOKENS",
+                        help="repeat a TOKENS-long greedy run 3 times and compare")
+    parser.add_argument("--no-cudnn-sdp", action="store_true", help="disable cuDNN attention first")
     parser.add_argument("--agreement-dtypes", default="")
     parser.add_argument("--agreement-steps", type=int, default=64)
     args = parser.parse_args()
@@ -109,8 +111,10 @@ def main() -> int:
         if args.profile:
             profile_fast(page, args.model, args.rows)
             print(f"[{time.perf_counter() - began:.0f}s] profile done", flush=True)
+        if args.no_cudnn_sdp:
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if args.determinism:
-            determinism(page, args.model)
+            determinism(page, args.model, args.determinism)
         for dtype in filter(None, args.agreement_dtypes.split(",")):
             eager = DeepSeekOCRSession.from_local(args.model, device="cuda", dtype=dtype, engine="eager")
             fast = DeepSeekOCRSession.from_local(args.model, device="cuda", dtype=dtype, engine="fast")
