@@ -101,6 +101,8 @@ def main() -> int:
     parser.add_argument("--determinism", type=int, default=0, metavar="TOKENS",
                         help="repeat a TOKENS-long greedy run 3 times and compare")
     parser.add_argument("--no-cudnn-sdp", action="store_true", help="disable cuDNN attention first")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(warn_only): names nondeterministic ops")
     parser.add_argument("--agreement-dtypes", default="")
     parser.add_argument("--agreement-steps", type=int, default=64)
     args = parser.parse_args()
@@ -111,6 +113,8 @@ def main() -> int:
         if args.profile:
             profile_fast(page, args.model, args.rows)
             print(f"[{time.perf_counter() - began:.0f}s] profile done", flush=True)
+        if args.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         if args.no_cudnn_sdp:
             torch.backends.cuda.enable_cudnn_sdp(False)
         if args.determinism:
