@@ -41,6 +41,10 @@ def _open_child(**_: object) -> None:
     device = devices[index % len(devices)]
     cpu_children = sum(d == "cpu" for d in devices)
     threads = max(1, (os.cpu_count() or 1) // cpu_children) if cpu_children else None
+    if threads and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # An explicit OMP_NUM_THREADS wins: with several CPU workers on one host, each dividing all the
+        # cores among its own children oversubscribes the CPU and spinning threads slow every job ~5x.
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     _process = JobProcess.open(Settings.from_env(), device, cpu_threads=threads)
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
 

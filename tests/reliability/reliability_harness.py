@@ -46,6 +46,8 @@ TEST_SETTINGS = {
     "DSOCR_LEASE_SECONDS": "40",
     "DSOCR_MAX_ATTEMPTS": "3",
     "DSOCR_RETRY_BACKOFF_MAX": "4",
+    # Several CPU workers share 2 cores: one thread per child, or spinning OpenMP threads slow jobs ~5x.
+    "OMP_NUM_THREADS": "1",
 }
 # The job of every scenario: the tiny preset (random weights) in `tiny` mode on a small page.
 FAST_JOB = ("--mode", "tiny", "--max-new-tokens", "2")
