@@ -8,8 +8,11 @@ message (prefetch 1). The ledger's claim makes the results exactly-once.
 
 from __future__ import annotations
 
+from urllib.parse import urlparse
+
 from celery import Celery
 
+from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.settings import Settings
 
 
@@ -42,6 +45,8 @@ def create_app(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
+    if urlparse(settings.broker_url).scheme == "redis":
+        app.conf.broker_transport = TRANSPORT  # kombu's, with acks that survive a Redis restart (broker.py)
     return app
 
 
