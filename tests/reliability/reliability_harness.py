@@ -148,8 +148,9 @@ class Farm:
         tag = uuid.uuid4().hex[:10]
         prefix, queue = f"dsocr-rel-{tag}:", f"dsocr-rel-{tag}"
         root.mkdir(parents=True, exist_ok=True)
+        inherited = {k: v for k, v in base_env.items() if k != "DSOCR_TEST_FAULTS"}  # faults only when asked
         env = {
-            **base_env,
+            **inherited,
             **TEST_SETTINGS,
             "DSOCR_DATABASE_URL": worker_database_url or database_url,
             "DSOCR_BROKER_URL": broker_url,
@@ -158,7 +159,6 @@ class Farm:
             "DSOCR_ARTIFACTS_DIR": str(root / "artifacts"),
             **settings,
         }
-        env.pop("DSOCR_TEST_FAULTS", None)
         return cls(root, database_url, env, prefix, queue, broker_url)
 
     # --- commands ---------------------------------------------------------------------------------------
