@@ -103,15 +103,18 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
     assert len(killed) == kills
     recovery = []  # seconds from the kill to the job done on its second attempt
+    requeued = []  # seconds from the kill to `dsocr reconcile` queueing it again (its lease expired)
     for job_id, at in killed_at.items():
         job = finished[job_id]
         assert job.state == "done" and job.attempts == 2, (job.image, job.state, job.attempts)
         recovery.append(round((job.finished_at - at).total_seconds(), 1))
-    # Within the lease time, plus the reconcile poll, a fresh child's first job (torch import) and the job.
-    assert max(recovery) < LEASE_S + 15, recovery
+        requeued.append(round((job.queued_at - at).total_seconds(), 1))
+    # Back in the queue within the lease time (+ the operator's reconcile poll); it is done once the
+    # jobs queued before it have run, so `done_after_kill_s` grows with the backlog.
+    assert all(LEASE_S - 1 < r < LEASE_S + 5 for r in requeued), requeued
     assert tally.done == jobs and tally.results == jobs
     record(scenario, workers=3, faults=f"{kills} whole-worker kills", lease_s=LEASE_S, lost=jobs - tally.done,
-           duplicated=tally.duplicates, recovery_s=recovery, wall_s=round(wall, 1), tally=tally)  # fmt: skip
+           duplicated=tally.duplicates, requeued_after_kill_s=requeued, done_after_kill_s=recovery, wall_s=round(wall, 1), tally=tally)  # fmt: skip
 
 
 def test_r3_worker_kills_ci(new_farm, tmp_path):
