@@ -116,7 +116,8 @@ def environment() -> dict[str, Any]:
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        env["git_sha"] = None
+        # The GPU machine receives a working tree without .git: the caller passes the commit.
+        env["git_sha"] = os.environ.get("DSOCR_GIT_SHA")
     return env
 
 

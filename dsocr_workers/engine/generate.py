@@ -45,7 +45,14 @@ class DecodeBuffers:
 
     @classmethod
     def allocate(cls, model: DeepSeekOCR, capacity: int, device: torch.device) -> DecodeBuffers:
-        cache = StaticCache(config=model.language_model.config, max_cache_len=capacity)
+        config = model.language_model.config
+        cache = StaticCache(config=config, max_cache_len=capacity)
+        # Allocate (and mark static) now rather than lazily at the first update, which would happen
+        # inside the compiled prefill where static addresses cannot be marked.
+        cache.early_initialization(
+            batch_size=1, num_heads=model.config.text.num_key_value_heads, head_dim=model.config.text.head_dim,
+            dtype=model.lm_head.weight.dtype, device=device,
+        )
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
         length = torch.zeros((), dtype=torch.int64, device=device)
         prompt_length = torch.zeros((), dtype=torch.int64, device=device)

@@ -28,6 +28,7 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.experts import VENDOR_LOOP
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +85,24 @@ class DeepSeekOCRSession:
     engine: str
     engine_note: str = ""
     _vision: _Vision = field(init=False)
+    _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         model = self.loaded.model
         if self.engine == "fast":
-            # Vision shapes vary (640 tiles, one global view): default mode, no CUDA graphs there.
-            self._vision = _Vision(torch.compile(model.encode_sam), torch.compile(model.encode_clip),
-                                   torch.compile(model.project))
+            # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
+            # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
+            # Decode: one graph per cache bucket, replayed as a CUDA graph.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+            self._vision = _Vision(*(torch.compile(fn, dynamic=False)
+                                     for fn in (model.encode_sam, model.encode_clip, model.project)))
+            self._prefill = torch.compile(prefill, dynamic=True)
             self._decode_step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
         else:
             self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
+            self._prefill = prefill
             self._decode_step = decode_one_token
 
     @classmethod
@@ -118,8 +125,13 @@ class DeepSeekOCRSession:
             note = "the fast engine needs CUDA (compiled CUDA-graph decode); running the eager engine on the CPU"
             log.warning(note)
             engine = "eager"
-        kernels = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"} if engine == "fast" else {
-            "attn_implementation": "eager", "experts_implementation": "eager"}
+        if engine == "fast":
+            # torch's grouped GEMM compiles (and graphs) for bfloat16 only; other dtypes (a float32
+            # numerics check) use transformers' batched experts, which gather the weights they need.
+            experts = "grouped_mm" if torch_dtype == torch.bfloat16 else "batched_mm"
+            kernels = {"attn_implementation": "sdpa", "experts_implementation": experts}
+        else:
+            kernels = {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
         name = os.fspath(source)
         with torch.inference_mode():
             if name in PRESETS:
@@ -161,9 +173,11 @@ class DeepSeekOCRSession:
 
     def encode_image(self, page: preprocess.PreparedPage, clock: StageClock) -> torch.Tensor:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
-        # The global view first, then the tiles (if any) as one batch: one call per view group.
-        groups = [page.global_view] if page.tiles is None else [page.global_view, page.tiles]
-        pixels = [group.to(self.device, self.dtype, non_blocking=True) for group in groups]
+        # The global view first, then the tiles (if any) as one batch: one call per view group. Bytes
+        # cross to the device as uint8 and are normalised there (eager ops: bit-identical to the CPU).
+        groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
+        pixels = [preprocess.normalize_pixels(group.to(self.device, non_blocking=True), self.dtype)
+                  for group in groups]
         with clock.stage("vision/sam"):
             sam = [self._vision.sam(group) for group in pixels]
         with clock.stage("vision/clip"):
@@ -179,18 +193,16 @@ class DeepSeekOCRSession:
         """Vision + LM prefill. Returns the last-position logits and how many times vision ran."""
         input_ids = page.input_ids.to(self.device, non_blocking=True)
         with clock.stage("prefill"):
-            # The vendor injects image embeddings only when the global view does not sum to 0
-            # (spec §6.1): an exactly-balanced image silently reads as "no image". Kept for parity;
-            # the check runs on the host copy, so it costs no device sync.
-            inject = bool(page.global_view.to(self.dtype).sum() != 0)
-            image_embeds = self.encode_image(page, clock) if inject else None
+            image_embeds = self.encode_image(page, clock) if page.injects_image else None
             with clock.stage("lm_prefill"):
                 embeds = self.model.embed(input_ids).unsqueeze(0)
                 if image_embeds is not None:
-                    mask = page.images_seq_mask.to(self.device, non_blocking=True)
-                    embeds[0, mask] = image_embeds.to(embeds.dtype)
-                logits = prefill(self.model, embeds, buffers.cache)
-        return logits, int(inject)
+                    # Placeholder positions come from the host copy of the mask: a boolean index on
+                    # the device would sync (nonzero) and stall the GPU between vision and LM.
+                    positions = page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True)
+                    embeds[0].index_copy_(0, positions, image_embeds.to(embeds.dtype))
+                logits = self._prefill(self.model, embeds, buffers.cache)
+        return logits, int(page.injects_image)
 
     def run_inference(
         self,

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2TextConfig
 from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2TextModel
 
+from dsocr_workers.model import experts  # noqa: F401  (registers the vendor-loop experts implementation)
 from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, OCRConfig, TextDims
 from dsocr_workers.model.vision import ClipOnSam, build_sam, layout_image_tokens
 
@@ -48,7 +49,8 @@ def text_config(dims: TextDims, attn_implementation: str, experts_implementation
 
 class DeepSeekOCR(nn.Module):
     """The whole model. `attn_implementation` ("eager" = the vendor's fp32-softmax attention, or "sdpa")
-    and `experts_implementation` ("eager" loop, "grouped_mm", "batched_mm") pick transformers kernels."""
+    and `experts_implementation` (`experts.VENDOR_LOOP`, or transformers' "eager", "grouped_mm",
+    "batched_mm") pick the kernels."""
 
     def __init__(self, config: OCRConfig, attn_implementation: str = "eager", experts_implementation: str = "eager"):
         super().__init__()

@@ -80,17 +80,31 @@ class ImageProbe:
 
 @dataclass(frozen=True)
 class PreparedPage:
-    """Everything the model needs for one page, on CPU; the engine moves and casts it."""
+    """Everything the model needs for one page, on CPU. Pixels stay uint8 (a quarter of the bytes to
+    move to the GPU); the engine normalises them on its device with `normalize_pixels`."""
 
     input_ids: torch.Tensor  # int64 [L]: BOS, text before <image>, N placeholders, text after
     images_seq_mask: torch.Tensor  # bool [L], True exactly at the N placeholders
-    global_view: torch.Tensor  # float32 [1, 3, S, S] in [-1, 1]
-    tiles: torch.Tensor | None  # float32 [cols*rows, 3, 640, 640] row-major; None without tiles
+    global_pixels: torch.Tensor  # uint8 [1, 3, S, S]
+    tile_pixels: torch.Tensor | None  # uint8 [cols*rows, 3, 640, 640] row-major; None without tiles
     crop_grid: tuple[int, int]  # (cols, rows); (1, 1) without tiles
     image_tokens: int  # N
     prompt_tokens: int  # L
     original: Image.Image  # EXIF-corrected RGB original, the frame of the output boxes
     mode: ModeSpec
+    # False when the normalised global view sums to exactly 0: the vendor then skips image injection
+    # (spec §6.1), so an exactly balanced page silently reads as "no image". Kept for parity.
+    injects_image: bool = True
+
+    @property
+    def global_view(self) -> torch.Tensor:
+        """float32 [1, 3, S, S] in [-1, 1]: the vendor's normalised global view."""
+        return normalize_pixels(self.global_pixels)
+
+    @property
+    def tiles(self) -> torch.Tensor | None:
+        """float32 [cols*rows, 3, 640, 640] normalised tiles, or None."""
+        return None if self.tile_pixels is None else normalize_pixels(self.tile_pixels)
 
 
 def get_mode(mode: str | ModeSpec) -> ModeSpec:
@@ -322,13 +336,26 @@ def build_prompt(prompt: str | None) -> str:
 # Pixels
 
 
-def _normalize(uint8: np.ndarray) -> torch.Tensor:
-    """The vendor's ToTensor + Normalize(0.5, 0.5), same float32 ops: true division by 255 (multiplying
-    by 1/255 differs in 126 of the 256 values after the bf16 cast), then (x - 0.5) / 0.5.
+def normalize_pixels(pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The vendor's ToTensor + Normalize(0.5, 0.5), same float32 ops on any device: true division by
+    255 (multiplying by 1/255 differs in 126 of the 256 values after the bf16 cast), then
+    (x - 0.5) / 0.5, then the cast. IEEE float32 division is correctly rounded on CPU and CUDA alike,
+    so normalising on the GPU gives the CPU's bits."""
+    return pixels.to(torch.float32).div_(255).sub_(0.5).div_(0.5).to(dtype)
 
-    The channel-first copy is made on uint8 by numpy (several times faster than a strided torch copy)."""
-    chw = torch.from_numpy(np.require(uint8, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
-    return chw.to(torch.float32).div_(255).sub_(0.5).div_(0.5)
+
+_NORMALIZED_BYTES = normalize_pixels(torch.arange(256, dtype=torch.uint8)).double()
+
+
+def _sums_to_zero(pixels: torch.Tensor) -> bool:
+    """Whether the normalised pixels sum to exactly 0, from the byte histogram (no float copy)."""
+    counts = torch.bincount(pixels.flatten(), minlength=256).double()
+    return bool((counts * _NORMALIZED_BYTES).sum() == 0)
+
+
+def _chw(uint8: np.ndarray) -> torch.Tensor:
+    # The channel-first copy is made on uint8 by numpy (several times faster than a strided torch copy).
+    return torch.from_numpy(np.require(uint8, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 def _global_view(image: Image.Image, mode: ModeSpec) -> Image.Image:
@@ -346,11 +373,11 @@ def _tiles(image: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
     hwc = np.asarray(stretched)  # [rows*640, cols*640, 3] uint8
     # Cut row-major (tile k at column k % cols, row k // cols) while still uint8.
     tiles = hwc.reshape(rows, TILE_SIZE, cols, TILE_SIZE, 3).transpose(0, 2, 4, 1, 3)
-    return _normalize(tiles.reshape(rows * cols, 3, TILE_SIZE, TILE_SIZE))
+    return _chw(tiles.reshape(rows * cols, 3, TILE_SIZE, TILE_SIZE))
 
 
 def _to_tensor(image: Image.Image) -> torch.Tensor:
-    return _normalize(np.asarray(image).transpose(2, 0, 1)).unsqueeze(0)
+    return _chw(np.asarray(image).transpose(2, 0, 1)).unsqueeze(0)
 
 
 def prepare_page(
@@ -388,11 +415,12 @@ def prepare_page(
     return PreparedPage(
         input_ids=input_ids,
         images_seq_mask=mask,
-        global_view=global_view,
-        tiles=tiles,
+        global_pixels=global_view,
+        tile_pixels=tiles,
         crop_grid=grid,
         image_tokens=n_image,
         prompt_tokens=len(ids),
         original=original,
         mode=spec,
+        injects_image=not _sums_to_zero(global_view),
     )

@@ -231,12 +231,21 @@ def test_pad_offset_rounds_half_to_even():
 def test_normalisation_is_true_division_then_half():
     values = np.arange(256, dtype=np.uint8).reshape(1, 1, 256)
     expected = (values.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
-    ours = pp._normalize(values).numpy()
+    ours = pp.normalize_pixels(torch.from_numpy(values)).numpy()
     assert np.array_equal(ours, expected)
     assert ours[0, 0, 0] == -1.0 and ours[0, 0, 255] == 1.0
     # multiplying by 1/255 instead would change bf16 inputs: the reason for true division
     multiplied = torch.from_numpy((values.astype(np.float32) * np.float32(1 / 255) - 0.5) / 0.5)
     assert not torch.equal(torch.from_numpy(ours).bfloat16(), multiplied.bfloat16())
+    assert torch.equal(pp.normalize_pixels(torch.from_numpy(values), torch.bfloat16), torch.from_numpy(ours).bfloat16())
+
+
+def test_balanced_global_view_is_detected_from_the_byte_histogram():
+    half = Image.new("RGB", (1024, 1024), (0, 0, 0))
+    half.paste((255, 255, 255), (0, 0, 1024, 512))  # normalised: -1 and +1 in equal numbers
+    page = prepare_page(half, lambda text: [ord(c) for c in text], mode="base")
+    assert page.global_view.sum() == 0 and not page.injects_image
+    assert prepare_page(Image.new("RGB", (64, 64), (200, 10, 10)), lambda t: [1], mode="base").injects_image
 
 
 # --- loading: EXIF, modes, formats ------------------------------------------------------------------------

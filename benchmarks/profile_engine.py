@@ -1,0 +1,99 @@
+"""Where the fast engine's GPU time goes, and whether its numerics follow the eager reference.
+
+1. `--profile`: after warm-up, torch.profiler over one prefill and over 32 decode steps of the fast
+   engine (bf16, the anchors' page): the top CUDA kernels of each, and kernels launched per decode step.
+2. `--agreement-dtypes float32,...`: teacher-forced top-1 agreement of fast vs eager in that dtype. In
+   bf16 random weights give near-tied logits (spec §12), so a kernel-order rounding difference flips
+   some top-1 picks; in float32 the same comparison isolates real divergence from rounding.
+
+    python benchmarks/profile_engine.py --profile --agreement-dtypes float32 --agreement-steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_engine import synthetic_page  # noqa: E402
+from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
+from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
+from dsocr_workers.engine.stages import StageClock  # noqa: E402
+from dsocr_workers.engine.verify import teacher_forced_agreement  # noqa: E402
+
+PLAIN = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+
+
+def top_kernels(prof: profile, rows: int) -> str:
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=90)
+
+
+def kernel_launches(prof: profile) -> int:
+    return sum(event.count for event in prof.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def profile_fast(page: Path, model: str, rows: int) -> None:
+    session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
+    for _ in range(2):
+        session.run_inference(page, max_new_tokens=64, infer=PLAIN)
+    prepared = session.prepare(page, None, "gundam", 9)
+    buffers = session._buffers_for(prepared.prompt_tokens + 64)
+    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    with torch.inference_mode():
+        ban = buffers.start(prepared.input_ids.to(session.device), PLAIN)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
+            logits, _ = session.prefill_page(prepared, buffers, clock)
+            torch.cuda.synchronize()
+        print("== fast prefill: top CUDA kernels\n" + top_kernels(prefill_prof, rows), flush=True)
+        from dsocr_workers.engine.generate import choose_token
+
+        choose_token(logits, ban, PLAIN)
+        steps = 32
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as decode_prof:
+            for _ in range(steps):
+                session._decode_step(session.model, buffers.cache, ban, PLAIN)
+            torch.cuda.synchronize()
+        print(f"== fast decode ({steps} steps): top CUDA kernels\n" + top_kernels(decode_prof, rows), flush=True)
+        print(f"kernels per decode step: {kernel_launches(decode_prof) / steps:.1f}", flush=True)
+    del session
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--agreement-dtypes", default="")
+    parser.add_argument("--agreement-steps", type=int, default=64)
+    args = parser.parse_args()
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(tmp) / "page.png"
+        synthetic_page().save(page)
+        if args.profile:
+            profile_fast(page, args.model, args.rows)
+            print(f"[{time.perf_counter() - began:.0f}s] profile done", flush=True)
+        for dtype in filter(None, args.agreement_dtypes.split(",")):
+            eager = DeepSeekOCRSession.from_local(args.model, device="cuda", dtype=dtype, engine="eager")
+            fast = DeepSeekOCRSession.from_local(args.model, device="cuda", dtype=dtype, engine="fast")
+            top1 = teacher_forced_agreement(eager, fast, page, steps=args.agreement_steps)
+            print(f"teacher-forced top-1 agreement fast vs eager, {dtype}, {args.agreement_steps} steps: "
+                  f"{100 * top1:.2f}%  [{time.perf_counter() - began:.0f}s]", flush=True)
+            del eager, fast
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
