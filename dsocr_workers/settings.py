@@ -13,6 +13,8 @@ deployment sets them once (compose file, systemd unit, Kubernetes manifest):
     DSOCR_SOFT_TIME_LIMIT     seconds before a job is asked to stop    hard limit - 10 %
     DSOCR_HARD_TIME_LIMIT     seconds before its process is killed     600
     DSOCR_RETRY_BACKOFF_MAX   ceiling of the retry backoff (seconds)   60
+    DSOCR_VISIBILITY_TIMEOUT  seconds before Redis redelivers an       max(3600, 2 x lease)
+                              unacknowledged message
 
 Credentials live only in the two URLs; `redacted()` is what may be printed or stored.
 """
@@ -42,6 +44,7 @@ class Settings:
     lease_s: int = 660
     max_attempts: int = 3
     retry_backoff_max_s: int = 60
+    visibility_timeout_override_s: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -51,11 +54,17 @@ class Settings:
         # A lease shorter than the hard limit would let a second worker take a job that is still running.
         if self.lease_s <= self.hard_time_limit_s:
             raise InputError("DSOCR_LEASE_SECONDS must exceed DSOCR_HARD_TIME_LIMIT")
+        if self.visibility_timeout_override_s is not None and self.visibility_timeout_override_s < 1:
+            raise InputError("DSOCR_VISIBILITY_TIMEOUT must be at least 1")
 
     @property
     def visibility_timeout_s(self) -> int:
         # Redis redelivers an unacknowledged message after this long; it must outlast any job (acks_late)
-        # or a long job would be delivered twice while it still runs.
+        # or a long job would be delivered twice while it still runs (the claim then refuses the copy).
+        # The override exists for tests and for farms that want a dead worker's message back sooner
+        # than an hour; below the hard time limit it causes such duplicate deliveries on purpose.
+        if self.visibility_timeout_override_s is not None:
+            return self.visibility_timeout_override_s
         return max(3600, 2 * self.lease_s)
 
     @classmethod
@@ -75,6 +84,9 @@ class Settings:
             lease_s=_int(env, "DSOCR_LEASE_SECONDS", hard + 60),
             max_attempts=_int(env, "DSOCR_MAX_ATTEMPTS", cls.max_attempts),
             retry_backoff_max_s=_int(env, "DSOCR_RETRY_BACKOFF_MAX", cls.retry_backoff_max_s),
+            visibility_timeout_override_s=(
+                _int(env, "DSOCR_VISIBILITY_TIMEOUT", 0) if env.get("DSOCR_VISIBILITY_TIMEOUT") else None
+            ),
         )
 
 

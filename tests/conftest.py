@@ -7,6 +7,8 @@ queue, so parallel runs on one machine never see each other's rows or messages.
   emptied after each test.
 - `broker_env`: DSOCR_* variables for a unique Redis key prefix and queue; its keys are deleted at the end.
 - `make_png`: writes small PNG pages with Pillow.
+
+Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow", action="store_true", help="also run the long scenarios (marked slow): see docs/reliability.md"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long scenario: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 REDIS_URL = "redis://127.0.0.1:6379/0"

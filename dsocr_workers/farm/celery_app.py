@@ -8,14 +8,20 @@ message (prefetch 1). The ledger's claim makes the results exactly-once.
 
 from __future__ import annotations
 
+from urllib.parse import urlparse
+
 from celery import Celery
 
+from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.settings import Settings
 
 
 def create_app(settings: Settings) -> Celery:
     app = Celery("dsocr", broker=settings.broker_url, include=["dsocr_workers.farm.tasks"])
-    transport_options: dict[str, object] = {"visibility_timeout": settings.visibility_timeout_s}
+    transport_options: dict[str, object] = {
+        "visibility_timeout": settings.visibility_timeout_s,
+        **restore_sweep(settings.visibility_timeout_s),
+    }
     if settings.broker_key_prefix:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
     app.conf.update(
@@ -39,4 +45,16 @@ def create_app(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
+    if urlparse(settings.broker_url).scheme == "redis":
+        app.conf.broker_transport = TRANSPORT  # kombu's, with acks that survive a Redis restart (broker.py)
     return app
+
+
+def restore_sweep(visibility_timeout_s: int) -> dict[str, int]:
+    """How often a worker looks for messages whose consumer died (kombu's `restore_visible`): about every
+    quarter of the visibility timeout, and never less often than kombu's default of 10 s x 10 polls. With
+    the default hour-long timeout nothing changes; a short one (tests, impatient farms) gets its
+    abandoned messages back in about the timeout rather than 100 s later."""
+    interval = max(1, min(10, visibility_timeout_s // 4))
+    throttle = max(1, min(10, visibility_timeout_s // 4 // interval))
+    return {"unacked_restore_interval": interval, "unacked_restore_throttle": throttle}

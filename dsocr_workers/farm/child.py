@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
+from dsocr_workers.farm import faults
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -67,6 +68,7 @@ class JobProcess:
         return self.loaded
 
     def infer(self, claim: ledger.Claim) -> tuple[InferenceResult, str]:
+        faults.inject(claim.image)  # test-only; a no-op unless DSOCR_TEST_FAULTS is set (farm/faults.py)
         p = claim.parameters
         loaded = self.session_for(claim.model, p)
         result = loaded.session.run_inference(

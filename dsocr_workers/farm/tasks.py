@@ -3,6 +3,11 @@
 Each prefork child takes its device from its pool index (`DSOCR_WORKER_DEVICES`, set by `dsocr worker`),
 so the parent never touches CUDA; a replacement child gets the index, and the device, of the one it
 replaces.
+
+A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
+the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
+sent again after the backoff, or poisoned at the cap. Without that the job would sit in `running` until
+its lease expired and `dsocr reconcile` ran.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import os
 from billiard.process import current_process
 from celery import shared_task
 from celery.signals import worker_process_init, worker_process_shutdown
+from celery.worker.request import Request
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.child import JobProcess, devices_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
 from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import open_database
 
 RUN_JOB = "dsocr.run_job"
 log = logging.getLogger("dsocr.worker")
@@ -33,6 +41,10 @@ def _open_child(**_: object) -> None:
     device = devices[index % len(devices)]
     cpu_children = sum(d == "cpu" for d in devices)
     threads = max(1, (os.cpu_count() or 1) // cpu_children) if cpu_children else None
+    if threads and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # An explicit OMP_NUM_THREADS wins: with several CPU workers on one host, each dividing all the
+        # cores among its own children oversubscribes the CPU and spinning threads slow every job ~5x.
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     _process = JobProcess.open(Settings.from_env(), device, cpu_threads=threads)
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
 
@@ -43,7 +55,44 @@ def _close_child(**_: object) -> None:
         _process.db.dispose()
 
 
-@shared_task(bind=True, name=RUN_JOB, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+class JobRequest(Request):
+    """A job's request as the worker's parent process sees it."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        # Called in the parent before billiard kills the child, so the child's lease is still its own.
+        if not soft and self.worker_pid:
+            try:
+                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout)
+            except Exception:  # the ledger is down: lease expiry + `dsocr reconcile` recover the job
+                log.exception("job %s: could not record the hard time limit", self.args[0])
+        super().on_timeout(soft, timeout)
+
+
+def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: float) -> None:
+    settings = Settings.from_env()
+    # A short-lived engine, disposed at once: the parent forks replacement children, which must not
+    # inherit an open database connection.
+    db = open_database(settings.database_url)
+    try:
+        with db.transaction() as session:
+            recorded = ledger.record_timeout(
+                session, job_id, ledger.owner_prefix_of_pid(child_pid), limit_s,
+                max_attempts=settings.max_attempts,
+            )  # fmt: skip
+    finally:
+        db.dispose()
+    if recorded is None:
+        return
+    state, queue = recorded
+    log.warning("job %s: killed at the hard time limit (%s s); %s", job_id, limit_s, state)
+    if state == "queued":
+        delay = retry_backoff_s(1, settings)
+        task.apply_async(args=[job_id], task_id=job_id, queue=queue, countdown=delay)  # type: ignore[attr-defined]
+
+
+@shared_task(
+    bind=True, name=RUN_JOB, acks_late=True, reject_on_worker_lost=True, max_retries=None, Request=JobRequest
+)
 def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     if _process is None:
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")

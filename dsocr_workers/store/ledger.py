@@ -73,6 +73,11 @@ def process_owner() -> str:
     return f"{_host}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+def owner_prefix_of_pid(pid: int) -> str:
+    """What every lease owner name of process `pid` on this host starts with."""
+    return f"{_host}:{pid}:"
+
+
 def owner_is_dead(owner: str | None) -> bool:
     """True when `owner` was a process on this host that no longer exists (a killed worker child). Owners
     on other hosts are never judged dead: only their lease expiry frees their jobs."""
@@ -244,6 +249,47 @@ def release_job(session: Session, claim: Claim, error: BaseException, now: datet
         )
     )
     return _rowcount(changed) == 1
+
+
+def record_timeout(
+    session: Session,
+    job_id: str,
+    owner_prefix: str,
+    limit_s: float,
+    *,
+    max_attempts: int,
+    now: datetime | None = None,
+) -> tuple[str, str] | None:
+    """Record that the process holding `job_id` (its lease owner starts with `owner_prefix`) is being killed
+    at the hard time limit: the attempt counts, like any other error — `queued` again, or `poisoned` at the
+    cap — with `TimeLimitExceeded` as the error. Returns (new state, the run's queue); None when the job is
+    no longer held by that process (it finished or was taken over in the meantime).
+
+    The dying process cannot write this itself (it is stuck), so the worker's parent calls it."""
+    now = now or utcnow()
+    owned = Job.lease_owner.startswith(owner_prefix, autoescape=True)
+    held = (Job.id == job_id) & (Job.state == "running") & owned
+    row = session.execute(
+        select(Job.attempts, Run.queue).join(Run, Job.run_id == Run.id).where(held)
+    ).one_or_none()
+    if row is None:
+        return None
+    attempts, queue = row
+    state = "poisoned" if attempts >= max_attempts else "queued"
+    changed = session.execute(
+        update(Job)
+        .where(held & (Job.attempts == attempts))
+        .values(
+            state=state,
+            lease_owner=None,
+            lease_expires_at=None,
+            last_error_class="TimeLimitExceeded",
+            last_error_message=f"attempt {attempts} was killed at the hard time limit of {limit_s:g} s",
+            finished_at=now if state in FINAL_STATES else None,
+            queued_at=now if state == "queued" else Job.queued_at,
+        )
+    )
+    return (state, queue) if _rowcount(changed) == 1 else None
 
 
 # --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------

@@ -1,0 +1,470 @@
+"""The reliability suite's harness.
+
+- `Farm`: one isolated farm per scenario — its own Redis key prefix and queue, the session's PostgreSQL
+  database (or a URL the scenario gives), real `python -m dsocr_workers worker` subprocesses, each in its
+  own process group so that a scenario can `kill -9` a child or a whole worker.
+- `check_invariants`: what every scenario ends with (every job final; results = distinct done jobs; no
+  job beyond the attempt cap unless poisoned; `dsocr report` totals = the tables; the queue drained).
+- Fault tools: `TcpProxy` (PostgreSQL that can be cut and restored) and `ThrowawayRedis` (a redis-server of
+  our own on another port: restartable, optionally with a password) — the shared services are never
+  stopped.
+- `record`: prints a scenario's figures and appends them to $DSOCR_RELIABILITY_FIGURES (JSON lines), the
+  source of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import select
+
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Result, utcnow
+
+REPO = Path(__file__).resolve().parents[2]
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FINAL_STATES = ("done", "failed", "poisoned")
+
+# Short limits so that every recovery path runs in seconds; scenarios override what they exercise.
+TEST_SETTINGS = {
+    "DSOCR_HARD_TIME_LIMIT": "30",
+    "DSOCR_LEASE_SECONDS": "40",
+    "DSOCR_MAX_ATTEMPTS": "3",
+    "DSOCR_RETRY_BACKOFF_MAX": "4",
+    # Several CPU workers share 2 cores: one thread per child, or spinning OpenMP threads slow jobs ~5x.
+    "OMP_NUM_THREADS": "1",
+}
+# The job of every scenario: the tiny preset (random weights) in `tiny` mode on a small page.
+FAST_JOB = ("--mode", "tiny", "--max-new-tokens", "2")
+# About a second of real decoding on this CPU: long enough to be killed mid-job.
+SECOND_JOB = ("--mode", "tiny", "--max-new-tokens", "300", "--ignore-eos")
+
+
+def make_pages(folder: Path, count: int, prefix: str = "p", size: tuple[int, int] = (96, 128)) -> Path:
+    """`count` small distinct PNG pages and their file list."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i in range(count):
+        name = f"{prefix}{i:04d}.png"
+        page = Image.new("RGB", size, "white")
+        ImageDraw.Draw(page).text((4, 4), str(i), fill="black")
+        page.save(folder / name)
+        names.append(name)
+    listing = folder / f"{prefix}-list.txt"
+    listing.write_text("\n".join(names) + "\n")
+    return listing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kib(pid: int, field_name: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise LookupError(field_name)
+
+
+@dataclass
+class Worker:
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def child_pids(self) -> set[int]:
+        """The prefork children (every thread of the parent can fork; read them all)."""
+        pids: set[int] = set()
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                pids.update(int(p) for p in (task / "children").read_text().split())
+            except OSError:
+                continue
+        return pids
+
+    def kill_all(self) -> None:
+        """`kill -9` of the whole worker: the parent and its children (its own process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout: float = 40) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)  # warm shutdown
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
+            os.killpg(self.pid, signal.SIGKILL)
+        if self.popen.poll() is None:
+            self.popen.wait(timeout=30)
+
+
+@dataclass
+class Farm:
+    root: Path
+    database_url: str  # where the checks read the ledger (always direct)
+    env: dict[str, str]
+    prefix: str
+    queue: str
+    broker_url: str
+    workers: list[Worker] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        root: Path,
+        database_url: str,
+        base_env: dict[str, str],
+        *,
+        broker_url: str = REDIS_URL,
+        worker_database_url: str | None = None,
+        **settings: str,
+    ) -> Farm:
+        tag = uuid.uuid4().hex[:10]
+        prefix, queue = f"dsocr-rel-{tag}:", f"dsocr-rel-{tag}"
+        root.mkdir(parents=True, exist_ok=True)
+        inherited = {k: v for k, v in base_env.items() if k != "DSOCR_TEST_FAULTS"}  # faults only when asked
+        env = {
+            **inherited,
+            **TEST_SETTINGS,
+            "DSOCR_DATABASE_URL": worker_database_url or database_url,
+            "DSOCR_BROKER_URL": broker_url,
+            "DSOCR_BROKER_KEY_PREFIX": prefix,
+            "DSOCR_QUEUE": queue,
+            "DSOCR_ARTIFACTS_DIR": str(root / "artifacts"),
+            **settings,
+        }
+        return cls(root, database_url, env, prefix, queue, broker_url)
+
+    # --- commands ---------------------------------------------------------------------------------------
+
+    def dsocr(self, *args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dsocr_workers", *args],
+            env={**self.env, "DSOCR_DATABASE_URL": self.database_url, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def submit(self, listing: Path, *args: str) -> str:
+        done = self.dsocr("submit", str(listing), *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    def reconcile(self, run_id: str) -> str:
+        done = self.dsocr("reconcile", "--run", run_id)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def start_worker(self, *args: str, **env: str) -> Worker:
+        log = self.root / f"worker-{len(self.workers)}.log"
+        with open(log, "w") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", *args],
+                env={**self.env, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: kill_all takes the children too
+            )
+        worker = Worker(popen, log)
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+    def logs(self) -> str:
+        return "".join(w.log.read_text(errors="replace") for w in self.workers if w.log.exists())
+
+    # --- ledger and broker --------------------------------------------------------------------------------
+
+    def jobs(self, run_id: str) -> list[Any]:
+        db = open_database(self.database_url)
+        try:
+            with db.transaction() as session:
+                return list(session.execute(select(Job).where(Job.run_id == run_id)).scalars())
+        finally:
+            db.dispose()
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for job in self.jobs(run_id):
+            counts[job.state] = counts.get(job.state, 0) + 1
+        return counts
+
+    def wait_until_final(
+        self, run_id: str, timeout: float, tick: Callable[[list[Any]], None] | None = None, poll: float = 0.3
+    ) -> float:
+        """Seconds until every job of the run is final; `tick(jobs)` runs at every poll (fault injection)."""
+        start = time.monotonic()
+        while True:
+            jobs = self.jobs(run_id)
+            if tick is not None:
+                tick(jobs)
+            if all(j.state in FINAL_STATES for j in jobs):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                states = {s: sum(j.state == s for j in jobs) for s in {j.state for j in jobs}}
+                raise AssertionError(
+                    f"run {run_id} not final after {timeout:.0f} s: {states}\n{self.logs()[-4000:]}"
+                )
+            time.sleep(poll)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.broker_url)
+
+    def backlog(self) -> tuple[int, int]:
+        """(messages waiting in the queue, messages delivered but not acknowledged) under our prefix."""
+        client = self.redis()
+        return client.llen(self.prefix + self.queue), client.hlen(self.prefix + "unacked")
+
+    def wait_drained(self, timeout: float) -> float:
+        start = time.monotonic()
+        while self.backlog() != (0, 0):
+            if time.monotonic() - start > timeout:
+                raise AssertionError(
+                    f"queue not drained after {timeout:.0f} s: (waiting, unacked) = {self.backlog()}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    def delete_keys(self) -> None:
+        try:
+            client = self.redis()
+            keys = list(client.scan_iter(match=f"{self.prefix}*"))
+            if keys:
+                client.delete(*keys)
+        except redis.RedisError:
+            pass
+
+
+def owner_pid(owner: str | None) -> int | None:
+    """The pid in a lease owner name `host:pid:nonce`."""
+    if not owner:
+        return None
+    parts = owner.split(":")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+@dataclass(frozen=True)
+class Tally:
+    jobs: int
+    done: int
+    failed: int
+    poisoned: int
+    results: int
+    duplicates: int
+    max_attempts_seen: int
+    retried_jobs: int  # jobs that needed more than one attempt
+    drain_s: float
+
+
+def check_invariants(farm: Farm, run_id: str, *, max_attempts: int, drain_timeout: float = 60) -> Tally:
+    """The checks every scenario ends with; returns the run's tally for the figures."""
+    jobs = farm.jobs(run_id)
+    db = open_database(farm.database_url)
+    try:
+        with db.transaction() as session:
+            result_jobs = list(session.scalars(select(Result.job_id).where(Result.run_id == run_id)))
+    finally:
+        db.dispose()
+    assert jobs, f"run {run_id} has no jobs"
+
+    # 1. Every job is in a final state.
+    open_jobs = [(j.image, j.state) for j in jobs if j.state not in FINAL_STATES]
+    assert not open_jobs, f"jobs not final: {open_jobs}"
+    # Job identity is (run, image, repeat): no job twice.
+    assert len({(j.image, j.repeat) for j in jobs}) == len(jobs)
+
+    # 2. Results = the distinct done jobs: one result per done job, none for any other job.
+    done = {j.id for j in jobs if j.state == "done"}
+    duplicates = len(result_jobs) - len(set(result_jobs))
+    assert duplicates == 0, f"{duplicates} duplicate results"
+    assert set(result_jobs) == done, (
+        f"results without a done job: {set(result_jobs) - done}; done jobs without a result: {done - set(result_jobs)}"
+    )
+
+    # 3. No job beyond the attempt cap unless poisoned; every final job was attempted.
+    over = [
+        (j.image, j.attempts, j.state) for j in jobs if j.attempts > max_attempts and j.state != "poisoned"
+    ]
+    assert not over, f"jobs beyond the cap of {max_attempts}: {over}"
+    assert all(j.attempts >= 1 for j in jobs if j.state in ("done", "failed")), [
+        (j.image, j.state, j.attempts) for j in jobs if j.attempts < 1
+    ]
+
+    # 4. `dsocr report` totals equal the tables.
+    report = farm.dsocr("report", "--run", run_id, "--format", "json")
+    assert report.returncode == 0, report.stderr
+    facts = {row["field"]: row["value"] for row in json.loads(report.stdout)["tables"]["Run"]}
+    by_state = {s: sum(j.state == s for j in jobs) for s in FINAL_STATES}
+    assert (facts["jobs"], facts["ok"], facts["failed"], facts["poisoned"], facts["results"], facts["not finished"]) == (
+        len(jobs), by_state["done"], by_state["failed"], by_state["poisoned"], len(result_jobs), 0,
+    ), facts  # fmt: skip
+
+    # 5. The queue is drained: nothing waiting, nothing delivered and unacknowledged.
+    drain_s = farm.wait_drained(drain_timeout)
+
+    return Tally(
+        jobs=len(jobs),
+        done=by_state["done"],
+        failed=by_state["failed"],
+        poisoned=by_state["poisoned"],
+        results=len(result_jobs),
+        duplicates=duplicates,
+        max_attempts_seen=max(j.attempts for j in jobs),
+        retried_jobs=sum(j.attempts > 1 for j in jobs),
+        drain_s=round(drain_s, 1),
+    )
+
+
+def record(scenario: str, **facts: Any) -> None:
+    """Print a scenario's figures and append them to $DSOCR_RELIABILITY_FIGURES when it is set."""
+    entry = {"scenario": scenario, "at": datetime.now().isoformat(timespec="seconds"), **facts}
+    line = json.dumps(entry, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o))
+    print(line)
+    target = os.environ.get("DSOCR_RELIABILITY_FIGURES")
+    if target:
+        with open(target, "a") as out:
+            out.write(line + "\n")
+
+
+def seconds_since(moment: datetime) -> float:
+    return (utcnow() - moment).total_seconds()
+
+
+# --- fault tools -------------------------------------------------------------------------------------------
+
+
+class TcpProxy:
+    """A TCP proxy to 127.0.0.1:`target_port` that the test can cut (listener closed, every connection
+    dropped: clients see "connection refused" and broken connections) and restore on the same port."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._running = False
+        self._listener: threading.Thread | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        server.settimeout(0.2)
+        self._running = True
+        self._listener = threading.Thread(target=self._accept, args=(server,), daemon=True)
+        self._listener.start()
+
+    def cut(self) -> None:
+        self._running = False
+        if self._listener is not None:
+            self._listener.join()
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        with server:
+            while self._running:
+                try:
+                    client, _ = server.accept()
+                except TimeoutError:
+                    continue
+                try:
+                    upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                except OSError:
+                    client.close()
+                    continue
+                with self._lock:
+                    self._sockets.update((client, upstream))
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class ThrowawayRedis:
+    """A redis-server of the test's own on a free port, keeping nothing on disk (like the local one)."""
+
+    def __init__(self, folder: Path, password: str | None = None) -> None:
+        self.folder = folder
+        self.password = password
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+        self.start()
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def shutdown_nosave(self) -> None:
+        """What `redis-cli shutdown nosave` does to the local Redis: the queue and every message are gone."""
+        with contextlib.suppress(redis.ConnectionError):  # the server drops the connection as it exits
+            redis.Redis.from_url(self.url).shutdown(nosave=True)
+        assert self.process is not None
+        self.process.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)

@@ -1,0 +1,126 @@
+"""R2: `kill -9` of a worker's child mid-job, many times in one run — the killed jobs finish on a later
+attempt (Celery's reject_on_worker_lost puts the message back; the claim sees the dead lease owner).
+R3: `kill -9` of whole workers (parent and child) — nothing puts their message back, so their jobs are
+recovered by lease expiry + `dsocr reconcile`, within about the configured lease time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import datetime
+
+import pytest
+from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record, seconds_since
+
+from dsocr_workers.store.models import utcnow
+
+
+def child_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
+    farm = new_farm()
+    listing = make_pages(tmp_path / "pages", jobs)
+    run_id = farm.submit(listing, *SECOND_JOB)
+    workers = [farm.start_worker() for _ in range(2)]
+    killed: dict[str, int] = {}  # job id -> pid of the child killed while running it
+    last_kill = [0.0]
+
+    def kill_a_child(current) -> None:
+        if len(killed) >= kills or time.monotonic() - last_kill[0] < 1.0:
+            return
+        children = set().union(*(w.child_pids() for w in workers))
+        for job in current:
+            pid = owner_pid(job.lease_owner)
+            # Mid-job: claimed a moment ago (a job decodes for about a second), by one of our children.
+            if (
+                job.state == "running"
+                and pid in children
+                and job.id not in killed
+                and seconds_since(job.started_at) < 0.4
+            ):
+                os.kill(pid, signal.SIGKILL)
+                killed[job.id] = pid
+                last_kill[0] = time.monotonic()
+                return
+
+    wall = farm.wait_until_final(run_id, timeout=120 + jobs * 4, tick=kill_a_child, poll=0.1)
+    tally = check_invariants(farm, run_id, max_attempts=3)
+    assert len(killed) == kills
+    by_id = {j.id: j for j in farm.jobs(run_id)}
+    assert all(by_id[j].state == "done" and by_id[j].attempts >= 2 for j in killed), [
+        (by_id[j].image, by_id[j].state, by_id[j].attempts) for j in killed
+    ]
+    assert tally.done == jobs and tally.results == jobs
+    assert all(w.alive() for w in workers)  # the parents survive and fork new children
+    record(scenario, workers=2, faults=f"{kills} child kills", lost=jobs - tally.done, duplicated=tally.duplicates,
+           killed_jobs_done_on_attempt=sorted(by_id[j].attempts for j in killed), wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_r2_child_kills_ci(new_farm, tmp_path):
+    child_kills(new_farm, tmp_path, jobs=16, kills=3, scenario="R2 kill -9 of a child (CI)")
+
+
+@pytest.mark.slow
+def test_r2_child_kills_10(new_farm, tmp_path):
+    child_kills(new_farm, tmp_path, jobs=60, kills=10, scenario="R2 kill -9 of a child")
+
+
+LEASE_S = 15
+
+
+def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
+    # A short lease (hard limit 10 s), and a visibility timeout that returns the dead workers' unacknowledged
+    # messages within the test (they are refused as already done and acknowledged).
+    farm = new_farm(
+        DSOCR_HARD_TIME_LIMIT="10", DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_VISIBILITY_TIMEOUT="30"
+    )
+    listing = make_pages(tmp_path / "pages", jobs)
+    run_id = farm.submit(listing, *SECOND_JOB)
+    workers = [farm.start_worker() for _ in range(3)]
+    killed: dict[str, float] = {}  # job id -> time of the kill (monotonic)
+    killed_at: dict[str, datetime] = {}  # the same in the ledger's clock (naive UTC)
+    reconciled: set[str] = set()
+
+    def kill_a_worker(current) -> None:
+        now = time.monotonic()
+        # The operator's side: `dsocr reconcile` once a killed job's lease has expired.
+        for job_id, at in killed.items():
+            if job_id not in reconciled and now - at > LEASE_S + 0.5:
+                farm.reconcile(run_id)
+                reconciled.add(job_id)
+        if len(killed) >= kills or (killed and now - max(killed.values()) < 2.0):
+            return
+        for job in current:
+            pid = owner_pid(job.lease_owner)
+            victim = next((w for w in workers if w.alive() and pid in w.child_pids()), None)
+            if job.state == "running" and victim is not None and seconds_since(job.started_at) < 0.4:
+                victim.kill_all()
+                killed[job.id], killed_at[job.id] = time.monotonic(), utcnow()
+                workers.append(farm.start_worker())  # the capacity comes back, as a supervisor would do
+                return
+
+    wall = farm.wait_until_final(run_id, timeout=120 + jobs * 4, tick=kill_a_worker, poll=0.2)
+    finished = {j.id: j for j in farm.jobs(run_id)}
+    tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
+    assert len(killed) == kills
+    recovery = []  # seconds from the kill to the job done on its second attempt
+    requeued = []  # seconds from the kill to `dsocr reconcile` queueing it again (its lease expired)
+    for job_id, at in killed_at.items():
+        job = finished[job_id]
+        assert job.state == "done" and job.attempts == 2, (job.image, job.state, job.attempts)
+        recovery.append(round((job.finished_at - at).total_seconds(), 1))
+        requeued.append(round((job.queued_at - at).total_seconds(), 1))
+    # Back in the queue within the lease time (+ the operator's reconcile poll); it is done once the
+    # jobs queued before it have run, so `done_after_kill_s` grows with the backlog.
+    assert all(LEASE_S - 1 < r < LEASE_S + 5 for r in requeued), requeued
+    assert tally.done == jobs and tally.results == jobs
+    record(scenario, workers=3, faults=f"{kills} whole-worker kills", lease_s=LEASE_S, lost=jobs - tally.done,
+           duplicated=tally.duplicates, requeued_after_kill_s=requeued, done_after_kill_s=recovery, wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_r3_worker_kills_ci(new_farm, tmp_path):
+    worker_kills(new_farm, tmp_path, jobs=24, kills=2, scenario="R3 kill -9 of a whole worker (CI)")
+
+
+@pytest.mark.slow
+def test_r3_worker_kills_3(new_farm, tmp_path):
+    worker_kills(new_farm, tmp_path, jobs=60, kills=3, scenario="R3 kill -9 of a whole worker")

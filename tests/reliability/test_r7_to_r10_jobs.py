@@ -1,0 +1,116 @@
+"""R7 duplicate submits, R8 a poison job, R9 a hung job, R10 redelivery of a job that is still running.
+
+R8 and R9 use the test-only fault hook (DSOCR_TEST_FAULTS, dsocr_workers/farm/faults.py): no real input
+kills its worker or hangs on demand. R10 is real work: a job that decodes for seconds, longer than a
+deliberately short visibility timeout."""
+
+from __future__ import annotations
+
+import time
+
+from reliability_harness import FAST_JOB, check_invariants, make_pages, record
+
+
+def test_r7_duplicate_submits(new_farm, tmp_path):
+    """Semantics: a duplicate line is refused at submit ("duplicate of line N"; --skip-invalid drops it);
+    each submit is a new run, so the same list twice gives two runs that each measure every image once;
+    a job delivered twice (reconcile while its first message is still queued) gives one result."""
+    farm = new_farm()
+    listing = make_pages(tmp_path / "pages", 12)
+    names = listing.read_text().split()
+    doubled = tmp_path / "pages" / "doubled.txt"
+    doubled.write_text("\n".join([*names, names[0], f"./{names[1]}"]) + "\n")
+
+    refused = farm.dsocr("submit", str(doubled), *FAST_JOB)
+    assert refused.returncode == 2
+    assert f"doubled.txt:13: {names[0]}: duplicate of line 1" in refused.stderr, refused.stderr
+    assert f"doubled.txt:14: ./{names[1]}: duplicate of line 2" in refused.stderr, refused.stderr
+
+    first = farm.submit(doubled, "--skip-invalid", *FAST_JOB)
+    second = farm.submit(listing, *FAST_JOB)
+    farm.reconcile(first)  # every job of the first run now has two messages in the queue
+    farm.reconcile(second)
+    waiting, _ = farm.backlog()
+    assert waiting == 4 * len(names)
+    for _ in range(2):
+        farm.start_worker()
+    for run_id in (first, second):
+        farm.wait_until_final(run_id, timeout=120)
+    tallies = [check_invariants(farm, run_id, max_attempts=3) for run_id in (first, second)]
+    assert [(t.jobs, t.done, t.results, t.max_attempts_seen) for t in tallies] == [
+        (len(names), len(names), len(names), 1)
+    ] * 2
+    assert farm.logs().count("already done") == 2 * len(names)  # every second delivery refused by the claim
+    record("R7 duplicate submits", workers=2, faults="2 duplicate lines; the list submitted twice; every "
+           "message delivered twice", lost=0, duplicated=sum(t.duplicates for t in tallies),
+           deliveries=4 * len(names), results=sum(t.results for t in tallies), tally=tallies)  # fmt: skip
+
+
+def test_r8_poison_job(new_farm, tmp_path):
+    farm = new_farm(DSOCR_TEST_FAULTS="crash=poison*.png")
+    listing = make_pages(tmp_path / "pages", 12)
+    make_pages(tmp_path / "pages", 1, prefix="poison")
+    listing.write_text("poison0000.png\n" + listing.read_text())
+    run_id = farm.submit(listing, *FAST_JOB)
+    workers = [farm.start_worker() for _ in range(2)]
+    wall = farm.wait_until_final(run_id, timeout=240)
+    tally = check_invariants(farm, run_id, max_attempts=3)
+    jobs = {j.image: j for j in farm.jobs(run_id)}
+    poison = jobs.pop("poison0000.png")
+    assert (poison.state, poison.attempts, poison.last_error_class) == ("poisoned", 3, "WorkerLost")
+    assert all((j.state, j.attempts) == ("done", 1) for j in jobs.values()), [
+        (j.image, j.state, j.attempts) for j in jobs.values()
+    ]
+    assert farm.logs().count("exited with 'signal 9 (SIGKILL)'") == 3  # each attempt took its child down
+    assert all(w.alive() for w in workers)
+    record("R8 poison job", workers=2, faults="1 job that SIGKILLs its child on every attempt (3 kills)",
+           lost=12 - (tally.done), duplicated=tally.duplicates, poison_attempts=poison.attempts,
+           wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+HARD_LIMIT_S = 12
+
+
+def test_r9_hung_job(new_farm, tmp_path):
+    # A lease far above the hard limit: the job must be recorded at the hard limit, not at lease expiry.
+    farm = new_farm(DSOCR_TEST_FAULTS="hang=hung*.png", DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
+                    DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2")  # fmt: skip
+    listing = make_pages(tmp_path / "pages", 8)
+    make_pages(tmp_path / "pages", 1, prefix="hung")
+    listing.write_text("hung0000.png\n" + listing.read_text())
+    run_id = farm.submit(listing, *FAST_JOB)
+    worker = farm.start_worker()  # one worker with one child: it must carry on after each kill
+    start = time.monotonic()
+    wall = farm.wait_until_final(run_id, timeout=180)
+    tally = check_invariants(farm, run_id, max_attempts=2)
+    jobs = {j.image: j for j in farm.jobs(run_id)}
+    hung = jobs.pop("hung0000.png")
+    assert (hung.state, hung.attempts, hung.last_error_class) == ("poisoned", 2, "TimeLimitExceeded"), (
+        hung.state, hung.attempts, hung.last_error_class, hung.last_error_message)  # fmt: skip
+    assert f"hard time limit of {HARD_LIMIT_S} s" in hung.last_error_message
+    assert all((j.state, j.attempts) == ("done", 1) for j in jobs.values())
+    logs = farm.logs()
+    assert logs.count("Hard time limit") == 2 and worker.alive()
+    # Two hard limits, the backoff and fresh children: far below the 300 s lease that used to be the way out.
+    assert time.monotonic() - start < 4 * HARD_LIMIT_S + 30
+    record("R9 hung job", workers=1, faults=f"1 job hanging with the soft limit blocked (hard limit {HARD_LIMIT_S} s, "
+           "cap 2)", lost=8 - tally.done, duplicated=tally.duplicates, hung_recorded_as=hung.last_error_class,
+           wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_r10_redelivery_while_running(new_farm, tmp_path):
+    # Jobs decode for ~3 s; Redis hands an unacknowledged message to another consumer after 1 s.
+    farm = new_farm(DSOCR_VISIBILITY_TIMEOUT="1", DSOCR_HARD_TIME_LIMIT="20", DSOCR_LEASE_SECONDS="25")
+    listing = make_pages(tmp_path / "pages", 4)
+    run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "1000", "--ignore-eos")
+    for _ in range(2):
+        farm.start_worker()
+    wall = farm.wait_until_final(run_id, timeout=240)
+    tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=120)
+    logs = farm.logs()
+    refused_live = logs.count("running under a live lease")
+    assert refused_live >= 1, logs[-3000:]
+    assert tally.done == 4 and tally.results == 4 and tally.max_attempts_seen == 1
+    record("R10 redelivery while running", workers=2, faults="visibility timeout 1 s < job ~3 s",
+           lost=4 - tally.done, duplicated=tally.duplicates, duplicate_deliveries_refused=refused_live,
+           wall_s=round(wall, 1), tally=tally)  # fmt: skip
