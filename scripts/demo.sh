@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, from a fresh clone: install, then profile the synthetic sample
+# pages with the tiny random-weight preset on CPU, SQLite ledger, in-process worker (no Redis, no
+# PostgreSQL), ending with the report. Extra arguments go to `dsocr run`, e.g.
+#   bash scripts/demo.sh --model full --gpus 0        # on a GPU box
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+bash scripts/setup.sh
+
+# The embedded default, whatever the shell has configured: the SQLite file ./dsocr.db, no broker.
+export DSOCR_DATABASE_URL=sqlite:///./dsocr.db
+export DSOCR_ARTIFACTS_DIR=${DSOCR_ARTIFACTS_DIR:-./artifacts}
+unset DSOCR_BROKER_URL
+
+"$PY" -m dsocr_workers db upgrade
+"$PY" -m dsocr_workers run datasets/samples/samples.txt --name demo --tag source=demo.sh "$@"
