@@ -25,12 +25,19 @@ class CheckResult:
     detail: str
 
 
+# Rounding of the logits' inputs: a one-shot forward and the cached split path multiply different
+# shapes, so their kernels round differently; a gap below this fraction of the top logit is a tie.
+NEAR_TIE = {torch.float32: 2.0**-16, torch.float16: 2.0**-8, torch.bfloat16: 2.0**-6}
+
+
 def one_shot_choices(
     session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
-) -> list[int]:
+) -> list[tuple[int, float, float]]:
     """What one-shot generation picks at every step given the same prefix: a single cache-free forward
     over prompt + `tokens` (teacher forcing), then the decode policy position by position. If every
-    pick equals `tokens`, free-running one-shot generation reproduces them (by induction)."""
+    pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
+
+    Returns (pick, logit of the pick, logit of `tokens[step]`) per step, after the n-gram ban."""
     page = session.prepare(image, None, mode, 9)
     model = session.model
     with torch.inference_mode():
@@ -48,7 +55,9 @@ def one_shot_choices(
         ban = NGramBan.create(page.input_ids.to(session.device), ids.numel() + 1, options)
         picks = []
         for step, token in enumerate(tokens):
-            picks.append(int(choose_token(logits[step: step + 1], ban, options)))
+            scores = ban(logits[step: step + 1])
+            pick = int(choose_token(logits[step: step + 1], ban, options))
+            picks.append((pick, float(scores[0, pick]), float(scores[0, token])))
             ban.tokens[ban.length - 1] = token  # continue from the split path's token
     return picks
 
@@ -80,15 +89,19 @@ def run_checks(
     options = DecodeOptions(ignore_eos=True)  # a fixed length makes the comparison total
     result = session.run_inference(image, mode=mode, max_new_tokens=max_new_tokens, infer=options)
     picks = one_shot_choices(session, image, result.token_ids, options, mode)
-    mismatches = [i for i, (a, b) in enumerate(zip(result.token_ids, picks, strict=True)) if a != b]
-    checks = [
-        CheckResult(
-            "split decode == one-shot generation (greedy)",
-            not mismatches,
-            f"{len(result.token_ids)} tokens identical" if not mismatches
-            else f"first divergence at token {mismatches[0]} ({len(mismatches)} of {len(picks)} differ)",
-        )
-    ]
+    tolerance = NEAR_TIE.get(session.dtype, 0.0)
+    mismatches: list[int] = []
+    ties: list[int] = []
+    for step, (token, (pick, best, chosen)) in enumerate(zip(result.token_ids, picks, strict=True)):
+        if token != pick:
+            (ties if best - chosen <= tolerance * max(1.0, abs(best)) else mismatches).append(step)
+    identical = len(picks) - len(mismatches) - len(ties)
+    detail = f"{identical} of {len(picks)} tokens identical"
+    if ties:
+        detail += f", {len(ties)} near-tied in {str(session.dtype).removeprefix('torch.')} (steps {ties[:5]})"
+    if mismatches:
+        detail += f"; first divergence at token {mismatches[0]} ({len(mismatches)} differ beyond rounding)"
+    checks = [CheckResult("split decode == one-shot generation (greedy)", not mismatches, detail)]
 
     after_prefill, fills, clock = split_kv_growth(session, image, max_new_tokens - 1, options, mode)
     expected = [after_prefill + i + 1 for i in range(len(fills))]
