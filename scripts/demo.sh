@@ -15,4 +15,7 @@ export DSOCR_ARTIFACTS_DIR=${DSOCR_ARTIFACTS_DIR:-./artifacts}
 unset DSOCR_BROKER_URL
 
 "$PY" -m dsocr_workers db upgrade
-"$PY" -m dsocr_workers run datasets/samples/samples.txt --name demo --tag source=demo.sh "$@"
+# Random weights never choose EOS, so without a cap every page would decode up to the model's 8192
+# positions (~7,000 tokens, ~25 s a page on two CPU cores); 512 keeps the demo under a minute. Later
+# arguments win: `bash scripts/demo.sh --max-new-tokens 8192` lifts it.
+"$PY" -m dsocr_workers run datasets/samples/samples.txt --name demo --tag source=demo.sh --max-new-tokens 512 "$@"
