@@ -9,6 +9,8 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from dsocr_workers.errors import InputError
+
 
 def upsert(
     session: Session,
@@ -23,7 +25,7 @@ def upsert(
     table = cast(Table, model.__table__)
     insert: Any = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect)
     if insert is None:
-        raise NotImplementedError(f"upsert supports sqlite and postgresql, not {dialect}")
+        raise InputError(f"the ledger runs on SQLite or PostgreSQL; DSOCR_DATABASE_URL names {dialect}")
     keys = list(conflict_columns)
     statement = insert(table).values(dict(values))
     columns = [c for c in values if c not in keys] if update_columns is None else list(update_columns)
