@@ -45,7 +45,7 @@ def profile_fast(page: Path, model: str, rows: int) -> None:
     for _ in range(2):
         session.run_inference(page, max_new_tokens=64, infer=PLAIN)
     prepared = session.prepare(page, None, "gundam", 9)
-    buffers = session._buffers_for(prepared.prompt_tokens + 64)
+    buffers = session.buffers_for(prepared.prompt_tokens + 64)
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     with torch.inference_mode():
         ban = buffers.start(prepared.input_ids.to(session.device), PLAIN)
@@ -61,7 +61,7 @@ def profile_fast(page: Path, model: str, rows: int) -> None:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as decode_prof:
             for _ in range(steps):
-                session._decode_step(session.model, buffers.cache, ban, PLAIN)
+                session.decode_step(buffers, ban, PLAIN)
             torch.cuda.synchronize()
         print(f"== fast decode ({steps} steps): top CUDA kernels\n" + top_kernels(decode_prof, rows), flush=True)
         print(f"kernels per decode step: {kernel_launches(decode_prof) / steps:.1f}", flush=True)
@@ -81,7 +81,7 @@ def determinism(page: Path, model: str, tokens_per_run: int, runs: int = 3) -> N
             clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
             with clock.stage("prefill"):
                 embeds.append(session.encode_image(prepared, clock).float().cpu())
-            buffers = session._buffers_for(prepared.prompt_tokens + tokens_per_run)
+            buffers = session.buffers_for(prepared.prompt_tokens + tokens_per_run)
             buffers.start(prepared.input_ids.to(session.device), PLAIN)
             logits.append(session.prefill_page(prepared, buffers, StageClock(session.device, nvtx_enabled=False,
                                                                               timing_enabled=False))[0].cpu())

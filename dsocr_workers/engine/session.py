@@ -29,6 +29,8 @@ from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
 from dsocr_workers.model.experts import VENDOR_LOOP
+from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.model.tokenizer import OCRTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -147,22 +149,27 @@ class DeepSeekOCRSession:
         return cls(loaded, model_source, resolved, torch_dtype, engine, note)
 
     @property
-    def model(self):
+    def model(self) -> DeepSeekOCR:
         return self.loaded.model
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> OCRTokenizer:
         return self.loaded.tokenizer
 
     @property
     def max_positions(self) -> int:
         return self.loaded.config.text.max_position_embeddings
 
-    def _buffers_for(self, needed: int) -> DecodeBuffers:
+    def buffers_for(self, needed: int) -> DecodeBuffers:
+        """The static decode state (KV cache, token buffer) of the bucket that holds `needed` positions."""
         capacity = cache_bucket(needed, self.max_positions)
         if capacity not in self._buffers:
             self._buffers[capacity] = DecodeBuffers.allocate(self.model, capacity, self.device)
         return self._buffers[capacity]
+
+    def decode_step(self, buffers: DecodeBuffers, ban: NGramBan, options: DecodeOptions) -> torch.Tensor:
+        """One decode step of this session's engine (compiled and graphed in `fast`); returns the token."""
+        return self._decode_step(self.model, buffers.cache, ban, options)
 
     # --- one job ------------------------------------------------------------------------------------
 
@@ -232,7 +239,7 @@ class DeepSeekOCRSession:
             if budget < 1:
                 raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
             budget = min(budget, ceiling)
-            buffers = self._buffers_for(page.prompt_tokens + budget)
+            buffers = self.buffers_for(page.prompt_tokens + budget)
             if options.seed is not None:
                 torch.manual_seed(options.seed)
             ban = buffers.start(page.input_ids.to(self.device), options)
@@ -286,7 +293,7 @@ class DeepSeekOCRSession:
                     written = buffers.tokens[prompt_tokens: prompt_tokens + 1 + steps]
                     if bool((written == EOS_TOKEN_ID).any()):
                         break
-                self._decode_step(self.model, buffers.cache, ban, options)
+                self.decode_step(buffers, ban, options)
                 clock.mark_step()
                 steps += 1
         return steps

@@ -69,7 +69,7 @@ def split_kv_growth(
     page = session.prepare(image, None, mode, 9)
     clock = StageClock(session.device)
     with torch.inference_mode():
-        buffers = session._buffers_for(page.prompt_tokens + steps + 1)
+        buffers = session.buffers_for(page.prompt_tokens + steps + 1)
         ban = buffers.start(page.input_ids.to(session.device), options)
         logits, _ = session.prefill_page(page, buffers, clock)
         choose_token(logits, ban, options)
@@ -77,7 +77,7 @@ def split_kv_growth(
         fills = []
         with clock.stage("decode"):
             for _ in range(steps):
-                session._decode_step(session.model, buffers.cache, ban, options)
+                session.decode_step(buffers, ban, options)
                 fills.append(buffers.kv_length)
     clock.finish()
     return after_prefill, fills, clock
@@ -138,13 +138,13 @@ def teacher_forced_top1(
     page = session.prepare(image, None, mode, 9)
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     with torch.inference_mode():
-        buffers = session._buffers_for(page.prompt_tokens + len(forced))
+        buffers = session.buffers_for(page.prompt_tokens + len(forced))
         ban = buffers.start(page.input_ids.to(session.device), options)
         logits, _ = session.prefill_page(page, buffers, clock)
         picks = [int(choose_token(logits, ban, options))]
         for step in range(1, len(forced)):
             buffers.tokens[ban.length - 1] = forced[step - 1]
-            picks.append(int(session._decode_step(session.model, buffers.cache, ban, options)))
+            picks.append(int(session.decode_step(buffers, ban, options)))
     return picks
 
 
