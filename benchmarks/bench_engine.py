@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.stages import INSTRUMENTATION_ENV  # noqa: E402
+from dsocr_workers.farm.fingerprint import git_sha, nvidia_driver  # noqa: E402
 
 # The fast engine's first job compiles (vision for two shapes, then dynamic) and its decode step is
 # captured as a CUDA graph after a warm-up; eager needs one job to settle allocator and kernels.
@@ -104,20 +104,10 @@ def environment() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = props.name
         env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-    try:
-        env["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        env["driver"] = None
-    try:
-        env["git_sha"] = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        # The GPU machine receives a working tree without .git: the caller passes the commit.
-        env["git_sha"] = os.environ.get("DSOCR_GIT_SHA")
+    # The worker fingerprint's probes (DSOCR_GIT_SHA first: the GPU machine's tree has no .git).
+    env["driver"] = nvidia_driver()
+    sha = git_sha()
+    env["git_sha"] = sha[:7] if sha else None
     return env
 
 
