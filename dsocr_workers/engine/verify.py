@@ -11,7 +11,7 @@ from PIL import Image
 
 from dsocr_workers.engine.generate import choose_token
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.sampling import NGramBan
+from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.stages import VISION_STAGES, StageClock
 
@@ -56,7 +56,8 @@ def one_shot_choices(
         picks = []
         for step, token in enumerate(tokens):
             scores = ban(logits[step: step + 1])
-            pick = int(choose_token(logits[step: step + 1], ban, options))
+            pick = int(select_token(scores, options))
+            ban.append(torch.tensor([pick], device=session.device))
             picks.append((pick, float(scores[0, pick]), float(scores[0, token])))
             ban.tokens[ban.length - 1] = token  # continue from the split path's token
     return picks
