@@ -160,7 +160,7 @@ def summarize(results: list[InferenceResult], walls: list[float], baseline_bytes
         "ttft_ms": median([x.ttft_ms for x in t]),
         "e2e_ms": median([x.e2e_ms for x in t]),
         "host_wall_ms": median(walls),
-        "peak_memory_gib": (max((r.peak_memory_bytes or 0) for r in results) - baseline_bytes) / 2**30,
+        "peak_memory_gib": (max((r.memory.peak_bytes if r.memory else 0) for r in results) - baseline_bytes) / 2**30,
         "baseline_allocated_gib": baseline_bytes / 2**30,
         "decode_tokens": first.decode_tokens,
         "stop_reason": first.stop_reason,

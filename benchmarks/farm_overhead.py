@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimings
-from dsocr_workers.farm.execute import execute_job
+from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.submit import RunOptions, record_run
@@ -42,7 +42,7 @@ def prepared_result(steps: int = 256) -> InferenceResult:
         text="<|ref|>text<|/ref|><|det|>[[1, 2, 3, 4]]<|/det|>\nSome words " * 20, token_ids=list(range(steps + 1)),
         stop_reason="eos", prompt_tokens=300, image_tokens=273, crop_grid=(2, 3), mode="gundam",
         image_size=(1600, 2200), timings=timings, boxes=[{"label": "text", "box": [1, 2, 3, 4]}] * 20,
-        skipped_spans=0, peak_memory_bytes=None, engine="eager", device="cpu", dtype="float32", model=SOURCE,
+        skipped_spans=0, memory=None, engine="eager", device="cpu", dtype="float32", model=SOURCE,
     )  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def main() -> int:
     for job_id in run.job_ids:
         start = time.perf_counter()
         outcome = execute_job(
-            db, job_id, owner=owner, settings=settings, infer=lambda claim: (result, worker["id"])
+            db, job_id, owner=owner, settings=settings, infer=lambda claim: Ran(result, worker["id"])
         )
         overhead_ms.append((time.perf_counter() - start) * 1000)
         assert outcome.status == "done", outcome

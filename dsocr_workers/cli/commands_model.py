@@ -152,7 +152,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
     table.caption = (
         f"clock: {t.clock}; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
         f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
-        + (f"; peak memory {result.peak_memory_bytes / 2**30:.2f} GiB" if result.peak_memory_bytes else "")
+        + (f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB" if result.memory else "")
     )
     return table
 

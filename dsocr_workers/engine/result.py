@@ -25,6 +25,9 @@ class DecodeOptions:
     # Token ids the no-repeat ban never bans (the vendor vLLM path: (128821, 128822) = <td>, </td>).
     ngram_whitelist: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Benchmarks and tests: EOS is chosen as the token of decode step N (0 = the first token, from the
+    # prefill logits), whatever the logits say, so the EOS path can be timed at a known length.
+    force_eos_at_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,16 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class StageTimings:
-    """Milliseconds per stage. On CUDA every GPU stage is timed with CUDA events; on CPU with
-    perf_counter. `prefill_ms` contains the vision stages and `lm_prefill_ms`."""
+    """Milliseconds per part of one job. GPU parts are timed with CUDA events on CUDA (perf_counter on
+    the CPU); host parts (`preprocess`, `postprocess`) always with perf_counter; `e2e_ms` with the host
+    clock from the start of preprocessing to the end of postprocessing. The parts add up:
+
+        e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
+              + postprocess + host_gap
+
+    `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
+    device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
+    vision stages and `lm_prefill_ms`."""
 
     clock: Clock
     preprocess_ms: float
@@ -57,12 +68,38 @@ class StageTimings:
     clip_ms: float
     projector_ms: float
     lm_prefill_ms: float
-    decode_ms: float
-    # One entry per decode step (each step produces one token after the first, which comes from
+    decode_ms: float  # the kept steps only
+    # One entry per kept decode step (each step produces one token after the first, which comes from
     # the prefill logits).
     decode_step_ms: list[float] = field(default_factory=list)
-    ttft_ms: float = 0.0  # preprocess + prefill + first-token selection
+    setup_ms: float = 0.0  # inputs to the device, the cache reset: before the prefill
+    first_token_ms: float = 0.0  # choosing the first token from the prefill logits
+    wasted_decode_ms: float = 0.0  # steps computed after EOS (the loop looks for EOS asynchronously)
+    readback_ms: float = 0.0  # the generated ids back to the host
+    postprocess_ms: float = 0.0  # detokenising and parsing the markup
+    host_gap_ms: float = 0.0
+    ttft_ms: float = 0.0  # preprocess + setup + prefill + first_token
     e2e_ms: float = 0.0
+
+    @property
+    def parts_ms(self) -> dict[str, float]:
+        """The named parts whose sum is `e2e_ms`."""
+        return {
+            "preprocess": self.preprocess_ms, "setup": self.setup_ms, "prefill": self.prefill_ms,
+            "first_token": self.first_token_ms, "decode": self.decode_ms, "wasted_decode": self.wasted_decode_ms,
+            "readback": self.readback_ms, "postprocess": self.postprocess_ms, "host_gap": self.host_gap_ms,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """CUDA memory of one job (allocator statistics reset at its start). `peak` = what was resident when
+    the job's compute began (weights, every cache bucket so far) + `activation_peak`."""
+
+    peak_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int  # the cache bucket this job used
+    activation_peak_bytes: int
 
 
 @dataclass(frozen=True)
@@ -80,13 +117,21 @@ class InferenceResult:
     timings: StageTimings
     boxes: list[dict[str, Any]]  # parsed `<|ref|>/<|det|>` regions in pixels, see model.postprocess
     skipped_spans: int  # malformed or truncated markup spans the parser skipped
-    peak_memory_bytes: int | None  # CUDA peak allocated during the job; None on CPU
+    memory: JobMemory | None  # CUDA only
     engine: str  # the engine that actually ran ("eager" or "fast")
     device: str
     dtype: str
     model: ModelSource
     kv_length: int = 0  # cache length after the last step (prompt + tokens fed back)
     vision_calls: int = 0  # how many times the vision stages ran for this job
+    wasted_steps: int = 0  # decode steps computed after EOS and discarded
+    # Why this job was not steady state (a compilation, a new cache bucket, allocator growth); empty
+    # when warm. Cold timings are real, but reports leave them out of statistics unless asked.
+    cold_reasons: tuple[str, ...] = ()
+
+    @property
+    def cold(self) -> bool:
+        return bool(self.cold_reasons)
 
     @property
     def decode_tokens(self) -> int:

@@ -247,7 +247,6 @@ class DeepSeekOCRSession:
             choose_token(logits, ban, options)  # the first token comes from the prefill logits
             clock.mark_first_token()
             steps = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
-            peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             clock.finish()
             written = buffers.tokens[page.prompt_tokens: page.prompt_tokens + 1 + steps].tolist()
             kv_length = buffers.kv_length
@@ -270,7 +269,7 @@ class DeepSeekOCRSession:
             timings=timings,
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
-            peak_memory_bytes=peak,
+            memory=None,
             engine=self.engine,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),

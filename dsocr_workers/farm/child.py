@@ -10,8 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsocr_workers.engine.result import DecodeOptions, InferenceResult
+from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm import faults
+from dsocr_workers.farm.execute import Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -67,7 +68,7 @@ class JobProcess:
         self.loaded = LoadedSession(key, session, fingerprint["id"])
         return self.loaded
 
-    def infer(self, claim: ledger.Claim) -> tuple[InferenceResult, str]:
+    def infer(self, claim: ledger.Claim) -> Ran:
         faults.inject(claim.image)  # test-only; a no-op unless DSOCR_TEST_FAULTS is set (farm/faults.py)
         p = claim.parameters
         loaded = self.session_for(claim.model, p)
@@ -79,7 +80,7 @@ class JobProcess:
             infer=DecodeOptions(ignore_eos=bool(p.get("ignore_eos", False))),
             job_id=claim.job_id,
         )
-        return result, loaded.worker_id
+        return Ran(result, loaded.worker_id)
 
 
 def devices_from_env() -> list[str]:

@@ -22,8 +22,16 @@ from dsocr_workers.store.db import Database
 
 Status = Literal["done", "failed", "queued", "poisoned", "refused", "released", "lost"]
 
-# Runs one claimed job: returns the engine's result and the id of the worker fingerprint it ran under.
-Infer = Callable[[ledger.Claim], tuple[InferenceResult, str]]
+@dataclass(frozen=True)
+class Ran:
+    """One claimed job, run: the engine's result and who ran it."""
+
+    result: InferenceResult
+    worker_id: str  # the environment fingerprint (`workers` row)
+    worker_session_id: str | None = None  # the loaded model in its process (`worker_sessions` row)
+
+
+Infer = Callable[[ledger.Claim], Ran]
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
         return Outcome(job_id, "refused", claim.reason, later)
 
     try:
-        result, worker_id = infer(claim)
+        ran = infer(claim)
     except InputError as exc:
         return _record_failure(db, claim, exc, final=True, settings=settings)
     except TransientError as exc:
@@ -66,7 +74,7 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
     with db.transaction() as session:
-        written = ledger.complete_job(session, claim, result_row(result, claim, worker_id))
+        written = ledger.complete_job(session, claim, result_row(ran, claim))
     if not written:
         return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
     return Outcome(job_id, "done")
@@ -84,25 +92,34 @@ def _record_failure(
     return Outcome(claim.job_id, state, detail, retry)  # type: ignore[arg-type]
 
 
-def result_row(result: InferenceResult, claim: ledger.Claim, worker_id: str) -> dict[str, Any]:
+def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
     """The `results` columns for one inference."""
+    result = ran.result
     t = result.timings
+    memory = result.memory
     steps = np.asarray(t.decode_step_ms, dtype=float)
     p50, p90, p99 = (
         (float(v) for v in np.percentile(steps, [50, 90, 99])) if steps.size else (None, None, None)
     )
     return {
-        "worker_id": worker_id,
+        "worker_id": ran.worker_id,
+        "worker_session_id": ran.worker_session_id,
         "attempt": claim.attempt,
         "clock": t.clock,
         "preprocess_ms": t.preprocess_ms,
+        "setup_ms": t.setup_ms,
         "prefill_ms": t.prefill_ms,
         "vision_ms": t.vision_ms,
         "sam_ms": t.sam_ms,
         "clip_ms": t.clip_ms,
         "projector_ms": t.projector_ms,
         "lm_prefill_ms": t.lm_prefill_ms,
+        "first_token_ms": t.first_token_ms,
         "decode_ms": t.decode_ms,
+        "wasted_decode_ms": t.wasted_decode_ms,
+        "readback_ms": t.readback_ms,
+        "postprocess_ms": t.postprocess_ms,
+        "host_gap_ms": t.host_gap_ms,
         "ttft_ms": t.ttft_ms,
         "e2e_ms": t.e2e_ms,
         "decode_step_ms": list(t.decode_step_ms),
@@ -110,6 +127,7 @@ def result_row(result: InferenceResult, claim: ledger.Claim, worker_id: str) -> 
         "decode_ms_per_token_p90": p90,
         "decode_ms_per_token_p99": p99,
         "decode_tokens": result.decode_tokens,
+        "wasted_steps": result.wasted_steps,
         "prompt_tokens": result.prompt_tokens,
         "image_tokens": result.image_tokens,
         "crop_cols": result.crop_grid[0],
@@ -118,9 +136,14 @@ def result_row(result: InferenceResult, claim: ledger.Claim, worker_id: str) -> 
         "image_height": result.image_size[1],
         "mode": result.mode,
         "stop_reason": result.stop_reason,
-        "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_memory_bytes": memory.peak_bytes if memory else None,
+        "weights_bytes": memory.weights_bytes if memory else None,
+        "kv_cache_bytes": memory.kv_cache_bytes if memory else None,
+        "activation_peak_bytes": memory.activation_peak_bytes if memory else None,
         "kv_length": result.kv_length,
         "vision_calls": result.vision_calls,
+        "cold": result.cold,
+        "cold_reason": "; ".join(result.cold_reasons) or None,
         "engine": result.engine,
         "device": result.device,
         "dtype": result.dtype,

@@ -10,7 +10,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
@@ -96,6 +96,32 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class WorkerSession(Base):
+    """One model loaded in one worker process: where and when, and what loading and warming it cost.
+
+    Load and warm-up belong to the worker, never to a job (DESIGN §3): they are stored here, and the
+    report counts a worker's jobs only from `ready_at` on. A process that switches models (a run with
+    other model settings) opens a new session.
+    """
+
+    __tablename__ = "worker_sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))  # the environment fingerprint
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int]
+    device: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(Text)  # preset name or checkpoint directory, as the run names it
+    engine: Mapped[str] = mapped_column(String(16))
+    dtype: Mapped[str | None] = mapped_column(String(32))
+    warmup: Mapped[str] = mapped_column(Text, default="")  # the shapes warmed, e.g. "gundam 2x3, base"
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)  # loading began
+    load_ms: Mapped[float | None] = mapped_column(Float)
+    warmup_ms: Mapped[float | None] = mapped_column(Float)
+    ready_at: Mapped[datetime | None]  # loaded and warmed: from here on its jobs are steady state
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Result(Base):
     """What one job measured (DESIGN.md §3). Exactly one per job: `job_id` is unique and written by upsert."""
 
@@ -105,18 +131,27 @@ class Result(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"))
+    worker_session_id: Mapped[str | None] = mapped_column(ForeignKey("worker_sessions.id"))
     attempt: Mapped[int]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     clock: Mapped[str] = mapped_column(String(16))  # cuda_event | perf_counter
+    # The parts of e2e (engine/result.py StageTimings): preprocess + setup + prefill + first_token +
+    # decode + wasted_decode + readback + postprocess + host_gap = e2e.
     preprocess_ms: Mapped[float] = mapped_column(Float)
+    setup_ms: Mapped[float] = mapped_column(Float, default=0.0)
     prefill_ms: Mapped[float] = mapped_column(Float)
     vision_ms: Mapped[float] = mapped_column(Float)
     sam_ms: Mapped[float] = mapped_column(Float)
     clip_ms: Mapped[float] = mapped_column(Float)
     projector_ms: Mapped[float] = mapped_column(Float)
     lm_prefill_ms: Mapped[float] = mapped_column(Float)
+    first_token_ms: Mapped[float] = mapped_column(Float, default=0.0)
     decode_ms: Mapped[float] = mapped_column(Float)
+    wasted_decode_ms: Mapped[float] = mapped_column(Float, default=0.0)  # steps computed after EOS
+    readback_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    postprocess_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    host_gap_ms: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_ms: Mapped[float] = mapped_column(Float)
     e2e_ms: Mapped[float] = mapped_column(Float)
     decode_step_ms: Mapped[list[Any]]
@@ -125,6 +160,7 @@ class Result(Base):
     decode_ms_per_token_p99: Mapped[float | None] = mapped_column(Float)
 
     decode_tokens: Mapped[int]
+    wasted_steps: Mapped[int] = mapped_column(default=0)
     prompt_tokens: Mapped[int]
     image_tokens: Mapped[int]
     crop_cols: Mapped[int]
@@ -133,9 +169,18 @@ class Result(Base):
     image_height: Mapped[int]
     mode: Mapped[str] = mapped_column(String(32))
     stop_reason: Mapped[str] = mapped_column(String(32))
+    # CUDA memory of this job (statistics reset at its start); None on CPU. peak = what was resident
+    # when the job's compute began (weights, every cache bucket) + activation_peak.
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    weights_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    kv_cache_bytes: Mapped[int | None] = mapped_column(BigInteger)  # this job's cache bucket
+    activation_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
     kv_length: Mapped[int]
     vision_calls: Mapped[int]
+    # A job that met a cold path (a compilation, a new cache bucket, allocator growth): its timings are
+    # real but not steady state; reports leave it out of statistics unless asked.
+    cold: Mapped[bool] = mapped_column(default=False, server_default=false())
+    cold_reason: Mapped[str | None] = mapped_column(Text)
 
     engine: Mapped[str] = mapped_column(String(16))
     device: Mapped[str] = mapped_column(String(32))

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dsocr_workers.cli import main
 from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimings
 from dsocr_workers.errors import InputError
-from dsocr_workers.farm.execute import execute_job
+from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.submit import RunOptions, record_run
@@ -33,7 +33,7 @@ def fake_result(scale: float, markup: str, boxes: int, steps: int = 4) -> Infere
     return InferenceResult(
         text=markup, token_ids=list(range(steps + 1)), stop_reason="max_new_tokens", prompt_tokens=20,
         image_tokens=16, crop_grid=(1, 1), mode="tiny", image_size=(320, 420), timings=timings,
-        boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * boxes, skipped_spans=0, peak_memory_bytes=None,
+        boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * boxes, skipped_spans=0, memory=None,
         engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25, vision_calls=1,
     )  # fmt: skip
 
@@ -53,7 +53,7 @@ def make_run(db: Database, tmp_path, make_png, outputs: dict[str, tuple[float, s
         spec = outputs[claim.image]
         if spec is None:
             raise InputError("corrupt page")
-        return fake_result(*spec), worker["id"]
+        return Ran(fake_result(*spec), worker["id"])
 
     settings = Settings(max_attempts=2)
     for job_id in run.job_ids:
