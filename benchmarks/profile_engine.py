@@ -48,10 +48,11 @@ def profile_fast(page: Path, model: str, rows: int) -> None:
     buffers = session.buffers_for(prepared.prompt_tokens + 64)
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     with torch.inference_mode():
-        ban = buffers.start(prepared.input_ids.to(session.device), PLAIN)
+        inputs = session.upload(prepared)
+        ban = buffers.start(inputs.input_ids, PLAIN)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
-            logits, _ = session.prefill_page(prepared, buffers, clock)
+            logits, _ = session.prefill_page(inputs, buffers, clock)
             torch.cuda.synchronize()
         print("== fast prefill: top CUDA kernels\n" + top_kernels(prefill_prof, rows), flush=True)
         from dsocr_workers.engine.generate import choose_token
@@ -74,16 +75,16 @@ def determinism(page: Path, model: str, tokens_per_run: int, runs: int = 3) -> N
     session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
     for _ in range(2):
         session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN)
-    prepared = session.prepare(page, None, "gundam", 9)
+    inputs = session.upload(session.prepare(page, None, "gundam", 9))
     embeds, logits, tokens = [], [], []
     with torch.inference_mode():
         for _ in range(runs):
             clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
             with clock.stage("prefill"):
-                embeds.append(session.encode_image(prepared, clock).float().cpu())
-            buffers = session.buffers_for(prepared.prompt_tokens + tokens_per_run)
-            buffers.start(prepared.input_ids.to(session.device), PLAIN)
-            logits.append(session.prefill_page(prepared, buffers, StageClock(session.device, nvtx_enabled=False,
+                embeds.append(session.encode_image(inputs, clock).float().cpu())
+            buffers = session.buffers_for(inputs.page.prompt_tokens + tokens_per_run)
+            buffers.start(inputs.input_ids, PLAIN)
+            logits.append(session.prefill_page(inputs, buffers, StageClock(session.device, nvtx_enabled=False,
                                                                               timing_enabled=False))[0].cpu())
     for _ in range(runs):
         tokens.append(session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN).token_ids)

@@ -9,6 +9,7 @@ once and replay it as a CUDA graph: no host sync and no allocation per token.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -16,9 +17,16 @@ from transformers import StaticCache
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
+from dsocr_workers.model.config import EOS_TOKEN_ID
 from dsocr_workers.model.modeling import DeepSeekOCR
 
 MIN_CACHE_BUCKET = 1024
+# How many decode steps run between two EOS checks, and how many checks may be in flight before the
+# host waits for the oldest: the device then still has `EOS_LOOKAHEAD` intervals of steps queued, so
+# it never runs dry. At most (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL steps are computed past EOS;
+# they are counted as wasted steps.
+EOS_CHECK_INTERVAL = 8
+EOS_LOOKAHEAD = 2
 
 
 def cache_bucket(needed: int, max_positions: int) -> int:
@@ -39,6 +47,9 @@ class DecodeBuffers:
     tokens: torch.Tensor  # [capacity] int64, prompt then output
     length: torch.Tensor  # 0-d int64: tokens written so far
     prompt_length: torch.Tensor  # 0-d int64
+    host_tokens: torch.Tensor  # [capacity] int64, pinned on CUDA: where the output is read back
+    eos_flags: torch.Tensor  # [EOS_LOOKAHEAD + 2] bool, pinned on CUDA: EosWatch's slots
+    cache_bytes: int  # keys and values of every layer
     # The n-gram state over these buffers, kept while the job options allow: a compiled step guards
     # on its argument objects, and a fresh one per job would recompile the step.
     _bans: dict[tuple, NGramBan] = field(default_factory=dict)
@@ -46,13 +57,14 @@ class DecodeBuffers:
     @classmethod
     def allocate(cls, model: DeepSeekOCR, capacity: int, device: torch.device) -> DecodeBuffers:
         config = model.language_model.config
+        text, dtype = model.config.text, model.lm_head.weight.dtype
         cache = StaticCache(config=config, max_cache_len=capacity)
         # Allocate (and mark static) now rather than lazily at the first update, which would happen
         # inside the compiled prefill where static addresses cannot be marked.
         cache.early_initialization(
-            batch_size=1, num_heads=model.config.text.num_key_value_heads, head_dim=model.config.text.head_dim,
-            dtype=model.lm_head.weight.dtype, device=device,
+            batch_size=1, num_heads=text.num_key_value_heads, head_dim=text.head_dim, dtype=dtype, device=device,
         )
+        cache_bytes = 2 * len(cache.layers) * text.num_key_value_heads * capacity * text.head_dim * dtype.itemsize
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
         length = torch.zeros((), dtype=torch.int64, device=device)
         prompt_length = torch.zeros((), dtype=torch.int64, device=device)
@@ -60,7 +72,10 @@ class DecodeBuffers:
             # In-place updates of graph inputs are only replayable at fixed addresses.
             for tensor in (tokens, length, prompt_length):
                 torch._dynamo.mark_static_address(tensor)
-        return cls(cache, tokens, length, prompt_length)
+        pinned = device.type == "cuda"
+        host_tokens = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        eos_flags = torch.zeros(EOS_LOOKAHEAD + 2, dtype=torch.bool, pin_memory=pinned)
+        return cls(cache, tokens, length, prompt_length, host_tokens, eos_flags, cache_bytes)
 
     def start(self, prompt_ids: torch.Tensor, options: DecodeOptions) -> NGramBan:
         """Reset for a new job and return the job's n-gram state over these buffers."""
@@ -81,6 +96,62 @@ class DecodeBuffers:
     def kv_length(self) -> int:
         """Cache fill (a host sync: for checks, not for the timed path)."""
         return int(self.cache.get_seq_length())
+
+    def read_tokens(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop] on the host: one copy into pinned memory, then a wait for that copy alone."""
+        count = stop - start
+        if self.tokens.device.type != "cuda":
+            return self.tokens[start:stop].tolist()
+        self.host_tokens[:count].copy_(self.tokens[start:stop], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return self.host_tokens[:count].tolist()
+
+
+@dataclass
+class _Check:
+    slot: int
+    event: torch.cuda.Event
+
+
+class EosWatch:
+    """Whether EOS is among the tokens written so far, without stalling the device.
+
+    Every EOS_CHECK_INTERVAL steps a check is enqueued behind the decode steps: a flag computed on the
+    device and copied to a pinned host slot, then an event. The host reads a check once its event has
+    fired (`query`, no wait), and waits for one only when EOS_LOOKAHEAD newer checks are queued behind
+    it, i.e. while the device still has that many intervals of steps to run. On the CPU the work is
+    synchronous anyway and each check is read at once."""
+
+    def __init__(self, buffers: DecodeBuffers, prompt_tokens: int, enabled: bool) -> None:
+        self.buffers = buffers
+        self.prompt_tokens = prompt_tokens
+        self.enabled = enabled
+        self.cuda = buffers.tokens.device.type == "cuda"
+        self._pending: deque[_Check] = deque()
+        self._next_slot = 0
+
+    def seen(self, steps: int) -> bool:
+        """Call before each decode step with the steps run so far; True once EOS is known written."""
+        if not self.enabled or steps % EOS_CHECK_INTERVAL:
+            return False
+        written = self.buffers.tokens[self.prompt_tokens : self.prompt_tokens + 1 + steps]
+        if not self.cuda:
+            return bool((written == EOS_TOKEN_ID).any())
+        flags = self.buffers.eos_flags
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % flags.numel()
+        flags[slot : slot + 1].copy_((written == EOS_TOKEN_ID).any().view(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append(_Check(slot, event))
+        while self._pending and (len(self._pending) > EOS_LOOKAHEAD or self._pending[0].event.query()):
+            check = self._pending.popleft()
+            check.event.synchronize()
+            if bool(flags[check.slot]):
+                return True
+        return False
 
 
 def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:

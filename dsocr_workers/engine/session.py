@@ -10,18 +10,25 @@ and a compiled decode step replayed as a CUDA graph; on a CPU it says so and run
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from dsocr_workers.engine.generate import DecodeBuffers, cache_bucket, choose_token, decode_one_token, prefill
-from dsocr_workers.engine.result import DecodeOptions, InferenceResult, ModelSource, StopReason
+from dsocr_workers.engine.generate import (
+    DecodeBuffers,
+    EosWatch,
+    cache_bucket,
+    choose_token,
+    decode_one_token,
+    prefill,
+)
+from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.errors import InputError
@@ -35,9 +42,6 @@ from dsocr_workers.model.tokenizer import OCRTokenizer
 log = logging.getLogger(__name__)
 
 ENGINES = ("eager", "fast")
-# How many decode steps run between two looks at the EOS flag: each look is one host sync, so the
-# loop stays asynchronous; at most this many steps past EOS are computed and discarded.
-EOS_CHECK_INTERVAL = 16
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -78,6 +82,46 @@ class _Vision:
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class DevicePage:
+    """A prepared page's inputs on the device: ids, normalised pixel groups (the global view, then the
+    tiles if any) and the placeholder positions the image embeddings go to."""
+
+    page: preprocess.PreparedPage
+    input_ids: torch.Tensor
+    pixels: list[torch.Tensor]
+    image_positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    ms: float
+    shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
+
+
+def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
+    """Synthetic pages that reach every compiled vision shape of `modes`: one page per fixed mode;
+    for crop modes one page without tiles and one per tile count (a `n x 1` strip of 640-px tiles)."""
+    pages = []
+    for name in modes:
+        mode = preprocess.get_mode(name)
+        if not mode.crop_mode:
+            pages.append((name, Image.new("RGB", (mode.image_size, mode.image_size), "white")))
+            continue
+        side = preprocess.TILE_SIZE
+        pages.append((name, Image.new("RGB", (side, side), "white")))
+        pages.extend((name, Image.new("RGB", (side * n, side), "white")) for n in range(2, max_crops + 1))
+    return pages
+
+
+@dataclass
+class _ColdProbe:
+    """What a job can find changed when it meets a cold path: counted before, compared after."""
+
+    graphs: int
+    reserved_bytes: int
+
+
 @dataclass
 class DeepSeekOCRSession:
     loaded: LoadedModel
@@ -90,9 +134,13 @@ class DeepSeekOCRSession:
     _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
+    _new_buckets: list[int] = field(init=False, default_factory=list)  # allocated since the last job began
+    _jobs_run: int = field(init=False, default=0)
+    weights_bytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         model = self.loaded.model
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         if self.engine == "fast":
             # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
             # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
@@ -165,6 +213,7 @@ class DeepSeekOCRSession:
         capacity = cache_bucket(needed, self.max_positions)
         if capacity not in self._buffers:
             self._buffers[capacity] = DecodeBuffers.allocate(self.model, capacity, self.device)
+            self._new_buckets.append(capacity)
         return self._buffers[capacity]
 
     def decode_step(self, buffers: DecodeBuffers, ban: NGramBan, options: DecodeOptions) -> torch.Tensor:
@@ -178,38 +227,67 @@ class DeepSeekOCRSession:
     ) -> preprocess.PreparedPage:
         return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
 
-    def encode_image(self, page: preprocess.PreparedPage, clock: StageClock) -> torch.Tensor:
-        """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
-        # The global view first, then the tiles (if any) as one batch: one call per view group. Bytes
-        # cross to the device as uint8 and are normalised there (eager ops: bit-identical to the CPU).
+    def upload(self, page: preprocess.PreparedPage) -> DevicePage:
+        """The page's inputs to the device, asynchronously. Bytes cross as uint8 and are normalised
+        there (eager ops: bit-identical to the CPU)."""
         groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
-        pixels = [preprocess.normalize_pixels(group.to(self.device, non_blocking=True), self.dtype)
-                  for group in groups]
+        return DevicePage(
+            page,
+            page.input_ids.to(self.device, non_blocking=True),
+            [preprocess.normalize_pixels(g.to(self.device, non_blocking=True), self.dtype) for g in groups],
+            # Placeholder positions come from the host copy of the mask: a boolean index on the device
+            # would sync (nonzero) and stall the GPU between vision and LM.
+            page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True),
+        )
+
+    def encode_image(self, inputs: DevicePage, clock: StageClock) -> torch.Tensor:
+        """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
+        # The global view first, then the tiles (if any) as one batch: one call per view group.
         with clock.stage("vision/sam"):
-            sam = [self._vision.sam(group) for group in pixels]
+            sam = [self._vision.sam(group) for group in inputs.pixels]
         with clock.stage("vision/clip"):
             clip = [self._vision.clip(features) for features in sam]
         with clock.stage("vision/projector"):
             tokens = [self._vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
-            return self.model.layout(global_tokens, local_tokens, page.crop_grid)
+            return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
 
     def prefill_page(
-        self, page: preprocess.PreparedPage, buffers: DecodeBuffers, clock: StageClock
+        self, inputs: DevicePage, buffers: DecodeBuffers, clock: StageClock
     ) -> tuple[torch.Tensor, int]:
         """Vision + LM prefill. Returns the last-position logits and how many times vision ran."""
-        input_ids = page.input_ids.to(self.device, non_blocking=True)
+        injects_image = inputs.page.injects_image
         with clock.stage("prefill"):
-            image_embeds = self.encode_image(page, clock) if page.injects_image else None
+            image_embeds = self.encode_image(inputs, clock) if injects_image else None
             with clock.stage("lm_prefill"):
-                embeds = self.model.embed(input_ids).unsqueeze(0)
+                embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
                 if image_embeds is not None:
-                    # Placeholder positions come from the host copy of the mask: a boolean index on
-                    # the device would sync (nonzero) and stall the GPU between vision and LM.
-                    positions = page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True)
-                    embeds[0].index_copy_(0, positions, image_embeds.to(embeds.dtype))
+                    embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
+                if self.engine == "fast":
+                    # Dynamic in the prompt length from the first call: otherwise dynamo compiles the
+                    # first length statically and recompiles at the second.
+                    torch._dynamo.mark_dynamic(embeds, 1)
                 logits = self._prefill(self.model, embeds, buffers.cache)
-        return logits, int(page.injects_image)
+        return logits, int(injects_image)
+
+    def warmup(self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9) -> WarmupReport:
+        """Run every shape `modes` can produce once, so that jobs meet no compilation, no graph capture
+        and no first use of a cache bucket (`max_new_tokens` sizes the buckets, as jobs will). Eager
+        compiles nothing but runs every shape too: the allocator's pools grow to the largest page now."""
+        began = time.perf_counter()
+        pages = warmup_pages(modes, max_crops)
+        # EOS is forced early: decode only has to be compiled and captured, in the bucket jobs will use;
+        # the EOS watch runs too (a job that ignores EOS runs the same compiled step, without it).
+        options = DecodeOptions(force_eos_at_step=2)
+        shapes = []
+        for name, image in pages:
+            result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
+                                        return_text=False, max_crops=max_crops)
+            cols, rows = result.crop_grid
+            shapes.append(name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return WarmupReport((time.perf_counter() - began) * 1e3, shapes)
 
     def run_inference(
         self,
@@ -223,40 +301,44 @@ class DeepSeekOCRSession:
         max_crops: int = 9,
         clock: StageClock | None = None,
     ) -> InferenceResult:
-        """Preprocess → prefill (vision + LM, first token from its logits) → decode loop → parse."""
+        """preprocess → setup → prefill (vision + LM) → first token → decode → readback → postprocess.
+        Every part is timed (StageTimings says how they add up to end-to-end)."""
         options = infer or DecodeOptions()
         validate_options(options)
         clock = clock or StageClock(self.device, job_id=job_id)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
+        before = self._cold_probe()
+        self._new_buckets.clear()
         with torch.inference_mode():
             with clock.stage("preprocess"):
                 page = self.prepare(image, prompt, mode, max_crops)
-            ceiling = self.max_positions - page.prompt_tokens
-            if ceiling < 1:
-                raise InputError(
-                    f"the prompt takes {page.prompt_tokens} positions; the model has {self.max_positions}"
-                )
-            budget = ceiling if max_new_tokens is None else max_new_tokens
-            if budget < 1:
-                raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-            budget = min(budget, ceiling)
-            buffers = self.buffers_for(page.prompt_tokens + budget)
-            if options.seed is not None:
-                torch.manual_seed(options.seed)
-            ban = buffers.start(page.input_ids.to(self.device), options)
-            logits, vision_calls = self.prefill_page(page, buffers, clock)
-            choose_token(logits, ban, options)  # the first token comes from the prefill logits
-            clock.mark_first_token()
+            budget, ceiling = self._budget(page.prompt_tokens, max_new_tokens)
+            with clock.stage("setup"):
+                buffers = self.buffers_for(page.prompt_tokens + budget)
+                if options.seed is not None:
+                    torch.manual_seed(options.seed)
+                inputs = self.upload(page)
+                ban = buffers.start(inputs.input_ids, options)
+            resident = torch.cuda.memory_allocated(self.device) if cuda else 0
+            logits, vision_calls = self.prefill_page(inputs, buffers, clock)
+            with clock.stage("first_token"):
+                choose_token(logits, ban, options)  # the first token comes from the prefill logits
+                self._force_eos(buffers, page.prompt_tokens, 0, options)
             steps = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
-            clock.finish()
-            written = buffers.tokens[page.prompt_tokens: page.prompt_tokens + 1 + steps].tolist()
-            kv_length = buffers.kv_length
-        generated, stop_reason = self._stop(written, budget, ceiling, options)
-        timings = clock.stage_timings()
-        kept_steps = timings.decode_step_ms[: len(generated) - 1]
-        timings = dataclasses.replace(timings, decode_step_ms=kept_steps, decode_ms=sum(kept_steps))
-
-        text = self.decode_text(generated) if return_text else ""
-        parsed = postprocess.parse_markup(text, *page.original.size)
+            with clock.stage("readback"):
+                written = buffers.read_tokens(page.prompt_tokens, page.prompt_tokens + 1 + steps)
+            memory = None
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(self.device)
+                memory = JobMemory(peak, self.weights_bytes, buffers.cache_bytes, peak - resident)
+            generated, stop_reason = self._stop(written, budget, ceiling, options)
+            with clock.stage("postprocess"):
+                text = self.decode_text(generated) if return_text else ""
+                parsed = postprocess.parse_markup(text, *page.original.size)
+        clock.finish()
+        self._jobs_run += 1
         return InferenceResult(
             text=text,
             token_ids=generated,
@@ -266,35 +348,69 @@ class DeepSeekOCRSession:
             crop_grid=page.crop_grid,
             mode=page.mode.name,
             image_size=page.original.size,
-            timings=timings,
+            timings=clock.stage_timings(kept_steps=len(generated) - 1),
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
-            memory=None,
+            memory=memory,
             engine=self.engine,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             model=self.source,
-            kv_length=kv_length,
+            kv_length=page.prompt_tokens + steps,  # the prompt, then one position per token fed back
             vision_calls=vision_calls,
+            wasted_steps=steps + 1 - len(generated),
+            cold_reasons=self._cold_reasons(before),
         )
+
+    def _budget(self, prompt_tokens: int, max_new_tokens: int | None) -> tuple[int, int]:
+        """The job's token budget and the most the model's positions allow."""
+        ceiling = self.max_positions - prompt_tokens
+        if ceiling < 1:
+            raise InputError(f"the prompt takes {prompt_tokens} positions; the model has {self.max_positions}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        return min(ceiling if max_new_tokens is None else max_new_tokens, ceiling), ceiling
+
+    def _cold_probe(self) -> _ColdProbe:
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        return _ColdProbe(torch._dynamo.utils.counters["stats"]["unique_graphs"], reserved)
+
+    def _cold_reasons(self, before: _ColdProbe) -> tuple[str, ...]:
+        """Why this job met a cold path, if it did: read from counters, never from timings."""
+        after = self._cold_probe()
+        reasons = []
+        if self._jobs_run == 1:
+            reasons.append("first job of this model in its process (not warmed up)")
+        reasons.extend(f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets)
+        if after.graphs > before.graphs:
+            reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
+        if after.reserved_bytes > before.reserved_bytes:
+            grown = (after.reserved_bytes - before.reserved_bytes) / 2**20
+            reasons.append(f"the CUDA allocator reserved {grown:.0f} MiB more")
+        return tuple(reasons)
+
+    @staticmethod
+    def _force_eos(buffers: DecodeBuffers, prompt_tokens: int, step: int, options: DecodeOptions) -> None:
+        """The benchmark and test hook: EOS overwrites the token of decode step `force_eos_at_step`
+        (a device write, no sync; the compiled step is the same with or without it)."""
+        if options.force_eos_at_step == step:
+            buffers.tokens[prompt_tokens + step].fill_(EOS_TOKEN_ID)
 
     def _decode_loop(
         self, prompt_tokens: int, budget: int, ban: NGramBan, buffers: DecodeBuffers, options: DecodeOptions,
         clock: StageClock,
     ) -> int:
-        """Run decode steps until the budget is spent or EOS was seen; returns the steps run. The EOS
-        flag is read every EOS_CHECK_INTERVAL steps (one sync each) so the loop stays asynchronous."""
+        """Run decode steps until the budget is spent or EOS was seen (EosWatch: no stall of the device);
+        returns the steps run, including any that ran past EOS."""
+        eos = EosWatch(buffers, prompt_tokens, enabled=not options.ignore_eos)
         steps = 0
         with clock.stage("decode"):
             clock.mark_step()
-            while steps < budget - 1:
-                if not options.ignore_eos and steps % EOS_CHECK_INTERVAL == 0:
-                    written = buffers.tokens[prompt_tokens: prompt_tokens + 1 + steps]
-                    if bool((written == EOS_TOKEN_ID).any()):
-                        break
+            while steps < budget - 1 and not eos.seen(steps):
                 self.decode_step(buffers, ban, options)
-                clock.mark_step()
                 steps += 1
+                self._force_eos(buffers, prompt_tokens, steps, options)
+                clock.mark_step()
         return steps
 
     @staticmethod

@@ -2,8 +2,13 @@
 
 Every stage is an NVTX range in the domain `dsocr` and a timing: CUDA events on a CUDA device, so
 asynchronous GPU work is timed on the GPU's own clock, and `time.perf_counter` on the CPU, where the
-work is synchronous and a host clock is right. `preprocess` is host work on every device and always
-uses the host clock: CUDA events around it would measure the previous job's GPU tail instead.
+work is synchronous and a host clock is right. `preprocess` and `postprocess` are host work on every
+device and always use the host clock: CUDA events around them would measure the GPU's queue instead.
+
+The job's top-level stages are its parts (JOB_PARTS); end-to-end is the host time from entering the
+first stage to leaving the last, and whatever it holds that no part covers is the named `host_gap`
+(host work between stages, launch latency, the host's wake-up after a wait). The engine's last stage
+is host work after the output was read back, so its end is when the job really ended.
 
 Nothing here synchronizes until `finish()`, which synchronizes once and turns the events into
 milliseconds. Decode steps use events preallocated per clock (pooled across jobs), so a step
@@ -34,8 +39,10 @@ import torch
 from dsocr_workers.engine.result import StageTimings
 
 NVTX_DOMAIN = "dsocr"
-STAGES = ("preprocess", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill", "decode")
-HOST_STAGES = frozenset({"preprocess"})
+STAGES = ("preprocess", "setup", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill",
+          "first_token", "decode", "readback", "postprocess")
+JOB_PARTS = ("preprocess", "setup", "prefill", "first_token", "decode", "readback", "postprocess")
+HOST_STAGES = frozenset({"preprocess", "postprocess"})
 VISION_STAGES = ("vision/sam", "vision/clip", "vision/projector")
 # `DSOCR_INSTRUMENTATION=0` turns NVTX ranges and timings off for clocks built with the defaults:
 # the benchmark's "instrumentation off" arm, without threading a flag through the session.
@@ -54,6 +61,9 @@ class _Entry:
     parent: int | None  # index into StageClock.entries
     start: torch.cuda.Event | float | None = None
     end: torch.cuda.Event | float | None = None
+    # perf_counter at entry and exit whatever the stage's clock: end-to-end is a host interval.
+    host_start: float = 0.0
+    host_end: float = 0.0
 
 
 # Decode step events are reused across clocks on the same device: building 8k CUDA events per job
@@ -73,16 +83,19 @@ class StageClock:
 
         clock = StageClock(device, job_id="42")
         with clock.stage("preprocess"): ...
+        with clock.stage("setup"): ...
         with clock.stage("prefill"):
             with clock.stage("vision/sam"): ...
             ...
-        clock.mark_first_token()
+        with clock.stage("first_token"): ...
         with clock.stage("decode"):
             clock.mark_step()              # boundary 0
             for _ in range(n):
                 step(); clock.mark_step()  # boundary i + 1: step i = boundary i -> i + 1
-        clock.finish()                     # the one synchronization
-        clock.ms("prefill"), clock.step_ms()
+        with clock.stage("readback"): ...  # waits for the device
+        with clock.stage("postprocess"): ...
+        clock.finish()                     # resolves the events (a no-op wait after a readback)
+        clock.ms("prefill"), clock.step_ms(), clock.stage_timings(kept_steps)
     """
 
     def __init__(
@@ -106,7 +119,6 @@ class StageClock:
         self._open: list[int] = []
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
         self._attributes: dict[str, object] = {}
-        self._first_token: torch.cuda.Event | float | None = None
         self._n_steps = 0
         self._step_host: list[float] = []
         self._step_events: list[torch.cuda.Event] = []
@@ -115,7 +127,6 @@ class StageClock:
         self._resolved: dict[str, float] | None = None
         self._step_ms: list[float] = []
         self._ttft_ms = 0.0
-        self._e2e_ms = 0.0
 
     # ---- marks -----------------------------------------------------------------------------------
 
@@ -152,12 +163,14 @@ class StageClock:
             self._domain.push_range(self._nvtx_attributes(name))
             self.nvtx_log.append(("push", name))
         if self.timing_enabled:
+            entry.host_start = time.perf_counter()
             entry.start = self._now(name in HOST_STAGES)
         try:
             yield
         finally:
             if self.timing_enabled:
                 entry.end = self._now(name in HOST_STAGES)
+                entry.host_end = time.perf_counter()
             if self.nvtx_enabled:
                 self._domain.pop_range()
                 self.nvtx_log.append(("pop", name))
@@ -176,11 +189,6 @@ class StageClock:
         else:
             self._step_host.append(time.perf_counter())
         self._n_steps += 1
-
-    def mark_first_token(self) -> None:
-        """The point where the first token has been chosen from the prefill logits (end of TTFT)."""
-        if self.timing_enabled:
-            self._first_token = self._now(host=False)
 
     # ---- results ---------------------------------------------------------------------------------
 
@@ -202,7 +210,7 @@ class StageClock:
             else:
                 marks_s = self._step_host
                 self._step_ms = [(b - a) * 1e3 for a, b in zip(marks_s, marks_s[1:], strict=False)]
-            self._ttft_ms, self._e2e_ms = self._ttft_and_e2e(totals["preprocess"])
+            self._ttft_ms = self._ttft(totals["preprocess"])
         if self.cuda and self.timing_enabled:
             _STEP_EVENT_POOL.setdefault(self.device, []).append(self._step_events)
             self._step_events = []
@@ -215,18 +223,14 @@ class StageClock:
             return start.elapsed_time(end)
         raise RuntimeError("a stage has no start or end mark")
 
-    def _ttft_and_e2e(self, preprocess_ms: float) -> tuple[float, float]:
-        """TTFT = preprocess + (first GPU-clock stage start -> first token chosen); e2e likewise to the
-        end of the last stage. Preprocess is host work that precedes the GPU work of the job."""
+    def _ttft(self, preprocess_ms: float) -> float:
+        """TTFT = preprocess (host) + the device's time from its first stage's start to the end of
+        `first_token`, idle gaps between those stages included."""
         gpu = [e for e in self.entries if e.name not in HOST_STAGES]
-        if not gpu:
-            return preprocess_ms, preprocess_ms
-        first = gpu[0].start
-        last = max(gpu, key=lambda e: self._elapsed(first, e.end)).end
-        ttft = preprocess_ms
-        if self._first_token is not None:
-            ttft += self._elapsed(first, self._first_token)
-        return ttft, preprocess_ms + self._elapsed(first, last)
+        first_token = [e for e in gpu if e.name == "first_token"]
+        if not first_token:
+            return preprocess_ms
+        return preprocess_ms + self._elapsed(gpu[0].start, first_token[-1].end)
 
     def _require_finished(self) -> dict[str, float]:
         if self._resolved is None:
@@ -268,19 +272,38 @@ class StageClock:
                 return False
         return True
 
-    def stage_timings(self) -> StageTimings:
+    def e2e_ms(self) -> float:
+        """Host time from entering the first stage to leaving the last."""
+        self._require_finished()
+        if not self.timing_enabled or not self.entries:
+            return 0.0
+        return (max(e.host_end for e in self.entries) - min(e.host_start for e in self.entries)) * 1e3
+
+    def stage_timings(self, kept_steps: int | None = None) -> StageTimings:
+        """The job's timings. `kept_steps`: how many decode steps produced output that was kept (the
+        rest ran past EOS); their time is `decode_ms`, the rest of the decode stage `wasted_decode_ms`."""
         totals = self._require_finished()
+        kept_steps = len(self._step_ms) if kept_steps is None else kept_steps
+        kept, wasted = self._step_ms[:kept_steps], self._step_ms[kept_steps:]
+        decode_ms = totals["decode"] - sum(wasted)
+        e2e = self.e2e_ms()
         return StageTimings(
             clock="cuda_event" if self.cuda else "perf_counter",
             preprocess_ms=totals["preprocess"],
+            setup_ms=totals["setup"],
             prefill_ms=totals["prefill"],
             vision_ms=sum(totals[name] for name in VISION_STAGES),
             sam_ms=totals["vision/sam"],
             clip_ms=totals["vision/clip"],
             projector_ms=totals["vision/projector"],
             lm_prefill_ms=totals["lm_prefill"],
-            decode_ms=totals["decode"],
-            decode_step_ms=list(self._step_ms),
+            first_token_ms=totals["first_token"],
+            decode_ms=decode_ms,
+            wasted_decode_ms=sum(wasted),
+            decode_step_ms=kept,
+            readback_ms=totals["readback"],
+            postprocess_ms=totals["postprocess"],
+            host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
             ttft_ms=self._ttft_ms,
-            e2e_ms=self._e2e_ms,
+            e2e_ms=e2e,
         )

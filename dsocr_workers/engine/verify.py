@@ -43,7 +43,7 @@ def one_shot_choices(
     with torch.inference_mode():
         clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
         with clock.stage("prefill"):
-            image_embeds = session.encode_image(page, clock)
+            image_embeds = session.encode_image(session.upload(page), clock)
         ids = torch.cat([page.input_ids, torch.tensor(tokens[:-1], dtype=torch.int64)]).to(session.device)
         embeds = model.embed(ids).unsqueeze(0)
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
@@ -71,8 +71,9 @@ def split_kv_growth(
     clock = StageClock(session.device)
     with torch.inference_mode():
         buffers = session.buffers_for(page.prompt_tokens + steps + 1)
-        ban = buffers.start(page.input_ids.to(session.device), options)
-        logits, _ = session.prefill_page(page, buffers, clock)
+        inputs = session.upload(page)
+        ban = buffers.start(inputs.input_ids, options)
+        logits, _ = session.prefill_page(inputs, buffers, clock)
         choose_token(logits, ban, options)
         after_prefill = buffers.kv_length
         fills = []
@@ -140,8 +141,9 @@ def teacher_forced_top1(
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     with torch.inference_mode():
         buffers = session.buffers_for(page.prompt_tokens + len(forced))
-        ban = buffers.start(page.input_ids.to(session.device), options)
-        logits, _ = session.prefill_page(page, buffers, clock)
+        inputs = session.upload(page)
+        ban = buffers.start(inputs.input_ids, options)
+        logits, _ = session.prefill_page(inputs, buffers, clock)
         picks = [int(choose_token(logits, ban, options))]
         for step in range(1, len(forced)):
             buffers.tokens[ban.length - 1] = forced[step - 1]

@@ -143,3 +143,65 @@ def test_bad_inputs_are_input_errors(session, tmp_path):
         session.run_inference(page(600, 480), max_new_tokens=0)
     with pytest.raises(InputError, match="unknown preset|not a checkpoint"):
         DeepSeekOCRSession.from_local(str(tmp_path / "missing"))
+
+
+# --- measurements a user can trust: parts that add up, EOS, warm-up, cold flags ------------------------
+
+
+def test_parts_add_up_to_end_to_end(session):
+    result = session.run_inference(page(1000, 800), max_new_tokens=10, infer=DecodeOptions(ignore_eos=True))
+    t = result.timings
+    parts = t.parts_ms
+    assert set(parts) == {"preprocess", "setup", "prefill", "first_token", "decode", "wasted_decode",
+                          "readback", "postprocess", "host_gap"}
+    assert all(parts[name] > 0 for name in ("preprocess", "setup", "prefill", "first_token", "decode",
+                                            "readback", "postprocess"))
+    assert sum(parts.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
+    # The gap is host glue between stages on the CPU: tiny and never negative (2% of e2e at most).
+    assert 0 <= t.host_gap_ms <= 0.02 * t.e2e_ms
+    assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.setup_ms + t.prefill_ms + t.first_token_ms, rel=0.02)
+    assert result.wasted_steps == 0 and t.wasted_decode_ms == 0
+    assert result.memory is None  # allocator statistics are CUDA's
+
+
+@pytest.mark.parametrize(("eos_at", "steps_run"), [(0, 0), (5, 8), (8, 8), (9, 16)])
+def test_forced_eos_stops_at_the_next_check_and_counts_the_steps_past_it(session, eos_at, steps_run):
+    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
+
+    assert EOS_CHECK_INTERVAL == 8  # the expected steps below follow from it (CPU: each check is read at once)
+    result = session.run_inference(page(600, 480), max_new_tokens=40, infer=DecodeOptions(force_eos_at_step=eos_at))
+    assert result.stop_reason == "eos" and result.token_ids[-1] == EOS_TOKEN_ID
+    assert len(result.token_ids) == eos_at + 1
+    assert result.wasted_steps == steps_run - eos_at
+    assert result.kv_length == result.prompt_tokens + steps_run
+    t = result.timings
+    assert len(t.decode_step_ms) == eos_at
+    assert (t.wasted_decode_ms > 0) == (steps_run > eos_at)
+    assert sum(t.parts_ms.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
+
+
+def test_ignore_eos_runs_the_budget_through_a_forced_eos(session):
+    result = session.run_inference(page(600, 480), max_new_tokens=12,
+                                   infer=DecodeOptions(ignore_eos=True, force_eos_at_step=3))
+    assert len(result.token_ids) == 12 and result.token_ids[3] == EOS_TOKEN_ID
+    assert result.stop_reason == "max_new_tokens" and result.wasted_steps == 0
+
+
+def test_cold_paths_are_flagged_and_warm_up_removes_them():
+    fresh = DeepSeekOCRSession.from_local("tiny")
+    first = fresh.run_inference(page(600, 480), mode="base", max_new_tokens=4)
+    assert first.cold
+    assert any("first job" in reason for reason in first.cold_reasons)
+    assert any("1024-position KV cache bucket" in reason for reason in first.cold_reasons)
+    second = fresh.run_inference(page(600, 480), mode="base", max_new_tokens=4)
+    assert not second.cold, second.cold_reasons
+    bigger = fresh.run_inference(page(600, 480), mode="base", max_new_tokens=1000)  # 273 + 1000 > 1024
+    assert bigger.cold_reasons == ("first use of the 2048-position KV cache bucket",)
+
+    warmed = DeepSeekOCRSession.from_local("tiny")
+    report = warmed.warmup(["base", "gundam"], max_new_tokens=4, max_crops=3)
+    assert report.shapes == ["base", "gundam", "gundam:2x1", "gundam:3x1"] and report.ms > 0
+    for image in (page(600, 480), page(1000, 800)):  # base; gundam 2x1
+        result = warmed.run_inference(image, mode="gundam" if image.width == 1000 else "base",
+                                      max_new_tokens=4, max_crops=3)
+        assert not result.cold, result.cold_reasons

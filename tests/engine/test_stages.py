@@ -20,6 +20,8 @@ def work(device: str, size: int = 96) -> None:
 def run_job(clock: StageClock, device: str, steps: int = 5) -> None:
     with clock.stage("preprocess"):
         time.sleep(0.002)
+    with clock.stage("setup"):
+        work(device, 8)
     with clock.stage("prefill"):
         with clock.stage("vision/sam"):
             work(device)
@@ -29,12 +31,18 @@ def run_job(clock: StageClock, device: str, steps: int = 5) -> None:
             work(device, 16)
         with clock.stage("lm_prefill"):
             work(device)
-    clock.mark_first_token()
+    with clock.stage("first_token"):
+        work(device, 8)
     with clock.stage("decode"):
         clock.mark_step()
         for _ in range(steps):
             work(device, 32)
             clock.mark_step()
+    with clock.stage("readback"):
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with clock.stage("postprocess"):
+        time.sleep(0.001)
     clock.finish()
 
 
@@ -43,12 +51,14 @@ def test_nvtx_ranges_are_balanced_and_named(device):
     clock = StageClock(device, job_id="17")
     run_job(clock, device)
     expected = []
-    for name in ("preprocess",):
+    for name in ("preprocess", "setup"):
         expected += [("push", name), ("pop", name)]
     expected.append(("push", "prefill"))
     for name in ("vision/sam", "vision/clip", "vision/projector", "lm_prefill"):
         expected += [("push", name), ("pop", name)]
-    expected += [("pop", "prefill"), ("push", "decode"), ("pop", "decode")]
+    expected.append(("pop", "prefill"))
+    for name in ("first_token", "decode", "readback", "postprocess"):
+        expected += [("push", name), ("pop", name)]
     assert clock.nvtx_log == expected
     depth = 0
     for kind, _ in clock.nvtx_log:
@@ -79,6 +89,20 @@ def test_timings_positive_and_nested(device):
     assert timings.preprocess_ms >= 2.0  # the 2 ms sleep, on the host clock on every device
     assert timings.preprocess_ms + timings.prefill_ms <= timings.ttft_ms + EPS <= timings.e2e_ms + 2 * EPS
     assert timings.e2e_ms >= timings.ttft_ms + timings.decode_ms * 0.99
+    # The parts add up: what no stage covers is the (small, non-negative) host gap.
+    assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)
+    assert -EPS <= timings.host_gap_ms <= 0.05 * timings.e2e_ms
+
+
+def test_steps_past_eos_are_wasted_not_decode():
+    clock = StageClock("cpu")
+    run_job(clock, "cpu", steps=6)
+    steps = clock.step_ms()
+    timings = clock.stage_timings(kept_steps=4)
+    assert timings.decode_step_ms == steps[:4]
+    assert timings.wasted_decode_ms == pytest.approx(sum(steps[4:]))
+    assert timings.decode_ms + timings.wasted_decode_ms == pytest.approx(clock.ms("decode"))
+    assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)
 
 
 def test_repeated_stage_accumulates():
@@ -109,6 +133,7 @@ def test_instrumentation_off_by_environment(monkeypatch):
     assert clock.ms("prefill") == 0.0 and clock.step_ms() == []
     assert clock.steps_marked == 4
     assert clock.count("vision/sam") == 1
+    assert clock.stage_timings().e2e_ms == 0.0
 
 
 def test_misuse_is_reported():
