@@ -109,18 +109,30 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 @click.option("--concurrency-per-device", type=int, default=1, show_default=True,
               help="Children per device (1 for profiling; more only for tests on CPU).")  # fmt: skip
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--warmup", default="auto", show_default=True,
+              help="Modes to load and warm before the first job (e.g. gundam,base): auto = those of the runs "
+                   "open on the queues (gundam if none); none = warm each run's mode before its first job.")
+@click.option("--model", default="tiny", show_default=True,
+              help="Model to warm at start when no run is open on the queues (then --engine, --dtype).")
+@click.option("--engine", type=click.Choice(["eager", "fast"]), default="eager", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None)
 @exits_on_errors
-def worker(gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str) -> None:
-    """Run jobs from the queue: one prefork child per device, each loading the model once.
+def worker(
+    gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str, warmup: str, model: str,
+    engine: str, dtype: str | None,
+) -> None:
+    """Run jobs from the queue: one prefork child per device, each loading and warming its model before
+    it takes a job (the cost is stored per worker process, never in a job).
 
     Settings come from the environment (DSOCR_DATABASE_URL, DSOCR_BROKER_URL, …). SIGTERM finishes the
     current jobs and stops; a job cut short is delivered again and resumed from the ledger."""
+    from dsocr_workers.farm.warm import ModelKey
     from dsocr_workers.farm.worker import parse_devices, start_worker
     from dsocr_workers.settings import Settings
 
     start_worker(
         Settings.from_env(), parse_devices(gpus), concurrency_per_device=concurrency_per_device,
-        queues=queues, loglevel=loglevel,
+        queues=queues, loglevel=loglevel, warmup=warmup, fallback_model=ModelKey(model, engine, dtype),
     )  # fmt: skip
 
 
@@ -165,9 +177,7 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
             if outcome.status not in ("queued", "released"):
                 progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
 
-        run_in_process(
-            settings, devices[0], submitted.job_ids, advance, preload=(options.model, options.parameters)
-        )
+        run_in_process(settings, devices[0], submitted.job_ids, advance)
     with db.transaction() as session:
         click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
 

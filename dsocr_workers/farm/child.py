@@ -1,33 +1,45 @@
 """The process that runs jobs: a Celery prefork child (one per device) or `dsocr run` itself.
 
 It owns one device, one ledger connection (opened in this process, after fork) and one loaded model,
-kept while consecutive jobs ask for the same model settings (model, dtype, engine, device).
+kept while consecutive jobs ask for the same model settings (model, dtype, engine, seed). The model is
+loaded and warmed before a job is claimed (farm/warm.py), and each time that happens a
+`worker_sessions` row records what it cost; the jobs run afterwards point at that row.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from sqlalchemy import select
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm import faults
 from dsocr_workers.farm.execute import Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
+from dsocr_workers.farm.warm import ModelKey, Warmup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
-from dsocr_workers.store.models import Worker, utcnow
+from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
 
 DEVICES_ENV = "DSOCR_WORKER_DEVICES"
+log = logging.getLogger("dsocr.worker")
 
 
 @dataclass
 class LoadedSession:
-    key: tuple[Any, ...]
+    key: ModelKey
     session: Any  # DeepSeekOCRSession
-    worker_id: str
+    worker_id: str  # the environment fingerprint
+    worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
+    warmed: set[tuple[str, int | None]] = field(default_factory=set)  # (mode, token budget)
 
 
 @dataclass
@@ -46,32 +58,64 @@ class JobProcess:
             torch.set_num_threads(cpu_threads)
         return cls(settings=settings, device=device, db=database_for(settings.database_url))
 
-    def session_for(self, model: str, parameters: dict[str, Any]) -> LoadedSession:
-        key = (
-            model,
-            parameters.get("dtype"),
-            parameters.get("engine", "eager"),
-            parameters.get("seed", 0),
-            self.device,
-        )
-        if self.loaded is not None and self.loaded.key == key:
-            return self.loaded
+    def warm(self, warmup: Warmup) -> LoadedSession:
+        """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
+        met yet, and record the cost as a new worker session. A no-op when all is warm already."""
+        began_at, began = utcnow(), time.perf_counter()
+        load_ms = 0.0
+        if self.loaded is None or self.loaded.key != warmup.key:
+            self.loaded = None  # free the previous model before loading the next one
+            self.loaded = self._load(warmup.key)
+            load_ms = (time.perf_counter() - began) * 1e3
+        loaded = self.loaded
+        missing = [(mode, budget) for budget in warmup.budgets for mode in warmup.modes
+                   if (mode, budget) not in loaded.warmed]  # fmt: skip
+        if not missing and not load_ms:
+            return loaded
+        warmup_ms, shapes = 0.0, []
+        for budget in dict.fromkeys(budget for _, budget in missing):
+            modes = [mode for mode, b in missing if b == budget]
+            report = loaded.session.warmup(modes, max_new_tokens=budget)
+            warmup_ms += report.ms
+            shapes += [f"{shape} ({budget or 'max'} tokens)" for shape in report.shapes]
+            loaded.warmed.update((mode, budget) for mode in modes)
+        row = WorkerSession(
+            id=uuid.uuid4().hex, worker_id=loaded.worker_id, host=socket.gethostname(), pid=os.getpid(),
+            device=self.device, model=warmup.key.model, engine=loaded.session.engine,
+            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=", ".join(shapes),
+            started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
+        )  # fmt: skip
+        with self.db.transaction() as tx:
+            tx.add(row)
+        loaded.worker_session_id = row.id
+        return loaded
+
+    def _load(self, key: ModelKey) -> LoadedSession:
         from dsocr_workers.engine.session import DeepSeekOCRSession
 
-        self.loaded = None  # free the previous model before loading the next one
         session = DeepSeekOCRSession.from_local(
-            model, device=self.device, dtype=key[1], engine=key[2], seed=key[3]
+            key.model, device=self.device, dtype=key.dtype, engine=key.engine, seed=key.seed
         )
         fingerprint = environment_fingerprint(self.device, session.source)
         with self.db.transaction() as tx:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
-        self.loaded = LoadedSession(key, session, fingerprint["id"])
-        return self.loaded
+        return LoadedSession(key, session, fingerprint["id"], worker_session_id="")
+
+    def prepare_for(self, job_id: str) -> None:
+        """Before the claim: load and warm what this job's run needs, so the job does not pay for it.
+        A job that is gone or unknown is left to the claim to refuse."""
+        try:
+            with self.db.transaction() as tx:
+                row = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
+            if row is not None:
+                self.warm(job_warmup(row.model, row.parameters))
+        except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
+            log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
 
     def infer(self, claim: ledger.Claim) -> Ran:
         faults.inject(claim.image)  # test-only; a no-op unless DSOCR_TEST_FAULTS is set (farm/faults.py)
         p = claim.parameters
-        loaded = self.session_for(claim.model, p)
+        loaded = self.warm(job_warmup(claim.model, p))  # warm already, unless the run changed its mind
         result = loaded.session.run_inference(
             str(claim.image_path),
             prompt=p.get("prompt"),
@@ -80,7 +124,13 @@ class JobProcess:
             infer=DecodeOptions(ignore_eos=bool(p.get("ignore_eos", False))),
             job_id=claim.job_id,
         )
-        return Ran(result, loaded.worker_id)
+        return Ran(result, loaded.worker_id, loaded.worker_session_id)
+
+
+def job_warmup(model: str, parameters: dict[str, Any]) -> Warmup:
+    """What one job needs warm: its run's model, mode and token budget."""
+    return Warmup(ModelKey.of_run(model, parameters), (parameters.get("mode", "gundam"),),
+                  (parameters.get("max_new_tokens"),))
 
 
 def devices_from_env() -> list[str]:

@@ -23,6 +23,7 @@ from celery.worker.request import Request
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.child import JobProcess, devices_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
@@ -47,6 +48,16 @@ def _open_child(**_: object) -> None:
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     _process = JobProcess.open(Settings.from_env(), device, cpu_threads=threads)
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
+    plan = plan_from_env()
+    if plan is not None:
+        # Before this child reports itself up, so before it is given a message (the pool waits for
+        # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
+        try:
+            loaded = _process.warm(plan)
+        except Exception:  # each model is then loaded and warmed before its first job instead
+            log.exception("child %s: the start-up warm-up failed", index)
+        else:
+            log.info("child %s: %s warm (%s)", index, plan.key.model, ", ".join(sorted(m for m, _ in loaded.warmed)))
 
 
 @worker_process_shutdown.connect
@@ -96,6 +107,7 @@ def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: flo
 def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     if _process is None:
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")
+    _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
     try:
         outcome = execute_job(
             _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=_process.infer

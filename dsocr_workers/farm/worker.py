@@ -15,8 +15,14 @@ from collections.abc import Callable, Iterable
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.child import DEVICES_ENV, JobProcess
 from dsocr_workers.farm.execute import Outcome, execute_job
+from dsocr_workers.farm.warm import WARMUP_ENV, ModelKey, plan_warmup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import check_schema, open_database
+
+# How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
+# which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
+WARMUP_TIMEOUT_S = 3600
+DEFAULT_MODEL = ModelKey("tiny")
 
 
 def count_gpus() -> int:
@@ -46,13 +52,16 @@ def parse_devices(gpus: str) -> list[str]:
     return [f"cuda:{i}" for i in indices]
 
 
-def check_ledger(settings: Settings) -> None:
-    """Refuse to start against a database that is down or has an old schema; leaves no connection open."""
+def check_ledger(settings: Settings, queues: list[str], warmup: str, fallback: ModelKey) -> str | None:
+    """Refuse to start against a database that is down or has an old schema; returns the children's
+    start-up warm-up plan (farm/warm.py) for the runs open on `queues`. Leaves no connection open."""
     db = open_database(settings.database_url)
     try:
         check_schema(db)
+        plan = plan_warmup(db, queues, warmup, fallback)
     finally:
         db.dispose()
+    return plan.to_env() if plan else None
 
 
 def start_worker(
@@ -62,23 +71,33 @@ def start_worker(
     concurrency_per_device: int = 1,
     queues: Iterable[str] = (),
     loglevel: str = "INFO",
+    warmup: str = "auto",
+    fallback_model: ModelKey = DEFAULT_MODEL,
 ) -> None:
-    """Run a Celery worker until it is shut down (SIGTERM: warm shutdown, the current jobs finish)."""
+    """Run a Celery worker until it is shut down (SIGTERM: warm shutdown, the current jobs finish).
+    Each child loads and warms a model before it takes a message: `warmup` names the modes (or
+    `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is."""
     if concurrency_per_device < 1:
         raise InputError("--concurrency-per-device must be at least 1")
-    check_ledger(settings)
+    queue_names = list(queues) or [settings.queue]
+    plan = check_ledger(settings, queue_names, warmup, fallback_model)
     slots = [device for device in devices for _ in range(concurrency_per_device)]
     os.environ[DEVICES_ENV] = ",".join(slots)
+    if plan:
+        os.environ[WARMUP_ENV] = plan
+    else:
+        os.environ.pop(WARMUP_ENV, None)
 
     from dsocr_workers.farm.celery_app import create_app
 
     app = create_app(settings)
+    app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
     app.worker_main(
         [
             "worker",
             "--pool=prefork",
             f"--concurrency={len(slots)}",
-            f"--queues={','.join(queues or [settings.queue])}",
+            f"--queues={','.join(queue_names)}",
             "--prefetch-multiplier=1",
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}@%h",
             "--without-gossip",
@@ -95,18 +114,17 @@ def run_in_process(
     job_ids: list[str],
     on_outcome: Callable[[Outcome], None] = lambda outcome: None,
     max_transient_retries: int = 5,
-    preload: tuple[str, dict] | None = None,
 ) -> list[Outcome]:
     """Run jobs here, one after the other (`dsocr run`). Failed attempts go to the back of the line until
-    they are final; the ledger decides, exactly as for Celery workers."""
+    they are final; the ledger decides, exactly as for Celery workers. Each job's model is loaded and
+    warmed before its claim (the first job's: before any claim)."""
     process = JobProcess.open(settings, device)
-    if preload is not None:
-        process.session_for(*preload)  # load the model before the first claim: its lease starts then
     line = list(job_ids)
     finals: list[Outcome] = []
     transient_failures = 0
     while line:
         job_id = line.pop(0)
+        process.prepare_for(job_id)
         try:
             outcome = execute_job(
                 process.db, job_id, owner=process.owner, settings=settings, infer=process.infer

@@ -19,7 +19,7 @@ from dsocr_workers.farm.submit import enqueue
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result
+from dsocr_workers.store.models import Job, Result, WorkerSession
 
 PAGES = {"p1.png": (320, 420), "p2.png": (640, 480), "p3 wide.png": (900, 500), "p4.png": (400, 1300)}
 
@@ -110,10 +110,24 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
                 select(Result.job_id, func.count()).where(Result.run_id == run_id).group_by(Result.job_id)
             ).all()
             attempts = session.scalars(select(Job.attempts).where(Job.run_id == run_id)).all()
+            results = session.scalars(select(Result).where(Result.run_id == run_id)).all()
+            worker_sessions = session.scalars(select(WorkerSession)).all()
         db.dispose()
         assert sorted(job_id for job_id, _ in per_job) == sorted(job_ids)
         assert {count for _, count in per_job} == {1}
         assert set(attempts) == {1}
+        # Each worker process loaded and warmed its model before its first job, and says what it cost;
+        # no job paid for it, and every job's parts add up to its end-to-end time.
+        assert len({(w.host, w.pid) for w in worker_sessions}) == 2
+        assert all(w.load_ms > 0 and w.warmup_ms > 0 and "tiny" in w.warmup for w in worker_sessions)
+        ready = {w.id: w.ready_at for w in worker_sessions}
+        for r in results:
+            assert not r.cold and r.cold_reason is None
+            assert r.worker_session_id in ready and ready[r.worker_session_id] <= r.created_at
+            parts = (r.preprocess_ms + r.setup_ms + r.prefill_ms + r.first_token_ms + r.decode_ms
+                     + r.wasted_decode_ms + r.readback_ms + r.postprocess_ms + r.host_gap_ms)
+            assert parts == pytest.approx(r.e2e_ms, abs=1e-3)
+            assert 0 <= r.host_gap_ms <= max(1.0, 0.02 * r.e2e_ms)
     finally:
         for worker in workers:
             worker.send_signal(signal.SIGTERM)  # warm shutdown
