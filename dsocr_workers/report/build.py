@@ -224,7 +224,7 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
     rows = []
     for key, results in sorted(grouped.items()):
         s, w = data.sessions.get(key), data.workers.get(results[0].worker_id)
-        warm = [r for r in results if include_cold or not r.cold]
+        counted = [r for r in results if include_cold or not r.cold]
         rows.append(
             [
                 key[:12],
@@ -237,9 +237,9 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 s.warmup if s else None,
                 len(results),
                 sum(r.cold for r in results),
-                rate_sum([times[key]]),
-                Summary.from_values([r.e2e_ms for r in warm]).p50,
-            ]  # fmt: skip
+                rate_sum([times.get(key, [])]),
+                Summary.from_values([r.e2e_ms for r in counted]).p50,
+            ]
         )
     columns = ["session", "host", "pid", "device", "engine", "load s", "warm-up s", "warm-up", "jobs",
                "cold jobs", "pages/s (steady state)", "e2e p50 ms"]  # fmt: skip

@@ -13,6 +13,8 @@ means, percentiles and intervals (scipy.stats.bootstrap, never hand-written resa
 Intervals are bootstrap percentile intervals (2,000 resamples, a fixed seed so the same ledger gives the
 same report). Percentile rather than BCa: BCa's acceleration comes from a jackknife, which is unreliable
 for quantiles such as p50 / p99. With fewer than two jobs, or no spread at all, there is no interval.
+A resample never holds a value larger than the largest one measured, so p99 intervals from fewer than
+about a hundred jobs are too narrow on the high side: read them as a floor on the uncertainty.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SEED = 20261123  # fixed: a report is reproducible from its ledger
 _BATCH = 250  # resamples per vectorised call: bounds memory on large runs
 QUANTILES = (50, 90, 99)
 
+# scipy calls a statistic with the resampled samples and, when vectorised, axis=-1 (the resamples of a
+# batch along the other axes); the statistics here always reduce along the last axis.
 Statistic = Callable[..., np.ndarray]
 
 
@@ -41,16 +45,6 @@ class Estimate:
     low: float | None = None
     high: float | None = None
     n: int = 0
-
-    @property
-    def has_interval(self) -> bool:
-        return self.low is not None and self.high is not None
-
-    def excludes(self, x: float) -> bool | None:
-        """Whether `x` lies outside the interval (a significant difference from x); None without one."""
-        if self.low is None or self.high is None:
-            return None
-        return not self.low <= x <= self.high
 
 
 def _estimate(value: float, low: float, high: float, n: int) -> Estimate:

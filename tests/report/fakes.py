@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimings
+from dsocr_workers.engine.result import InferenceResult, JobMemory, ModelSource, StageTimings
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
@@ -35,6 +35,7 @@ class Page:
     wasted: int = 0
     cold_reason: str | None = None
     session: str | None = None  # the worker_sessions row that ran it (None: a result older than sessions)
+    memory_mib: tuple[int, int, int] | None = None  # CUDA: weights, KV cache, activation peak
 
 
 def fake_result(page: Page) -> InferenceResult:
@@ -52,10 +53,17 @@ def fake_result(page: Page) -> InferenceResult:
         text=page.markup, token_ids=list(range(page.steps + 1)), stop_reason="max_new_tokens",
         prompt_tokens=20, image_tokens=16, crop_grid=(1, 1), mode="tiny", image_size=(320, 420),
         timings=timings, boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * page.boxes, skipped_spans=0,
-        memory=None, engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25,
+        memory=memory(page.memory_mib), engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25,
         vision_calls=1, wasted_steps=page.wasted,
         cold_reasons=(page.cold_reason,) if page.cold_reason else (),
     )  # fmt: skip
+
+
+def memory(mib: tuple[int, int, int] | None) -> JobMemory | None:
+    if mib is None:
+        return None
+    weights, kv_cache, activations = (x * 2**20 for x in mib)
+    return JobMemory(weights + kv_cache + activations, weights, kv_cache, activations)
 
 
 def make_run(db: Database, folder: Path, make_png, pages: dict[tuple[str, int], Page | None]) -> str:

@@ -47,7 +47,13 @@ def test_single_run_counts_percentiles_and_label(two_runs, monkeypatch):
     database, a, _ = two_runs
     document = report_json(database, ["--run", a, "--per-image"], monkeypatch)
     facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
-    assert (facts["jobs"], facts["ok"], facts["failed"], facts["results"], facts["cold results"]) == (3, 2, 1, 2, 0)
+    assert (facts["jobs"], facts["ok"], facts["failed"], facts["results"], facts["cold results"]) == (
+        3,
+        2,
+        1,
+        2,
+        0,
+    )
     throughput = {row["measure"]: row for row in document["tables"]["Throughput"]}
     assert throughput["pages/s (wall clock)"]["value"] > 0
     assert any("RANDOM WEIGHTS" in w for w in document["warnings"])
@@ -69,7 +75,9 @@ def test_single_run_counts_percentiles_and_label(two_runs, monkeypatch):
 
 def test_accounting_parts_add_up_to_end_to_end(two_runs, monkeypatch):
     database, a, _ = two_runs
-    parts = by(report_json(database, ["--run", a], monkeypatch)["tables"]["Accounting: parts of end-to-end"], "part")
+    parts = by(
+        report_json(database, ["--run", a], monkeypatch)["tables"]["Accounting: parts of end-to-end"], "part"
+    )
     named = ["preprocess", "setup", "prefill", "first token", "decode", "wasted decode", "readback", "postprocess",
              "host gap"]  # fmt: skip
     assert list(parts) == [*named, "sum of parts", "end-to-end"]
@@ -100,7 +108,9 @@ def test_formats_table_csv_markdown_and_out_file(two_runs, monkeypatch, tmp_path
     assert "WARNING" in table and "Output agreement" in table and "B/A" in table and "verdict" in table
     rows = list(csv.reader(io.StringIO(invoke(database, ["--run", a, "--format", "csv"], monkeypatch))))
     assert ["# Latency and output"] in rows
-    header = ["metric", "jobs", "n"] + [f"{s}{x}" for s in ("mean", "p50", "p90", "p99") for x in ("", "_ci_low", "_ci_high")]
+    header = ["metric", "jobs", "n"] + [
+        f"{s}{x}" for s in ("mean", "p50", "p90", "p99") for x in ("", "_ci_low", "_ci_high")
+    ]
     assert header in rows
     out = tmp_path / "report.md"
     invoke(database, ["--run", "latest", "--format", "md", "--out", str(out)], monkeypatch)
@@ -115,7 +125,9 @@ def test_unknown_run_is_an_input_error(database, monkeypatch):
     assert result.exit_code == 2 and "no run 'nope'" in result.output
 
 
-def noisy_pages(seed: int, factor: float = 1.0, pages: int = 10, repeats: int = 2) -> dict[tuple[str, int], Page]:
+def noisy_pages(
+    seed: int, factor: float = 1.0, pages: int = 10, repeats: int = 2
+) -> dict[tuple[str, int], Page]:
     """Pages of different sizes (a base scale each), every job ±5% noise around factor × its base."""
     rng = np.random.default_rng(seed)
     base = np.random.default_rng(0).uniform(0.5, 3.0, size=pages)  # the same pages in every run
@@ -156,7 +168,9 @@ def test_intervals_in_json_and_csv_are_numbers_around_the_value(database, tmp_pa
 
 def test_one_job_has_no_interval_and_says_so(database, tmp_path, make_png, monkeypatch):
     run = make_run(database, tmp_path, make_png, {("p.png", 0): Page(1.0)})
-    ttft = by(report_json(database, ["--run", run], monkeypatch)["tables"]["Latency and output"], "metric")["TTFT ms"]
+    ttft = by(report_json(database, ["--run", run], monkeypatch)["tables"]["Latency and output"], "metric")[
+        "TTFT ms"
+    ]
     assert (ttft["mean"], ttft["mean_ci_low"], ttft["mean_ci_high"]) == (12.0, None, None)
     assert "12 [n<2]" in invoke(database, ["--run", run], monkeypatch)
 
@@ -178,7 +192,9 @@ def test_cold_results_are_left_out_counted_and_put_back_on_request(database, tmp
     }
     assert all(row["in statistics"].startswith("no") for row in cold.values())
     latency = by(document["tables"]["Latency and output"], "metric")
-    assert latency["end-to-end ms"]["jobs"] == 1 and latency["end-to-end ms"]["p99"] == pytest.approx(1.3 * 20.6)
+    assert latency["end-to-end ms"]["jobs"] == 1 and latency["end-to-end ms"]["p99"] == pytest.approx(
+        1.3 * 20.6
+    )
     assert latency["decode ms/token"]["n"] == 4
     assert by(document["tables"]["Worker sessions"], "session").popitem()[1]["cold jobs"] == 3
 
@@ -199,12 +215,34 @@ def test_vs_says_no_significant_difference_only_when_there_is_none(database, tmp
               "metric", "statistic")  # fmt: skip
     for key in [("end-to-end ms", "mean"), ("TTFT ms", "p50"), ("decode ms/token", "mean")]:
         ratio = rows[key]
-        assert ratio["B/A_ci_low"] <= 1 <= ratio["B/A_ci_high"] and ratio["verdict"] == "no significant difference"
+        assert (
+            ratio["B/A_ci_low"] <= 1 <= ratio["B/A_ci_high"]
+            and ratio["verdict"] == "no significant difference"
+        )
         assert ratio["pairs"] == 20
     rows = by(report_json(database, ["--run", a, "--vs", slower], monkeypatch)["tables"]["Paired latency"],
               "metric", "statistic")  # fmt: skip
     for key in [("end-to-end ms", "mean"), ("TTFT ms", "p50"), ("decode ms/token", "mean")]:
         ratio = rows[key]
-        assert 1 < ratio["B/A_ci_low"] <= ratio["B/A"] <= ratio["B/A_ci_high"] and ratio["verdict"] == "B higher"
+        assert (
+            1 < ratio["B/A_ci_low"] <= ratio["B/A"] <= ratio["B/A_ci_high"] and ratio["verdict"] == "B higher"
+        )
     table = invoke(database, ["--run", a, "--vs", same], monkeypatch)
     assert "no significant difference" in table
+
+
+def test_per_job_memory_and_its_split(database, tmp_path, make_png, monkeypatch):
+    small = Page(1.0, memory_mib=(6000, 100, 200))
+    large = Page(1.5, memory_mib=(6000, 400, 900))
+    run = make_run(database, tmp_path, make_png, {("small.png", 0): small, ("large.png", 0): large})
+    latency = by(
+        report_json(database, ["--run", run, "--per-image"], monkeypatch)["tables"]["Latency and output"],
+        "metric",
+    )
+    assert (latency["peak memory MiB"]["p50"], latency["peak memory MiB"]["jobs"]) == (6800.0, 2)
+    assert latency["  weights MiB"]["mean"] == 6000.0 and latency["  weights MiB"]["mean_ci_low"] is None
+    assert latency["  KV cache MiB"]["mean"] == 250.0 and latency["  activation peak MiB"][
+        "p99"
+    ] == pytest.approx(893.0)
+    per_image = report_json(database, ["--run", run, "--per-image"], monkeypatch)["tables"]["Per image"]
+    assert {row["image"]: row["peak MiB"] for row in per_image} == {"small.png": 6300.0, "large.png": 7300.0}
