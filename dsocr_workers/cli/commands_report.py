@@ -1,4 +1,4 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--format table|csv|json|md] [--out FILE]`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--format table|csv|json|md] [--out FILE]`."""
 
 from __future__ import annotations
 
@@ -14,16 +14,30 @@ from dsocr_workers.cli.commands_farm import exits_on_errors
 @click.option("--vs", "vs_ref", help="Compare with this run (B): side by side, B/A ratios, paired per image.")
 @click.option("--per-image", is_flag=True, help="Add one row per image (and repeat).")
 @click.option(
+    "--include-cold",
+    is_flag=True,
+    help="Put cold results (compilation, new cache bucket, …) back into the statistics and throughput.",
+)
+@click.option(
     "--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table", show_default=True
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
 @click.option("--width", type=int, help="Table width in characters (format table).")
 @exits_on_errors
 def report(
-    run_ref: str, vs_ref: str | None, per_image: bool, fmt: str, out: Path | None, width: int | None
+    run_ref: str,
+    vs_ref: str | None,
+    per_image: bool,
+    include_cold: bool,
+    fmt: str,
+    out: Path | None,
+    width: int | None,
 ) -> None:
-    """Latency percentiles (TTFT, prefill, vision stages, decode ms/token), throughput, outputs and the
-    environment of a run; runs on random weights are labelled as such."""
+    """Latency (TTFT, prefill, vision stages, decode ms/token, e2e and the parts that add up to it) as mean
+    and p50 / p90 / p99 with 95% confidence intervals, per-job memory, steady-state and wall-clock
+    throughput, worker sessions, outputs and the environment of a run. Cold results are left out of the
+    statistics unless --include-cold. With --vs every B/A ratio carries an interval, and "no significant
+    difference" where it contains 1. Runs on random weights are labelled as such."""
     from dsocr_workers.report.build import comparison_report, single_report
     from dsocr_workers.report.queries import load_run
     from dsocr_workers.report.render import render
@@ -33,8 +47,11 @@ def report(
     db = open_database(Settings.from_env().database_url)
     with db.transaction() as session:
         a = load_run(session, run_ref)
-        document = comparison_report(a, load_run(session, vs_ref), per_image=per_image) if vs_ref else None
-        document = document or single_report(a, per_image=per_image)
+        if vs_ref:
+            b = load_run(session, vs_ref)
+            document = comparison_report(a, b, per_image=per_image, include_cold=include_cold)
+        else:
+            document = single_report(a, per_image=per_image, include_cold=include_cold)
     text = render(document, fmt, width=width)
     if out is None:
         click.echo(text, nl=False)

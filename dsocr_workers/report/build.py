@@ -1,28 +1,43 @@
-"""Turning ledger rows into report tables: one run, or run B against run A paired per image."""
+"""Turning ledger rows into report tables: one run, or run B against run A paired per image.
+
+Statistics come from report/stats.py (every one with its 95% interval) and throughput from
+report/throughput.py. Cold results (a job that met a compilation, a new cache bucket, …) are left out
+of every latency statistic and of steady-state throughput unless `include_cold`; the report counts
+them by reason.
+"""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from dsocr_workers.report.queries import RunData
-from dsocr_workers.store.models import FINAL_STATES, Result
+from dsocr_workers.report.stats import Estimate, Summary, paired_ratios, rate_sum
+from dsocr_workers.report.throughput import (
+    service_times_s,
+    session_key,
+    steady_state_throughput,
+    throughput_ratio,
+    wall_clock_s,
+)
+from dsocr_workers.store.models import Result
 
 RANDOM_WEIGHTS_WARNING = (
     "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text and boxes are meaningless"
 )
+NO_DIFFERENCE = "no significant difference"
+MIB = 2**20
 
 
 @dataclass
 class Table:
     title: str
     columns: list[str]
-    rows: list[list[Any]]
+    rows: list[list[Any]]  # cells: str, int, float, None, or an Estimate (value with its interval)
 
 
 @dataclass
@@ -33,69 +48,80 @@ class Report:
 
 
 @dataclass(frozen=True)
-class Summary:
-    n: int
-    mean: float | None
-    p50: float | None
-    p90: float | None
-    p99: float | None
+class Metric:
+    label: str
+    values: Callable[[Result], list[float]]  # one job's values: one, none (not measured) or its decode steps
 
 
-def summarize(values: Iterable[float | None]) -> Summary:
-    data = np.asarray([v for v in values if v is not None], dtype=float)
-    if data.size == 0:
-        return Summary(0, None, None, None, None)
-    p50, p90, p99 = np.percentile(data, [50, 90, 99])
-    return Summary(int(data.size), float(data.mean()), float(p50), float(p90), float(p99))
+def _column(name: str, scale: float = 1.0) -> Callable[[Result], list[float]]:
+    return lambda r: [] if getattr(r, name) is None else [getattr(r, name) * scale]
 
 
-# (label, how to get the values from a list of results): per-token decode times pool every step.
-Metric = tuple[str, Callable[[list[Result]], list[float]]]
-
-
-def _per_result(column: str) -> Callable[[list[Result]], list[float]]:
-    return lambda results: [getattr(r, column) for r in results]
-
-
-METRICS: list[Metric] = [
-    ("TTFT ms", _per_result("ttft_ms")),
-    ("preprocess ms", _per_result("preprocess_ms")),
-    ("prefill ms", _per_result("prefill_ms")),
-    ("vision ms", _per_result("vision_ms")),
-    ("  sam ms", _per_result("sam_ms")),
-    ("  clip ms", _per_result("clip_ms")),
-    ("  projector ms", _per_result("projector_ms")),
-    ("lm prefill ms", _per_result("lm_prefill_ms")),
-    ("decode ms/token", lambda results: [step for r in results for step in r.decode_step_ms]),
-    ("decode ms", _per_result("decode_ms")),
-    ("end-to-end ms", _per_result("e2e_ms")),
-    ("tokens out", _per_result("decode_tokens")),
-    ("boxes per page", _per_result("box_count")),
+LATENCY = [
+    Metric("TTFT ms", _column("ttft_ms")),
+    Metric("preprocess ms", _column("preprocess_ms")),
+    Metric("prefill ms", _column("prefill_ms")),
+    Metric("vision ms", _column("vision_ms")),
+    Metric("  sam ms", _column("sam_ms")),
+    Metric("  clip ms", _column("clip_ms")),
+    Metric("  projector ms", _column("projector_ms")),
+    Metric("lm prefill ms", _column("lm_prefill_ms")),
+    Metric("decode ms/token", lambda r: list(r.decode_step_ms)),  # kept steps, pooled over jobs
+    Metric("decode ms", _column("decode_ms")),
+    Metric("end-to-end ms", _column("e2e_ms")),
+]
+OUTPUT = [
+    Metric("tokens out", _column("decode_tokens")),
+    Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
+    Metric("boxes per page", _column("box_count")),
+]
+# Per job, allocator statistics reset at its start; CUDA only, so a CPU run shows none of these rows.
+MEMORY = [
+    Metric("peak memory MiB", _column("peak_memory_bytes", 1 / MIB)),
+    Metric("  weights MiB", _column("weights_bytes", 1 / MIB)),
+    Metric("  KV cache MiB", _column("kv_cache_bytes", 1 / MIB)),
+    Metric("  activation peak MiB", _column("activation_peak_bytes", 1 / MIB)),
+]
+# The parts of e2e, in the order they happen (engine/result.py StageTimings: their sum is e2e_ms).
+PARTS = [
+    ("preprocess", "preprocess_ms"),
+    ("setup", "setup_ms"),
+    ("prefill", "prefill_ms"),
+    ("first token", "first_token_ms"),
+    ("decode", "decode_ms"),
+    ("wasted decode", "wasted_decode_ms"),
+    ("readback", "readback_ms"),
+    ("postprocess", "postprocess_ms"),
+    ("host gap", "host_gap_ms"),
 ]
 
 
-def _round(value: float | None, digits: int = 2) -> float | None:
-    return None if value is None else round(value, digits)
+def measured(data: RunData, include_cold: bool) -> list[Result]:
+    """The results statistics are computed over, in job order: warm ones unless `include_cold`."""
+    results = (data.results.get(j.id) for j in data.jobs)
+    return [r for r in results if r is not None and (include_cold or not r.cold)]
 
 
-def wall_seconds(data: RunData) -> float | None:
-    """From the start of the first inference to the end of the last job (model loading excluded: a job's
-    inference starts `e2e_ms` before it finished)."""
-    ends = [j.finished_at for j in data.jobs if j.finished_at is not None and j.state in FINAL_STATES]
-    starts = [
-        j.finished_at - timedelta(milliseconds=data.results[j.id].e2e_ms)
-        for j in data.jobs
-        if j.id in data.results and j.finished_at is not None
-    ]
-    if not starts or not ends:
-        return None
-    return max((max(ends) - min(starts)).total_seconds(), 1e-6)
+def summarize(metric: Metric, results: list[Result]) -> Summary:
+    return Summary.from_jobs([metric.values(r) for r in results])
 
 
-def run_facts(data: RunData) -> dict[str, Any]:
+def verdict(ratio: Estimate) -> str:
+    """What a B/A ratio says, plainly."""
+    if ratio.value is None:
+        return "–"
+    if ratio.low is None or ratio.high is None:
+        return "no interval (n<2)" if ratio.n < 2 else "no interval (no spread)"
+    if ratio.low > 1:
+        return "B higher"
+    if ratio.high < 1:
+        return "B lower"
+    return NO_DIFFERENCE
+
+
+def run_facts(data: RunData, include_cold: bool) -> dict[str, Any]:
     counts = Counter(j.state for j in data.jobs)
-    wall = wall_seconds(data)
-    done = counts.get("done", 0)
+    cold = sum(r.cold for r in data.results.values())
     return {
         "run": data.run.id,
         "name": data.run.name,
@@ -105,13 +131,23 @@ def run_facts(data: RunData) -> dict[str, Any]:
         "parameters": ", ".join(f"{k}={v}" for k, v in sorted(data.run.parameters.items()) if v is not None),
         "tags": ", ".join(f"{k}={v}" for k, v in sorted(data.run.tags.items())),
         "jobs": len(data.jobs),
-        "ok": done,
+        "ok": counts.get("done", 0),
         "failed": counts.get("failed", 0),
         "poisoned": counts.get("poisoned", 0),
         "not finished": sum(counts.get(s, 0) for s in ("pending", "queued", "running")),
         "results": len(data.results),
-        "wall s": _round(wall, 3),
-        "pages/s": _round(done / wall, 3) if wall else None,
+        "cold results": cold,
+        "left out of statistics": 0 if include_cold else cold,
+    }
+
+
+def _throughput(data: RunData, include_cold: bool) -> dict[str, Any]:
+    wall = wall_clock_s(data)
+    done = len(data.results)
+    return {
+        "pages/s (steady state)": steady_state_throughput(data, include_cold),
+        "wall clock s (submit to last result)": wall,
+        "pages/s (wall clock)": done / wall if wall else None,
     }
 
 
@@ -123,16 +159,24 @@ def _warnings(*runs: RunData) -> list[str]:
     ]
 
 
-def single_report(data: RunData, *, per_image: bool = False) -> Report:
-    results = list(data.results.values())
+def single_report(data: RunData, *, per_image: bool = False, include_cold: bool = False) -> Report:
+    results = measured(data, include_cold)
     report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _warnings(data))
-    report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in run_facts(data).items()]))
+    facts = run_facts(data, include_cold)
+    report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
+    throughput = _throughput(data, include_cold)
+    report.tables.append(Table("Throughput", ["measure", "value"], [[k, v] for k, v in throughput.items()]))
     rows = []
-    for label, values in METRICS:
-        s = summarize(values(results))
-        rows.append([label, s.n, _round(s.mean), _round(s.p50), _round(s.p90), _round(s.p99)])
-    report.tables.append(Table("Latency and output", ["metric", "n", "mean", "p50", "p90", "p99"], rows))
-    report.tables.append(_by_worker(data))
+    for metric in LATENCY + OUTPUT + MEMORY:
+        s = summarize(metric, results)
+        if s.n or metric not in MEMORY:
+            rows.append([metric.label, s.jobs, s.n, s.mean, s.p50, s.p90, s.p99])
+    columns = ["metric", "jobs", "n", "mean", "p50", "p90", "p99"]
+    report.tables.append(Table("Latency and output", columns, rows))
+    report.tables.append(_accounting(results))
+    if facts["cold results"]:
+        report.tables.append(_cold(data, include_cold))
+    report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
     failures = [
         [j.image, j.repeat, j.state, j.attempts, j.last_error_class, j.last_error_message]
@@ -148,27 +192,58 @@ def single_report(data: RunData, *, per_image: bool = False) -> Report:
     return report
 
 
-def _by_worker(data: RunData) -> Table:
+def _accounting(results: list[Result]) -> Table:
+    """Mean per job of each part of e2e: means add up, so the parts' column sums to the e2e row."""
+    e2e = Summary.from_values([r.e2e_ms for r in results]).mean
+
+    def share(mean: float | None) -> float | None:
+        return None if mean is None or not e2e.value else 100 * mean / e2e.value
+
+    parts = [(label, Summary.from_values([getattr(r, name) for r in results]).mean) for label, name in PARTS]
+    total = sum(mean.value for _, mean in parts if mean.value is not None) if results else None
+    rows: list[list[Any]] = [[label, mean, share(mean.value)] for label, mean in parts]
+    rows.append(["sum of parts", total, share(total)])
+    rows.append(["end-to-end", e2e, share(e2e.value)])
+    return Table("Accounting: parts of end-to-end", ["part", "mean ms", "share of e2e %"], rows)
+
+
+def _cold(data: RunData, include_cold: bool) -> Table:
+    reasons = Counter(r.cold_reason or "(no reason recorded)" for r in data.results.values() if r.cold)
+    in_statistics = "yes (--include-cold)" if include_cold else "no (--include-cold puts them back)"
+    rows = [[reason, count, in_statistics] for reason, count in reasons.most_common()]
+    return Table("Cold results", ["reason", "jobs", "in statistics"], rows)
+
+
+def _sessions(data: RunData, include_cold: bool) -> Table:
+    """One row per worker session (a loaded, warmed model in one process); results older than sessions
+    are grouped by worker fingerprint."""
     grouped: dict[str, list[Result]] = defaultdict(list)
     for r in data.results.values():
-        grouped[r.worker_id].append(r)
+        grouped[session_key(r)].append(r)
+    times = service_times_s(data, include_cold)
     rows = []
-    for worker_id, results in sorted(grouped.items()):
-        w = data.workers.get(worker_id)
+    for key, results in sorted(grouped.items()):
+        s, w = data.sessions.get(key), data.workers.get(results[0].worker_id)
+        counted = [r for r in results if include_cold or not r.cold]
         rows.append(
             [
-                worker_id[:12],
-                w.host if w else None,
-                results[0].device,
-                w.gpu_name if w else None,
+                key[:12],
+                s.host if s else w.host if w else None,
+                s.pid if s else None,
+                s.device if s else results[0].device,
+                s.engine if s else results[0].engine,
+                None if s is None or s.load_ms is None else s.load_ms / 1000,
+                None if s is None or s.warmup_ms is None else s.warmup_ms / 1000,
+                s.warmup if s else None,
                 len(results),
-                _round(summarize(r.e2e_ms for r in results).p50),
-                _round(summarize(r.ttft_ms for r in results).p50),
-                _round(summarize(s for r in results for s in r.decode_step_ms).p50),
+                sum(r.cold for r in results),
+                rate_sum([times.get(key, [])]),
+                Summary.from_values([r.e2e_ms for r in counted]).p50,
             ]
         )
-    columns = ["worker", "host", "device", "GPU", "jobs", "e2e p50 ms", "TTFT p50 ms", "decode ms/token p50"]
-    return Table("By worker", columns, rows)
+    columns = ["session", "host", "pid", "device", "engine", "load s", "warm-up s", "warm-up", "jobs",
+               "cold jobs", "pages/s (steady state)", "e2e p50 ms"]  # fmt: skip
+    return Table("Worker sessions", columns, rows)
 
 
 def _environment(data: RunData) -> Table:
@@ -199,107 +274,85 @@ def _per_image(data: RunData) -> Table:
     rows = []
     for j in data.jobs:
         r = data.results.get(j.id)
+        peak = r.peak_memory_bytes if r else None
         rows.append(
-            [
-                j.image,
-                j.repeat,
-                j.state,
-                j.attempts,
-                r.device if r else None,
-                _round(r.ttft_ms) if r else None,
-                _round(r.prefill_ms) if r else None,
-                r.decode_tokens if r else None,
-                _round(r.decode_ms_per_token_p50) if r else None,
-                _round(r.e2e_ms) if r else None,
-                r.box_count if r else None,
-                r.stop_reason if r else j.last_error_class,
-            ]
-        )
-    columns = ["image", "repeat", "state", "attempts", "device", "TTFT ms", "prefill ms", "tokens",
-               "ms/token p50", "e2e ms", "boxes", "stop / error"]  # fmt: skip
+            [j.image, j.repeat, j.state, j.attempts] + (
+                [r.device, session_key(r)[:12], r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
+                 r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
+                 r.cold_reason if r.cold else None, r.stop_reason]
+                if r else [None] * 11 + [j.last_error_class]
+            )
+        )  # fmt: skip
+    columns = ["image", "repeat", "state", "attempts", "device", "session", "TTFT ms", "prefill ms", "tokens",
+               "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "stop / error"]  # fmt: skip
     return Table("Per image", columns, rows)
 
 
-def _by_image(data: RunData) -> dict[tuple[str, int], Result]:
+def _by_image(data: RunData, results: list[Result]) -> dict[tuple[str, int], Result]:
     jobs = {j.id: j for j in data.jobs}
-    return {(jobs[r.job_id].image, jobs[r.job_id].repeat): r for r in data.results.values()}
+    return {(jobs[r.job_id].image, jobs[r.job_id].repeat): r for r in results}
 
 
-def _ratio(b: float | None, a: float | None) -> float | None:
-    return None if a is None or b is None or a == 0 else round(b / a, 3)
-
-
-def comparison_report(a: RunData, b: RunData, *, per_image: bool = False) -> Report:
-    """B against A over the (image, repeat) pairs that have a result in both runs."""
+def comparison_report(
+    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False
+) -> Report:
+    """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
+    interval of a paired bootstrap; throughput from each run's steady state."""
     report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _warnings(a, b))
-    facts_a, facts_b = run_facts(a), run_facts(b)
-    rows = [[k, facts_a[k], facts_b[k]] for k in facts_a]
-    rows.append(["B/A pages/s", None, _ratio(facts_b["pages/s"], facts_a["pages/s"])])
-    report.tables.append(Table("Runs", ["field", "A", "B"], rows))
+    facts_a, facts_b = run_facts(a, include_cold), run_facts(b, include_cold)
+    report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
+    throughput_a, throughput_b = _throughput(a, include_cold), _throughput(b, include_cold)
+    rows = [[k, throughput_a[k], throughput_b[k], None, None] for k in throughput_a]
+    ratio = throughput_ratio(b, a, include_cold)
+    rows[0][3:] = [ratio, verdict(ratio)]  # only the steady state is compared: wall clock includes loading
+    report.tables.append(Table("Throughput", ["measure", "A", "B", "B/A", "verdict"], rows))
 
-    by_a, by_b = _by_image(a), _by_image(b)
+    by_a, by_b = _by_image(a, measured(a, include_cold)), _by_image(b, measured(b, include_cold))
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
-    for label, values in METRICS:
-        sa, sb = summarize(values(paired_a)), summarize(values(paired_b))
-        rows.append(
-            [
-                label,
-                _round(sa.p50),
-                _round(sb.p50),
-                _ratio(sb.p50, sa.p50),
-                _round(sa.p90),
-                _round(sb.p90),
-                _ratio(sb.p90, sa.p90),
-                _round(sa.p99),
-                _round(sb.p99),
-                _ratio(sb.p99, sa.p99),
-            ]  # fmt: skip
-        )
-    columns = [
-        "metric",
-        "A p50",
-        "B p50",
-        "B/A p50",
-        "A p90",
-        "B p90",
-        "B/A p90",
-        "A p99",
-        "B p99",
-        "B/A p99",
-    ]
-    report.tables.append(Table(f"Paired latency ({len(pairs)} images in both runs)", columns, rows))
+    for metric in LATENCY + MEMORY[:1]:
+        sa, sb = summarize(metric, paired_a), summarize(metric, paired_b)
+        if not (sa.n or sb.n):
+            continue
+        ratios = paired_ratios([metric.values(r) for r in paired_b], [metric.values(r) for r in paired_a])
+        rows.append([metric.label, "mean", len(pairs), sa.mean, sb.mean, ratios.mean, verdict(ratios.mean)])
+        rows.append([metric.label, "p50", len(pairs), sa.p50, sb.p50, ratios.p50, verdict(ratios.p50)])
+    columns = ["metric", "statistic", "pairs", "A", "B", "B/A", "verdict"]
+    report.tables.append(Table("Paired latency", columns, rows))
 
+    all_a, all_b = _by_image(a, list(a.results.values())), _by_image(b, list(b.results.values()))
+    report.tables.append(_agreement(all_a, all_b))
+    if per_image:
+        report.tables.append(_per_image_pairs(all_a, all_b))
+    return report
+
+
+def _agreement(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, int], Result]) -> Table:
+    """Every result, cold or not: outputs do not depend on warm-up."""
+    pairs = sorted(set(by_a) & set(by_b))
     identical = sum(by_a[k].markup == by_b[k].markup for k in pairs)
     deltas = [by_b[k].box_count - by_a[k].box_count for k in pairs]
-    agreement: list[list[Any]] = [
+    rows: list[list[Any]] = [
         ["paired images", len(pairs)],
         ["only in A", len(set(by_a) - set(by_b))],
         ["only in B", len(set(by_b) - set(by_a))],
-        ["identical markup %", _round(100.0 * identical / len(pairs)) if pairs else None],
-        ["box count delta B-A (mean)", _round(float(np.mean(deltas))) if deltas else None],
-        ["box count |delta| (mean)", _round(float(np.mean(np.abs(deltas)))) if deltas else None],
+        ["identical markup %", 100.0 * identical / len(pairs) if pairs else None],
+        ["box count delta B-A (mean)", float(np.mean(deltas)) if deltas else None],
+        ["box count |delta| (mean)", float(np.mean(np.abs(deltas))) if deltas else None],
         ["images with a different box count", sum(d != 0 for d in deltas)],
     ]
-    report.tables.append(Table("Output agreement", ["measure", "value"], agreement))
-    if per_image:
-        rows = [
-            [
-                image,
-                repeat,
-                _round(by_a[(image, repeat)].e2e_ms),
-                _round(by_b[(image, repeat)].e2e_ms),
-                _ratio(by_b[(image, repeat)].e2e_ms, by_a[(image, repeat)].e2e_ms),
-                by_a[(image, repeat)].decode_tokens,
-                by_b[(image, repeat)].decode_tokens,
-                by_a[(image, repeat)].markup == by_b[(image, repeat)].markup,
-                by_a[(image, repeat)].box_count,
-                by_b[(image, repeat)].box_count,
-            ]  # fmt: skip
-            for image, repeat in pairs
-        ]
-        columns = ["image", "repeat", "A e2e ms", "B e2e ms", "B/A", "A tokens", "B tokens", "same markup",
-                   "A boxes", "B boxes"]  # fmt: skip
-        report.tables.append(Table("Per image", columns, rows))
-    return report
+    return Table("Output agreement", ["measure", "value"], rows)
+
+
+def _per_image_pairs(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, int], Result]) -> Table:
+    rows = []
+    for key in sorted(set(by_a) & set(by_b)):
+        ra, rb = by_a[key], by_b[key]
+        rows.append(
+            [*key, ra.e2e_ms, rb.e2e_ms, rb.e2e_ms / ra.e2e_ms if ra.e2e_ms else None, ra.cold, rb.cold,
+             ra.decode_tokens, rb.decode_tokens, ra.markup == rb.markup, ra.box_count, rb.box_count]
+        )  # fmt: skip
+    columns = ["image", "repeat", "A e2e ms", "B e2e ms", "B/A", "A cold", "B cold", "A tokens", "B tokens",
+               "same markup", "A boxes", "B boxes"]  # fmt: skip
+    return Table("Per image", columns, rows)

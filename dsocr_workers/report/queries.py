@@ -1,4 +1,5 @@
-"""What a report reads from the ledger: one run, its jobs, their results and the workers behind them."""
+"""What a report reads from the ledger: one run, its jobs, their results, and the workers and worker
+sessions (loaded models) behind them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.store.models import Job, Result, Run, Worker
+from dsocr_workers.store.models import Job, Result, Run, Worker, WorkerSession
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class RunData:
     jobs: list[Job]
     results: dict[str, Result]  # by job id
     workers: dict[str, Worker]  # by worker id, the ones that produced results
+    sessions: dict[str, WorkerSession]  # by id, the ones that produced results (none before schema 0002)
 
 
 def resolve_run(session: Session, ref: str) -> Run:
@@ -40,12 +42,12 @@ def load_run(session: Session, ref: str) -> RunData:
     jobs = list(session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat)))
     results = {r.job_id: r for r in session.scalars(select(Result).where(Result.run_id == run.id))}
     worker_ids = {r.worker_id for r in results.values()}
-    workers = (
-        {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
-        if worker_ids
-        else {}
-    )
-    return RunData(run, jobs, results, workers)
+    session_ids = {r.worker_session_id for r in results.values() if r.worker_session_id is not None}
+    workers = {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
+    sessions = {
+        s.id: s for s in session.scalars(select(WorkerSession).where(WorkerSession.id.in_(session_ids)))
+    }
+    return RunData(run, jobs, results, workers, sessions)
 
 
 @dataclass(frozen=True)

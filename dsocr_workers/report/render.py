@@ -1,4 +1,9 @@
-"""A report as terminal tables (rich), CSV, JSON or Markdown."""
+"""A report as terminal tables (rich), CSV, JSON or Markdown.
+
+An `Estimate` cell reads "value [low, high]" in tables and Markdown ("[n<2]" or "[–]" where there is no
+interval); CSV and JSON stay machine-readable: its column becomes three, `<column>`,
+`<column>_ci_low` and `<column>_ci_high`, numbers (empty / null without an interval).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,19 @@ import io
 import json
 from typing import Any
 
-from dsocr_workers.report.build import Report
+from dsocr_workers.report.build import Report, Table
+from dsocr_workers.report.stats import Estimate
 
 FORMATS = ("table", "csv", "json", "md")
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, Estimate):
+        if value.value is None:
+            return ""
+        if value.low is None or value.high is None:
+            return f"{_cell(value.value)} [{'n<2' if value.n < 2 else '–'}]"
+        return f"{_cell(value.value)} [{_cell(value.low)}, {_cell(value.high)}]"
     if value is None:
         return ""
     if isinstance(value, float):
@@ -36,21 +48,47 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
     from rich import box
     from rich.console import Console
     from rich.panel import Panel
-    from rich.table import Table
+    from rich.table import Table as RichTable
+    from rich.text import Text
 
     console = Console(file=io.StringIO(), width=width or 160, force_terminal=color, no_color=not color)
     console.print(f"[bold]{report.title}[/bold]")
     for warning in report.warnings:
         console.print(Panel(warning, style="bold red", title="WARNING"))
     for section in report.tables:
-        table = Table(title=section.title, box=box.SIMPLE_HEAD, title_justify="left")
+        table = RichTable(title=section.title, box=box.SIMPLE_HEAD, title_justify="left")
         for i, column in enumerate(section.columns):
-            numeric = all(isinstance(row[i], int | float) for row in section.rows if row[i] is not None)
+            numeric = all(
+                isinstance(row[i], int | float | Estimate) for row in section.rows if row[i] is not None
+            )
             table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold")
         for row in section.rows:
-            table.add_row(*(_cell(v) for v in row))
+            table.add_row(*(Text(_cell(v)) for v in row))  # Text: "[n<2]" is not console markup
         console.print(table)
     return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def _number(value: Any) -> Any:
+    """Floats to 6 significant digits: exports stay readable without losing what was measured."""
+    return float(f"{value:.6g}") if isinstance(value, float) else value
+
+
+def _expanded(table: Table) -> tuple[list[str], list[list[Any]]]:
+    """Every column that holds an Estimate becomes `<column>`, `<column>_ci_low`, `<column>_ci_high`."""
+    estimates = [any(isinstance(row[i], Estimate) for row in table.rows) for i in range(len(table.columns))]
+    columns: list[str] = []
+    for column, expand in zip(table.columns, estimates, strict=True):
+        columns += [column, f"{column}_ci_low", f"{column}_ci_high"] if expand else [column]
+    rows = []
+    for row in table.rows:
+        cells: list[Any] = []
+        for value, expand in zip(row, estimates, strict=True):
+            if isinstance(value, Estimate):
+                cells += [value.value, value.low, value.high]
+            else:
+                cells += [value, None, None] if expand else [value]
+        rows.append([_number(v) for v in cells])
+    return columns, rows
 
 
 def render_csv(report: Report) -> str:
@@ -60,21 +98,20 @@ def render_csv(report: Report) -> str:
     for warning in report.warnings:
         writer.writerow([f"# {warning}"])
     for section in report.tables:
+        columns, rows = _expanded(section)
         writer.writerow([f"# {section.title}"])
-        writer.writerow(section.columns)
-        writer.writerows([["" if v is None else v for v in row] for row in section.rows])
+        writer.writerow(columns)
+        writer.writerows([["" if v is None else v for v in row] for row in rows])
         writer.writerow([])
     return out.getvalue()
 
 
 def render_json(report: Report) -> str:
-    document = {
-        "title": report.title,
-        "warnings": report.warnings,
-        "tables": {
-            t.title: [dict(zip(t.columns, row, strict=True)) for row in t.rows] for t in report.tables
-        },
-    }
+    tables = {}
+    for table in report.tables:
+        columns, rows = _expanded(table)
+        tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
+    document = {"title": report.title, "warnings": report.warnings, "tables": tables}
     return json.dumps(document, indent=2, default=str) + "\n"
 
 

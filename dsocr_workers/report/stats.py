@@ -1,0 +1,207 @@
+"""Every statistic the report prints, with its 95% confidence interval: the one place that computes
+means, percentiles and intervals (scipy.stats.bootstrap, never hand-written resampling).
+
+- `Summary.from_values`: one value per job (TTFT, e2e, …); the bootstrap resamples jobs.
+- `Summary.from_jobs`: values pooled over jobs (decode ms/token: every kept step of every job). Steps of
+  one job share its page, cache length and device state, so they are not independent: the bootstrap
+  resamples whole jobs and pools their steps (a cluster bootstrap).
+- `paired_ratios`: B/A of the mean and of the median over (image, repeat) pairs; a resample draws pairs,
+  so both runs see the same pages (what scipy calls `paired=True`).
+- `rate_sum` / `rate_sum_ratio`: throughput as Σ over workers of 1 / mean service time, each worker's
+  service times an independent sample (`paired=False`), see report/throughput.py.
+
+Intervals are bootstrap percentile intervals (2,000 resamples, a fixed seed so the same ledger gives the
+same report). Percentile rather than BCa: BCa's acceleration comes from a jackknife, which is unreliable
+for quantiles such as p50 / p99. With fewer than two jobs, or no spread at all, there is no interval.
+A resample never holds a value larger than the largest one measured, so p99 intervals from fewer than
+about a hundred jobs are too narrow on the high side: read them as a floor on the uncertainty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+SEED = 20261123  # fixed: a report is reproducible from its ledger
+_BATCH = 250  # resamples per vectorised call: bounds memory on large runs
+QUANTILES = (50, 90, 99)
+
+# scipy calls a statistic with the resampled samples and, when vectorised, axis=-1 (the resamples of a
+# batch along the other axes); the statistics here always reduce along the last axis.
+Statistic = Callable[..., np.ndarray]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic and its 95% confidence interval; `low` / `high` are None when there is none (fewer
+    than two jobs, or no spread). `n` counts the units it resamples: jobs, pairs of jobs, service times."""
+
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+    n: int = 0
+
+
+def _estimate(value: float, low: float, high: float, n: int) -> Estimate:
+    """nan or infinite bounds (no interval, or a resample divided by zero) give an Estimate without one."""
+    if not np.isfinite(value):
+        return Estimate(None, n=n)
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return Estimate(float(value), n=n)
+    return Estimate(float(value), float(low), float(high), n)
+
+
+def _bootstrap(
+    data: tuple[np.ndarray, ...], statistic: Statistic, *, vectorized: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper bounds, one per output of `statistic`."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample may divide by zero: no interval
+        result = stats.bootstrap(
+            data, statistic, n_resamples=RESAMPLES, batch=_BATCH, vectorized=vectorized, paired=False,
+            confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(SEED),
+        )  # fmt: skip
+    interval = result.confidence_interval
+    return np.atleast_1d(interval.low), np.atleast_1d(interval.high)
+
+
+class _Jobs:
+    """Values grouped by job. A resample is an array of job indices (a job drawn twice counts twice);
+    `stats` gives the mean and percentiles of the values of the jobs drawn, pooled."""
+
+    def __init__(self, per_job: Sequence[Sequence[float]]) -> None:
+        arrays = [np.asarray(v, dtype=float) for v in per_job if len(v)]
+        self.count = len(arrays)
+        self.pooled = np.concatenate(arrays) if arrays else np.empty(0)
+        # One value per job: a batch of resamples is plain fancy indexing, vectorised by numpy.
+        self.one_each = all(a.size == 1 for a in arrays)
+        # Many values per job (decode steps): concatenating the drawn jobs would cost seconds per
+        # thousand resamples on a long run, so a resample is weights instead: how often each job was
+        # drawn, applied to the pooled values sorted once.
+        self.sizes = np.asarray([a.size for a in arrays], dtype=np.intp)
+        self.sums = np.asarray([a.sum() for a in arrays])
+        order = np.argsort(self.pooled, kind="stable")
+        self.sorted = self.pooled[order]
+        self.owner = np.repeat(np.arange(self.count), self.sizes)[order]
+
+    @property
+    def varies(self) -> bool:
+        return self.pooled.size > 1 and bool(np.ptp(self.pooled) > 0)
+
+    def stats(self, idx: np.ndarray, quantiles: Sequence[float]) -> np.ndarray:
+        """[mean, *percentiles] of the jobs `idx` (a batch of resamples along the last axis when
+        `one_each`), as np.percentile's default (linear) method computes them on the pooled values."""
+        if self.one_each:
+            x = self.pooled[idx]
+            return np.stack([np.mean(x, axis=-1), *np.percentile(x, quantiles, axis=-1)])
+        drawn = np.bincount(idx, minlength=self.count)
+        total = int(drawn @ self.sizes)
+        rank_end = np.cumsum(drawn[self.owner])  # 1 + the last pooled rank of each sorted value
+        h = (total - 1) * np.asarray(quantiles, dtype=float) / 100
+        below = np.floor(h).astype(int)
+        x_below = self.sorted[np.searchsorted(rank_end, below, side="right")]
+        x_above = self.sorted[np.searchsorted(rank_end, np.minimum(below + 1, total - 1), side="right")]
+        return np.concatenate([[drawn @ self.sums / total], x_below + (h - below) * (x_above - x_below)])
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean, p50, p90 and p99 of one metric, each with its interval. `n` values from `jobs` jobs."""
+
+    n: int
+    jobs: int
+    mean: Estimate
+    p50: Estimate
+    p90: Estimate
+    p99: Estimate
+
+    @classmethod
+    def from_values(cls, values: Sequence[float | None]) -> Summary:
+        """One value per job; None (not measured) is left out."""
+        return cls.from_jobs([[v] for v in values if v is not None])
+
+    @classmethod
+    def from_jobs(cls, per_job: Sequence[Sequence[float]]) -> Summary:
+        """Values pooled over jobs, intervals from resampling whole jobs."""
+        jobs = _Jobs(per_job)
+        n = jobs.pooled.size
+        if n == 0:
+            return cls(0, 0, *(Estimate(None) for _ in range(4)))
+        values = jobs.stats(np.arange(jobs.count), QUANTILES)
+        low = high = np.full(4, np.nan)  # nan: no interval
+        if jobs.count >= 2 and jobs.varies:
+            low, high = _bootstrap(
+                (np.arange(jobs.count),),
+                lambda idx, axis=-1: jobs.stats(idx, QUANTILES),
+                vectorized=jobs.one_each,
+            )
+        estimates = [_estimate(values[i], low[i], high[i], jobs.count) for i in range(4)]
+        return cls(n, jobs.count, *estimates)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """B/A of the mean and of the median over paired jobs."""
+
+    mean: Estimate
+    p50: Estimate
+
+
+def paired_ratios(b: Sequence[Sequence[float]], a: Sequence[Sequence[float]]) -> Ratio:
+    """`b[i]` and `a[i]` are the values of the same (image, repeat) in run B and run A (one value, or a
+    job's decode steps). Pairs where either side has no value are left out."""
+    kept = [(vb, va) for vb, va in zip(b, a, strict=True) if len(vb) and len(va)]
+    jobs_b, jobs_a = _Jobs([vb for vb, _ in kept]), _Jobs([va for _, va in kept])
+    n = len(kept)
+    if n == 0:
+        return Ratio(Estimate(None), Estimate(None))
+
+    def ratio(idx: np.ndarray, axis: int = -1) -> np.ndarray:
+        return jobs_b.stats(idx, (50,)) / jobs_a.stats(idx, (50,))  # [mean, median] of B over A
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        values = ratio(np.arange(n))
+    low = high = np.full(2, np.nan)
+    if n >= 2 and (jobs_b.varies or jobs_a.varies):
+        low, high = _bootstrap((np.arange(n),), ratio, vectorized=jobs_b.one_each and jobs_a.one_each)
+    return Ratio(*(_estimate(values[i], low[i], high[i], n) for i in range(2)))
+
+
+def _rates(groups: Sequence[Sequence[Sequence[float]]], combine: Callable[[list], float]) -> Estimate:
+    """combine([Σ_s 1/mean(s) for each group]) where a group is a list of independent samples (one per
+    worker). Samples with no spread (or a single value) cannot move under resampling: they enter as
+    constants, the others are resampled independently of each other."""
+    arrays = [[np.asarray(s, dtype=float) for s in group if len(s)] for group in groups]
+    n = sum(s.size for group in arrays for s in group)
+    if any(not group for group in arrays):
+        return Estimate(None, n=n)
+    with np.errstate(divide="ignore"):
+        value = combine([sum(1.0 / s.mean() for s in group) for group in arrays])
+        moving = [(g, s) for g, group in enumerate(arrays) for s in group if s.size >= 2 and np.ptp(s) > 0]
+        fixed = [sum(1.0 / s.mean() for s in group if s.size < 2 or np.ptp(s) == 0) for group in arrays]
+    if not moving:
+        return _estimate(value, np.nan, np.nan, n)
+
+    def statistic(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
+        sums: list = list(fixed)
+        for (g, _), sample in zip(moving, samples, strict=True):
+            sums[g] = sums[g] + 1.0 / np.mean(sample, axis=axis)
+        return np.asarray(combine(sums))
+
+    low, high = _bootstrap(tuple(s for _, s in moving), statistic, vectorized=True)
+    return _estimate(value, low[0], high[0], n)
+
+
+def rate_sum(samples: Sequence[Sequence[float]]) -> Estimate:
+    """Σ over samples of 1 / mean(sample): the rate of workers running side by side, each sample one
+    worker's service times."""
+    return _rates([samples], lambda sums: sums[0])
+
+
+def rate_sum_ratio(b: Sequence[Sequence[float]], a: Sequence[Sequence[float]]) -> Estimate:
+    """rate_sum(b) / rate_sum(a), every worker of both runs resampled independently."""
+    return _rates([b, a], lambda sums: sums[0] / sums[1])

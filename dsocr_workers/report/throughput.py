@@ -1,0 +1,74 @@
+"""Throughput, both ways users mean it. A page is a job: one (image, repeat).
+
+**Steady state** — pages/s while warmed workers are busy; what `--vs` compares. Per worker session (one
+model loaded and warmed in one worker process), its jobs in the order they finished; job i's service
+time is
+
+    d_i = finished_i − max(started_i, finished_(i−1), ready_at)
+
+so the session's loading and warm-up, time spent waiting for work (an empty queue) and a prefetched
+job's wait behind the previous one never count. A session's rate is 1 / mean(d) over its warm jobs (a
+cold job still occupies the worker, so it still ends the previous interval, but its own d is left out
+unless `include_cold`); the run's rate is the sum of its sessions' rates, since sessions run side by
+side on different devices. The 95% interval resamples each session's service times independently
+(report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
+fingerprint instead, without a `ready_at`.
+
+**Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
+queueing included: what a user waited. Pages/s over it = finished jobs / wall clock.
+
+Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+
+from dsocr_workers.report.queries import RunData
+from dsocr_workers.report.stats import Estimate, rate_sum, rate_sum_ratio
+from dsocr_workers.store.models import Result
+
+
+def session_key(result: Result) -> str:
+    """The worker session behind a result, or its worker fingerprint for results older than sessions."""
+    return result.worker_session_id or result.worker_id
+
+
+def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
+    """Per session key, the service times (seconds) of its finished jobs, as defined above."""
+    # (finished, started, cold) of every job with a result, per session
+    by_session: dict[str, list[tuple[datetime, datetime, bool]]] = defaultdict(list)
+    for job in data.jobs:
+        result = data.results.get(job.id)
+        if result is not None and job.started_at is not None and job.finished_at is not None:
+            by_session[session_key(result)].append((job.finished_at, job.started_at, result.cold))
+    times: dict[str, list[float]] = {}
+    for key, done in by_session.items():
+        session = data.sessions.get(key)
+        free_at = session.ready_at if session is not None else None  # when the worker could take work
+        times[key] = []
+        for finished, started, cold in sorted(done):
+            began = started if free_at is None else max(started, free_at)
+            if include_cold or not cold:
+                times[key].append((finished - began).total_seconds())
+            free_at = finished
+    return times
+
+
+def steady_state_throughput(data: RunData, include_cold: bool = False) -> Estimate:
+    """Pages/s of the run's warmed workers together, with its 95% interval; `n` counts the jobs."""
+    return rate_sum(list(service_times_s(data, include_cold).values()))
+
+
+def throughput_ratio(b: RunData, a: RunData, include_cold: bool = False) -> Estimate:
+    """Steady-state pages/s of run B over run A, with its 95% interval."""
+    return rate_sum_ratio(
+        list(service_times_s(b, include_cold).values()), list(service_times_s(a, include_cold).values())
+    )
+
+
+def wall_clock_s(data: RunData) -> float | None:
+    """Seconds from the run's creation (submit) to its last result; None before the first result."""
+    ends = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at is not None]
+    return (max(ends) - data.run.created_at).total_seconds() if ends else None

@@ -1,0 +1,107 @@
+"""Steady-state and wall-clock throughput on constructed timestamps (report/throughput.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import numpy as np
+import pytest
+from fakes import Page, add_session, make_run, set_times
+
+from dsocr_workers.report.build import comparison_report, single_report
+from dsocr_workers.report.queries import load_run
+from dsocr_workers.report.throughput import steady_state_throughput, throughput_ratio, wall_clock_s
+
+T0 = datetime(2026, 11, 23, 8, 0, 0)
+
+
+def back_to_back(database, folder, make_png, sessions: dict[str, float], jobs: int, durations=None) -> str:
+    """A run whose sessions (id → how long its model took to load and warm up, from T0) each do `jobs` jobs
+    back to back from their ready time, of `durations(session, k)` seconds (1 s by default)."""
+    for sid, ready_s in sessions.items():
+        add_session(database, sid, T0, T0 + timedelta(seconds=ready_s))
+    pages = {(f"{sid}-{k}.png", 0): Page(1.0, session=sid) for sid in sessions for k in range(jobs)}
+    run = make_run(database, folder, make_png, pages)
+    times = {}
+    for sid, ready_s in sessions.items():
+        at = ready_s
+        for k in range(jobs):
+            d = durations(sid, k) if durations else 1.0
+            # claimed (started) at T0: the prefetched job waited behind loading and the previous job
+            times[(f"{sid}-{k}.png", 0)] = (0.0, at + d)
+            at += d
+    set_times(database, run, T0, times)
+    return run
+
+
+def load(database, run):
+    with database.transaction() as session:
+        return load_run(session, run)
+
+
+def test_two_sessions_back_to_back_make_two_pages_per_second(database, tmp_path, make_png):
+    quick = back_to_back(database, tmp_path / "quick", make_png, {"q1": 1.0, "q2": 1.0}, jobs=5)
+    slow = back_to_back(database, tmp_path / "slow", make_png, {"s1": 60.0, "s2": 60.0}, jobs=5)
+    data_quick, data_slow = load(database, quick), load(database, slow)
+
+    for data in (data_quick, data_slow):  # a long load before the first job does not lower it
+        steady = steady_state_throughput(data)
+        assert steady.value == pytest.approx(2.0) and steady.n == 10
+        assert steady.low is None  # every job took exactly 1 s: no spread, no interval
+    assert wall_clock_s(data_quick) == pytest.approx(6.0) and wall_clock_s(data_slow) == pytest.approx(65.0)
+
+    document = single_report(data_slow)
+    throughput = {row[0]: row[1] for row in document.tables[1].rows}
+    assert throughput["pages/s (steady state)"].value == pytest.approx(2.0)
+    assert throughput["pages/s (wall clock)"] == pytest.approx(10 / 65)
+    sessions = {row[0]: row for row in next(t for t in document.tables if t.title == "Worker sessions").rows}
+    assert sessions["s1"][5:10] == [45.0, 15.0, "gundam", 5, 0]  # load s, warm-up s, warm-up, jobs, cold jobs
+
+
+def test_idle_time_and_cold_jobs_are_not_steady_state(database, tmp_path, make_png):
+    # s1: its first job is cold (30 s: a compilation), then 1-s jobs; s2: 1-s jobs with 10 s of idle
+    # (an empty queue) before each.
+    add_session(database, "s1", T0, T0 + timedelta(seconds=5))
+    add_session(database, "s2", T0, T0 + timedelta(seconds=5))
+    pages = {("c.png", 0): Page(1.0, cold_reason="compile: gundam 2x3", session="s1")}
+    pages |= {(f"a{k}.png", 0): Page(1.0, session="s1") for k in range(4)}
+    pages |= {(f"b{k}.png", 0): Page(1.0, session="s2") for k in range(4)}
+    run = make_run(database, tmp_path, make_png, pages)
+    times = {("c.png", 0): (5.0, 35.0)} | {(f"a{k}.png", 0): (0.0, 36.0 + k) for k in range(4)}
+    times |= {(f"b{k}.png", 0): (5.0 + 11 * k + 10, 5.0 + 11 * k + 11) for k in range(4)}
+    set_times(database, run, T0, times)
+    data = load(database, run)
+
+    assert steady_state_throughput(data).value == pytest.approx(2.0)
+    with_cold = steady_state_throughput(data, include_cold=True)
+    assert with_cold.value == pytest.approx(5 / 34 + 1.0) and with_cold.n == 9
+    assert with_cold.low is not None and with_cold.low < with_cold.value < with_cold.high
+
+
+def test_interval_and_ratio_of_runs(database, tmp_path, make_png):
+    rng = np.random.default_rng(7)
+
+    def noisy(_sid, _k):
+        return float(rng.uniform(0.8, 1.2))
+
+    two = back_to_back(database, tmp_path / "b", make_png, {"b1": 2.0, "b2": 2.0}, jobs=8, durations=noisy)
+    one = back_to_back(database, tmp_path / "a", make_png, {"a1": 2.0}, jobs=8, durations=noisy)
+    b, a = load(database, two), load(database, one)
+    steady = steady_state_throughput(b)
+    assert steady.low < steady.value < steady.high and 1.6 < steady.value < 2.4
+
+    ratio = throughput_ratio(b, a)
+    assert 1.6 < ratio.value < 2.4 and 1 < ratio.low < ratio.value < ratio.high
+    row = next(t for t in comparison_report(a, b).tables if t.title == "Throughput").rows[0]
+    assert row[0] == "pages/s (steady state)" and row[3] == ratio and row[4] == "B higher"
+
+    same = throughput_ratio(a, a)
+    assert same.value == pytest.approx(1.0) and same.low < 1 < same.high
+
+
+def test_results_without_sessions_are_grouped_by_worker(database, tmp_path, make_png):
+    run = make_run(database, tmp_path, make_png, {(f"p{k}.png", 0): Page(1.0) for k in range(4)})
+    set_times(database, run, T0, {(f"p{k}.png", 0): (0.5 * k, 0.5 * k + 0.5) for k in range(4)})
+    data = load(database, run)
+    assert steady_state_throughput(data).value == pytest.approx(2.0)
+    assert wall_clock_s(data) == pytest.approx(2.0)
