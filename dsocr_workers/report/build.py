@@ -18,8 +18,8 @@ import numpy as np
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Estimate, Summary, paired_ratios, rate_sum
 from dsocr_workers.report.throughput import (
+    lane_key,
     service_times_s,
-    session_key,
     steady_state_throughput,
     throughput_ratio,
     wall_clock_s,
@@ -215,35 +215,37 @@ def _cold(data: RunData, include_cold: bool) -> Table:
 
 
 def _sessions(data: RunData, include_cold: bool) -> Table:
-    """One row per worker session (a loaded, warmed model in one process); results older than sessions
-    are grouped by worker fingerprint."""
+    """One row per worker process (a lane: one device), with what loading and warming its model(s) cost
+    (its worker sessions); results older than sessions are grouped by worker fingerprint."""
     grouped: dict[str, list[Result]] = defaultdict(list)
     for r in data.results.values():
-        grouped[session_key(r)].append(r)
+        grouped[lane_key(data, r)].append(r)
     times = service_times_s(data, include_cold)
     rows = []
     for key, results in sorted(grouped.items()):
-        s, w = data.sessions.get(key), data.workers.get(results[0].worker_id)
+        ids = dict.fromkeys(r.worker_session_id for r in results if r.worker_session_id in data.sessions)
+        sessions = [data.sessions[i] for i in ids if i is not None]
+        first, w = (sessions[0] if sessions else None), data.workers.get(results[0].worker_id)
         counted = [r for r in results if include_cold or not r.cold]
         rows.append(
             [
-                key[:12],
-                s.host if s else w.host if w else None,
-                s.pid if s else None,
-                s.device if s else results[0].device,
-                s.engine if s else results[0].engine,
-                None if s is None or s.load_ms is None else s.load_ms / 1000,
-                None if s is None or s.warmup_ms is None else s.warmup_ms / 1000,
-                s.warmup if s else None,
+                first.host if first else w.host if w else None,
+                first.pid if first else None,
+                first.device if first else results[0].device,
+                first.engine if first else results[0].engine,
+                len(sessions),
+                sum(s.load_ms or 0 for s in sessions) / 1000 if sessions else None,
+                sum(s.warmup_ms or 0 for s in sessions) / 1000 if sessions else None,
+                "; ".join(s.warmup for s in sessions if s.warmup) or None,
                 len(results),
                 sum(r.cold for r in results),
                 rate_sum([times.get(key, [])]),
                 Summary.from_values([r.e2e_ms for r in counted]).p50,
             ]
         )
-    columns = ["session", "host", "pid", "device", "engine", "load s", "warm-up s", "warm-up", "jobs",
+    columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
                "cold jobs", "pages/s (steady state)", "e2e p50 ms"]  # fmt: skip
-    return Table("Worker sessions", columns, rows)
+    return Table("Worker processes", columns, rows)
 
 
 def _environment(data: RunData) -> Table:
@@ -277,7 +279,7 @@ def _per_image(data: RunData) -> Table:
         peak = r.peak_memory_bytes if r else None
         rows.append(
             [j.image, j.repeat, j.state, j.attempts] + (
-                [r.device, session_key(r)[:12], r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
+                [r.device, (r.worker_session_id or r.worker_id)[:12], r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
                  r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
                  r.cold_reason if r.cold else None, r.stop_reason]
                 if r else [None] * 11 + [j.last_error_class]

@@ -1,16 +1,16 @@
 """Throughput, both ways users mean it. A page is a job: one (image, repeat).
 
-**Steady state** — pages/s while warmed workers are busy; what `--vs` compares. Per worker session (one
-model loaded and warmed in one worker process), its jobs in the order they finished; job i's service
-time is
+**Steady state** — pages/s while warmed workers are busy; what `--vs` compares. Per worker process (its
+lane: one device; it may hold several worker sessions in turn, one per model loaded or warm-up run),
+its jobs in the order they finished; job i's service time is
 
-    d_i = finished_i − max(started_i, finished_(i−1), ready_at)
+    d_i = finished_i − max(started_i, finished_(i−1), ready_at of the job's worker session)
 
-so the session's loading and warm-up, time spent waiting for work (an empty queue) and a prefetched
-job's wait behind the previous one never count. A session's rate is 1 / mean(d) over its warm jobs (a
-cold job still occupies the worker, so it still ends the previous interval, but its own d is left out
-unless `include_cold`); the run's rate is the sum of its sessions' rates, since sessions run side by
-side on different devices. The 95% interval resamples each session's service times independently
+so loading and warm-up, time spent waiting for work (an empty queue) and a prefetched job's wait
+behind the previous one never count. A lane's rate is 1 / mean(d) over its warm jobs (a cold job still
+occupies the worker, so it still ends the previous interval, but its own d is left out unless
+`include_cold`); the run's rate is the sum of its lanes' rates, since lanes run side by side on
+different devices. The 95% interval resamples each lane's service times independently
 (report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
 fingerprint instead, without a `ready_at`.
 
@@ -30,26 +30,28 @@ from dsocr_workers.report.stats import Estimate, rate_sum, rate_sum_ratio
 from dsocr_workers.store.models import Result
 
 
-def session_key(result: Result) -> str:
-    """The worker session behind a result, or its worker fingerprint for results older than sessions."""
-    return result.worker_session_id or result.worker_id
+def lane_key(data: RunData, result: Result) -> str:
+    """The worker process behind a result, or its worker fingerprint for results older than sessions."""
+    session = data.sessions.get(result.worker_session_id or "")
+    return f"{session.host}:{session.pid}:{session.device}" if session is not None else result.worker_id
 
 
 def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
-    """Per session key, the service times (seconds) of its finished jobs, as defined above."""
-    # (finished, started, cold) of every job with a result, per session
-    by_session: dict[str, list[tuple[datetime, datetime, bool]]] = defaultdict(list)
+    """Per lane, the service times (seconds) of its finished jobs, as defined above."""
+    # (finished, started, ready_at of its session, cold) of every job with a result, per lane
+    by_lane: dict[str, list[tuple[datetime, datetime, datetime | None, bool]]] = defaultdict(list)
     for job in data.jobs:
         result = data.results.get(job.id)
         if result is not None and job.started_at is not None and job.finished_at is not None:
-            by_session[session_key(result)].append((job.finished_at, job.started_at, result.cold))
+            session = data.sessions.get(result.worker_session_id or "")
+            ready_at = session.ready_at if session is not None else None
+            by_lane[lane_key(data, result)].append((job.finished_at, job.started_at, ready_at, result.cold))
     times: dict[str, list[float]] = {}
-    for key, done in by_session.items():
-        session = data.sessions.get(key)
-        free_at = session.ready_at if session is not None else None  # when the worker could take work
+    for key, done in by_lane.items():
         times[key] = []
-        for finished, started, cold in sorted(done):
-            began = started if free_at is None else max(started, free_at)
+        free_at: datetime | None = None  # when the worker could take work
+        for finished, started, ready_at, cold in sorted(done, key=lambda item: item[0]):
+            began = max(t for t in (started, free_at, ready_at) if t is not None)
             if include_cold or not cold:
                 times[key].append((finished - began).total_seconds())
             free_at = finished

@@ -91,14 +91,21 @@ def make_run(db: Database, folder: Path, make_png, pages: dict[tuple[str, int], 
     return run.run_id
 
 
-def add_session(db: Database, session_id: str, started_at: datetime, ready_at: datetime) -> None:
-    """A worker session that loaded and warmed its model from `started_at` to `ready_at`."""
+def session_pid(session_id: str) -> int:
+    return 4000 + sum(map(ord, session_id))
+
+
+def add_session(
+    db: Database, session_id: str, started_at: datetime, ready_at: datetime, pid: int | None = None
+) -> None:
+    """A worker session that loaded and warmed its model from `started_at` to `ready_at`, in its own
+    worker process unless `pid` names one it shares."""
     load_ms = (ready_at - started_at).total_seconds() * 1000
     with db.transaction() as session:
         upsert(session, Worker, WORKER, ["id"])
         session.add(
             WorkerSession(
-                id=session_id, worker_id=WORKER["id"], host="gpu-host", pid=4242, device="cuda:0",
+                id=session_id, worker_id=WORKER["id"], host="gpu-host", pid=pid or session_pid(session_id), device="cuda:0",
                 model="tiny", engine="eager", dtype="float32", warmup="gundam", started_at=started_at,
                 load_ms=0.75 * load_ms, warmup_ms=0.25 * load_ms, ready_at=ready_at, last_seen_at=ready_at,
             )

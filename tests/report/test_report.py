@@ -62,9 +62,9 @@ def test_single_run_counts_percentiles_and_label(two_runs, monkeypatch):
     assert latency["decode ms/token"]["n"] == 8 and latency["decode ms/token"]["p99"] == 2.0
     assert latency["boxes per page"]["mean"] == 2.5
     assert not any("MiB" in metric for metric in latency)  # CPU results have no CUDA memory
-    sessions = document["tables"]["Worker sessions"]
+    lanes = document["tables"]["Worker processes"]
     # results without a worker session (older ledgers) are grouped by worker fingerprint
-    assert [(row["session"], row["jobs"], row["pid"]) for row in sessions] == [(WORKER["id"][:12], 2, None)]
+    assert [(row["host"], row["jobs"], row["pid"], row["sessions"]) for row in lanes] == [(WORKER["host"], 2, None, 0)]
     assert document["tables"]["Environment"][0]["model"] == SOURCE.label
     failures = document["tables"]["Failures"]
     assert [(f["image"], f["state"], f["attempts"], f["error"]) for f in failures] == [
@@ -196,7 +196,7 @@ def test_cold_results_are_left_out_counted_and_put_back_on_request(database, tmp
         1.3 * 20.6
     )
     assert latency["decode ms/token"]["n"] == 4
-    assert by(document["tables"]["Worker sessions"], "session").popitem()[1]["cold jobs"] == 3
+    assert by(document["tables"]["Worker processes"], "pid").popitem()[1]["cold jobs"] == 3
 
     document = report_json(database, ["--run", run, "--include-cold"], monkeypatch)
     facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 import pytest
-from fakes import Page, add_session, make_run, set_times
+from fakes import Page, add_session, make_run, session_pid, set_times
 
 from dsocr_workers.report.build import comparison_report, single_report
 from dsocr_workers.report.queries import load_run
@@ -54,8 +54,8 @@ def test_two_sessions_back_to_back_make_two_pages_per_second(database, tmp_path,
     throughput = {row[0]: row[1] for row in document.tables[1].rows}
     assert throughput["pages/s (steady state)"].value == pytest.approx(2.0)
     assert throughput["pages/s (wall clock)"] == pytest.approx(10 / 65)
-    sessions = {row[0]: row for row in next(t for t in document.tables if t.title == "Worker sessions").rows}
-    assert sessions["s1"][5:10] == [45.0, 15.0, "gundam", 5, 0]  # load s, warm-up s, warm-up, jobs, cold jobs
+    lanes = {row[1]: row for row in next(t for t in document.tables if t.title == "Worker processes").rows}
+    assert lanes[session_pid("s1")][4:10] == [1, 45.0, 15.0, "gundam", 5, 0]  # sessions, load s, warm-up s, …
 
 
 def test_idle_time_and_cold_jobs_are_not_steady_state(database, tmp_path, make_png):
@@ -105,3 +105,20 @@ def test_results_without_sessions_are_grouped_by_worker(database, tmp_path, make
     data = load(database, run)
     assert steady_state_throughput(data).value == pytest.approx(2.0)
     assert wall_clock_s(data) == pytest.approx(2.0)
+
+
+def test_sessions_of_one_process_are_one_lane(database, tmp_path, make_png):
+    # One worker process warms a model (w1), runs 3 one-second jobs, warms another mode for 20 s (w2, a
+    # new session in the same process) and runs 3 more: one lane at 1 page/s, not two lanes summed.
+    add_session(database, "w1", T0, T0 + timedelta(seconds=5), pid=777)
+    add_session(database, "w2", T0 + timedelta(seconds=8), T0 + timedelta(seconds=28), pid=777)
+    pages = {(f"a{k}.png", 0): Page(1.0, session="w1") for k in range(3)}
+    pages |= {(f"b{k}.png", 0): Page(1.0, session="w2") for k in range(3)}
+    run = make_run(database, tmp_path, make_png, pages)
+    times = {(f"a{k}.png", 0): (0.0, 6.0 + k) for k in range(3)}
+    times |= {(f"b{k}.png", 0): (0.0, 29.0 + k) for k in range(3)}
+    set_times(database, run, T0, times)
+    data = load(database, run)
+    assert steady_state_throughput(data).value == pytest.approx(1.0)
+    lanes = next(t for t in single_report(data).tables if t.title == "Worker processes").rows
+    assert [(row[1], row[4], row[5] + row[6], row[8]) for row in lanes] == [(777, 2, 25.0, 6)]
