@@ -135,24 +135,33 @@ def timing_table(result: InferenceResult, title: str) -> Any:
     table.add_column("ms", justify="right")
     rows = [
         ("preprocess", t.preprocess_ms),
+        ("setup", t.setup_ms),
         ("prefill", t.prefill_ms),
         ("  vision/sam", t.sam_ms),
         ("  vision/clip", t.clip_ms),
         ("  vision/projector", t.projector_ms),
         ("  lm_prefill", t.lm_prefill_ms),
+        ("first token", t.first_token_ms),
         (f"decode ({result.decode_tokens} tokens, stop: {result.stop_reason})", t.decode_ms),
         ("  ms/token p50", stats["p50"]),
         ("  ms/token p90", stats["p90"]),
         ("  ms/token p99", stats["p99"]),
+        (f"wasted decode ({result.wasted_steps} steps past EOS)", t.wasted_decode_ms),
+        ("readback", t.readback_ms),
+        ("postprocess", t.postprocess_ms),
+        ("host gap (no stage)", t.host_gap_ms),
+        ("end to end (= the parts above)", t.e2e_ms),
         ("TTFT", t.ttft_ms),
-        ("end to end", t.e2e_ms),
     ]
     for name, ms in rows:
         table.add_row(name, "-" if ms is None else f"{ms:.2f}")
     table.caption = (
         f"clock: {t.clock}; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
         f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
-        + (f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB" if result.memory else "")
+        + (f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB (weights "
+           f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
+           f"activations {result.memory.activation_peak_bytes / 2**30:.2f})" if result.memory else "")
+        + ("; COLD: " + "; ".join(result.cold_reasons) if result.cold else "")
     )
     return table
 

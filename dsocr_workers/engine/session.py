@@ -42,6 +42,7 @@ from dsocr_workers.model.tokenizer import OCRTokenizer
 log = logging.getLogger(__name__)
 
 ENGINES = ("eager", "fast")
+WARMUP_MAX_PASSES = 4
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -97,6 +98,7 @@ class DevicePage:
 class WarmupReport:
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
+    passes: int  # over all shapes, until one met no cold path
 
 
 def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
@@ -271,23 +273,31 @@ class DeepSeekOCRSession:
         return logits, int(injects_image)
 
     def warmup(self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9) -> WarmupReport:
-        """Run every shape `modes` can produce once, so that jobs meet no compilation, no graph capture
+        """Run every shape `modes` can produce until warm, so that jobs meet no compilation, no graph capture
         and no first use of a cache bucket (`max_new_tokens` sizes the buckets, as jobs will). Eager
         compiles nothing but runs every shape too: the allocator's pools grow to the largest page now."""
         began = time.perf_counter()
         pages = warmup_pages(modes, max_crops)
         # EOS is forced early: decode only has to be compiled and captured, in the bucket jobs will use;
         # the EOS watch runs too (a job that ignores EOS runs the same compiled step, without it).
+        # Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
+        # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
         options = DecodeOptions(force_eos_at_step=2)
-        shapes = []
-        for name, image in pages:
-            result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
-                                        return_text=False, max_crops=max_crops)
-            cols, rows = result.crop_grid
-            shapes.append(name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}")
+        shapes: list[str] = []
+        for passes in range(1, WARMUP_MAX_PASSES + 1):
+            cold = False
+            for name, image in pages:
+                result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
+                                            return_text=False, max_crops=max_crops)
+                cols, rows = result.crop_grid
+                shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
+                shapes += [shape] if shape not in shapes else []
+                cold = cold or result.cold
+            if not cold:
+                break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return WarmupReport((time.perf_counter() - began) * 1e3, shapes)
+        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes)
 
     def run_inference(
         self,
