@@ -1,0 +1,619 @@
+"""Scaling benchmark (issue 8 item 7): one job set through Redis + Celery to K = 1..N GPUs of one host.
+
+For each engine and each K, in this order:
+  1. `dsocr submit` the same job set (file list x repeats) to a fresh queue: a new run;
+  2. start `dsocr worker --gpus 0,..,K-1 --queue Q --warmup MODE` as a subprocess: each child loads the
+     model and warms it (compile + graph capture for the fast engine) before it takes a message;
+  3. poll the ledger until every job of the run is final (done / failed / poisoned);
+  4. stop the worker with SIGTERM (Celery's warm shutdown) and wait for it to exit.
+Then one table per engine: jobs, cold jobs, steady-state pages/s with its 95% interval, the ratio to K = 1
+with its interval, and the submit-to-last-result wall clock (model load and warm-up included), from
+`dsocr_workers.report.throughput` (the same numbers `dsocr report` prints). JSON + markdown go to
+--out (default benchmarks/results/) as scaling-<UTC date>.{json,md}.
+
+Unless --broker-url / --database-url are given, the script starts its own redis-server on a free
+127.0.0.1 port (no persistence) and uses a fresh SQLite ledger in a temporary folder, so it touches no
+shared Redis or database. TORCHINDUCTOR_CACHE_DIR points at one folder for every worker of the script:
+the K = 2 workers reuse what the K = 1 worker compiled (the graph capture is still theirs).
+
+Default job set and why: datasets/samples/samples.txt (7 synthetic pages) in mode `base`. `base` has no
+tiles: every page becomes one 1024x1024 view, so the whole set is ONE vision shape, one prompt length
+and one KV-cache bucket, and `--warmup base` compiles everything the jobs will meet in one warm-up job
+(gundam would need a compile per crop grid, 30-80 s each). 128 tokens with --ignore-eos: a fixed amount
+of decode per page. Repeats: eager 4 (28 jobs, ~2.7 s each), fast 12 (84 jobs, ~0.3 s each) so that each
+run's steady state spans tens of seconds. On 2 x H200 both engines finish in about 6-8 minutes.
+
+    python benchmarks/bench_scaling.py --gpus all --engines eager,fast --out $OUT
+    python benchmarks/bench_scaling.py --gpus cpu --ks 1,2 --model tiny --engines eager \
+        --repeats 1 --max-new-tokens 4        # CPU smoke of the script: K CPU children instead of GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# `dsocr` without an installed console script (the GPU machine runs from a bare checkout).
+DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
+FINAL = ("done", "failed", "poisoned")
+DEFAULT_REPEATS = {"eager": 4, "fast": 12}
+TARGET_RATIO_AT_2 = 1.9
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# environment
+
+
+def _run_text(command: list[str], timeout: float = 30) -> str | None:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Versions and GPUs, read without importing torch or touching CUDA in this process."""
+    import platform
+
+    gpus = _run_text(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"])
+    rows = [[part.strip() for part in line.split(",")] for line in (gpus or "").splitlines() if line.strip()]
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "celery": _version("celery"),
+        "gpus": [{"index": r[0], "name": r[1], "memory": r[3]} for r in rows if len(r) >= 4],
+        "gpu": rows[0][1] if rows else None,
+        "driver": rows[0][2] if rows else None,
+        "git_sha": os.environ.get("DSOCR_GIT_SHA") or _run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
+    }
+
+
+def count_gpus() -> int:
+    out = _run_text(["nvidia-smi", "-L"])
+    return sum(line.startswith("GPU ") for line in (out or "").splitlines())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Redis and the ledger
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(binary: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    """A private redis-server on a free port, no persistence; returns the process and its URL."""
+    port = free_port()
+    logfile = open(folder / "redis.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(folder), "--daemonize", "no", "--protected-mode", "yes"],
+        stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if client.ping():
+                break
+        except redis.exceptions.RedisError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start: {(folder / 'redis.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    client.close()
+    return proc, url
+
+
+def prepare_ledger(url: str, create: bool) -> None:
+    from dsocr_workers.store.db import check_schema, open_database, upgrade
+
+    db = open_database(url)
+    try:
+        if create:
+            upgrade(db)
+        check_schema(db)
+    finally:
+        db.dispose()
+
+
+def job_counts(db: Any, run_id: str) -> Counter[str]:
+    from dsocr_workers.store import ledger
+
+    with db.transaction() as session:
+        return ledger.job_counts(session, run_id)
+
+
+# ---------------------------------------------------------------------------------------------------
+# one run: submit, worker, wait, stop
+
+
+def worker_options(env: dict[str, str]) -> set[str]:
+    """The options of this checkout's `dsocr worker` (--warmup and --model/--engine came with issue 8)."""
+    out = subprocess.run([*DSOCR, "worker", "--help"], capture_output=True, text=True, env=env, cwd=REPO)
+    return set(re.findall(r"(--[a-z][a-z-]+)", out.stdout))
+
+
+def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: int, env: dict[str, str]) -> str:
+    command = [
+        *DSOCR, "submit", str(args.filelist), "--model", args.model, "--engine", engine, "--mode", args.mode,
+        "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(repeats), "--queue", queue,
+        "--name", f"scaling-{engine}-k{k}", "--tag", "bench=scaling", "--tag", f"k={k}",
+        "--tag", f"engine={engine}",
+    ]  # fmt: skip
+    if args.ignore_eos:
+        command.append("--ignore-eos")
+    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"dsocr submit failed ({out.returncode}): {out.stderr[-2000:]}")
+    last = out.stdout.strip().splitlines()[-1].strip()  # submit prints the run id last
+    if not re.fullmatch(r"[0-9a-f]{8,32}", last):
+        raise RuntimeError(f"dsocr submit: no run id in its output: {out.stdout[-1000:]}")
+    return last
+
+
+def worker_command(args: argparse.Namespace, engine: str, k: int, queue: str, options: set[str]) -> list[str]:
+    if args.gpus == "cpu":
+        devices = ["--gpus", "cpu", "--concurrency-per-device", str(k)]
+    else:
+        devices = ["--gpus", ",".join(str(i) for i in range(k))]
+    command = [*DSOCR, "worker", *devices, "--queue", queue, "--loglevel", args.worker_loglevel]
+    if "--warmup" in options:
+        command += ["--warmup", args.warmup]
+    if "--model" in options and "--engine" in options:  # what to warm if the worker sees no open run
+        command += ["--model", args.model, "--engine", engine]
+    return command
+
+
+def stop_worker(proc: subprocess.Popen, grace_s: float) -> dict[str, Any]:
+    """SIGTERM (warm shutdown: the current job finishes), then wait; SIGKILL the group if it hangs."""
+    began = time.monotonic()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log(f"worker pid {proc.pid} still up after {grace_s:.0f} s: SIGKILL to its process group")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return {"exit_code": proc.returncode, "stop_s": round(time.monotonic() - began, 2)}
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def one_run(
+    args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], tmp: Path,
+    db: Any, options: set[str], timeout_s: float,
+) -> dict[str, Any]:
+    queue = f"scaling-{engine}-k{k}-{os.getpid()}-{int(time.time())}"
+    record: dict[str, Any] = {"engine": engine, "k": k, "queue": queue, "repeats": repeats}
+    run_id = submit(args, engine, k, queue, repeats, env)
+    record["run_id"] = run_id
+    total = sum(job_counts(db, run_id).values())
+    record["jobs_submitted"] = total
+    log(f"{engine} K={k}: run {run_id}, {total} jobs on queue {queue}")
+    command = worker_command(args, engine, k, queue, options)
+    record["worker_command"] = shlex.join(command[3:])  # without the interpreter boilerplate
+    logpath = tmp / f"worker-{engine}-k{k}.log"
+    with open(logpath, "w") as logfile:
+        started = time.monotonic()
+        proc = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+        log(f"{engine} K={k}: worker pid {proc.pid}: {record['worker_command']}")
+        last_print, last_final, first_final_at = 0.0, -1, None
+        status = "complete"
+        try:
+            while True:
+                counts = job_counts(db, run_id)
+                final = sum(counts.get(s, 0) for s in FINAL)
+                now = time.monotonic()
+                if final > 0 and first_final_at is None:
+                    first_final_at = now - started
+                if final != last_final and (now - last_print > 10 or final == total) or now - last_print > 30:
+                    states = " ".join(f"{s} {counts.get(s, 0)}" for s in ("queued", "running", *FINAL))
+                    log(f"{engine} K={k}: {final}/{total} final ({states})")
+                    last_print, last_final = now, final
+                if final >= total:
+                    break
+                if proc.poll() is not None:
+                    status = f"worker exited early with code {proc.returncode}"
+                    log(f"{engine} K={k}: {status}; log tail:\n" + "\n".join(tail(logpath, 40)))
+                    break
+                if now - started > timeout_s:
+                    status = f"timed out after {timeout_s:.0f} s with {final}/{total} final"
+                    log(f"{engine} K={k}: {status}")
+                    break
+                time.sleep(args.poll_s)
+        finally:
+            record["worker_elapsed_s"] = round(time.monotonic() - started, 2)
+            record["first_final_after_s"] = round(first_final_at, 2) if first_final_at is not None else None
+            record.update(stop_worker(proc, args.stop_grace_s))
+    record["status"] = status
+    record["final_counts"] = dict(job_counts(db, run_id))
+    record["worker_log_tail"] = tail(logpath, 40 if status != "complete" else 6)
+    if args.keep_logs:
+        shutil.copy(logpath, Path(args.keep_logs) / logpath.name)
+    log(f"{engine} K={k}: {status}, worker stopped (exit {record['exit_code']}) in {record['stop_s']} s")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------
+# statistics (the report module's: the same numbers as `dsocr report`)
+
+
+def _estimate_dict(estimate: Any) -> dict[str, Any] | None:
+    if estimate is None:
+        return None
+    return {"value": estimate.value, "low": estimate.low, "high": estimate.high, "n": estimate.n}
+
+
+def load(db: Any, run_id: str) -> Any:
+    from dsocr_workers.report.queries import load_run
+
+    with db.transaction() as session:
+        data = load_run(session, run_id)
+        session.expunge_all()  # keep the rows readable after the transaction
+    return data
+
+
+def throughput_functions() -> tuple[Any, Any, Any, str | None]:
+    """(steady_state_throughput, throughput_ratio, wall_clock_s, note)."""
+    try:
+        from dsocr_workers.report.throughput import steady_state_throughput, throughput_ratio, wall_clock_s
+
+        return steady_state_throughput, throughput_ratio, wall_clock_s, None
+    except ImportError as exc:
+        note = f"dsocr_workers.report.throughput not importable ({exc}): no steady-state figures or intervals"
+        return None, None, None, note
+
+
+def _wall_clock_s(data: Any) -> float | None:
+    """Submit (the run's creation) to its last result: used only where the report module is missing."""
+    ends = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at is not None]
+    return (max(ends) - data.run.created_at).total_seconds() if ends else None
+
+
+def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str | None]) -> dict[str, Any]:
+    steady, ratio, wall_clock, _ = functions
+    results = list(data.results.values())
+    states = Counter(job.state for job in data.jobs)
+    cold = [r for r in results if getattr(r, "cold", False)]
+    warm_p50 = sorted(r.decode_ms_per_token_p50 for r in results
+                      if not getattr(r, "cold", False) and r.decode_ms_per_token_p50 is not None)  # fmt: skip
+    stats: dict[str, Any] = {
+        "jobs": len(data.jobs),
+        "done": states.get("done", 0),
+        "failed": states.get("failed", 0) + states.get("poisoned", 0),
+        "results": len(results),
+        "cold_jobs": len(cold),
+        "cold_reasons": sorted({getattr(r, "cold_reason", None) or "" for r in cold} - {""}),
+        "random_weights": bool(data.run.random_weights),
+        "model_label": data.run.model_label,
+        "decode_ms_per_token_p50_median_warm": warm_p50[len(warm_p50) // 2] if warm_p50 else None,
+        "devices": sorted({r.device for r in results}),
+    }
+    wall = wall_clock(data) if wall_clock is not None else _wall_clock_s(data)
+    stats["wall_clock_s"] = wall
+    stats["pages_per_s_wall"] = stats["done"] / wall if wall else None
+    if steady is not None:
+        stats["steady_pages_per_s"] = _estimate_dict(steady(data))
+        stats["ratio_to_k1"] = _estimate_dict(ratio(data, base)) if base is not None else None
+    sessions = getattr(data, "sessions", None) or {}
+    stats["worker_sessions"] = [
+        {
+            "device": s.device, "engine": s.engine, "warmup": s.warmup, "load_ms": s.load_ms,
+            "warmup_ms": s.warmup_ms,
+            "start_to_ready_s": (s.ready_at - s.started_at).total_seconds() if s.ready_at and s.started_at else None,
+        }
+        for s in sessions.values()
+    ]  # fmt: skip
+    return stats
+
+
+def verdict(ratio: dict[str, Any] | None, target: float) -> str:
+    if not ratio or ratio.get("value") is None:
+        return "no ratio"
+    if ratio.get("low") is None or ratio.get("high") is None:
+        return f"ratio {ratio['value']:.2f}, no interval: not shown either way"
+    if ratio["low"] >= target:
+        return f"≥ {target}x shown (95% interval {ratio['low']:.2f}-{ratio['high']:.2f})"
+    if ratio["high"] < target:
+        return f"below {target}x shown (95% interval {ratio['low']:.2f}-{ratio['high']:.2f})"
+    return f"unresolved: the 95% interval {ratio['low']:.2f}-{ratio['high']:.2f} contains {target}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# output
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _ci(estimate: dict[str, Any] | None, digits: int = 2) -> str:
+    if not estimate or estimate.get("value") is None:
+        return "-"
+    text = _fmt(estimate["value"], digits)
+    if estimate.get("low") is not None and estimate.get("high") is not None:
+        text += f" [{_fmt(estimate['low'], digits)}, {_fmt(estimate['high'], digits)}]"
+    return text
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    random = any(r.get("stats", {}).get("random_weights") for r in report["runs"])
+    lines = [
+        f"### Scaling benchmark, {env['date']}",
+        "",
+        f"GPU {env.get('gpu')} x {len(env.get('gpus') or [])} (driver {env.get('driver')}), torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}, celery {env.get('celery')}, Python {env.get('python')}, "
+        f"git {(env.get('git_sha') or '-')[:7]}.",
+        "",
+    ]
+    if random:
+        lines += [f"> **RANDOM WEIGHTS**: model `{report['settings']['model']}` is a random-weight preset; "
+                  "timings are real, outputs are meaningless.", ""]  # fmt: skip
+    s = report["settings"]
+    lines += [
+        f"Job set: `{s['filelist']}` x repeats {s['repeats']}, mode `{s['mode']}`, {s['max_new_tokens']} tokens"
+        f"{' (ignore_eos)' if s['ignore_eos'] else ''}, worker warm-up `{s['warmup']}`"
+        f"{'' if s['warmup_flag'] else ' (NOT passed: this worker has no --warmup)'}. Broker: {s['broker']}; "
+        f"ledger: {s['ledger']}.",
+        "",
+        "Steady-state pages/s: finished warm jobs over the time warmed workers were busy (cold jobs left out), "
+        "95% bootstrap interval; ratio to K = 1 with its interval; wall clock: submit to last result, model "
+        "load and warm-up included.",
+        "",
+        "| engine | K | jobs (done / failed) | cold jobs | steady-state pages/s [95% CI] | ratio to K=1 [95% CI] "
+        "| wall clock s (incl. load) | pages/s over wall | decode ms/token p50 (median of warm jobs) | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["runs"]:
+        st = r.get("stats", {})
+        lines.append(
+            f"| {r['engine']} | {r['k']} | {st.get('jobs', r.get('jobs_submitted', '-'))} "
+            f"({st.get('done', '-')} / {st.get('failed', '-')}) | {st.get('cold_jobs', '-')} "
+            f"| {_ci(st.get('steady_pages_per_s'), 3)} | {_ci(st.get('ratio_to_k1'), 2)} "
+            f"| {_fmt(st.get('wall_clock_s'), 1)} | {_fmt(st.get('pages_per_s_wall'), 3)} "
+            f"| {_fmt(st.get('decode_ms_per_token_p50_median_warm'), 3)} | {r.get('status', '-')} |"
+        )
+    lines.append("")
+    for engine, text in report.get("verdicts", {}).items():
+        lines.append(f"- {engine}, K = 2 vs K = 1, target ≥ {TARGET_RATIO_AT_2}x: {text}")
+    for r in report["runs"]:
+        sessions = r.get("stats", {}).get("worker_sessions") or []
+        if sessions:
+            ready = ", ".join(
+                f"{x['device']} load {_fmt((x['load_ms'] or 0) / 1e3, 1)} s + warm-up {_fmt((x['warmup_ms'] or 0) / 1e3, 1)} s"
+                for x in sessions
+            )
+            lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}")
+        if r.get("stats", {}).get("cold_reasons"):
+            lines.append(f"- {r['engine']} K={r['k']} cold reasons: {'; '.join(r['stats']['cold_reasons'])}")
+        if r.get("error"):
+            lines.append(f"- {r['engine']} K={r['k']}: ERROR {r['error']}")
+    for note in report.get("notes", []):
+        lines.append(f"- note: {note}")
+    lines += ["", f"Command: `{report['command']}`", f"Benchmark wall time: {report.get('bench_wall_s', 0):.0f} s.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_repeats(text: str, engines: list[str]) -> dict[str, int]:
+    if text.isdigit():
+        return dict.fromkeys(engines, int(text))
+    repeats = {e: DEFAULT_REPEATS.get(e, 4) for e in engines}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        repeats[name.strip()] = int(value)
+    return repeats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    parser.add_argument("--gpus", default="all", help="all, N (K = 1..N), or cpu (K CPU children: a smoke run)")
+    parser.add_argument("--ks", help="the K values, e.g. 1,2 (default 1..N)")
+    parser.add_argument("--engines", default="eager,fast")
+    parser.add_argument("--filelist", type=Path, default=REPO / "datasets" / "samples" / "samples.txt")
+    parser.add_argument("--repeats", default=",".join(f"{e}={n}" for e, n in DEFAULT_REPEATS.items()),
+                        help="N for every engine, or engine=N,...")  # fmt: skip
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--mode", default="base")
+    parser.add_argument("--warmup", default=None, help="worker --warmup value (default: the mode)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    parser.add_argument("--database-url", help="default: a fresh SQLite file in a temporary folder")
+    parser.add_argument("--broker-url", help="default: a private redis-server on a free port")
+    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
+    parser.add_argument("--inductor-cache", help="TORCHINDUCTOR_CACHE_DIR shared by all workers (default: temp)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for scaling-<date>.json/.md (default: $OUT, else benchmarks/results)")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=520, help="no new run starts past this; runs are cut to fit")
+    parser.add_argument("--run-timeout-s", type=float, default=300)
+    parser.add_argument("--poll-s", type=float, default=1.0)
+    parser.add_argument("--stop-grace-s", type=float, default=90)
+    parser.add_argument("--worker-loglevel", default="INFO")
+    parser.add_argument("--keep-logs", help="copy the worker logs into this folder")
+    args = parser.parse_args()
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    repeats = parse_repeats(args.repeats, engines)
+    args.warmup = args.warmup or args.mode
+    if args.ks:
+        ks = [int(x) for x in args.ks.split(",")]
+    elif args.gpus == "cpu":
+        ks = [1]
+    else:
+        n = count_gpus() if args.gpus == "all" else int(args.gpus)
+        if n < 1:
+            print("bench_scaling: no GPU found (nvidia-smi); use --gpus cpu for a smoke run", file=sys.stderr)
+            return 2
+        ks = list(range(1, n + 1))
+    if not args.filelist.is_file():
+        print(f"bench_scaling: no file list {args.filelist}", file=sys.stderr)
+        return 2
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M")
+    json_path, md_path = out_dir / f"scaling-{stamp}.json", out_dir / f"scaling-{stamp}.md"
+
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "settings": {
+            "engines": engines, "ks": ks, "gpus": args.gpus, "filelist": os.path.relpath(args.filelist, REPO),
+            "repeats": repeats, "model": args.model, "mode": args.mode, "warmup": args.warmup,
+            "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
+            "target_ratio_at_2": TARGET_RATIO_AT_2,
+        },  # fmt: skip
+        "runs": [],
+        "notes": [],
+    }
+
+    def save() -> None:
+        report["bench_wall_s"] = time.perf_counter() - _T0
+        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        md_path.write_text(markdown(report))
+
+    log(f"scaling: engines {engines}, K {ks}, repeats {repeats}, mode {args.mode}; out {json_path}")
+    redis_proc = None
+    with tempfile.TemporaryDirectory(prefix="dsocr-scaling-") as tmpname:
+        tmp = Path(tmpname)
+        try:
+            if args.broker_url:
+                broker_url = args.broker_url
+                report["settings"]["broker"] = "given (--broker-url)"
+            else:
+                redis_proc, broker_url = start_redis(args.redis_server, tmp)
+                report["settings"]["broker"] = f"private redis-server ({_run_text([args.redis_server, '--version'])})"
+                log(f"redis-server pid {redis_proc.pid} at {broker_url}")
+            database_url = args.database_url or f"sqlite:///{tmp / 'ledger.db'}"
+            report["settings"]["ledger"] = "given (--database-url)" if args.database_url else "fresh SQLite file"
+            prepare_ledger(database_url, create=not args.database_url)
+
+            env = dict(os.environ)
+            env.update({
+                "DSOCR_DATABASE_URL": database_url,
+                "DSOCR_BROKER_URL": broker_url,
+                "DSOCR_ARTIFACTS_DIR": str(tmp / "artifacts"),
+                "TORCHINDUCTOR_CACHE_DIR": args.inductor_cache or str(tmp / "inductor"),
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+            })  # fmt: skip
+            if args.broker_url:  # someone else's Redis: our keys apart from theirs
+                env["DSOCR_BROKER_KEY_PREFIX"] = f"bench-scaling-{os.getpid()}:"
+            options = worker_options(env)
+            report["settings"]["warmup_flag"] = "--warmup" in options
+            if "--warmup" not in options:
+                note = "this `dsocr worker` has no --warmup: workers load lazily and the first jobs are cold"
+                report["notes"].append(note)
+                log(f"WARNING: {note}")
+
+            from dsocr_workers.store.db import open_database
+
+            db = open_database(database_url)
+            functions = throughput_functions()
+            if functions[3]:
+                report["notes"].append(functions[3])
+                log(f"WARNING: {functions[3]}")
+            for engine in engines:
+                base_data = None
+                for k in ks:
+                    left = args.budget_s - (time.perf_counter() - _T0)
+                    if left < 45:
+                        report["runs"].append({"engine": engine, "k": k, "status": "skipped: out of --budget-s"})
+                        log(f"{engine} K={k}: skipped, {left:.0f} s of the budget left")
+                        save()
+                        continue
+                    record: dict[str, Any] = {"engine": engine, "k": k}
+                    try:
+                        record = one_run(args, engine, k, repeats[engine], env, tmp, db, options,
+                                         min(args.run_timeout_s, left - 20))  # fmt: skip
+                        data = load(db, record["run_id"])
+                        if k == ks[0]:
+                            base_data = data
+                        record["stats"] = run_stats(data, base_data if k != ks[0] else None, functions)
+                        st = record["stats"]
+                        log(f"{engine} K={k}: steady {_ci(st.get('steady_pages_per_s'), 3)} pages/s, ratio "
+                            f"{_ci(st.get('ratio_to_k1'))}, wall {_fmt(st.get('wall_clock_s'), 1)} s, "
+                            f"cold {st['cold_jobs']}")  # fmt: skip
+                    except Exception as exc:
+                        traceback.print_exc()
+                        record["error"] = f"{type(exc).__name__}: {exc}"
+                        record.setdefault("status", "error")
+                    report["runs"].append(record)
+                    save()
+                two = next((r for r in report["runs"] if r["engine"] == engine and r["k"] == 2), None)
+                if two is not None and ks[0] == 1:
+                    report.setdefault("verdicts", {})[engine] = verdict(
+                        two.get("stats", {}).get("ratio_to_k1"), TARGET_RATIO_AT_2
+                    )
+            db.dispose()
+        finally:
+            if redis_proc is not None:
+                redis_proc.terminate()
+                try:
+                    redis_proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    redis_proc.kill()
+            save()
+    print(markdown(report), flush=True)
+    log(f"wrote {json_path} and {md_path}")
+    failed = [r for r in report["runs"] if r.get("error") or r.get("status") not in ("complete",)]
+    return 1 if failed and len(failed) == len(report["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
