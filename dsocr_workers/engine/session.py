@@ -284,7 +284,9 @@ class DeepSeekOCRSession:
         # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
         options = DecodeOptions(force_eos_at_step=2)
         shapes: list[str] = []
-        for passes in range(1, WARMUP_MAX_PASSES + 1):
+        passes = 0
+        while passes < WARMUP_MAX_PASSES:
+            passes += 1
             cold = False
             for name, image in pages:
                 result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,

@@ -52,7 +52,7 @@ class JobProcess:
 
     @classmethod
     def open(cls, settings: Settings, device: str, cpu_threads: int | None = None) -> JobProcess:
-        if device == "cpu" and cpu_threads:
+        if cpu_threads:
             import torch
 
             torch.set_num_threads(cpu_threads)
