@@ -116,10 +116,12 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
               help="Model to warm at start when no run is open on the queues (then --engine, --dtype).")
 @click.option("--engine", type=click.Choice(["eager", "fast"]), default="eager", show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="With --model: the token budget of the jobs to come (it sizes the KV cache warmed).")
 @exits_on_errors
 def worker(
     gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str, warmup: str, model: str,
-    engine: str, dtype: str | None,
+    engine: str, dtype: str | None, max_new_tokens: int | None,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
     it takes a job (the cost is stored per worker process, never in a job).
@@ -133,6 +135,7 @@ def worker(
     start_worker(
         Settings.from_env(), parse_devices(gpus), concurrency_per_device=concurrency_per_device,
         queues=queues, loglevel=loglevel, warmup=warmup, fallback_model=ModelKey(model, engine, dtype),
+        fallback_budget=max_new_tokens,
     )  # fmt: skip
 
 

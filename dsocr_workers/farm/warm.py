@@ -75,10 +75,12 @@ def parse_modes(spec: str) -> tuple[str, ...] | None:
     return modes
 
 
-def plan_warmup(db: Database, queues: list[str], spec: str, fallback: ModelKey) -> Warmup | None:
+def plan_warmup(
+    db: Database, queues: list[str], spec: str, fallback: ModelKey, fallback_budget: int | None = None
+) -> Warmup | None:
     """The start-up warm-up: the model of the run with the most open jobs on these queues (else
-    `fallback`), and the modes `spec` names, or with `auto` the modes of that model's open runs (else
-    DEFAULT_WARMUP_MODES). None with `--warmup none`."""
+    `fallback` with `fallback_budget` tokens), and the modes `spec` names, or with `auto` the modes of
+    that model's open runs (else DEFAULT_WARMUP_MODES). None with `--warmup none`."""
     modes = parse_modes(spec)
     if modes == ():
         return None
@@ -94,7 +96,7 @@ def plan_warmup(db: Database, queues: list[str], spec: str, fallback: ModelKey) 
     for run_id, model, parameters in rows:
         open_jobs[ModelKey.of_run(model, parameters)] += counts[run_id]
     if not open_jobs:
-        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES)
+        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,))
     key = open_jobs.most_common(1)[0][0]
     runs = [parameters for _, model, parameters in rows if ModelKey.of_run(model, parameters) == key]
     if modes is None:

@@ -52,13 +52,15 @@ def parse_devices(gpus: str) -> list[str]:
     return [f"cuda:{i}" for i in indices]
 
 
-def check_ledger(settings: Settings, queues: list[str], warmup: str, fallback: ModelKey) -> str | None:
+def check_ledger(
+    settings: Settings, queues: list[str], warmup: str, fallback: ModelKey, fallback_budget: int | None
+) -> str | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/warm.py) for the runs open on `queues`. Leaves no connection open."""
     db = open_database(settings.database_url)
     try:
         check_schema(db)
-        plan = plan_warmup(db, queues, warmup, fallback)
+        plan = plan_warmup(db, queues, warmup, fallback, fallback_budget)
     finally:
         db.dispose()
     return plan.to_env() if plan else None
@@ -73,14 +75,16 @@ def start_worker(
     loglevel: str = "INFO",
     warmup: str = "auto",
     fallback_model: ModelKey = DEFAULT_MODEL,
+    fallback_budget: int | None = None,
 ) -> None:
     """Run a Celery worker until it is shut down (SIGTERM: warm shutdown, the current jobs finish).
     Each child loads and warms a model before it takes a message: `warmup` names the modes (or
-    `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is."""
+    `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is,
+    warmed for jobs of `fallback_budget` new tokens (None: the model's positions)."""
     if concurrency_per_device < 1:
         raise InputError("--concurrency-per-device must be at least 1")
     queue_names = list(queues) or [settings.queue]
-    plan = check_ledger(settings, queue_names, warmup, fallback_model)
+    plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
     slots = [device for device in devices for _ in range(concurrency_per_device)]
     os.environ[DEVICES_ENV] = ",".join(slots)
     if plan:
