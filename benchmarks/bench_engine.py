@@ -277,7 +277,7 @@ def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return f"{value:,.{digits}f}"
     return str(value)
 
 

@@ -56,6 +56,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_engine import fmt  # noqa: E402
+
 # `dsocr` without an installed console script (the GPU machine runs from a bare checkout).
 DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
 FINAL = ("done", "failed", "poisoned")
@@ -396,20 +398,12 @@ def verdict(ratio: dict[str, Any] | None, target: float) -> str:
 # output
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
 def _ci(estimate: dict[str, Any] | None, digits: int = 2) -> str:
     if not estimate or estimate.get("value") is None:
         return "-"
-    text = _fmt(estimate["value"], digits)
+    text = fmt(estimate["value"], digits)
     if estimate.get("low") is not None and estimate.get("high") is not None:
-        text += f" [{_fmt(estimate['low'], digits)}, {_fmt(estimate['high'], digits)}]"
+        text += f" [{fmt(estimate['low'], digits)}, {fmt(estimate['high'], digits)}]"
     return text
 
 
@@ -448,8 +442,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['engine']} | {r['k']} | {st.get('jobs', r.get('jobs_submitted', '-'))} "
             f"({st.get('done', '-')} / {st.get('failed', '-')}) | {st.get('cold_jobs', '-')} "
             f"| {_ci(st.get('steady_pages_per_s'), 3)} | {_ci(st.get('ratio_to_k1'), 2)} "
-            f"| {_fmt(st.get('wall_clock_s'), 1)} | {_fmt(st.get('pages_per_s_wall'), 3)} "
-            f"| {_fmt(st.get('decode_ms_per_token_p50_median_warm'), 3)} | {r.get('status', '-')} |"
+            f"| {fmt(st.get('wall_clock_s'), 1)} | {fmt(st.get('pages_per_s_wall'), 3)} "
+            f"| {fmt(st.get('decode_ms_per_token_p50_median_warm'), 3)} | {r.get('status', '-')} |"
         )
     lines.append("")
     for engine, text in report.get("verdicts", {}).items():
@@ -458,7 +452,7 @@ def markdown(report: dict[str, Any]) -> str:
         sessions = r.get("stats", {}).get("worker_sessions") or []
         if sessions:
             ready = ", ".join(
-                f"{x['device']} load {_fmt((x['load_ms'] or 0) / 1e3, 1)} s + warm-up {_fmt((x['warmup_ms'] or 0) / 1e3, 1)} s"
+                f"{x['device']} load {fmt((x['load_ms'] or 0) / 1e3, 1)} s + warm-up {fmt((x['warmup_ms'] or 0) / 1e3, 1)} s"
                 for x in sessions
             )
             lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}")
@@ -612,7 +606,7 @@ def main() -> int:
                         record["stats"] = run_stats(data, base_data if k != ks[0] else None, functions)
                         st = record["stats"]
                         log(f"{engine} K={k}: steady {_ci(st.get('steady_pages_per_s'), 3)} pages/s, ratio "
-                            f"{_ci(st.get('ratio_to_k1'))}, wall {_fmt(st.get('wall_clock_s'), 1)} s, "
+                            f"{_ci(st.get('ratio_to_k1'))}, wall {fmt(st.get('wall_clock_s'), 1)} s, "
                             f"cold {st['cold_jobs']}")  # fmt: skip
                     except Exception as exc:
                         traceback.print_exc()

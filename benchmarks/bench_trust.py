@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_engine import environment, synthetic_page  # noqa: E402
+from benchmarks.bench_engine import environment, fmt, synthetic_page  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.stages import HOST_STAGES, STAGES, StageClock  # noqa: E402
 
@@ -579,30 +579,22 @@ def section_crosscheck(
 # report
 
 
-def _f(value: Any, digits: int = 2) -> str:
-    if value is None:
+def _ci(ci: dict[str, Any] | None, scale: float, unit: str, digits: int) -> str:
+    """'+x [lo, hi]' of a {mean, ci} record, scaled (100 for percent)."""
+    if not ci or ci.get("mean") is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
+    text = f"{scale * ci['mean']:+.{digits}f}{unit}"
+    if ci.get("ci"):
+        text += f" [{scale * ci['ci'][0]:+.{digits}f}{unit}, {scale * ci['ci'][1]:+.{digits}f}{unit}]"
+    return text
 
 
 def _pct_ci(ci: dict[str, Any] | None) -> str:
-    if not ci or ci.get("mean") is None:
-        return "-"
-    text = f"{100 * ci['mean']:+.2f}%"
-    if ci.get("ci"):
-        text += f" [{100 * ci['ci'][0]:+.2f}%, {100 * ci['ci'][1]:+.2f}%]"
-    return text
+    return _ci(ci, 100, "%", 2)
 
 
 def _ms_ci(ci: dict[str, Any] | None) -> str:
-    if not ci or ci.get("mean") is None:
-        return "-"
-    text = f"{ci['mean']:+.3f}"
-    if ci.get("ci"):
-        text += f" [{ci['ci'][0]:+.3f}, {ci['ci'][1]:+.3f}]"
-    return text
+    return _ci(ci, 1, "", 3)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -625,7 +617,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"#### Engine `{name}`", ""]
         if "error" in e:
             lines += [f"ERROR: {e['error']}", ""]
-        lines.append(f"Load {_f(e.get('load_s'), 1)} s; warm-up jobs {', '.join(_f(w, 1) for w in e.get('warmup_wall_s', []))} s"
+        lines.append(f"Load {fmt(e.get('load_s'), 1)} s; warm-up jobs {', '.join(fmt(w, 1) for w in e.get('warmup_wall_s', []))} s"
                      + (f" (cold reasons: {'; '.join(e['warmup_cold_reasons'])})" if e.get("warmup_cold_reasons") else "")
                      + (f"; engine note: {e['engine_note']}" if e.get("engine_note") else "") + ".")  # fmt: skip
         lines.append("")
@@ -637,11 +629,11 @@ def markdown(report: dict[str, Any]) -> str:
                       "| verdict (span, ±5%) | ratio events/window | verdict (window, ±5%) |",
                       "|---|---:|---:|---:|---:|---:|---|---:|---|"]  # fmt: skip
             for stage, v in x["stages"].items():
-                lines.append(f"| {stage} | {_f(v['event_ms_median'], 3)} | {_f(v['span_ms_median'], 3)} "
-                             f"| {_f(v['busy_ms_median'], 3)} | {_f(v['kineto_gpu_span_ms_median'], 3)} "
-                             f"| {_f(v['ratio_median'], 4)} ({_f(v['ratio_worst'], 4)}) "
+                lines.append(f"| {stage} | {fmt(v['event_ms_median'], 3)} | {fmt(v['span_ms_median'], 3)} "
+                             f"| {fmt(v['busy_ms_median'], 3)} | {fmt(v['kineto_gpu_span_ms_median'], 3)} "
+                             f"| {fmt(v['ratio_median'], 4)} ({fmt(v['ratio_worst'], 4)}) "
                              f"| {v['verdict']}{' — ' + v['note'] if v.get('note') else ''} "
-                             f"| {_f(v.get('ratio_window_median'), 4)} | {v.get('verdict_window', '-')} |")  # fmt: skip
+                             f"| {fmt(v.get('ratio_window_median'), 4)} | {v.get('verdict_window', '-')} |")  # fmt: skip
             lines.append("\nspan: first start to last end of the GPU work launched inside the stage; busy: union of "
                          "that work; window: the stage rebuilt from the trace's cudaEventRecord calls (see "
                          "stage_gpu_times), which adds the GPU's idle time at the stage's edges.")  # fmt: skip
@@ -654,9 +646,9 @@ def markdown(report: dict[str, Any]) -> str:
         if "relative_overhead" in i:
             lines.append(
                 f"{i['pairs_used']} interleaved pairs used ({i['pairs_left_out_cold']} left out as cold), random order; "
-                f"host wall per job: on {_f(i['median_on_ms'])} ms, off {_f(i['median_off_ms'])} ms (medians); "
+                f"host wall per job: on {fmt(i['median_on_ms'])} ms, off {fmt(i['median_off_ms'])} ms (medians); "
                 f"mean of on/off - 1: {_pct_ci(i['relative_overhead'])} (95% CI: BCa bootstrap ∪ t). "
-                f"Off-arm IQR/median {_f(100 * i['off_spread_iqr_rel'] if i.get('off_spread_iqr_rel') is not None else None)}%. "
+                f"Off-arm IQR/median {fmt(100 * i['off_spread_iqr_rel'] if i.get('off_spread_iqr_rel') is not None else None)}%. "
                 f"Switch took effect: {i['switch_took_effect']}. **Verdict: {i['verdict']}** (target ≤ 2%)."
             )
         elif i:
@@ -674,8 +666,8 @@ def markdown(report: dict[str, Any]) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for arm, v in o["arms"].items():
-                lines.append(f"| {arm} | {_f(v['wall_ms'])} | {_f(v['e2e_ms'])} | {_f(v['decode_ms'])} | {_f(v['kept_steps'])} "
-                             f"| {_f(v['wasted_steps'])} | {_f(v['wasted_decode_ms'])} | {_f(v['readback_ms'], 3)} |")  # fmt: skip
+                lines.append(f"| {arm} | {fmt(v['wall_ms'])} | {fmt(v['e2e_ms'])} | {fmt(v['decode_ms'])} | {fmt(v['kept_steps'])} "
+                             f"| {fmt(v['wasted_steps'])} | {fmt(v['wasted_decode_ms'])} | {fmt(v['readback_ms'], 3)} |")  # fmt: skip
             lines += ["", "| forced − ignore (paired) | mean ms [95% CI] | verdict |", "|---|---:|---|"]
             for key, v in o["difference_forced_minus_ignore"].items():
                 lines.append(f"| {key} | {_ms_ci(v)} | {v['verdict']} |")
@@ -690,7 +682,7 @@ def markdown(report: dict[str, Any]) -> str:
         if r.get("mean") is not None:
             curve = ", ".join(f"{n}: ±{100 * w:.2f}%" for n, w in r.get("bootstrap_half_width_by_jobs", {}).items())
             lines.append(
-                f"From {r['jobs']} jobs (per-job median ms/token, mean {_f(r['mean'], 4)} ms, CV {100 * r['cv']:.2f}%): "
+                f"From {r['jobs']} jobs (per-job median ms/token, mean {fmt(r['mean'], 4)} ms, CV {100 * r['cv']:.2f}%): "
                 f"**{r['n_needed_t_approx']} jobs** by the t approximation; bootstrap half-width by jobs: {curve} "
                 f"→ {r['n_needed_bootstrap'] or 'not reached within the jobs run'}. Same process and GPU: run-to-run "
                 "noise is not included."
