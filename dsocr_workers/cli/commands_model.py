@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from dsocr_workers.errors import DsocrError
+from dsocr_workers.model.config import MODES, PRESETS
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from dsocr_workers.engine.result import InferenceResult
 
-# Mirrors dsocr_workers.model.preprocess (MODES, PROMPTS); kept literal so `--help` imports no torch.
-# tests/engine/test_cli_model.py pins the two together.
-MODE_NAMES = ("tiny", "small", "base", "large", "gundam")
+# Modes and presets come from the torch-free model.config; the prompts mirror model.preprocess (which
+# imports torch), kept literal so `--help` imports no torch: tests/engine/test_cli_model.py pins them.
+MODE_NAMES = tuple(MODES)
 PROMPT_NAMES = ("document", "ocr", "free", "figure", "describe")
-PRESET_NAMES = ("tiny", "full")
+PRESET_NAMES = tuple(PRESETS)
 DTYPES = ("bfloat16", "float16", "float32")
 ENGINES = ("eager", "fast")
 # `dsocr verify` without --image: a page of this size (Gundam 2×2 grid, small enough for the tiny

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.preprocess import MODES
+from dsocr_workers.model.config import MODES
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run
 

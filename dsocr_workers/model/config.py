@@ -207,3 +207,28 @@ PRESETS: dict[str, OCRConfig] = {
         ),
     ),
 }
+
+
+# Resolution modes (spec §3): torch-free here, so the farm's parent processes can name them.
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    base_size: int  # global view side in crop mode
+    image_size: int  # global view side otherwise; the token grid of a tile in crop mode
+    crop_mode: bool
+
+    @property
+    def global_size(self) -> int:
+        return self.base_size if self.crop_mode else self.image_size
+
+
+MODES: dict[str, ModeSpec] = {
+    m.name: m
+    for m in (
+        ModeSpec("tiny", 512, 512, False),
+        ModeSpec("small", 640, 640, False),
+        ModeSpec("base", 1024, 1024, False),
+        ModeSpec("large", 1280, 1280, False),
+        ModeSpec("gundam", 1024, 640, True),
+    )
+}

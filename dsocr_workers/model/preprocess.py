@@ -21,6 +21,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dsocr_workers.errors import InputError
+from dsocr_workers.model.config import MODES, ModeSpec
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
 # The vendor's prompt list (README / vLLM config); "locate" needs an argument and is left to callers.
@@ -44,30 +45,6 @@ DOWNSAMPLE = 4  # SAM's 16-px patches, then the 4x (two stride-2 convs) compress
 ALLOWED_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "TIFF", "BMP", "GIF", "PPM", "JPEG2000"})
 # 64 megapixels: a 600-dpi A3 scan fits; a 30000x30000 decompression bomb (900 MP) does not.
 MAX_PIXELS = 64_000_000
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    name: str
-    base_size: int  # global view side in crop mode
-    image_size: int  # global view side otherwise; the token grid of a tile in crop mode
-    crop_mode: bool
-
-    @property
-    def global_size(self) -> int:
-        return self.base_size if self.crop_mode else self.image_size
-
-
-MODES: dict[str, ModeSpec] = {
-    m.name: m
-    for m in (
-        ModeSpec("tiny", 512, 512, False),
-        ModeSpec("small", 640, 640, False),
-        ModeSpec("base", 1024, 1024, False),
-        ModeSpec("large", 1280, 1280, False),
-        ModeSpec("gundam", 1024, 640, True),
-    )
-}
 
 
 @dataclass(frozen=True)

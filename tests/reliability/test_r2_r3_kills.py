@@ -92,7 +92,9 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
         for job in current:
             pid = owner_pid(job.lease_owner)
             victim = next((w for w in workers if w.alive() and pid in w.child_pids()), None)
-            if job.state == "running" and victim is not None and seconds_since(job.started_at) < 0.4:
+            # A job killed once is not picked again: each killed job must be done on its second attempt.
+            fresh = job.id not in killed
+            if fresh and job.state == "running" and victim is not None and seconds_since(job.started_at) < 0.4:
                 victim.kill_all()
                 killed[job.id], killed_at[job.id] = time.monotonic(), utcnow()
                 workers.append(farm.start_worker())  # the capacity comes back, as a supervisor would do
