@@ -22,6 +22,7 @@ Credentials live only in the two URLs; `redacted()` is what may be printed or st
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,16 @@ from pathlib import Path
 from dsocr_workers.errors import InputError
 
 DEFAULT_DATABASE_URL = "sqlite:///./dsocr.db"
+# Queue names travel comma-separated to Celery's --queues: a comma would split one name into two.
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}")
+
+
+def check_queue_name(name: str) -> str:
+    if not _QUEUE_NAME.fullmatch(name):
+        raise InputError(
+            f"queue name {name!r}: use letters, digits and . _ : @ - (no commas or spaces), at most 200"
+        )
+    return name
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -47,6 +58,7 @@ class Settings:
     visibility_timeout_override_s: int | None = None
 
     def __post_init__(self) -> None:
+        check_queue_name(self.queue)
         if self.max_attempts < 1:
             raise InputError("DSOCR_MAX_ATTEMPTS must be at least 1")
         if not 0 < self.soft_time_limit_s <= self.hard_time_limit_s:

@@ -6,9 +6,23 @@ Exit codes: 0 ok, 1 internal error, 2 input error (bad file list, image, option 
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import click
 
 from dsocr_workers import __version__
+
+# Piped or redirected, output is read by scripts: never cut a line to a guessed terminal width.
+PIPED_WIDTH = 10_000
+
+
+def stdout_console(stderr: bool = False) -> Any:
+    """A rich Console for the terminal, or, where the stream is a pipe or file, one that keeps lines whole."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else PIPED_WIDTH)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 1 internal error; 2 input error (bad file list, image, option, checkpoint); "

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
+from dsocr_workers.cli import stdout_console
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,14 +99,15 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     sent = enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids])
     click.echo(f"run {run.run_id}: {sent} jobs enqueued on {run.queue}")
     click.echo("next:")
-    click.echo(f"  dsocr worker --gpus all --queue {run.queue}")
+    click.echo(f"  dsocr worker --queue {run.queue}")
     click.echo(f"  dsocr status --run {run.run_id} --watch")
     click.echo(f"  dsocr report --run {run.run_id}")
     click.echo(run.run_id)
 
 
 @click.command()
-@click.option("--gpus", default="all", show_default=True, help="all, GPU indices like 0,1, or cpu.")
+@click.option("--gpus", default="auto", show_default=True,
+              help="auto (every GPU, else the CPU), all (every GPU), GPU indices like 0,1, or cpu.")
 @click.option("--queue", "queues", multiple=True, help="Queue(s) to consume (default: DSOCR_QUEUE or dsocr).")
 @click.option("--concurrency-per-device", type=int, default=1, show_default=True,
               help="Children per device (1 for profiling; more only for tests on CPU).")  # fmt: skip
@@ -172,7 +175,7 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
     click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[last]}"), console=_stderr_console(),
+        TextColumn("{task.fields[last]}"), console=stdout_console(stderr=True),
     ) as progress:  # fmt: skip
         bar = progress.add_task(f"run {submitted.run_id}", total=len(submitted.job_ids), last="")
 
@@ -180,15 +183,15 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
             if outcome.status not in ("queued", "released"):
                 progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
 
-        run_in_process(settings, devices[0], submitted.job_ids, advance)
+        finals = run_in_process(settings, devices[0], submitted.job_ids, advance)
     with db.transaction() as session:
         click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
-
-
-def _stderr_console() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True)
+    unfinished = Counter(outcome.status for outcome in finals if outcome.status != "done")
+    if unfinished:
+        # The report is out, but a script must not mistake a run with failed jobs for a good one.
+        counts = ", ".join(f"{count} {status}" for status, count in unfinished.items())
+        click.echo(f"error: run {submitted.run_id}: {counts} of {len(submitted.job_ids)} jobs", err=True)
+        sys.exit(1)
 
 
 @click.command()
@@ -196,7 +199,6 @@ def _stderr_console() -> Any:
 @exits_on_errors
 def runs(limit: int) -> None:
     """List the newest runs with their job counts."""
-    from rich.console import Console
     from rich.table import Table
 
     from dsocr_workers.report.queries import list_runs
@@ -211,7 +213,7 @@ def runs(limit: int) -> None:
             str(sum(s.counts.values())), str(s.counts.get("done", 0)), str(s.counts.get("failed", 0)),
             str(s.counts.get("poisoned", 0)), str(open_jobs),
         )  # fmt: skip
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def _database() -> Any:
@@ -228,7 +230,7 @@ def _database() -> Any:
 @exits_on_errors
 def status(run_ref: str, watch: bool, interval: float) -> None:
     """Progress of a run: pending, running, done, failed, pages/s and ETA."""
-    from rich.console import Console, Group
+    from rich.console import Group
     from rich.live import Live
     from rich.progress_bar import ProgressBar
     from rich.text import Text
@@ -259,7 +261,7 @@ def status(run_ref: str, watch: bool, interval: float) -> None:
             Text(head), ProgressBar(total=max(total, 1), completed=final, width=60), Text(states)
         ), final == total
 
-    console = Console()
+    console = stdout_console()
     rendered, finished = view()
     if not watch:
         console.print(rendered)

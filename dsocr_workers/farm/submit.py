@@ -15,6 +15,7 @@ from sqlalchemy import insert
 
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.filelist import FileList
+from dsocr_workers.settings import check_queue_name
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
@@ -98,6 +99,7 @@ def record_run(
     tags: dict[str, str] | None = None,
 ) -> SubmittedRun:
     """Write the run and its jobs (state `pending`) in one transaction."""
+    check_queue_name(queue)
     if not filelist.images:
         raise InputError(f"{filelist.path}: no valid image in the file list")
     label, random_weights = model_label(options.model, options.seed)

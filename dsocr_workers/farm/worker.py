@@ -16,7 +16,7 @@ from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.child import DEVICES_ENV, JobProcess
 from dsocr_workers.farm.execute import Outcome, execute_job
 from dsocr_workers.farm.warm import WARMUP_ENV, ModelKey, plan_warmup
-from dsocr_workers.settings import Settings
+from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store.db import check_schema, open_database
 
 # How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
@@ -34,10 +34,14 @@ def count_gpus() -> int:
 
 
 def parse_devices(gpus: str) -> list[str]:
-    """`all` → every GPU (none found: an error), `0,1` → those GPUs, `cpu` → the CPU."""
+    """`auto` → every GPU, or the CPU where there is none; `all` → every GPU (none found: an error);
+    `0,1` → those GPUs; `cpu` → the CPU."""
     text = gpus.strip().lower()
     if text == "cpu":
         return ["cpu"]
+    if text == "auto":
+        count = count_gpus()
+        return [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
     if text == "all":
         count = count_gpus()
         if count == 0:
@@ -46,7 +50,7 @@ def parse_devices(gpus: str) -> list[str]:
     try:
         indices = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise InputError(f"--gpus {gpus!r}: expected all, cpu, or GPU indices like 0,1") from None
+        raise InputError(f"--gpus {gpus!r}: expected auto, all, cpu, or GPU indices like 0,1") from None
     if not indices or len(set(indices)) != len(indices) or min(indices) < 0:
         raise InputError(f"--gpus {gpus!r}: expected distinct GPU indices like 0,1")
     return [f"cuda:{i}" for i in indices]
@@ -83,7 +87,7 @@ def start_worker(
     warmed for jobs of `fallback_budget` new tokens (None: the model's positions)."""
     if concurrency_per_device < 1:
         raise InputError("--concurrency-per-device must be at least 1")
-    queue_names = list(queues) or [settings.queue]
+    queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
     slots = [device for device in devices for _ in range(concurrency_per_device)]
     os.environ[DEVICES_ENV] = ",".join(slots)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dsocr_workers.errors import InputError, TransientError
@@ -60,16 +60,38 @@ class Database:
         self.engine.dispose()
 
 
+SUPPORTED_URLS = "sqlite:///PATH (the embedded default) or postgresql+psycopg://USER@HOST[:PORT]/DB"
+
+
+def parse_database_url(url: str) -> URL:
+    """The ledger URL, checked: a clear input error for anything but SQLite or PostgreSQL via psycopg."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise InputError(f"DSOCR_DATABASE_URL is not a database URL; expected {SUPPORTED_URLS}") from None
+    backend, driver = parsed.get_backend_name(), parsed.drivername.partition("+")[2]
+    if backend == "sqlite":
+        return parsed
+    if backend in ("postgres", "postgresql"):
+        if "+" in parsed.drivername and driver != "psycopg":  # the driver the project installs
+            raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r}: use {SUPPORTED_URLS}")
+        if not parsed.host or not parsed.database:
+            raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r} names no host or database; "
+                             f"expected {SUPPORTED_URLS}")  # fmt: skip
+        return parsed.set(drivername="postgresql+psycopg")
+    raise InputError(f"DSOCR_DATABASE_URL: the {backend!r} database is not supported; use {SUPPORTED_URLS}")
+
+
 def open_database(url: str) -> Database:
     """A new engine for `url`. Call it in the process that uses it (after fork, never before)."""
-    parsed = make_url(url)
+    parsed = parse_database_url(url)
     options: dict[str, Any] = {"pool_pre_ping": True}
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
         if database and database != ":memory:":
             Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         options = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
-    engine = create_engine(url, **options)
+    engine = create_engine(parsed, **options)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     return Database(

@@ -175,3 +175,48 @@ def test_worker_refuses_a_database_without_the_schema(tmp_path, subprocess_env):
     assert "dsocr db upgrade" in refused.stderr
     upgraded = dsocr("db", "upgrade", env=env, timeout=60)
     assert upgraded.returncode == 0 and "schema at revision" in upgraded.stdout
+
+
+def test_dsocr_run_exits_non_zero_when_a_job_failed(tmp_path, make_png, subprocess_env):
+    folder = tmp_path / "pages"
+    make_png("good.png", (320, 420), folder=folder)
+    broken = make_png("broken.png", (640, 480), folder=folder)
+    broken.write_bytes(broken.read_bytes()[:120])  # a valid header (the list check passes), no pixels
+    listing = folder / "pages.txt"
+    listing.write_text("good.png\nbroken.png\n")
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'embedded.db'}"}
+    done = dsocr("run", str(listing), "--max-new-tokens", "2", "--mode", "tiny", "--format", "json", env=env)
+    assert done.returncode == 1, done.stderr
+    assert "1 failed of 2 jobs" in done.stderr
+    facts = {row["field"]: row["value"] for row in json.loads(done.stdout)["tables"]["Run"]}
+    assert (facts["ok"], facts["failed"]) == (1, 1)  # the report is still printed in full
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("not-a-url", "not a database URL"), ("postgres://", "names no host"), ("mysql://u@h/db", "not supported")],
+)
+def test_a_malformed_database_url_is_one_clear_line(url, message, subprocess_env):
+    refused = dsocr("runs", env={**subprocess_env, "DSOCR_DATABASE_URL": url}, timeout=60)
+    assert refused.returncode == 2 and message in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_queue_name_with_a_comma_is_refused(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'q.db'}"}
+    assert dsocr("db", "upgrade", env=env, timeout=60).returncode == 0
+    refused = dsocr("submit", str(pages), "--queue", "q0,1", env=env, timeout=60)
+    assert refused.returncode == 2 and "queue name 'q0,1'" in refused.stderr
+    refused = dsocr("worker", "--gpus", "cpu", "--queue", "q0,1", env=env, timeout=60)
+    assert refused.returncode == 2 and "queue name 'q0,1'" in refused.stderr
+
+
+def test_piped_output_keeps_whole_lines(pages, tmp_path, subprocess_env, broker_env):
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'w.db'}", "COLUMNS": "60"}
+    name = "a-run-name-long-enough-to-push-the-table-past-any-terminal-width-" * 2
+    assert dsocr("db", "upgrade", env=env, timeout=60).returncode == 0
+    submitted = dsocr("submit", str(pages), "--name", name, env=env, timeout=60)
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    listed = dsocr("runs", env=env, timeout=60)
+    assert listed.returncode == 0
+    assert any(run_id in line and name in line for line in listed.stdout.splitlines()), listed.stdout
