@@ -220,3 +220,11 @@ def test_piped_output_keeps_whole_lines(pages, tmp_path, subprocess_env, broker_
     listed = dsocr("runs", env=env, timeout=60)
     assert listed.returncode == 0
     assert any(run_id in line and name in line for line in listed.stdout.splitlines()), listed.stdout
+
+
+def test_gpus_auto_falls_back_to_the_cpu_without_a_gpu():
+    from dsocr_workers.farm.worker import count_gpus, parse_devices
+
+    count = count_gpus()
+    assert parse_devices("auto") == ([f"cuda:{i}" for i in range(count)] if count else ["cpu"])
+    assert parse_devices("0,1") == ["cuda:0", "cuda:1"]
