@@ -291,9 +291,7 @@ def reconcile(run_ref: str | None) -> None:
     if run_ref:
         with db.transaction() as session:
             run_id = resolve_run(session, run_ref).id
-    plan, sent = reconcile_and_enqueue(
-        db, create_app(settings), max_attempts=settings.max_attempts, run_id=run_id
-    )
+    plan, sent = reconcile_and_enqueue(db, create_app(settings), settings, run_id=run_id)
     click.echo(
         f"expired leases: {plan.expired} (poisoned at the cap: {plan.poisoned}); still running: {plan.running}; "
         f"enqueued: {sent}"

@@ -12,8 +12,11 @@ refuses the copy. The error is still raised, so Celery logs it as before.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual.base import QoS as VirtualQoS
 
@@ -42,3 +45,17 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -> tuple[set[str], set[str]]:
+    """The job ids of the messages Redis holds for these queues: (waiting in a queue's list, delivered to
+    a worker and not yet acknowledged — kombu's `unacked` index: prefetched, running, or held for a
+    retry's countdown). Task ids are job ids (farm/submit.py)."""
+    client = redis.Redis.from_url(broker_url)
+    try:
+        waiting = {json.loads(raw)["headers"]["id"] for queue in set(queues)
+                   for raw in client.lrange(key_prefix + queue, 0, -1)}  # fmt: skip
+        delivered = {json.loads(raw)[0]["headers"]["id"] for raw in client.hvals(key_prefix + "unacked")}
+        return waiting, delivered
+    finally:
+        client.close()

@@ -11,11 +11,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from sqlalchemy import insert
 
 from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.farm.broker import job_ids_in_broker
 from dsocr_workers.farm.filelist import FileList
-from dsocr_workers.settings import check_queue_name
+from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
@@ -166,8 +168,19 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
 
 
 def reconcile_and_enqueue(
-    db: Database, app: Any, *, max_attempts: int, run_id: str | None = None
+    db: Database, app: Any, settings: Settings, *, run_id: str | None = None
 ) -> tuple[ledger.ReconcilePlan, int]:
+    """Expire stale leases, then send a message for every open job that Redis holds none for. A job whose
+    message waits in its queue gets no duplicate, nor does one delivered to a worker (prefetched, or in a
+    retry's countdown) unless its lease just expired: then its holder is gone, and its message would only
+    come back after the visibility timeout."""
     with db.transaction() as session:
-        plan = ledger.reconcile(session, max_attempts=max_attempts, run_id=run_id)
-    return plan, enqueue(db, app, plan.requeue)
+        plan = ledger.reconcile(session, max_attempts=settings.max_attempts, run_id=run_id)
+    try:
+        waiting, delivered = job_ids_in_broker(
+            settings.broker_url, settings.broker_key_prefix, (queue for _, queue in plan.requeue)
+        )
+    except (redis.RedisError, ValueError, KeyError, IndexError) as exc:
+        raise TransientError(f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}") from exc
+    held = waiting | (delivered - plan.expired_ids)
+    return plan, enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])

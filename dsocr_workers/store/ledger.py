@@ -313,6 +313,7 @@ class ReconcilePlan:
     expired: int  # running jobs whose lease had expired: queued again, or poisoned at the cap
     poisoned: int  # of those, the ones poisoned
     running: int  # jobs still running under a live lease (left alone)
+    expired_ids: frozenset[str] = frozenset()  # the expired jobs queued again (their holder is gone)
 
 
 def reconcile(
@@ -328,6 +329,7 @@ def reconcile(
         "last_error_class": "LeaseExpired",
         "last_error_message": "the worker holding this job stopped renewing it (lease expired)",
     }
+    expired_ids = frozenset(session.scalars(select(Job.id).where(stale & (Job.attempts < max_attempts))))
     to_poison = update(Job).where(stale & (Job.attempts >= max_attempts))
     poisoned = _rowcount(session.execute(to_poison.values(state="poisoned", finished_at=now, **lost)))
     expired = _rowcount(
@@ -343,7 +345,7 @@ def reconcile(
         .order_by(Job.run_id, Job.line, Job.repeat)
     ).all()
     return ReconcilePlan(
-        [(job_id, queue) for job_id, queue in requeue], expired + poisoned, poisoned, running
+        [(job_id, queue) for job_id, queue in requeue], expired + poisoned, poisoned, running, expired_ids
     )
 
 

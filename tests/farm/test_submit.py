@@ -189,6 +189,10 @@ def test_reconcile_enqueues_what_the_broker_missed_and_status_counts(
     # The run remembers its queue (the default one when it was submitted), not today's DSOCR_QUEUE.
     client = redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"])
     assert client.llen(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr") == 2
+    # Run again while the messages wait in their queue: nothing is sent twice.
+    again = CliRunner().invoke(main, ["reconcile", "--run", "latest"])
+    assert again.exit_code == 0 and "enqueued: 0" in again.output, again.output
+    assert client.llen(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr") == 2
     client.delete(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr")
     runs = CliRunner().invoke(main, ["runs"])
     assert runs.exit_code == 0 and "list" in runs.output
