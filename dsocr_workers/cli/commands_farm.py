@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import click
 
 from dsocr_workers.cli import stdout_console
+from dsocr_workers.cli.commands_model import DTYPES, ENGINES
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,8 +47,8 @@ def run_options(command: F) -> F:
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
         click.option("--repeats", type=int, default=1, show_default=True, help="Jobs per image."),
         click.option("--prompt", help="Prompt (default: the mode's document-to-markdown prompt)."),
-        click.option("--engine", type=click.Choice(["eager", "fast"]), default="eager", show_default=True),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+        click.option("--engine", type=click.Choice(ENGINES), default="eager", show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES),
                      help="Default: bfloat16 on GPU, float32 on CPU."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
         click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Label the run (repeatable)."),
@@ -117,8 +118,8 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
                    "open on the queues (gundam if none); none = warm each run's mode before its first job.")
 @click.option("--model", default="tiny", show_default=True,
               help="Model to warm at start when no run is open on the queues (then --engine, --dtype).")
-@click.option("--engine", type=click.Choice(["eager", "fast"]), default="eager", show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None)
+@click.option("--engine", type=click.Choice(ENGINES), default="eager", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="With --model: the token budget of the jobs to come (it sizes the KV cache warmed).")
 @exits_on_errors
