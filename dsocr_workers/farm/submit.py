@@ -148,14 +148,9 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
     from kombu.exceptions import OperationalError
 
-    from dsocr_workers.farm.tasks import RUN_JOB
-
     sent: list[str] = []
     try:
-        with app.producer_or_acquire() as producer:
-            for job_id, queue in jobs:
-                app.send_task(RUN_JOB, args=[job_id], queue=queue, task_id=job_id, producer=producer)
-                sent.append(job_id)
+        send_job_messages(app, jobs, sent)
     except (OperationalError, OSError) as exc:
         raise TransientError(
             f"broker unavailable after sending {len(sent)} of {len(jobs)} jobs: {exc}; "
@@ -165,6 +160,17 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
         with db.transaction() as session:
             ledger.mark_queued(session, sent)
     return len(sent)
+
+
+def send_job_messages(app: Any, jobs: list[tuple[str, str]], sent: list[str]) -> None:
+    """One message per (job id, queue), its task id the job id; appends each job id to `sent` once its
+    message is out. Raises the broker's error."""
+    from dsocr_workers.farm.tasks import RUN_JOB
+
+    with app.producer_or_acquire() as producer:
+        for job_id, queue in jobs:
+            app.send_task(RUN_JOB, args=[job_id], queue=queue, task_id=job_id, producer=producer)
+            sent.append(job_id)
 
 
 def reconcile_and_enqueue(

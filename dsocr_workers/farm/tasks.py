@@ -6,8 +6,8 @@ replaces.
 
 A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
 the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
-sent again after the backoff, or poisoned at the cap. Without that the job would sit in `running` until
-its lease expired and `dsocr reconcile` ran.
+sent again after the backoff, or poisoned at the cap, at once rather than after its lease expires and a
+live worker's heartbeat sweeps it (farm/liveness.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from celery.signals import worker_process_init, worker_process_shutdown
 from celery.worker.request import Request
 
 from dsocr_workers.errors import TransientError
-from dsocr_workers.farm.child import JobProcess, devices_from_env
+from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.liveness import Sweep
+from dsocr_workers.farm.submit import send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -47,7 +49,9 @@ def _open_child(**_: object) -> None:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
-    _process = JobProcess.open(Settings.from_env(), device, cpu_threads=threads)
+    queues = queues_from_env()
+    sweep = Sweep(queues, lambda jobs: send_job_messages(run_job.app, jobs, []))
+    _process = JobProcess.open(Settings.from_env(), device, queues=queues, sweep=sweep, cpu_threads=threads)
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
     plan = plan_from_env()
     if plan is not None:
@@ -64,7 +68,7 @@ def _open_child(**_: object) -> None:
 @worker_process_shutdown.connect
 def _close_child(**_: object) -> None:
     if _process is not None:
-        _process.db.dispose()
+        _process.close()
 
 
 class JobRequest(Request):
@@ -75,7 +79,7 @@ class JobRequest(Request):
         if not soft and self.worker_pid:
             try:
                 _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout)
-            except Exception:  # the ledger is down: lease expiry + `dsocr reconcile` recover the job
+            except Exception:  # the ledger is down: lease expiry and a live worker's sweep recover the job
                 log.exception("job %s: could not record the hard time limit", self.args[0])
         super().on_timeout(soft, timeout)
 
