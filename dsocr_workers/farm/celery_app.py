@@ -8,9 +8,11 @@ message (prefetch 1). The ledger's claim makes the results exactly-once.
 
 from __future__ import annotations
 
+import ssl
 from urllib.parse import urlparse
 
 from celery import Celery
+from kombu.utils.url import parse_url
 
 from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.settings import Settings
@@ -45,8 +47,14 @@ def create_app(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
-    if urlparse(settings.broker_url).scheme == "redis":
+    scheme = urlparse(settings.broker_url).scheme
+    if scheme in ("redis", "rediss"):
         app.conf.broker_transport = TRANSPORT  # kombu's, with acks that survive a Redis restart (broker.py)
+    if scheme == "rediss":
+        # kombu sets TLS up from the URL's scheme only when it picks the transport itself; naming ours
+        # skips that, so the URL's TLS options (ssl_cert_reqs, ssl_ca_certs, ...) are handed over here.
+        # Without any, the server's certificate is verified (kombu's own fallback verifies nothing).
+        app.conf.broker_use_ssl = parse_url(settings.broker_url).get("ssl") or {"ssl_cert_reqs": ssl.CERT_REQUIRED}
     return app
 
 

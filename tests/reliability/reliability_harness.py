@@ -441,22 +441,37 @@ class TcpProxy:
 class ThrowawayRedis:
     """A redis-server of the test's own on a free port, keeping nothing on disk (like the local one)."""
 
-    def __init__(self, folder: Path, password: str | None = None) -> None:
+    def __init__(self, folder: Path, password: str | None = None, tls: bool = False) -> None:
         self.folder = folder
         self.password = password
         self.port = free_port()
         self.process: subprocess.Popen | None = None
         folder.mkdir(parents=True, exist_ok=True)
+        self.ca_cert = self._self_signed_certificate() if tls else None
         self.start()
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        if self.ca_cert is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.ca_cert}"
+
+    def _self_signed_certificate(self) -> Path:
+        """A certificate for 127.0.0.1 that is its own CA: clients verify the server against it."""
+        cert, key = self.folder / "redis.crt", self.folder / "redis.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True)  # fmt: skip
+        return cert
 
     def start(self) -> None:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]  # fmt: skip
+        if self.ca_cert is not None:
+            key = self.folder / "redis.key"
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.ca_cert),
+                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.ca_cert), "--tls-auth-clients", "no"]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

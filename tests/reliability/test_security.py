@@ -1,17 +1,19 @@
 """Security: JSON-only messages (a pickled message is refused and runs nothing), credentials only from
 the environment and never printed, logged or stored, a Redis password end to end, and model output that
-is parsed, never evaluated. (Images are opened with a format allowlist and a pixel limit: R6.)"""
+is parsed, never evaluated; a TLS broker verified and given the same transport fix. (Images are opened with a format allowlist and a pixel limit: R6.)"""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import ssl
 from pathlib import Path
 
 from reliability_harness import FAST_JOB, REPO, ThrowawayRedis, check_invariants, make_pages, record
 from sqlalchemy import text
 
+from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.farm.celery_app import create_app
 from dsocr_workers.farm.tasks import RUN_JOB
 from dsocr_workers.model.postprocess import parse_markup
@@ -98,6 +100,30 @@ def test_credentials_never_printed_logged_or_stored(new_farm, tmp_path, postgres
         record("Security: credentials", workers=1, faults="passwords in DSOCR_DATABASE_URL and DSOCR_BROKER_URL "
                "(Redis --requirepass)", lost=4 - tally.done, duplicated=tally.duplicates,
                scanned_bytes=len(everything), leaks=0, tally=tally)  # fmt: skip
+    finally:
+        broker.close()
+
+
+def test_rediss_broker_verifies_the_server_and_keeps_the_ack_fix(new_farm, tmp_path):
+    """A TLS broker (`rediss://`) gets the same transport as `redis://` (kombu's, with the acknowledgement
+    fix of farm/broker.py) and still speaks TLS, verifying the server's certificate."""
+    broker = ThrowawayRedis(tmp_path / "redis", tls=True)
+    try:
+        connection = create_app(Settings(broker_url=broker.url)).connection_for_write()
+        assert connection.transport_cls == TRANSPORT and connection.ssl["ssl_cert_reqs"] == ssl.CERT_REQUIRED
+        farm = new_farm(broker_url=broker.url)
+        listing = make_pages(tmp_path / "pages", 4)
+        unverified = broker.url.split("&ssl_ca_certs=")[0]  # no CA: the self-signed server is refused
+        refused = farm.dsocr("submit", str(listing), *FAST_JOB, DSOCR_BROKER_URL=unverified,
+                             CELERY_BROKER_CONNECTION_MAX_RETRIES="0")  # fmt: skip
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        run_id = farm.submit(listing, *FAST_JOB)
+        farm.start_worker()
+        farm.wait_until_final(run_id, timeout=120)
+        tally = check_invariants(farm, run_id, max_attempts=3)
+        assert tally.done == tally.results == 4
+        record("Security: TLS broker", workers=1, faults="rediss:// with a self-signed certificate; no CA given",
+               lost=4 - tally.done, duplicated=tally.duplicates, tally=tally)  # fmt: skip
     finally:
         broker.close()
 
