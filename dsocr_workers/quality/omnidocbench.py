@@ -75,13 +75,21 @@ def _order(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _truncated_groups(relations: Any) -> list[set[Any]]:
+def _anno_id(value: Any) -> int | str | None:
+    """A block's id as the relations name it; anything else (a malformed id) links nothing."""
+    return value if isinstance(value, int | str) else None
+
+
+def _truncated_groups(relations: Any) -> list[set[int | str]]:
     """anno_ids joined by "truncated" relations, as groups (a block split in three is one group)."""
-    groups: list[set[Any]] = []
+    groups: list[set[int | str]] = []
     for relation in relations if isinstance(relations, list) else []:
         if not isinstance(relation, dict) or relation.get("relation_type") != "truncated":
             continue
-        pair = {relation.get("source_anno_id"), relation.get("target_anno_id")}
+        source, target = _anno_id(relation.get("source_anno_id")), _anno_id(relation.get("target_anno_id"))
+        if source is None or target is None:
+            continue
+        pair = {source, target}
         touching = [group for group in groups if group & pair]
         merged = pair.union(*touching)
         groups = [group for group in groups if not group & pair] + [merged]
@@ -117,7 +125,8 @@ def page_reference(page: Any, where: str) -> PageReference:
     parts: dict[int, list[dict[str, Any]]] = {}
     result: list[tuple[int, ReferenceBlock | None]] = []  # (group or -1, block), in annotation order
     for block in kept:
-        group = grouped.get(block.get("anno_id"), -1) if block["category_type"] in _TEXT else -1
+        anno = _anno_id(block.get("anno_id"))
+        group = grouped.get(anno, -1) if anno is not None and block["category_type"] in _TEXT else -1
         if group == -1:
             result.append((-1, _block(block)))
         elif group not in parts:
@@ -126,7 +135,6 @@ def page_reference(page: Any, where: str) -> PageReference:
         else:
             parts[group].append(block)
     return PageReference(image, tuple(block or _joined(parts[group]) for group, block in result))
-
 
 
 def _block(block: dict[str, Any]) -> ReferenceBlock:

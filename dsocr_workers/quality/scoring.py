@@ -103,18 +103,16 @@ def split_markdown(markdown: str) -> MarkdownBlocks:
     take(_MARKDOWN_TABLE, "table", lambda m: _markdown_table_html(m.group(0)))
     take(_CODE_BLOCK, "text", lambda m: m.group(1).strip())
 
-    pieces = content.split("\n\n")
-    if len(pieces) == 1:
-        pieces = content.split("\n")  # output with single line breaks only
+    separator = "\n\n" if "\n\n" in content else "\n"  # some output has single line breaks only
     position = 0
-    for piece in pieces:
+    for piece in content.split(separator):
         text = "\n".join(line.strip() for line in piece.strip().split("\n") if line.strip())
         text = _LATEX_WRAPPERS.sub(r"\1", text)
         if text.startswith("$") and text.endswith("$") and text.replace("$", "").strip():
             found.append((position, "formula", text))
         elif text:
             found.append((position, "text", text))
-        position += len(piece) + 2
+        position += len(piece) + len(separator)
     found.sort(key=lambda item: item[0])
     return MarkdownBlocks(
         [c for _, kind, c in found if kind == "text" and c],

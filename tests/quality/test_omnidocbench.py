@@ -84,3 +84,13 @@ def test_predictions_are_named_as_the_evaluator_reads_them(tmp_path):
     with pytest.raises(InputError, match="a.png and other/a.jpg would both be written to a.md"):
         write_predictions({"a.png": "1", "other/a.jpg": "2"}, tmp_path / "clash")
     assert not (tmp_path / "clash").exists()  # refused before anything was written
+
+
+def test_a_relation_with_a_malformed_id_links_nothing(tmp_path):
+    page = {"page_info": {"image_path": "p.png"},
+            "layout_dets": [{"category_type": "text_block", "anno_id": 0, "order": 1, "text": "a"},
+                            {"category_type": "text_block", "anno_id": 1, "order": 2, "text": "b"}],
+            "extra": {"relation": [{"source_anno_id": [0], "target_anno_id": 1, "relation_type": "truncated"}]}}
+    path = tmp_path / "gt.json"
+    path.write_text(json.dumps([page]))
+    assert [b.content for b in load_annotation(path)["p.png"].blocks] == ["a", "b"]
