@@ -7,16 +7,19 @@ queue, so parallel runs on one machine never see each other's rows or messages.
   emptied after each test.
 - `broker_env`: DSOCR_* variables for a unique Redis key prefix and queue; its keys are deleted at the end.
 - `make_png`: writes small PNG pages with Pillow.
+- `write_omnidocbench`: writes a hand-made annotation file in OmniDocBench's JSON layout.
 
 Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +138,38 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+# One block of a hand-made annotation: (category_type, content, order). The content goes where
+# OmniDocBench keeps it: `latex` for display formulas, `html` for tables, `text` for everything else.
+Block = tuple[str, str, int | None]
+_CONTENT_FIELD = {"equation_isolated": "latex", "table": "html"}
+
+
+def omnidocbench_page(image: str, blocks: list[Block], truncated: list[tuple[int, int]] = ()) -> dict[str, Any]:
+    """One page in OmniDocBench's layout; `truncated` links blocks (by index) split across columns."""
+    dets = []
+    for index, (category, content, order) in enumerate(blocks):
+        det: dict[str, Any] = {"category_type": category, "anno_id": index, "order": order, "ignore": False,
+                               "poly": [0, 0, 10, 0, 10, 10, 0, 10], "attribute": {}}
+        det[_CONTENT_FIELD.get(category, "text")] = content
+        dets.append(det)
+    relations = [{"source_anno_id": a, "target_anno_id": b, "relation": "parent_son", "relation_type": "truncated"}
+                 for a, b in truncated]
+    return {"layout_dets": dets, "extra": {"relation": relations},
+            "page_info": {"page_no": 0, "height": 2000, "width": 1600, "image_path": image,
+                          "page_attribute": {"language": "english"}}}
+
+
+@pytest.fixture
+def write_omnidocbench(tmp_path: Path) -> Callable[..., Path]:
+    """write({image: [blocks]}, truncated={image: [(i, j)]}) -> the annotation file's path."""
+
+    def write(pages: dict[str, list[Block]], truncated: dict[str, list[tuple[int, int]]] | None = None,
+              name: str = "OmniDocBench.json") -> Path:
+        path = tmp_path / name
+        entries = [omnidocbench_page(image, blocks, (truncated or {}).get(image, [])) for image, blocks in pages.items()]
+        path.write_text(json.dumps(entries, ensure_ascii=False), encoding="utf-8")
+        return path
+
+    return write

@@ -7,6 +7,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ import click
 
 from dsocr_workers.cli import stdout_console
 from dsocr_workers.cli.commands_model import DTYPES, ENGINES
+from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,6 +47,13 @@ def run_options(command: F) -> F:
         click.option("--mode", default="gundam", show_default=True, help="Resolution mode."),
         click.option("--max-new-tokens", type=int, help="Decode at most this many tokens."),
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
+        click.option("--stop-on-repetition", is_flag=True,
+                     help="End a decode once its output ends in a repetition loop (stop reason: repetition)."),
+        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0),
+                     default=DecodeOptions.no_repeat_ngram_size, show_default=True,
+                     help="Ban repeated n-grams of this size (the vendor's HF path: 20); 0: off."),
+        click.option("--ngram-window", type=click.IntRange(min=1),
+                     help="Search n-grams only in the last N generated tokens (vendor vLLM); default: all."),
         click.option("--repeats", type=int, default=1, show_default=True, help="Jobs per image."),
         click.option("--prompt", help="Prompt (default: the mode's document-to-markdown prompt)."),
         click.option("--engine", type=click.Choice(ENGINES), default="eager", show_default=True),
@@ -53,30 +62,55 @@ def run_options(command: F) -> F:
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
         click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Label the run (repeatable)."),
         click.option("--skip-invalid", is_flag=True, help="Leave bad lines out instead of refusing the list."),
+        click.option("--ground-truth", type=click.Path(dir_okay=False, path_type=Path),
+                     help="OmniDocBench annotation file (OmniDocBench.json): score each page against it."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _prepare(filelist: Path, kw: dict[str, Any]) -> tuple[Any, Any, dict[str, str]]:
+@dataclass(frozen=True)
+class PreparedRun:
+    """A checked file list and run options, ready to be recorded."""
+
+    listed: Any  # farm.filelist.FileList
+    options: Any  # farm.submit.RunOptions
+    name: str | None
+    tags: dict[str, str]
+    ground_truth: Path | None
+    references: dict[str, dict[str, Any]]  # by image, with --ground-truth
+
+    def record(self, db: Any, queue: str) -> Any:
+        from dsocr_workers.farm.submit import record_run
+
+        return record_run(db, self.listed, self.options, queue=queue, name=self.name, tags=self.tags,
+                          ground_truth=self.ground_truth, references=self.references)  # fmt: skip
+
+
+def _prepare(filelist: Path, kw: dict[str, Any]) -> PreparedRun:
     from dsocr_workers.errors import InputError
     from dsocr_workers.farm.filelist import read_filelist
-    from dsocr_workers.farm.submit import RunOptions, parse_tags
+    from dsocr_workers.farm.submit import RunOptions, attach_ground_truth, parse_tags
 
     options = RunOptions(
         model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
         ignore_eos=kw["ignore_eos"], engine=kw["engine"], dtype=kw["dtype"], repeats=kw["repeats"], seed=kw["seed"],
+        stop_on_repetition=kw["stop_on_repetition"], no_repeat_ngram_size=kw["no_repeat_ngram_size"],
+        ngram_window=kw["ngram_window"],
     )  # fmt: skip
     tags = parse_tags(kw["tags"])
     listed = read_filelist(filelist, kw["root"])
+    references: dict[str, dict[str, Any]] = {}
+    if kw["ground_truth"] is not None:
+        listed, references = attach_ground_truth(listed, kw["ground_truth"])
     if listed.bad:
         click.echo(f"{len(listed.bad)} bad line(s) in {filelist}:\n{listed.describe_bad()}", err=True)
         if not kw["skip_invalid"]:
             raise InputError(
                 f"{filelist}: refused, nothing was recorded or enqueued (--skip-invalid to leave them out)"
             )
-    return listed, options, tags
+    return PreparedRun(listed, options, kw["name"], tags, kw["ground_truth"], references)
 
 
 @click.command()
@@ -87,15 +121,15 @@ def _prepare(filelist: Path, kw: dict[str, Any]) -> tuple[Any, Any, dict[str, st
 def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     """Validate FILELIST, record a run and its jobs, and enqueue one job per image and repeat."""
     from dsocr_workers.farm.celery_app import create_app
-    from dsocr_workers.farm.submit import enqueue, record_run
+    from dsocr_workers.farm.submit import enqueue
     from dsocr_workers.settings import Settings
     from dsocr_workers.store.db import check_schema, open_database
 
     settings = Settings.from_env()
-    listed, options, tags = _prepare(filelist, kw)
+    prepared = _prepare(filelist, kw)
     db = open_database(settings.database_url)
     check_schema(db)
-    run = record_run(db, listed, options, queue=queue or settings.queue, name=kw["name"], tags=tags)
+    run = prepared.record(db, queue or settings.queue)
     click.echo(f"run {run.run_id}: {len(run.job_ids)} jobs recorded")
     sent = enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids])
     click.echo(f"run {run.run_id}: {sent} jobs enqueued on {run.queue}")
@@ -155,7 +189,6 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dsocr_workers.errors import InputError
-    from dsocr_workers.farm.submit import record_run
     from dsocr_workers.farm.worker import IN_PROCESS_QUEUE, parse_devices, run_in_process
     from dsocr_workers.report.build import single_report
     from dsocr_workers.report.queries import load_run
@@ -167,12 +200,12 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
     if len(devices) != 1:
         raise InputError("dsocr run uses one device; start `dsocr worker` for several")
     settings = Settings.from_env()
-    listed, options, tags = _prepare(filelist, kw)
+    prepared = _prepare(filelist, kw)
     db = open_database(settings.database_url)
     if db.is_sqlite:
         upgrade(db)  # the embedded default creates or updates its own file
     check_schema(db)
-    submitted = record_run(db, listed, options, queue=IN_PROCESS_QUEUE, name=kw["name"], tags=tags)
+    submitted = prepared.record(db, IN_PROCESS_QUEUE)
     click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

@@ -163,6 +163,8 @@ def timing_table(result: InferenceResult, title: str) -> Any:
            f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
            f"activations {result.memory.activation_peak_bytes / 2**30:.2f})" if result.memory else "")
         + ("; COLD: " + "; ".join(result.cold_reasons) if result.cold else "")
+        + (f"; REPETITION LOOP from token {result.loop.start}, period {result.loop.period}, "
+           f"{result.loop.wasted_steps} decode steps wasted" if result.loop else "")
     )
     return table
 
@@ -188,6 +190,8 @@ def timing_table(result: InferenceResult, title: str) -> Any:
               help="Search n-grams only in the last N generated tokens (vendor vLLM); default: whole sequence.")
 @click.option("--ngram-whitelist", default="", metavar="ID,ID",
               help="Token ids never banned (vendor vLLM: 128821,128822 = <td>,</td>).")
+@click.option("--stop-on-repetition", is_flag=True,
+              help="End decoding once the output ends in a repetition loop (stop reason: repetition).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory. Default: out/<image name>.")
 @click.option("--json", "as_json", is_flag=True, help="Print result.json instead of the table.")
@@ -211,6 +215,7 @@ def infer_command(
     no_repeat_ngram_size: int,
     ngram_window: int | None,
     ngram_whitelist: str,
+    stop_on_repetition: bool,
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -238,6 +243,7 @@ def infer_command(
             ngram_window=ngram_window,
             ngram_whitelist=parse_ids(ngram_whitelist),
             ignore_eos=ignore_eos,
+            stop_on_repetition=stop_on_repetition,
         )
         validate_options(options)
         # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).

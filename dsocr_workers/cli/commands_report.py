@@ -1,4 +1,5 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--format table|csv|json|md] [--out FILE]`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--out FILE]`
+and `dsocr export --run ID --omnidocbench DIR`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from dsocr_workers.cli.commands_farm import exits_on_errors
     help="Put cold results (compilation, new cache bucket, …) back into the statistics and throughput.",
 )
 @click.option(
+    "--exclude-loops",
+    is_flag=True,
+    help="Leave results whose output ends in a repetition loop out of the latency statistics.",
+)
+@click.option(
     "--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table", show_default=True
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
@@ -29,15 +35,19 @@ def report(
     vs_ref: str | None,
     per_image: bool,
     include_cold: bool,
+    exclude_loops: bool,
     fmt: str,
     out: Path | None,
     width: int | None,
 ) -> None:
     """Latency (TTFT, prefill, vision stages, decode ms/token, e2e and the parts that add up to it) as mean
     and p50 / p90 / p99 with 95% confidence intervals, per-job memory, steady-state and wall-clock
-    throughput, worker sessions, outputs and the environment of a run. Cold results are left out of the
-    statistics unless --include-cold. With --vs every B/A ratio carries an interval, and "no significant
-    difference" where it contains 1. Runs on random weights are labelled as such."""
+    throughput, worker sessions, outputs and the environment of a run; with ground truth, accuracy per
+    mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops. Cold results
+    are left out of the latency statistics unless --include-cold, looping ones only with
+    --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
+    where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
+    labelled as such."""
     from dsocr_workers.report.build import comparison_report, single_report
     from dsocr_workers.report.queries import load_run
     from dsocr_workers.report.render import render
@@ -49,9 +59,10 @@ def report(
         a = load_run(session, run_ref)
         if vs_ref:
             b = load_run(session, vs_ref)
-            document = comparison_report(a, b, per_image=per_image, include_cold=include_cold)
+            document = comparison_report(a, b, per_image=per_image, include_cold=include_cold,
+                                         exclude_loops=exclude_loops)  # fmt: skip
         else:
-            document = single_report(a, per_image=per_image, include_cold=include_cold)
+            document = single_report(a, per_image=per_image, include_cold=include_cold, exclude_loops=exclude_loops)
     text = render(document, fmt, width=width)
     if out is None:
         click.echo(text, nl=False)
@@ -60,5 +71,36 @@ def report(
         click.echo(f"wrote {out}", err=True)
 
 
+@click.command()
+@click.option("--run", "run_ref", required=True, help="Run id, unique prefix, or latest.")
+@click.option("--omnidocbench", "directory", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Write one markdown file per page here, named as OmniDocBench's evaluator expects.")
+@click.option("--repeat", type=int, default=0, show_default=True, help="Which repeat of each page to write.")
+@exits_on_errors
+def export(run_ref: str, directory: Path, repeat: int) -> None:
+    """Write a run's outputs for OmniDocBench's own evaluator: for every page with a result, its
+    markdown (the model's markup rendered as the vendor's result.mmd) in DIR/<image name without
+    extension>.md. Point the evaluator's prediction folder (its end2end config) at DIR."""
+    from dsocr_workers.errors import InputError
+    from dsocr_workers.model.postprocess import render_mmd
+    from dsocr_workers.quality.omnidocbench import write_predictions
+    from dsocr_workers.report.queries import load_run
+    from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import open_database
+
+    db = open_database(Settings.from_env().database_url)
+    with db.transaction() as session:
+        data = load_run(session, run_ref)
+    if not any(j.repeat == repeat for j in data.jobs):
+        raise InputError(f"run {data.run.id} has no repeat {repeat}")
+    pages = {j.image: render_mmd(data.results[j.id].markup)
+             for j in data.jobs if j.repeat == repeat and j.id in data.results}  # fmt: skip
+    written = write_predictions(pages, directory)
+    missing = sum(j.repeat == repeat for j in data.jobs) - len(written)
+    click.echo(f"run {data.run.id}: wrote {len(written)} page(s) to {directory}"
+               + (f"; {missing} page(s) without a result have no file" if missing else ""))  # fmt: skip
+
+
 def register(group: click.Group) -> None:
     group.add_command(report)
+    group.add_command(export)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import StaticCache
 
+from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.model.config import EOS_TOKEN_ID
@@ -27,6 +28,10 @@ MIN_CACHE_BUCKET = 1024
 # they are counted as wasted steps.
 EOS_CHECK_INTERVAL = 8
 EOS_LOOKAHEAD = 2
+# `RepetitionWatch` looks for a loop in the last this many tokens: periods up to a third of it are
+# caught while decoding (a longer loop is still found after decoding, from all the tokens), and a look
+# costs well under a millisecond of host time, spent while the device runs the steps queued ahead.
+REPETITION_WINDOW = 2048
 
 
 def cache_bucket(needed: int, max_positions: int) -> int:
@@ -152,6 +157,50 @@ class EosWatch:
             if bool(flags[check.slot]):
                 return True
         return False
+
+
+class RepetitionWatch:
+    """Whether the tokens written so far end in a repetition loop (engine/loops.py), looked at with the
+    EOS watch's cadence and without stalling the device either.
+
+    On CUDA every EOS_CHECK_INTERVAL steps the tokens written since the last look are copied behind the
+    decode steps into the pinned host buffer, then an event; a look runs once its event has fired, and
+    waits only when EOS_LOOKAHEAD newer looks are queued. On the CPU the tokens are read directly. Off,
+    `seen` returns at once: nothing is copied and nothing waits."""
+
+    def __init__(self, buffers: DecodeBuffers, prompt_tokens: int, enabled: bool) -> None:
+        self.buffers = buffers
+        self.prompt_tokens = prompt_tokens
+        self.enabled = enabled
+        self.cuda = buffers.tokens.device.type == "cuda"
+        self._pending: deque[tuple[int, torch.cuda.Event]] = deque()  # (tokens on the host, copy done)
+        self._copied = 0
+
+    def seen(self, steps: int) -> bool:
+        """Call before each decode step with the steps run so far; True once a loop is known."""
+        if not self.enabled or steps % EOS_CHECK_INTERVAL:
+            return False
+        written = 1 + steps
+        start = self.prompt_tokens
+        if not self.cuda:
+            return self._loops(self.buffers.tokens[start : start + written])
+        host = self.buffers.host_tokens
+        host[self._copied : written].copy_(self.buffers.tokens[start + self._copied : start + written],
+                                           non_blocking=True)  # fmt: skip
+        self._copied = written
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((written, event))
+        while self._pending and (len(self._pending) > EOS_LOOKAHEAD or self._pending[0][1].query()):
+            count, event = self._pending.popleft()
+            event.synchronize()
+            if self._loops(host[:count]):
+                return True
+        return False
+
+    @staticmethod
+    def _loops(tokens: torch.Tensor) -> bool:
+        return find_loop(tokens[-REPETITION_WINDOW:].tolist()) is not None
 
 
 def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:

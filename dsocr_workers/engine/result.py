@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-StopReason = Literal["eos", "max_new_tokens", "max_positions"]
+from dsocr_workers.engine.loops import RepetitionLoop
+
+# "repetition": stopped early by `stop_on_repetition` once the output ended in a loop (engine/loops.py).
+StopReason = Literal["eos", "max_new_tokens", "max_positions", "repetition"]
+STOP_REASONS: tuple[StopReason, ...] = ("eos", "max_new_tokens", "max_positions", "repetition")
 Clock = Literal["cuda_event", "perf_counter"]
 
 
@@ -28,6 +32,10 @@ class DecodeOptions:
     # Benchmarks and tests: EOS is chosen as the token of decode step N (0 = the first token, from the
     # prefill logits), whatever the logits say, so the EOS path can be timed at a known length.
     force_eos_at_step: int | None = None
+    # Stop once the output ends in a repetition loop (stop reason "repetition"); off, the loop runs to
+    # the budget and is only found afterwards. Checked with the EOS watch's cadence, on tokens read back
+    # asynchronously: nothing is added to the decode loop when off.
+    stop_on_repetition: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,8 @@ class InferenceResult:
     # Why this job was not steady state (a compilation, a new cache bucket, allocator growth); empty
     # when warm. Cold timings are real, but reports leave them out of statistics unless asked.
     cold_reasons: tuple[str, ...] = ()
+    # The repetition loop the output ends in, looked for unless decoding stopped at EOS.
+    loop: RepetitionLoop | None = None
 
     @property
     def cold(self) -> bool:

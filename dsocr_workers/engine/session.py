@@ -23,11 +23,13 @@ from PIL import Image
 from dsocr_workers.engine.generate import (
     DecodeBuffers,
     EosWatch,
+    RepetitionWatch,
     cache_bucket,
     choose_token,
     decode_one_token,
     prefill,
 )
+from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -338,19 +340,21 @@ class DeepSeekOCRSession:
             with clock.stage("first_token"):
                 choose_token(logits, ban, options)  # the first token comes from the prefill logits
                 self._force_eos(buffers, page.prompt_tokens, 0, options)
-            steps = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
+            steps, repeating = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
             with clock.stage("readback"):
                 written = buffers.read_tokens(page.prompt_tokens, page.prompt_tokens + 1 + steps)
             memory = None
             if cuda:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 memory = JobMemory(peak, self.weights_bytes, buffers.cache_bytes, peak - resident)
-            generated, stop_reason = self._stop(written, budget, ceiling, options)
+            generated, stop_reason = self._stop(written, budget, ceiling, options, repeating)
             with clock.stage("postprocess"):
                 text = self.decode_text(generated) if return_text else ""
                 parsed = postprocess.parse_markup(text, *page.original.size)
         clock.finish()
         self._jobs_run += 1
+        # Analysis, not inference: outside the stages, so it is no part of the job's timings.
+        loop = None if stop_reason == "eos" else find_loop(generated)
         return InferenceResult(
             text=text,
             token_ids=generated,
@@ -372,6 +376,7 @@ class DeepSeekOCRSession:
             vision_calls=vision_calls,
             wasted_steps=steps + 1 - len(generated),
             cold_reasons=self._cold_reasons(before),
+            loop=loop,
         )
 
     def _budget(self, prompt_tokens: int, max_new_tokens: int | None) -> tuple[int, int]:
@@ -411,25 +416,36 @@ class DeepSeekOCRSession:
     def _decode_loop(
         self, prompt_tokens: int, budget: int, ban: NGramBan, buffers: DecodeBuffers, options: DecodeOptions,
         clock: StageClock,
-    ) -> int:
-        """Run decode steps until the budget is spent or EOS was seen (EosWatch: no stall of the device);
-        returns the steps run, including any that ran past EOS."""
+    ) -> tuple[int, bool]:
+        """Run decode steps until the budget is spent, EOS was seen (EosWatch: no stall of the device)
+        or, when asked, the output ends in a repetition loop (RepetitionWatch, the same way). Returns
+        the steps run, including any that ran past EOS, and whether a loop stopped them."""
         eos = EosWatch(buffers, prompt_tokens, enabled=not options.ignore_eos)
+        loops = RepetitionWatch(buffers, prompt_tokens, enabled=options.stop_on_repetition)
         steps = 0
+        repeating = False
         with clock.stage("decode"):
             clock.mark_step()
             while steps < budget - 1 and not eos.seen(steps):
+                if loops.seen(steps):
+                    repeating = True
+                    break
                 self.decode_step(buffers, ban, options)
                 steps += 1
                 self._force_eos(buffers, prompt_tokens, steps, options)
                 clock.mark_step()
-        return steps
+        return steps, repeating
 
     @staticmethod
-    def _stop(written: list[int], budget: int, ceiling: int, options: DecodeOptions) -> tuple[list[int], StopReason]:
-        """Trim what was computed past EOS and name the reason decoding stopped."""
+    def _stop(
+        written: list[int], budget: int, ceiling: int, options: DecodeOptions, repeating: bool
+    ) -> tuple[list[int], StopReason]:
+        """Trim what was computed past EOS and name the reason decoding stopped (EOS first: a loop
+        seen after an EOS already written is past the end of the output)."""
         if not options.ignore_eos and EOS_TOKEN_ID in written:
             return written[: written.index(EOS_TOKEN_ID) + 1], "eos"
+        if repeating:
+            return written, "repetition"
         return written, "max_positions" if budget == ceiling else "max_new_tokens"
 
     def decode_text(self, token_ids: list[int]) -> str:

@@ -139,10 +139,19 @@ class JobProcess:
             prompt=p.get("prompt"),
             mode=p.get("mode", "gundam"),
             max_new_tokens=p.get("max_new_tokens"),
-            infer=DecodeOptions(ignore_eos=bool(p.get("ignore_eos", False))),
+            infer=decode_options(p),
             job_id=claim.job_id,
         )
         return Ran(result, loaded.worker_id, loaded.worker_session_id)
+
+
+# The run parameters that are decode options (farm/submit.py RunOptions), under DecodeOptions' names.
+DECODE_PARAMETERS = ("ignore_eos", "stop_on_repetition", "no_repeat_ngram_size", "ngram_window")
+
+
+def decode_options(parameters: dict[str, Any]) -> DecodeOptions:
+    """A run's decode policy; what an older run did not record keeps DecodeOptions' default."""
+    return DecodeOptions(**{name: parameters[name] for name in DECODE_PARAMETERS if name in parameters})
 
 
 def job_warmup(model: str, parameters: dict[str, Any]) -> Warmup:

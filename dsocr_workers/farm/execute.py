@@ -16,6 +16,9 @@ import numpy as np
 
 from dsocr_workers.engine.result import InferenceResult
 from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.model.postprocess import render_mmd
+from dsocr_workers.quality.omnidocbench import PageReference
+from dsocr_workers.quality.scoring import PageScores, score_page
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
@@ -73,8 +76,9 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
     except Exception as exc:  # a model bug, CUDA OOM, a soft time limit: counts an attempt
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
+    row = result_row(ran, claim)  # scored here, outside the transaction that holds the job's row
     with db.transaction() as session:
-        written = ledger.complete_job(session, claim, result_row(ran, claim))
+        written = ledger.complete_job(session, claim, row)
     if not written:
         return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
     return Outcome(job_id, "done")
@@ -92,9 +96,19 @@ def _record_failure(
     return Outcome(claim.job_id, state, detail, retry)  # type: ignore[arg-type]
 
 
+def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | None]:
+    """The job's edit distances to its reference (quality/scoring.py), on the markdown the model's
+    markup renders to (its `result.mmd`); all None without a reference."""
+    scores = (PageScores(None, None, None, None) if reference is None
+              else score_page(render_mmd(markup), PageReference.from_json(reference)))  # fmt: skip
+    return {"text_edit": scores.text, "formula_edit": scores.formula, "table_edit": scores.table,
+            "reading_order_edit": scores.reading_order}  # fmt: skip
+
+
 def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
     """The `results` columns for one inference."""
     result = ran.result
+    loop = result.loop
     t = result.timings
     memory = result.memory
     steps = np.asarray(t.decode_step_ms, dtype=float)
@@ -154,4 +168,8 @@ def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
         "boxes": list(result.boxes),
         "box_count": len(result.boxes),
         "skipped_spans": result.skipped_spans,
+        "loop_start": loop.start if loop else None,
+        "loop_period": loop.period if loop else None,
+        "loop_wasted_steps": loop.wasted_steps if loop else None,
+        **accuracy_columns(result.text, claim.reference),
     }

@@ -7,16 +7,17 @@ If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger 
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import redis
 from sqlalchemy import insert
 
+from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import job_ids_in_broker
-from dsocr_workers.farm.filelist import FileList
+from dsocr_workers.farm.filelist import BadLine, FileList
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
@@ -39,6 +40,10 @@ class RunOptions:
     dtype: str | None = None
     repeats: int = 1
     seed: int = 0
+    stop_on_repetition: bool = False
+    # The no-repeat n-gram ban: the vendor's HF default, or off (0), or windowed as in its vLLM path.
+    no_repeat_ngram_size: int = DecodeOptions.no_repeat_ngram_size
+    ngram_window: int | None = None
 
     def __post_init__(self) -> None:
         from dsocr_workers.model.preprocess import get_mode
@@ -52,6 +57,10 @@ class RunOptions:
             raise InputError("--repeats must be at least 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError("--max-new-tokens must be at least 1")
+        if self.no_repeat_ngram_size < 0:
+            raise InputError("--no-repeat-ngram-size must be 0 (off) or more")
+        if self.ngram_window is not None and self.ngram_window < 1:
+            raise InputError("--ngram-window must be at least 1")
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -81,6 +90,26 @@ def model_label(model: str, seed: int) -> tuple[str, bool]:
     return f"checkpoint:{directory.resolve()}", False
 
 
+def attach_ground_truth(filelist: FileList, path: Path) -> tuple[FileList, dict[str, dict[str, Any]]]:
+    """Each listed image's reference from an OmniDocBench annotation file, by file name. An image the
+    annotation lacks becomes a bad line of the list (refused, or left out with --skip-invalid); a file
+    that is not a valid annotation is an InputError."""
+    from dsocr_workers.quality.omnidocbench import load_annotation, reference_for
+
+    annotation = load_annotation(path)
+    references: dict[str, dict[str, Any]] = {}
+    missing: list[BadLine] = []
+    for image in filelist.images:
+        reference = reference_for(annotation, image.image)
+        if reference is None:
+            missing.append(BadLine(image.line, image.image, f"not in the ground truth {path}"))
+        else:
+            references[image.image] = reference.to_json()
+    kept = [image for image in filelist.images if image.image in references]
+    bad = sorted([*filelist.bad, *missing], key=lambda b: b.line)
+    return replace(filelist, images=kept, bad=bad), references
+
+
 def parse_tags(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
     tags = {}
     for pair in pairs:
@@ -99,8 +128,11 @@ def record_run(
     queue: str,
     name: str | None = None,
     tags: dict[str, str] | None = None,
+    ground_truth: Path | None = None,
+    references: dict[str, dict[str, Any]] | None = None,
 ) -> SubmittedRun:
-    """Write the run and its jobs (state `pending`) in one transaction."""
+    """Write the run and its jobs (state `pending`) in one transaction; with a ground truth, each job
+    carries its page's reference (`attach_ground_truth`)."""
     check_queue_name(queue)
     if not filelist.images:
         raise InputError(f"{filelist.path}: no valid image in the file list")
@@ -117,6 +149,7 @@ def record_run(
             "state": "pending",
             "attempts": 0,
             "created_at": now,
+            "reference": (references or {}).get(image.image),
         }
         for image in filelist.images
         for repeat in range(options.repeats)
@@ -135,6 +168,7 @@ def record_run(
                 queue=queue,
                 parameters=options.parameters,
                 tags=tags or {},
+                ground_truth=None if ground_truth is None else str(ground_truth.absolute()),
             )
         )
         session.flush()

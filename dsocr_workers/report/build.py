@@ -3,7 +3,9 @@
 Statistics come from report/stats.py (every one with its 95% interval) and throughput from
 report/throughput.py. Cold results (a job that met a compilation, a new cache bucket, …) are left out
 of every latency statistic and of steady-state throughput unless `include_cold`; the report counts
-them by reason.
+them by reason. Results whose output ends in a repetition loop stay in the latency statistics unless
+`exclude_loops`. Accuracy (edit distances to the ground truth) and stop reasons count every result:
+what a page reads does not depend on warm-up, and a loop is exactly what accuracy must not hide.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.report.queries import RunData
-from dsocr_workers.report.stats import Estimate, Summary, paired_ratios, rate_sum
+from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
 from dsocr_workers.report.throughput import (
     lane_key,
     service_times_s,
@@ -27,7 +30,8 @@ from dsocr_workers.report.throughput import (
 from dsocr_workers.store.models import Result
 
 RANDOM_WEIGHTS_WARNING = (
-    "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text and boxes are meaningless"
+    "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text, boxes and accuracy "
+    "are meaningless"
 )
 NO_DIFFERENCE = "no significant difference"
 MIB = 2**20
@@ -38,6 +42,7 @@ class Table:
     title: str
     columns: list[str]
     rows: list[list[Any]]  # cells: str, int, float, None, or an Estimate (value with its interval)
+    note: str | None = None  # what the figures mean (or do not), printed with the table
 
 
 @dataclass
@@ -57,6 +62,10 @@ def _column(name: str, scale: float = 1.0) -> Callable[[Result], list[float]]:
     return lambda r: [] if getattr(r, name) is None else [getattr(r, name) * scale]
 
 
+# Named: the accuracy table shows them beside the edit distances.
+DECODE_PER_TOKEN = Metric("decode ms/token", lambda r: list(r.decode_step_ms))  # kept steps, pooled over jobs
+END_TO_END = Metric("end-to-end ms", _column("e2e_ms"))
+TOKENS_OUT = Metric("tokens out", _column("decode_tokens"))
 LATENCY = [
     Metric("TTFT ms", _column("ttft_ms")),
     Metric("preprocess ms", _column("preprocess_ms")),
@@ -66,12 +75,12 @@ LATENCY = [
     Metric("  clip ms", _column("clip_ms")),
     Metric("  projector ms", _column("projector_ms")),
     Metric("lm prefill ms", _column("lm_prefill_ms")),
-    Metric("decode ms/token", lambda r: list(r.decode_step_ms)),  # kept steps, pooled over jobs
+    DECODE_PER_TOKEN,
     Metric("decode ms", _column("decode_ms")),
-    Metric("end-to-end ms", _column("e2e_ms")),
+    END_TO_END,
 ]
 OUTPUT = [
-    Metric("tokens out", _column("decode_tokens")),
+    TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
     Metric("boxes per page", _column("box_count")),
 ]
@@ -82,6 +91,15 @@ MEMORY = [
     Metric("  KV cache MiB", _column("kv_cache_bytes", 1 / MIB)),
     Metric("  activation peak MiB", _column("activation_peak_bytes", 1 / MIB)),
 ]
+# Normalised edit distance to the ground truth per OmniDocBench category (quality/scoring.py).
+ACCURACY = [
+    Metric("text edit", _column("text_edit")),
+    Metric("formula edit", _column("formula_edit")),
+    Metric("table edit", _column("table_edit")),
+    Metric("reading order edit", _column("reading_order_edit")),
+]
+# Beside accuracy, per mode: what it cost.
+SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
 # The parts of e2e, in the order they happen (engine/result.py StageTimings: their sum is e2e_ms).
 PARTS = [
     ("preprocess", "preprocess_ms"),
@@ -96,10 +114,22 @@ PARTS = [
 ]
 
 
-def measured(data: RunData, include_cold: bool) -> list[Result]:
-    """The results statistics are computed over, in job order: warm ones unless `include_cold`."""
+def in_job_order(data: RunData) -> list[Result]:
     results = (data.results.get(j.id) for j in data.jobs)
-    return [r for r in results if r is not None and (include_cold or not r.cold)]
+    return [r for r in results if r is not None]
+
+
+def looping(result: Result) -> bool:
+    return result.loop_start is not None
+
+
+def measured(data: RunData, include_cold: bool, exclude_loops: bool = False) -> list[Result]:
+    """The results latency statistics are computed over, in job order: warm ones unless `include_cold`,
+    looping ones too unless `exclude_loops`."""
+    return [
+        r for r in in_job_order(data)
+        if (include_cold or not r.cold) and not (exclude_loops and looping(r))
+    ]  # fmt: skip
 
 
 def summarize(metric: Metric, results: list[Result]) -> Summary:
@@ -119,9 +149,10 @@ def verdict(ratio: Estimate) -> str:
     return NO_DIFFERENCE
 
 
-def run_facts(data: RunData, include_cold: bool) -> dict[str, Any]:
+def run_facts(data: RunData, include_cold: bool, exclude_loops: bool = False) -> dict[str, Any]:
     counts = Counter(j.state for j in data.jobs)
     cold = sum(r.cold for r in data.results.values())
+    loops = sum(looping(r) for r in data.results.values())
     return {
         "run": data.run.id,
         "name": data.run.name,
@@ -130,6 +161,7 @@ def run_facts(data: RunData, include_cold: bool) -> dict[str, Any]:
         "file list": data.run.filelist,
         "parameters": ", ".join(f"{k}={v}" for k, v in sorted(data.run.parameters.items()) if v is not None),
         "tags": ", ".join(f"{k}={v}" for k, v in sorted(data.run.tags.items())),
+        "ground truth": data.run.ground_truth,
         "jobs": len(data.jobs),
         "ok": counts.get("done", 0),
         "failed": counts.get("failed", 0),
@@ -137,7 +169,8 @@ def run_facts(data: RunData, include_cold: bool) -> dict[str, Any]:
         "not finished": sum(counts.get(s, 0) for s in ("pending", "queued", "running")),
         "results": len(data.results),
         "cold results": cold,
-        "left out of statistics": 0 if include_cold else cold,
+        "results in a repetition loop": loops,
+        "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops)),
     }
 
 
@@ -159,10 +192,22 @@ def _warnings(*runs: RunData) -> list[str]:
     ]
 
 
-def single_report(data: RunData, *, per_image: bool = False, include_cold: bool = False) -> Report:
-    results = measured(data, include_cold)
+def _accuracy_note(*runs: RunData) -> str | None:
+    """Accuracy tables carry the random-weights warning of their runs: scores of noise mean nothing."""
+    return " ".join(_warnings(*runs)) or None
+
+
+def scored(data: RunData) -> bool:
+    """Whether the run has ground truth (its jobs carry references)."""
+    return any(j.reference is not None for j in data.jobs)
+
+
+def single_report(
+    data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
+) -> Report:
+    results = measured(data, include_cold, exclude_loops)
     report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _warnings(data))
-    facts = run_facts(data, include_cold)
+    facts = run_facts(data, include_cold, exclude_loops)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
     report.tables.append(Table("Throughput", ["measure", "value"], [[k, v] for k, v in throughput.items()]))
@@ -173,6 +218,9 @@ def single_report(data: RunData, *, per_image: bool = False, include_cold: bool 
             rows.append([metric.label, s.jobs, s.n, s.mean, s.p50, s.p90, s.p99])
     columns = ["metric", "jobs", "n", "mean", "p50", "p90", "p99"]
     report.tables.append(Table("Latency and output", columns, rows))
+    if scored(data):
+        report.tables.append(_accuracy_by_mode(data, results))
+    report.tables.append(_stop_reasons(data))
     report.tables.append(_accounting(results))
     if facts["cold results"]:
         report.tables.append(_cold(data, include_cold))
@@ -190,6 +238,40 @@ def single_report(data: RunData, *, per_image: bool = False, include_cold: bool 
     if per_image:
         report.tables.append(_per_image(data))
     return report
+
+
+def _accuracy_by_mode(data: RunData, measured_results: list[Result]) -> Table:
+    """Per mode, the edit distances to the ground truth (every result) beside what the pages cost (the
+    results the latency statistics use)."""
+    everything = in_job_order(data)
+    rows: list[list[Any]] = []
+    for mode in dict.fromkeys(r.mode for r in everything):
+        for metric in ACCURACY:
+            s = summarize(metric, [r for r in everything if r.mode == mode])
+            rows.append([mode, metric.label, s.jobs, s.mean, s.p50, s.p90])
+        for metric in SPEED:
+            s = summarize(metric, [r for r in measured_results if r.mode == mode])
+            rows.append([mode, metric.label, s.jobs, s.mean, s.p50, s.p90])
+    columns = ["mode", "metric", "jobs", "mean", "p50", "p90"]
+    title = "Accuracy and latency per mode (normalised edit distance to the ground truth: lower is better)"
+    return Table(title, columns, rows, _accuracy_note(data))
+
+
+def _stop_reasons(data: RunData) -> Table:
+    """Why decoding stopped, every result counted, and how many outputs ended in a repetition loop."""
+    results = in_job_order(data)
+    rows: list[list[Any]] = []
+    for reason in STOP_REASONS:
+        stopped = [r for r in results if r.stop_reason == reason]
+        loops = [r for r in stopped if looping(r)]
+        rows.append([
+            reason, len(stopped), 100.0 * len(stopped) / len(results) if results else None, len(loops),
+            Summary.from_values([r.loop_start for r in loops]).p50,
+            sum(r.loop_wasted_steps or 0 for r in loops),
+        ])  # fmt: skip
+    columns = ["stop reason", "jobs", "share %", "in a repetition loop", "loop start step p50",
+               "loop wasted steps (sum)"]  # fmt: skip
+    return Table("Stop reasons", columns, rows)
 
 
 def _accounting(results: list[Result]) -> Table:
@@ -272,6 +354,12 @@ def _environment(data: RunData) -> Table:
     return Table("Environment", columns, rows)
 
 
+def _loop_cell(r: Result) -> str | None:
+    if not looping(r):
+        return None
+    return f"from step {r.loop_start}, period {r.loop_period}, {r.loop_wasted_steps} steps wasted"
+
+
 def _per_image(data: RunData) -> Table:
     rows = []
     for j in data.jobs:
@@ -281,13 +369,15 @@ def _per_image(data: RunData) -> Table:
             [j.image, j.repeat, j.state, j.attempts] + (
                 [r.device, (r.worker_session_id or r.worker_id)[:12], r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
                  r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
-                 r.cold_reason if r.cold else None, r.stop_reason]
-                if r else [None] * 11 + [j.last_error_class]
+                 r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
+                 _loop_cell(r), r.stop_reason]
+                if r else [None] * 16 + [j.last_error_class]
             )
         )  # fmt: skip
     columns = ["image", "repeat", "state", "attempts", "device", "session", "TTFT ms", "prefill ms", "tokens",
-               "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "stop / error"]  # fmt: skip
-    return Table("Per image", columns, rows)
+               "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "text edit", "formula edit",
+               "table edit", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
+    return Table("Per image", columns, rows, _accuracy_note(data) if scored(data) else None)
 
 
 def _by_image(data: RunData, results: list[Result]) -> dict[tuple[str, int], Result]:
@@ -296,12 +386,13 @@ def _by_image(data: RunData, results: list[Result]) -> dict[tuple[str, int], Res
 
 
 def comparison_report(
-    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False
+    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
 ) -> Report:
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
-    interval of a paired bootstrap; throughput from each run's steady state."""
+    interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
+    steady state."""
     report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _warnings(a, b))
-    facts_a, facts_b = run_facts(a, include_cold), run_facts(b, include_cold)
+    facts_a, facts_b = run_facts(a, include_cold, exclude_loops), run_facts(b, include_cold, exclude_loops)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
     throughput_a, throughput_b = _throughput(a, include_cold), _throughput(b, include_cold)
     rows = [[k, throughput_a[k], throughput_b[k], None, None] for k in throughput_a]
@@ -309,7 +400,7 @@ def comparison_report(
     rows[0][3:] = [ratio, verdict(ratio)]  # only the steady state is compared: wall clock includes loading
     report.tables.append(Table("Throughput", ["measure", "A", "B", "B/A", "verdict"], rows))
 
-    by_a, by_b = _by_image(a, measured(a, include_cold)), _by_image(b, measured(b, include_cold))
+    by_a, by_b = (_by_image(d, measured(d, include_cold, exclude_loops)) for d in (a, b))
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
@@ -324,10 +415,54 @@ def comparison_report(
     report.tables.append(Table("Paired latency", columns, rows))
 
     all_a, all_b = _by_image(a, list(a.results.values())), _by_image(b, list(b.results.values()))
+    if scored(a) and scored(b):
+        report.tables.append(_paired_accuracy(all_a, all_b, _accuracy_note(a, b)))
+    report.tables.append(_stop_reason_pairs(a, b))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
     return report
+
+
+def difference_verdict(difference: Estimate) -> str:
+    """What a B − A difference of edit distances says, plainly (lower reads better)."""
+    if difference.value is None:
+        return "–"
+    if difference.low is None or difference.high is None:
+        return "no interval (n<2)" if difference.n < 2 else "no interval (no spread)"
+    if difference.high < 0:
+        return "B lower: reads better"
+    if difference.low > 0:
+        return "B higher: reads worse"
+    return NO_DIFFERENCE
+
+
+def _paired_accuracy(
+    by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, int], Result], note: str | None
+) -> Table:
+    """Every result, cold or looping or not: B − A of each edit distance over the pages scored in both."""
+    rows = []
+    for metric in ACCURACY:
+        pairs = [(by_a[k], by_b[k]) for k in sorted(set(by_a) & set(by_b))
+                 if metric.values(by_a[k]) and metric.values(by_b[k])]  # fmt: skip
+        values_a = [metric.values(ra)[0] for ra, _ in pairs]
+        values_b = [metric.values(rb)[0] for _, rb in pairs]
+        difference = paired_difference(values_b, values_a)
+        rows.append([metric.label, len(pairs), Summary.from_values(values_a).mean,
+                     Summary.from_values(values_b).mean, difference, difference_verdict(difference)])  # fmt: skip
+    columns = ["metric", "pairs", "A mean", "B mean", "B-A", "verdict"]
+    return Table("Paired accuracy (normalised edit distance: lower is better)", columns, rows, note)
+
+
+def _stop_reason_pairs(a: RunData, b: RunData) -> Table:
+    results_a, results_b = in_job_order(a), in_job_order(b)
+    rows = [
+        [reason, sum(r.stop_reason == reason for r in results_a), sum(r.stop_reason == reason for r in results_b),
+         sum(r.stop_reason == reason and looping(r) for r in results_a),
+         sum(r.stop_reason == reason and looping(r) for r in results_b)]
+        for reason in STOP_REASONS
+    ]  # fmt: skip
+    return Table("Stop reasons", ["stop reason", "A jobs", "B jobs", "A in a loop", "B in a loop"], rows)
 
 
 def _agreement(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, int], Result]) -> Table:
@@ -353,8 +488,9 @@ def _per_image_pairs(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, 
         ra, rb = by_a[key], by_b[key]
         rows.append(
             [*key, ra.e2e_ms, rb.e2e_ms, rb.e2e_ms / ra.e2e_ms if ra.e2e_ms else None, ra.cold, rb.cold,
-             ra.decode_tokens, rb.decode_tokens, ra.markup == rb.markup, ra.box_count, rb.box_count]
+             ra.decode_tokens, rb.decode_tokens, ra.markup == rb.markup, ra.box_count, rb.box_count,
+             ra.text_edit, rb.text_edit, ra.stop_reason, rb.stop_reason]
         )  # fmt: skip
     columns = ["image", "repeat", "A e2e ms", "B e2e ms", "B/A", "A cold", "B cold", "A tokens", "B tokens",
-               "same markup", "A boxes", "B boxes"]  # fmt: skip
+               "same markup", "A boxes", "B boxes", "A text edit", "B text edit", "A stop", "B stop"]  # fmt: skip
     return Table("Per image", columns, rows)

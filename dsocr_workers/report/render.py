@@ -2,7 +2,9 @@
 
 An `Estimate` cell reads "value [low, high]" in tables and Markdown ("[n<2]" or "[–]" where there is no
 interval); CSV and JSON stay machine-readable: its column becomes three, `<column>`,
-`<column>_ci_low` and `<column>_ci_high`, numbers (empty / null without an interval).
+`<column>_ci_low` and `<column>_ci_high`, numbers (empty / null without an interval). A table's note
+goes under it (terminal), under its heading (Markdown), after its title line (CSV, `# note: …`) and
+into `notes` by table title (JSON).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
             table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold")
         for row in section.rows:
             table.add_row(*(Text(_cell(v)) for v in row))  # Text: "[n<2]" is not console markup
+        if section.note:
+            table.caption = Text(section.note, style="bold red")
         console.print(table)
     return console.file.getvalue()  # type: ignore[attr-defined]
 
@@ -100,6 +104,8 @@ def render_csv(report: Report) -> str:
     for section in report.tables:
         columns, rows = _expanded(section)
         writer.writerow([f"# {section.title}"])
+        if section.note:
+            writer.writerow([f"# note: {section.note}"])
         writer.writerow(columns)
         writer.writerows([["" if v is None else v for v in row] for row in rows])
         writer.writerow([])
@@ -111,7 +117,8 @@ def render_json(report: Report) -> str:
     for table in report.tables:
         columns, rows = _expanded(table)
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
-    document = {"title": report.title, "warnings": report.warnings, "tables": tables}
+    notes = {table.title: table.note for table in report.tables if table.note}
+    document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes}
     return json.dumps(document, indent=2, default=str) + "\n"
 
 
@@ -122,7 +129,9 @@ def render_markdown(report: Report) -> str:
     lines = [f"# {report.title}", ""]
     lines += [f"> **WARNING: {w}**\n" for w in report.warnings]
     for section in report.tables:
-        lines += [f"## {section.title}", "", "| " + " | ".join(section.columns) + " |"]
+        lines += [f"## {section.title}", ""]
+        lines += [f"> **{section.note}**", ""] if section.note else []
+        lines += ["| " + " | ".join(section.columns) + " |"]
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(section.columns) - 1)) + "|")
         lines += ["| " + " | ".join(escape(v) for v in row) + " |" for row in section.rows]
         lines.append("")

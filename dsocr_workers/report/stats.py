@@ -7,6 +7,8 @@ means, percentiles and intervals (scipy.stats.bootstrap, never hand-written resa
   resamples whole jobs and pools their steps (a cluster bootstrap).
 - `paired_ratios`: B/A of the mean and of the median over (image, repeat) pairs; a resample draws pairs,
   so both runs see the same pages (what scipy calls `paired=True`).
+- `paired_difference`: mean of B − A over the same pairs, for scores where a ratio says less than a
+  difference (edit distances, often 0).
 - `rate_sum` / `rate_sum_ratio`: throughput as Σ over workers of 1 / mean service time, each worker's
   service times an independent sample (`paired=False`), see report/throughput.py.
 
@@ -205,3 +207,19 @@ def rate_sum(samples: Sequence[Sequence[float]]) -> Estimate:
 def rate_sum_ratio(b: Sequence[Sequence[float]], a: Sequence[Sequence[float]]) -> Estimate:
     """rate_sum(b) / rate_sum(a), every worker of both runs resampled independently."""
     return _rates([b, a], lambda sums: sums[0] / sums[1])
+
+
+def paired_difference(b: Sequence[float], a: Sequence[float]) -> Estimate:
+    """Mean of B − A over pairs (`b[i]`, `a[i]` the same (image, repeat) in run B and run A), with the
+    interval of a paired bootstrap: a resample draws pairs."""
+    differences = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    n = differences.size
+    if n == 0:
+        return Estimate(None)
+    value = float(differences.mean())
+    if n < 2 or np.ptp(differences) == 0:
+        return Estimate(value, n=n)
+    low, high = _bootstrap(
+        (np.arange(n),), lambda idx, axis=-1: np.mean(differences[idx], axis=axis), vectorized=True
+    )
+    return _estimate(value, low[0], high[0], n)

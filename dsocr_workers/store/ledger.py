@@ -46,6 +46,7 @@ class Claim:
     lease_expires_at: datetime
     model: str
     parameters: dict[str, Any]
+    reference: dict[str, Any] | None = None  # the page's ground truth (jobs.reference), if any
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ def claim_job(
         lease_expires_at=lease_expires_at,
         model=run.model,
         parameters=dict(run.parameters),
+        reference=job.reference,
     )
 
 

@@ -49,6 +49,8 @@ class Run(Base):
     # dtype, repeats. Never credentials.
     parameters: Mapped[dict[str, Any]]
     tags: Mapped[dict[str, Any]]
+    # The OmniDocBench annotation file the run was submitted with (`--ground-truth`), as given.
+    ground_truth: Mapped[str | None] = mapped_column(Text)
 
 
 class Job(Base):
@@ -75,6 +77,8 @@ class Job(Base):
     queued_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]  # start of the latest attempt
     finished_at: Mapped[datetime | None]
+    # The page's ground truth (quality.omnidocbench.PageReference.to_json), when the run has one.
+    reference: Mapped[dict[str, Any] | None]
 
 
 class Worker(Base):
@@ -220,3 +224,15 @@ class Result(Base):
     boxes: Mapped[list[Any]]
     box_count: Mapped[int]
     skipped_spans: Mapped[int]
+
+    # The repetition loop the output ends in (engine/loops.py); None: no loop. `loop_start` indexes
+    # token_ids, `loop_wasted_steps` counts the decode steps after the loop's first copy.
+    loop_start: Mapped[int | None]
+    loop_period: Mapped[int | None]
+    loop_wasted_steps: Mapped[int | None]
+    # Normalised edit distance to the job's reference, per OmniDocBench category (quality/scoring.py;
+    # lower is better); None without a reference, or where neither side has the category.
+    text_edit: Mapped[float | None] = mapped_column(Float)
+    formula_edit: Mapped[float | None] = mapped_column(Float)
+    table_edit: Mapped[float | None] = mapped_column(Float)
+    reading_order_edit: Mapped[float | None] = mapped_column(Float)

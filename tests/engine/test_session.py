@@ -206,3 +206,58 @@ def test_cold_paths_are_flagged_and_warm_up_removes_them():
         result = warmed.run_inference(image, mode="gundam" if image.width == 1000 else "base",
                                       max_new_tokens=4, max_crops=3)
         assert not result.cold, result.cold_reasons
+
+
+# --- repetition loops: found after decoding, and stopped early when asked -----------------------------
+
+
+def looping_head(session, token: int) -> torch.nn.Linear:
+    """An LM head whose bias makes `token` the certain choice at every step: a period-1 loop."""
+    original = session.model.lm_head
+    head = torch.nn.Linear(original.in_features, original.out_features, bias=True)
+    bias = torch.zeros(original.out_features)
+    bias[token] = 1e4
+    with torch.no_grad():
+        head.weight.copy_(original.weight)
+        head.bias.copy_(bias)
+    return head
+
+
+def test_a_loop_is_found_after_decoding_and_stopped_early_on_request(session):
+    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
+    from dsocr_workers.engine.loops import LOOP_MIN_TOKENS
+
+    original = session.model.lm_head
+    session.model.lm_head = looping_head(session, 4242)
+    try:
+        no_ban = DecodeOptions(no_repeat_ngram_size=0)
+        ran = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=100, infer=no_ban)
+        stopped = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=100,
+                                        infer=DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True))
+        banned = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=60,
+                                       infer=DecodeOptions(stop_on_repetition=True))
+    finally:
+        session.model.lm_head = original
+    assert ran.token_ids == [4242] * 100 and ran.stop_reason == "max_new_tokens"
+    assert (ran.loop.start, ran.loop.period, ran.loop.wasted_steps) == (0, 1, 99)
+    # Looked at every EOS_CHECK_INTERVAL steps: the first look with LOOP_MIN_TOKENS tokens written stops it.
+    first_look = -(-(LOOP_MIN_TOKENS - 1) // EOS_CHECK_INTERVAL) * EOS_CHECK_INTERVAL
+    assert stopped.stop_reason == "repetition" and len(stopped.token_ids) == first_look + 1
+    assert (stopped.loop.start, stopped.loop.period, stopped.loop.wasted_steps) == (0, 1, first_look)
+    assert len(stopped.timings.decode_step_ms) == first_look and stopped.wasted_steps == 0
+    # The vendor's no-repeat 20-gram ban breaks the loop every 20 tokens: nothing repeats exactly.
+    assert banned.stop_reason == "max_new_tokens" and len(banned.token_ids) == 60 and banned.loop is None
+
+
+def test_stop_on_repetition_changes_nothing_without_a_loop(session):
+    plain = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=40)
+    watched = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=40,
+                                    infer=DecodeOptions(stop_on_repetition=True))
+    assert watched.token_ids == plain.token_ids and watched.stop_reason == plain.stop_reason == "max_new_tokens"
+    assert watched.loop is None and plain.loop is None
+
+
+def test_eos_wins_over_a_loop_and_is_not_searched(session):
+    result = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=40,
+                                   infer=DecodeOptions(force_eos_at_step=3, stop_on_repetition=True))
+    assert result.stop_reason == "eos" and result.loop is None

@@ -9,12 +9,13 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from dsocr_workers.engine.result import InferenceResult, JobMemory, ModelSource, StageTimings
+from dsocr_workers.engine.loops import RepetitionLoop
+from dsocr_workers.engine.result import InferenceResult, JobMemory, ModelSource, StageTimings, StopReason
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.fingerprint import environment_fingerprint
-from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.submit import RunOptions, attach_ground_truth, record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, job_id_for
@@ -36,6 +37,9 @@ class Page:
     cold_reason: str | None = None
     session: str | None = None  # the worker_sessions row that ran it (None: a result older than sessions)
     memory_mib: tuple[int, int, int] | None = None  # CUDA: weights, KV cache, activation peak
+    stop_reason: StopReason = "max_new_tokens"
+    loop: RepetitionLoop | None = None
+    mode: str = "tiny"
 
 
 def fake_result(page: Page) -> InferenceResult:
@@ -50,12 +54,12 @@ def fake_result(page: Page) -> InferenceResult:
     timings = replace(parts, ttft_ms=ttft, e2e_ms=sum(parts.parts_ms.values()))
     assert math.isclose(timings.e2e_ms, (12 + 0.6 + 2 * page.steps + 2 * page.wasted) * s)
     return InferenceResult(
-        text=page.markup, token_ids=list(range(page.steps + 1)), stop_reason="max_new_tokens",
-        prompt_tokens=20, image_tokens=16, crop_grid=(1, 1), mode="tiny", image_size=(320, 420),
+        text=page.markup, token_ids=list(range(page.steps + 1)), stop_reason=page.stop_reason,
+        prompt_tokens=20, image_tokens=16, crop_grid=(1, 1), mode=page.mode, image_size=(320, 420),
         timings=timings, boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * page.boxes, skipped_spans=0,
         memory=memory(page.memory_mib), engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25,
         vision_calls=1, wasted_steps=page.wasted,
-        cold_reasons=(page.cold_reason,) if page.cold_reason else (),
+        cold_reasons=(page.cold_reason,) if page.cold_reason else (), loop=page.loop,
     )  # fmt: skip
 
 
@@ -66,16 +70,24 @@ def memory(mib: tuple[int, int, int] | None) -> JobMemory | None:
     return JobMemory(weights + kv_cache + activations, weights, kv_cache, activations)
 
 
-def make_run(db: Database, folder: Path, make_png, pages: dict[tuple[str, int], Page | None]) -> str:
+def make_run(
+    db: Database, folder: Path, make_png, pages: dict[tuple[str, int], Page | None], ground_truth: Path | None = None
+) -> str:
     """A run with one job per (image, repeat) key, every image with the same repeats; None makes that
-    job fail as an input error."""
+    job fail as an input error. With `ground_truth` (an OmniDocBench file naming every image) each job
+    carries its reference and its result is scored, as `dsocr submit --ground-truth` does."""
     images = list(dict.fromkeys(image for image, _ in pages))
     for image in images:
         make_png(image, folder=folder)
     listing = folder / "list.txt"
     listing.write_text("\n".join(images) + "\n")
     repeats = 1 + max(repeat for _, repeat in pages)
-    run = record_run(db, read_filelist(listing), RunOptions(mode="tiny", repeats=repeats), queue="q")
+    listed, references = read_filelist(listing), {}
+    if ground_truth is not None:
+        listed, references = attach_ground_truth(listed, ground_truth)
+        assert not listed.bad, listed.bad
+    run = record_run(db, listed, RunOptions(mode="tiny", repeats=repeats), queue="q",
+                     ground_truth=ground_truth, references=references)  # fmt: skip
     with db.transaction() as session:
         upsert(session, Worker, WORKER, ["id"])
 

@@ -1,0 +1,123 @@
+"""Ground truth through the farm: `--ground-truth` at submit, scores stored per job by the worker,
+`dsocr report` and `dsocr export --omnidocbench` over a real run of the tiny preset on SQLite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+from click.testing import CliRunner
+from sqlalchemy import func, select
+from test_workers import dsocr
+
+from dsocr_workers.cli import main
+from dsocr_workers.model.postprocess import render_mmd
+from dsocr_workers.quality.omnidocbench import PageReference
+from dsocr_workers.quality.scoring import score_page
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Result, Run
+
+TEXT = [("title", "Quarterly report", 1), ("text_block", "Revenue grew by ten percent.", 2),
+        ("page_number", "3", 3)]  # fmt: skip
+
+
+@pytest.fixture
+def listed(tmp_path, make_png):
+    folder = tmp_path / "pages"
+    for name, size in (("p1.png", (320, 420)), ("p2.png", (640, 480))):
+        make_png(name, size, folder=folder)
+    listing = folder / "pages.txt"
+    listing.write_text("p1.png\np2.png\n")
+    return listing
+
+
+def test_dsocr_run_scores_pages_reports_accuracy_and_exports_for_the_evaluator(
+    listed, tmp_path, write_omnidocbench, subprocess_env
+):
+    truth = write_omnidocbench({"images/p1.png": TEXT, "p2.png": [*TEXT, ("equation_isolated", "\\[x=1\\]", 4)]})
+    url = f"sqlite:///{tmp_path / 'embedded.db'}"
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
+    done = dsocr("run", str(listed), "--ground-truth", str(truth), "--max-new-tokens", "24", "--mode", "tiny",
+                 "--stop-on-repetition", "--no-repeat-ngram-size", "0", "--format", "json", env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    accuracy = next(rows for title, rows in document["tables"].items() if title.startswith("Accuracy"))
+    rows = {row["metric"]: row for row in accuracy}
+    assert rows["text edit"]["jobs"] == 2 and 0 < rows["text edit"]["mean"] <= 1  # random weights read noise
+    assert rows["formula edit"]["jobs"] == 1 and rows["end-to-end ms"]["jobs"] == 2
+    assert any("RANDOM WEIGHTS" in note for note in document["notes"].values())
+    reasons = {row["stop reason"]: row["jobs"] for row in document["tables"]["Stop reasons"]}
+    assert sum(reasons.values()) == 2 and reasons["eos"] + reasons["max_new_tokens"] + reasons["repetition"] == 2
+
+    db = open_database(url)
+    with db.transaction() as session:
+        run = session.scalars(select(Run)).one()
+        pairs = session.execute(select(Job, Result).join(Result, Result.job_id == Job.id)).all()
+    db.dispose()
+    assert run.ground_truth == str(truth) and run.parameters["stop_on_repetition"] is True
+    assert run.parameters["no_repeat_ngram_size"] == 0
+    for job, result in pairs:  # what the worker stored is the score of what the model wrote
+        scores = score_page(render_mmd(result.markup), PageReference.from_json(job.reference))
+        assert (result.text_edit, result.formula_edit, result.table_edit, result.reading_order_edit) == (
+            scores.text, scores.formula, scores.table, scores.reading_order)
+
+    out = tmp_path / "predictions"
+    exported = dsocr("export", "--run", run.id, "--omnidocbench", str(out), env=env, timeout=60)
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["p1.md", "p2.md"]
+    markup = {job.image: result.markup for job, result in pairs}
+    assert (out / "p2.md").read_text(encoding="utf-8") == render_mmd(markup["p2.png"])
+    markdown = dsocr("report", "--run", run.id, "--format", "md", "--per-image", env=env, timeout=60).stdout
+    assert "| tiny | text edit | 2 |" in markdown and "## Stop reasons" in markdown
+    assert dsocr("export", "--run", run.id, "--omnidocbench", str(out), "--repeat", "1", env=env,
+                 timeout=60).returncode == 2  # fmt: skip
+
+
+def submit(args: list[str], env: dict[str, str], monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return CliRunner().invoke(main, ["submit", *args])
+
+
+def count_runs(url: str) -> int:
+    db = open_database(url)
+    with db.transaction() as session:
+        n = session.scalar(select(func.count()).select_from(Run)) or 0
+    db.dispose()
+    return n
+
+
+@pytest.mark.redis
+def test_pages_missing_from_the_ground_truth_are_bad_lines(listed, write_omnidocbench, sqlite_url, broker_env,
+                                                          monkeypatch):
+    truth = write_omnidocbench({"p1.png": TEXT})
+    env = {**broker_env, "DSOCR_DATABASE_URL": sqlite_url}
+    refused = submit([str(listed), "--ground-truth", str(truth)], env, monkeypatch)
+    assert refused.exit_code == 2, refused.output
+    assert f"pages.txt:2: p2.png: not in the ground truth {truth}" in refused.output
+    assert "nothing was recorded or enqueued" in refused.output and count_runs(sqlite_url) == 0
+
+    kept = submit([str(listed), "--ground-truth", str(truth), "--skip-invalid"], env, monkeypatch)
+    assert kept.exit_code == 0, kept.output
+    db = open_database(sqlite_url)
+    with db.transaction() as session:
+        jobs = session.scalars(select(Job)).all()
+    db.dispose()
+    assert [(j.image, PageReference.from_json(j.reference).image) for j in jobs] == [("p1.png", "p1.png")]
+    redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"]).delete(broker_env["DSOCR_BROKER_KEY_PREFIX"] + "dsocr")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("[{", "the ground truth is not JSON (line 1, column 3"),
+    ('[{"page_info": {}, "layout_dets": []}]', "page 0: no page_info.image_path"),
+])  # fmt: skip
+def test_a_malformed_ground_truth_is_one_line_and_records_nothing(listed, tmp_path, sqlite_url, content, message,
+                                                                 monkeypatch):
+    truth = tmp_path / "gt.json"
+    truth.write_text(content)
+    refused = submit([str(listed), "--ground-truth", str(truth)], {"DSOCR_DATABASE_URL": sqlite_url}, monkeypatch)
+    assert refused.exit_code == 2
+    lines = refused.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {truth}: {message}")
+    assert count_runs(sqlite_url) == 0

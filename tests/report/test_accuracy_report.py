@@ -1,0 +1,130 @@
+"""Accuracy, stop reasons and repetition loops in `dsocr report`, for runs written through the farm's
+claim → score → complete path against hand-made OmniDocBench references."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+from fakes import Page, make_run
+from test_report import by, invoke, report_json
+
+from dsocr_workers.engine.loops import RepetitionLoop
+
+REFERENCE_TEXT = "abcdefghij"  # every page reads this; a markup with k wrong letters scores k / 10
+
+
+def wrong(k: int) -> str:
+    return REFERENCE_TEXT[: 10 - k] + "X" * k
+
+
+@pytest.fixture
+def ground_truth(write_omnidocbench):
+    def write(images: list[str]):
+        return write_omnidocbench({image: [("text_block", REFERENCE_TEXT, 1), ("page_number", "7", 2)]
+                                   for image in images})  # fmt: skip
+
+    return write
+
+
+def test_accuracy_per_mode_beside_latency_with_the_random_weights_label(database, tmp_path, make_png, ground_truth,
+                                                                       monkeypatch):
+    pages = {("p1.png", 0): Page(1.0, wrong(0)), ("p2.png", 0): Page(1.2, wrong(1)),
+             ("p3.png", 0): Page(1.4, wrong(2)), ("p4.png", 0): Page(1.6, wrong(5))}  # fmt: skip
+    run = make_run(database, tmp_path, make_png, pages, ground_truth([image for image, _ in pages]))
+    document = report_json(database, ["--run", run, "--per-image"], monkeypatch)
+    title = "Accuracy and latency per mode (normalised edit distance to the ground truth: lower is better)"
+    rows = by(document["tables"][title], "mode", "metric")
+    text = rows[("tiny", "text edit")]
+    assert text["jobs"] == 4 and text["mean"] == pytest.approx((0 + 0.1 + 0.2 + 0.5) / 4)
+    assert text["mean_ci_low"] < text["mean"] < text["mean_ci_high"]
+    assert text["p50"] == pytest.approx(0.15)
+    # Reading order: one scored block per page, written where it belongs; no formula or table on these pages.
+    assert rows[("tiny", "reading order edit")]["mean"] == 0.0
+    assert rows[("tiny", "formula edit")]["jobs"] == 0 and rows[("tiny", "table edit")]["jobs"] == 0
+    assert rows[("tiny", "end-to-end ms")]["jobs"] == 4 and rows[("tiny", "decode ms/token")]["mean"] == pytest.approx(2.6)
+    assert "RANDOM WEIGHTS" in document["notes"][title] and "accuracy" in document["notes"][title]
+    facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
+    assert facts["ground truth"].endswith("OmniDocBench.json")
+    per_image = by(document["tables"]["Per image"], "image")
+    assert per_image["p4.png"]["text edit"] == 0.5 and per_image["p1.png"]["reading order edit"] == 0.0
+
+    rows = list(csv.reader(io.StringIO(invoke(database, ["--run", run, "--format", "csv"], monkeypatch))))
+    at = rows.index([f"# {title}"])
+    assert rows[at + 1][0].startswith("# note: RANDOM WEIGHTS")
+    assert rows[at + 2][:4] == ["mode", "metric", "jobs", "mean"]
+    markdown = invoke(database, ["--run", run, "--format", "md"], monkeypatch)
+    assert f"## {title}\n\n> **RANDOM WEIGHTS" in markdown and "| tiny | text edit | 4 | 0.2 [" in markdown
+    table = invoke(database, ["--run", run], monkeypatch)
+    assert "text edit" in table and "Stop reasons" in table
+
+
+def test_a_run_without_ground_truth_has_no_accuracy_table(database, tmp_path, make_png, monkeypatch):
+    run = make_run(database, tmp_path, make_png, {("p.png", 0): Page(1.0)})
+    document = report_json(database, ["--run", run], monkeypatch)
+    assert not any(title.startswith("Accuracy") for title in document["tables"])
+    assert {row["field"]: row["value"] for row in document["tables"]["Run"]}["ground truth"] is None
+
+
+def loop_pages() -> dict[tuple[str, int], Page]:
+    budget_loop = RepetitionLoop(start=2, period=1, wasted_steps=37)
+    stopped_loop = RepetitionLoop(start=4, period=2, wasted_steps=28)
+    return {
+        ("ok.png", 0): Page(1.0, steps=4, stop_reason="eos"),
+        ("long.png", 0): Page(1.0, steps=12),
+        ("looped.png", 0): Page(3.0, steps=40, loop=budget_loop),
+        ("stopped.png", 0): Page(2.0, steps=33, stop_reason="repetition", loop=stopped_loop),
+    }
+
+
+def test_stop_reasons_and_loops_are_counted_and_kept_in_latency_unless_asked(database, tmp_path, make_png,
+                                                                            monkeypatch):
+    run = make_run(database, tmp_path, make_png, loop_pages())
+    document = report_json(database, ["--run", run, "--per-image"], monkeypatch)
+    reasons = by(document["tables"]["Stop reasons"], "stop reason")
+    assert list(reasons) == ["eos", "max_new_tokens", "max_positions", "repetition"]
+    assert [(r["jobs"], r["in a repetition loop"]) for r in reasons.values()] == [(1, 0), (2, 1), (0, 0), (1, 1)]
+    assert reasons["max_new_tokens"]["share %"] == 50.0
+    assert reasons["max_new_tokens"]["loop start step p50"] == 2 and reasons["repetition"]["loop wasted steps (sum)"] == 28
+    per_image = by(document["tables"]["Per image"], "image")
+    assert per_image["looped.png"]["repetition loop"] == "from step 2, period 1, 37 steps wasted"
+    assert per_image["ok.png"]["repetition loop"] is None and per_image["stopped.png"]["stop / error"] == "repetition"
+    latency = by(document["tables"]["Latency and output"], "metric")
+    assert latency["decode ms/token"]["jobs"] == 4 and latency["decode ms/token"]["n"] == 4 + 12 + 40 + 33
+    facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
+    assert (facts["results in a repetition loop"], facts["left out of statistics"]) == (2, 0)
+
+    document = report_json(database, ["--run", run, "--exclude-loops"], monkeypatch)
+    latency = by(document["tables"]["Latency and output"], "metric")
+    assert latency["decode ms/token"]["jobs"] == 2 and latency["decode ms/token"]["n"] == 4 + 12
+    assert latency["decode ms/token"]["p99"] == 2.0  # the 2x and 3x slower looping pages are out
+    facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
+    assert facts["left out of statistics"] == 2
+    assert by(document["tables"]["Stop reasons"], "stop reason")["repetition"]["jobs"] == 1  # still counted
+
+
+def noisy_accuracy_pages(errors: list[int]) -> dict[tuple[str, int], Page]:
+    return {(f"p{i}.png", 0): Page(1.0 + 0.05 * i, wrong(k)) for i, k in enumerate(errors)}
+
+
+def test_vs_gives_paired_accuracy_differences_with_an_interval(database, tmp_path, make_png, ground_truth,
+                                                              monkeypatch):
+    truth = ground_truth([f"p{i}.png" for i in range(10)])
+    a = make_run(database, tmp_path / "a", make_png, noisy_accuracy_pages([1, 0, 2, 1, 1, 0, 2, 1, 0, 1]), truth)
+    worse = make_run(database, tmp_path / "b", make_png, noisy_accuracy_pages([3, 2, 5, 3, 2, 3, 4, 2, 3, 4]), truth)
+    same = make_run(database, tmp_path / "c", make_png, noisy_accuracy_pages([0, 1, 1, 2, 1, 1, 1, 0, 1, 1]), truth)
+    document = report_json(database, ["--run", a, "--vs", worse], monkeypatch)
+    title = "Paired accuracy (normalised edit distance: lower is better)"
+    text = by(document["tables"][title], "metric")["text edit"]
+    assert text["pairs"] == 10 and text["A mean"] == pytest.approx(0.09) and text["B mean"] == pytest.approx(0.31)
+    assert text["B-A"] == pytest.approx(0.22) and 0 < text["B-A_ci_low"] < 0.22 < text["B-A_ci_high"]
+    assert text["verdict"] == "B higher: reads worse"
+    assert "RANDOM WEIGHTS" in document["notes"][title]
+    reasons = by(document["tables"]["Stop reasons"], "stop reason")
+    assert (reasons["max_new_tokens"]["A jobs"], reasons["max_new_tokens"]["B jobs"]) == (10, 10)
+
+    text = by(report_json(database, ["--run", a, "--vs", same], monkeypatch)["tables"][title], "metric")["text edit"]
+    assert text["B-A_ci_low"] <= 0 <= text["B-A_ci_high"] and text["verdict"] == "no significant difference"
+    per_image = report_json(database, ["--run", a, "--vs", worse, "--per-image"], monkeypatch)["tables"]["Per image"]
+    assert by(per_image, "image")["p2.png"]["B text edit"] == 0.5

@@ -1,0 +1,36 @@
+"""The migrations build exactly the schema the models describe, on SQLite and PostgreSQL, and the newest
+one goes down and up again without loss of the older columns."""
+
+from __future__ import annotations
+
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
+from dsocr_workers.store.db import alembic_config, current_revision, head_revision, open_database, upgrade
+from dsocr_workers.store.models import Base
+
+
+def test_migrated_schema_matches_the_models(database):
+    with database.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+
+
+def test_newest_revisions_go_down_and_up(tmp_path):
+    db = open_database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    upgrade(db)
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0002")
+    columns = {c["name"] for c in inspect(db.engine).get_columns("results")}
+    assert current_revision(db) == "0002" and "text_edit" not in columns and "cold" in columns
+    assert "reference" not in {c["name"] for c in inspect(db.engine).get_columns("jobs")}
+    assert "worker_processes" not in inspect(db.engine).get_table_names()
+    assert upgrade(db) == head_revision() == current_revision(db)
+    assert "worker_process_id" in {c["name"] for c in inspect(db.engine).get_columns("worker_sessions")}
+    columns = {c["name"] for c in inspect(db.engine).get_columns("results")}
+    assert {"loop_start", "loop_period", "loop_wasted_steps", "text_edit", "reading_order_edit"} <= columns
+    db.dispose()
