@@ -4,7 +4,7 @@
     ├── InputError             bad input (image, file list, checkpoint); final, never retried; exit 2
     │   └── CheckpointError    a checkpoint directory that does not match the architecture
     ├── TransientError         the database or broker is down; retried with backoff; exit 3
-    └── PoisonError            a job that exhausted its attempts; final; exit 4
+    └── FailuresError          the command ran to its end and some of its work failed; exit 4
 
 The farm classifies failures with these classes: an `InputError` fails a job after one attempt, a
 `TransientError` is retried, anything else counts as an attempt and poisons the job at the cap.
@@ -35,7 +35,8 @@ class TransientError(DsocrError):
     exit_code = 3
 
 
-class PoisonError(DsocrError):
-    """A job failed (or killed its worker) on every attempt up to the cap."""
+class FailuresError(DsocrError):
+    """The command did its work and some of it failed: jobs of `dsocr run` failed or were poisoned,
+    checks of `dsocr verify` failed. Its output (the report, the checks) is printed before it is raised."""
 
     exit_code = 4

@@ -7,7 +7,7 @@ from dsocr_workers.cli import main
 
 def test_error_tree_exit_codes():
     assert issubclass(errors.CheckpointError, errors.InputError)
-    assert {errors.InputError.exit_code, errors.TransientError.exit_code, errors.PoisonError.exit_code} == {
+    assert {errors.InputError.exit_code, errors.TransientError.exit_code, errors.FailuresError.exit_code} == {
         2,
         3,
         4,

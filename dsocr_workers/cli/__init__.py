@@ -1,17 +1,22 @@
 """The `dsocr` command line: one click group, subcommands registered from sibling modules.
 
-Exit codes: 0 ok, 1 internal error, 2 input error (bad file list, image, option or checkpoint),
-3 transient error (database or broker unavailable), 4 poisoned job / failed check.
+Every command maps the project's errors to one line on stderr and the error class's exit code
+(`exits_on_errors`, errors.py): 0 ok, 1 internal error, 2 input error, 3 transient error, 4 failures.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from dsocr_workers import __version__
+from dsocr_workers.errors import DsocrError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # Piped or redirected, output is read by scripts: never cut a line to a guessed terminal width.
 PIPED_WIDTH = 10_000
@@ -25,9 +30,24 @@ def stdout_console(stderr: bool = False) -> Any:
     return Console(stderr=stderr, width=None if stream.isatty() else PIPED_WIDTH)
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 ok; 1 internal error; 2 input error (bad file list, image, option, checkpoint); "
-    "3 transient error (database or broker unavailable); 4 a check failed or jobs were poisoned."
+    "Exit codes: 0 ok; 1 internal error; 2 input error (bad file list, image, option, setting, checkpoint); "
+    "3 transient error (database or broker unavailable); 4 failures (jobs of `run` failed or were "
+    "poisoned, checks of `verify` failed)."
 )
+
+
+def exits_on_errors(command: F) -> F:
+    """Our errors become a one-line message on stderr and their exit code (2 input, 3 transient, …)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except DsocrError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @click.group(help=f"Profile DeepSeek-OCR inference on one GPU or a rack of them.\n\n{EXIT_CODES_HELP}")

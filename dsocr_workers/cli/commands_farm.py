@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from dsocr_workers.cli import stdout_console
-from dsocr_workers.cli.commands_model import DTYPES, ENGINES
+from dsocr_workers.cli import F, exits_on_errors, stdout_console
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.errors import DsocrError
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def exits_on_errors(command: F) -> F:
-    """Our errors become a one-line message on stderr and their exit code (2 input, 3 transient, …)."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except DsocrError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-
-    return wrapper  # type: ignore[return-value]
+from dsocr_workers.model.config import DTYPES, ENGINES, MODES
 
 
 def run_options(command: F) -> F:
@@ -44,7 +24,8 @@ def run_options(command: F) -> F:
         click.option("--name", help="Run name (default: the list's file name)."),
         click.option("--model", default="tiny", show_default=True,
                      help="Preset (tiny, full: RANDOM weights) or a checkpoint directory."),
-        click.option("--mode", default="gundam", show_default=True, help="Resolution mode."),
+        click.option("--mode", type=click.Choice(tuple(MODES)), default="gundam", show_default=True,
+                     help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles)."),
         click.option("--max-new-tokens", type=int, help="Decode at most this many tokens."),
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
         click.option("--stop-on-repetition", is_flag=True,
@@ -181,20 +162,28 @@ def worker(
 @click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
 @run_options
 @click.option("--gpus", default="cpu", show_default=True, help="cpu or one GPU index.")
+@click.option("--queue", default=None,
+              help="Queue name to record the run under (default: in-process). Name a worker queue to let "
+                   "its workers take over the jobs this process leaves behind if it dies.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table",
               show_default=True, help="Format of the closing report.")  # fmt: skip
 @exits_on_errors
-def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
-    """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> None:
+    """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report.
 
-    from dsocr_workers.errors import InputError
+    Exit status: 0 every job done; 4 some job failed or was poisoned (the report is printed first, then
+    which); 2 bad input or settings; 3 the database unavailable."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from sqlalchemy import select
+
+    from dsocr_workers.errors import FailuresError, InputError
     from dsocr_workers.farm.worker import IN_PROCESS_QUEUE, parse_devices, run_in_process
     from dsocr_workers.report.build import single_report
     from dsocr_workers.report.queries import load_run
     from dsocr_workers.report.render import render
-    from dsocr_workers.settings import Settings
+    from dsocr_workers.settings import Settings, check_queue_name
     from dsocr_workers.store.db import check_schema, open_database, upgrade
+    from dsocr_workers.store.models import Job
 
     devices = parse_devices(gpus)
     if len(devices) != 1:
@@ -205,7 +194,7 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
     if db.is_sqlite:
         upgrade(db)  # the embedded default creates or updates its own file
     check_schema(db)
-    submitted = prepared.record(db, IN_PROCESS_QUEUE)
+    submitted = prepared.record(db, check_queue_name(queue) if queue else IN_PROCESS_QUEUE)
     click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -217,15 +206,18 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
             if outcome.status not in ("queued", "released"):
                 progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
 
-        finals = run_in_process(settings, devices[0], submitted.job_ids, advance)
+        finals = run_in_process(settings, devices[0], submitted.job_ids, advance, queue=submitted.queue)
     with db.transaction() as session:
         click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
-    unfinished = Counter(outcome.status for outcome in finals if outcome.status != "done")
-    if unfinished:
+    failures = [outcome for outcome in finals if outcome.status != "done"]
+    if failures:
         # The report is out, but a script must not mistake a run with failed jobs for a good one.
-        counts = ", ".join(f"{count} {status}" for status, count in unfinished.items())
-        click.echo(f"error: run {submitted.run_id}: {counts} of {len(submitted.job_ids)} jobs", err=True)
-        sys.exit(1)
+        with db.transaction() as session:
+            images = dict(session.execute(select(Job.id, Job.image).where(Job.id.in_([o.job_id for o in failures]))).all())
+        counts = ", ".join(f"{count} {status}" for status, count in Counter(o.status for o in failures).items())
+        which = "; ".join(f"{images.get(o.job_id, o.job_id)}: {o.status} ({o.detail})" for o in failures[:10])
+        more = f"; and {len(failures) - 10} more" if len(failures) > 10 else ""
+        raise FailuresError(f"run {submitted.run_id}: {counts} of {len(submitted.job_ids)} jobs: {which}{more}")
 
 
 @click.command()

@@ -4,15 +4,14 @@ engine's self-checks, and random-weight presets written as checkpoint directorie
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from dsocr_workers.errors import DsocrError
-from dsocr_workers.model.config import MODES, PRESETS
+from dsocr_workers.cli import exits_on_errors
+from dsocr_workers.errors import FailuresError
+from dsocr_workers.model.config import DTYPES, ENGINES, MODES, PRESETS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -24,26 +23,9 @@ if TYPE_CHECKING:
 MODE_NAMES = tuple(MODES)
 PROMPT_NAMES = ("document", "ocr", "free", "figure", "describe")
 PRESET_NAMES = tuple(PRESETS)
-DTYPES = ("bfloat16", "float16", "float32")
-ENGINES = ("eager", "fast")
 # `dsocr verify` without --image: a page of this size (Gundam 2×2 grid, small enough for the tiny
 # preset on a CPU in seconds).
 VERIFY_PAGE_SIZE = (1000, 800)
-
-
-def command_failed(error: DsocrError) -> click.ClickException:
-    """A DsocrError as a click error with the error class's exit code (2 input, 3 transient, ...)."""
-    failure = click.ClickException(str(error))
-    failure.exit_code = error.exit_code  # type: ignore[misc]  # click reads it per instance
-    return failure
-
-
-@contextmanager
-def designed_errors() -> Iterator[None]:
-    try:
-        yield
-    except DsocrError as error:
-        raise command_failed(error) from error
 
 
 def model_options(func: Any) -> Any:
@@ -195,6 +177,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory. Default: out/<image name>.")
 @click.option("--json", "as_json", is_flag=True, help="Print result.json instead of the table.")
+@exits_on_errors
 def infer_command(
     image: Path,
     model: str,
@@ -225,40 +208,40 @@ def infer_command(
 
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.sampling import validate_options
+    from dsocr_workers.model.images import load_image
     from dsocr_workers.model.postprocess import parse_markup, write_outputs
-    from dsocr_workers.model.preprocess import build_prompt, load_image
+    from dsocr_workers.model.preprocess import build_prompt
 
     if prompt is not None and prompt_name is not None:
         raise click.UsageError("give --prompt or --prompt-name, not both")
     if ignore_eos and max_new_tokens is None:
         raise click.UsageError("--ignore-eos needs --max-new-tokens")
     console = Console(stderr=as_json)
-    with designed_errors():
-        options = DecodeOptions(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            ngram_window=ngram_window,
-            ngram_whitelist=parse_ids(ngram_whitelist),
-            ignore_eos=ignore_eos,
-            stop_on_repetition=stop_on_repetition,
-        )
-        validate_options(options)
-        # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).
-        build_prompt(prompt if prompt is not None else prompt_name)
-        original = load_image(image)
-        session = open_session(model, device, engine, dtype, preset_seed)
-        model_banner(console, session)
-        result = session.run_inference(
-            image,
-            prompt=prompt if prompt is not None else prompt_name,
-            mode=mode,
-            max_new_tokens=max_new_tokens,
-            infer=options,
-            max_crops=max_crops,
-        )
+    options = DecodeOptions(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        ngram_window=ngram_window,
+        ngram_whitelist=parse_ids(ngram_whitelist),
+        ignore_eos=ignore_eos,
+        stop_on_repetition=stop_on_repetition,
+    )
+    validate_options(options)
+    # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).
+    build_prompt(prompt if prompt is not None else prompt_name)
+    original = load_image(image)
+    session = open_session(model, device, engine, dtype, preset_seed)
+    model_banner(console, session)
+    result = session.run_inference(
+        image,
+        prompt=prompt if prompt is not None else prompt_name,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        infer=options,
+        max_crops=max_crops,
+    )
     out_dir = out_dir if out_dir is not None else Path("out") / image.stem
     written = write_outputs(out_dir, result.text, original, parse_markup(result.text, *original.size))
     document = result_document(result, sorted([*written, "result.json"]))
@@ -298,6 +281,7 @@ def demo_page() -> Any:
 @click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Default: a synthetic 1000x800 page.")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=24, show_default=True)
+@exits_on_errors
 def verify_command(
     model: str,
     device: str | None,
@@ -312,14 +296,13 @@ def verify_command(
     from rich.console import Console
 
     from dsocr_workers.engine.verify import run_checks
-    from dsocr_workers.model.preprocess import load_image
+    from dsocr_workers.model.images import load_image
 
     console = Console()
-    with designed_errors():
-        page = load_image(image) if image is not None else demo_page()
-        session = open_session(model, device, engine, dtype, preset_seed)
-        model_banner(console, session)
-        checks = run_checks(session, page, max_new_tokens=max_new_tokens)
+    page = load_image(image) if image is not None else demo_page()
+    session = open_session(model, device, engine, dtype, preset_seed)
+    model_banner(console, session)
+    checks = run_checks(session, page, max_new_tokens=max_new_tokens)
     for check in checks:
         verdict = "[green]PASS[/green]" if check.passed else "[bold red]FAIL[/bold red]"
         console.print(f"{verdict} {check.name}: {check.detail}", highlight=False)
@@ -327,8 +310,7 @@ def verify_command(
     if not checks:
         raise click.ClickException("no checks ran")
     if failed:
-        console.print(f"{len(failed)} of {len(checks)} checks failed")
-        raise SystemExit(4)
+        raise FailuresError(f"{len(failed)} of {len(checks)} checks failed: {', '.join(failed)}")
     console.print(f"all {len(checks)} checks passed")
 
 
@@ -345,13 +327,13 @@ def model_group() -> None:
 @click.argument("name", type=click.Choice(PRESET_NAMES))
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
+@exits_on_errors
 def save_preset_command(name: str, directory: Path, seed: int) -> None:
     """Write preset NAME (seeded RANDOM weights) to DIRECTORY in the vendor checkpoint layout; it
     loads with --model DIRECTORY through the same code path as a real checkpoint."""
     from dsocr_workers.model.checkpoint import save_preset
 
-    with designed_errors():
-        path = save_preset(name, directory, seed=seed)
+    path = save_preset(name, directory, seed=seed)
     click.echo(f"wrote preset {name} (RANDOM WEIGHTS, seed {seed}) to {path}")
 
 

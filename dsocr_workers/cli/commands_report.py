@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsocr_workers.cli.commands_farm import exits_on_errors
+from dsocr_workers.cli import exits_on_errors
 
 
 @click.command()

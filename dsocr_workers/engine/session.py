@@ -36,14 +36,13 @@ from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
-from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.config import ENGINES, EOS_TOKEN_ID, PRESETS, get_mode
 from dsocr_workers.model.experts import VENDOR_LOOP
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("eager", "fast")
 WARMUP_MAX_PASSES = 4
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -108,7 +107,7 @@ def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Im
     for crop modes one page without tiles and one per tile count (a `n x 1` strip of 640-px tiles)."""
     pages = []
     for name in modes:
-        mode = preprocess.get_mode(name)
+        mode = get_mode(name)
         if not mode.crop_mode:
             pages.append((name, Image.new("RGB", (mode.image_size, mode.image_size), "white")))
             continue

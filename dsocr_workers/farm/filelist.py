@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsocr_workers.errors import InputError
+from dsocr_workers.model.images import NO_SUCH_FILE, probe_image
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,13 @@ class FileList:
     bad: list[BadLine]
 
     def describe_bad(self) -> str:
-        return "\n".join(f"{self.path}:{b.line}: {b.text}: {b.reason}" for b in self.bad)
+        lines = [f"{self.path}:{b.line}: {b.text}: {b.reason}" for b in self.bad]
+        if any(b.reason == NO_SUCH_FILE for b in self.bad):
+            # A dataset list whose images were never downloaded: say where they belong and how to get them.
+            readme = self.root / "README.md"
+            how = f"; {readme} says how to get them" if readme.is_file() else ""
+            lines.append(f"images are looked for under {self.root}/{how} (--root DIR to look elsewhere)")
+        return "\n".join(lines)
 
 
 def default_root(list_path: Path) -> Path:
@@ -61,8 +68,6 @@ def _name_under(base: Path, real_base: Path, candidate: Path, real: Path) -> str
 
 
 def read_filelist(list_path: str | os.PathLike, root: str | os.PathLike | None = None) -> FileList:
-    from dsocr_workers.model.preprocess import probe_image
-
     list_path = Path(list_path)
     try:
         lines = list_path.read_text(encoding="utf-8").splitlines()

@@ -18,13 +18,11 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import job_ids_in_broker
 from dsocr_workers.farm.filelist import BadLine, FileList
+from dsocr_workers.model.config import DTYPES, ENGINES, get_mode
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
-
-ENGINES = ("eager", "fast")
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -46,8 +44,6 @@ class RunOptions:
     ngram_window: int | None = None
 
     def __post_init__(self) -> None:
-        from dsocr_workers.model.preprocess import get_mode
-
         get_mode(self.mode)  # InputError naming the valid modes
         if self.engine not in ENGINES:
             raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINES)}")

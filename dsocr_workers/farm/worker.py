@@ -23,7 +23,7 @@ from dsocr_workers.store.db import check_schema, open_database
 # which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
 WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
-IN_PROCESS_QUEUE = "in-process"  # the queue name `dsocr run` records its runs under: no broker, no sweep
+IN_PROCESS_QUEUE = "in-process"  # the queue `dsocr run` records its runs under by default (no worker reads it)
 
 
 def count_gpus() -> int:
@@ -124,11 +124,13 @@ def run_in_process(
     job_ids: list[str],
     on_outcome: Callable[[Outcome], None] = lambda outcome: None,
     max_transient_retries: int = 5,
+    queue: str = IN_PROCESS_QUEUE,
 ) -> list[Outcome]:
     """Run jobs here, one after the other (`dsocr run`). Failed attempts go to the back of the line until
     they are final; the ledger decides, exactly as for Celery workers. Each job's model is loaded and
-    warmed before its claim (the first job's: before any claim)."""
-    process = JobProcess.open(settings, device, queues=(IN_PROCESS_QUEUE,))
+    warmed before its claim (the first job's: before any claim). This process beats like a worker on
+    `queue` (its run's), renewing its leases, but sweeps nothing: it has no broker to send messages to."""
+    process = JobProcess.open(settings, device, queues=(queue,))
     try:
         return _run_line(process, settings, job_ids, on_outcome, max_transient_retries)
     finally:

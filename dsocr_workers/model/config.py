@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsocr_workers.errors import CheckpointError
+from dsocr_workers.errors import CheckpointError, InputError
 
 IMAGE_TOKEN_ID = 128815
 BOS_TOKEN_ID = 0
@@ -232,3 +232,18 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec("gundam", 1024, 640, True),
     )
 }
+
+
+def get_mode(mode: str | ModeSpec) -> ModeSpec:
+    if isinstance(mode, ModeSpec):
+        return mode
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise InputError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}") from None
+
+
+# What a run may ask for (checked at submit, offered as CLI choices): the engine's names and the dtypes
+# it loads weights in (engine/session.py maps them to torch dtypes, with short aliases).
+ENGINES = ("eager", "fast")
+DTYPES = ("bfloat16", "float16", "float32")

@@ -197,3 +197,34 @@ def test_reconcile_enqueues_what_the_broker_missed_and_status_counts(
     runs = CliRunner().invoke(main, ["runs"])
     assert runs.exit_code == 0 and "list" in runs.output
     assert "queued 2" in CliRunner().invoke(main, ["status", "--run", "latest"]).output
+
+
+def test_submit_needs_no_torch(bad_list, postgres_url, broker_env, subprocess_env):
+    """A queue host submits with Pillow, SQLAlchemy and the broker client only: no torch import."""
+    import subprocess
+    import sys
+
+    queue, (listing, root) = broker_env["DSOCR_QUEUE"] + "-no-torch", bad_list
+    code = (
+        "import sys; from click.testing import CliRunner; from dsocr_workers.cli import main; "
+        f"r = CliRunner().invoke(main, ['submit', {str(listing)!r}, '--root', {str(root)!r}, '--skip-invalid', "
+        f"'--mode', 'tiny', '--queue', {queue!r}]); "
+        "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"]).delete(broker_env["DSOCR_BROKER_KEY_PREFIX"] + queue)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_dataset_list_without_its_images_says_where_they_go_and_how_to_get_them(tmp_path):
+    dataset = tmp_path / "mydata"
+    (dataset / "subsets").mkdir(parents=True)
+    (dataset / "source-data").mkdir()
+    (dataset / "source-data" / "README.md").write_text("download the images into images/\n")
+    listing = dataset / "subsets" / "dev.txt"
+    listing.write_text("images/a.png\nimages/b.jpg\n")
+    refused = CliRunner().invoke(main, ["submit", str(listing)])
+    assert refused.exit_code == 2
+    assert f"images are looked for under {dataset / 'source-data'}/" in refused.output
+    assert f"{dataset / 'source-data' / 'README.md'} says how to get them" in refused.output

@@ -194,8 +194,8 @@ def test_dsocr_run_exits_non_zero_when_a_job_failed(tmp_path, make_png, subproce
     listing.write_text("good.png\nbroken.png\n")
     env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'embedded.db'}"}
     done = dsocr("run", str(listing), "--max-new-tokens", "2", "--mode", "tiny", "--format", "json", env=env)
-    assert done.returncode == 1, done.stderr
-    assert "1 failed of 2 jobs" in done.stderr
+    assert done.returncode == 4, done.stderr
+    assert "1 failed of 2 jobs: broken.png: failed (InputError: " in done.stderr
     facts = {row["field"]: row["value"] for row in json.loads(done.stdout)["tables"]["Run"]}
     assert (facts["ok"], facts["failed"]) == (1, 1)  # the report is still printed in full
 

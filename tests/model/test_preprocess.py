@@ -15,17 +15,16 @@ from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import preprocess as pp
+from dsocr_workers.model.config import MODES
+from dsocr_workers.model.images import ImageProbe, load_image, probe_image
 from dsocr_workers.model.preprocess import (
     BOS_ID,
     DEFAULT_PROMPT,
     IMAGE_TOKEN_ID,
-    MODES,
     PROMPTS,
     build_prompt,
     count_image_tokens,
-    load_image,
     prepare_page,
-    probe_image,
     select_crop_grid,
 )
 
@@ -419,4 +418,4 @@ def test_pixel_limit_is_ours_and_no_pillow_warning_escapes(tmp_path):
 def test_probe_reports_format_size_and_mode(tmp_path):
     path = Path(tmp_path / "x.jpg")
     path.write_bytes(encoded(noise(30, 20), "PNG"))  # a PNG under a .jpg name
-    assert probe_image(path) == pp.ImageProbe(format="PNG", width=30, height=20, mode="RGB")
+    assert probe_image(path) == ImageProbe(format="PNG", width=30, height=20, mode="RGB")
