@@ -261,3 +261,30 @@ def test_eos_wins_over_a_loop_and_is_not_searched(session):
     result = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=40,
                                    infer=DecodeOptions(force_eos_at_step=3, stop_on_repetition=True))
     assert result.stop_reason == "eos" and result.loop is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the watches' event-polled path")
+def test_cuda_watches_stop_a_loop_and_find_eos_without_stalling():
+    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL, EOS_LOOKAHEAD
+    from dsocr_workers.engine.loops import LOOP_MIN_TOKENS
+
+    cuda = DeepSeekOCRSession.from_local("tiny", device="cuda")
+    original = cuda.model.lm_head
+    cuda.model.lm_head = looping_head(cuda, 4242).to(original.weight.device, original.weight.dtype)
+    try:
+        stopped = cuda.run_inference(page(600, 480), mode="tiny", max_new_tokens=200,
+                                     infer=DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True))
+    finally:
+        cuda.model.lm_head = original
+    # A look is read once its copy has landed, at the latest EOS_LOOKAHEAD looks later: the loop is
+    # stopped between the first look that holds LOOP_MIN_TOKENS tokens and that many looks after it.
+    first_look = -(-(LOOP_MIN_TOKENS - 1) // EOS_CHECK_INTERVAL) * EOS_CHECK_INTERVAL
+    steps = len(stopped.timings.decode_step_ms)
+    assert stopped.stop_reason == "repetition" and stopped.token_ids == [4242] * (steps + 1)
+    assert first_look <= steps <= first_look + EOS_LOOKAHEAD * EOS_CHECK_INTERVAL, steps
+    assert stopped.timings.clock == "cuda_event" and stopped.loop is not None and stopped.loop.period == 1
+
+    eos = cuda.run_inference(page(600, 480), mode="tiny", max_new_tokens=200,
+                             infer=DecodeOptions(force_eos_at_step=5))
+    assert eos.stop_reason == "eos" and len(eos.token_ids) == 6 and eos.token_ids[-1] == EOS_TOKEN_ID
+    assert 0 < eos.wasted_steps <= (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL

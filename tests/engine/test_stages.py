@@ -151,6 +151,7 @@ def test_misuse_is_reported():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_events_are_reused_across_jobs():
+    _STEP_EVENT_POOL.pop(torch.device("cuda"), None)  # CUDA jobs of earlier tests leave lists behind
     first = StageClock("cuda", step_capacity=16)
     run_job(first, "cuda", steps=20)  # past the capacity: grows instead of failing
     assert len(first.step_ms()) == 20
