@@ -1,10 +1,15 @@
-# dsocr-workers on a CUDA PyTorch base: the image every worker, the migrate job and the CLI run.
+# dsocr-workers: the image every worker, the migrate job and the CLI run.
 #   docker build -t dsocr-workers:latest .
-#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> -t dsocr-workers:latest .
-# The base brings CUDA, cuDNN and torch; pip keeps that torch (the project needs torch>=2.8) and adds
-# the rest with the PostgreSQL driver. No weights are baked in: mount checkpoints at /models.
-ARG BASE_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
-FROM ${BASE_IMAGE}
+#   docker build --build-arg TORCH_VERSION=2.11.0 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+# torch is pinned to the build every GPU figure in docs/benchmarks.md was measured with (2.11.0, CUDA 13.0
+# wheels, which carry their own CUDA runtime: the host needs only an NVIDIA driver for CUDA 13 and the
+# container toolkit); the bare-metal instructions in deploy/README.md pin the same. The project itself
+# needs torch>=2.8; CI runs the CPU build of 2.13.0 (scripts/setup.sh). No weights are baked in: mount
+# checkpoints at /models.
+FROM python:3.12-slim
+
+ARG TORCH_VERSION=2.11.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -18,6 +23,7 @@ WORKDIR /app
 
 # The project as a source tree (editable install): `dsocr db upgrade` finds migrations/ beside the
 # package, as in a checkout. Copied in two steps so that code edits do not reinstall dependencies.
+RUN python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY dsocr_workers/__init__.py dsocr_workers/__init__.py
 RUN python -m pip install -e '.[postgres]' && python -c "import torch, transformers, celery, sqlalchemy, psycopg"
