@@ -89,7 +89,7 @@ def database(request: pytest.FixtureRequest):
     yield db
     if request.param == "postgres":
         with db.engine.begin() as conn:
-            conn.execute(text("TRUNCATE results, jobs, worker_sessions, workers, runs CASCADE"))
+            conn.execute(text("TRUNCATE results, jobs, worker_sessions, worker_processes, workers, runs CASCADE"))
     db.dispose()
 
 

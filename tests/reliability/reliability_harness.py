@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result, utcnow
+from dsocr_workers.store.models import Job, Result, WorkerProcess, WorkerSession, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -237,6 +237,34 @@ class Farm:
                     f"run {run_id} not final after {timeout:.0f} s: {states}\n{self.logs()[-4000:]}"
                 )
             time.sleep(poll)
+
+    def wait_for_state(self, run_id: str, state: str, timeout: float) -> list[Any]:
+        """The run's jobs in `state`, as soon as there is one."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [j for j in self.jobs(run_id) if j.state == state]
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no job of run {run_id} {state} after {timeout:.0f} s\n{self.logs()[-3000:]}")
+
+    def wait_for_ready_workers(self, count: int, timeout: float) -> None:
+        """Until `count` worker children on this farm's queue have loaded and warmed their model."""
+        db = open_database(self.database_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                with db.transaction() as session:
+                    ready = session.scalar(
+                        select(func.count()).select_from(WorkerSession).join(WorkerProcess)
+                        .where(WorkerProcess.queues == self.queue, WorkerSession.ready_at.is_not(None))
+                    )  # fmt: skip
+                if ready >= count:
+                    return
+                time.sleep(0.2)
+        finally:
+            db.dispose()
+        raise AssertionError(f"{count} workers not ready after {timeout:.0f} s\n{self.logs()[-3000:]}")
 
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.broker_url)
