@@ -60,7 +60,8 @@ def report(
             from dsocr_workers.report.html import html_report
             from dsocr_workers.report.plots import sides_of
         except ModuleNotFoundError as exc:
-            raise InputError(f"--html needs {exc.name}: pip install 'dsocr-workers[report]'") from exc
+            package = (exc.name or "matplotlib").partition(".")[0]
+            raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
     db = open_database(Settings.from_env().database_url)
     with db.transaction() as session:
         a = load_run(session, run_ref)

@@ -66,7 +66,7 @@ def _table(table: Table) -> str:
 def html_report(report: Report, sides: Sequence[Side], *, include_cold: bool) -> str:
     """The page of `report` (built from `sides`' runs by report/build.py) with the plots of those runs."""
     plots = all_plots(sides, include_cold)
-    generated = datetime.now(UTC).isoformat(sep=" ", timespec="seconds")
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     cold = "cold results included (--include-cold)" if include_cold else "cold results left out of statistics"
     links = " ".join(
         f'<a href="#{_anchor(t)}">{escape(t)}</a>' for t in [p.title for p in plots] + ["Tables"]
@@ -76,7 +76,7 @@ def html_report(report: Report, sides: Sequence[Side], *, include_cold: bool) ->
         f"<title>{escape(report.title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{escape(report.title)}</h1>",
         *(f'<p class="warning">WARNING: {escape(w)}</p>' for w in report.warnings),
-        f'<p class="meta">Generated {generated} UTC by dsocr report; {cold}.</p>',
+        f'<p class="meta">Generated {generated} by dsocr report; {cold}.</p>',
         f"<nav>{links}</nav>",
         *(_figure(p) for p in plots),
         '<h2 id="tables">Tables</h2>',
