@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import job_ids_in_broker
@@ -24,6 +24,7 @@ from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 
 ENGINES = ("eager", "fast")
 DTYPES = ("bfloat16", "float16", "float32")
+LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,19 @@ def record_run(
     return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
 
 
+def job_labels(db: Database, job_ids: list[str]) -> dict[str, str]:
+    """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
+    and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
+    the job id and reads everything else from the ledger."""
+    labels: dict[str, str] = {}
+    with db.transaction() as session:
+        for start in range(0, len(job_ids), LABEL_BATCH):
+            batch = job_ids[start : start + LABEL_BATCH]
+            for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+                labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
+    return labels
+
+
 def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     """Send one JSON message (the job id) per job, then mark them queued. Returns how many were sent;
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
@@ -150,11 +164,15 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
 
     from dsocr_workers.farm.tasks import RUN_JOB
 
+    labels = job_labels(db, [job_id for job_id, _ in jobs])
     sent: list[str] = []
     try:
         with app.producer_or_acquire() as producer:
             for job_id, queue in jobs:
-                app.send_task(RUN_JOB, args=[job_id], queue=queue, task_id=job_id, producer=producer)
+                app.send_task(
+                    RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                    producer=producer,
+                )  # fmt: skip
                 sent.append(job_id)
     except (OperationalError, OSError) as exc:
         raise TransientError(

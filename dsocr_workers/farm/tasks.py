@@ -74,13 +74,15 @@ class JobRequest(Request):
         # Called in the parent before billiard kills the child, so the child's lease is still its own.
         if not soft and self.worker_pid:
             try:
-                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout)
+                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout, self.kwargsrepr)
             except Exception:  # the ledger is down: lease expiry + `dsocr reconcile` recover the job
                 log.exception("job %s: could not record the hard time limit", self.args[0])
         super().on_timeout(soft, timeout)
 
 
-def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: float) -> None:
+def _record_hard_timeout(
+    task: object, job_id: str, child_pid: int, limit_s: float, label: str | None
+) -> None:
     settings = Settings.from_env()
     # A short-lived engine, disposed at once: the parent forks replacement children, which must not
     # inherit an open database connection.
@@ -99,7 +101,9 @@ def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: flo
     log.warning("job %s: killed at the hard time limit (%s s); %s", job_id, limit_s, state)
     if state == "queued":
         delay = retry_backoff_s(1, settings)
-        task.apply_async(args=[job_id], task_id=job_id, queue=queue, countdown=delay)  # type: ignore[attr-defined]
+        task.apply_async(  # type: ignore[attr-defined]
+            args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=delay
+        )
 
 
 @shared_task(
@@ -108,6 +112,8 @@ def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: flo
 def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     if _process is None:
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")
+    # A retry is a new message: it keeps the job's label (farm/submit.py `job_labels`) for monitors.
+    label = getattr(self.request, "kwargsrepr", None)
     _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
     try:
         outcome = execute_job(
@@ -116,8 +122,8 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     except TransientError as exc:
         delay = retry_backoff_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)
-        raise self.retry(countdown=delay, exc=exc) from exc
+        raise self.retry(countdown=delay, exc=exc, kwargsrepr=label) from exc
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)
     if outcome.retry_in_s is not None:
-        raise self.retry(countdown=outcome.retry_in_s)
+        raise self.retry(countdown=outcome.retry_in_s, kwargsrepr=label)
     return outcome.status
