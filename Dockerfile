@@ -2,7 +2,8 @@
 #   docker build -t dsocr-workers:latest .
 #   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> -t dsocr-workers:latest .
 # The base brings CUDA, cuDNN and torch; pip keeps that torch (the project needs torch>=2.8) and adds
-# the rest with the PostgreSQL driver. No weights are baked in: mount checkpoints at /models.
+# the rest with the PostgreSQL driver, Flower (the `flower` service) and matplotlib (`dsocr report --html`).
+# No weights are baked in: mount checkpoints at /models.
 ARG BASE_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -20,7 +21,8 @@ WORKDIR /app
 # package, as in a checkout. Copied in two steps so that code edits do not reinstall dependencies.
 COPY pyproject.toml README.md ./
 COPY dsocr_workers/__init__.py dsocr_workers/__init__.py
-RUN python -m pip install -e '.[postgres]' && python -c "import torch, transformers, celery, sqlalchemy, psycopg"
+RUN python -m pip install -e '.[postgres,flower,report]' \
+    && python -c "import torch, transformers, celery, sqlalchemy, psycopg, flower, matplotlib"
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
 

@@ -149,15 +149,17 @@ def worker(
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--port", type=int, default=5555, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True,
-              help="Interface to listen on; 0.0.0.0 for every one (then put authentication in front: --basic-auth).")
+              help="Interface to listen on; 0.0.0.0 for every one (then set --basic-auth).")
+@click.option("--basic-auth", metavar="USER:PASSWORD", envvar="DSOCR_FLOWER_BASIC_AUTH",
+              help="Ask for this login (env DSOCR_FLOWER_BASIC_AUTH; empty: none).")
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 @exits_on_errors
-def flower(port: int, address: str, flower_args: tuple[str, ...]) -> None:
+def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[str, ...]) -> None:
     """Celery Flower, the web monitor, on this farm's broker (DSOCR_BROKER_URL and its key prefix):
     workers started with `dsocr worker --events`, their jobs (job id; run, image and repeat as the task's
-    keyword arguments), queue lengths. Extra arguments go to Flower, e.g. --basic-auth=USER:PASSWORD or
-    --url-prefix=flower. Flower serves its control API (shutdown, pool resize, revoke) only with
-    authentication set; resize no pool from it: a grown pool puts two children on one GPU."""
+    keyword arguments), queue lengths. Extra arguments go to Flower, e.g. --url-prefix=flower. Flower
+    serves its control API (shutdown, pool resize, revoke) only with authentication set; resize no pool
+    from it: a grown pool puts two children on one GPU."""
     from importlib.util import find_spec
 
     from dsocr_workers.errors import InputError
@@ -168,7 +170,8 @@ def flower(port: int, address: str, flower_args: tuple[str, ...]) -> None:
         raise InputError("dsocr flower needs Flower: pip install 'dsocr-workers[flower]'")
     app = create_app(Settings.from_env())
     # Flower is a `celery` subcommand (an entry point it installs); `start` runs it with this app.
-    app.start(["flower", f"--port={port}", f"--address={address}", *flower_args])
+    login = [f"--basic-auth={basic_auth}"] if basic_auth else []
+    app.start(["flower", f"--port={port}", f"--address={address}", *login, *flower_args])
 
 
 @click.command()

@@ -3,12 +3,14 @@ through the JSON views Flower's own pages use (its /api needs authentication, of
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -71,6 +73,7 @@ def test_flower_shows_workers_started_with_events_and_their_jobs_by_run_and_imag
         # hung.png hangs its child: killed at the hard limit, the worker's parent sends it again (then
         # poisons it at the second attempt). The copy must keep the job's label.
         "DSOCR_HARD_TIME_LIMIT": "8", "DSOCR_MAX_ATTEMPTS": "2", "DSOCR_RETRY_BACKOFF_MAX": "1",
+        "DSOCR_FLOWER_BASIC_AUTH": "",  # as docker-compose.yml passes it when no login is set: none
     }  # fmt: skip
     command = [sys.executable, "-m", "dsocr_workers"]
     submitted = subprocess.run(
@@ -129,3 +132,25 @@ def json_kwargs(task: dict) -> dict:
     import ast
 
     return ast.literal_eval(task["kwargs"])
+
+
+@pytest.mark.redis
+def test_flower_asks_for_the_login_it_is_given(broker_env, subprocess_env, tmp_path):
+    port = free_port()
+    env = {**subprocess_env, **broker_env, "DSOCR_FLOWER_BASIC_AUTH": "farm:s3cret"}
+    with open(tmp_path / "flower.log", "w") as log:
+        flower = subprocess.Popen([sys.executable, "-m", "dsocr_workers", "flower", "--port", str(port)], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            assert wait_for("its health check", lambda: get(port, "/healthcheck") == "OK", timeout=60)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                get(port, "/workers")
+            assert refused.value.code == 401
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/workers")
+            request.add_header("Authorization", "Basic " + base64.b64encode(b"farm:s3cret").decode())
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.status == 200
+        finally:
+            flower.send_signal(signal.SIGTERM)
+            flower.wait(timeout=60)
+    assert "s3cret" not in (tmp_path / "flower.log").read_text()
