@@ -36,6 +36,7 @@ MAX_LABELLED_JOBS = 40
 # uses every step. Millions of points add nothing to the picture but seconds of rendering.
 MAX_SCATTER_POINTS = 40_000
 SEED = 0
+MAX_TIME_BINS = 200  # throughput over time: bins from the submit to the last page
 
 
 @dataclass(frozen=True)
@@ -277,8 +278,12 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
                             if j.id in data.results and j.finished_at is not None])  # fmt: skip
         if finished.size == 0:
             continue
-        bins = int(np.clip(finished.size // 2, 1, 60))  # about two pages a bin, at most 60 bins
-        edges = np.linspace(0, finished[-1], bins + 1)
+        # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
+        # from the last page to the submit: a long load then reads as empty bins, not as one wide bin
+        # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
+        busy_bins = int(np.clip(finished.size // 2, 1, 60))
+        width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
+        edges = np.maximum(finished[-1] - width * np.arange(int(np.ceil(finished[-1] / width)), -1, -1), 0.0)
         counts, _ = np.histogram(finished, edges)
         rate_ax.stairs(
             counts / np.diff(edges), edges, color=color, linewidth=1.5, label=f"{side.name}: pages/s"
