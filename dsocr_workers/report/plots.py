@@ -17,9 +17,12 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from dsocr_workers.report.build import LATENCY, measured
 from dsocr_workers.report.queries import RunData
@@ -76,17 +79,11 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("postprocess", ("readback_ms", "postprocess_ms")),
 ]
 GAPS = "setup + gaps"
-STAGE_COLORS = (
-    "#8c8c8c",
-    "#1f77b4",
-    "#17becf",
-    "#9467bd",
-    "#2ca02c",
-    "#ff7f0e",
-    "#d62728",
-    "#bcbd22",
-    "#c7c7c7",
-)
+STAGE_LABELS = [*(label for label, _ in STAGES), GAPS]
+STAGE_COLORS = dict(zip(STAGE_LABELS, ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728",
+                                       "#bcbd22", "#c7c7c7"), strict=True))  # fmt: skip
+# The distributions drawn, by their label in the report's latency table.
+CDF_METRICS = ("TTFT ms", "decode ms/token", "end-to-end ms")
 
 
 def stage_ms(result: Result) -> dict[str, float]:
@@ -100,6 +97,14 @@ def _png(figure: Figure) -> bytes:
     out = io.BytesIO()
     figure.savefig(out, format="png", dpi=DPI)
     return out.getvalue()
+
+
+def _legend_or_nothing(ax: Axes, nothing: str, **legend: Any) -> None:
+    """A legend when something was drawn; otherwise say so in the middle of the panel."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+    else:
+        ax.text(0.5, 0.5, nothing, transform=ax.transAxes, ha="center", color="#666666")
 
 
 def _seconds(data: RunData, at: datetime) -> float:
@@ -122,11 +127,9 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
         x = np.arange(len(jobs))
         bottom = np.zeros(len(jobs))
         per_job = [stage_ms(r) for _, r in jobs]
-        for label, color in zip([*(s for s, _ in STAGES), GAPS], STAGE_COLORS, strict=True):
+        for label, color in STAGE_COLORS.items():
             heights = np.array([bars[label] for bars in per_job])
-            bars = ax.bar(
-                x, heights, bottom=bottom, color=color, label=label, edgecolor="white", linewidth=0.3
-            )
+            bars = ax.bar(x, heights, bottom=bottom, color=color, edgecolor="white", linewidth=0.3)
             for patch, (_, result) in zip(bars, jobs, strict=True):
                 patch.set_hatch(COLD_HATCH if result.cold else None)
             bottom += heights
@@ -138,10 +141,11 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
         else:
             ax.set_xlabel("jobs in file-list order")
         if not jobs:
-            ax.text(0.5, 0.5, "no results", transform=ax.transAxes, ha="center")
-    figure.legend(
-        *axes[0].get_legend_handles_labels(), ncols=len(STAGE_COLORS), fontsize=8, loc="outside lower center"
-    )
+            ax.text(0.5, 0.5, "no results", transform=ax.transAxes, ha="center", color="#666666")
+    # Patches of their own: the bars' would carry the first job's hatch into the legend.
+    legend = [Patch(color=color, label=label) for label, color in STAGE_COLORS.items()]
+    legend.append(Patch(facecolor="white", edgecolor="#555555", hatch=COLD_HATCH, label="cold"))
+    figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
         "One bar per job (image, repeat) in file-list order; the bars add up to its end-to-end time. "
@@ -153,7 +157,8 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
 
 def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
     title = "Latency distributions (CDF)"
-    metrics = [m for m in LATENCY if m.label in ("TTFT ms", "end-to-end ms", "decode ms/token")]
+    by_label = {m.label: m for m in LATENCY}
+    metrics = [by_label[label] for label in CDF_METRICS]
     figure = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
     axes = figure.subplots(1, len(metrics))
     for ax, metric in zip(axes, metrics, strict=True):
@@ -164,7 +169,7 @@ def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
         ax.set_xlabel(metric.label)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        _legend_or_nothing(ax, "no measured results", fontsize=7, loc="lower right")
     axes[0].set_ylabel("fraction of jobs (steps for ms/token)")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     cold = (
@@ -205,8 +210,7 @@ def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
     ax.set_ylabel("decode ms/token")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    if ax.has_data():
-        ax.legend(fontsize=8, loc="upper left")
+    _legend_or_nothing(ax, "no measured decode steps", fontsize=8, loc="upper left")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
         "Every kept decode step (points) against the cache length it attended over, and the median per "
@@ -243,7 +247,7 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                 ax.broken_barh([(began, _seconds(data, s.finished) - began)], (y - 0.4, 0.8),
                                facecolor="#1f77b4", edgecolor="white", linewidth=0.5,
                                hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
-        ax.set_yticks(range(len(lanes)), [key for key in sorted(lanes)], fontsize=8)
+        ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
         ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
         ax.set_xlim(left - 0.01 * span, span * 1.01)
         ax.invert_yaxis()
@@ -251,9 +255,7 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
         ax.set_xlabel("seconds after submit")
         ax.grid(axis="x", alpha=0.3)
         if not lanes:
-            ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center")
-    from matplotlib.patches import Patch
-
+            ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
     legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
               Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
               Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip
@@ -283,7 +285,8 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
         busy_bins = int(np.clip(finished.size // 2, 1, 60))
         width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
-        edges = np.maximum(finished[-1] - width * np.arange(int(np.ceil(finished[-1] / width)), -1, -1), 0.0)
+        bins = max(1, int(np.ceil(finished[-1] / width)))
+        edges = np.maximum(finished[-1] - width * np.arange(bins, -1, -1), 0.0)
         counts, _ = np.histogram(finished, edges)
         rate_ax.stairs(
             counts / np.diff(edges), edges, color=color, linewidth=1.5, label=f"{side.name}: pages/s"
@@ -304,6 +307,8 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
     handles = [h for ax in (rate_ax, done_ax) for h in ax.get_legend_handles_labels()[0]]
     if handles:
         rate_ax.legend(handles=handles, fontsize=8, loc="upper left")
+    else:
+        rate_ax.text(0.5, 0.5, "no finished pages", transform=rate_ax.transAxes, ha="center", color="#666666")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
         "Pages finished per time bin (solid), pages done so far (dotted, right axis) and the steady-state "
