@@ -13,12 +13,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
-pytest.importorskip("flower", reason="Flower is an extra: pip install -e '.[flower]' (dev brings it)")
+from dsocr_workers.store.db import open_database
 
 PAGES = {"letter.png": (320, 420), "wide.png": (900, 500), "hung.png": (400, 600)}
 
@@ -57,10 +58,20 @@ def tasks(port: int, search: str) -> list[dict]:
     )["data"]  # fmt: skip
 
 
+@pytest.fixture
+def ledger_url(postgres_url: str) -> Iterator[str]:
+    """The session's PostgreSQL database, emptied afterwards: other tests count every worker session."""
+    yield postgres_url
+    db = open_database(postgres_url)
+    with db.engine.begin() as connection:
+        connection.execute(text("TRUNCATE results, jobs, worker_sessions, workers, runs CASCADE"))
+    db.dispose()
+
+
 @pytest.mark.postgres
 @pytest.mark.redis
 def test_flower_shows_workers_started_with_events_and_their_jobs_by_run_and_image(
-    tmp_path, make_png, postgres_url, broker_env, subprocess_env
+    tmp_path, make_png, ledger_url, broker_env, subprocess_env
 ):
     folder = tmp_path / "pages"
     for name, size in PAGES.items():
@@ -69,7 +80,7 @@ def test_flower_shows_workers_started_with_events_and_their_jobs_by_run_and_imag
     listing.write_text("\n".join(PAGES) + "\n")
     queue = broker_env["DSOCR_QUEUE"] + "-flower"
     env = {
-        **subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue,
+        **subprocess_env, **broker_env, "DSOCR_DATABASE_URL": ledger_url, "DSOCR_QUEUE": queue,
         # hung.png hangs its child: killed at the hard limit, the worker's parent sends it again (then
         # poisons it at the second attempt). The copy must keep the job's label.
         "DSOCR_HARD_TIME_LIMIT": "8", "DSOCR_MAX_ATTEMPTS": "2", "DSOCR_RETRY_BACKOFF_MAX": "1",
