@@ -8,7 +8,11 @@ deployment sets them once (compose file, systemd unit, Kubernetes manifest):
     DSOCR_BROKER_KEY_PREFIX   prefix of every Redis key the farm uses  "" (none)
     DSOCR_QUEUE               queue that jobs are sent to and read from dsocr
     DSOCR_ARTIFACTS_DIR       where per-job artifacts go              ./artifacts
-    DSOCR_LEASE_SECONDS       how long a claim holds a job            hard time limit + 60
+    DSOCR_LEASE_SECONDS       how long a claim holds a job without    60
+                              its worker's heartbeat renewing it
+    DSOCR_HEARTBEAT_SECONDS   how often a worker renews its leases,   10
+                              records that it lives, and requeues
+                              jobs whose holder stopped beating
     DSOCR_MAX_ATTEMPTS        attempts before a job is poisoned        3
     DSOCR_SOFT_TIME_LIMIT     seconds before a job is asked to stop    hard limit - 10 %
     DSOCR_HARD_TIME_LIMIT     seconds before its process is killed     600
@@ -52,7 +56,8 @@ class Settings:
     artifacts_dir: Path = Path("artifacts")
     soft_time_limit_s: int = 540
     hard_time_limit_s: int = 600
-    lease_s: int = 660
+    lease_s: int = 60
+    heartbeat_s: int = 10
     max_attempts: int = 3
     retry_backoff_max_s: int = 60
     visibility_timeout_override_s: int | None = None
@@ -63,11 +68,23 @@ class Settings:
             raise InputError("DSOCR_MAX_ATTEMPTS must be at least 1")
         if not 0 < self.soft_time_limit_s <= self.hard_time_limit_s:
             raise InputError("DSOCR_SOFT_TIME_LIMIT must be positive and at most DSOCR_HARD_TIME_LIMIT")
-        # A lease shorter than the hard limit would let a second worker take a job that is still running.
-        if self.lease_s <= self.hard_time_limit_s:
-            raise InputError("DSOCR_LEASE_SECONDS must exceed DSOCR_HARD_TIME_LIMIT")
+        if self.heartbeat_s < 1:
+            raise InputError("DSOCR_HEARTBEAT_SECONDS must be at least 1, e.g. 10")
+        # The heartbeat renews a running job's lease; two beats may be missed (a slow database, a busy
+        # host) before the lease runs out and another worker takes the job.
+        if self.lease_s < 3 * self.heartbeat_s:
+            raise InputError(
+                f"DSOCR_LEASE_SECONDS ({self.lease_s}) must be at least 3 x DSOCR_HEARTBEAT_SECONDS "
+                f"({self.heartbeat_s}), e.g. 60 with 10"
+            )
         if self.visibility_timeout_override_s is not None and self.visibility_timeout_override_s < 1:
             raise InputError("DSOCR_VISIBILITY_TIMEOUT must be at least 1")
+
+    @property
+    def requeue_within_s(self) -> int:
+        # A holder's last beat renews its lease to lease_s; a surviving worker's sweep (every heartbeat)
+        # finds it expired at most one interval later.
+        return self.lease_s + self.heartbeat_s
 
     @property
     def visibility_timeout_s(self) -> int:
@@ -93,7 +110,8 @@ class Settings:
             artifacts_dir=Path(env.get("DSOCR_ARTIFACTS_DIR") or "artifacts"),
             soft_time_limit_s=soft,
             hard_time_limit_s=hard,
-            lease_s=_int(env, "DSOCR_LEASE_SECONDS", hard + 60),
+            lease_s=_int(env, "DSOCR_LEASE_SECONDS", cls.lease_s),
+            heartbeat_s=_int(env, "DSOCR_HEARTBEAT_SECONDS", cls.heartbeat_s),
             max_attempts=_int(env, "DSOCR_MAX_ATTEMPTS", cls.max_attempts),
             retry_backoff_max_s=_int(env, "DSOCR_RETRY_BACKOFF_MAX", cls.retry_backoff_max_s),
             visibility_timeout_override_s=(

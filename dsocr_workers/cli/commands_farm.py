@@ -187,7 +187,7 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
 
     from dsocr_workers.errors import InputError
     from dsocr_workers.farm.submit import record_run
-    from dsocr_workers.farm.worker import parse_devices, run_in_process
+    from dsocr_workers.farm.worker import IN_PROCESS_QUEUE, parse_devices, run_in_process
     from dsocr_workers.report.build import single_report
     from dsocr_workers.report.queries import load_run
     from dsocr_workers.report.render import render
@@ -203,7 +203,7 @@ def run(filelist: Path, gpus: str, fmt: str, **kw: Any) -> None:
     if db.is_sqlite:
         upgrade(db)  # the embedded default creates or updates its own file
     check_schema(db)
-    submitted = record_run(db, listed, options, queue="in-process", name=kw["name"], tags=tags)
+    submitted = record_run(db, listed, options, queue=IN_PROCESS_QUEUE, name=kw["name"], tags=tags)
     click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -261,37 +261,52 @@ def _database() -> Any:
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between polls.")
 @exits_on_errors
 def status(run_ref: str, watch: bool, interval: float) -> None:
-    """Progress of a run: pending, running, done, failed, pages/s and ETA."""
+    """Progress of a run: job states, the worker processes on its queue (live while they heartbeat, with
+    the job each holds and how many it finished), and an ETA from the live workers' pace."""
     from rich.console import Group
     from rich.live import Live
     from rich.progress_bar import ProgressBar
+    from rich.table import Table
     from rich.text import Text
 
+    from dsocr_workers.report.live import run_progress
     from dsocr_workers.report.queries import resolve_run
-    from dsocr_workers.store import ledger
+    from dsocr_workers.settings import Settings
 
+    settings = Settings.from_env()
     db = _database()
-    with db.transaction() as session:
-        run_id = resolve_run(session, run_ref).id
-    started, first_final = time.monotonic(), None
 
     def view() -> tuple[Group, bool]:
-        nonlocal first_final
         with db.transaction() as session:
-            counts = ledger.job_counts(session, run_id)
-        total = sum(counts.values())
-        final = sum(counts.get(s, 0) for s in ("done", "failed", "poisoned"))
-        first_final = final if first_final is None else first_final
-        elapsed = time.monotonic() - started
-        rate = (final - first_final) / elapsed if final > first_final else 0.0
-        eta = f"{(total - final) / rate:.0f} s" if rate > 0 else "-"
-        states = "  ".join(
-            f"{s} {counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+            progress = run_progress(session, resolve_run(session, run_ref), settings.lease_s)
+        if progress.eta_s is not None:
+            pace = f"ETA {progress.eta_s:.0f} s at {progress.pages_per_s:.2f} pages/s"
+        elif progress.final == progress.total:
+            pace = "finished"
+        elif not progress.live_workers:
+            pace = f"ETA - (no live worker on queue {progress.queue})"
+        else:
+            pace = "ETA - (no job of this run finished yet)"
+        head = (
+            f"run {progress.run_id}: {progress.final}/{progress.total} final  "
+            f"{progress.live_workers} live worker(s)  {pace}"
         )
-        head = f"run {run_id}: {final}/{total} final" + (f"  {rate:.2f} pages/s  ETA {eta}" if watch else "")
-        return Group(
-            Text(head), ProgressBar(total=max(total, 1), completed=final, width=60), Text(states)
-        ), final == total
+        states = "  ".join(
+            f"{s} {progress.counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+        )  # fmt: skip
+        workers = Table("worker", "device", "state", "last beat", "job now", "done", "s/job", title="workers")
+        for w in progress.workers:
+            state = "live" if w.live else "stopped" if w.stopped else "silent (dead: its jobs are requeued)"
+            workers.add_row(
+                w.id, w.device, state, f"{w.heartbeat_age_s:.0f} s ago", w.current_image or "-", str(w.jobs_done),
+                "-" if w.job_s is None else f"{w.job_s:.2f}",
+            )  # fmt: skip
+        bar = Table.grid()  # a row of its own: a bare ProgressBar ends without a line break
+        bar.add_row(ProgressBar(total=max(progress.total, 1), completed=progress.final, width=60))
+        parts: list[Any] = [Text(head), bar, Text(states)]
+        if progress.workers:
+            parts.append(workers)
+        return Group(*parts), progress.final == progress.total
 
     console = stdout_console()
     rendered, finished = view()

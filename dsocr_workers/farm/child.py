@@ -22,6 +22,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm import faults
 from dsocr_workers.farm.execute import Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
+from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.warm import ModelKey, Warmup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -30,6 +31,7 @@ from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
 
 DEVICES_ENV = "DSOCR_WORKER_DEVICES"
+QUEUES_ENV = "DSOCR_WORKER_QUEUES"
 log = logging.getLogger("dsocr.worker")
 
 
@@ -47,16 +49,29 @@ class JobProcess:
     settings: Settings
     device: str
     db: Database
-    owner: str = field(default_factory=ledger.process_owner)
+    heartbeat: Heartbeat
+    owner: str
     loaded: LoadedSession | None = None
 
     @classmethod
-    def open(cls, settings: Settings, device: str, cpu_threads: int | None = None) -> JobProcess:
+    def open(
+        cls, settings: Settings, device: str, *, queues: tuple[str, ...], sweep: Sweep | None = None,
+        cpu_threads: int | None = None,
+    ) -> JobProcess:  # fmt: skip
+        """Open the ledger and start beating (farm/liveness.py): from here on this process renews the
+        leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues."""
         if cpu_threads:
             import torch
 
             torch.set_num_threads(cpu_threads)
-        return cls(settings=settings, device=device, db=database_for(settings.database_url))
+        db, owner = database_for(settings.database_url), ledger.process_owner()
+        heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
+        heartbeat.start()
+        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner)
+
+    def close(self) -> None:
+        self.heartbeat.stop()
+        self.db.dispose()
 
     def warm(self, warmup: Warmup) -> LoadedSession:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
@@ -79,8 +94,11 @@ class JobProcess:
             warmup_ms += report.ms
             shapes += [f"{shape} ({budget or 'max'} tokens)" for shape in report.shapes]
             loaded.warmed.update((mode, budget) for mode in modes)
+        if not self.heartbeat.registered:  # its first beat met a ledger outage
+            self.heartbeat.beat()
         row = WorkerSession(
-            id=uuid.uuid4().hex, worker_id=loaded.worker_id, host=socket.gethostname(), pid=os.getpid(),
+            id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
+            host=socket.gethostname(), pid=os.getpid(),
             device=self.device, model=warmup.key.model, engine=loaded.session.engine,
             dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=", ".join(shapes),
             started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
@@ -135,3 +153,8 @@ def job_warmup(model: str, parameters: dict[str, Any]) -> Warmup:
 
 def devices_from_env() -> list[str]:
     return [d for d in os.environ.get(DEVICES_ENV, "cpu").split(",") if d]
+
+
+def queues_from_env() -> tuple[str, ...]:
+    """The queues the worker consumes (set by `dsocr worker`): the ones its children sweep."""
+    return tuple(q for q in os.environ.get(QUEUES_ENV, "").split(",") if q) or (Settings.from_env().queue,)

@@ -7,6 +7,7 @@ If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,18 +163,10 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
     from kombu.exceptions import OperationalError
 
-    from dsocr_workers.farm.tasks import RUN_JOB
-
     labels = job_labels(db, [job_id for job_id, _ in jobs])
     sent: list[str] = []
     try:
-        with app.producer_or_acquire() as producer:
-            for job_id, queue in jobs:
-                app.send_task(
-                    RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
-                    producer=producer,
-                )  # fmt: skip
-                sent.append(job_id)
+        send_job_messages(app, jobs, sent, labels)
     except (OperationalError, OSError) as exc:
         raise TransientError(
             f"broker unavailable after sending {len(sent)} of {len(jobs)} jobs: {exc}; "
@@ -183,6 +176,23 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
         with db.transaction() as session:
             ledger.mark_queued(session, sent)
     return len(sent)
+
+
+def send_job_messages(
+    app: Any, jobs: list[tuple[str, str]], sent: list[str], labels: Mapping[str, str]
+) -> None:
+    """One message per (job id, queue), its task id the job id and its label for monitors the job's in
+    `labels` (`job_labels`); appends each job id to `sent` once its message is out. Raises the broker's
+    error."""
+    from dsocr_workers.farm.tasks import RUN_JOB
+
+    with app.producer_or_acquire() as producer:
+        for job_id, queue in jobs:
+            app.send_task(
+                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                producer=producer,
+            )  # fmt: skip
+            sent.append(job_id)
 
 
 def reconcile_and_enqueue(

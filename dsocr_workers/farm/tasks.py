@@ -6,8 +6,8 @@ replaces.
 
 A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
 the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
-sent again after the backoff, or poisoned at the cap. Without that the job would sit in `running` until
-its lease expired and `dsocr reconcile` ran.
+sent again after the backoff, or poisoned at the cap, at once rather than after its lease expires and a
+live worker's heartbeat sweeps it (farm/liveness.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from celery.signals import worker_process_init, worker_process_shutdown
 from celery.worker.request import Request
 
 from dsocr_workers.errors import TransientError
-from dsocr_workers.farm.child import JobProcess, devices_from_env
+from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.liveness import Sweep
+from dsocr_workers.farm.submit import job_labels, send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import database_for, open_database
 
 RUN_JOB = "dsocr.run_job"
 log = logging.getLogger("dsocr.worker")
@@ -47,7 +49,17 @@ def _open_child(**_: object) -> None:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
-    _process = JobProcess.open(Settings.from_env(), device, cpu_threads=threads)
+    queues = queues_from_env()
+    settings = Settings.from_env()
+
+    def send_again(jobs: list[tuple[str, str]]) -> None:
+        # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
+        labels = job_labels(database_for(settings.database_url), [job_id for job_id, _ in jobs])
+        send_job_messages(run_job.app, jobs, [], labels)
+
+    _process = JobProcess.open(
+        settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads
+    )
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
     plan = plan_from_env()
     if plan is not None:
@@ -64,7 +76,7 @@ def _open_child(**_: object) -> None:
 @worker_process_shutdown.connect
 def _close_child(**_: object) -> None:
     if _process is not None:
-        _process.db.dispose()
+        _process.close()
 
 
 class JobRequest(Request):
@@ -75,7 +87,7 @@ class JobRequest(Request):
         if not soft and self.worker_pid:
             try:
                 _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout, self.kwargsrepr)
-            except Exception:  # the ledger is down: lease expiry + `dsocr reconcile` recover the job
+            except Exception:  # the ledger is down: lease expiry and a live worker's sweep recover the job
                 log.exception("job %s: could not record the hard time limit", self.args[0])
         super().on_timeout(soft, timeout)
 

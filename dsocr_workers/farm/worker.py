@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.child import DEVICES_ENV, JobProcess
+from dsocr_workers.farm.child import DEVICES_ENV, QUEUES_ENV, JobProcess
 from dsocr_workers.farm.execute import Outcome, execute_job
 from dsocr_workers.farm.warm import WARMUP_ENV, ModelKey, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
@@ -23,6 +23,7 @@ from dsocr_workers.store.db import check_schema, open_database
 # which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
 WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
+IN_PROCESS_QUEUE = "in-process"  # the queue name `dsocr run` records its runs under: no broker, no sweep
 
 
 def count_gpus() -> int:
@@ -93,6 +94,7 @@ def start_worker(
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
     slots = [device for device in devices for _ in range(concurrency_per_device)]
     os.environ[DEVICES_ENV] = ",".join(slots)
+    os.environ[QUEUES_ENV] = ",".join(queue_names)
     if plan:
         os.environ[WARMUP_ENV] = plan
     else:
@@ -112,7 +114,8 @@ def start_worker(
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}@%h",
             "--without-gossip",
             "--without-mingle",
-            # Event heartbeats tell a monitor that the worker is alive; without one they go nowhere.
+            # Celery's event heartbeats (not the ledger's, farm/liveness.py) tell a monitor that the
+            # worker is alive; without one they go nowhere.
             *([] if events else ["--without-heartbeat"]),
             f"--loglevel={loglevel}",
         ]
@@ -129,7 +132,17 @@ def run_in_process(
     """Run jobs here, one after the other (`dsocr run`). Failed attempts go to the back of the line until
     they are final; the ledger decides, exactly as for Celery workers. Each job's model is loaded and
     warmed before its claim (the first job's: before any claim)."""
-    process = JobProcess.open(settings, device)
+    process = JobProcess.open(settings, device, queues=(IN_PROCESS_QUEUE,))
+    try:
+        return _run_line(process, settings, job_ids, on_outcome, max_transient_retries)
+    finally:
+        process.close()
+
+
+def _run_line(
+    process: JobProcess, settings: Settings, job_ids: list[str], on_outcome: Callable[[Outcome], None],
+    max_transient_retries: int,
+) -> list[Outcome]:  # fmt: skip
     line = list(job_ids)
     finals: list[Outcome] = []
     transient_failures = 0

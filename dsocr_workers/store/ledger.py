@@ -307,6 +307,72 @@ def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None =
         )
 
 
+def renew_leases(session: Session, owner: str, lease_s: float, now: datetime | None = None) -> int:
+    """Extend every lease `owner` holds to `lease_s` from now (its heartbeat). Returns how many."""
+    now = now or utcnow()
+    held = (Job.state == "running") & (Job.lease_owner == owner)
+    return _rowcount(
+        session.execute(update(Job).where(held).values(lease_expires_at=now + timedelta(seconds=lease_s)))
+    )
+
+
+@dataclass(frozen=True)
+class ExpiredLeases:
+    requeued: list[tuple[str, str]]  # (job id, queue): its holder stopped renewing; queued again here
+    poisoned: list[str]  # the same at the attempt cap: poisoned instead
+
+
+def expire_leases(
+    session: Session,
+    *,
+    max_attempts: int,
+    now: datetime | None = None,
+    run_id: str | None = None,
+    queues: Iterable[str] | None = None,
+    spare_owner: str | None = None,
+) -> ExpiredLeases:
+    """Take back every running job whose lease expired (in one run, or in runs on `queues`): `queued`
+    again for a new attempt, or `poisoned` at the attempt cap. `spare_owner`'s own jobs are left alone
+    (a live process sweeping must not take its own job). Each job is changed under a guard on what was
+    read, so of several processes sweeping at once exactly one reports each job: the one that sends its
+    message."""
+    now = now or utcnow()
+    stale = (Job.state == "running") & (Job.lease_expires_at <= now)
+    if run_id is not None:
+        stale &= Job.run_id == run_id
+    if queues is not None:
+        stale &= Run.queue.in_(list(queues))
+    if spare_owner is not None:
+        stale &= Job.lease_owner != spare_owner
+    rows = session.execute(
+        select(Job.id, Job.attempts, Job.lease_owner, Run.queue).join(Run, Job.run_id == Run.id).where(stale)
+    ).all()
+    requeued, poisoned = [], []
+    for job_id, attempts, owner, queue in rows:
+        unchanged = (
+            (Job.id == job_id) & (Job.state == "running") & (Job.attempts == attempts)
+            & Job.lease_owner.is_not_distinct_from(owner) & (Job.lease_expires_at <= now)
+        )  # fmt: skip
+        lost = {
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "last_error_class": "LeaseExpired",
+            "last_error_message": f"attempt {attempts} by {owner} did not finish: its worker stopped renewing "
+            "the lease (killed, frozen or cut off)",
+        }
+        at_cap = attempts >= max_attempts
+        values = (
+            {"state": "poisoned", "finished_at": now} if at_cap else {"state": "queued", "queued_at": now}
+        )
+        if _rowcount(session.execute(update(Job).where(unchanged).values(**values, **lost))) != 1:
+            continue
+        if at_cap:
+            poisoned.append(job_id)
+        else:
+            requeued.append((job_id, queue))
+    return ExpiredLeases(requeued, poisoned)
+
+
 @dataclass(frozen=True)
 class ReconcilePlan:
     requeue: list[tuple[str, str]]  # (job id, queue) of every job that is neither final nor running
@@ -321,20 +387,8 @@ def reconcile(
 ) -> ReconcilePlan:
     """Expire stale leases (poisoning jobs at the cap) and list every open job to enqueue again."""
     now = now or utcnow()
+    expired = expire_leases(session, max_attempts=max_attempts, now=now, run_id=run_id)
     in_run = (Job.run_id == run_id) if run_id else true()
-    stale = in_run & (Job.state == "running") & (Job.lease_expires_at <= now)
-    lost = {
-        "lease_owner": None,
-        "lease_expires_at": None,
-        "last_error_class": "LeaseExpired",
-        "last_error_message": "the worker holding this job stopped renewing it (lease expired)",
-    }
-    expired_ids = frozenset(session.scalars(select(Job.id).where(stale & (Job.attempts < max_attempts))))
-    to_poison = update(Job).where(stale & (Job.attempts >= max_attempts))
-    poisoned = _rowcount(session.execute(to_poison.values(state="poisoned", finished_at=now, **lost)))
-    expired = _rowcount(
-        session.execute(update(Job).where(stale).values(state="queued", queued_at=now, **lost))
-    )
     running = (
         session.scalar(select(func.count()).select_from(Job).where(in_run & (Job.state == "running"))) or 0
     )
@@ -345,7 +399,11 @@ def reconcile(
         .order_by(Job.run_id, Job.line, Job.repeat)
     ).all()
     return ReconcilePlan(
-        [(job_id, queue) for job_id, queue in requeue], expired + poisoned, poisoned, running, expired_ids
+        [(job_id, queue) for job_id, queue in requeue],
+        len(expired.requeued) + len(expired.poisoned),
+        len(expired.poisoned),
+        running,
+        frozenset(job_id for job_id, _ in expired.requeued),
     )
 
 

@@ -53,7 +53,12 @@ class Run(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_run_state", "run_id", "state"),)
+    __table_args__ = (
+        Index("ix_jobs_run_state", "run_id", "state"),
+        # Every heartbeat renews its owner's leases and looks for expired ones (farm/liveness.py).
+        Index("ix_jobs_lease_owner", "lease_owner"),
+        Index("ix_jobs_state_lease_expires", "state", "lease_expires_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)  # job_id_for(run, image, repeat)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -96,6 +101,27 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class WorkerProcess(Base):
+    """One process that runs jobs (a `dsocr worker` child, or `dsocr run`), and its heartbeat.
+
+    Its id is the lease owner name it claims jobs under, so the jobs it holds are those whose
+    `lease_owner` is its id. It is live while `heartbeat_at` is younger than the lease and it has not
+    stopped; a process that stops beating (killed, frozen, cut off) is dead to the farm, and its jobs are
+    requeued by the live workers once their leases expire (farm/liveness.py).
+    """
+
+    __tablename__ = "worker_processes"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # host:pid:nonce (ledger.process_owner)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int]
+    device: Mapped[str] = mapped_column(String(32))
+    queues: Mapped[str] = mapped_column(Text)  # comma-separated (queue names have no commas)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[datetime | None]  # a clean shutdown; a killed process never sets it
+
+
 class WorkerSession(Base):
     """One model loaded in one worker process: where and when, and what loading and warming it cost.
 
@@ -108,6 +134,7 @@ class WorkerSession(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))  # the environment fingerprint
+    worker_process_id: Mapped[str | None] = mapped_column(ForeignKey("worker_processes.id"))
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int]
     device: Mapped[str] = mapped_column(String(32))

@@ -19,7 +19,7 @@ from dsocr_workers.farm.submit import enqueue
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result, WorkerSession
+from dsocr_workers.store.models import Job, Result, WorkerProcess, WorkerSession
 
 PAGES = {"p1.png": (320, 420), "p2.png": (640, 480), "p3 wide.png": (900, 500), "p4.png": (400, 1300)}
 
@@ -111,7 +111,9 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
             ).all()
             attempts = session.scalars(select(Job.attempts).where(Job.run_id == run_id)).all()
             results = session.scalars(select(Result).where(Result.run_id == run_id)).all()
-            worker_sessions = session.scalars(select(WorkerSession)).all()
+            worker_sessions = session.scalars(
+                select(WorkerSession).join(WorkerProcess).where(WorkerProcess.queues == queue)
+            ).all()
         db.dispose()
         assert sorted(job_id for job_id, _ in per_job) == sorted(job_ids)
         assert {count for _, count in per_job} == {1}
@@ -142,6 +144,12 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
         p.read_text()[-2000:] for p in tmp_path.glob("worker*.log")
     ]
     assert "refused" in "".join(p.read_text() for p in tmp_path.glob("worker*.log"))
+    # Each child beat while it lived and recorded its clean stop (SIGTERM), so status does not wait for it.
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        processes = session.scalars(select(WorkerProcess).where(WorkerProcess.queues == queue)).all()
+    db.dispose()
+    assert len(processes) == 2 and all(p.stopped_at is not None and p.heartbeat_at >= p.started_at for p in processes)
 
     report = dsocr("report", "--run", run_id, "--format", "json", env=env)
     assert report.returncode == 0, report.stderr

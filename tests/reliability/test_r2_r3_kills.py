@@ -1,7 +1,8 @@
 """R2: `kill -9` of a worker's child mid-job, many times in one run — the killed jobs finish on a later
 attempt (Celery's reject_on_worker_lost puts the message back; the claim sees the dead lease owner).
-R3: `kill -9` of whole workers (parent and child) — nothing puts their message back, so their jobs are
-recovered by lease expiry + `dsocr reconcile`, within about the configured lease time."""
+R3: `kill -9` of whole workers (parent and child) — nothing puts their message back: the surviving
+workers' heartbeats find the dead holder's lease expired and requeue its job, within lease + heartbeat
+seconds of its last beat, with nothing typed (farm/liveness.py)."""
 
 from __future__ import annotations
 
@@ -64,29 +65,24 @@ def test_r2_child_kills_10(new_farm, tmp_path):
     child_kills(new_farm, tmp_path, jobs=60, kills=10, scenario="R2 kill -9 of a child")
 
 
-LEASE_S = 15
+LEASE_S, HEARTBEAT_S = 15, 3
 
 
 def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
-    # A short lease (hard limit 10 s), and a visibility timeout that returns the dead workers' unacknowledged
-    # messages within the test (they are refused as already done and acknowledged).
+    # A short lease and heartbeat, and a visibility timeout that returns the dead workers' unacknowledged
+    # messages within the test (refused as already done, and acknowledged). Nobody runs `dsocr reconcile`.
     farm = new_farm(
-        DSOCR_HARD_TIME_LIMIT="10", DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_VISIBILITY_TIMEOUT="30"
-    )
+        DSOCR_HARD_TIME_LIMIT="10", DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S),
+        DSOCR_VISIBILITY_TIMEOUT="30",
+    )  # fmt: skip
     listing = make_pages(tmp_path / "pages", jobs)
     run_id = farm.submit(listing, *SECOND_JOB)
     workers = [farm.start_worker() for _ in range(3)]
     killed: dict[str, float] = {}  # job id -> time of the kill (monotonic)
     killed_at: dict[str, datetime] = {}  # the same in the ledger's clock (naive UTC)
-    reconciled: set[str] = set()
 
     def kill_a_worker(current) -> None:
         now = time.monotonic()
-        # The operator's side: `dsocr reconcile` once a killed job's lease has expired.
-        for job_id, at in killed.items():
-            if job_id not in reconciled and now - at > LEASE_S + 0.5:
-                farm.reconcile(run_id)
-                reconciled.add(job_id)
         if len(killed) >= kills or (killed and now - max(killed.values()) < 2.0):
             return
         for job in current:
@@ -105,18 +101,20 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
     assert len(killed) == kills
     recovery = []  # seconds from the kill to the job done on its second attempt
-    requeued = []  # seconds from the kill to `dsocr reconcile` queueing it again (its lease expired)
+    requeued = []  # seconds from the kill to a live worker's heartbeat queueing it again
     for job_id, at in killed_at.items():
         job = finished[job_id]
         assert job.state == "done" and job.attempts == 2, (job.image, job.state, job.attempts)
+        assert job.last_error_class == "LeaseExpired", job.last_error_message  # taken back by a sweep
         recovery.append(round((job.finished_at - at).total_seconds(), 1))
         requeued.append(round((job.queued_at - at).total_seconds(), 1))
-    # Back in the queue within the lease time (+ the operator's reconcile poll); it is done once the
-    # jobs queued before it have run, so `done_after_kill_s` grows with the backlog.
-    assert all(LEASE_S - 1 < r < LEASE_S + 5 for r in requeued), requeued
+    # The holder's last beat was at most one heartbeat before the kill; its lease ran out LEASE_S after
+    # that beat, and the next sweep of a live worker (every heartbeat) took the job back.
+    assert all(LEASE_S - HEARTBEAT_S - 1 < r < LEASE_S + HEARTBEAT_S + 3 for r in requeued), requeued
     assert tally.done == jobs and tally.results == jobs
-    record(scenario, workers=3, faults=f"{kills} whole-worker kills", lease_s=LEASE_S, lost=jobs - tally.done,
-           duplicated=tally.duplicates, requeued_after_kill_s=requeued, done_after_kill_s=recovery, wall_s=round(wall, 1), tally=tally)  # fmt: skip
+    record(scenario, workers=3, faults=f"{kills} whole-worker kills", lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S,
+           lost=jobs - tally.done, duplicated=tally.duplicates, requeued_after_kill_s=requeued,
+           done_after_kill_s=recovery, wall_s=round(wall, 1), tally=tally)  # fmt: skip
 
 
 def test_r3_worker_kills_ci(new_farm, tmp_path):
@@ -126,3 +124,39 @@ def test_r3_worker_kills_ci(new_farm, tmp_path):
 @pytest.mark.slow
 def test_r3_worker_kills_3(new_farm, tmp_path):
     worker_kills(new_farm, tmp_path, jobs=60, kills=3, scenario="R3 kill -9 of a whole worker")
+
+
+def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path):
+    """What a newcomer sees: default lease (60 s) and heartbeat (10 s), two workers, one killed with its
+    child mid-job, no visibility-timeout shortcut (the default hour), nothing typed: its job is done by the
+    other worker within 90 s of the kill."""
+    farm = new_farm(DSOCR_HARD_TIME_LIMIT="600", DSOCR_LEASE_SECONDS="60", DSOCR_HEARTBEAT_SECONDS="10")
+    listing = make_pages(tmp_path / "pages", 8)
+    run_id = farm.submit(listing, *SECOND_JOB)
+    workers = [farm.start_worker() for _ in range(2)]
+    killed: dict[str, datetime] = {}
+
+    def kill_one(current) -> None:
+        if killed or sum(j.state == "done" for j in current) < 2:  # both warm and working first
+            return
+        for job in current:
+            victim = next((w for w in workers if owner_pid(job.lease_owner) in w.child_pids()), None)
+            if job.state == "running" and victim is not None and seconds_since(job.started_at) < 0.4:
+                victim.kill_all()
+                killed[job.id] = utcnow()
+                return
+
+    farm.wait_until_final(run_id, timeout=240, tick=kill_one, poll=0.2)
+    (job_id, at), = killed.items()
+    tally = check_invariants(farm, run_id, max_attempts=3, abandoned=frozenset(killed))
+    job = {j.id: j for j in farm.jobs(run_id)}[job_id]
+    done_after = (job.finished_at - at).total_seconds()
+    assert (job.state, job.attempts, job.last_error_class) == ("done", 2, "LeaseExpired")
+    assert done_after < 90, done_after
+    assert tally.done == tally.jobs == tally.results == 8
+    status = farm.dsocr("status", "--run", run_id)
+    assert status.returncode == 0, status.stderr
+    assert "1 live worker(s)" in status.stdout and "silent" in status.stdout, status.stdout
+    record("R3 kill -9 of a whole worker at the default lease and heartbeat", workers=2, lost=0,
+           duplicated=tally.duplicates, requeued_after_kill_s=round((job.queued_at - at).total_seconds(), 1),
+           done_after_kill_s=round(done_after, 1), tally=tally)  # fmt: skip

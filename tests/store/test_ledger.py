@@ -289,3 +289,43 @@ def test_sqlite_three_concurrent_writers_never_locked(sqlite_url):
     assert sum(done) == len(ids)
     with db.transaction() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == len(ids)
+
+
+def test_heartbeat_renews_only_its_own_leases(database: Database):
+    _, ids = make_run(database, images=2)
+    mine, other = claim(database, ids[0], "h:1:a"), claim(database, ids[1], "h:2:b")
+    later = utcnow() + timedelta(seconds=50)
+    with database.transaction() as session:
+        assert ledger.renew_leases(session, "h:1:a", 60, now=later) == 1
+    assert job(database, ids[0]).lease_expires_at == later + timedelta(seconds=60)
+    assert job(database, ids[1]).lease_expires_at == other.lease_expires_at
+    assert job(database, ids[0]).lease_expires_at > mine.lease_expires_at
+
+
+def test_sweep_takes_back_expired_jobs_once_spares_its_own_and_poisons_at_the_cap(database: Database):
+    run_id, ids = make_run(database, images=4)
+    for i, owner in enumerate(("h:1:dead", "h:2:dead", "h:3:sweeper", "h:4:live")):
+        claim(database, ids[i], owner, is_dead=lambda o: False)
+    with database.transaction() as session:
+        session.execute(text("UPDATE jobs SET attempts = :cap WHERE id = :id"), {"cap": CAP, "id": ids[1]})
+    after_lease = utcnow() + timedelta(seconds=61)
+    with database.transaction() as session:  # the live holder beat in time; the others did not
+        ledger.renew_leases(session, "h:4:live", 60, now=after_lease)
+
+    def sweep(queues):
+        with database.transaction() as session:
+            return ledger.expire_leases(
+                session, max_attempts=CAP, now=after_lease, queues=queues, spare_owner="h:3:sweeper"
+            )
+
+    assert sweep(["another-queue"]) == ledger.ExpiredLeases([], [])
+    first, second = sweep(["q"]), sweep(["q"])
+    assert first == ledger.ExpiredLeases([(ids[0], "q")], [ids[1]])
+    assert second == ledger.ExpiredLeases([], [])  # a second sweeper finds nothing left to send
+    states = {i: job(database, i) for i in ids}
+    assert (states[ids[0]].state, states[ids[0]].lease_owner, states[ids[0]].queued_at) == ("queued", None, after_lease)
+    assert states[ids[0]].last_error_class == "LeaseExpired" and "h:1:dead" in states[ids[0]].last_error_message
+    assert states[ids[1]].state == "poisoned"
+    assert states[ids[2]].state == states[ids[3]].state == "running"  # the sweeper's own job; a live one
+    with database.transaction() as session:
+        assert ledger.job_counts(session, run_id) == {"queued": 1, "poisoned": 1, "running": 2}

@@ -1,0 +1,124 @@
+"""Liveness without a command: every process that runs jobs beats a heart in a thread of its own.
+
+Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
+
+1. renews the lease of every job this process holds and stamps its `worker_processes` row, so a job
+   whose worker lives never loses its lease however long it runs (the hard time limit ends a stuck one);
+2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
+   killed with its parent, frozen, cut off from the database — is set back to `queued` and its message
+   sent again, or poisoned at the attempt cap. A dead worker's job is back in its queue at most
+   lease + heartbeat (70 s by default) after the holder's last beat: no `dsocr reconcile` typed, no
+   beat process to deploy. The message is sent inside the sweep's transaction: a broker error rolls the
+   change back for the next sweep; a commit that fails after the send leaves a message whose claim sees
+   an expired lease and takes the job as a new attempt, as it would anyway.
+
+The dead holder's own message still sits in Redis's unacknowledged set; it comes back after the
+visibility timeout and its claim is refused (done, or held by the new owner): at most one result.
+
+A beat is one short transaction; the thread holds the GIL only for that, a few milliseconds every ten
+seconds, next to jobs that the engine times with CUDA events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import update
+
+from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database
+from dsocr_workers.store.models import WorkerProcess, utcnow
+from dsocr_workers.store.upsert import upsert
+
+log = logging.getLogger("dsocr.worker")
+
+Publish = Callable[[list[tuple[str, str]]], None]  # sends one message per (job id, queue), or raises
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a Celery worker sweeps: the runs on its queues, and how it sends their messages."""
+
+    queues: tuple[str, ...]
+    publish: Publish
+
+
+@dataclass(frozen=True)
+class Beat:
+    renewed: int  # leases of this process's jobs extended
+    requeued: list[tuple[str, str]]  # (job id, queue) taken back from a dead holder and sent again
+    poisoned: list[str]  # the same at the attempt cap
+
+
+class Heartbeat:
+    def __init__(
+        self, db: Database, owner: str, settings: Settings, *, device: str, queues: tuple[str, ...],
+        sweep: Sweep | None = None,
+    ) -> None:  # fmt: skip
+        self.db, self.owner, self.settings = db, owner, settings
+        self.device, self.queues, self.sweep = device, queues, sweep
+        self.registered = False  # this process has its `worker_processes` row
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, now: datetime | None = None) -> Beat:
+        """One beat, in the caller's thread (the heartbeat thread, or a test)."""
+        now = now or utcnow()
+        row = {
+            "id": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "device": self.device,
+            "queues": ",".join(self.queues), "started_at": now, "heartbeat_at": now,
+        }  # fmt: skip
+        with self.db.transaction() as session:
+            upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
+            renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now)
+        self.registered = True
+        if self.sweep is None:
+            return Beat(renewed, [], [])
+        with self.db.transaction() as session:
+            expired = ledger.expire_leases(
+                session, max_attempts=self.settings.max_attempts, now=now, queues=self.sweep.queues,
+                spare_owner=self.owner,
+            )  # fmt: skip
+            if expired.requeued:
+                self.sweep.publish(expired.requeued)  # raises: rolled back, the next sweep tries again
+        for job_id, queue in expired.requeued:
+            log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
+        for job_id in expired.poisoned:
+            log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
+        return Beat(renewed, expired.requeued, expired.poisoned)
+
+    def start(self) -> None:
+        """Beat once now (registering this process), then every heartbeat interval until `stop`."""
+        self._beat_logged()
+        self._thread = threading.Thread(target=self._run, name="dsocr-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and record a clean stop, so `dsocr status` does not wait for this process."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.settings.heartbeat_s + 5)
+        try:
+            with self.db.transaction() as session:
+                session.execute(
+                    update(WorkerProcess).where(WorkerProcess.id == self.owner).values(stopped_at=utcnow())
+                )
+        except Exception:  # the ledger is down: the row goes silent and reads as dead after the lease
+            log.warning("could not record the stop of %s", self.owner, exc_info=True)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.settings.heartbeat_s):
+            self._beat_logged()
+
+    def _beat_logged(self) -> None:
+        try:
+            self.beat()
+        except Exception:  # a database or broker outage: the next beat tries again
+            log.warning("heartbeat of %s failed", self.owner, exc_info=True)
