@@ -64,7 +64,9 @@ def ledger_url(postgres_url: str) -> Iterator[str]:
     yield postgres_url
     db = open_database(postgres_url)
     with db.engine.begin() as connection:
-        connection.execute(text("TRUNCATE results, jobs, worker_sessions, workers, runs CASCADE"))
+        connection.execute(
+            text("TRUNCATE results, jobs, worker_sessions, worker_processes, workers, runs CASCADE")
+        )
     db.dispose()
 
 
