@@ -4,8 +4,9 @@
 # torch is pinned to the build every GPU figure in docs/benchmarks.md was measured with (2.11.0, CUDA 13.0
 # wheels, which carry their own CUDA runtime: the host needs only an NVIDIA driver for CUDA 13 and the
 # container toolkit); the bare-metal instructions in deploy/README.md pin the same. The project itself
-# needs torch>=2.8; CI runs the CPU build of 2.13.0 (scripts/setup.sh). No weights are baked in: mount
-# checkpoints at /models.
+# needs torch>=2.8; CI runs the CPU build of 2.13.0 (scripts/setup.sh). The image adds the PostgreSQL
+# driver, Flower (the `flower` service) and matplotlib (`dsocr report --html`). No weights are baked in:
+# mount checkpoints at /models.
 FROM python:3.12-slim
 
 ARG TORCH_VERSION=2.11.0
@@ -26,7 +27,8 @@ WORKDIR /app
 RUN python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY dsocr_workers/__init__.py dsocr_workers/__init__.py
-RUN python -m pip install -e '.[postgres]' && python -c "import torch, transformers, celery, sqlalchemy, psycopg"
+RUN python -m pip install -e '.[postgres,flower,report]' \
+    && python -c "import torch, transformers, celery, sqlalchemy, psycopg, flower, matplotlib"
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
 

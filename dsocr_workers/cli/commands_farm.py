@@ -1,4 +1,4 @@
-"""`dsocr submit | worker | run | runs | status | reconcile | db upgrade`."""
+"""`dsocr submit | worker | flower | run | runs | status | reconcile | db upgrade`."""
 
 from __future__ import annotations
 
@@ -137,10 +137,13 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="With --model: the token budget of the jobs to come (it sizes the KV cache warmed).")
+@click.option("--events", is_flag=True,
+              help="Show this worker and its jobs in Flower (`dsocr flower`): send task events and heartbeats, "
+                   "answer inspection.")
 @exits_on_errors
 def worker(
     gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str, warmup: str, model: str,
-    engine: str, dtype: str | None, max_new_tokens: int | None,
+    engine: str, dtype: str | None, max_new_tokens: int | None, events: bool,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
     it takes a job (the cost is stored per worker process, never in a job).
@@ -154,8 +157,36 @@ def worker(
     start_worker(
         Settings.from_env(), parse_devices(gpus), concurrency_per_device=concurrency_per_device,
         queues=queues, loglevel=loglevel, warmup=warmup, fallback_model=ModelKey(model, engine, dtype),
-        fallback_budget=max_new_tokens,
+        fallback_budget=max_new_tokens, events=events,
     )  # fmt: skip
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--port", type=int, default=5555, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Interface to listen on; 0.0.0.0 for every one (then set --basic-auth).")
+@click.option("--basic-auth", metavar="USER:PASSWORD", envvar="DSOCR_FLOWER_BASIC_AUTH",
+              help="Ask for this login (env DSOCR_FLOWER_BASIC_AUTH; empty: none).")
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+@exits_on_errors
+def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[str, ...]) -> None:
+    """Celery Flower, the web monitor, on this farm's broker (DSOCR_BROKER_URL and its key prefix):
+    workers started with `dsocr worker --events`, their jobs (job id; run, image and repeat as the task's
+    keyword arguments), queue lengths. Extra arguments go to Flower, e.g. --url-prefix=flower. Flower
+    serves its control API (shutdown, pool resize, revoke) only with authentication set; resize no pool
+    from it: a grown pool puts two children on one GPU."""
+    from importlib.util import find_spec
+
+    from dsocr_workers.errors import InputError
+    from dsocr_workers.farm.celery_app import create_app
+    from dsocr_workers.settings import Settings
+
+    if find_spec("flower") is None:
+        raise InputError("dsocr flower needs Flower: pip install 'dsocr-workers[flower]'")
+    app = create_app(Settings.from_env())
+    # Flower is a `celery` subcommand (an entry point it installs); `start` runs it with this app.
+    login = [f"--basic-auth={basic_auth}"] if basic_auth else []
+    app.start(["flower", f"--port={port}", f"--address={address}", *login, *flower_args])
 
 
 @click.command()
@@ -357,5 +388,5 @@ def upgrade() -> None:
 
 
 def register(group: click.Group) -> None:
-    for command in (submit, worker, run, runs, status, reconcile, db):
+    for command in (submit, worker, flower, run, runs, status, reconcile, db):
         group.add_command(command)

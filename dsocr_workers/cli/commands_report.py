@@ -1,5 +1,5 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--out FILE]`
-and `dsocr export --run ID --omnidocbench DIR`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--out FILE]
+[--html FILE]` and `dsocr export --run ID --omnidocbench DIR`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ from dsocr_workers.cli import exits_on_errors
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
 @click.option("--width", type=int, help="Table width in characters (format table).")
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the report with its plots (stage breakdown, latency CDFs, decode ms/token by position, "
+    "worker timeline, throughput over time) as one self-contained HTML file. Needs matplotlib "
+    "(pip install 'dsocr-workers[report]').",
+)
 @exits_on_errors
 def report(
     run_ref: str,
@@ -39,6 +47,7 @@ def report(
     fmt: str,
     out: Path | None,
     width: int | None,
+    html_path: Path | None,
 ) -> None:
     """Latency (TTFT, prefill, vision stages, decode ms/token, e2e and the parts that add up to it) as mean
     and p50 / p90 / p99 with 95% confidence intervals, per-job memory, steady-state and wall-clock
@@ -48,21 +57,33 @@ def report(
     --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
+    from dsocr_workers.errors import InputError
     from dsocr_workers.report.build import comparison_report, single_report
     from dsocr_workers.report.queries import load_run
     from dsocr_workers.report.render import render
     from dsocr_workers.settings import Settings
     from dsocr_workers.store.db import open_database
 
+    if html_path is not None:  # before the ledger is read: a missing extra is the user's first news
+        try:
+            from dsocr_workers.report.html import html_report
+            from dsocr_workers.report.plots import sides_of
+        except ModuleNotFoundError as exc:
+            package = (exc.name or "matplotlib").partition(".")[0]
+            raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
     db = open_database(Settings.from_env().database_url)
     with db.transaction() as session:
         a = load_run(session, run_ref)
-        if vs_ref:
-            b = load_run(session, vs_ref)
+        b = load_run(session, vs_ref) if vs_ref else None
+        if b is not None:
             document = comparison_report(a, b, per_image=per_image, include_cold=include_cold,
                                          exclude_loops=exclude_loops)  # fmt: skip
         else:
             document = single_report(a, per_image=per_image, include_cold=include_cold, exclude_loops=exclude_loops)
+    if html_path is not None:
+        sides = sides_of(a, b) if b is not None else sides_of(a)
+        html_path.write_text(html_report(document, sides, include_cold=include_cold), encoding="utf-8")
+        click.echo(f"wrote {html_path}", err=True)
     text = render(document, fmt, width=width)
     if out is None:
         click.echo(text, nl=False)

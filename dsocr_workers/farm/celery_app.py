@@ -18,7 +18,8 @@ from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.settings import Settings
 
 
-def create_app(settings: Settings) -> Celery:
+def create_app(settings: Settings, *, events: bool = False) -> Celery:
+    """The farm's app. `events`: a worker that Flower can show (`dsocr worker --events`, see below)."""
     app = Celery("dsocr", broker=settings.broker_url, include=["dsocr_workers.farm.tasks"])
     transport_options: dict[str, object] = {
         "visibility_timeout": settings.visibility_timeout_s,
@@ -40,10 +41,15 @@ def create_app(settings: Settings) -> Celery:
         task_time_limit=settings.hard_time_limit_s,
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
-        # A worker must not take its siblings' or its own previous incarnation's state: no gossip,
-        # no mingle, no remote-control broadcast queues (one less key space to share with other farms).
-        worker_enable_remote_control=False,
-        worker_send_task_events=False,
+        # A worker must not take its siblings' or its own previous incarnation's state: no gossip, no
+        # mingle (farm/worker.py). Monitoring is opt-in: Flower lists workers and tasks from task events
+        # and event heartbeats, and fills its worker pages (pool, queues, registered tasks) through
+        # remote-control inspection. Without a monitor nothing would listen, so by default workers send
+        # no events and keep no broadcast queue in Redis; with one, the cost is three small pub/sub
+        # messages per job (received, started, succeeded) and a heartbeat every 2 s, nothing next to
+        # jobs that take seconds. Both use the broker key prefix, so farms sharing a Redis stay apart.
+        worker_enable_remote_control=events,
+        worker_send_task_events=events,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )

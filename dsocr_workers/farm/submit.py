@@ -7,12 +7,13 @@ If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import insert
+from sqlalchemy import insert, select
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError, TransientError
@@ -23,6 +24,8 @@ from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
+
+LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
 
 
 @dataclass(frozen=True)
@@ -173,14 +176,28 @@ def record_run(
     return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
 
 
+def job_labels(db: Database, job_ids: list[str]) -> dict[str, str]:
+    """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
+    and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
+    the job id and reads everything else from the ledger."""
+    labels: dict[str, str] = {}
+    with db.transaction() as session:
+        for start in range(0, len(job_ids), LABEL_BATCH):
+            batch = job_ids[start : start + LABEL_BATCH]
+            for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+                labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
+    return labels
+
+
 def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     """Send one JSON message (the job id) per job, then mark them queued. Returns how many were sent;
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
     from kombu.exceptions import OperationalError
 
+    labels = job_labels(db, [job_id for job_id, _ in jobs])
     sent: list[str] = []
     try:
-        send_job_messages(app, jobs, sent)
+        send_job_messages(app, jobs, sent, labels)
     except (OperationalError, OSError) as exc:
         raise TransientError(
             f"broker unavailable after sending {len(sent)} of {len(jobs)} jobs: {exc}; "
@@ -192,14 +209,20 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     return len(sent)
 
 
-def send_job_messages(app: Any, jobs: list[tuple[str, str]], sent: list[str]) -> None:
-    """One message per (job id, queue), its task id the job id; appends each job id to `sent` once its
-    message is out. Raises the broker's error."""
+def send_job_messages(
+    app: Any, jobs: list[tuple[str, str]], sent: list[str], labels: Mapping[str, str]
+) -> None:
+    """One message per (job id, queue), its task id the job id and its label for monitors the job's in
+    `labels` (`job_labels`); appends each job id to `sent` once its message is out. Raises the broker's
+    error."""
     from dsocr_workers.farm.tasks import RUN_JOB
 
     with app.producer_or_acquire() as producer:
         for job_id, queue in jobs:
-            app.send_task(RUN_JOB, args=[job_id], queue=queue, task_id=job_id, producer=producer)
+            app.send_task(
+                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                producer=producer,
+            )  # fmt: skip
             sent.append(job_id)
 
 

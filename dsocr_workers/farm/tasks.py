@@ -24,11 +24,11 @@ from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
 from dsocr_workers.farm.liveness import Sweep
-from dsocr_workers.farm.submit import send_job_messages
+from dsocr_workers.farm.submit import job_labels, send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import database_for, open_database
 
 RUN_JOB = "dsocr.run_job"
 log = logging.getLogger("dsocr.worker")
@@ -50,8 +50,16 @@ def _open_child(**_: object) -> None:
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     queues = queues_from_env()
-    sweep = Sweep(queues, lambda jobs: send_job_messages(run_job.app, jobs, []))
-    _process = JobProcess.open(Settings.from_env(), device, queues=queues, sweep=sweep, cpu_threads=threads)
+    settings = Settings.from_env()
+
+    def send_again(jobs: list[tuple[str, str]]) -> None:
+        # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
+        labels = job_labels(database_for(settings.database_url), [job_id for job_id, _ in jobs])
+        send_job_messages(run_job.app, jobs, [], labels)
+
+    _process = JobProcess.open(
+        settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads
+    )
     log.info("child %s (pid %d) on %s", index, os.getpid(), device)
     plan = plan_from_env()
     if plan is not None:
@@ -78,13 +86,15 @@ class JobRequest(Request):
         # Called in the parent before billiard kills the child, so the child's lease is still its own.
         if not soft and self.worker_pid:
             try:
-                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout)
+                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout, self.kwargsrepr)
             except Exception:  # the ledger is down: lease expiry and a live worker's sweep recover the job
                 log.exception("job %s: could not record the hard time limit", self.args[0])
         super().on_timeout(soft, timeout)
 
 
-def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: float) -> None:
+def _record_hard_timeout(
+    task: object, job_id: str, child_pid: int, limit_s: float, label: str | None
+) -> None:
     settings = Settings.from_env()
     # A short-lived engine, disposed at once: the parent forks replacement children, which must not
     # inherit an open database connection.
@@ -103,7 +113,9 @@ def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: flo
     log.warning("job %s: killed at the hard time limit (%s s); %s", job_id, limit_s, state)
     if state == "queued":
         delay = retry_backoff_s(1, settings)
-        task.apply_async(args=[job_id], task_id=job_id, queue=queue, countdown=delay)  # type: ignore[attr-defined]
+        task.apply_async(  # type: ignore[attr-defined]
+            args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=delay
+        )
 
 
 @shared_task(
@@ -112,6 +124,8 @@ def _record_hard_timeout(task: object, job_id: str, child_pid: int, limit_s: flo
 def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     if _process is None:
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")
+    # A retry is a new message: it keeps the job's label (farm/submit.py `job_labels`) for monitors.
+    label = getattr(self.request, "kwargsrepr", None)
     _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
     try:
         outcome = execute_job(
@@ -120,8 +134,8 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     except TransientError as exc:
         delay = retry_backoff_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)
-        raise self.retry(countdown=delay, exc=exc) from exc
+        raise self.retry(countdown=delay, exc=exc, kwargsrepr=label) from exc
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)
     if outcome.retry_in_s is not None:
-        raise self.retry(countdown=outcome.retry_in_s)
+        raise self.retry(countdown=outcome.retry_in_s, kwargsrepr=label)
     return outcome.status

@@ -81,11 +81,13 @@ def start_worker(
     warmup: str = "auto",
     fallback_model: ModelKey = DEFAULT_MODEL,
     fallback_budget: int | None = None,
+    events: bool = False,
 ) -> None:
     """Run a Celery worker until it is shut down (SIGTERM: warm shutdown, the current jobs finish).
     Each child loads and warms a model before it takes a message: `warmup` names the modes (or
     `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is,
-    warmed for jobs of `fallback_budget` new tokens (None: the model's positions)."""
+    warmed for jobs of `fallback_budget` new tokens (None: the model's positions). `events`: visible in
+    Flower (task events, event heartbeats, inspection; farm/celery_app.py)."""
     if concurrency_per_device < 1:
         raise InputError("--concurrency-per-device must be at least 1")
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
@@ -100,7 +102,7 @@ def start_worker(
 
     from dsocr_workers.farm.celery_app import create_app
 
-    app = create_app(settings)
+    app = create_app(settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
     app.worker_main(
         [
@@ -112,7 +114,9 @@ def start_worker(
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}@%h",
             "--without-gossip",
             "--without-mingle",
-            "--without-heartbeat",
+            # Celery's event heartbeats (not the ledger's, farm/liveness.py) tell a monitor that the
+            # worker is alive; without one they go nowhere.
+            *([] if events else ["--without-heartbeat"]),
             f"--loglevel={loglevel}",
         ]
     )

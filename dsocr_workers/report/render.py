@@ -20,13 +20,13 @@ from dsocr_workers.report.stats import Estimate
 FORMATS = ("table", "csv", "json", "md")
 
 
-def _cell(value: Any) -> str:
+def cell_text(value: Any) -> str:
     if isinstance(value, Estimate):
         if value.value is None:
             return ""
         if value.low is None or value.high is None:
-            return f"{_cell(value.value)} [{'n<2' if value.n < 2 else '–'}]"
-        return f"{_cell(value.value)} [{_cell(value.low)}, {_cell(value.high)}]"
+            return f"{cell_text(value.value)} [{'n<2' if value.n < 2 else '–'}]"
+        return f"{cell_text(value.value)} [{cell_text(value.low)}, {cell_text(value.high)}]"
     if value is None:
         return ""
     if isinstance(value, float):
@@ -65,7 +65,7 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
             )
             table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold")
         for row in section.rows:
-            table.add_row(*(Text(_cell(v)) for v in row))  # Text: "[n<2]" is not console markup
+            table.add_row(*(Text(cell_text(v)) for v in row))  # Text: "[n<2]" is not console markup
         if section.note:
             table.caption = Text(section.note, style="bold red")
         console.print(table)
@@ -124,7 +124,7 @@ def render_json(report: Report) -> str:
 
 def render_markdown(report: Report) -> str:
     def escape(value: Any) -> str:
-        return _cell(value).replace("|", "\\|").replace("\n", " ")
+        return cell_text(value).replace("|", "\\|").replace("\n", " ")
 
     lines = [f"# {report.title}", ""]
     lines += [f"> **WARNING: {w}**\n" for w in report.warnings]

@@ -23,11 +23,12 @@ Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime
 
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Estimate, rate_sum, rate_sum_ratio
-from dsocr_workers.store.models import Result
+from dsocr_workers.store.models import Job, Result
 
 
 def lane_key(data: RunData, result: Result) -> str:
@@ -36,26 +37,44 @@ def lane_key(data: RunData, result: Result) -> str:
     return f"{session.host}:{session.pid}:{session.device}" if session is not None else result.worker_id
 
 
-def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
-    """Per lane, the service times (seconds) of its finished jobs, as defined above."""
-    # (finished, started, ready_at of its session, cold) of every job with a result, per lane
-    by_lane: dict[str, list[tuple[datetime, datetime, datetime | None, bool]]] = defaultdict(list)
+@dataclass(frozen=True)
+class Service:
+    """One finished job on its lane, from when its worker could begin it to when it finished."""
+
+    job: Job
+    result: Result
+    began: datetime  # max(started, the lane's previous finish, ready_at of the job's session)
+    finished: datetime
+
+
+def services(data: RunData) -> dict[str, list[Service]]:
+    """Per lane, every job with a result and both timestamps, in the order they finished (cold ones too:
+    a cold job still occupies its worker)."""
+    # (finished, started, ready_at of its session, job, result) of every job with a result, per lane
+    by_lane: dict[str, list[tuple[datetime, datetime, datetime | None, Job, Result]]] = defaultdict(list)
     for job in data.jobs:
         result = data.results.get(job.id)
         if result is not None and job.started_at is not None and job.finished_at is not None:
             session = data.sessions.get(result.worker_session_id or "")
             ready_at = session.ready_at if session is not None else None
-            by_lane[lane_key(data, result)].append((job.finished_at, job.started_at, ready_at, result.cold))
-    times: dict[str, list[float]] = {}
+            by_lane[lane_key(data, result)].append((job.finished_at, job.started_at, ready_at, job, result))
+    lanes: dict[str, list[Service]] = {}
     for key, done in by_lane.items():
-        times[key] = []
+        lanes[key] = []
         free_at: datetime | None = None  # when the worker could take work
-        for finished, started, ready_at, cold in sorted(done, key=lambda item: item[0]):
+        for finished, started, ready_at, job, result in sorted(done, key=lambda item: item[0]):
             began = max(t for t in (started, free_at, ready_at) if t is not None)
-            if include_cold or not cold:
-                times[key].append((finished - began).total_seconds())
+            lanes[key].append(Service(job, result, began, finished))
             free_at = finished
-    return times
+    return lanes
+
+
+def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
+    """Per lane, the service times (seconds) of its finished jobs, as defined above."""
+    return {
+        key: [(s.finished - s.began).total_seconds() for s in lane if include_cold or not s.result.cold]
+        for key, lane in services(data).items()
+    }
 
 
 def steady_state_throughput(data: RunData, include_cold: bool = False) -> Estimate:

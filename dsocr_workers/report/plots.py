@@ -1,0 +1,327 @@
+"""The pictures of `dsocr report --html`: matplotlib figures rendered to PNG, one function per plot.
+
+Every function takes the runs being reported, each with its label (`Side`: "run X", or "A: run X" and
+"B: run Y" with --vs), and returns a `Plot` (title, caption, PNG bytes). Figures are built with
+`matplotlib.figure.Figure`, never pyplot: no global figure registry, no GUI backend to select, and
+`savefig` renders with Agg whatever the environment's default backend is.
+
+What each plot counts follows the terminal report: the distributions and the decode steps are
+those of the statistics (warm results unless `include_cold`, report/build.py `measured`); the
+per-image breakdown and the timeline show every result, cold ones hatched; the timeline's job bars
+are the service intervals of steady-state throughput (report/throughput.py `services`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from dsocr_workers.report.build import LATENCY, measured
+from dsocr_workers.report.queries import RunData
+from dsocr_workers.report.throughput import services, steady_state_throughput
+from dsocr_workers.store.models import Result
+
+DPI = 100
+WIDTH_IN = 12.0
+RUN_COLORS = ("tab:blue", "tab:orange")  # A, B
+COLD_HATCH = "///"
+# Beyond this many jobs a per-job axis cannot carry a readable label per bar: bars stay, labels go.
+MAX_LABELLED_JOBS = 40
+# The decode scatter draws at most this many steps per run (a fixed random sample); the median line
+# uses every step. Millions of points add nothing to the picture but seconds of rendering.
+MAX_SCATTER_POINTS = 40_000
+SEED = 0
+MAX_TIME_BINS = 200  # throughput over time: bins from the submit to the last page
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str  # in legends: "A", "B", or "run X" alone
+    label: str  # in panel titles: "A: run X (name)"
+    data: RunData
+
+
+def sides_of(*runs: RunData) -> list[Side]:
+    """One run, or A and B (--vs) in that order."""
+    if len(runs) == 1:
+        return [Side(f"run {runs[0].run.id}", f"run {runs[0].run.id} ({runs[0].run.name})", runs[0])]
+    return [
+        Side(side, f"{side}: run {d.run.id} ({d.run.name})", d) for side, d in zip("AB", runs, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class Plot:
+    title: str  # the figure's heading in the page (and its image's alt text)
+    caption: str  # what is drawn, and what is left out
+    png: bytes
+
+
+# The bars of the per-image breakdown, in the order they happen. Their sum is e2e: "setup + gaps" is
+# e2e minus every other bar, i.e. setup, the part of prefill outside the vision stages and the LM
+# prefill, and the host gap (engine/result.py StageTimings).
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("preprocess", ("preprocess_ms",)),
+    ("SAM", ("sam_ms",)),
+    ("CLIP", ("clip_ms",)),
+    ("projector", ("projector_ms",)),
+    ("LM prefill", ("lm_prefill_ms",)),
+    ("decode", ("first_token_ms", "decode_ms")),
+    ("wasted decode", ("wasted_decode_ms",)),
+    ("postprocess", ("readback_ms", "postprocess_ms")),
+]
+GAPS = "setup + gaps"
+STAGE_LABELS = [*(label for label, _ in STAGES), GAPS]
+STAGE_COLORS = dict(zip(STAGE_LABELS, ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728",
+                                       "#bcbd22", "#c7c7c7"), strict=True))  # fmt: skip
+# The distributions drawn, by their label in the report's latency table.
+CDF_METRICS = ("TTFT ms", "decode ms/token", "end-to-end ms")
+
+
+def stage_ms(result: Result) -> dict[str, float]:
+    """Milliseconds of each bar of one job; they add up to its e2e."""
+    bars = {label: sum(getattr(result, column) for column in columns) for label, columns in STAGES}
+    bars[GAPS] = result.e2e_ms - sum(bars.values())
+    return bars
+
+
+def _png(figure: Figure) -> bytes:
+    out = io.BytesIO()
+    figure.savefig(out, format="png", dpi=DPI)
+    return out.getvalue()
+
+
+def _legend_or_nothing(ax: Axes, nothing: str, **legend: Any) -> None:
+    """A legend when something was drawn; otherwise say so in the middle of the panel."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+    else:
+        ax.text(0.5, 0.5, nothing, transform=ax.transAxes, ha="center", color="#666666")
+
+
+def _seconds(data: RunData, at: datetime) -> float:
+    """Seconds after the run was submitted."""
+    return (at - data.run.created_at).total_seconds()
+
+
+def _job_label(image: str, repeat: int, repeats: int) -> str:
+    name = image.rsplit("/", 1)[-1]
+    return f"{name} #{repeat}" if repeats > 1 else name
+
+
+def stage_breakdown(sides: Sequence[Side]) -> Plot:
+    title = "Stage breakdown per image"
+    figure = Figure(figsize=(WIDTH_IN, 1.2 + 3.4 * len(sides)), layout="constrained")
+    axes = figure.subplots(len(sides), 1, squeeze=False, sharey=True)[:, 0]
+    for ax, side in zip(axes, sides, strict=True):
+        jobs = [(j, side.data.results[j.id]) for j in side.data.jobs if j.id in side.data.results]
+        repeats = 1 + max((j.repeat for j, _ in jobs), default=0)
+        x = np.arange(len(jobs))
+        bottom = np.zeros(len(jobs))
+        per_job = [stage_ms(r) for _, r in jobs]
+        for label, color in STAGE_COLORS.items():
+            heights = np.array([bars[label] for bars in per_job])
+            bars = ax.bar(x, heights, bottom=bottom, color=color, edgecolor="white", linewidth=0.3)
+            for patch, (_, result) in zip(bars, jobs, strict=True):
+                patch.set_hatch(COLD_HATCH if result.cold else None)
+            bottom += heights
+        ax.set_title(side.label, loc="left", fontsize=10)
+        ax.set_ylabel("ms")
+        if len(jobs) <= MAX_LABELLED_JOBS:
+            ax.set_xticks(x, [_job_label(j.image, j.repeat, repeats) for j, _ in jobs], rotation=30,
+                          ha="right", fontsize=8)  # fmt: skip
+        else:
+            ax.set_xlabel("jobs in file-list order")
+        if not jobs:
+            ax.text(0.5, 0.5, "no results", transform=ax.transAxes, ha="center", color="#666666")
+    # Patches of their own: the bars' would carry the first job's hatch into the legend.
+    legend = [Patch(color=color, label=label) for label, color in STAGE_COLORS.items()]
+    legend.append(Patch(facecolor="white", edgecolor="#555555", hatch=COLD_HATCH, label="cold"))
+    figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        "One bar per job (image, repeat) in file-list order; the bars add up to its end-to-end time. "
+        "'setup + gaps' is e2e minus the named stages. Hatched: cold results (left out of the statistics "
+        "unless --include-cold)."
+    )
+    return Plot(title, caption, _png(figure))
+
+
+def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
+    title = "Latency distributions (CDF)"
+    by_label = {m.label: m for m in LATENCY}
+    metrics = [by_label[label] for label in CDF_METRICS]
+    figure = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
+    axes = figure.subplots(1, len(metrics))
+    for ax, metric in zip(axes, metrics, strict=True):
+        for side, color in zip(sides, RUN_COLORS, strict=False):
+            values = [v for r in measured(side.data, include_cold) for v in metric.values(r)]
+            if values:
+                ax.ecdf(values, color=color, label=f"{side.name} (n={len(values)})")
+        ax.set_xlabel(metric.label)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        _legend_or_nothing(ax, "no measured results", fontsize=7, loc="lower right")
+    axes[0].set_ylabel("fraction of jobs (steps for ms/token)")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    cold = (
+        "cold results included (--include-cold)"
+        if include_cold
+        else "cold results left out, as in the statistics"
+    )
+    caption = f"Empirical CDFs over every measured job (decode ms/token: every kept step); {cold}."
+    return Plot(title, caption, _png(figure))
+
+
+def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
+    title = "Decode ms/token against position (KV growth)"
+    figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
+    ax = figure.subplots()
+    rng = np.random.default_rng(SEED)
+    for side, color in zip(sides, RUN_COLORS, strict=False):
+        positions, times = [], []
+        for r in measured(side.data, include_cold):
+            # Step i feeds token i back at position prompt + i: it attends over prompt + i + 1 positions.
+            positions.append(r.prompt_tokens + 1 + np.arange(len(r.decode_step_ms)))
+            times.append(np.asarray(r.decode_step_ms, dtype=float))
+        if not positions:
+            continue
+        x, y = np.concatenate(positions), np.concatenate(times)
+        shown = (
+            rng.choice(x.size, MAX_SCATTER_POINTS, replace=False)
+            if x.size > MAX_SCATTER_POINTS
+            else slice(None)
+        )
+        ax.scatter(x[shown], y[shown], s=4, alpha=0.25, color=color, linewidths=0, rasterized=True)
+        edges = np.unique(np.linspace(x.min(), x.max() + 1, 41).astype(int))
+        which = np.digitize(x, edges)
+        centres = [(edges[i - 1] + edges[i]) / 2 for i in range(1, len(edges)) if np.any(which == i)]
+        medians = [float(np.median(y[which == i])) for i in range(1, len(edges)) if np.any(which == i)]
+        ax.plot(centres, medians, color=color, linewidth=2, label=f"{side.name}: median ({y.size} steps)")
+    ax.set_xlabel("KV length (positions attended: prompt + tokens fed back)")
+    ax.set_ylabel("decode ms/token")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _legend_or_nothing(ax, "no measured decode steps", fontsize=8, loc="upper left")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        "Every kept decode step (points) against the cache length it attended over, and the median per "
+        f"position bin (line); a growing KV cache shows as a rising line. At most {MAX_SCATTER_POINTS:,} "
+        "points per run are drawn; the median uses every step. Cold results follow the statistics."
+    )
+    return Plot(title, caption, _png(figure))
+
+
+def worker_timeline(sides: Sequence[Side]) -> Plot:
+    title = "Worker timeline"
+    lanes_per_side = [services(side.data) for side in sides]
+    heights = [max(1, len(lanes)) for lanes in lanes_per_side]
+    figure = Figure(figsize=(WIDTH_IN, 1.2 + sum(1.5 + 0.45 * h for h in heights)), layout="constrained")
+    axes = figure.subplots(len(sides), 1, squeeze=False, height_ratios=[1.5 + 0.45 * h for h in heights])[
+        :, 0
+    ]
+    for ax, side, lanes in zip(axes, sides, lanes_per_side, strict=True):
+        data = side.data
+        span = max((_seconds(data, s.finished) for lane in lanes.values() for s in lane), default=1.0)
+        left = 0.0
+        for y, (_, lane) in enumerate(sorted(lanes.items())):
+            ids = dict.fromkeys(s.result.worker_session_id for s in lane)
+            for session in (data.sessions[i] for i in ids if i in data.sessions):
+                start = _seconds(data, session.started_at)
+                load, warm = (session.load_ms or 0) / 1000, (session.warmup_ms or 0) / 1000
+                ax.broken_barh([(start, load)], (y - 0.4, 0.8), color="#7f7f7f")
+                ax.broken_barh([(start + load, warm)], (y - 0.4, 0.8), color="#c5b0d5")
+                # A worker up long before the submit would squash the run into a sliver: show at most
+                # a quarter of the run's span before it (the load / warm-up bars then start off-axis).
+                left = min(left, max(start, -0.25 * span))
+            for s in lane:
+                began = _seconds(data, s.began)
+                ax.broken_barh([(began, _seconds(data, s.finished) - began)], (y - 0.4, 0.8),
+                               facecolor="#1f77b4", edgecolor="white", linewidth=0.5,
+                               hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
+        ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
+        ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
+        ax.set_xlim(left - 0.01 * span, span * 1.01)
+        ax.invert_yaxis()
+        ax.set_title(side.label, loc="left", fontsize=10)
+        ax.set_xlabel("seconds after submit")
+        ax.grid(axis="x", alpha=0.3)
+        if not lanes:
+            ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
+    legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
+              Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
+              Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip
+    figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        "One lane per worker process (host:pid:device). Grey: model load, lilac: warm-up (its worker "
+        "sessions), blue: a job from when its worker could begin it to its finish (the service interval "
+        "of steady-state throughput); white space is idle time. Hatched: cold jobs."
+    )
+    return Plot(title, caption, _png(figure))
+
+
+def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
+    title = "Throughput over time"
+    figure = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
+    rate_ax = figure.subplots()
+    done_ax = rate_ax.twinx()
+    for side, color in zip(sides, RUN_COLORS, strict=False):
+        data = side.data
+        finished = np.sort([_seconds(data, j.finished_at) for j in data.jobs
+                            if j.id in data.results and j.finished_at is not None])  # fmt: skip
+        if finished.size == 0:
+            continue
+        # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
+        # from the last page to the submit: a long load then reads as empty bins, not as one wide bin
+        # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
+        busy_bins = int(np.clip(finished.size // 2, 1, 60))
+        width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
+        bins = max(1, int(np.ceil(finished[-1] / width)))
+        edges = np.maximum(finished[-1] - width * np.arange(bins, -1, -1), 0.0)
+        counts, _ = np.histogram(finished, edges)
+        rate_ax.stairs(
+            counts / np.diff(edges), edges, color=color, linewidth=1.5, label=f"{side.name}: pages/s"
+        )
+        steady = steady_state_throughput(data, include_cold).value
+        if steady is not None:
+            rate_ax.axhline(steady, color=color, linestyle="--", linewidth=1,
+                            label=f"{side.name}: steady state {steady:.3g} pages/s")  # fmt: skip
+        done_ax.step(finished, np.arange(1, finished.size + 1), where="post", color=color, alpha=0.45,
+                     linestyle=":", label=f"{side.name}: pages done")  # fmt: skip
+    rate_ax.set_xlabel("seconds after submit")
+    rate_ax.set_ylabel("pages/s (finished per bin)")
+    done_ax.set_ylabel("pages done")
+    rate_ax.set_xlim(left=0)
+    rate_ax.set_ylim(bottom=0)
+    done_ax.set_ylim(bottom=0)
+    rate_ax.grid(alpha=0.3)
+    handles = [h for ax in (rate_ax, done_ax) for h in ax.get_legend_handles_labels()[0]]
+    if handles:
+        rate_ax.legend(handles=handles, fontsize=8, loc="upper left")
+    else:
+        rate_ax.text(0.5, 0.5, "no finished pages", transform=rate_ax.transAxes, ha="center", color="#666666")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        "Pages finished per time bin (solid), pages done so far (dotted, right axis) and the steady-state "
+        "rate of the report (dashed): loading and warm-up show as the delay before the first page."
+    )
+    return Plot(title, caption, _png(figure))
+
+
+def all_plots(sides: Sequence[Side], include_cold: bool) -> list[Plot]:
+    return [
+        stage_breakdown(sides),
+        latency_distributions(sides, include_cold),
+        decode_steps(sides, include_cold),
+        worker_timeline(sides),
+        throughput_over_time(sides, include_cold),
+    ]
