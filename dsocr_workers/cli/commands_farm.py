@@ -196,8 +196,8 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
 @click.option("--queue", default=None,
               help="Queue name to record the run under (default: in-process). Name a worker queue to let "
                    "its workers take over the jobs this process leaves behind if it dies.")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table",
-              show_default=True, help="Format of the closing report.")  # fmt: skip
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "md"]), default="table", show_default=True,
+              help="Format of the closing report (csv, one table per file: dsocr report --format csv).")  # fmt: skip
 @exits_on_errors
 def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> None:
     """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dsocr_workers.cli import exits_on_errors
+from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.config import DTYPES, ENGINES, MODES, PRESETS
 
@@ -205,6 +205,7 @@ def infer_command(
     """Run one IMAGE through the model: stage timings, raw markup, boxes, result.mmd, an overlay and
     figure crops, and result.json (machine-readable, with crop grid and token counts)."""
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.sampling import validate_options
@@ -234,14 +235,19 @@ def infer_command(
     original = load_image(image)
     session = open_session(model, device, engine, dtype, preset_seed)
     model_banner(console, session)
-    result = session.run_inference(
-        image,
-        prompt=prompt if prompt is not None else prompt_name,
-        mode=mode,
-        max_new_tokens=max_new_tokens,
-        infer=options,
-        max_crops=max_crops,
-    )
+    # Progress on stderr (a long decode on a CPU takes minutes): the bar advances with the EOS watch.
+    with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=stdout_console(stderr=True), transient=True) as progress:  # fmt: skip
+        bar = progress.add_task("decode", total=None)
+        result = session.run_inference(
+            image,
+            prompt=prompt if prompt is not None else prompt_name,
+            mode=mode,
+            max_new_tokens=max_new_tokens,
+            infer=options,
+            max_crops=max_crops,
+            on_decode_progress=lambda steps, budget: progress.update(bar, completed=steps, total=budget),
+        )
     out_dir = out_dir if out_dir is not None else Path("out") / image.stem
     written = write_outputs(out_dir, result.text, original, parse_markup(result.text, *original.size))
     document = result_document(result, sorted([*written, "result.json"]))

@@ -1,5 +1,5 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--out FILE]
-[--html FILE]` and `dsocr export --run ID --omnidocbench DIR`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--table NAME]
+[--out FILE|DIR] [--html FILE]` and `dsocr export --run ID --omnidocbench DIR`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ from dsocr_workers.cli import exits_on_errors
 @click.option(
     "--format", "fmt", type=click.Choice(["table", "csv", "json", "md"]), default="table", show_default=True
 )
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="Write here instead of stdout; with --format csv and no --table, a folder: one file per table.")
+@click.option("--table", help="Only this table (its title, e.g. 'Per image'); csv holds one table.")
 @click.option("--width", type=int, help="Table width in characters (format table).")
 @click.option(
     "--html",
@@ -46,6 +48,7 @@ def report(
     exclude_loops: bool,
     fmt: str,
     out: Path | None,
+    table: str | None,
     width: int | None,
     html_path: Path | None,
 ) -> None:
@@ -60,7 +63,7 @@ def report(
     from dsocr_workers.errors import InputError
     from dsocr_workers.report.build import comparison_report, single_report
     from dsocr_workers.report.queries import load_run
-    from dsocr_workers.report.render import render
+    from dsocr_workers.report.render import only_table, render, write_csv_tables
     from dsocr_workers.settings import Settings
     from dsocr_workers.store.db import open_database
 
@@ -84,6 +87,12 @@ def report(
         sides = sides_of(a, b) if b is not None else sides_of(a)
         html_path.write_text(html_report(document, sides, include_cold=include_cold), encoding="utf-8")
         click.echo(f"wrote {html_path}", err=True)
+    if table is not None:
+        document = only_table(document, table)
+    if fmt == "csv" and out is not None and len(document.tables) > 1:
+        for path in write_csv_tables(document, out):
+            click.echo(f"wrote {path}", err=True)
+        return
     text = render(document, fmt, width=width)
     if out is None:
         click.echo(text, nl=False)

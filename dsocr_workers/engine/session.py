@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from dsocr_workers.engine.generate import (
+    EOS_CHECK_INTERVAL,
     DecodeBuffers,
     EosWatch,
     RepetitionWatch,
@@ -313,9 +314,12 @@ class DeepSeekOCRSession:
         return_text: bool = True,
         max_crops: int = 9,
         clock: StageClock | None = None,
+        on_decode_progress: Callable[[int, int], None] | None = None,
     ) -> InferenceResult:
         """preprocess → setup → prefill (vision + LM) → first token → decode → readback → postprocess.
-        Every part is timed (StageTimings says how they add up to end-to-end)."""
+        Every part is timed (StageTimings says how they add up to end-to-end). `on_decode_progress(steps,
+        budget)` is called at the EOS watch's cadence (every EOS_CHECK_INTERVAL steps, host side: on CUDA
+        the steps launched, which the device finishes shortly after), for a progress display."""
         options = infer or DecodeOptions()
         validate_options(options)
         clock = clock or StageClock(self.device, job_id=job_id)
@@ -339,7 +343,9 @@ class DeepSeekOCRSession:
             with clock.stage("first_token"):
                 choose_token(logits, ban, options)  # the first token comes from the prefill logits
                 self._force_eos(buffers, page.prompt_tokens, 0, options)
-            steps, repeating = self._decode_loop(page.prompt_tokens, budget, ban, buffers, options, clock)
+            steps, repeating = self._decode_loop(
+                page.prompt_tokens, budget, ban, buffers, options, clock, on_decode_progress
+            )
             with clock.stage("readback"):
                 written = buffers.read_tokens(page.prompt_tokens, page.prompt_tokens + 1 + steps)
             memory = None
@@ -414,7 +420,7 @@ class DeepSeekOCRSession:
 
     def _decode_loop(
         self, prompt_tokens: int, budget: int, ban: NGramBan, buffers: DecodeBuffers, options: DecodeOptions,
-        clock: StageClock,
+        clock: StageClock, on_progress: Callable[[int, int], None] | None = None,
     ) -> tuple[int, bool]:
         """Run decode steps until the budget is spent, EOS was seen (EosWatch: no stall of the device)
         or, when asked, the output ends in a repetition loop (RepetitionWatch, the same way). Returns
@@ -433,6 +439,8 @@ class DeepSeekOCRSession:
                 steps += 1
                 self._force_eos(buffers, prompt_tokens, steps, options)
                 clock.mark_step()
+                if on_progress is not None and steps % EOS_CHECK_INTERVAL == 0:
+                    on_progress(steps, budget)
         return steps, repeating
 
     @staticmethod

@@ -227,14 +227,13 @@ def single_report(
     report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
     failures = [
-        [j.image, j.repeat, j.state, j.attempts, j.last_error_class, j.last_error_message]
+        [j.image, j.repeat, j.id, j.state, j.attempts, j.last_error_class, j.last_error_message]
         for j in data.jobs
         if j.state in ("failed", "poisoned")
     ]
     if failures:
-        report.tables.append(
-            Table("Failures", ["image", "repeat", "state", "attempts", "error", "message"], failures)
-        )
+        columns = ["image", "repeat", "job id", "state", "attempts", "error", "message"]
+        report.tables.append(Table("Failures", columns, failures))
     if per_image:
         report.tables.append(_per_image(data))
     return report
@@ -366,15 +365,15 @@ def _per_image(data: RunData) -> Table:
         r = data.results.get(j.id)
         peak = r.peak_memory_bytes if r else None
         rows.append(
-            [j.image, j.repeat, j.state, j.attempts] + (
-                [r.device, (r.worker_session_id or r.worker_id)[:12], r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
+            [j.image, j.repeat, j.id, j.state, j.attempts] + (
+                [lane_key(data, r), r.device, r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
                  r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
                  r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
                  _loop_cell(r), r.stop_reason]
                 if r else [None] * 16 + [j.last_error_class]
             )
         )  # fmt: skip
-    columns = ["image", "repeat", "state", "attempts", "device", "session", "TTFT ms", "prefill ms", "tokens",
+    columns = ["image", "repeat", "job id", "state", "attempts", "worker", "device", "TTFT ms", "prefill ms", "tokens",
                "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "text edit", "formula edit",
                "table edit", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
     return Table("Per image", columns, rows, _accuracy_note(data) if scored(data) else None)

@@ -1,5 +1,6 @@
 """A report as terminal tables (rich), CSV, JSON or Markdown.
 
+CSV holds one table: `--table NAME` picks it, or one file per table is written into a folder.
 An `Estimate` cell reads "value [low, high]" in tables and Markdown ("[n<2]" or "[–]" where there is no
 interval); CSV and JSON stay machine-readable: its column becomes three, `<column>`,
 `<column>_ci_low` and `<column>_ci_high`, numbers (empty / null without an interval). A table's note
@@ -12,8 +13,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from dsocr_workers.errors import InputError
 from dsocr_workers.report.build import Report, Table
 from dsocr_workers.report.stats import Estimate
 
@@ -38,12 +43,41 @@ def render(report: Report, fmt: str, *, width: int | None = None) -> str:
     if fmt == "table":
         return render_table(report, width=width)
     if fmt == "csv":
+        if len(report.tables) != 1:
+            raise InputError(
+                "csv holds one table: pick one with --table NAME, or give --out DIR/ for one file per table "
+                f"(tables: {', '.join(t.title for t in report.tables)})"
+            )
         return render_csv(report)
     if fmt == "json":
         return render_json(report)
     if fmt == "md":
         return render_markdown(report)
     raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
+
+
+def only_table(report: Report, title: str) -> Report:
+    """The report with one of its tables (its title, any case)."""
+    chosen = [t for t in report.tables if t.title.casefold() == title.casefold()]
+    if not chosen:
+        raise InputError(f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}")
+    return replace(report, tables=chosen)
+
+
+def table_file_name(title: str) -> str:
+    """`Latency and output` → `latency-and-output.csv`."""
+    return re.sub(r"[^a-z0-9]+", "-", title.casefold()).strip("-") + ".csv"
+
+
+def write_csv_tables(report: Report, directory: Path) -> list[Path]:
+    """One CSV file per table in `directory` (created), each with the report's warnings."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for table in report.tables:
+        path = directory / table_file_name(table.title)
+        path.write_text(render_csv(replace(report, tables=[table])), encoding="utf-8")
+        written.append(path)
+    return written
 
 
 def render_table(report: Report, *, width: int | None = None, color: bool = False) -> str:
@@ -96,19 +130,19 @@ def _expanded(table: Table) -> tuple[list[str], list[list[Any]]]:
 
 
 def render_csv(report: Report) -> str:
-    """Every table as a block: `# title`, the header, the rows, a blank line."""
+    """A one-table report as CSV: `#` lines first (the warnings, the table's title, its note), then the
+    header and the rows. Readers skip the `#` lines (pandas: `comment="#"`)."""
+    (section,) = report.tables
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for warning in report.warnings:
         writer.writerow([f"# {warning}"])
-    for section in report.tables:
-        columns, rows = _expanded(section)
-        writer.writerow([f"# {section.title}"])
-        if section.note:
-            writer.writerow([f"# note: {section.note}"])
-        writer.writerow(columns)
-        writer.writerows([["" if v is None else v for v in row] for row in rows])
-        writer.writerow([])
+    columns, rows = _expanded(section)
+    writer.writerow([f"# {section.title}"])
+    if section.note:
+        writer.writerow([f"# note: {section.note}"])
+    writer.writerow(columns)
+    writer.writerows([["" if v is None else v for v in row] for row in rows])
     return out.getvalue()
 
 

@@ -288,3 +288,13 @@ def test_cuda_watches_stop_a_loop_and_find_eos_without_stalling():
                              infer=DecodeOptions(force_eos_at_step=5))
     assert eos.stop_reason == "eos" and len(eos.token_ids) == 6 and eos.token_ids[-1] == EOS_TOKEN_ID
     assert 0 < eos.wasted_steps <= (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL
+
+
+def test_decode_progress_is_reported_at_the_watch_cadence(session):
+    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
+
+    seen: list[tuple[int, int]] = []
+    result = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=30,
+                                   on_decode_progress=lambda steps, budget: seen.append((steps, budget)))
+    assert len(result.token_ids) == 30
+    assert seen == [(k, 30) for k in range(EOS_CHECK_INTERVAL, 30, EOS_CHECK_INTERVAL)]

@@ -13,6 +13,7 @@ from fakes import SOURCE, WORKER, Page, make_run
 
 from dsocr_workers.cli import main
 from dsocr_workers.store.db import Database
+from dsocr_workers.store.models import job_id_for
 
 
 @pytest.fixture
@@ -106,12 +107,24 @@ def test_formats_table_csv_markdown_and_out_file(two_runs, monkeypatch, tmp_path
     database, a, b = two_runs
     table = invoke(database, ["--run", a[:6], "--vs", b], monkeypatch)
     assert "WARNING" in table and "Output agreement" in table and "B/A" in table and "verdict" in table
-    rows = list(csv.reader(io.StringIO(invoke(database, ["--run", a, "--format", "csv"], monkeypatch))))
-    assert ["# Latency and output"] in rows
+    csv_text = invoke(database, ["--run", a, "--format", "csv", "--table", "latency and output"], monkeypatch)
+    rows = list(csv.reader(io.StringIO(csv_text)))
     header = ["metric", "jobs", "n"] + [
         f"{s}{x}" for s in ("mean", "p50", "p90", "p99") for x in ("", "_ci_low", "_ci_high")
     ]
-    assert header in rows
+    assert rows[0][0].startswith("# RANDOM WEIGHTS") and ["# Latency and output"] in rows
+    assert [r for r in rows if not r[0].startswith("#")][0] == header  # one table: its header, its rows
+    # csv without a table names the tables; with a folder, one file per table.
+    monkeypatch.setenv("DSOCR_DATABASE_URL", database.url)
+    refused = CliRunner().invoke(main, ["report", "--run", a, "--format", "csv"])
+    assert refused.exit_code == 2 and "--table NAME" in refused.output and "Per image" not in refused.output
+    folder = tmp_path / "tables"
+    invoke(database, ["--run", a, "--per-image", "--format", "csv", "--out", str(folder)], monkeypatch)
+    files = sorted(p.name for p in folder.iterdir())
+    assert {"run.csv", "latency-and-output.csv", "per-image.csv", "worker-processes.csv", "environment.csv"} <= set(files)
+    per_image = [r for r in csv.reader(io.StringIO((folder / "per-image.csv").read_text())) if not r[0].startswith("#")]
+    assert per_image[0][:6] == ["image", "repeat", "job id", "state", "attempts", "worker"]
+    assert {row[2] for row in per_image[1:]} == {job_id_for(a, row[0], int(row[1])) for row in per_image[1:]}
     out = tmp_path / "report.md"
     invoke(database, ["--run", "latest", "--format", "md", "--out", str(out)], monkeypatch)
     markdown = out.read_text()
@@ -153,7 +166,8 @@ def test_intervals_in_json_and_csv_are_numbers_around_the_value(database, tmp_pa
     steady = by(document["tables"]["Throughput"], "measure")["pages/s (steady state)"]
     assert {"value", "value_ci_low", "value_ci_high"} <= set(steady)
 
-    rows = list(csv.reader(io.StringIO(invoke(database, ["--run", run, "--format", "csv"], monkeypatch))))
+    csv_text = invoke(database, ["--run", run, "--format", "csv", "--table", "Latency and output"], monkeypatch)
+    rows = list(csv.reader(io.StringIO(csv_text)))
     start = rows.index(["# Latency and output"])
     header, first = rows[start + 1], rows[start + 2]
     cells = dict(zip(header, first, strict=True))
