@@ -8,6 +8,7 @@ message (prefetch 1). The ledger's claim makes the results exactly-once.
 
 from __future__ import annotations
 
+import socket
 import ssl
 from urllib.parse import urlparse
 
@@ -24,6 +25,7 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
     transport_options: dict[str, object] = {
         "visibility_timeout": settings.visibility_timeout_s,
         **restore_sweep(settings.visibility_timeout_s),
+        **broker_keepalive(),
     }
     if settings.broker_key_prefix:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
@@ -72,3 +74,27 @@ def restore_sweep(visibility_timeout_s: int) -> dict[str, int]:
     interval = max(1, min(10, visibility_timeout_s // 4))
     throttle = max(1, min(10, visibility_timeout_s // 4 // interval))
     return {"unacked_restore_interval": interval, "unacked_restore_throttle": throttle}
+
+
+# TCP keepalive on the broker connections: probes after this many idle seconds, this often, this many.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 5, 3
+
+
+def broker_keepalive() -> dict[str, object]:
+    """TCP keepalive for every Redis connection of the farm's Celery app. kombu passes
+    `socket_keepalive=None` to redis-py, so without this a connection whose server side is gone — the
+    server gave up on it during a network partition (its retransmissions time out after ~15 min by
+    default), a NAT or firewall forgot it — is never noticed by a client that only waits: an idle worker's
+    BRPOP (kombu < 5.7 has no BRPOP watchdog; with kombu 5.6.2 an idle worker cut off for 30 s while the
+    server dropped its connection never took a job again: R11), or a command whose reply was lost. With
+    keepalive the first probe after the partition gets a reset (or the probes time out) within
+    idle + interval x probes (45 s) of silence, the call fails, and Celery reconnects. A live connection
+    is never idle that long: BRPOP returns every second."""
+    options = {
+        getattr(socket, name): value
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        )  # fmt: skip
+        if hasattr(socket, name)
+    }
+    return {"socket_keepalive": True, "socket_keepalive_options": options}

@@ -25,6 +25,15 @@ from dsocr_workers.settings import redacted
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# libpq's TCP keepalive, probing after 30 s of silence, every 5 s, 3 times (libpq leaves the timing to the
+# OS: first probe after 2 h on Linux). A query whose reply the server gave up delivering — it retransmitted
+# into a network partition until its TCP timed out, or a NAT or firewall forgot the connection — otherwise
+# waits that long for a reply that never comes (R11: a query waiting across a cut was still waiting 120 s
+# after the link came back); in a worker that is a heartbeat thread that stops renewing its host's leases,
+# or a job stuck until its hard time limit. With it the wait ends within 45 s of silence (a reset from the
+# server, or the probes time out) as a TransientError that the caller retries. A query that is merely slow
+# is not affected: the server's TCP answers the probes.
+POSTGRES_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 5, "keepalives_count": 3}
 
 
 class SchemaError(InputError):
@@ -85,7 +94,8 @@ def parse_database_url(url: str) -> URL:
 def open_database(url: str) -> Database:
     """A new engine for `url`. Call it in the process that uses it (after fork, never before)."""
     parsed = parse_database_url(url)
-    options: dict[str, Any] = {"pool_pre_ping": True}
+    keepalive = {name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query}  # the URL's win
+    options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": keepalive}
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
         if database and database != ":memory:":

@@ -134,9 +134,13 @@ def claim_job(
             )
 
     # Optimistic guard: the row must still be exactly what was read, or another worker got there first.
+    # `pending` and `queued` are one state here: submit marks a job queued just after sending its message,
+    # so a worker waiting for messages can read it pending and find it queued at its UPDATE — nobody else
+    # claimed it, and refusing would drop its only message (found by R11: the job waited for a reconcile).
+    waiting = ("pending", "queued")
     unchanged = (
         (Job.id == job_id)
-        & (Job.state == job.state)
+        & (Job.state.in_(waiting) if job.state in waiting else Job.state == job.state)
         & (Job.attempts == job.attempts)
         & Job.lease_owner.is_not_distinct_from(previous_owner)
     )

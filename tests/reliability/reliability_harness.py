@@ -8,6 +8,9 @@
 - Fault tools: `TcpProxy` (PostgreSQL that can be cut and restored) and `ThrowawayRedis` (a redis-server of
   our own on another port: restartable, optionally with a password) — the shared services are never
   stopped.
+- `NetnsLab`: several hosts on this machine (R11): a services namespace with a throwaway Redis and
+  PostgreSQL, and worker hosts in namespaces of their own (own hostname too), each linked to the services
+  by a veth pair in the RFC 2544 range 198.18.0.0/15; a host can be killed whole or have its link cut.
 - `record`: prints a scenario's figures and appends them to $DSOCR_RELIABILITY_FIGURES (JSON lines), the
   source of docs/reliability.md.
 """
@@ -15,16 +18,20 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -183,11 +190,13 @@ class Farm:
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    def start_worker(self, *args: str, **env: str) -> Worker:
+    def start_worker(self, *args: str, wrap: Sequence[str] = (), **env: str) -> Worker:
+        """A `dsocr worker --gpus cpu` subprocess; `wrap` is a command prefix that runs it elsewhere (on a
+        host of a `NetnsLab`: `lab.host_argv(host)`), `env` overrides the farm's environment."""
         log = self.root / f"worker-{len(self.workers)}.log"
         with open(log, "w") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", *args],
+                [*wrap, sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", *args],
                 env={**self.env, **env},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -211,6 +220,15 @@ class Farm:
         try:
             with db.transaction() as session:
                 return list(session.execute(select(Job).where(Job.run_id == run_id)).scalars())
+        finally:
+            db.dispose()
+
+    def processes(self) -> list[WorkerProcess]:
+        """Every `worker_processes` row (the heartbeats)."""
+        db = open_database(self.database_url)
+        try:
+            with db.transaction() as session:
+                return list(session.execute(select(WorkerProcess)).scalars())
         finally:
             db.dispose()
 
@@ -523,3 +541,270 @@ class ThrowawayRedis:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+
+
+# --- several hosts: network namespaces (R11) -----------------------------------------------------------------
+
+NETNS_RANGE = "198.18.0.0/15"  # RFC 2544 (benchmark testing): never routed, on no link of this machine
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, _CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"setns: {os.strerror(errno)}")
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def netns_unavailable() -> str | None:
+    """Why the network-namespace scenario cannot run on this machine; None when it can."""
+    if os.geteuid() != 0:
+        return "needs root: it creates network namespaces and veth pairs (ip netns)"
+    tools = ("ip", "unshare", "setpriv", "redis-server", "initdb", "postgres")
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        return f"not on the PATH: {', '.join(missing)}"
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        return "no system user `postgres` to run the throwaway PostgreSQL as (it refuses to run as root)"
+    probe = f"dsocr-probe-{uuid.uuid4().hex[:6]}"
+    try:
+        _ip("netns", "add", probe)
+    except (OSError, RuntimeError) as exc:
+        return f"`ip netns` does not work here: {exc}"
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+@dataclass(frozen=True)
+class NetnsHost:
+    """A worker host: a network namespace whose only link leads to the services namespace."""
+
+    hostname: str  # in a UTS namespace of its own: the host part of its processes' lease owner names
+    netns: str
+    veth: str  # its end of the link
+    services_veth: str  # the services' end: where the link is cut and restored
+    address: str
+    services_address: str  # the address of Redis and PostgreSQL that this host's URLs name
+
+    def owns(self, owner: str | None) -> bool:
+        """Whether a lease owner name (`host:pid:nonce`) is a process of this host."""
+        return bool(owner) and str(owner).startswith(self.hostname + ":")
+
+
+class NetnsLab:
+    """Several hosts on this machine, for real networking: a services namespace (a throwaway redis-server
+    and PostgreSQL cluster, listening on its loopback and on its end of every link) and `hosts` worker
+    namespaces, host i linked to the services by a veth pair with a /30 of its own (services 198.18.i.1,
+    host 198.18.i.2). A host namespace has its loopback and its link, no other interface and no default
+    route: its processes can reach the services and nothing else. The test reaches them over the
+    services' loopback: `entered()` moves the calling thread into the services namespace, so the
+    harness's ledger and Redis reads and its `dsocr` subprocesses run there unchanged.
+
+    Names carry a random tag (several runs at once never meet); `close()` kills every process in the
+    namespaces and deletes them (their veths go with them) and the cluster's folder, and is safe to call
+    after a failure at any step. The machine's own Redis and PostgreSQL are never touched: the services
+    namespace has ports 6379 and 5432 of its own, and PostgreSQL's socket lives in the cluster's folder."""
+
+    REDIS_PORT, POSTGRES_PORT, DATABASE = 6379, 5432, "dsocr"
+
+    def __init__(self, root: Path, hosts: int = 2) -> None:
+        self.root = root
+        self.tag = uuid.uuid4().hex[:6]
+        self.services = f"dsocr-svc-{self.tag}"
+        self.hosts = [
+            NetnsHost(
+                hostname=f"dsocr-h{i}", netns=f"dsocr-h{i}-{self.tag}", veth=f"dh{i}-{self.tag}",
+                services_veth=f"ds{i}-{self.tag}", address=f"198.18.{i}.2", services_address=f"198.18.{i}.1",
+            )  # fmt: skip
+            for i in range(1, hosts + 1)
+        ]
+        self._namespaces: list[str] = []
+        self._services: list[subprocess.Popen] = []  # redis-server, postgres
+        self._pg_dir: Path | None = None
+
+    # --- URLs ---------------------------------------------------------------------------------------------
+
+    def database_url(self, host: NetnsHost | None = None) -> str:
+        """The ledger as `host` reaches it over its link; None: over the services' loopback (the test)."""
+        address = host.services_address if host else "127.0.0.1"
+        return f"postgresql+psycopg://postgres@{address}:{self.POSTGRES_PORT}/{self.DATABASE}"
+
+    def broker_url(self, host: NetnsHost | None = None) -> str:
+        address = host.services_address if host else "127.0.0.1"
+        return f"redis://{address}:{self.REDIS_PORT}/0"
+
+    def host_env(self, host: NetnsHost) -> dict[str, str]:
+        return {"DSOCR_DATABASE_URL": self.database_url(host), "DSOCR_BROKER_URL": self.broker_url(host)}
+
+    def host_argv(self, host: NetnsHost) -> list[str]:
+        """The command prefix that runs a program on `host`: in its network namespace, under its own
+        hostname (a UTS namespace of its own), so that its lease owners name it and the ledger's
+        same-host shortcut (`ledger.owner_is_dead`) never judges another host's processes."""
+        return ["ip", "netns", "exec", host.netns, "unshare", "--uts",
+                "sh", "-c", 'hostname "$0" && exec "$@"', host.hostname]  # fmt: skip
+
+    # --- set-up -------------------------------------------------------------------------------------------
+
+    def up(self) -> None:
+        for netns in (self.services, *(h.netns for h in self.hosts)):
+            _ip("netns", "add", netns)
+            self._namespaces.append(netns)
+            _ip("-n", netns, "link", "set", "lo", "up")
+        for h in self.hosts:
+            # Both ends are born in their namespaces: the root namespace never holds them, not even briefly.
+            _ip("link", "add", h.services_veth, "netns", self.services, "type", "veth",
+                "peer", "name", h.veth, "netns", h.netns)  # fmt: skip
+            _ip("-n", self.services, "addr", "add", f"{h.services_address}/30", "dev", h.services_veth)
+            _ip("-n", h.netns, "addr", "add", f"{h.address}/30", "dev", h.veth)
+            _ip("-n", self.services, "link", "set", h.services_veth, "up")
+            _ip("-n", h.netns, "link", "set", h.veth, "up")
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread (and the subprocesses it starts) in the services namespace."""
+        here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            there = os.open(f"/run/netns/{self.services}", os.O_RDONLY)
+            try:
+                _setns(there)
+                try:
+                    yield
+                finally:
+                    _setns(here)
+            finally:
+                os.close(there)
+        finally:
+            os.close(here)
+
+    def _start_in(self, netns: str, argv: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+        with open(log, "w") as out:
+            popen = subprocess.Popen(["ip", "netns", "exec", netns, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                     cwd=cwd, start_new_session=True)  # fmt: skip
+        self._services.append(popen)
+        return popen
+
+    def start_services(self) -> None:
+        """Redis (nothing on disk) and a fresh PostgreSQL cluster (trust auth for loopback and the test
+        range only) in the services namespace; the ledger database migrated."""
+        listen = ["127.0.0.1", *(h.services_address for h in self.hosts)]
+        folder = self.root / "redis"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._start_in(self.services, [
+            "redis-server", "--port", str(self.REDIS_PORT), "--bind", " ".join(listen), "--protected-mode", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(folder), "--logfile", str(folder / "redis.log"),
+        ], folder / "stdout.log")  # fmt: skip
+
+        # PostgreSQL refuses to run as root; its folder must be its user's and reachable by it (pytest's
+        # tmp dirs are root's alone).
+        user = pwd.getpwnam("postgres")
+        self._pg_dir = Path(tempfile.mkdtemp(prefix=f"dsocr-netns-{self.tag}-"))
+        os.chown(self._pg_dir, user.pw_uid, user.pw_gid)
+        as_postgres = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
+        data = self._pg_dir / "data"
+        done = subprocess.run(
+            [*as_postgres, "initdb", "-D", str(data), "-U", "postgres", "-A", "trust", "--no-sync", "--no-instructions"],
+            cwd=self._pg_dir, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"initdb failed: {done.stdout}{done.stderr}")
+        (data / "pg_hba.conf").write_text(
+            "local all all trust\nhost all all 127.0.0.1/32 trust\n"
+            f"host all all {NETNS_RANGE} trust\n"
+        )
+        self._start_in(self.services, [
+            *as_postgres, "postgres", "-D", str(data), "-c", f"listen_addresses={','.join(listen)}",
+            "-c", f"port={self.POSTGRES_PORT}", "-c", f"unix_socket_directories={self._pg_dir}",
+            "-c", "fsync=off", "-c", "max_connections=60",
+        ], self._pg_dir / "postgres.log", cwd=self._pg_dir)  # fmt: skip
+
+        import psycopg
+
+        from dsocr_workers.store.db import upgrade
+
+        with self.entered():
+            client = redis.Redis.from_url(self.broker_url())
+            admin = f"host=127.0.0.1 port={self.POSTGRES_PORT} user=postgres dbname=postgres connect_timeout=2"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    client.ping()
+                    with psycopg.connect(admin, autocommit=True) as conn:
+                        conn.execute(f"CREATE DATABASE {self.DATABASE}")
+                    break
+                except (redis.RedisError, psycopg.OperationalError):
+                    if time.monotonic() > deadline or any(p.poll() is not None for p in self._services):
+                        raise RuntimeError(f"the services did not start; see {folder} and {self._pg_dir}") from None
+                    time.sleep(0.2)
+            db = open_database(self.database_url())
+            try:
+                upgrade(db)
+            finally:
+                db.dispose()
+
+    # --- faults -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def pids(netns: str) -> set[int]:
+        done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30)
+        return {int(pid) for pid in done.stdout.split()}
+
+    def kill_host(self, host: NetnsHost) -> set[int]:
+        """`kill -9` of every process on `host` (a machine lost with everything on it). Returns the pids."""
+        return self._kill_all(host.netns)
+
+    def _kill_all(self, netns: str) -> set[int]:
+        killed: set[int] = set()
+        for _ in range(100):  # until nothing is left (a process may fork while the others die)
+            pids = self.pids(netns)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed |= pids
+            time.sleep(0.05)
+        return killed
+
+    def cut(self, host: NetnsHost) -> None:
+        """Take the services' end of `host`'s link down: no packet passes, nobody is told (no RST)."""
+        _ip("-n", self.services, "link", "set", host.services_veth, "down")
+
+    def restore(self, host: NetnsHost) -> None:
+        _ip("-n", self.services, "link", "set", host.services_veth, "up")
+
+    def forgetful_services(self, retransmissions: int = 3) -> None:
+        """Make the services' TCP give up on an unanswered connection after `retransmissions` tries (a few
+        seconds) instead of the kernel's 15 (about 15 min): during a cut, a server that has something to
+        send to the cut-off host drops that connection, as it would in a partition of a quarter of an
+        hour, and nothing tells the host (no packet passes): its end is left half-open."""
+        _ip("netns", "exec", self.services, "sysctl", "-q", "-w", f"net.ipv4.tcp_retries2={retransmissions}")
+
+    # --- tear-down ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill everything in the namespaces, delete them and the cluster's folder. Idempotent."""
+        postgres = self._services[1] if len(self._services) > 1 else None
+        if postgres is not None and postgres.poll() is None:
+            postgres.send_signal(signal.SIGQUIT)  # PostgreSQL's immediate shutdown: frees its shared memory
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                postgres.wait(timeout=20)
+        for netns in reversed(self._namespaces):
+            self._kill_all(netns)
+            subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)
+        self._namespaces.clear()
+        for popen in self._services:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=10)
+        if self._pg_dir is not None:
+            shutil.rmtree(self._pg_dir, ignore_errors=True)
+            self._pg_dir = None

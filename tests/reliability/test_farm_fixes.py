@@ -1,10 +1,11 @@
 """Unit tests of the farm changes the reliability suite forced: the parent's record of a hard time limit,
-acks that survive a Redis restart, the visibility timeout override and its restore sweep, and the
-test-only fault hook being inert unless asked for."""
+acks that survive a Redis restart, the visibility timeout override and its restore sweep, TCP keepalive on
+the broker and ledger connections (R11), and the test-only fault hook being inert unless asked for."""
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 
 import pytest
@@ -18,6 +19,7 @@ from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.farm.celery_app import create_app, restore_sweep
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
+from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import Job, Run, job_id_for
 
 
@@ -106,6 +108,33 @@ def test_visibility_timeout_override_and_restore_sweep():
     assert restore_sweep(1) == {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
     options = create_app(Settings.from_env({"DSOCR_VISIBILITY_TIMEOUT": "30"})).conf.broker_transport_options
     assert options["visibility_timeout"] == 30 and options["unacked_restore_interval"] == 7
+
+
+def test_keepalive_on_broker_and_ledger_connections(monkeypatch):
+    # R11: a connection that the server dropped during a partition must not be waited on for ever (Redis)
+    # or for the OS's 2 h (libpq): probes after 30 s of silence, every 5 s, 3 times.
+    options = create_app(Settings()).conf.broker_transport_options
+    assert options["socket_keepalive"] is True
+    assert options["socket_keepalive_options"] == {socket.TCP_KEEPIDLE: 30, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3}
+    import psycopg
+    import sqlalchemy.exc
+
+    seen: list[dict] = []
+
+    def connect(*args, **kwargs):
+        seen.append(kwargs)
+        raise psycopg.OperationalError("not connecting in a unit test")
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    for url in ("postgresql+psycopg://u@192.0.2.1/db", "postgresql+psycopg://u@192.0.2.1/db?keepalives_idle=7"):
+        db = open_database(url)
+        with pytest.raises(sqlalchemy.exc.OperationalError):
+            db.engine.connect()
+        db.dispose()
+    assert {k: seen[0][k] for k in ("keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count")} == {
+        "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 5, "keepalives_count": 3,
+    }  # fmt: skip
+    assert seen[1]["keepalives_idle"] == "7"  # the URL's own setting wins
 
 
 def test_fault_hook_is_inert_unless_asked(monkeypatch):

@@ -8,7 +8,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text, update
 
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, SchemaError, check_schema, head_revision, open_database
@@ -159,6 +159,29 @@ def test_claim_complete_once(database: Database):
     assert isinstance(again, ledger.Refusal) and again.state == "done"
     assert results_for(database, job_id) == 1
     assert job(database, job_id).attempts == 1
+
+
+def test_claim_of_a_job_that_submit_marks_queued_meanwhile(database: Database):
+    """Submit sends a job's message, then marks it queued: a worker waiting for messages may read it
+    `pending` and meet `queued` at its UPDATE. That is no concurrent claim: the job is claimed (R11 found it
+    refused, its only message acknowledged, the job left queued for a reconcile)."""
+    _, (job_id,) = make_run(database)
+    with database.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(state="pending"))
+
+    def mark_queued_in_between(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("UPDATE JOBS") and not marked:
+            marked.append(True)  # what `ledger.mark_queued` does, between the claim's read and its write
+            cursor.execute(f"UPDATE jobs SET state = 'queued' WHERE id = '{job_id}' AND state = 'pending'")
+
+    marked: list[bool] = []
+    event.listen(database.engine, "before_cursor_execute", mark_queued_in_between)
+    try:
+        got = claim(database, job_id, "host-a:1:x")
+    finally:
+        event.remove(database.engine, "before_cursor_execute", mark_queued_in_between)
+    assert marked and isinstance(got, ledger.Claim) and got.attempt == 1, got
+    assert (job(database, job_id).state, job(database, job_id).lease_owner) == ("running", "host-a:1:x")
 
 
 def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database):
