@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dsocr_workers.errors import InputError
 
@@ -45,6 +46,28 @@ def check_queue_name(name: str) -> str:
         )
     return name
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+BROKER_URL_FORMS = "redis://[:PASSWORD@]HOST[:PORT]/DB, or rediss://… for TLS (e.g. redis://127.0.0.1:6379/0)"
+
+
+def check_broker_url(url: str) -> str:
+    """The broker URL, checked before anything is recorded or sent: Redis (or Redis over TLS), a host, a
+    numeric port and database."""
+    parsed = urlsplit(url)
+    problem = None
+    if parsed.scheme not in ("redis", "rediss"):
+        problem = "is not a Redis URL"
+    elif not parsed.hostname:
+        problem = "names no host"
+    else:
+        try:
+            parsed.port  # noqa: B018 (parsing it raises on a port that is not a number)
+        except ValueError:
+            problem = "has a port that is not a number"
+        if not (parsed.path.strip("/") or "0").isdigit():
+            problem = "has a database that is not a number"
+    if problem:
+        raise InputError(f"DSOCR_BROKER_URL {redacted(url)!r} {problem}; expected {BROKER_URL_FORMS}")
+    return url
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_queue_name(self.queue)
+        check_broker_url(self.broker_url)
         if self.max_attempts < 1:
             raise InputError("DSOCR_MAX_ATTEMPTS must be at least 1")
         if not 0 < self.soft_time_limit_s <= self.hard_time_limit_s:

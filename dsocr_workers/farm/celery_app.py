@@ -55,10 +55,10 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
-    scheme = urlparse(settings.broker_url).scheme
-    if scheme in ("redis", "rediss"):
-        app.conf.broker_transport = TRANSPORT  # kombu's, with acks that survive a Redis restart (broker.py)
-    if scheme == "rediss":
+    # Settings accept Redis URLs only (settings.check_broker_url): every one gets kombu's Redis transport
+    # with acknowledgements that survive a Redis restart (broker.py).
+    app.conf.broker_transport = TRANSPORT
+    if urlparse(settings.broker_url).scheme == "rediss":
         # kombu sets TLS up from the URL's scheme only when it picks the transport itself; naming ours
         # skips that, so the URL's TLS options (ssl_cert_reqs, ssl_ca_certs, ...) are handed over here.
         # Without any, the server's certificate is verified (kombu's own fallback verifies nothing).

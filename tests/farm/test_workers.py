@@ -210,6 +210,23 @@ def test_a_malformed_database_url_is_one_clear_line(url, message, subprocess_env
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("not-a-url", "is not a Redis URL"), ("http://h/0", "is not a Redis URL"), ("redis://:6379/0", "names no host"),
+     ("redis://h:port/0", "port that is not a number"), ("redis://:S3cret@h:6379/x", "database that is not a number")],
+)  # fmt: skip
+def test_a_malformed_broker_url_is_one_clear_line_before_anything_is_recorded(url, message, pages, tmp_path,
+                                                                              subprocess_env):  # fmt: skip
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'b.db'}", "DSOCR_BROKER_URL": url}
+    for args in (("submit", str(pages), "--mode", "tiny"), ("worker", "--gpus", "cpu"), ("reconcile",)):
+        refused = dsocr(*args, env=env, timeout=60)
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]  # one line
+        assert "DSOCR_BROKER_URL" in refused.stderr and message in refused.stderr and "e.g. redis://" in refused.stderr
+        assert "S3cret" not in refused.stderr
+    assert not (tmp_path / "b.db").exists()  # nothing was recorded
+
+
 def test_a_queue_name_with_a_comma_is_refused(pages, tmp_path, subprocess_env):
     env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'q.db'}"}
     assert dsocr("db", "upgrade", env=env, timeout=60).returncode == 0

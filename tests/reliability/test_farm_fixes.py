@@ -91,10 +91,11 @@ def test_an_ack_that_fails_while_redis_is_down_releases_the_message(tmp_path):
         server.close()
 
 
-def test_only_redis_urls_get_the_patched_transport():
+def test_redis_urls_get_the_patched_transport_and_others_are_refused():
     assert create_app(Settings(broker_url="redis://127.0.0.1:6379/0")).conf.broker_transport == TRANSPORT
     assert create_app(Settings(broker_url="rediss://127.0.0.1:6380/0")).conf.broker_transport == TRANSPORT
-    assert create_app(Settings(broker_url="memory://")).conf.broker_transport is None
+    with pytest.raises(InputError, match="DSOCR_BROKER_URL 'memory://' is not a Redis URL"):
+        Settings(broker_url="memory://")
 
 
 def test_visibility_timeout_override_and_restore_sweep():
