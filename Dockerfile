@@ -17,8 +17,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
-    DSOCR_ARTIFACTS_DIR=/artifacts
+    TRANSFORMERS_OFFLINE=1
 
 WORKDIR /app
 
@@ -32,10 +31,9 @@ RUN python -m pip install -e '.[postgres,flower,report]' \
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
 
-# An unprivileged user; /artifacts is created here so a named volume inherits its owner.
+# An unprivileged user; results go to the database, the container writes nothing of its own.
 RUN useradd --create-home --uid 1000 dsocr \
-    && mkdir -p /artifacts /models \
-    && chown dsocr:dsocr /artifacts
+    && mkdir -p /models
 USER dsocr
 
 # One process per container; compose/Kubernetes pick the command (worker, db upgrade, submit, …).

@@ -566,7 +566,6 @@ def main() -> int:
             env.update({
                 "DSOCR_DATABASE_URL": database_url,
                 "DSOCR_BROKER_URL": broker_url,
-                "DSOCR_ARTIFACTS_DIR": str(tmp / "artifacts"),
                 "TORCHINDUCTOR_CACHE_DIR": args.inductor_cache or str(tmp / "inductor"),
                 "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),

@@ -7,7 +7,6 @@ deployment sets them once (compose file, systemd unit, Kubernetes manifest):
     DSOCR_BROKER_URL          Celery broker (Redis)                   redis://127.0.0.1:6379/0
     DSOCR_BROKER_KEY_PREFIX   prefix of every Redis key the farm uses  "" (none)
     DSOCR_QUEUE               queue that jobs are sent to and read from dsocr
-    DSOCR_ARTIFACTS_DIR       where per-job artifacts go              ./artifacts
     DSOCR_LEASE_SECONDS       how long a claim holds a job without    60
                               its worker's heartbeat renewing it
     DSOCR_HEARTBEAT_SECONDS   how often a worker renews its leases,   10
@@ -76,7 +75,6 @@ class Settings:
     broker_url: str = DEFAULT_BROKER_URL
     broker_key_prefix: str = ""
     queue: str = "dsocr"
-    artifacts_dir: Path = Path("artifacts")
     soft_time_limit_s: int = 540
     hard_time_limit_s: int = 600
     lease_s: int = 60
@@ -131,7 +129,6 @@ class Settings:
             broker_url=env.get("DSOCR_BROKER_URL") or DEFAULT_BROKER_URL,
             broker_key_prefix=env.get("DSOCR_BROKER_KEY_PREFIX", ""),
             queue=env.get("DSOCR_QUEUE") or "dsocr",
-            artifacts_dir=Path(env.get("DSOCR_ARTIFACTS_DIR") or "artifacts"),
             soft_time_limit_s=soft,
             hard_time_limit_s=hard,
             lease_s=_int(env, "DSOCR_LEASE_SECONDS", cls.lease_s),

@@ -11,7 +11,6 @@ bash scripts/setup.sh
 
 # The embedded default, whatever the shell has configured: the SQLite file ./dsocr.db, no broker.
 export DSOCR_DATABASE_URL=sqlite:///./dsocr.db
-export DSOCR_ARTIFACTS_DIR=${DSOCR_ARTIFACTS_DIR:-./artifacts}
 unset DSOCR_BROKER_URL
 
 "$PY" -m dsocr_workers db upgrade

@@ -164,7 +164,6 @@ class Farm:
             "DSOCR_BROKER_URL": broker_url,
             "DSOCR_BROKER_KEY_PREFIX": prefix,
             "DSOCR_QUEUE": queue,
-            "DSOCR_ARTIFACTS_DIR": str(root / "artifacts"),
             **settings,
         }
         return cls(root, database_url, env, prefix, queue, broker_url)
