@@ -71,7 +71,6 @@ class SubmittedRun:
     run_id: str
     job_ids: list[str]
     queue: str
-    enqueued: int = 0
     skipped: list[str] = field(default_factory=list)  # bad lines left out with --skip-invalid
 
 

@@ -15,7 +15,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
 FINAL_STATES: tuple[str, ...] = ("done", "failed", "poisoned")
-OPEN_STATES: tuple[str, ...] = ("pending", "queued", "running")
 
 # Job ids are uuid5 of (run, image, repeat) in this namespace: the same job always has the same id.
 JOB_ID_NAMESPACE = uuid.UUID("6f0c7c1e-4a8e-5f43-9a57-2d1f0b7e9c31")
