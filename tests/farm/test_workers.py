@@ -19,7 +19,7 @@ from dsocr_workers.farm.submit import enqueue
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result, WorkerProcess, WorkerSession
+from dsocr_workers.store.models import Job, Result, Run, WorkerProcess, WorkerSession
 
 PAGES = {"p1.png": (320, 420), "p2.png": (640, 480), "p3 wide.png": (900, 500), "p4.png": (400, 1300)}
 
@@ -174,6 +174,23 @@ def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, sub
     with db.transaction() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == len(PAGES)
     db.dispose()
+
+
+def test_dsocr_run_records_its_queue_and_modes_are_choices(pages, tmp_path, subprocess_env):
+    url = f"sqlite:///{tmp_path / 'queued.db'}"
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
+    done = dsocr("run", str(pages), "--max-new-tokens", "2", "--mode", "tiny", "--queue", "bench-q", "--format", "json",
+                 env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    db = open_database(url)
+    with db.transaction() as session:
+        assert session.scalars(select(Run.queue)).all() == ["bench-q"]
+        # This process beat on that queue while it ran, and recorded its clean stop.
+        (process,) = session.scalars(select(WorkerProcess)).all()
+        assert process.queues == "bench-q" and process.stopped_at is not None
+    db.dispose()
+    refused = dsocr("run", str(pages), "--mode", "huge", env=env, timeout=60)
+    assert refused.returncode == 2 and "'huge' is not one of 'tiny', 'small', 'base', 'large', 'gundam'" in refused.stderr
 
 
 def test_worker_refuses_a_database_without_the_schema(tmp_path, subprocess_env):
