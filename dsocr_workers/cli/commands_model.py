@@ -87,22 +87,13 @@ def parse_ids(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    import numpy as np
-
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
 def result_document(result: InferenceResult, files: list[str]) -> dict[str, Any]:
     """result.json: the InferenceResult, plus derived decode statistics and the files written."""
     document = result.to_dict()
     steps = result.timings.decode_step_ms
     document["model_label"] = result.model.label
     document["decode_tokens"] = result.decode_tokens
-    document["decode_ms_per_token"] = percentiles(steps)
+    document["decode_ms_per_token"] = result.timings.decode_step_percentiles
     document["tokens_per_s"] = 1e3 * len(steps) / sum(steps) if steps and sum(steps) > 0 else None
     document["files"] = files
     return document
@@ -112,7 +103,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
     from rich.table import Table
 
     t = result.timings
-    stats = percentiles(t.decode_step_ms)
+    stats = t.decode_step_percentiles
     table = Table(title=title, title_justify="left")
     table.add_column("stage")
     table.add_column("ms", justify="right")

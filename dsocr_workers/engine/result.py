@@ -98,6 +98,16 @@ class StageTimings:
             "readback": self.readback_ms, "postprocess": self.postprocess_ms, "host_gap": self.host_gap_ms,
         }  # fmt: skip
 
+    @property
+    def decode_step_percentiles(self) -> dict[str, float | None]:
+        """p50 / p90 / p99 of the kept decode steps' ms (numpy's linear method); None without steps."""
+        if not self.decode_step_ms:
+            return {"p50": None, "p90": None, "p99": None}
+        import numpy as np
+
+        p50, p90, p99 = np.percentile(np.asarray(self.decode_step_ms, dtype=np.float64), [50, 90, 99])
+        return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
 
 @dataclass(frozen=True)
 class JobMemory:

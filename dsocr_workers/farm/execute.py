@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from dsocr_workers.engine.result import InferenceResult
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.model.postprocess import render_mmd
@@ -111,10 +109,7 @@ def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
     loop = result.loop
     t = result.timings
     memory = result.memory
-    steps = np.asarray(t.decode_step_ms, dtype=float)
-    p50, p90, p99 = (
-        (float(v) for v in np.percentile(steps, [50, 90, 99])) if steps.size else (None, None, None)
-    )
+    steps = t.decode_step_percentiles
     return {
         "worker_id": ran.worker_id,
         "worker_session_id": ran.worker_session_id,
@@ -137,9 +132,9 @@ def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
         "ttft_ms": t.ttft_ms,
         "e2e_ms": t.e2e_ms,
         "decode_step_ms": list(t.decode_step_ms),
-        "decode_ms_per_token_p50": p50,
-        "decode_ms_per_token_p90": p90,
-        "decode_ms_per_token_p99": p99,
+        "decode_ms_per_token_p50": steps["p50"],
+        "decode_ms_per_token_p90": steps["p90"],
+        "decode_ms_per_token_p99": steps["p99"],
         "decode_tokens": result.decode_tokens,
         "wasted_steps": result.wasted_steps,
         "prompt_tokens": result.prompt_tokens,
