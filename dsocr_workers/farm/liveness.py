@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import update
+from sqlalchemy.orm import Session
 
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -39,7 +40,8 @@ from dsocr_workers.store.upsert import upsert
 
 log = logging.getLogger("dsocr.worker")
 
-Publish = Callable[[list[tuple[str, str]]], None]  # sends one message per (job id, queue), or raises
+# Sends one message per (job id, queue), or raises; called inside the sweep's transaction, with its session.
+Publish = Callable[[Session, list[tuple[str, str]]], None]
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Heartbeat:
                 spare_owner=self.owner,
             )  # fmt: skip
             if expired.requeued:
-                self.sweep.publish(expired.requeued)  # raises: rolled back, the next sweep tries again
+                self.sweep.publish(session, expired.requeued)  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
         for job_id in expired.poisoned:

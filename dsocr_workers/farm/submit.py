@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from sqlalchemy import insert, select
+from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError, TransientError
@@ -175,16 +176,16 @@ def record_run(
     return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
 
 
-def job_labels(db: Database, job_ids: list[str]) -> dict[str, str]:
+def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
     """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
     and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
-    the job id and reads everything else from the ledger."""
+    the job id and reads everything else from the ledger. Read in the caller's transaction (a sweep
+    sends inside its own: a second transaction would wait on SQLite's write lock)."""
     labels: dict[str, str] = {}
-    with db.transaction() as session:
-        for start in range(0, len(job_ids), LABEL_BATCH):
-            batch = job_ids[start : start + LABEL_BATCH]
-            for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
-                labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
+    for start in range(0, len(job_ids), LABEL_BATCH):
+        batch = job_ids[start : start + LABEL_BATCH]
+        for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+            labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
     return labels
 
 
@@ -193,7 +194,8 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
     from kombu.exceptions import OperationalError
 
-    labels = job_labels(db, [job_id for job_id, _ in jobs])
+    with db.transaction() as session:
+        labels = job_labels(session, [job_id for job_id, _ in jobs])
     sent: list[str] = []
     try:
         send_job_messages(app, jobs, sent, labels)

@@ -19,6 +19,7 @@ from billiard.process import current_process
 from celery import shared_task
 from celery.signals import worker_process_init, worker_process_shutdown
 from celery.worker.request import Request
+from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
@@ -28,7 +29,7 @@ from dsocr_workers.farm.submit import job_labels, send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.db import database_for, open_database
+from dsocr_workers.store.db import open_database
 
 RUN_JOB = "dsocr.run_job"
 log = logging.getLogger("dsocr.worker")
@@ -52,10 +53,9 @@ def _open_child(**_: object) -> None:
     queues = queues_from_env()
     settings = Settings.from_env()
 
-    def send_again(jobs: list[tuple[str, str]]) -> None:
+    def send_again(session: Session, jobs: list[tuple[str, str]]) -> None:
         # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
-        labels = job_labels(database_for(settings.database_url), [job_id for job_id, _ in jobs])
-        send_job_messages(run_job.app, jobs, [], labels)
+        send_job_messages(run_job.app, jobs, [], job_labels(session, [job_id for job_id, _ in jobs]))
 
     _process = JobProcess.open(
         settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads
