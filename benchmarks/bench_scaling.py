@@ -15,6 +15,13 @@ with its interval, and the submit-to-last-result wall clock, from
 submit, so it holds no model load here: loads and warm-ups are listed per worker session. JSON + markdown go to
 --out (default benchmarks/results/) as scaling-<UTC date>.{json,md}.
 
+A second table (issue 10, prefetch): per run the jobs whose page was prepared while the previous job ran,
+the device's idle time between consecutive jobs of a worker (p50 / p90 / max: from one job's readback to
+the next one's setup, `device_idle_ms`), the device's time per page (setup to readback, mean over warm
+jobs), steady-state pages/s over the rate a device kept busy would reach, sum over workers of
+1 / (device time per page) (target ≥ 0.95), and TTFT from the claim and from the device start (p50).
+Targets: idle ≤ 10 ms, and pages/s within 5% of that rate, on a queue of two or more pages per worker.
+
 Unless --broker-url / --database-url are given, the script starts its own redis-server on a free
 127.0.0.1 port (no persistence) and uses a fresh SQLite ledger in a temporary folder, so it touches no
 shared Redis or database. TORCHINDUCTOR_CACHE_DIR points at one folder for every worker of the script:
@@ -63,6 +70,7 @@ DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
 FINAL = ("done", "failed", "poisoned")
 DEFAULT_REPEATS = {"eager": 4, "fast": 12}
 TARGET_RATIO_AT_2 = 1.9
+TARGET_IDLE_MS, TARGET_BUSY_SHARE = 10.0, 0.95  # issue 10: the device between jobs, pages/s vs device time
 _T0 = time.perf_counter()
 
 
@@ -328,6 +336,55 @@ def load(db: Any, run_id: str) -> Any:
     return data
 
 
+def prefetch_stats(data: Any) -> dict[str, Any]:
+    """Issue 10's figures for one run (see the module docstring); empty where this checkout's ledger
+    does not store them (before migration 0005)."""
+    import numpy as np
+
+    try:
+        from dsocr_workers.report.throughput import (
+            device_idle_ms,
+            device_ms_per_page,
+            steady_state_throughput,
+        )
+    except ImportError:
+        return {}
+    warm = [r for r in data.results.values() if not r.cold]
+    idle = [ms for lane in device_idle_ms(data).values() for ms in lane]
+    per_page = device_ms_per_page(data)
+    # A device kept busy runs 1 / (its time per page) pages a second; the workers run side by side.
+    busy_rate = sum(1e3 / float(np.mean(ms)) for ms in per_page.values() if ms) or None
+    steady = steady_state_throughput(data).value
+
+    def percentile(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+
+    claim = [r.ttft_from_claim_ms for r in warm if r.ttft_from_claim_ms is not None]
+    start = [r.ttft_from_device_start_ms for r in warm if r.ttft_from_device_start_ms is not None]
+    return {
+        "prefetched": sum(bool(r.prefetched) for r in data.results.values()),
+        "results": len(data.results),
+        "device_idle_ms": {"n": len(idle), "p50": percentile(idle, 50), "p90": percentile(idle, 90),
+                           "max": max(idle) if idle else None},  # fmt: skip
+        "device_ms_per_page_mean": float(np.mean([ms for lane in per_page.values() for ms in lane])) if per_page else None,
+        "busy_device_pages_per_s": busy_rate,
+        "steady_over_busy_device": steady / busy_rate if steady and busy_rate else None,
+        "ttft_from_claim_ms_p50": percentile(claim, 50),
+        "ttft_from_device_start_ms_p50": percentile(start, 50),
+        "page_wait_ms_p50": percentile([r.page_wait_ms for r in warm if r.prefetched and r.page_wait_ms is not None], 50),
+    }
+
+
+def prefetch_verdict(stats: dict[str, Any]) -> str:
+    idle, ratio = stats.get("device_idle_ms", {}).get("p90"), stats.get("steady_over_busy_device")
+    if idle is None or ratio is None:
+        return "not measured"
+    met = [f"idle p90 {idle:.1f} ms {'≤' if idle <= TARGET_IDLE_MS else '>'} {TARGET_IDLE_MS:.0f}",
+           f"pages/s {ratio:.3f} of 1/(device time per page) {'≥' if ratio >= TARGET_BUSY_SHARE else '<'} "
+           f"{TARGET_BUSY_SHARE}"]  # fmt: skip
+    return "; ".join(met)
+
+
 def throughput_functions() -> tuple[Any, Any, Any, str | None]:
     """(steady_state_throughput, throughput_ratio, wall_clock_s, note)."""
     try:
@@ -371,6 +428,7 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
         stats["steady_pages_per_s"] = _estimate_dict(steady(data))
         stats["ratio_to_k1"] = _estimate_dict(ratio(data, base)) if base is not None else None
     sessions = getattr(data, "sessions", None) or {}
+    stats["prefetch"] = prefetch_stats(data)
     stats["worker_sessions"] = [
         {
             "device": s.device, "engine": s.engine, "warmup": s.warmup, "load_ms": s.load_ms,
@@ -444,6 +502,28 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_ci(st.get('steady_pages_per_s'), 3)} | {_ci(st.get('ratio_to_k1'), 2)} "
             f"| {fmt(st.get('wall_clock_s'), 1)} | {fmt(st.get('pages_per_s_wall'), 3)} "
             f"| {fmt(st.get('decode_ms_per_token_p50_median_warm'), 3)} | {r.get('status', '-')} |"
+        )
+    lines += [
+        "",
+        "Prefetch (issue 10): jobs whose page was prepared while the previous job ran; the device's idle time "
+        "between a worker's consecutive jobs (readback end to the next setup); the device's time per page (setup "
+        "to readback); steady-state pages/s over the rate of devices kept busy, Σ 1 / (device time per page) "
+        f"(targets: idle ≤ {TARGET_IDLE_MS:.0f} ms, ratio ≥ {TARGET_BUSY_SHARE}); TTFT from the claim and from "
+        "the device start, p50.",
+        "",
+        "| engine | K | prefetched / results | device idle ms p50 / p90 / max (n) | device ms per page "
+        "| pages/s over busy devices | TTFT from claim ms | TTFT from device start ms | page wait ms p50 | targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["runs"]:
+        pf = r.get("stats", {}).get("prefetch") or {}
+        idle = pf.get("device_idle_ms") or {}
+        lines.append(
+            f"| {r['engine']} | {r['k']} | {pf.get('prefetched', '-')} / {pf.get('results', '-')} "
+            f"| {fmt(idle.get('p50'), 1)} / {fmt(idle.get('p90'), 1)} / {fmt(idle.get('max'), 1)} ({idle.get('n', '-')}) "
+            f"| {fmt(pf.get('device_ms_per_page_mean'), 1)} | {fmt(pf.get('steady_over_busy_device'), 3)} "
+            f"| {fmt(pf.get('ttft_from_claim_ms_p50'), 1)} | {fmt(pf.get('ttft_from_device_start_ms_p50'), 1)} "
+            f"| {fmt(pf.get('page_wait_ms_p50'), 1)} | {prefetch_verdict(pf) if pf else '-'} |"
         )
     lines.append("")
     for engine, text in report.get("verdicts", {}).items():

@@ -22,9 +22,9 @@ from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimin
 from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.fingerprint import environment_fingerprint
+from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings
-from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database, upgrade
 from dsocr_workers.store.models import Worker
 from dsocr_workers.store.upsert import upsert
@@ -66,7 +66,7 @@ def main() -> int:
         upsert(session, Worker, worker, ["id"])
     result = prepared_result()
     settings = Settings()
-    owner = ledger.process_owner()
+    owner = process_owner()
 
     overhead_ms = []
     for job_id in run.job_ids:

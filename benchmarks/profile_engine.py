@@ -40,32 +40,28 @@ def kernel_launches(prof: profile) -> int:
     return sum(event.count for event in prof.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_fast(page: Path, model: str, rows: int) -> None:
+def quiet_clock(session: DeepSeekOCRSession) -> StageClock:
+    """A clock that neither times nor annotates: the profiler is the instrument here."""
+    return StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+
+
+def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
     session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
-    for _ in range(2):
-        session.run_inference(page, max_new_tokens=64, infer=PLAIN)
-    prepared = session.prepare(page, None, "gundam", 9)
-    buffers = session.buffers_for(prepared.prompt_tokens + 64)
-    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    for _ in range(2):  # the same budget as below: the same cache bucket, warm
+        session.run_inference(page, max_new_tokens=steps + 1, infer=PLAIN)
+    clock = quiet_clock(session)
     with torch.inference_mode():
-        inputs = session.upload(prepared)
-        ban = buffers.start(inputs.input_ids, PLAIN)
+        job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
-            logits, _ = session.prefill_page(inputs, buffers, clock)
+            session.prefill(job, clock)
             torch.cuda.synchronize()
-        print("== fast prefill: top CUDA kernels\n" + top_kernels(prefill_prof, rows), flush=True)
-        from dsocr_workers.engine.generate import choose_token
-
-        choose_token(logits, ban, PLAIN)
-        steps = 32
-        torch.cuda.synchronize()
+        print("== fast prefill + first token: top CUDA kernels\n" + top_kernels(prefill_prof, rows), flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as decode_prof:
-            for _ in range(steps):
-                session.decode_step(buffers, ban, PLAIN)
+            session.decode(job, clock)
             torch.cuda.synchronize()
-        print(f"== fast decode ({steps} steps): top CUDA kernels\n" + top_kernels(decode_prof, rows), flush=True)
-        print(f"kernels per decode step: {kernel_launches(decode_prof) / steps:.1f}", flush=True)
+        print(f"== fast decode ({job.steps} steps): top CUDA kernels\n" + top_kernels(decode_prof, rows), flush=True)
+        print(f"kernels per decode step: {kernel_launches(decode_prof) / job.steps:.1f}", flush=True)
     del session
     torch.cuda.empty_cache()
 
@@ -75,17 +71,15 @@ def determinism(page: Path, model: str, tokens_per_run: int, runs: int = 3) -> N
     session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
     for _ in range(2):
         session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN)
-    inputs = session.upload(session.prepare(page, None, "gundam", 9))
+    prepared = session.prepare(page, None, "gundam", 9)
     embeds, logits, tokens = [], [], []
     with torch.inference_mode():
         for _ in range(runs):
-            clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+            clock = quiet_clock(session)
+            job = session.start_job(prepared, PLAIN, tokens_per_run, clock)
             with clock.stage("prefill"):
-                embeds.append(session.encode_image(inputs, clock).float().cpu())
-            buffers = session.buffers_for(inputs.page.prompt_tokens + tokens_per_run)
-            buffers.start(inputs.input_ids, PLAIN)
-            logits.append(session.prefill_page(inputs, buffers, StageClock(session.device, nvtx_enabled=False,
-                                                                              timing_enabled=False))[0].cpu())
+                embeds.append(session.encode_image(job.inputs, clock).float().cpu())
+            logits.append(session.prefill(job, clock).cpu())
     for _ in range(runs):
         tokens.append(session.run_inference(page, max_new_tokens=tokens_per_run, infer=PLAIN).token_ids)
     for i in range(1, runs):

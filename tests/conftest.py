@@ -22,6 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (the fast engine's, model/selected_experts.py) run in Triton's
+# interpreter; it must be chosen before the kernels are defined, i.e. before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

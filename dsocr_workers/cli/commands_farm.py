@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dsocr_workers.cli import F, exits_on_errors, stdout_console
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.config import DTYPES, ENGINES, MODES
+
+if TYPE_CHECKING:
+    from rich.console import Group
+
+    from dsocr_workers.farm.submit import RunRequest
+    from dsocr_workers.report.live import RunProgress
 
 
 def run_options(command: F) -> F:
@@ -51,28 +54,9 @@ def run_options(command: F) -> F:
     return command
 
 
-@dataclass(frozen=True)
-class PreparedRun:
-    """A checked file list and run options, ready to be recorded."""
-
-    listed: Any  # farm.filelist.FileList
-    options: Any  # farm.submit.RunOptions
-    name: str | None
-    tags: dict[str, str]
-    ground_truth: Path | None
-    references: dict[str, dict[str, Any]]  # by image, with --ground-truth
-
-    def record(self, db: Any, queue: str) -> Any:
-        from dsocr_workers.farm.submit import record_run
-
-        return record_run(db, self.listed, self.options, queue=queue, name=self.name, tags=self.tags,
-                          ground_truth=self.ground_truth, references=self.references)  # fmt: skip
-
-
-def _prepare(filelist: Path, kw: dict[str, Any]) -> PreparedRun:
-    from dsocr_workers.errors import InputError
-    from dsocr_workers.farm.filelist import read_filelist
-    from dsocr_workers.farm.submit import RunOptions, attach_ground_truth, parse_tags
+def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
+    """The run that `run_options` ask for (RunOptions checks them)."""
+    from dsocr_workers.farm.submit import RunOptions, RunRequest
 
     options = RunOptions(
         model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
@@ -80,18 +64,12 @@ def _prepare(filelist: Path, kw: dict[str, Any]) -> PreparedRun:
         stop_on_repetition=kw["stop_on_repetition"], no_repeat_ngram_size=kw["no_repeat_ngram_size"],
         ngram_window=kw["ngram_window"],
     )  # fmt: skip
-    tags = parse_tags(kw["tags"])
-    listed = read_filelist(filelist, kw["root"])
-    references: dict[str, dict[str, Any]] = {}
-    if kw["ground_truth"] is not None:
-        listed, references = attach_ground_truth(listed, kw["ground_truth"])
-    if listed.bad:
-        click.echo(f"{len(listed.bad)} bad line(s) in {filelist}:\n{listed.describe_bad()}", err=True)
-        if not kw["skip_invalid"]:
-            raise InputError(
-                f"{filelist}: refused, nothing was recorded or enqueued (--skip-invalid to leave them out)"
-            )
-    return PreparedRun(listed, options, kw["name"], tags, kw["ground_truth"], references)
+    return RunRequest(filelist, options, root=kw["root"], name=kw["name"], tags=kw["tags"],
+                      ground_truth=kw["ground_truth"], skip_invalid=kw["skip_invalid"])  # fmt: skip
+
+
+def warn(text: str) -> None:
+    click.echo(text, err=True)
 
 
 @click.command()
@@ -101,19 +79,15 @@ def _prepare(filelist: Path, kw: dict[str, Any]) -> PreparedRun:
 @exits_on_errors
 def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     """Validate FILELIST, record a run and its jobs, and enqueue one job per image and repeat."""
-    from dsocr_workers.farm.celery_app import create_app
-    from dsocr_workers.farm.submit import enqueue
+    from dsocr_workers.farm.submit import submit_run
     from dsocr_workers.settings import Settings
-    from dsocr_workers.store.db import check_schema, open_database
 
-    settings = Settings.from_env()
-    prepared = _prepare(filelist, kw)
-    db = open_database(settings.database_url)
-    check_schema(db)
-    run = prepared.record(db, queue or settings.queue)
-    click.echo(f"run {run.run_id}: {len(run.job_ids)} jobs recorded")
-    sent = enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids])
-    click.echo(f"run {run.run_id}: {sent} jobs enqueued on {run.queue}")
+    submission = submit_run(
+        Settings.from_env(), run_request(filelist, kw), queue=queue, on_bad_lines=warn,
+        on_recorded=lambda run: click.echo(f"run {run.run_id}: {len(run.job_ids)} jobs recorded"),
+    )  # fmt: skip
+    run = submission.run
+    click.echo(f"run {run.run_id}: {submission.enqueued} jobs enqueued on {run.queue}")
     click.echo("next:")
     click.echo(f"  dsocr worker --queue {run.queue}")
     click.echo(f"  dsocr status --run {run.run_id} --watch")
@@ -175,18 +149,10 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
     keyword arguments), queue lengths. Extra arguments go to Flower, e.g. --url-prefix=flower. Flower
     serves its control API (shutdown, pool resize, revoke) only with authentication set; resize no pool
     from it: a grown pool puts two children on one GPU."""
-    from importlib.util import find_spec
-
-    from dsocr_workers.errors import InputError
-    from dsocr_workers.farm.celery_app import create_app
+    from dsocr_workers.farm.celery_app import start_flower
     from dsocr_workers.settings import Settings
 
-    if find_spec("flower") is None:
-        raise InputError("dsocr flower needs Flower: pip install 'dsocr-workers[flower]'")
-    app = create_app(Settings.from_env())
-    # Flower is a `celery` subcommand (an entry point it installs); `start` runs it with this app.
-    login = [f"--basic-auth={basic_auth}"] if basic_auth else []
-    app.start(["flower", f"--port={port}", f"--address={address}", *login, *flower_args])
+    start_flower(Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args)
 
 
 @click.command()
@@ -205,50 +171,25 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
     Exit status: 0 every job done; 4 some job failed or was poisoned (the report is printed first, then
     which); 2 bad input or settings; 3 the database unavailable."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    from sqlalchemy import select
 
-    from dsocr_workers.errors import FailuresError, InputError
-    from dsocr_workers.farm.worker import IN_PROCESS_QUEUE, parse_devices, run_in_process
-    from dsocr_workers.report.build import single_report
-    from dsocr_workers.report.queries import load_run
-    from dsocr_workers.report.render import render
-    from dsocr_workers.settings import Settings, check_queue_name
-    from dsocr_workers.store.db import check_schema, open_database, upgrade
-    from dsocr_workers.store.models import Job
+    from dsocr_workers.farm.local_run import raise_for_failures, record_local_run, work_local_run
+    from dsocr_workers.report.outputs import ReportRequest, write_report
+    from dsocr_workers.settings import Settings
 
-    devices = parse_devices(gpus)
-    if len(devices) != 1:
-        raise InputError("dsocr run uses one device; start `dsocr worker` for several")
     settings = Settings.from_env()
-    prepared = _prepare(filelist, kw)
-    db = open_database(settings.database_url)
-    if db.is_sqlite:
-        upgrade(db)  # the embedded default creates or updates its own file
-    check_schema(db)
-    submitted = prepared.record(db, check_queue_name(queue) if queue else IN_PROCESS_QUEUE)
-    click.echo(f"run {submitted.run_id}: {len(submitted.job_ids)} jobs on {devices[0]}", err=True)
+    local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
+    click.echo(f"run {local.run.run_id}: {len(local.run.job_ids)} jobs on {local.device}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.fields[last]}"), console=stdout_console(stderr=True),
     ) as progress:  # fmt: skip
-        bar = progress.add_task(f"run {submitted.run_id}", total=len(submitted.job_ids), last="")
-
-        def advance(outcome: Any) -> None:
-            if outcome.status not in ("queued", "released"):
-                progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60])
-
-        finals = run_in_process(settings, devices[0], submitted.job_ids, advance, queue=submitted.queue)
-    with db.transaction() as session:
-        click.echo(render(single_report(load_run(session, submitted.run_id)), fmt), nl=False)
-    failures = [outcome for outcome in finals if outcome.status != "done"]
-    if failures:
-        # The report is out, but a script must not mistake a run with failed jobs for a good one.
-        with db.transaction() as session:
-            images = dict(session.execute(select(Job.id, Job.image).where(Job.id.in_([o.job_id for o in failures]))).all())
-        counts = ", ".join(f"{count} {status}" for status, count in Counter(o.status for o in failures).items())
-        which = "; ".join(f"{images.get(o.job_id, o.job_id)}: {o.status} ({o.detail})" for o in failures[:10])
-        more = f"; and {len(failures) - 10} more" if len(failures) > 10 else ""
-        raise FailuresError(f"run {submitted.run_id}: {counts} of {len(submitted.job_ids)} jobs: {which}{more}")
+        bar = progress.add_task(f"run {local.run.run_id}", total=len(local.run.job_ids), last="")
+        finals = work_local_run(
+            settings, local,
+            on_final=lambda outcome: progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]),
+        )  # fmt: skip
+    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt)), nl=False)
+    raise_for_failures(local, finals)
 
 
 @click.command()
@@ -259,25 +200,16 @@ def runs(limit: int) -> None:
     from rich.table import Table
 
     from dsocr_workers.report.queries import list_runs
+    from dsocr_workers.settings import Settings
 
-    with _database().transaction() as session:
-        summaries = list_runs(session, limit)
     table = Table("run", "created", "name", "model", "jobs", "done", "failed", "poisoned", "open")
-    for s in summaries:
-        open_jobs = sum(s.counts.get(k, 0) for k in ("pending", "queued", "running"))
+    for s in list_runs(Settings.from_env().database_url, limit):
         table.add_row(
             s.run.id, s.run.created_at.isoformat(sep=" ", timespec="seconds"), s.run.name, s.run.model_label,
             str(sum(s.counts.values())), str(s.counts.get("done", 0)), str(s.counts.get("failed", 0)),
-            str(s.counts.get("poisoned", 0)), str(open_jobs),
+            str(s.counts.get("poisoned", 0)), str(s.open_jobs),
         )  # fmt: skip
     stdout_console().print(table)
-
-
-def _database() -> Any:
-    from dsocr_workers.settings import Settings
-    from dsocr_workers.store.db import open_database
-
-    return open_database(Settings.from_env().database_url)
 
 
 @click.command()
@@ -288,61 +220,58 @@ def _database() -> Any:
 def status(run_ref: str, watch: bool, interval: float) -> None:
     """Progress of a run: job states, the worker processes on its queue (live while they heartbeat, with
     the job each holds and how many it finished), and an ETA from the live workers' pace."""
-    from rich.console import Group
     from rich.live import Live
+
+    from dsocr_workers.report.live import follow_progress
+    from dsocr_workers.settings import Settings
+
+    settings = Settings.from_env()
+    snapshots = follow_progress(settings.database_url, run_ref, settings.lease_s, interval if watch else None)
+    console = stdout_console()
+    first = progress_view(next(snapshots))
+    if not watch:
+        console.print(first)
+        return
+    with Live(first, console=console, auto_refresh=False) as live:
+        for progress in snapshots:
+            live.update(progress_view(progress), refresh=True)
+
+
+def progress_view(progress: RunProgress) -> Group:
+    """`dsocr status`: a head line with the ETA, a bar, the job states, and the run's workers."""
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
-    from dsocr_workers.report.live import run_progress
-    from dsocr_workers.report.queries import resolve_run
-    from dsocr_workers.settings import Settings
-
-    settings = Settings.from_env()
-    db = _database()
-
-    def view() -> tuple[Group, bool]:
-        with db.transaction() as session:
-            progress = run_progress(session, resolve_run(session, run_ref), settings.lease_s)
-        if progress.eta_s is not None:
-            pace = f"ETA {progress.eta_s:.0f} s at {progress.pages_per_s:.2f} pages/s"
-        elif progress.final == progress.total:
-            pace = "finished"
-        elif not progress.live_workers:
-            pace = f"ETA - (no live worker on queue {progress.queue})"
-        else:
-            pace = "ETA - (no job of this run finished yet)"
-        head = (
-            f"run {progress.run_id}: {progress.final}/{progress.total} final  "
-            f"{progress.live_workers} live worker(s)  {pace}"
-        )
-        states = "  ".join(
-            f"{s} {progress.counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+    if progress.eta_s is not None:
+        pace = f"ETA {progress.eta_s:.0f} s at {progress.pages_per_s:.2f} pages/s"
+    elif progress.finished:
+        pace = "finished"
+    elif not progress.live_workers:
+        pace = f"ETA - (no live worker on queue {progress.queue})"
+    else:
+        pace = "ETA - (no job of this run finished yet)"
+    head = (
+        f"run {progress.run_id}: {progress.final}/{progress.total} final  "
+        f"{progress.live_workers} live worker(s)  {pace}"
+    )
+    states = "  ".join(
+        f"{s} {progress.counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+    )  # fmt: skip
+    workers = Table("worker", "device", "state", "last beat", "job now", "done", "s/job", title="workers")
+    for w in progress.workers:
+        state = "live" if w.live else "stopped" if w.stopped else "silent (dead: its jobs are requeued)"
+        workers.add_row(
+            w.id, w.device, state, f"{w.heartbeat_age_s:.0f} s ago", w.current_image or "-", str(w.jobs_done),
+            "-" if w.job_s is None else f"{w.job_s:.2f}",
         )  # fmt: skip
-        workers = Table("worker", "device", "state", "last beat", "job now", "done", "s/job", title="workers")
-        for w in progress.workers:
-            state = "live" if w.live else "stopped" if w.stopped else "silent (dead: its jobs are requeued)"
-            workers.add_row(
-                w.id, w.device, state, f"{w.heartbeat_age_s:.0f} s ago", w.current_image or "-", str(w.jobs_done),
-                "-" if w.job_s is None else f"{w.job_s:.2f}",
-            )  # fmt: skip
-        bar = Table.grid()  # a row of its own: a bare ProgressBar ends without a line break
-        bar.add_row(ProgressBar(total=max(progress.total, 1), completed=progress.final, width=60))
-        parts: list[Any] = [Text(head), bar, Text(states)]
-        if progress.workers:
-            parts.append(workers)
-        return Group(*parts), progress.final == progress.total
-
-    console = stdout_console()
-    rendered, finished = view()
-    if not watch:
-        console.print(rendered)
-        return
-    with Live(rendered, console=console, auto_refresh=False) as live:
-        while not finished:
-            time.sleep(interval)
-            rendered, finished = view()
-            live.update(rendered, refresh=True)
+    bar = Table.grid()  # a row of its own: a bare ProgressBar ends without a line break
+    bar.add_row(ProgressBar(total=max(progress.total, 1), completed=progress.final, width=60))
+    parts: list[Any] = [Text(head), bar, Text(states)]
+    if progress.workers:
+        parts.append(workers)
+    return Group(*parts)
 
 
 @click.command()
@@ -350,20 +279,10 @@ def status(run_ref: str, watch: bool, interval: float) -> None:
 @exits_on_errors
 def reconcile(run_ref: str | None) -> None:
     """Expire stale leases (poisoning jobs at the attempt cap) and enqueue every job not final."""
-    from dsocr_workers.farm.celery_app import create_app
-    from dsocr_workers.farm.submit import reconcile_and_enqueue
-    from dsocr_workers.report.queries import resolve_run
+    from dsocr_workers.farm.submit import reconcile_run
     from dsocr_workers.settings import Settings
-    from dsocr_workers.store.db import check_schema, open_database
 
-    settings = Settings.from_env()
-    db = open_database(settings.database_url)
-    check_schema(db)
-    run_id = None
-    if run_ref:
-        with db.transaction() as session:
-            run_id = resolve_run(session, run_ref).id
-    plan, sent = reconcile_and_enqueue(db, create_app(settings), settings, run_id=run_id)
+    plan, sent = reconcile_run(Settings.from_env(), run_ref)
     click.echo(
         f"expired leases: {plan.expired} (poisoned at the cap: {plan.poisoned}); still running: {plan.running}; "
         f"enqueued: {sent}"
@@ -379,10 +298,11 @@ def db() -> None:
 @exits_on_errors
 def upgrade() -> None:
     """Create or migrate the schema of DSOCR_DATABASE_URL to the newest revision."""
-    from dsocr_workers.settings import redacted
+    from dsocr_workers.settings import Settings, redacted
+    from dsocr_workers.store.db import open_database
     from dsocr_workers.store.db import upgrade as upgrade_schema
 
-    database = _database()
+    database = open_database(Settings.from_env().database_url)
     revision = upgrade_schema(database)
     click.echo(f"{redacted(database.url)}: schema at revision {revision}")
 

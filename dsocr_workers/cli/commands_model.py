@@ -17,15 +17,13 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from dsocr_workers.engine.result import InferenceResult
+    from dsocr_workers.engine.session import DeepSeekOCRSession
 
 # Modes and presets come from the torch-free model.config; the prompts mirror model.preprocess (which
 # imports torch), kept literal so `--help` imports no torch: tests/engine/test_cli_model.py pins them.
 MODE_NAMES = tuple(MODES)
 PROMPT_NAMES = ("document", "ocr", "free", "figure", "describe")
 PRESET_NAMES = tuple(PRESETS)
-# `dsocr verify` without --image: a page of this size (Gundam 2×2 grid, small enough for the tiny
-# preset on a CPU in seconds).
-VERIFY_PAGE_SIZE = (1000, 800)
 
 
 def model_options(func: Any) -> Any:
@@ -53,23 +51,7 @@ def model_options(func: Any) -> Any:
     return func
 
 
-def open_session(model: str, device: str | None, engine: str, dtype: str | None, preset_seed: int):
-    import torch
-
-    from dsocr_workers.engine.session import DeepSeekOCRSession
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return DeepSeekOCRSession.from_local(
-        model,
-        device=device,
-        dtype=getattr(torch, dtype) if dtype else None,
-        engine=engine,
-        seed=preset_seed,
-    )
-
-
-def model_banner(console: Console, session: Any) -> None:
+def model_banner(console: Console, session: DeepSeekOCRSession) -> None:
     source = session.source
     console.print(f"model: {source.label}  engine: {session.engine}  device: {session.device}")
     if source.random_weights:
@@ -85,18 +67,6 @@ def parse_ids(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
-
-
-def result_document(result: InferenceResult, files: list[str]) -> dict[str, Any]:
-    """result.json: the InferenceResult, plus derived decode statistics and the files written."""
-    document = result.to_dict()
-    steps = result.timings.decode_step_ms
-    document["model_label"] = result.model.label
-    document["decode_tokens"] = result.decode_tokens
-    document["decode_ms_per_token"] = result.timings.decode_step_percentiles
-    document["tokens_per_s"] = 1e3 * len(steps) / sum(steps) if steps and sum(steps) > 0 else None
-    document["files"] = files
-    return document
 
 
 def timing_table(result: InferenceResult, title: str) -> Any:
@@ -126,6 +96,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
         ("host gap (no stage)", t.host_gap_ms),
         ("end to end (= the parts above)", t.e2e_ms),
         ("TTFT", t.ttft_ms),
+        ("  from the device start (no preprocess)", t.ttft_from_device_start_ms),
     ]
     for name, ms in rows:
         table.add_row(name, "-" if ms is None else f"{ms:.2f}")
@@ -199,78 +170,60 @@ def infer_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dsocr_workers.engine.result import DecodeOptions
-    from dsocr_workers.engine.sampling import validate_options
-    from dsocr_workers.model.images import load_image
-    from dsocr_workers.model.postprocess import parse_markup, write_outputs
-    from dsocr_workers.model.preprocess import build_prompt
+    from dsocr_workers.engine.standalone import (
+        PageRequest,
+        SessionOptions,
+        check_page,
+        infer_page,
+        open_session,
+    )
 
     if prompt is not None and prompt_name is not None:
         raise click.UsageError("give --prompt or --prompt-name, not both")
     if ignore_eos and max_new_tokens is None:
         raise click.UsageError("--ignore-eos needs --max-new-tokens")
     console = Console(stderr=as_json)
-    options = DecodeOptions(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        ngram_window=ngram_window,
-        ngram_whitelist=parse_ids(ngram_whitelist),
-        ignore_eos=ignore_eos,
-        stop_on_repetition=stop_on_repetition,
+    request = PageRequest(
+        image=image,
+        out_dir=out_dir if out_dir is not None else Path("out") / image.stem,
+        prompt=prompt if prompt is not None else prompt_name,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        decode=DecodeOptions(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            ngram_window=ngram_window,
+            ngram_whitelist=parse_ids(ngram_whitelist),
+            ignore_eos=ignore_eos,
+            stop_on_repetition=stop_on_repetition,
+        ),
+        max_crops=max_crops,
     )
-    validate_options(options)
-    # Bad input fails before a model is loaded: the prompt, then the image (also the boxes' frame).
-    build_prompt(prompt if prompt is not None else prompt_name)
-    original = load_image(image)
-    session = open_session(model, device, engine, dtype, preset_seed)
+    original = check_page(request)
+    session = open_session(SessionOptions(model, device, engine, dtype, preset_seed))
     model_banner(console, session)
     # Progress on stderr (a long decode on a CPU takes minutes): the bar advances with the EOS watch.
     with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn(), console=stdout_console(stderr=True), transient=True) as progress:  # fmt: skip
         bar = progress.add_task("decode", total=None)
-        result = session.run_inference(
-            image,
-            prompt=prompt if prompt is not None else prompt_name,
-            mode=mode,
-            max_new_tokens=max_new_tokens,
-            infer=options,
-            max_crops=max_crops,
+        outputs = infer_page(
+            session, request, original,
             on_decode_progress=lambda steps, budget: progress.update(bar, completed=steps, total=budget),
-        )
-    out_dir = out_dir if out_dir is not None else Path("out") / image.stem
-    written = write_outputs(out_dir, result.text, original, parse_markup(result.text, *original.size))
-    document = result_document(result, sorted([*written, "result.json"]))
-    (out_dir / "result.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        )  # fmt: skip
     if as_json:
-        click.echo(json.dumps(document, indent=2))
+        click.echo(json.dumps(outputs.document, indent=2))
         return
-    label = result.model.label + ("  [RANDOM WEIGHTS]" if result.model.random_weights else "")
-    console.print(timing_table(result, f"{image.name}: {label}, engine {result.engine}, {result.device}"))
-    console.print(f"outputs: {out_dir}/ ({len(written) + 1} files), {len(result.boxes)} regions, "
+    result = outputs.result
+    console.print(timing_table(result, f"{image.name}: {result.model.label}, engine {result.engine}, {result.device}"))
+    console.print(f"outputs: {outputs.out_dir}/ ({len(outputs.files)} files), {len(result.boxes)} regions, "
                   f"{result.skipped_spans} skipped spans")
 
 
 # ---------------------------------------------------------------------------------------------------
 # verify
-
-
-def demo_page() -> Any:
-    """A deterministic synthetic page (text lines, a table, a figure) for `dsocr verify`."""
-    from PIL import Image, ImageDraw
-
-    width, height = VERIFY_PAGE_SIZE
-    page = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(page)
-    draw.text((60, 40), "Synthetic page for dsocr verify", fill="black")
-    for k in range(18):
-        draw.text((60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black")
-    for r in range(5):
-        for c in range(4):
-            draw.rectangle((60 + 110 * c, 520 + 40 * r, 170 + 110 * c, 560 + 40 * r), outline="black")
-    draw.ellipse((620, 520, 900, 740), fill=(40, 90, 160))
-    return page
 
 
 @click.command("verify")
@@ -292,12 +245,12 @@ def verify_command(
     grows by one per step, the vision stages ran exactly once. Exit 4 if any check fails."""
     from rich.console import Console
 
+    from dsocr_workers.engine.standalone import SessionOptions, open_session, verify_page
     from dsocr_workers.engine.verify import run_checks
-    from dsocr_workers.model.images import load_image
 
     console = Console()
-    page = load_image(image) if image is not None else demo_page()
-    session = open_session(model, device, engine, dtype, preset_seed)
+    page = verify_page(image)
+    session = open_session(SessionOptions(model, device, engine, dtype, preset_seed))
     model_banner(console, session)
     checks = run_checks(session, page, max_new_tokens=max_new_tokens)
     for check in checks:

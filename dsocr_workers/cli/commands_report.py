@@ -60,45 +60,18 @@ def report(
     --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
-    from dsocr_workers.errors import InputError
-    from dsocr_workers.report.build import comparison_report, single_report
-    from dsocr_workers.report.queries import load_run
-    from dsocr_workers.report.render import only_table, render, write_csv_tables
+    from dsocr_workers.report.outputs import ReportRequest, write_report
     from dsocr_workers.settings import Settings
-    from dsocr_workers.store.db import open_database
 
-    if html_path is not None:  # before the ledger is read: a missing extra is the user's first news
-        try:
-            from dsocr_workers.report.html import html_report
-            from dsocr_workers.report.plots import sides_of
-        except ModuleNotFoundError as exc:
-            package = (exc.name or "matplotlib").partition(".")[0]
-            raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
-    db = open_database(Settings.from_env().database_url)
-    with db.transaction() as session:
-        a = load_run(session, run_ref)
-        b = load_run(session, vs_ref) if vs_ref else None
-        if b is not None:
-            document = comparison_report(a, b, per_image=per_image, include_cold=include_cold,
-                                         exclude_loops=exclude_loops)  # fmt: skip
-        else:
-            document = single_report(a, per_image=per_image, include_cold=include_cold, exclude_loops=exclude_loops)
-    if html_path is not None:
-        sides = sides_of(a, b) if b is not None else sides_of(a)
-        html_path.write_text(html_report(document, sides, include_cold=include_cold), encoding="utf-8")
-        click.echo(f"wrote {html_path}", err=True)
-    if table is not None:
-        document = only_table(document, table)
-    if fmt == "csv" and out is not None and len(document.tables) > 1:
-        for path in write_csv_tables(document, out):
-            click.echo(f"wrote {path}", err=True)
-        return
-    text = render(document, fmt, width=width)
-    if out is None:
+    request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
+                            exclude_loops=exclude_loops, fmt=fmt, table=table, width=width, out=out, html=html_path)  # fmt: skip
+    text = write_report(Settings.from_env().database_url, request, on_written=wrote)
+    if text is not None:
         click.echo(text, nl=False)
-    else:
-        out.write_text(text, encoding="utf-8")
-        click.echo(f"wrote {out}", err=True)
+
+
+def wrote(path: Path) -> None:
+    click.echo(f"wrote {path}", err=True)
 
 
 @click.command()
@@ -111,24 +84,13 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
     """Write a run's outputs for OmniDocBench's own evaluator: for every page with a result, its
     markdown (the model's markup rendered as the vendor's result.mmd) in DIR/<image name without
     extension>.md. Point the evaluator's prediction folder (its end2end config) at DIR."""
-    from dsocr_workers.errors import InputError
-    from dsocr_workers.model.postprocess import render_mmd
-    from dsocr_workers.quality.omnidocbench import write_predictions
-    from dsocr_workers.report.queries import load_run
+    from dsocr_workers.report.export import export_predictions
     from dsocr_workers.settings import Settings
-    from dsocr_workers.store.db import open_database
 
-    db = open_database(Settings.from_env().database_url)
-    with db.transaction() as session:
-        data = load_run(session, run_ref)
-    if not any(j.repeat == repeat for j in data.jobs):
-        raise InputError(f"run {data.run.id} has no repeat {repeat}")
-    pages = {j.image: render_mmd(data.results[j.id].markup)
-             for j in data.jobs if j.repeat == repeat and j.id in data.results}  # fmt: skip
-    written = write_predictions(pages, directory)
-    missing = sum(j.repeat == repeat for j in data.jobs) - len(written)
-    click.echo(f"run {data.run.id}: wrote {len(written)} page(s) to {directory}"
-               + (f"; {missing} page(s) without a result have no file" if missing else ""))  # fmt: skip
+    export = export_predictions(Settings.from_env().database_url, run_ref, directory, repeat)
+    click.echo(f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
+               + (f"; {export.without_result} page(s) without a result have no file"
+                  if export.without_result else ""))  # fmt: skip
 
 
 def register(group: click.Group) -> None:

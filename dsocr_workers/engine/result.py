@@ -51,7 +51,7 @@ class ModelSource:
     @property
     def label(self) -> str:
         if self.kind == "preset":
-            return f"preset:{self.name} (random weights, seed {self.seed})"
+            return f"preset:{self.name} (RANDOM WEIGHTS, seed {self.seed})"
         return f"checkpoint:{self.name}"
 
 
@@ -59,14 +59,19 @@ class ModelSource:
 class StageTimings:
     """Milliseconds per part of one job. GPU parts are timed with CUDA events on CUDA (perf_counter on
     the CPU); host parts (`preprocess`, `postprocess`) always with perf_counter; `e2e_ms` with the host
-    clock from the start of preprocessing to the end of postprocessing. The parts add up:
+    clock from the start of preprocessing to the end of postprocessing, less `page_wait_ms`. The parts
+    add up:
 
         e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
               + postprocess + host_gap
 
     `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
     device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
-    vision stages and `lm_prefill_ms`."""
+    vision stages and `lm_prefill_ms`.
+
+    `page_wait_ms` is no part of the job: the time its page, prepared ahead (the farm prepares the next
+    job's page while this one runs), waited between the end of its preprocessing and the start of its
+    setup. A page prepared in line waits for nothing (a few microseconds of host code)."""
 
     clock: Clock
     preprocess_ms: float
@@ -88,6 +93,8 @@ class StageTimings:
     host_gap_ms: float = 0.0
     ttft_ms: float = 0.0  # preprocess + setup + prefill + first_token
     e2e_ms: float = 0.0
+    page_wait_ms: float = 0.0  # a page prepared ahead, waiting for its job's setup: outside e2e
+    ttft_from_device_start_ms: float = 0.0  # setup + prefill + first_token: from its start on the device
 
     @property
     def parts_ms(self) -> dict[str, float]:
@@ -107,6 +114,23 @@ class StageTimings:
 
         p50, p90, p99 = np.percentile(np.asarray(self.decode_step_ms, dtype=np.float64), [50, 90, 99])
         return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+@dataclass(frozen=True)
+class DeviceSpan:
+    """When the device worked on the job, in seconds of this process's `time.perf_counter`: from the
+    start of its setup to the end of its readback, and when its first token was chosen. On CUDA the
+    times come from the job's events, anchored where the readback's wait for the device ended; on the
+    CPU they are host readings. Between two jobs of one process the device idled from one's `finished_s`
+    to the next one's `started_s`."""
+
+    started_s: float
+    first_token_s: float
+    finished_s: float
+
+    @property
+    def ms(self) -> float:
+        return (self.finished_s - self.started_s) * 1e3
 
 
 @dataclass(frozen=True)
@@ -148,6 +172,7 @@ class InferenceResult:
     cold_reasons: tuple[str, ...] = ()
     # The repetition loop the output ends in, looked for unless decoding stopped at EOS.
     loop: RepetitionLoop | None = None
+    device_span: DeviceSpan | None = None  # None when timing is off (`DSOCR_INSTRUMENTATION=0`)
 
     @property
     def cold(self) -> bool:
@@ -159,3 +184,15 @@ class InferenceResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def result_document(result: InferenceResult, files: list[str]) -> dict[str, Any]:
+    """result.json: the InferenceResult, plus derived decode statistics and the files written."""
+    document = result.to_dict()
+    steps = result.timings.decode_step_ms
+    document["model_label"] = result.model.label
+    document["decode_tokens"] = result.decode_tokens
+    document["decode_ms_per_token"] = result.timings.decode_step_percentiles
+    document["tokens_per_s"] = 1e3 * len(steps) / sum(steps) if steps and sum(steps) > 0 else None
+    document["files"] = files
+    return document

@@ -16,6 +16,9 @@ from torch import Tensor
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 
+# The vendor vocabulary (129,280) is 128 rows of 1,010 scores.
+ARGMAX_ROWS = 128
+
 
 def ban_repeated_ngrams(
     logits: Tensor,
@@ -135,7 +138,21 @@ def select_token(logits: Tensor, options: DecodeOptions, generator: torch.Genera
     graphs replay it through their registered Philox state).
     """
     if options.temperature == 0:
-        return torch.argmax(logits, dim=-1)
+        return first_argmax(logits)
     probs = filter_logits(logits.float(), options).softmax(dim=-1)
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return torch.argmax(probs / race, dim=-1)
+    return first_argmax(probs / race)
+
+
+def first_argmax(scores: Tensor) -> Tensor:
+    """torch.argmax(scores, dim=-1) for scores [1, V], in two stages: the vocabulary in ARGMAX_ROWS rows,
+    each row's first maximum, then the first row holding the best of them: the same index, ties
+    included. Compiled, one argmax over 129k scores is a single program block (inductor does not split
+    an argmax): 27 µs of every decode step on an H200; rows reduce in parallel."""
+    vocab = scores.shape[-1]
+    if scores.shape[0] != 1 or vocab % ARGMAX_ROWS:
+        return torch.argmax(scores, dim=-1)
+    rows = scores.view(ARGMAX_ROWS, vocab // ARGMAX_ROWS)
+    in_row = rows.argmax(dim=-1)
+    best_row = rows.gather(1, in_row.unsqueeze(1)).squeeze(1).argmax().view(1)
+    return best_row * rows.shape[1] + in_row[best_row]

@@ -3,9 +3,15 @@
     session = DeepSeekOCRSession.from_local("tiny" | "full" | "/path/to/DeepSeek-OCR", device="cuda:0")
     result = session.run_inference("page.png", mode="gundam", max_new_tokens=512)
 
-Engines: `eager` is plain PyTorch — the vendor's attention (fp32 softmax) and transformers' per-expert
-loop — and the numerical reference. `fast` uses SDPA, grouped expert matmuls, compiled vision encoders
-and a compiled decode step replayed as a CUDA graph; on a CPU it says so and runs eager.
+A job is one sequence of steps, written once here: `start_job` (setup: cache bucket, inputs to the
+device, n-gram state) → `prefill` (vision, LM prefill, first token) → `decode` → `read_output`.
+`run_inference` times and reports them; `dsocr verify` and the benchmarks call the same steps, with a
+hook between decode steps where they read the cache or force the next token.
+
+Engines: `eager` is plain PyTorch — the vendor's attention (fp32 softmax) and the vendor's expert
+dispatch — and the numerical reference. `fast` uses SDPA, fused q/k/v and gate/up projections, Triton
+GEMVs over the selected experts at decode (grouped GEMMs for a prompt), compiled vision encoders and a
+compiled decode step replayed as a CUDA graph; on a CPU it says so and runs eager.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
 from dsocr_workers.model.config import ENGINES, EOS_TOKEN_ID, PRESETS, get_mode
 from dsocr_workers.model.experts import VENDOR_LOOP
+from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
@@ -76,6 +83,32 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def engine_kernels(engine: str) -> dict[str, str]:
+    """The attention and routed-expert implementations an engine loads the model with (the fast engine
+    also fuses its projections after loading: `model.fused.fuse_projections`)."""
+    if engine == "fast":
+        # Imported here: Triton comes with CUDA builds of torch, and only the fast engine needs it.
+        from dsocr_workers.model.selected_experts import SELECTED_EXPERTS
+
+        return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
+    return {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
+
+
+@dataclass(frozen=True)
+class FastCompile:
+    """What the fast engine compiles, and with which backend. The defaults are the engine: inductor
+    compiles the vision encoders, the LM prefill and the decode step, which it replays as a CUDA graph.
+    A CPU test traces the decode step alone (`decode_only`) with a backend that generates no code
+    ("aot_eager"): the same single graph, while inductor's build of the rest takes minutes on a CPU."""
+
+    backend: str = "inductor"
+    decode_only: bool = False
+
+    @property
+    def decode_mode(self) -> str | None:
+        return "reduce-overhead" if self.backend == "inductor" else None
+
+
 @dataclass
 class _Vision:
     """The vision stage callables: plain methods (eager) or their compiled versions (fast)."""
@@ -94,6 +127,54 @@ class DevicePage:
     input_ids: torch.Tensor
     pixels: list[torch.Tensor]
     image_positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job's page, preprocessed, and the job's clock holding that `preprocess` stage, timed where it
+    ran: `run_prepared(prepared.page, clock=prepared.clock)` runs the rest of the job. Made on any
+    thread (host work only: the page reaches the device in the job's setup), e.g. while another job
+    has the device."""
+
+    page: preprocess.PreparedPage
+    clock: StageClock
+
+
+@dataclass
+class Job:
+    """One job between the session's steps: its page on the device, its decode state and how far
+    decoding went. `start_job` makes it; `prefill`, `decode` and `read_output` advance it."""
+
+    inputs: DevicePage
+    buffers: DecodeBuffers
+    ban: NGramBan
+    options: DecodeOptions
+    budget: int  # tokens the job may produce
+    ceiling: int  # tokens the model's positions leave after the prompt
+    vision_calls: int = 0
+    steps: int = 0  # decode steps run, those past EOS included (the first token comes from prefill)
+    repeating: bool = False  # RepetitionWatch stopped decoding
+
+    @property
+    def page(self) -> preprocess.PreparedPage:
+        return self.inputs.page
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.inputs.page.prompt_tokens
+
+    @property
+    def kv_length(self) -> int:
+        """Positions in the KV cache: the prompt, then one per token fed back (the last never is)."""
+        return self.prompt_tokens + self.steps
+
+    def token(self, index: int) -> int:
+        """Output token `index` (0: the first token) read back: a host sync, for checks."""
+        return int(self.buffers.tokens[self.prompt_tokens + index])
+
+    def write_token(self, index: int, token: int) -> None:
+        """Overwrite output token `index` on the device (no sync): the next decode step feeds it back."""
+        self.buffers.tokens[self.prompt_tokens + index].fill_(token)
 
 
 @dataclass(frozen=True)
@@ -134,6 +215,7 @@ class DeepSeekOCRSession:
     dtype: torch.dtype
     engine: str
     engine_note: str = ""
+    fast_compile: FastCompile = FastCompile()
     _vision: _Vision = field(init=False)
     _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
@@ -145,19 +227,23 @@ class DeepSeekOCRSession:
     def __post_init__(self) -> None:
         model = self.loaded.model
         self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        if self.engine == "fast":
-            # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
-            # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
-            # Decode: one graph per cache bucket, replayed as a CUDA graph.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-            self._vision = _Vision(*(torch.compile(fn, dynamic=False)
+        self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
+        self._prefill = prefill
+        self._decode_step = decode_one_token
+        if self.engine != "fast":
+            return
+        # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
+        # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
+        # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
+        # token), replayed as a CUDA graph.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        backend = self.fast_compile.backend
+        if not self.fast_compile.decode_only:
+            self._vision = _Vision(*(torch.compile(fn, dynamic=False, backend=backend)
                                      for fn in (model.encode_sam, model.encode_clip, model.project)))
-            self._prefill = torch.compile(prefill, dynamic=True)
-            self._decode_step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        else:
-            self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
-            self._prefill = prefill
-            self._decode_step = decode_one_token
+            self._prefill = torch.compile(prefill, dynamic=True, backend=backend)
+        self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
+                                          fullgraph=True)
 
     @classmethod
     def from_local(
@@ -179,13 +265,7 @@ class DeepSeekOCRSession:
             note = "the fast engine needs CUDA (compiled CUDA-graph decode); running the eager engine on the CPU"
             log.warning(note)
             engine = "eager"
-        if engine == "fast":
-            # torch's grouped GEMM compiles (and graphs) for bfloat16 only; other dtypes (a float32
-            # numerics check) use transformers' batched experts, which gather the weights they need.
-            experts = "grouped_mm" if torch_dtype == torch.bfloat16 else "batched_mm"
-            kernels = {"attn_implementation": "sdpa", "experts_implementation": experts}
-        else:
-            kernels = {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
+        kernels = engine_kernels(engine)
         name = os.fspath(source)
         with torch.inference_mode():
             if name in PRESETS:
@@ -198,6 +278,8 @@ class DeepSeekOCRSession:
                 model_source = ModelSource("checkpoint", str(Path(name).resolve()),
                                            random_weights=loaded.preset is not None, seed=loaded.seed,
                                            fingerprint=loaded.fingerprint)
+        if engine == "fast":
+            fuse_projections(loaded.model.language_model)
         return cls(loaded, model_source, resolved, torch_dtype, engine, note)
 
     @property
@@ -220,16 +302,23 @@ class DeepSeekOCRSession:
             self._new_buckets.append(capacity)
         return self._buffers[capacity]
 
-    def decode_step(self, buffers: DecodeBuffers, ban: NGramBan, options: DecodeOptions) -> torch.Tensor:
-        """One decode step of this session's engine (compiled and graphed in `fast`); returns the token."""
-        return self._decode_step(self.model, buffers.cache, ban, options)
-
     # --- one job ------------------------------------------------------------------------------------
 
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
     ) -> preprocess.PreparedPage:
         return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
+
+    def prepare_job(
+        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None, mode: str = "gundam",
+        job_id: str | None = None, max_crops: int = 9, clock: StageClock | None = None,
+    ) -> PreparedJob:  # fmt: skip
+        """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
+        `run_inference`."""
+        clock = clock or StageClock(self.device, job_id=job_id)
+        with torch.inference_mode(), clock.stage("preprocess"):
+            page = self.prepare(image, prompt, mode, max_crops)
+        return PreparedJob(page, clock)
 
     def upload(self, page: preprocess.PreparedPage) -> DevicePage:
         """The page's inputs to the device, asynchronously. Bytes cross as uint8 and are normalised
@@ -256,10 +345,25 @@ class DeepSeekOCRSession:
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
 
-    def prefill_page(
-        self, inputs: DevicePage, buffers: DecodeBuffers, clock: StageClock
-    ) -> tuple[torch.Tensor, int]:
-        """Vision + LM prefill. Returns the last-position logits and how many times vision ran."""
+    def start_job(
+        self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock
+    ) -> Job:
+        """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
+        the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
+        validate_options(options)
+        budget, ceiling = self._budget(page.prompt_tokens, max_new_tokens)
+        with clock.stage("setup"):
+            buffers = self.buffers_for(page.prompt_tokens + budget)
+            if options.seed is not None:
+                torch.manual_seed(options.seed)
+            inputs = self.upload(page)
+            ban = buffers.start(inputs.input_ids, options)
+        return Job(inputs, buffers, ban, options, budget, ceiling)
+
+    def prefill(self, job: Job, clock: StageClock) -> torch.Tensor:
+        """Vision + LM prefill, then the first token, chosen from the last position's logits (returned,
+        for checks)."""
+        inputs = job.inputs
         injects_image = inputs.page.injects_image
         with clock.stage("prefill"):
             image_embeds = self.encode_image(inputs, clock) if injects_image else None
@@ -271,8 +375,55 @@ class DeepSeekOCRSession:
                     # Dynamic in the prompt length from the first call: otherwise dynamo compiles the
                     # first length statically and recompiles at the second.
                     torch._dynamo.mark_dynamic(embeds, 1)
-                logits = self._prefill(self.model, embeds, buffers.cache)
-        return logits, int(injects_image)
+                logits = self._prefill(self.model, embeds, job.buffers.cache)
+        job.vision_calls = int(injects_image)
+        with clock.stage("first_token"):
+            choose_token(logits, job.ban, job.options)
+            self._force_eos(job, 0)
+        return logits
+
+    def decode(
+        self, job: Job, clock: StageClock, after_step: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Run decode steps (compiled and graphed in `fast`) until the budget is spent, EOS was seen
+        (EosWatch: no stall of the device) or, when asked, the output ends in a repetition loop
+        (RepetitionWatch, the same way). Sets `job.steps`, including any that ran past EOS, and
+        `job.repeating`. `after_step(steps)` runs after each step, for checks (it may read the cache
+        or force the next token: a sync a timed job would not have); `on_progress(steps, budget)` at
+        the watches' cadence."""
+        buffers, ban, options, budget = job.buffers, job.ban, job.options, job.budget
+        model, step = self.model, self._decode_step
+        eos = EosWatch(buffers, job.prompt_tokens, enabled=not options.ignore_eos)
+        loops = RepetitionWatch(buffers, job.prompt_tokens, enabled=options.stop_on_repetition)
+        steps = 0
+        with clock.stage("decode"):
+            clock.mark_step()
+            while steps < budget - 1 and not eos.seen(steps):
+                if loops.seen(steps):
+                    job.repeating = True
+                    break
+                step(model, buffers.cache, ban, options)
+                steps += 1
+                self._force_eos(job, steps)
+                clock.mark_step()
+                if after_step is not None:
+                    after_step(steps)
+                if on_progress is not None and steps % EOS_CHECK_INTERVAL == 0:
+                    on_progress(steps, budget)
+        job.steps = steps
+
+    def read_output(self, job: Job, clock: StageClock) -> tuple[list[int], StopReason]:
+        """Read the output back (waits for the device), trim what was computed past EOS and name the
+        reason decoding stopped (EOS first: a loop seen after an EOS already written is past the end
+        of the output)."""
+        with clock.stage("readback"):
+            written = job.buffers.read_tokens(job.prompt_tokens, job.prompt_tokens + 1 + job.steps)
+        if not job.options.ignore_eos and EOS_TOKEN_ID in written:
+            return written[: written.index(EOS_TOKEN_ID) + 1], "eos"
+        if job.repeating:
+            return written, "repetition"
+        return written, "max_positions" if job.budget == job.ceiling else "max_new_tokens"
 
     def warmup(self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9) -> WarmupReport:
         """Run every shape `modes` can produce until warm, so that jobs meet no compilation, no graph capture
@@ -320,8 +471,28 @@ class DeepSeekOCRSession:
         Every part is timed (StageTimings says how they add up to end-to-end). `on_decode_progress(steps,
         budget)` is called at the EOS watch's cadence (every EOS_CHECK_INTERVAL steps, host side: on CUDA
         the steps launched, which the device finishes shortly after), for a progress display."""
+        prepared = self.prepare_job(image, prompt, mode, job_id, max_crops, clock)
+        return self.run_prepared(prepared.page, max_new_tokens, infer, clock=prepared.clock,
+                                 return_text=return_text, on_decode_progress=on_decode_progress)
+
+    def run_prepared(
+        self,
+        page: preprocess.PreparedPage,
+        max_new_tokens: int | None = None,
+        infer: DecodeOptions | None = None,
+        clock: StageClock | None = None,
+        job_id: str | None = None,
+        return_text: bool = True,
+        on_decode_progress: Callable[[int, int], None] | None = None,
+        after_prefill: Callable[[], None] | None = None,
+    ) -> InferenceResult:
+        """`run_inference` from setup on, for a page prepared already. `clock` holds its `preprocess`
+        stage where that was timed (`prepare_job`: a page prepared ahead, e.g. while the previous job
+        ran; the time it waited since is `page_wait_ms`, outside e2e); on a fresh clock the job's
+        timings start at setup. `after_prefill()` is called once the prefill and the first token are
+        queued on the device: the place for host work that must not delay the job's start on the
+        device but may share its time there (the farm starts preparing the next page)."""
         options = infer or DecodeOptions()
-        validate_options(options)
         clock = clock or StageClock(self.device, job_id=job_id)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -329,30 +500,17 @@ class DeepSeekOCRSession:
         before = self._cold_probe()
         self._new_buckets.clear()
         with torch.inference_mode():
-            with clock.stage("preprocess"):
-                page = self.prepare(image, prompt, mode, max_crops)
-            budget, ceiling = self._budget(page.prompt_tokens, max_new_tokens)
-            with clock.stage("setup"):
-                buffers = self.buffers_for(page.prompt_tokens + budget)
-                if options.seed is not None:
-                    torch.manual_seed(options.seed)
-                inputs = self.upload(page)
-                ban = buffers.start(inputs.input_ids, options)
+            job = self.start_job(page, options, max_new_tokens, clock)
             resident = torch.cuda.memory_allocated(self.device) if cuda else 0
-            logits, vision_calls = self.prefill_page(inputs, buffers, clock)
-            with clock.stage("first_token"):
-                choose_token(logits, ban, options)  # the first token comes from the prefill logits
-                self._force_eos(buffers, page.prompt_tokens, 0, options)
-            steps, repeating = self._decode_loop(
-                page.prompt_tokens, budget, ban, buffers, options, clock, on_decode_progress
-            )
-            with clock.stage("readback"):
-                written = buffers.read_tokens(page.prompt_tokens, page.prompt_tokens + 1 + steps)
+            self.prefill(job, clock)
+            if after_prefill is not None:
+                after_prefill()
+            self.decode(job, clock, on_progress=on_decode_progress)
+            generated, stop_reason = self.read_output(job, clock)
             memory = None
             if cuda:
                 peak = torch.cuda.max_memory_allocated(self.device)
-                memory = JobMemory(peak, self.weights_bytes, buffers.cache_bytes, peak - resident)
-            generated, stop_reason = self._stop(written, budget, ceiling, options, repeating)
+                memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
             with clock.stage("postprocess"):
                 text = self.decode_text(generated) if return_text else ""
                 parsed = postprocess.parse_markup(text, *page.original.size)
@@ -377,11 +535,12 @@ class DeepSeekOCRSession:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             model=self.source,
-            kv_length=page.prompt_tokens + steps,  # the prompt, then one position per token fed back
-            vision_calls=vision_calls,
-            wasted_steps=steps + 1 - len(generated),
+            kv_length=job.kv_length,
+            vision_calls=job.vision_calls,
+            wasted_steps=job.steps + 1 - len(generated),
             cold_reasons=self._cold_reasons(before),
             loop=loop,
+            device_span=clock.device_span(),
         )
 
     def _budget(self, prompt_tokens: int, max_new_tokens: int | None) -> tuple[int, int]:
@@ -412,48 +571,11 @@ class DeepSeekOCRSession:
         return tuple(reasons)
 
     @staticmethod
-    def _force_eos(buffers: DecodeBuffers, prompt_tokens: int, step: int, options: DecodeOptions) -> None:
+    def _force_eos(job: Job, step: int) -> None:
         """The benchmark and test hook: EOS overwrites the token of decode step `force_eos_at_step`
         (a device write, no sync; the compiled step is the same with or without it)."""
-        if options.force_eos_at_step == step:
-            buffers.tokens[prompt_tokens + step].fill_(EOS_TOKEN_ID)
-
-    def _decode_loop(
-        self, prompt_tokens: int, budget: int, ban: NGramBan, buffers: DecodeBuffers, options: DecodeOptions,
-        clock: StageClock, on_progress: Callable[[int, int], None] | None = None,
-    ) -> tuple[int, bool]:
-        """Run decode steps until the budget is spent, EOS was seen (EosWatch: no stall of the device)
-        or, when asked, the output ends in a repetition loop (RepetitionWatch, the same way). Returns
-        the steps run, including any that ran past EOS, and whether a loop stopped them."""
-        eos = EosWatch(buffers, prompt_tokens, enabled=not options.ignore_eos)
-        loops = RepetitionWatch(buffers, prompt_tokens, enabled=options.stop_on_repetition)
-        steps = 0
-        repeating = False
-        with clock.stage("decode"):
-            clock.mark_step()
-            while steps < budget - 1 and not eos.seen(steps):
-                if loops.seen(steps):
-                    repeating = True
-                    break
-                self.decode_step(buffers, ban, options)
-                steps += 1
-                self._force_eos(buffers, prompt_tokens, steps, options)
-                clock.mark_step()
-                if on_progress is not None and steps % EOS_CHECK_INTERVAL == 0:
-                    on_progress(steps, budget)
-        return steps, repeating
-
-    @staticmethod
-    def _stop(
-        written: list[int], budget: int, ceiling: int, options: DecodeOptions, repeating: bool
-    ) -> tuple[list[int], StopReason]:
-        """Trim what was computed past EOS and name the reason decoding stopped (EOS first: a loop
-        seen after an EOS already written is past the end of the output)."""
-        if not options.ignore_eos and EOS_TOKEN_ID in written:
-            return written[: written.index(EOS_TOKEN_ID) + 1], "eos"
-        if repeating:
-            return written, "repetition"
-        return written, "max_positions" if budget == ceiling else "max_new_tokens"
+        if job.options.force_eos_at_step == step:
+            job.write_token(step, EOS_TOKEN_ID)
 
     def decode_text(self, token_ids: list[int]) -> str:
         """The vendor's output text: special tokens kept, a trailing EOS removed, stripped."""

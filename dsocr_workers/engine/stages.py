@@ -8,7 +8,15 @@ device and always use the host clock: CUDA events around them would measure the 
 The job's top-level stages are its parts (JOB_PARTS); end-to-end is the host time from entering the
 first stage to leaving the last, and whatever it holds that no part covers is the named `host_gap`
 (host work between stages, launch latency, the host's wake-up after a wait). The engine's last stage
-is host work after the output was read back, so its end is when the job really ended.
+is host work after the output was read back, so its end is when the job really ended. One interval is
+left out of end-to-end and named apart: `page_wait`, from the end of `preprocess` to the start of the
+first device stage. A page prepared ahead (on another thread, while the previous job had the device)
+waits there for its job; that is no work of the job's, and a page prepared in line waits microseconds.
+
+The job's span on the device (`DeviceSpan`) is read once it finished: from its first device stage's
+start to its last one's end. The last (the engine's readback) waits for the device, so the host reading
+at its end is when the device finished, and on CUDA the start is that reading less the events' elapsed
+time: host-clock times comparable across the jobs of a process (the device's idle time between jobs).
 
 Nothing here synchronizes until `finish()`, which synchronizes once and turns the events into
 milliseconds. Decode steps use events preallocated per clock (pooled across jobs), so a step
@@ -36,7 +44,7 @@ from dataclasses import dataclass
 import nvtx
 import torch
 
-from dsocr_workers.engine.result import StageTimings
+from dsocr_workers.engine.result import DeviceSpan, StageTimings
 
 NVTX_DOMAIN = "dsocr"
 STAGES = ("preprocess", "setup", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill",
@@ -126,7 +134,8 @@ class StageClock:
             self._step_events = _take_step_events(self.device, step_capacity)
         self._resolved: dict[str, float] | None = None
         self._step_ms: list[float] = []
-        self._ttft_ms = 0.0
+        self._ttft_from_device_start_ms = 0.0
+        self._device_span: DeviceSpan | None = None
 
     # ---- marks -----------------------------------------------------------------------------------
 
@@ -210,7 +219,8 @@ class StageClock:
             else:
                 marks_s = self._step_host
                 self._step_ms = [(b - a) * 1e3 for a, b in zip(marks_s, marks_s[1:], strict=False)]
-            self._ttft_ms = self._ttft(totals["preprocess"])
+            self._ttft_from_device_start_ms = self._ttft_from_device_start()
+            self._device_span = self._span()
         if self.cuda and self.timing_enabled:
             _STEP_EVENT_POOL.setdefault(self.device, []).append(self._step_events)
             self._step_events = []
@@ -223,14 +233,35 @@ class StageClock:
             return start.elapsed_time(end)
         raise RuntimeError("a stage has no start or end mark")
 
-    def _ttft(self, preprocess_ms: float) -> float:
-        """TTFT = preprocess (host) + the device's time from its first stage's start to the end of
-        `first_token`, idle gaps between those stages included."""
-        gpu = [e for e in self.entries if e.name not in HOST_STAGES]
-        first_token = [e for e in gpu if e.name == "first_token"]
-        if not first_token:
-            return preprocess_ms
-        return preprocess_ms + self._elapsed(gpu[0].start, first_token[-1].end)
+    def _ttft_from_device_start(self) -> float:
+        """The device's time from its first stage's start to the end of `first_token`, idle gaps between
+        those stages included (TTFT = preprocess + this)."""
+        device = self._device_entries()
+        first_token = [e for e in device if e.name == "first_token"]
+        return self._elapsed(device[0].start, first_token[-1].end) if first_token else 0.0
+
+    def _device_entries(self) -> list[_Entry]:
+        return [e for e in self.entries if e.name not in HOST_STAGES]
+
+    def _span(self) -> DeviceSpan | None:
+        """The job on the device, on the host clock, anchored at the end of its last device stage (which
+        waits for the device: see the module docstring)."""
+        device = self._device_entries()
+        if not device:
+            return None
+        first, last = device[0], device[-1]
+        started = last.host_end - self._elapsed(first.start, last.end) / 1e3
+        first_token = [e for e in device if e.name == "first_token"]
+        chosen = started + self._elapsed(first.start, first_token[-1].end) / 1e3 if first_token else started
+        return DeviceSpan(started, chosen, last.host_end)
+
+    def _page_wait_ms(self) -> float:
+        """From the end of the `preprocess` before the first device stage to that stage's start."""
+        device = self._device_entries()
+        if not device:
+            return 0.0
+        before = [e for e in self.entries if e.name == "preprocess" and e.host_end <= device[0].host_start]
+        return (device[0].host_start - before[-1].host_end) * 1e3 if before else 0.0
 
     def _require_finished(self) -> dict[str, float]:
         if self._resolved is None:
@@ -256,6 +287,10 @@ class StageClock:
         """How many times a stage was entered (e.g. the vision stages: exactly once per job)."""
         return sum(1 for e in self.entries if e.name == name)
 
+    def parent_name(self, entry: _Entry) -> str | None:
+        """The stage `entry` was entered in; None for a top-level stage."""
+        return None if entry.parent is None else self.entries[entry.parent].name
+
     def nesting_ok(self) -> bool:
         """Every nested stage lies within its parent's interval, and its time within the parent's.
         Host-clock stages can only be compared with host-clock parents and vice versa."""
@@ -273,11 +308,17 @@ class StageClock:
         return True
 
     def e2e_ms(self) -> float:
-        """Host time from entering the first stage to leaving the last."""
+        """Host time from entering the first stage to leaving the last, less the page's wait."""
         self._require_finished()
         if not self.timing_enabled or not self.entries:
             return 0.0
-        return (max(e.host_end for e in self.entries) - min(e.host_start for e in self.entries)) * 1e3
+        span = max(e.host_end for e in self.entries) - min(e.host_start for e in self.entries)
+        return span * 1e3 - self._page_wait_ms()
+
+    def device_span(self) -> DeviceSpan | None:
+        """When the device worked on the job (host clock); None without timings or device stages."""
+        self._require_finished()
+        return self._device_span
 
     def stage_timings(self, kept_steps: int | None = None) -> StageTimings:
         """The job's timings. `kept_steps`: how many decode steps produced output that was kept (the
@@ -304,6 +345,8 @@ class StageClock:
             readback_ms=totals["readback"],
             postprocess_ms=totals["postprocess"],
             host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
-            ttft_ms=self._ttft_ms,
+            ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
             e2e_ms=e2e,
+            page_wait_ms=self._page_wait_ms() if self.timing_enabled else 0.0,
+            ttft_from_device_start_ms=self._ttft_from_device_start_ms,
         )

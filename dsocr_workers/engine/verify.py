@@ -4,12 +4,11 @@ benchmark reports. Nothing here is on the timed path: these loops sync freely.""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from PIL import Image
 
-from dsocr_workers.engine.generate import choose_token
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -63,26 +62,31 @@ def one_shot_choices(
     return picks
 
 
+@dataclass(frozen=True)
+class KvGrowth:
+    """The cache fill of a split-path job, read after prefill and after every decode step."""
+
+    prompt_tokens: int
+    after_prefill: int
+    after_steps: list[int]
+    clock: StageClock  # the job's stages, finished
+
+
 def split_kv_growth(
     session: DeepSeekOCRSession, image: ImageInput, steps: int, options: DecodeOptions, mode: str = "gundam"
-) -> tuple[int, list[int], StageClock]:
-    """Run the split path step by step, reading the cache fill after prefill and after every step."""
-    page = session.prepare(image, None, mode, 9)
+) -> KvGrowth:
+    """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
+    every step."""
+    options = replace(options, ignore_eos=True)  # every step runs
     clock = StageClock(session.device)
+    fills: list[int] = []
     with torch.inference_mode():
-        buffers = session.buffers_for(page.prompt_tokens + steps + 1)
-        inputs = session.upload(page)
-        ban = buffers.start(inputs.input_ids, options)
-        logits, _ = session.prefill_page(inputs, buffers, clock)
-        choose_token(logits, ban, options)
-        after_prefill = buffers.kv_length
-        fills = []
-        with clock.stage("decode"):
-            for _ in range(steps):
-                session.decode_step(buffers, ban, options)
-                fills.append(buffers.kv_length)
+        job = session.start_job(session.prepare(image, None, mode, 9), options, steps + 1, clock)
+        session.prefill(job, clock)
+        after_prefill = job.buffers.kv_length
+        session.decode(job, clock, after_step=lambda _: fills.append(job.buffers.kv_length))
     clock.finish()
-    return after_prefill, fills, clock
+    return KvGrowth(job.prompt_tokens, after_prefill, fills, clock)
 
 
 def run_checks(
@@ -105,21 +109,23 @@ def run_checks(
         detail += f"; first divergence at token {mismatches[0]} ({len(mismatches)} differ beyond rounding)"
     checks = [CheckResult("split decode == one-shot generation (greedy)", not mismatches, detail)]
 
-    after_prefill, fills, clock = split_kv_growth(session, image, max_new_tokens - 1, options, mode)
-    expected = [after_prefill + i + 1 for i in range(len(fills))]
+    growth = split_kv_growth(session, image, max_new_tokens - 1, options, mode)
+    fills, clock = growth.after_steps, growth.clock
+    expected = [growth.prompt_tokens + step for step in range(1, max_new_tokens)]
     checks.append(CheckResult(
         "KV cache grows by exactly one per decode step",
-        after_prefill == result.prompt_tokens and fills == expected,
-        f"after prefill {after_prefill} (prompt {result.prompt_tokens}); after {len(fills)} steps {fills[-1:]}",
+        growth.after_prefill == growth.prompt_tokens and fills == expected,
+        f"after prefill {growth.after_prefill} (prompt {growth.prompt_tokens}); after {len(fills)} steps "
+        f"{fills[-1:]}",
     ))
 
     counts = {name: clock.count(name) for name in VISION_STAGES}
-    in_decode = [e.name for e in clock.entries if e.name in VISION_STAGES
-                 and clock.entries[e.parent or 0].name != "prefill"]
+    outside_prefill = [e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"]
     checks.append(CheckResult(
-        "vision stages ran exactly once per job, none during decode",
-        all(count == 1 for count in counts.values()) and not in_decode and result.vision_calls == 1,
-        ", ".join(f"{name}×{count}" for name, count in counts.items()),
+        "vision stages ran exactly once per job, inside prefill",
+        all(count == 1 for count in counts.values()) and not outside_prefill and result.vision_calls == 1,
+        ", ".join(f"{name}×{count}" for name, count in counts.items())
+        + (f"; outside prefill: {', '.join(outside_prefill)}" if outside_prefill else ""),
     ))
 
     pushes = [name for kind, name in clock.nvtx_log if kind == "push"]
@@ -137,17 +143,19 @@ def teacher_forced_top1(
 ) -> list[int]:
     """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
     picks at every step, each from the forced prefix."""
-    page = session.prepare(image, None, mode, 9)
+    options = replace(options, ignore_eos=True)  # one pick per forced token, EOS or not
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    picks: list[int] = []
     with torch.inference_mode():
-        buffers = session.buffers_for(page.prompt_tokens + len(forced))
-        inputs = session.upload(page)
-        ban = buffers.start(inputs.input_ids, options)
-        logits, _ = session.prefill_page(inputs, buffers, clock)
-        picks = [int(choose_token(logits, ban, options))]
-        for step in range(1, len(forced)):
-            buffers.tokens[ban.length - 1] = forced[step - 1]
-            picks.append(int(session.decode_step(buffers, ban, options)))
+        job = session.start_job(session.prepare(image, None, mode, 9), options, len(forced), clock)
+
+        def pick_then_force(step: int) -> None:
+            picks.append(job.token(step))
+            job.write_token(step, forced[step])
+
+        session.prefill(job, clock)
+        pick_then_force(0)
+        session.decode(job, clock, after_step=pick_then_force)
     return picks
 
 

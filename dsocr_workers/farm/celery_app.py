@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import socket
 import ssl
+from importlib.util import find_spec
 from urllib.parse import urlparse
 
 from celery import Celery
 from kombu.utils.url import parse_url
 
+from dsocr_workers.errors import InputError
 from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.settings import Settings
 
@@ -98,3 +100,15 @@ def broker_keepalive() -> dict[str, object]:
         if hasattr(socket, name)
     }
     return {"socket_keepalive": True, "socket_keepalive_options": options}
+
+
+def start_flower(
+    settings: Settings, *, port: int, address: str, basic_auth: str | None, flower_args: tuple[str, ...] = ()
+) -> None:
+    """Run Celery Flower on the farm's broker until it is stopped (`dsocr flower`); `basic_auth`
+    (USER:PASSWORD) turns its login on, `flower_args` go to Flower as they are."""
+    if find_spec("flower") is None:
+        raise InputError("dsocr flower needs Flower: pip install 'dsocr-workers[flower]'")
+    # Flower is a `celery` subcommand (an entry point it installs); `start` runs it with this app.
+    login = [f"--basic-auth={basic_auth}"] if basic_auth else []
+    create_app(settings).start(["flower", f"--port={port}", f"--address={address}", *login, *flower_args])

@@ -3,7 +3,8 @@
 It owns one device, one ledger connection (opened in this process, after fork) and one loaded model,
 kept while consecutive jobs ask for the same model settings (model, dtype, engine, seed). The model is
 loaded and warmed before a job is claimed (farm/warm.py), and each time that happens a
-`worker_sessions` row records what it cost; the jobs run afterwards point at that row.
+`worker_sessions` row records what it cost; the jobs run afterwards point at that row. While a job has
+the device, the page of the job likely to come next is prepared on a thread (farm/prefetch.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.farm import faults
 from dsocr_workers.farm.execute import Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
+from dsocr_workers.farm.owners import process_owner
+from dsocr_workers.farm.prefetch import PageRequest, Prefetcher, Upcoming
 from dsocr_workers.farm.warm import ModelKey, Warmup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -51,6 +54,8 @@ class JobProcess:
     db: Database
     heartbeat: Heartbeat
     owner: str
+    queues: tuple[str, ...]
+    prefetcher: Prefetcher
     loaded: LoadedSession | None = None
 
     @classmethod
@@ -64,12 +69,14 @@ class JobProcess:
             import torch
 
             torch.set_num_threads(cpu_threads)
-        db, owner = database_for(settings.database_url), ledger.process_owner()
+        db, owner = database_for(settings.database_url), process_owner()
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
-        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner)
+        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner, queues=queues,
+                   prefetcher=Prefetcher(db))  # fmt: skip
 
     def close(self) -> None:
+        self.prefetcher.close()
         self.heartbeat.stop()
         self.db.dispose()
 
@@ -130,19 +137,37 @@ class JobProcess:
         except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
 
-    def infer(self, claim: ledger.Claim) -> Ran:
-        faults.inject(claim.image)  # test-only; a no-op unless DSOCR_TEST_FAULTS is set (farm/faults.py)
+    def infer(self, claim: ledger.Claim, upcoming: Upcoming | None = None) -> Ran:
+        """Run a claimed job: on the page prefetched for it, if there is one, else on a page prepared
+        here. `upcoming` names the job likely to come next, whose page is prepared while this one runs."""
         p = claim.parameters
         loaded = self.warm(job_warmup(claim.model, p))  # warm already, unless the run changed its mind
-        result = loaded.session.run_inference(
-            str(claim.image_path),
-            prompt=p.get("prompt"),
-            mode=p.get("mode", "gundam"),
-            max_new_tokens=p.get("max_new_tokens"),
-            infer=decode_options(p),
-            job_id=claim.job_id,
-        )
-        return Ran(result, loaded.worker_id, loaded.worker_session_id)
+        request = PageRequest.of_job(claim.job_id, claim.image_path, claim.model, p)
+        prefetched = self.prefetcher.take(request)
+
+        def prefetch_next() -> None:
+            if upcoming is not None:
+                self.prefetcher.start(upcoming, loaded.key, loaded.session)
+
+        try:
+            prepared = prefetched.page() if prefetched else loaded.session.prepare_job(
+                str(claim.image_path), request.prompt, request.mode, job_id=claim.job_id
+            )  # fmt: skip
+        except Exception:
+            prefetch_next()  # while this job's failure is recorded
+            raise
+        # The next page once this job's prefill is queued: the thread's start must not hold the GIL
+        # between this job's claim and its start on the device (the device's idle time between jobs).
+        result = loaded.session.run_prepared(
+            prepared.page, p.get("max_new_tokens"), decode_options(p), clock=prepared.clock,
+            after_prefill=prefetch_next,
+        )  # fmt: skip
+        return Ran(result, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None)
+
+    def next_on_queues(self, session: Session) -> ledger.WaitingJob | None:
+        """A Celery child's upcoming job: a guess (ledger.next_waiting_job), since its parent hands it
+        one message at a time, unseen until then."""
+        return ledger.next_waiting_job(session, self.queues, self.owner)
 
 
 # The run parameters that are decode options (farm/submit.py RunOptions), under DecodeOptions' names.

@@ -8,20 +8,26 @@ Nothing here knows about Celery: retries are returned as `Outcome.retry_in_s` fo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
-from dsocr_workers.engine.result import InferenceResult
+from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.farm.owners import owner_is_dead
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
+from dsocr_workers.store.models import utcnow
 
 Status = Literal["done", "failed", "queued", "poisoned", "refused", "released", "lost"]
+# Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
+BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 
 @dataclass(frozen=True)
 class Ran:
@@ -30,6 +36,7 @@ class Ran:
     result: InferenceResult
     worker_id: str  # the environment fingerprint (`workers` row)
     worker_session_id: str | None = None  # the loaded model in its process (`worker_sessions` row)
+    prefetched: bool = False  # its page was prepared while the previous job ran (farm/prefetch.py)
 
 
 Infer = Callable[[ledger.Claim], Ran]
@@ -57,11 +64,13 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
     under this owner's lease, and a later delivery to this process continues the same attempt."""
     with db.transaction() as session:
         claim = ledger.claim_job(
-            session, job_id, owner, lease_s=settings.lease_s, max_attempts=settings.max_attempts
-        )
+            session, job_id, owner, lease_s=settings.lease_s, max_attempts=settings.max_attempts,
+            is_dead=owner_is_dead,
+        )  # fmt: skip
     if isinstance(claim, ledger.Refusal):
         later = None if claim.retry_after_s is None else claim.retry_after_s + 1
         return Outcome(job_id, "refused", claim.reason, later)
+    claimed_s = time.perf_counter()  # TTFT from the claim starts here
 
     try:
         ran = infer(claim)
@@ -74,7 +83,7 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
     except Exception as exc:  # a model bug, CUDA OOM, a soft time limit: counts an attempt
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
-    row = result_row(ran, claim)  # scored here, outside the transaction that holds the job's row
+    row = result_row(ran, claim, claimed_s)  # scored here, outside the transaction that holds the job's row
     with db.transaction() as session:
         written = ledger.complete_job(session, claim, row)
     if not written:
@@ -103,8 +112,21 @@ def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str,
             "reading_order_edit": scores.reading_order}  # fmt: skip
 
 
-def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
-    """The `results` columns for one inference."""
+def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
+    """TTFT from the claim (`claimed_s`, this process's perf_counter like the span) and when the device
+    began and finished the job, as UTC times; None without timings."""
+    if span is None:
+        return {"ttft_from_claim_ms": None, "device_started_at": None, "device_finished_at": None}
+    now_s, now = time.perf_counter(), utcnow()
+    return {
+        "ttft_from_claim_ms": (span.first_token_s - claimed_s) * 1e3,
+        "device_started_at": now - timedelta(seconds=now_s - span.started_s),
+        "device_finished_at": now - timedelta(seconds=now_s - span.finished_s),
+    }
+
+
+def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any]:
+    """The `results` columns for one inference of a job claimed at `claimed_s` (perf_counter)."""
     result = ran.result
     loop = result.loop
     t = result.timings
@@ -131,6 +153,10 @@ def result_row(ran: Ran, claim: ledger.Claim) -> dict[str, Any]:
         "host_gap_ms": t.host_gap_ms,
         "ttft_ms": t.ttft_ms,
         "e2e_ms": t.e2e_ms,
+        "prefetched": ran.prefetched,
+        "page_wait_ms": t.page_wait_ms,
+        "ttft_from_device_start_ms": t.ttft_from_device_start_ms,
+        **device_columns(result.device_span, claimed_s),
         "decode_step_ms": list(t.decode_step_ms),
         "decode_ms_per_token_p50": steps["p50"],
         "decode_ms_per_token_p90": steps["p90"],

@@ -2,12 +2,15 @@
 
 If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger and
 `dsocr reconcile --run ID` sends them; nothing is lost.
+
+`dsocr submit` is `submit_run`, `dsocr reconcile` is `reconcile_run`; `dsocr run` records with
+`prepare_run` too (farm/local_run.py).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -16,15 +19,17 @@ import redis
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import job_ids_in_broker
-from dsocr_workers.farm.filelist import BadLine, FileList
+from dsocr_workers.farm.celery_app import create_app
+from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
 from dsocr_workers.model.config import DTYPES, ENGINES, get_mode
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
-from dsocr_workers.store.db import Database
+from dsocr_workers.store.db import Database, check_schema, open_database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
+from dsocr_workers.store.runs import resolve_run
 
 LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
 
@@ -80,13 +85,13 @@ def model_label(model: str, seed: int) -> tuple[str, bool]:
     from dsocr_workers.model.config import PRESETS
 
     if model in PRESETS:
-        return f"preset:{model} (RANDOM WEIGHTS, seed {seed})", True
+        return ModelSource("preset", model, random_weights=True, seed=seed).label, True
     directory = Path(model)
     if not directory.is_dir():
         raise InputError(
             f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
         )
-    return f"checkpoint:{directory.resolve()}", False
+    return ModelSource("checkpoint", str(directory.resolve()), random_weights=False).label, False
 
 
 def attach_ground_truth(filelist: FileList, path: Path) -> tuple[FileList, dict[str, dict[str, Any]]]:
@@ -176,6 +181,78 @@ def record_run(
     return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
 
 
+@dataclass(frozen=True)
+class RunRequest:
+    """A run as `dsocr submit` and `dsocr run` are asked for one."""
+
+    filelist: Path
+    options: RunOptions
+    root: Path | None = None  # None: the list's dataset source-data/, else its folder (farm/filelist.py)
+    name: str | None = None  # None: the list's file name
+    tags: tuple[str, ...] = ()  # KEY=VALUE
+    ground_truth: Path | None = None  # an OmniDocBench annotation file: every page is scored against it
+    skip_invalid: bool = False  # leave bad lines out instead of refusing the list
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A checked file list and run options, ready to be recorded."""
+
+    listed: FileList
+    options: RunOptions
+    name: str | None
+    tags: dict[str, str]
+    ground_truth: Path | None
+    references: dict[str, dict[str, Any]]  # by image, with a ground truth
+
+    def record(self, db: Database, queue: str) -> SubmittedRun:
+        return record_run(db, self.listed, self.options, queue=queue, name=self.name, tags=self.tags,
+                          ground_truth=self.ground_truth, references=self.references)  # fmt: skip
+
+
+def prepare_run(request: RunRequest, on_bad_lines: Callable[[str], None]) -> PreparedRun:
+    """Check the whole file list (with a ground truth, also that it has every page) before anything is
+    recorded. Bad lines are described to `on_bad_lines`; then the list is refused (InputError) unless
+    `skip_invalid` leaves them out."""
+    tags = parse_tags(request.tags)
+    listed = read_filelist(request.filelist, request.root)
+    references: dict[str, dict[str, Any]] = {}
+    if request.ground_truth is not None:
+        listed, references = attach_ground_truth(listed, request.ground_truth)
+    if listed.bad:
+        on_bad_lines(f"{len(listed.bad)} bad line(s) in {request.filelist}:\n{listed.describe_bad()}")
+        if not request.skip_invalid:
+            raise InputError(
+                f"{request.filelist}: refused, nothing was recorded or enqueued (--skip-invalid to leave them out)"
+            )
+    return PreparedRun(listed, request.options, request.name, tags, request.ground_truth, references)
+
+
+@dataclass(frozen=True)
+class Submission:
+    run: SubmittedRun
+    enqueued: int  # messages sent; fewer than the jobs only where the broker failed (then TransientError)
+
+
+def submit_run(
+    settings: Settings,
+    request: RunRequest,
+    *,
+    queue: str | None,
+    on_bad_lines: Callable[[str], None],
+    on_recorded: Callable[[SubmittedRun], None],
+) -> Submission:
+    """`dsocr submit`: check the list, record the run and its jobs on `queue` (None: the settings'
+    queue), then enqueue them. `on_recorded` hears of the run before the broker is tried: if it fails,
+    the run is in the ledger and `dsocr reconcile` sends its jobs."""
+    prepared = prepare_run(request, on_bad_lines)
+    db = open_database(settings.database_url)
+    check_schema(db)
+    run = prepared.record(db, queue or settings.queue)
+    on_recorded(run)
+    return Submission(run, enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids]))
+
+
 def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
     """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
     and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
@@ -244,3 +321,15 @@ def reconcile_and_enqueue(
         raise TransientError(f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}") from exc
     held = waiting | (delivered - plan.expired_ids)
     return plan, enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])
+
+
+def reconcile_run(settings: Settings, run_ref: str | None) -> tuple[ledger.ReconcilePlan, int]:
+    """`dsocr reconcile`: `reconcile_and_enqueue` on the ledger of `settings`, for the run named by
+    `run_ref` (id, unique prefix or latest; None: every run)."""
+    db = open_database(settings.database_url)
+    check_schema(db)
+    run_id = None
+    if run_ref:
+        with db.transaction() as session:
+            run_id = resolve_run(session, run_ref).id
+    return reconcile_and_enqueue(db, create_app(settings), settings, run_id=run_id)

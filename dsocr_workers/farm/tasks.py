@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 from billiard.process import current_process
 from celery import shared_task
@@ -25,6 +26,7 @@ from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
 from dsocr_workers.farm.liveness import Sweep
+from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.submit import job_labels, send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import Settings
@@ -102,7 +104,7 @@ def _record_hard_timeout(
     try:
         with db.transaction() as session:
             recorded = ledger.record_timeout(
-                session, job_id, ledger.owner_prefix_of_pid(child_pid), limit_s,
+                session, job_id, owner_prefix_of_pid(child_pid), limit_s,
                 max_attempts=settings.max_attempts,
             )  # fmt: skip
     finally:
@@ -127,10 +129,10 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # A retry is a new message: it keeps the job's label (farm/submit.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
+    # The next message is not this child's to see: the page prefetched while this job runs is a guess's.
+    infer = partial(_process.infer, upcoming=_process.next_on_queues)
     try:
-        outcome = execute_job(
-            _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=_process.infer
-        )
+        outcome = execute_job(_process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer)
     except TransientError as exc:
         delay = retry_backoff_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

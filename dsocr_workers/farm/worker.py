@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterable
+from functools import partial
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.child import DEVICES_ENV, QUEUES_ENV, JobProcess
-from dsocr_workers.farm.execute import Outcome, execute_job
+from dsocr_workers.farm.execute import BACK_IN_LINE, Outcome, execute_job
 from dsocr_workers.farm.warm import WARMUP_ENV, ModelKey, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
+from dsocr_workers.store import ledger
 from dsocr_workers.store.db import check_schema, open_database
 
 # How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
@@ -141,29 +144,35 @@ def run_in_process(
         process.close()
 
 
+def _ledger_retries(retries: int) -> Retrying:
+    """Calls again after a TransientError (the ledger out of reach: the job is unchanged, or still held
+    under this process's lease and continued by the next call), `retries` times at most, 2 s later, then
+    4, 8, 16 and 30 s at most; the last error is raised."""
+    return Retrying(
+        retry=retry_if_exception_type(TransientError),
+        wait=wait_exponential(multiplier=2, max=30),
+        stop=stop_after_attempt(retries + 1),
+        reraise=True,
+    )
+
+
 def _run_line(
     process: JobProcess, settings: Settings, job_ids: list[str], on_outcome: Callable[[Outcome], None],
     max_transient_retries: int,
 ) -> list[Outcome]:  # fmt: skip
     line = list(job_ids)
     finals: list[Outcome] = []
-    transient_failures = 0
     while line:
         job_id = line.pop(0)
         process.prepare_for(job_id)
-        try:
-            outcome = execute_job(
-                process.db, job_id, owner=process.owner, settings=settings, infer=process.infer
-            )
-        except TransientError:
-            transient_failures += 1
-            if transient_failures > max_transient_retries:
-                raise
-            time.sleep(min(2**transient_failures, 30))
-            line.append(job_id)
-            continue
+        # The next job of the line is known: its page is prepared while this one runs (farm/prefetch.py).
+        upcoming = partial(ledger.waiting_job, job_id=line[0], owner=process.owner) if line else None
+        infer = partial(process.infer, upcoming=upcoming)
+        outcome = _ledger_retries(max_transient_retries)(
+            execute_job, process.db, job_id, owner=process.owner, settings=settings, infer=infer
+        )
         on_outcome(outcome)
-        if outcome.status in ("queued", "released"):
+        if outcome.status in BACK_IN_LINE:
             line.append(job_id)
         else:
             finals.append(outcome)

@@ -5,7 +5,7 @@ selected expert: 6 per layer and token at decode), while the vendor's DeepSeek-V
 once per layer: it sorts the (token, expert) pairs by expert, reads the per-expert counts to the host
 once, runs each non-empty expert on a contiguous slice, and sums the top-k outputs in float32 with the
 (un-renormalised) routing weights. The `eager` engine uses this, so its cost and its numerics follow the
-vendor path; the `fast` engine uses transformers' graph-capturable `grouped_mm`.
+vendor path; the `fast` engine uses its own GEMVs over the selected experts (model/selected_experts.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import ModeSpec, get_mode
+from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, ModeSpec, get_mode
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
@@ -31,8 +31,6 @@ PROMPTS: dict[str, str] = {
     "describe": "<image>\nDescribe this image in detail.",
 }
 IMAGE_PLACEHOLDER = "<image>"
-IMAGE_TOKEN_ID = 128815
-BOS_ID = 0
 
 TILE_SIZE = 640  # hard-wired in the vendor's tiling, whatever the mode's image_size
 PAD_COLOR = (127, 127, 127)  # int(0.5 * 255) per channel: the normalisation mean
@@ -223,7 +221,7 @@ def prepare_page(
     before, after = text.split(IMAGE_PLACEHOLDER)
     ids_before = list(encode(before)) if before else []
     ids_after = list(encode(after)) if after else []
-    ids = [BOS_ID, *ids_before, *([IMAGE_TOKEN_ID] * n_image), *ids_after]
+    ids = [BOS_TOKEN_ID, *ids_before, *([IMAGE_TOKEN_ID] * n_image), *ids_after]
     input_ids = torch.tensor(ids, dtype=torch.int64)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     start = 1 + len(ids_before)

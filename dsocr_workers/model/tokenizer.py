@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from dsocr_workers.errors import CheckpointError
-from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID
+from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -77,8 +77,8 @@ class OCRTokenizer:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
             raise CheckpointError(f"{path}: cannot be read as a tokenizer: {exc}") from exc
-        found = {i: tokenizer.id_to_token(i) for i in (BOS_TOKEN_ID, EOS_TOKEN_ID, 128815)}
-        expected = {BOS_TOKEN_ID: BOS_TOKEN, EOS_TOKEN_ID: EOS_TOKEN, 128815: "<image>"}
+        found = {i: tokenizer.id_to_token(i) for i in (BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID)}
+        expected = {BOS_TOKEN_ID: BOS_TOKEN, EOS_TOKEN_ID: EOS_TOKEN, IMAGE_TOKEN_ID: "<image>"}
         if found != expected:
             raise CheckpointError(f"{path}: special tokens are not at the DeepSeek-OCR ids: {found}")
         return cls(tokenizer)

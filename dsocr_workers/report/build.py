@@ -21,6 +21,7 @@ from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
 from dsocr_workers.report.throughput import (
+    device_idle_ms,
     lane_key,
     service_times_s,
     steady_state_throughput,
@@ -67,7 +68,9 @@ DECODE_PER_TOKEN = Metric("decode ms/token", lambda r: list(r.decode_step_ms))  
 END_TO_END = Metric("end-to-end ms", _column("e2e_ms"))
 TOKENS_OUT = Metric("tokens out", _column("decode_tokens"))
 LATENCY = [
-    Metric("TTFT ms", _column("ttft_ms")),
+    Metric("TTFT ms", _column("ttft_ms")),  # preprocess + from the device start (a prefetched page's too)
+    Metric("TTFT from claim ms", _column("ttft_from_claim_ms")),
+    Metric("TTFT from device start ms", _column("ttft_from_device_start_ms")),
     Metric("preprocess ms", _column("preprocess_ms")),
     Metric("prefill ms", _column("prefill_ms")),
     Metric("vision ms", _column("vision_ms")),
@@ -285,7 +288,13 @@ def _accounting(results: list[Result]) -> Table:
     rows: list[list[Any]] = [[label, mean, share(mean.value)] for label, mean in parts]
     rows.append(["sum of parts", total, share(total)])
     rows.append(["end-to-end", e2e, share(e2e.value)])
-    return Table("Accounting: parts of end-to-end", ["part", "mean ms", "share of e2e %"], rows)
+    prefetched = [r for r in results if r.prefetched]
+    note = None
+    if prefetched:
+        wait = Summary.from_values([r.page_wait_ms for r in prefetched]).mean.value
+        note = (f"{len(prefetched)} of {len(results)} jobs prefetched: their preprocess ran while the previous job had "
+                f"the device, and their pages then waited {wait:.1f} ms on average for their jobs, outside e2e")  # fmt: skip
+    return Table("Accounting: parts of end-to-end", ["part", "mean ms", "share of e2e %"], rows, note)
 
 
 def _cold(data: RunData, include_cold: bool) -> Table:
@@ -301,7 +310,7 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
     grouped: dict[str, list[Result]] = defaultdict(list)
     for r in data.results.values():
         grouped[lane_key(data, r)].append(r)
-    times = service_times_s(data, include_cold)
+    times, idle = service_times_s(data, include_cold), device_idle_ms(data)
     rows = []
     for key, results in sorted(grouped.items()):
         ids = dict.fromkeys(r.worker_session_id for r in results if r.worker_session_id in data.sessions)
@@ -322,10 +331,12 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 sum(r.cold for r in results),
                 rate_sum([times.get(key, [])]),
                 Summary.from_values([r.e2e_ms for r in counted]).p50,
+                sum(r.prefetched for r in results),
+                Summary.from_values(idle.get(key, [])).p50,
             ]
         )
     columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
-               "cold jobs", "pages/s (steady state)", "e2e p50 ms"]  # fmt: skip
+               "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms"]  # fmt: skip
     return Table("Worker processes", columns, rows)
 
 
@@ -366,14 +377,16 @@ def _per_image(data: RunData) -> Table:
         peak = r.peak_memory_bytes if r else None
         rows.append(
             [j.image, j.repeat, j.id, j.state, j.attempts] + (
-                [lane_key(data, r), r.device, r.ttft_ms, r.prefill_ms, r.decode_tokens, r.wasted_steps,
+                [lane_key(data, r), r.device, r.ttft_ms, r.ttft_from_claim_ms, r.ttft_from_device_start_ms,
+                 r.prefill_ms, r.decode_tokens, r.wasted_steps,
                  r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
                  r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
                  _loop_cell(r), r.stop_reason]
-                if r else [None] * 16 + [j.last_error_class]
+                if r else [None] * 18 + [j.last_error_class]
             )
         )  # fmt: skip
-    columns = ["image", "repeat", "job id", "state", "attempts", "worker", "device", "TTFT ms", "prefill ms", "tokens",
+    columns = ["image", "repeat", "job id", "state", "attempts", "worker", "device", "TTFT ms", "TTFT from claim ms",
+               "TTFT from device start ms", "prefill ms", "tokens",
                "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "text edit", "formula edit",
                "table edit", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
     return Table("Per image", columns, rows, _accuracy_note(data) if scored(data) else None)

@@ -10,14 +10,18 @@ one that has not finished a job of this run yet is given the run's median. ETA =
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, WorkerProcess, WorkerSession, utcnow
+from dsocr_workers.store.runs import resolve_run
 
 PACE_JOBS = 20  # a worker's pace: the median of its last this-many jobs of the run
 SHOW_SILENT_FOR = timedelta(minutes=10)  # a silent worker stays listed (as silent) this long
@@ -57,6 +61,10 @@ class RunProgress:
     @property
     def live_workers(self) -> int:
         return sum(w.live for w in self.workers)
+
+    @property
+    def finished(self) -> bool:
+        return self.final == self.total
 
 
 def run_progress(session: Session, run: Run, lease_s: float, now: datetime | None = None) -> RunProgress:
@@ -105,3 +113,18 @@ def run_progress(session: Session, run: Run, lease_s: float, now: datetime | Non
     open_jobs = sum(count for state, count in counts.items() if state not in FINAL_STATES)
     eta = open_jobs / rate if rate else None
     return RunProgress(run.id, run.queue, counts, workers, rate, eta)
+
+
+def follow_progress(
+    database_url: str, run_ref: str, lease_s: float, interval_s: float | None = None
+) -> Iterator[RunProgress]:
+    """The progress of the run named by `run_ref` (id, unique prefix or latest) now; with `interval_s`,
+    again every `interval_s` seconds until every job of it is final (`dsocr status [--watch]`)."""
+    db = open_database(database_url)
+    while True:
+        with db.transaction() as session:
+            progress = run_progress(session, resolve_run(session, run_ref), lease_s)
+        yield progress
+        if interval_s is None or progress.finished:
+            return
+        time.sleep(interval_s)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.errors import InputError
-from dsocr_workers.store.models import Job, Result, Run, Worker, WorkerSession
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, Worker, WorkerSession
+from dsocr_workers.store.runs import resolve_run
 
 
 @dataclass(frozen=True)
@@ -19,22 +20,6 @@ class RunData:
     results: dict[str, Result]  # by job id
     workers: dict[str, Worker]  # by worker id, the ones that produced results
     sessions: dict[str, WorkerSession]  # by id, the ones that produced results (none before schema 0002)
-
-
-def resolve_run(session: Session, ref: str) -> Run:
-    """A run by id, by unique id prefix, or `latest`."""
-    if ref == "latest":
-        run = session.scalars(select(Run).order_by(Run.created_at.desc()).limit(1)).first()
-        if run is None:
-            raise InputError("there is no run yet")
-        return run
-    run = session.get(Run, ref)
-    if run is not None:
-        return run
-    matches = session.scalars(select(Run).where(Run.id.startswith(ref, autoescape=True)).limit(2)).all()
-    if len(matches) == 1:
-        return matches[0]
-    raise InputError(f"no run {ref!r}" if not matches else f"run id prefix {ref!r} is ambiguous")
 
 
 def load_run(session: Session, ref: str) -> RunData:
@@ -53,18 +38,24 @@ def load_run(session: Session, ref: str) -> RunData:
 @dataclass(frozen=True)
 class RunSummary:
     run: Run
-    counts: dict[str, int]
+    counts: dict[str, int]  # jobs by state
+
+    @property
+    def open_jobs(self) -> int:
+        return sum(count for state, count in self.counts.items() if state not in FINAL_STATES)
 
 
-def list_runs(session: Session, limit: int = 20) -> list[RunSummary]:
-    runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
-    counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
-    if runs:
-        rows = session.execute(
-            select(Job.run_id, Job.state, func.count())
-            .where(Job.run_id.in_(list(counts)))
-            .group_by(Job.run_id, Job.state)
-        )
-        for run_id, state, count in rows:
-            counts[run_id][state] = count
+def list_runs(database_url: str, limit: int = 20) -> list[RunSummary]:
+    """The newest `limit` runs with their job counts (`dsocr runs`)."""
+    with open_database(database_url).transaction() as session:
+        runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
+        counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
+        if runs:
+            rows = session.execute(
+                select(Job.run_id, Job.state, func.count())
+                .where(Job.run_id.in_(list(counts)))
+                .group_by(Job.run_id, Job.state)
+            )
+            for run_id, state, count in rows:
+                counts[run_id][state] = count
     return [RunSummary(r, counts[r.id]) for r in runs]

@@ -17,7 +17,14 @@ fingerprint instead, without a `ready_at`.
 **Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
 queueing included: what a user waited. Pages/s over it = finished jobs / wall clock.
 
-Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`.
+**The device between jobs** — per lane, from one job's end on the device to the next one's start
+(`device_idle_ms`): the result written, the next claim, its page unless it was prefetched. Only
+between jobs of one worker session, and only where the next job was in the ledger before the previous
+one ended (not: the worker waiting for work). Beside it, the device's time per page
+(`device_ms_per_page`): a lane kept busy runs at 1 / that many pages per second.
+
+Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`,
+`device_idle_ms`, `device_ms_per_page`.
 """
 
 from __future__ import annotations
@@ -87,6 +94,36 @@ def throughput_ratio(b: RunData, a: RunData, include_cold: bool = False) -> Esti
     return rate_sum_ratio(
         list(service_times_s(b, include_cold).values()), list(service_times_s(a, include_cold).values())
     )
+
+
+def device_idle_ms(data: RunData) -> dict[str, list[float]]:
+    """Per lane, the device's idle milliseconds between consecutive jobs, as defined above."""
+    jobs = {j.id: j for j in data.jobs}
+    # (device start, device end, result) of every result that has them, per lane
+    by_lane: dict[str, list[tuple[datetime, datetime, Result]]] = defaultdict(list)
+    for r in data.results.values():
+        if r.device_started_at is not None and r.device_finished_at is not None:
+            by_lane[lane_key(data, r)].append((r.device_started_at, r.device_finished_at, r))
+    idle: dict[str, list[float]] = {}
+    for key, spans in by_lane.items():
+        ordered = sorted(spans, key=lambda span: span[0])
+        idle[key] = [
+            (started - finished).total_seconds() * 1e3
+            for (_, finished, before), (started, _, after) in zip(ordered, ordered[1:], strict=False)
+            if after.worker_session_id == before.worker_session_id and jobs[after.job_id].created_at <= finished
+        ]
+    return idle
+
+
+def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
+    """Per lane, each job's milliseconds on the device (setup start to readback end), warm jobs unless
+    `include_cold`."""
+    spans: dict[str, list[float]] = defaultdict(list)
+    for r in data.results.values():
+        started, finished = r.device_started_at, r.device_finished_at
+        if started is not None and finished is not None and (include_cold or not r.cold):
+            spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
+    return dict(spans)
 
 
 def wall_clock_s(data: RunData) -> float | None:

@@ -4,8 +4,8 @@ reconcile. Each function runs inside the caller's transaction (`Database.transac
     pending ──enqueue──► queued ──claim──► running ──complete──► done
                            ▲                  │ ├──input error──► failed
                            └──error < cap─────┘ └──error at cap─► poisoned
-    running with an expired lease (or a dead owner on this host) may be claimed again: that is a new
-    attempt; a job whose attempts reached the cap is poisoned instead of claimed.
+    running with an expired lease (or an owner the caller's probe finds dead) may be claimed again: that
+    is a new attempt; a job whose attempts reached the cap is poisoned instead of claimed.
 
 Every change to a running job is guarded by its lease owner, so a worker that lost its lease (it was
 too slow, or its job was taken over) can never write a result or a state over the new owner's.
@@ -13,9 +13,6 @@ too slow, or its job was taken over) can never write a result or a state over th
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,6 +27,7 @@ from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, utcnow
 from dsocr_workers.store.upsert import upsert
 
 MAX_ERROR_MESSAGE = 4000
+WAITING_STATES = ("pending", "queued")  # waiting for a worker: not running, not final
 
 
 @dataclass(frozen=True)
@@ -64,39 +62,6 @@ def _rowcount(result: Any) -> int:
     return cast(CursorResult[Any], result).rowcount
 
 
-# --- lease owners ---------------------------------------------------------------------------------------
-
-_host = socket.gethostname()
-
-
-def process_owner() -> str:
-    """A lease owner name unique to this process: host, pid, and a nonce against pid reuse."""
-    return f"{_host}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def owner_prefix_of_pid(pid: int) -> str:
-    """What every lease owner name of process `pid` on this host starts with."""
-    return f"{_host}:{pid}:"
-
-
-def owner_is_dead(owner: str | None) -> bool:
-    """True when `owner` was a process on this host that no longer exists (a killed worker child). Owners
-    on other hosts are never judged dead: only their lease expiry frees their jobs."""
-    if owner is None:
-        return True
-    host, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != _host or not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 # --- claim / complete / fail --------------------------------------------------------------------------------
 
 
@@ -107,9 +72,12 @@ def claim_job(
     *,
     lease_s: float,
     max_attempts: int,
+    is_dead: Callable[[str], bool],
     now: datetime | None = None,
-    is_dead: Callable[[str | None], bool] = owner_is_dead,
 ) -> Claim | Refusal:
+    """Claim `job_id` for `owner` under a lease of `lease_s`. A job running under another owner's live
+    lease is refused, unless `is_dead(that owner)` says its process is gone (the farm's probe,
+    farm/owners.py): then it is taken over at once as a new attempt."""
     now = now or utcnow()
     row = session.execute(
         select(Job, Run).join(Run, Job.run_id == Run.id).where(Job.id == job_id)
@@ -125,7 +93,8 @@ def claim_job(
     interrupted = job.state == "running" and not continuing
     if interrupted:
         expires = job.lease_expires_at
-        if expires is not None and expires > now and not is_dead(previous_owner):
+        gone = previous_owner is None or is_dead(previous_owner)
+        if expires is not None and expires > now and not gone:
             return Refusal(
                 job_id,
                 f"running under a live lease of {previous_owner}",
@@ -137,10 +106,9 @@ def claim_job(
     # `pending` and `queued` are one state here: submit marks a job queued just after sending its message,
     # so a worker waiting for messages can read it pending and find it queued at its UPDATE — nobody else
     # claimed it, and refusing would drop its only message (found by R11: the job waited for a reconcile).
-    waiting = ("pending", "queued")
     unchanged = (
         (Job.id == job_id)
-        & (Job.state.in_(waiting) if job.state in waiting else Job.state == job.state)
+        & (Job.state.in_(WAITING_STATES) if job.state in WAITING_STATES else Job.state == job.state)
         & (Job.attempts == job.attempts)
         & Job.lease_owner.is_not_distinct_from(previous_owner)
     )
@@ -401,7 +369,7 @@ def reconcile(
     requeue = session.execute(
         select(Job.id, Run.queue)
         .join(Run, Job.run_id == Run.id)
-        .where(in_run & Job.state.in_(("pending", "queued")))
+        .where(in_run & Job.state.in_(WAITING_STATES))
         .order_by(Job.run_id, Job.line, Job.repeat)
     ).all()
     return ReconcilePlan(
@@ -416,3 +384,54 @@ def reconcile(
 def job_counts(session: Session, run_id: str) -> Counter[str]:
     rows = session.execute(select(Job.state, func.count()).where(Job.run_id == run_id).group_by(Job.state))
     return Counter({state: count for state, count in rows})
+
+
+# --- what a job waiting for a worker needs, read without claiming it -------------------------------------------
+
+
+@dataclass(frozen=True)
+class WaitingJob:
+    """A job not yet claimed (pending or queued), as a worker reads it to prepare its page ahead of its
+    claim: reading it changes nothing, and another worker may still be the one to claim it."""
+
+    job_id: str
+    image_path: Path
+    model: str
+    parameters: dict[str, Any]
+
+
+def _waiting(row: Any) -> WaitingJob:
+    return WaitingJob(row.id, Path(row.root) / row.image, row.model, dict(row.parameters))
+
+
+def _waiting_columns() -> Any:
+    return select(Job.id, Job.image, Run.root, Run.model, Run.parameters).join(Run, Job.run_id == Run.id)
+
+
+def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
+    """`job_id` if it is waiting for a worker, or claimed by `owner` already (it may have claimed it
+    before this read: its previous job failed at once); None if it is unknown, final or another's."""
+    mine = (Job.state == "running") & (Job.lease_owner == owner)
+    row = session.execute(
+        _waiting_columns().where(Job.id == job_id, Job.state.in_(WAITING_STATES) | mine)
+    ).one_or_none()
+    return None if row is None else _waiting(row)
+
+
+def next_waiting_job(session: Session, queues: Iterable[str], owner: str) -> WaitingJob | None:
+    """A guess at the job `owner` will be delivered next from `queues`, for a prefetch. A queue hands out
+    its messages in the order they were sent (runs in the order they were queued, a run's jobs by line
+    and repeat, a job sent again at the back), and every other process busy on those queues is likely to
+    finish, and take the head, before `owner` does: so the waiting job after one per job those processes
+    are running. A count of the running jobs and one read of the waiting ones (both by index), sorted;
+    a wrong guess costs a page prepared for nothing."""
+    on_queues = Run.queue.in_(list(queues))
+    busy = session.scalar(
+        select(func.count()).select_from(Job).join(Run, Job.run_id == Run.id)
+        .where(on_queues, Job.state == "running", Job.lease_owner != owner)
+    )  # fmt: skip
+    sent_order = (func.coalesce(Job.queued_at, Job.created_at), Job.run_id, Job.line, Job.repeat)
+    row = session.execute(
+        _waiting_columns().where(on_queues, Job.state.in_(WAITING_STATES)).order_by(*sent_order).offset(busy).limit(1)
+    ).one_or_none()
+    return None if row is None else _waiting(row)

@@ -115,7 +115,7 @@ class WorkerProcess(Base):
 
     __tablename__ = "worker_processes"
 
-    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # host:pid:nonce (ledger.process_owner)
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # host:pid:nonce (farm/owners.py)
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int]
     device: Mapped[str] = mapped_column(String(32))
@@ -182,8 +182,21 @@ class Result(Base):
     readback_ms: Mapped[float] = mapped_column(Float, default=0.0)
     postprocess_ms: Mapped[float] = mapped_column(Float, default=0.0)
     host_gap_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    ttft_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float] = mapped_column(Float)  # preprocess + device start to first token
     e2e_ms: Mapped[float] = mapped_column(Float)
+    # Prefetched: the page was prepared while the previous job ran (farm/prefetch.py); its preprocess_ms
+    # is still its own, timed where it ran (the prefetch thread). page_wait_ms: from the end of its
+    # preprocessing to its setup (the previous job's rest, the claim), outside e2e; microseconds for a
+    # page prepared in line. This and the columns below are NULL in rows older than revision 0005.
+    prefetched: Mapped[bool] = mapped_column(default=False, server_default=false())
+    page_wait_ms: Mapped[float | None] = mapped_column(Float)
+    # TTFT both ways: from the claim (lease taken) and from the job's start on the device (setup).
+    ttft_from_claim_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_from_device_start_ms: Mapped[float | None] = mapped_column(Float)
+    # When the device began the job (setup) and finished it (readback): between two jobs of one worker
+    # process, the device idled from one's finish to the next one's start (engine/result.py DeviceSpan).
+    device_started_at: Mapped[datetime | None]
+    device_finished_at: Mapped[datetime | None]
     decode_step_ms: Mapped[list[Any]]
     decode_ms_per_token_p50: Mapped[float | None] = mapped_column(Float)
     decode_ms_per_token_p90: Mapped[float | None] = mapped_column(Float)

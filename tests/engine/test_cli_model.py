@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from dsocr_workers.cli import commands_model, main
+from dsocr_workers.engine.standalone import demo_page
 from dsocr_workers.model import preprocess
 
 
@@ -65,7 +66,7 @@ def test_infer_missing_image_and_option_conflicts(tmp_path):
 
 
 def write_page(path: Path, size: tuple[int, int]) -> Path:
-    page = commands_model.demo_page().resize(size)
+    page = demo_page().resize(size)
     page.save(path)
     return path
 
@@ -91,7 +92,7 @@ def test_infer_json_result_and_outputs(page, tmp_path):
     assert document["decode_tokens"] == 5 and len(document["token_ids"]) == 5
     assert document["stop_reason"] == "max_new_tokens"
     assert document["model"]["random_weights"] is True
-    assert "random weights" in document["model_label"]
+    assert "RANDOM WEIGHTS" in document["model_label"]
     timings = document["timings"]
     assert timings["clock"] == "perf_counter"
     assert 0 < timings["vision_ms"] <= timings["prefill_ms"]

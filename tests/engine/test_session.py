@@ -1,15 +1,21 @@
 """The split prefill/decode engine on the tiny preset (CPU): result contract, stop rules, checks."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
 from dsocr_workers.engine import generate
-from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.result import DecodeOptions, ModelSource
+from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import EOS_TOKEN_ID
+from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.fused import fuse_projections
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -33,7 +39,7 @@ def test_gundam_page_result_contract(session):
     assert len(result.token_ids) == 12 and result.stop_reason == "max_new_tokens"
     assert result.kv_length == result.prompt_tokens + 11  # the last token is never fed back
     assert result.vision_calls == 1
-    assert result.model.random_weights and "random weights" in result.model.label
+    assert result.model.random_weights and "RANDOM WEIGHTS" in result.model.label
     t = result.timings
     assert t.clock == "perf_counter"
     assert len(t.decode_step_ms) == 11 and all(ms > 0 for ms in t.decode_step_ms)
@@ -89,10 +95,49 @@ def test_eos_stops_decoding_and_is_trimmed(session):
 
 
 def test_cache_buckets_and_ceiling(session):
-    # Decoding all the way to 8192 positions is too slow for CI; the bucket rule is what bounds it.
+    # Decoding all the way to 8192 positions is too slow for CI (a 128-position preset reaches its
+    # positions below); the bucket rule is what bounds it.
     assert session.max_positions == 8192
     assert generate.cache_bucket(9000, 8192) == 8192
     assert generate.cache_bucket(916 + 256, 8192) == 2048
+
+
+def test_a_job_that_reaches_the_models_positions_stops_there(monkeypatch):
+    # The tiny preset with 128 positions: a tiny-mode page's prompt (109) leaves room for 19 tokens.
+    tiny = PRESETS["tiny"]
+    monkeypatch.setitem(PRESETS, "tiny-128", replace(tiny, text=replace(tiny.text, max_position_embeddings=128)))
+    short = DeepSeekOCRSession.from_local("tiny-128")
+    capped = short.run_inference(page(600, 480), mode="tiny", max_new_tokens=1000)
+    assert capped.prompt_tokens == 109 and capped.stop_reason == "max_positions"
+    assert len(capped.token_ids) == 128 - 109 and EOS_TOKEN_ID not in capped.token_ids
+    assert capped.kv_length == 127  # every position but the last token's, which is never fed back
+    unbounded = short.run_inference(page(600, 480), mode="tiny")  # no budget: up to the positions
+    assert unbounded.token_ids == capped.token_ids and unbounded.stop_reason == "max_positions"
+    within = short.run_inference(page(600, 480), mode="tiny", max_new_tokens=18)
+    assert within.token_ids == capped.token_ids[:18] and within.stop_reason == "max_new_tokens"
+    with pytest.raises(InputError, match="the prompt takes 147 positions; the model has 128"):
+        short.run_inference(page(600, 480), mode="small")
+
+
+def test_a_page_prepared_ahead_runs_as_the_same_job(session):
+    whole = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=6)
+    # Where the farm's prefetch prepares it, on a thread of its own while another job runs.
+    with ThreadPoolExecutor(1) as thread:
+        prepared = thread.submit(session.prepare_job, page(600, 480), None, "tiny", "8").result()
+    time.sleep(0.2)  # the page waits for its job
+    ahead = session.run_prepared(prepared.page, max_new_tokens=6, clock=prepared.clock)
+    untimed = session.run_prepared(prepared.page, max_new_tokens=6)
+    assert ahead.token_ids == untimed.token_ids == whole.token_ids
+    assert ahead.timings.preprocess_ms > 0 and untimed.timings.preprocess_ms == 0
+    assert ("push", "preprocess") in prepared.clock.nvtx_log and prepared.clock.job_id == "8"
+    # The wait is no part of the job: named, outside e2e (not in the host gap), and the parts add up.
+    assert ahead.timings.page_wait_ms >= 200 and whole.timings.page_wait_ms < 1
+    for t in (ahead.timings, untimed.timings, whole.timings):
+        assert sum(t.parts_ms.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
+        assert 0 <= t.host_gap_ms <= max(5.0, 0.05 * t.e2e_ms)
+        assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.ttft_from_device_start_ms)
+    span = ahead.device_span
+    assert span is not None and span.started_s < span.first_token_s < span.finished_s
 
 
 def test_seeded_sampling_is_reproducible(session):
@@ -120,6 +165,38 @@ def test_teacher_forced_agreement_with_itself_is_total(session):
 def test_fast_engine_on_cpu_says_so_and_runs_eager():
     fast = DeepSeekOCRSession.from_local("tiny", engine="fast")
     assert fast.engine == "eager" and "CUDA" in fast.engine_note
+
+
+def fast_on_cpu(source: ModelSource) -> DeepSeekOCRSession:
+    """The fast engine's kernels (SDPA attention, fused projections) and its decode step compiled as the
+    engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
+    generating code, and vision and prefill stay uncompiled: inductor takes minutes over them on a CPU.
+    The routed experts are transformers' batched GEMMs: the selected-experts Triton kernels run on a CPU
+    only in Triton's interpreter, which a compiled graph cannot trace (tests/model/test_fast_kernels.py
+    checks them uncompiled here, compiled on a GPU)."""
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
+    with torch.inference_mode():
+        loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
+        fuse_projections(loaded.model.language_model)
+    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("aot_eager", decode_only=True))
+
+
+def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
+    assert session.dtype == torch.float32 and session.engine == "eager"
+    fast = fast_on_cpu(session.source)
+    options = DecodeOptions(ignore_eos=True)  # the vendor's n-gram ban stays on: it runs inside the step
+    reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, infer=options)
+    first = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, infer=options)
+    # Greedy in float32: the fast kernels and the compiled step pick eager's tokens.
+    assert first.token_ids == reference.token_ids
+    assert first.engine == "fast" and "compiled 1 new graph(s)" in first.cold_reasons
+    # Compiled once, then replayed: the next job, with other stop options, compiles nothing; EOS is
+    # found at the next check and the output trimmed there, as on the eager engine.
+    eos = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, infer=DecodeOptions(force_eos_at_step=5))
+    assert not eos.cold, eos.cold_reasons
+    assert eos.token_ids == reference.token_ids[:5] + [EOS_TOKEN_ID] and eos.stop_reason == "eos"
+    assert eos.wasted_steps == 3 and eos.kv_length == eos.prompt_tokens + 8
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -298,3 +375,16 @@ def test_decode_progress_is_reported_at_the_watch_cadence(session):
                                    on_decode_progress=lambda steps, budget: seen.append((steps, budget)))
     assert len(result.token_ids) == 30
     assert seen == [(k, 30) for k in range(EOS_CHECK_INTERVAL, 30, EOS_CHECK_INTERVAL)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine compiles, and graphs decode")
+def test_cuda_fast_engine_follows_eager_in_float32():
+    """The fast engine as shipped (inductor, CUDA-graph decode, fused projections, the selected-experts
+    kernels) picks eager's greedy tokens in float32, in the job that captures and in one that replays."""
+    eager = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32")
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    options = DecodeOptions(ignore_eos=True)
+    reference = eager.run_inference(page(600, 480), mode="tiny", max_new_tokens=64, infer=options)
+    for _ in range(3):
+        result = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=64, infer=options)
+        assert result.engine == "fast" and result.token_ids == reference.token_ids

@@ -20,6 +20,10 @@ def work(device: str, size: int = 96) -> None:
 def run_job(clock: StageClock, device: str, steps: int = 5) -> None:
     with clock.stage("preprocess"):
         time.sleep(0.002)
+    run_job_from_setup(clock, device, steps)
+
+
+def run_job_from_setup(clock: StageClock, device: str, steps: int = 5) -> None:
     with clock.stage("setup"):
         work(device, 8)
     with clock.stage("prefill"):
@@ -94,6 +98,42 @@ def test_timings_positive_and_nested(device):
     assert -EPS <= timings.host_gap_ms <= 0.05 * timings.e2e_ms
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_page_prepared_ahead_waits_outside_end_to_end(device):
+    waited = StageClock(device)
+    with waited.stage("preprocess"):  # on another thread, in the farm, while the device has another job
+        time.sleep(0.002)
+    time.sleep(0.05)  # the page waits for its job
+    inline = StageClock(device)
+    for clock in (waited, inline):
+        run_job(clock, device) if clock is inline else run_job_from_setup(clock, device)
+    t, i = waited.stage_timings(), inline.stage_timings()
+    assert t.page_wait_ms >= 50 and i.page_wait_ms < 1
+    # The wait is named and left out: the parts still add up, and the host gap stays small.
+    for timings in (t, i):
+        assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)
+        assert -EPS <= timings.host_gap_ms <= 0.05 * timings.e2e_ms
+    assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.ttft_from_device_start_ms)
+    assert t.ttft_from_device_start_ms >= t.setup_ms + t.prefill_ms + t.first_token_ms - EPS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_span_is_on_the_host_clock(device):
+    before = time.perf_counter()
+    clock = StageClock(device)
+    run_job(clock, device)
+    after = time.perf_counter()
+    span, t = clock.device_span(), clock.stage_timings()
+    assert span is not None
+    preprocess_end = clock.entries[0].host_end
+    assert preprocess_end <= span.started_s <= span.first_token_s <= span.finished_s <= after
+    assert before < span.started_s
+    # From setup's start to readback's end: every device part lies inside it.
+    device_parts = t.setup_ms + t.prefill_ms + t.first_token_ms + t.decode_ms + t.readback_ms
+    assert device_parts - EPS <= span.ms <= t.e2e_ms - t.preprocess_ms - t.postprocess_ms + EPS
+    assert (span.first_token_s - span.started_s) * 1e3 == pytest.approx(t.ttft_from_device_start_ms, abs=0.01)
+
+
 def test_steps_past_eos_are_wasted_not_decode():
     clock = StageClock("cpu")
     run_job(clock, "cpu", steps=6)
@@ -116,6 +156,20 @@ def test_repeated_stage_accumulates():
     assert clock.ms("prefill") == 0.0
 
 
+def test_each_entry_names_the_stage_it_was_entered_in():
+    clock = StageClock("cpu", nvtx_enabled=False, timing_enabled=False)
+    with clock.stage("setup"):
+        pass
+    with clock.stage("vision/sam"):  # a vision stage outside prefill: what `dsocr verify` looks for
+        pass
+    with clock.stage("prefill"), clock.stage("vision/clip"):
+        pass
+    clock.finish()
+    assert [(e.name, clock.parent_name(e)) for e in clock.entries] == [
+        ("setup", None), ("vision/sam", None), ("prefill", None), ("vision/clip", "prefill"),
+    ]
+
+
 def test_ranges_close_when_a_stage_raises():
     clock = StageClock("cpu")
     with pytest.raises(ZeroDivisionError), clock.stage("prefill"), clock.stage("vision/sam"):
@@ -133,7 +187,7 @@ def test_instrumentation_off_by_environment(monkeypatch):
     assert clock.ms("prefill") == 0.0 and clock.step_ms() == []
     assert clock.steps_marked == 4
     assert clock.count("vision/sam") == 1
-    assert clock.stage_timings().e2e_ms == 0.0
+    assert clock.stage_timings().e2e_ms == 0.0 and clock.device_span() is None
 
 
 def test_misuse_is_reported():

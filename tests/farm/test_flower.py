@@ -14,6 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,8 @@ from sqlalchemy import text
 from dsocr_workers.store.db import open_database
 
 PAGES = {"letter.png": (320, 420), "wide.png": (900, 500), "hung.png": (400, 600)}
+# `dsocr` with a job that hangs its child, from the reliability suite (the package has no fault hook).
+FAULTY_DSOCR = Path(__file__).resolve().parents[1] / "reliability" / "faulty_dsocr.py"
 
 
 def free_port() -> int:
@@ -89,23 +92,27 @@ def test_flower_shows_workers_started_with_events_and_their_jobs_by_run_and_imag
         "DSOCR_FLOWER_BASIC_AUTH": "",  # as docker-compose.yml passes it when no login is set: none
     }  # fmt: skip
     command = [sys.executable, "-m", "dsocr_workers"]
-    submitted = subprocess.run(
-        [*command, "submit", str(listing), "--mode", "tiny", "--max-new-tokens", "4"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert submitted.returncode == 0, submitted.stderr
-    run_id = submitted.stdout.strip().splitlines()[-1]
-
     port = free_port()
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("flower", "worker")}  # noqa: SIM115
     flower = subprocess.Popen([*command, "flower", "--port", str(port)], env=env, stdout=logs["flower"],
                               stderr=subprocess.STDOUT)  # fmt: skip
     worker = subprocess.Popen(
-        [*command, "worker", "--gpus", "cpu", "--events"], env={**env, "DSOCR_TEST_FAULTS": "hang=hung.png"},
-        stdout=logs["worker"], stderr=subprocess.STDOUT,
+        [sys.executable, str(FAULTY_DSOCR), "--hang", "hung.png", "worker", "--gpus", "cpu", "--events",
+         "--warmup", "tiny"],
+        env=env, stdout=logs["worker"], stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        # The worker: alive (event heartbeats), its two good jobs done and the hung job received twice.
+        # Events are broadcast, not queued: Flower counts only what arrives after it subscribed. The jobs go
+        # in once Flower shows the worker's heartbeats, so no count depends on which process started first.
+        wait_for("the worker", lambda: [w for w in get(port, "/workers", json="1")["data"] if w["status"]], 240)
+        submitted = subprocess.run(
+            [*command, "submit", str(listing), "--mode", "tiny", "--max-new-tokens", "4"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        run_id = submitted.stdout.strip().splitlines()[-1]
+
+        # The worker: alive, its two good jobs done and the hung job received twice.
         worker_row = wait_for(
             "the worker and its jobs",
             lambda: [w for w in get(port, "/workers", json="1")["data"]

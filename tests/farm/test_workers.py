@@ -159,6 +159,57 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
     assert watched.returncode == 0 and "8/8 final" in watched.stdout
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_worker_with_jobs_queued_prefetches_the_next_page(pages, postgres_url, broker_env, subprocess_env, tmp_path):
+    queue = broker_env["DSOCR_QUEUE"] + "-prefetch"
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue}
+    # 16 tokens: decoding gives the prefetch thread, started after the prefill, time to read its guess
+    # before the next claim (read after it, the next job is no longer waiting: a guess further on).
+    submitted = dsocr("submit", str(pages), "--max-new-tokens", "16", "--ignore-eos", "--mode", "tiny", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", "--loglevel", "INFO"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            assert wait_until_final(postgres_url, run_id, timeout=240) == {"done": len(PAGES)}
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+    assert worker.returncode == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        ran = session.execute(
+            select(Job.image, Result).join(Result, Result.job_id == Job.id).where(Job.run_id == run_id)
+            .order_by(Job.started_at)
+        ).all()  # fmt: skip
+        session.expunge_all()
+    db.dispose()
+    # One child, the queue in the order submit sent it: the child's guess at its next message is right
+    # every time, so every job after the first had its page prepared while the previous one ran.
+    assert [image for image, _ in ran] == list(PAGES)
+    assert [r.prefetched for _, r in ran] == [False] + [True] * (len(PAGES) - 1)
+    for _, r in ran:
+        parts = (r.preprocess_ms + r.setup_ms + r.prefill_ms + r.first_token_ms + r.decode_ms
+                 + r.wasted_decode_ms + r.readback_ms + r.postprocess_ms + r.host_gap_ms)  # fmt: skip
+        assert parts == pytest.approx(r.e2e_ms, abs=1e-3) and r.preprocess_ms > 0 and r.page_wait_ms >= 0
+        assert 0 <= r.host_gap_ms <= max(20.0, 0.1 * r.e2e_ms)
+        assert 0 < r.ttft_from_device_start_ms < r.ttft_from_claim_ms
+    for (_, before), (_, after) in zip(ran, ran[1:], strict=False):
+        assert before.device_finished_at <= after.device_started_at
+
+    report = dsocr("report", "--run", run_id, "--format", "json", env=env)
+    assert report.returncode == 0, report.stderr
+    tables = json.loads(report.stdout)["tables"]
+    latency = {row["metric"]: row for row in tables["Latency and output"]}
+    assert latency["TTFT from claim ms"]["n"] == latency["TTFT from device start ms"]["n"] == len(PAGES)
+    (process,) = tables["Worker processes"]
+    assert process["prefetched"] == len(PAGES) - 1 and process["device idle between jobs p50 ms"] > 0
+
+
 def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, subprocess_env):
     url = f"sqlite:///{tmp_path / 'embedded.db'}"
     env = {**subprocess_env, "DSOCR_DATABASE_URL": url}

@@ -15,12 +15,10 @@ from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import preprocess as pp
-from dsocr_workers.model.config import MODES
+from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, MODES
 from dsocr_workers.model.images import ImageProbe, load_image, probe_image
 from dsocr_workers.model.preprocess import (
-    BOS_ID,
     DEFAULT_PROMPT,
-    IMAGE_TOKEN_ID,
     PROMPTS,
     build_prompt,
     count_image_tokens,
@@ -152,7 +150,7 @@ def test_prepare_page_gundam_layout_and_tensors():
     page = prepare_page(noise(1000, 800), byte_encode)
     assert page.crop_grid == (2, 2) and page.image_tokens == 693
     after = byte_encode("\n<|grounding|>Convert the document to markdown.")
-    expected = [BOS_ID] + [IMAGE_TOKEN_ID] * 693 + after
+    expected = [BOS_TOKEN_ID] + [IMAGE_TOKEN_ID] * 693 + after
     assert page.input_ids.dtype == torch.int64 and page.input_ids.tolist() == expected
     assert page.prompt_tokens == len(expected)
     assert page.images_seq_mask.dtype == torch.bool and page.images_seq_mask.shape == page.input_ids.shape
@@ -171,7 +169,7 @@ def test_prepare_page_gundam_layout_and_tensors():
 def test_text_before_the_placeholder_is_encoded_after_bos():
     page = prepare_page(noise(64, 64), byte_encode, mode="tiny", prompt=" Look: <image>\nFree OCR. ")
     before, after = byte_encode("Look: "), byte_encode("\nFree OCR.")
-    assert page.input_ids.tolist() == [BOS_ID] + before + [IMAGE_TOKEN_ID] * 73 + after
+    assert page.input_ids.tolist() == [BOS_TOKEN_ID] + before + [IMAGE_TOKEN_ID] * 73 + after
     mask = page.images_seq_mask.tolist()
     assert mask == [False] * (1 + len(before)) + [True] * 73 + [False] * len(after)
 

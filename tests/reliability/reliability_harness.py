@@ -2,7 +2,8 @@
 
 - `Farm`: one isolated farm per scenario — its own Redis key prefix and queue, the session's PostgreSQL
   database (or a URL the scenario gives), real `python -m dsocr_workers worker` subprocesses, each in its
-  own process group so that a scenario can `kill -9` a child or a whole worker.
+  own process group so that a scenario can `kill -9` a child or a whole worker. Given `faults`, its
+  workers are started through the test-only entry point faulty_dsocr.py instead.
 - `check_invariants`: what every scenario ends with (every job final; results = distinct done jobs; no
   job beyond the attempt cap unless poisoned; `dsocr report` totals = the tables; the queue drained).
 - Fault tools: `TcpProxy` (PostgreSQL that can be cut and restored) and `ThrowawayRedis` (a redis-server of
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from faulty_dsocr import NO_FAULTS, Faults
 from sqlalchemy import func, select
 
 from dsocr_workers.store.db import open_database
@@ -140,6 +142,7 @@ class Farm:
     prefix: str
     queue: str
     broker_url: str
+    faults: Faults = NO_FAULTS  # jobs its workers crash or hang on (faulty_dsocr.py)
     workers: list[Worker] = field(default_factory=list)
 
     @classmethod
@@ -151,14 +154,14 @@ class Farm:
         *,
         broker_url: str = REDIS_URL,
         worker_database_url: str | None = None,
+        faults: Faults = NO_FAULTS,
         **settings: str,
     ) -> Farm:
         tag = uuid.uuid4().hex[:10]
         prefix, queue = f"dsocr-rel-{tag}:", f"dsocr-rel-{tag}"
         root.mkdir(parents=True, exist_ok=True)
-        inherited = {k: v for k, v in base_env.items() if k != "DSOCR_TEST_FAULTS"}  # faults only when asked
         env = {
-            **inherited,
+            **base_env,
             **TEST_SETTINGS,
             "DSOCR_DATABASE_URL": worker_database_url or database_url,
             "DSOCR_BROKER_URL": broker_url,
@@ -166,7 +169,7 @@ class Farm:
             "DSOCR_QUEUE": queue,
             **settings,
         }
-        return cls(root, database_url, env, prefix, queue, broker_url)
+        return cls(root, database_url, env, prefix, queue, broker_url, faults)
 
     # --- commands ---------------------------------------------------------------------------------------
 
@@ -190,12 +193,13 @@ class Farm:
         return done.stdout
 
     def start_worker(self, *args: str, wrap: Sequence[str] = (), **env: str) -> Worker:
-        """A `dsocr worker --gpus cpu` subprocess; `wrap` is a command prefix that runs it elsewhere (on a
-        host of a `NetnsLab`: `lab.host_argv(host)`), `env` overrides the farm's environment."""
+        """A `dsocr worker --gpus cpu` subprocess (with the farm's faults); `wrap` is a command prefix that
+        runs it elsewhere (on a host of a `NetnsLab`: `lab.host_argv(host)`), `env` overrides the farm's
+        environment."""
         log = self.root / f"worker-{len(self.workers)}.log"
         with open(log, "w") as out:
             popen = subprocess.Popen(
-                [*wrap, sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", *args],
+                [*wrap, *self.faults.dsocr_command(), "worker", "--gpus", "cpu", *args],
                 env={**self.env, **env},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -647,8 +651,8 @@ class NetnsLab:
 
     def host_argv(self, host: NetnsHost) -> list[str]:
         """The command prefix that runs a program on `host`: in its network namespace, under its own
-        hostname (a UTS namespace of its own), so that its lease owners name it and the ledger's
-        same-host shortcut (`ledger.owner_is_dead`) never judges another host's processes."""
+        hostname (a UTS namespace of its own), so that its lease owners name it and the farm's
+        same-host shortcut (`owners.owner_is_dead`, farm/owners.py) never judges another host's processes."""
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts",
                 "sh", "-c", 'hostname "$0" && exec "$@"', host.hostname]  # fmt: skip
 

@@ -1,26 +1,37 @@
 """Unit tests of the farm changes the reliability suite forced: the parent's record of a hard time limit,
 acks that survive a Redis restart, the visibility timeout override and its restore sweep, TCP keepalive on
-the broker and ledger connections (R11), and the test-only fault hook being inert unless asked for."""
+the broker and ledger connections (R11), `dsocr run` waiting out a ledger outage, and the test-only fault hook (faulty_dsocr.py) crashing or
+hanging the jobs it names and no other."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
+from faulty_dsocr import NO_FAULTS, Faults, with_faults
 from kombu import Connection
-from reliability_harness import ThrowawayRedis
+from reliability_harness import TcpProxy, ThrowawayRedis, make_pages
 
-from dsocr_workers.errors import InputError
-from dsocr_workers.farm import faults
+from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.farm.celery_app import create_app, restore_sweep
+from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.owners import owner_prefix_of_pid
+from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.worker import run_in_process
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Run, job_id_for
+from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 
 
 def one_job(db) -> str:
@@ -36,8 +47,8 @@ def one_job(db) -> str:
 
 def claim(db, job_id: str, pid: int) -> ledger.Claim:
     with db.transaction() as session:
-        got = ledger.claim_job(session, job_id, f"{ledger._host}:{pid}:ab12cd34", lease_s=600, max_attempts=2,
-                               is_dead=lambda owner: True)  # fmt: skip
+        got = ledger.claim_job(session, job_id, owner_prefix_of_pid(pid) + "ab12cd34", lease_s=600,
+                               max_attempts=2, is_dead=lambda owner: True)  # fmt: skip
     assert isinstance(got, ledger.Claim)
     return got
 
@@ -47,12 +58,12 @@ def test_hard_time_limit_recorded_for_the_child_that_holds_the_job(database):
     claim(database, job_id, pid=4242)
     with database.transaction() as session:  # another process's pid: not its job, nothing changes
         assert (
-            ledger.record_timeout(session, job_id, ledger.owner_prefix_of_pid(424), 12, max_attempts=2)
+            ledger.record_timeout(session, job_id, owner_prefix_of_pid(424), 12, max_attempts=2)
             is None
         )
     with database.transaction() as session:
         recorded = ledger.record_timeout(
-            session, job_id, ledger.owner_prefix_of_pid(4242), 12, max_attempts=2
+            session, job_id, owner_prefix_of_pid(4242), 12, max_attempts=2
         )
     assert recorded == ("queued", "the-queue")
     with database.transaction() as session:
@@ -66,7 +77,7 @@ def test_hard_time_limit_recorded_for_the_child_that_holds_the_job(database):
         assert job.last_error_message == "attempt 1 was killed at the hard time limit of 12 s"
     claim(database, job_id, pid=4343)  # attempt 2 is the cap: its timeout poisons the job
     with database.transaction() as session:
-        assert ledger.record_timeout(session, job_id, ledger.owner_prefix_of_pid(4343), 12, max_attempts=2) == (
+        assert ledger.record_timeout(session, job_id, owner_prefix_of_pid(4343), 12, max_attempts=2) == (
             "poisoned", "the-queue")  # fmt: skip
         assert session.get_one(Job, job_id).finished_at is not None
 
@@ -138,13 +149,88 @@ def test_keepalive_on_broker_and_ledger_connections(monkeypatch):
     assert seen[1]["keepalives_idle"] == "7"  # the URL's own setting wins
 
 
-def test_fault_hook_is_inert_unless_asked(monkeypatch):
-    monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
-    faults.inject("poison.png")  # would SIGKILL this test process if it were active
-    monkeypatch.setenv(faults.FAULTS_ENV, "crash=poison*.png")
-    faults.inject("page.png")  # no pattern matches: nothing happens
-    assert faults.parse("crash=a*.png; hang=b.png") == [("crash", "a*.png"), ("hang", "b.png")]
-    for bad in ("explode=a.png", "crash", "crash="):
-        with pytest.raises(ValueError):
-            faults.parse(bad)
-    assert os.getpid() > 0
+@pytest.mark.parametrize("database", ["postgres"], indirect=True)
+def test_dsocr_run_waits_out_a_ledger_outage_and_gives_up_on_a_longer_one(database, tmp_path):
+    """`dsocr run` (farm/worker.py) calls the ledger again 2 s, then 4 s, … after a TransientError: a job
+    whose ledger comes back in time is done; past its retries, the error is raised, the job unchanged."""
+    listing = make_pages(tmp_path / "pages", 2)
+    run = record_run(database, read_filelist(listing), RunOptions(mode="tiny", max_new_tokens=2), queue="here")
+    proxy = TcpProxy(5432)
+    settings = Settings(database_url=database.url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    try:
+        proxy.cut()
+        threading.Timer(3, proxy.restore).start()
+        started = time.monotonic()
+        outcomes = run_in_process(settings, "cpu", run.job_ids[:1], max_transient_retries=2, queue="here")
+        assert [outcome.status for outcome in outcomes] == ["done"]
+        assert time.monotonic() - started >= 6  # refused at 0 s and 2 s, through at 6 s
+
+        proxy.cut()
+        started = time.monotonic()
+        with pytest.raises(TransientError, match="database unavailable"):
+            run_in_process(settings, "cpu", run.job_ids[1:], max_transient_retries=1, queue="here")
+        assert 2 <= time.monotonic() - started < 10  # one wait of 2 s, then the error
+    finally:
+        proxy.cut()
+    with database.transaction() as session:
+        assert [session.get_one(Job, job_id).state for job_id in run.job_ids] == ["done", "pending"]
+
+
+def a_claim(image: str) -> ledger.Claim:
+    return ledger.Claim(job_id="j", run_id="r", image=image, image_path=Path("/data") / image, repeat=0,
+                        attempt=1, owner="h:1:x", lease_expires_at=utcnow(), model="tiny", parameters={})  # fmt: skip
+
+
+FAULTS = Faults(crash=("poison*.png",), hang=("hung*.png",))
+
+
+def test_fault_hook_runs_every_job_it_does_not_name_to_its_end():
+    ran: list[str] = []
+
+    def infer(process, claim, upcoming):
+        ran.append(claim.image)
+        return f"result of {claim.image}"
+
+    infer_with_faults = with_faults(infer, FAULTS)
+    images = ["page.png", "xpoison.png", "Poison.png", "hung.jpg"]  # a glob matches whole names, case included
+    assert [infer_with_faults(None, a_claim(image)) for image in images] == [f"result of {i}" for i in images]
+    assert ran == images
+    assert NO_FAULTS.dsocr_command() == [sys.executable, "-m", "dsocr_workers"]  # no faults: the package's own
+
+
+def in_a_child(run: Callable[[], object]) -> int:
+    """`run` in a forked child of this process, which exits 0 if `run` returns; the child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def test_fault_hook_crashes_or_hangs_the_process_of_a_job_it_names():
+    infer_with_faults = with_faults(lambda process, claim, upcoming: "ran", FAULTS)
+    crashed = in_a_child(lambda: infer_with_faults(None, a_claim("poison0000.png")))
+    _, status = os.waitpid(crashed, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+    hung = in_a_child(lambda: infer_with_faults(None, a_claim("hung0000.png")))
+    try:
+        usr1 = 1 << (signal.SIGUSR1 - 1)
+        deadline = time.monotonic() + 10
+        while not int(proc_status(hung)["SigBlk"], 16) & usr1:  # until it blocks the soft time limit's signal
+            assert time.monotonic() < deadline and os.waitpid(hung, os.WNOHANG) == (0, 0), "it never hung"
+            time.sleep(0.05)
+        os.kill(hung, signal.SIGUSR1)  # the soft time limit does not end it...
+        time.sleep(0.5)
+        assert os.waitpid(hung, os.WNOHANG) == (0, 0)
+    finally:
+        os.kill(hung, signal.SIGKILL)  # ...only the hard one does
+        _, status = os.waitpid(hung, 0)
+    assert os.WTERMSIG(status) == signal.SIGKILL
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {name: value.strip() for name, _, value in (line.partition(":") for line in lines)}

@@ -1,13 +1,14 @@
 """R7 duplicate submits, R8 a poison job, R9 a hung job, R10 redelivery of a job that is still running.
 
-R8 and R9 use the test-only fault hook (DSOCR_TEST_FAULTS, dsocr_workers/farm/faults.py): no real input
-kills its worker or hangs on demand. R10 is real work: a job that decodes for seconds, delivered a
+R8 and R9 start their workers through the test-only entry point faulty_dsocr.py: no real input kills its
+worker or hangs on demand. R10 is real work: a job that decodes for seconds, delivered a
 second time while it runs."""
 
 from __future__ import annotations
 
 import time
 
+from faulty_dsocr import Faults
 from reliability_harness import FAST_JOB, check_invariants, make_pages, record
 from sqlalchemy import select
 
@@ -61,7 +62,7 @@ def test_r7_duplicate_submits(new_farm, tmp_path):
 
 
 def test_r8_poison_job(new_farm, tmp_path):
-    farm = new_farm(DSOCR_TEST_FAULTS="crash=poison*.png")
+    farm = new_farm(faults=Faults(crash=("poison*.png",)))
     listing = make_pages(tmp_path / "pages", 12)
     make_pages(tmp_path / "pages", 1, prefix="poison")
     listing.write_text("poison0000.png\n" + listing.read_text())
@@ -87,7 +88,7 @@ HARD_LIMIT_S = 12
 
 def test_r9_hung_job(new_farm, tmp_path):
     # A lease far above the hard limit: the job must be recorded at the hard limit, not at lease expiry.
-    farm = new_farm(DSOCR_TEST_FAULTS="hang=hung*.png", DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
+    farm = new_farm(faults=Faults(hang=("hung*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
                     DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2")  # fmt: skip
     listing = make_pages(tmp_path / "pages", 8)
     make_pages(tmp_path / "pages", 1, prefix="hung")

@@ -1,16 +1,26 @@
 """Runs for report tests, written through the farm's own claim → complete path with given inference
 results. Their timings satisfy the engine's accounting identity (engine/result.py StageTimings):
-e2e = the sum of the named parts, TTFT = preprocess + setup + prefill + first token."""
+e2e = the sum of the named parts, TTFT = preprocess + setup + prefill + first token; their device span
+starts as the fake inference is made, after the claim, so TTFT from the claim is a little more than
+TTFT from the device start."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from dsocr_workers.engine.loops import RepetitionLoop
-from dsocr_workers.engine.result import InferenceResult, JobMemory, ModelSource, StageTimings, StopReason
+from dsocr_workers.engine.result import (
+    DeviceSpan,
+    InferenceResult,
+    JobMemory,
+    ModelSource,
+    StageTimings,
+    StopReason,
+)
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
@@ -50,16 +60,20 @@ def fake_result(page: Page) -> InferenceResult:
         decode_ms=page.steps * 2 * s, decode_step_ms=[2 * s] * page.steps, wasted_decode_ms=page.wasted * 2 * s,
         readback_ms=0.2 * s, postprocess_ms=0.3 * s, host_gap_ms=0.1 * s,
     )  # fmt: skip
-    ttft = parts.preprocess_ms + parts.setup_ms + parts.prefill_ms + parts.first_token_ms
-    timings = replace(parts, ttft_ms=ttft, e2e_ms=sum(parts.parts_ms.values()))
+    from_start = parts.setup_ms + parts.prefill_ms + parts.first_token_ms
+    timings = replace(parts, ttft_ms=parts.preprocess_ms + from_start, e2e_ms=sum(parts.parts_ms.values()),
+                      ttft_from_device_start_ms=from_start)  # fmt: skip
     assert math.isclose(timings.e2e_ms, (12 + 0.6 + 2 * page.steps + 2 * page.wasted) * s)
+    on_device = timings.e2e_ms - parts.preprocess_ms - parts.postprocess_ms - parts.host_gap_ms
+    started = time.perf_counter()
+    span = DeviceSpan(started, started + from_start / 1e3, started + on_device / 1e3)
     return InferenceResult(
         text=page.markup, token_ids=list(range(page.steps + 1)), stop_reason=page.stop_reason,
         prompt_tokens=20, image_tokens=16, crop_grid=(1, 1), mode=page.mode, image_size=(320, 420),
         timings=timings, boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * page.boxes, skipped_spans=0,
         memory=memory(page.memory_mib), engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25,
         vision_calls=1, wasted_steps=page.wasted,
-        cold_reasons=(page.cold_reason,) if page.cold_reason else (), loop=page.loop,
+        cold_reasons=(page.cold_reason,) if page.cold_reason else (), loop=page.loop, device_span=span,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 from fakes import Page, add_session, make_run, set_times
 from sqlalchemy import update
 
-from dsocr_workers.report.live import run_progress
+from dsocr_workers.report.live import follow_progress, run_progress
 from dsocr_workers.store.models import Job, Run, WorkerProcess, WorkerSession, job_id_for, utcnow
 
 LEASE_S = 60
@@ -72,3 +72,19 @@ def test_no_live_worker_no_eta(database, tmp_path, make_png):
         session.execute(update(Run).where(Run.id == run_id).values(queue=f"nobody-{run_id}"))
         progress = run_progress(session, session.get_one(Run, run_id), LEASE_S)
     assert (progress.live_workers, progress.eta_s, progress.pages_per_s) == (0, None, None)
+
+
+def test_follow_progress_polls_until_every_job_is_final(database, tmp_path, make_png):
+    run_id = make_run(database, tmp_path, make_png, {("a.png", 0): Page(), ("a.png", 1): Page()})
+    with database.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id_for(run_id, "a.png", 1)).values(state="queued"))
+    once = list(follow_progress(database.url, run_id[:8], LEASE_S))  # no interval: one look
+    assert [(p.run_id, p.final, p.finished) for p in once] == [(run_id, 1, False)]
+    watching = follow_progress(database.url, run_id, LEASE_S, interval_s=0.01)
+    assert next(watching).counts["queued"] == 1
+    assert next(watching).counts["queued"] == 1  # still open: it looks again
+    with database.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id_for(run_id, "a.png", 1)).values(state="failed"))
+    last = next(watching)
+    assert (last.final, last.total, last.finished) == (2, 2, True)
+    assert next(watching, None) is None  # every job final: it stops

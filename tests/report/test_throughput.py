@@ -7,10 +7,18 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 from fakes import Page, add_session, make_run, session_pid, set_times
+from sqlalchemy import select
 
 from dsocr_workers.report.build import comparison_report, single_report
 from dsocr_workers.report.queries import load_run
-from dsocr_workers.report.throughput import steady_state_throughput, throughput_ratio, wall_clock_s
+from dsocr_workers.report.throughput import (
+    device_idle_ms,
+    device_ms_per_page,
+    steady_state_throughput,
+    throughput_ratio,
+    wall_clock_s,
+)
+from dsocr_workers.store.models import Job, Result, job_id_for
 
 T0 = datetime(2026, 11, 23, 8, 0, 0)
 
@@ -122,3 +130,29 @@ def test_sessions_of_one_process_are_one_lane(database, tmp_path, make_png):
     assert steady_state_throughput(data).value == pytest.approx(1.0)
     lanes = next(t for t in single_report(data).tables if t.title == "Worker processes").rows
     assert [(row[1], row[4], row[5] + row[6], row[8]) for row in lanes] == [(777, 2, 25.0, 6)]
+
+
+def test_the_device_idles_between_jobs_only_while_work_waits_within_a_session(database, tmp_path, make_png):
+    # One worker process: four jobs back to back on its device, a fifth submitted only after the fourth had
+    # finished (the worker waited for work, the device was not kept waiting), then a sixth after it loaded
+    # another model (a new session).
+    add_session(database, "m1", T0, T0 + timedelta(seconds=1), pid=901)
+    add_session(database, "m2", T0 + timedelta(seconds=7), T0 + timedelta(seconds=9), pid=901)
+    spans = {"a0": (0.0, 1.0), "a1": (1.004, 2.0), "a2": (2.010, 3.0), "a3": (3.002, 4.0), "late": (5.5, 6.0),
+             "b0": (10.0, 11.0)}  # fmt: skip
+    pages = {(f"{name}.png", 0): Page(1.0, session="m2" if name == "b0" else "m1") for name in spans}
+    run = make_run(database, tmp_path, make_png, pages)
+    with database.transaction() as session:
+        for name, (started, finished) in spans.items():
+            job_id = job_id_for(run, f"{name}.png", 0)
+            session.get_one(Job, job_id).created_at = T0 + timedelta(seconds=5.0 if name == "late" else 0.0)
+            result = session.scalars(select(Result).where(Result.job_id == job_id)).one()
+            result.device_started_at = T0 + timedelta(seconds=started)
+            result.device_finished_at = T0 + timedelta(seconds=finished)
+    data = load(database, run)
+    ((lane, idle),) = device_idle_ms(data).items()
+    assert idle == pytest.approx([4.0, 10.0, 2.0])
+    assert sorted(device_ms_per_page(data)[lane]) == pytest.approx([500.0, 990.0, 996.0, 998.0, 1000.0, 1000.0])
+    table = next(t for t in single_report(data).tables if t.title == "Worker processes")
+    (row,) = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
+    assert row["prefetched"] == 0 and row["device idle between jobs p50 ms"].value == pytest.approx(4.0)

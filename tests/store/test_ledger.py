@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing
-import subprocess
+import os
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import event, func, select, text, update
@@ -108,9 +109,14 @@ def result_row(worker_id: str, attempt: int = 1, markup: str = "text") -> dict:
     )
 
 
-def claim(db: Database, job_id: str, owner: str, **kwargs):
+def no_owner_is_dead(owner: str) -> bool:
+    """The probe of these tests unless one says otherwise: only lease expiry frees a job."""
+    return False
+
+
+def claim(db: Database, job_id: str, owner: str, is_dead=no_owner_is_dead, **kwargs):
     with db.transaction() as session:
-        return ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP, **kwargs)
+        return ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP, is_dead=is_dead, **kwargs)
 
 
 def job(db: Database, job_id: str) -> Job:
@@ -144,12 +150,12 @@ def test_schema_missing_refused(tmp_path):
 def test_claim_complete_once(database: Database):
     _, (job_id,) = make_run(database)
     worker_id = add_worker(database)
-    first = claim(database, job_id, "host-a:1:x", is_dead=lambda owner: False)
+    first = claim(database, job_id, "host-a:1:x")
     assert isinstance(first, ledger.Claim) and first.attempt == 1
     assert job(database, job_id).state == "running"
 
     # A second delivery while the first runs: refused, told when the lease ends.
-    second = claim(database, job_id, "host-b:2:y", is_dead=lambda owner: False)
+    second = claim(database, job_id, "host-b:2:y")
     assert isinstance(second, ledger.Refusal) and 0 < second.retry_after_s <= 60
 
     with database.transaction() as session:
@@ -187,9 +193,9 @@ def test_claim_of_a_job_that_submit_marks_queued_meanwhile(database: Database):
 def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database):
     _, (job_id,) = make_run(database)
     worker_id = add_worker(database)
-    first = claim(database, job_id, "host-a:1:x", is_dead=lambda owner: False)
+    first = claim(database, job_id, "host-a:1:x")
     later = utcnow() + timedelta(seconds=120)
-    second = claim(database, job_id, "host-b:2:y", now=later, is_dead=lambda owner: False)
+    second = claim(database, job_id, "host-b:2:y", now=later)
     assert isinstance(second, ledger.Claim) and second.attempt == 2
     assert job(database, job_id).last_error_class == "WorkerLost"
 
@@ -203,16 +209,14 @@ def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database)
     assert markup == "text"
 
 
-def test_dead_owner_on_this_host_taken_over_at_once(database: Database):
+def test_an_owner_the_probe_finds_dead_is_taken_over_at_once(database: Database):
     _, (job_id,) = make_run(database)
-    finished = subprocess.Popen(["true"])
-    finished.wait()
-    dead_owner = f"{ledger.process_owner().split(':')[0]}:{finished.pid}:dead"
-    assert isinstance(claim(database, job_id, dead_owner), ledger.Claim)
-    taken = claim(database, job_id, ledger.process_owner())
+    assert isinstance(claim(database, job_id, "h:1:dead"), ledger.Claim)
+    taken = claim(database, job_id, "h:2:x", is_dead=lambda owner: owner == "h:1:dead")
     assert isinstance(taken, ledger.Claim) and taken.attempt == 2
-    # A live owner on this host (this process) is not dead.
-    refused = claim(database, job_id, ledger.process_owner())
+    assert job(database, job_id).last_error_class == "WorkerLost"
+    # The new owner is alive to the same probe: its lease holds.
+    refused = claim(database, job_id, "h:3:x", is_dead=lambda owner: owner == "h:1:dead")
     assert isinstance(refused, ledger.Refusal) and refused.retry_after_s is not None
 
 
@@ -224,10 +228,9 @@ def test_attempt_cap_poisons(database: Database):
             job_id,
             f"h:{attempt}:x",
             now=utcnow() + timedelta(minutes=2 * attempt),
-            is_dead=lambda o: False,
         )
         assert isinstance(got, ledger.Claim) and got.attempt == attempt
-    refused = claim(database, job_id, "h:99:x", now=utcnow() + timedelta(hours=1), is_dead=lambda o: False)
+    refused = claim(database, job_id, "h:99:x", now=utcnow() + timedelta(hours=1))
     assert isinstance(refused, ledger.Refusal) and refused.state == "poisoned"
     row = job(database, job_id)
     assert (row.state, row.attempts, row.last_error_class) == ("poisoned", CAP, "WorkerLost")
@@ -265,8 +268,8 @@ def test_release_does_not_count_an_attempt(database: Database):
 def test_reconcile_expires_leases_and_lists_open_jobs(database: Database):
     run_id, ids = make_run(database, images=4)
     other_run, other_ids = make_run(database, images=1)
-    claim(database, ids[0], "h:1:x", is_dead=lambda o: False)  # stays live
-    claim(database, ids[1], "h:2:x", is_dead=lambda o: False)  # will expire
+    claim(database, ids[0], "h:1:x")  # stays live
+    claim(database, ids[1], "h:2:x")  # will expire
     with database.transaction() as session:
         session.execute(text("UPDATE jobs SET attempts = :cap WHERE id = :id"), {"cap": CAP, "id": ids[2]})
         session.execute(
@@ -290,13 +293,39 @@ def test_reconcile_expires_leases_and_lists_open_jobs(database: Database):
     assert other_run
 
 
+def test_the_next_waiting_job_is_guessed_in_message_order_and_read_without_a_claim(database: Database):
+    _, first = make_run(database, images=3)
+    _, second = make_run(database, images=1)
+
+    def guess(owner: str, queues: tuple[str, ...] = ("q",)) -> str | None:
+        with database.transaction() as session:
+            waiting = ledger.next_waiting_job(session, queues, owner)
+        return None if waiting is None else waiting.job_id
+
+    assert guess("h:1:me") == first[0] and guess("h:1:me", ("elsewhere",)) is None
+    mine = claim(database, first[0], "h:1:me")  # running here: not waiting, and not ahead of this process
+    assert guess("h:1:me") == first[1]
+    claim(database, first[1], "h:2:other")  # another process busy: it likely takes the head first
+    assert guess("h:1:me") == guess("h:2:other") == second[0]  # each sees the other busy
+    assert guess("h:3:new") is None  # two busy, two waiting: both likely go before a third process's turn
+    with database.transaction() as session:  # sent again: at the back of the line
+        assert ledger.fail_job(session, mine, RuntimeError("boom"), final=False, max_attempts=CAP) == "queued"
+    assert guess("h:2:other") == first[2] and guess("h:3:new") == second[0]
+    with database.transaction() as session:
+        assert ledger.waiting_job(session, first[1], "h:1:me") is None  # another's
+        assert ledger.waiting_job(session, first[1], "h:2:other").job_id == first[1]  # claimed by the reader
+        waiting = ledger.waiting_job(session, first[0], "h:1:me")
+    assert waiting == ledger.WaitingJob(first[0], Path("/data/img0.png"), "tiny", {"mode": "gundam"})
+    assert (job(database, first[2]).state, job(database, first[2]).attempts) == ("queued", 0)  # only read
+
+
 def _claim_everything(url: str, job_ids: list[str], worker_id: str) -> int:
     db = open_database(url)
-    owner = ledger.process_owner()
+    owner = f"h:{os.getpid()}:x"
     done = 0
     for job_id in job_ids:
         with db.transaction() as session:
-            got = ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP)
+            got = ledger.claim_job(session, job_id, owner, lease_s=60, max_attempts=CAP, is_dead=no_owner_is_dead)
         if isinstance(got, ledger.Claim):
             with db.transaction() as session:
                 done += ledger.complete_job(session, got, result_row(worker_id))
@@ -328,7 +357,7 @@ def test_heartbeat_renews_only_its_own_leases(database: Database):
 def test_sweep_takes_back_expired_jobs_once_spares_its_own_and_poisons_at_the_cap(database: Database):
     run_id, ids = make_run(database, images=4)
     for i, owner in enumerate(("h:1:dead", "h:2:dead", "h:3:sweeper", "h:4:live")):
-        claim(database, ids[i], owner, is_dead=lambda o: False)
+        claim(database, ids[i], owner)
     with database.transaction() as session:
         session.execute(text("UPDATE jobs SET attempts = :cap WHERE id = :id"), {"cap": CAP, "id": ids[1]})
     after_lease = utcnow() + timedelta(seconds=61)

@@ -1,0 +1,69 @@
+"""A report from the ledger to where it goes (`dsocr report`, and the closing report of `dsocr run`): the
+runs read, the document built, then an HTML page with plots, one CSV file per table, or text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsocr_workers.errors import InputError
+from dsocr_workers.report.build import comparison_report, single_report
+from dsocr_workers.report.queries import load_run
+from dsocr_workers.report.render import only_table, render, write_csv_tables
+from dsocr_workers.store.db import open_database
+
+
+@dataclass(frozen=True)
+class ReportRequest:
+    """What `dsocr report` is asked for; the defaults are `dsocr run`'s closing report."""
+
+    run: str  # id, unique prefix, or latest (A with `vs`)
+    vs: str | None = None  # B: compared with A, side by side and paired per image
+    per_image: bool = False
+    include_cold: bool = False  # cold results back into the statistics and throughput
+    exclude_loops: bool = False  # looping results out of the latency statistics
+    fmt: str = "table"  # report/render.py FORMATS
+    table: str | None = None  # only this table, by title
+    width: int | None = None  # of the terminal tables
+    out: Path | None = None  # a file; with csv and several tables, a folder of one file per table
+    html: Path | None = None  # also the self-contained HTML page with plots (needs matplotlib)
+
+
+def write_report(
+    database_url: str, request: ReportRequest, on_written: Callable[[Path], None] = lambda path: None
+) -> str | None:
+    """The report's text for stdout, or None where it went to `request.out`. Each file is told to
+    `on_written` once it is written (the HTML page first)."""
+    if request.html is not None:  # before the ledger is read: a missing extra is the user's first news
+        try:
+            from dsocr_workers.report.html import html_report
+            from dsocr_workers.report.plots import sides_of
+        except ModuleNotFoundError as exc:
+            package = (exc.name or "matplotlib").partition(".")[0]
+            raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
+    with open_database(database_url).transaction() as session:
+        a = load_run(session, request.run)
+        b = load_run(session, request.vs) if request.vs else None
+        if b is not None:
+            document = comparison_report(a, b, per_image=request.per_image, include_cold=request.include_cold,
+                                         exclude_loops=request.exclude_loops)  # fmt: skip
+        else:
+            document = single_report(a, per_image=request.per_image, include_cold=request.include_cold,
+                                     exclude_loops=request.exclude_loops)  # fmt: skip
+    if request.html is not None:
+        sides = sides_of(a, b) if b is not None else sides_of(a)
+        request.html.write_text(html_report(document, sides, include_cold=request.include_cold), encoding="utf-8")
+        on_written(request.html)
+    if request.table is not None:
+        document = only_table(document, request.table)
+    if request.fmt == "csv" and request.out is not None and len(document.tables) > 1:
+        for path in write_csv_tables(document, request.out):
+            on_written(path)
+        return None
+    text = render(document, request.fmt, width=request.width)
+    if request.out is None:
+        return text
+    request.out.write_text(text, encoding="utf-8")
+    on_written(request.out)
+    return None

@@ -1,0 +1,79 @@
+"""The fast engine's decoder kernels against transformers' modules (float32, on the GPU where there is
+one; on a CPU the Triton kernels run in Triton's interpreter, tests/conftest.py): fused projections, the
+selected-experts GEMVs, the two-stage argmax, and the whole decoder with all of them."""
+
+import pytest
+import torch
+
+from dsocr_workers.engine.sampling import ARGMAX_ROWS, first_argmax
+from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.fused import FusedGateUpMLP, FusedQKVAttention, fuse_projections
+from dsocr_workers.model.selected_experts import MAX_PAIRS, SELECTED_EXPERTS, selected_experts
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tiny(experts: str = "grouped_mm"):
+    return build_preset("tiny", device=DEVICE, dtype=torch.float32, attn_implementation="sdpa",
+                        experts_implementation=experts).model
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_selected_experts_match_grouped_mm(tokens):
+    model = tiny()
+    moe = model.language_model.layers[1].mlp
+    hidden = torch.randn(tokens, model.config.text.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    with torch.inference_mode():
+        _, weights, index = moe.gate(hidden)
+        expected = moe.experts(hidden, index, weights)
+        got = selected_experts(hidden, moe.experts.gate_up_proj, moe.experts.down_proj, index, weights)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert got.abs().max() > 0.1  # the experts contributed
+
+
+def test_selected_experts_implementation_falls_back_for_a_prompt():
+    """Past MAX_PAIRS (token, expert) pairs the implementation hands over to grouped/batched GEMMs."""
+    model = tiny(SELECTED_EXPERTS)
+    moe = model.language_model.layers[1].mlp
+    tokens = MAX_PAIRS // model.config.text.num_experts_per_tok + 5
+    hidden = torch.randn(1, tokens, model.config.text.hidden_size, device=DEVICE)
+    with torch.inference_mode():
+        got = moe(hidden)
+        model.language_model.config._experts_implementation = "grouped_mm"
+        expected = moe(hidden)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_decoder_equals_unfused():
+    """Prefill and one decode step of the whole decoder: fused projections and selected experts give
+    the logits of transformers' own modules."""
+    reference, fast = tiny("grouped_mm"), tiny(SELECTED_EXPERTS)
+    fuse_projections(fast.language_model)
+    layers = fast.language_model.layers
+    assert all(isinstance(layer.self_attn, FusedQKVAttention) for layer in layers)
+    assert isinstance(layers[0].mlp, FusedGateUpMLP) and isinstance(layers[1].mlp.shared_experts, FusedGateUpMLP)
+    embeds = torch.randn(1, 9, reference.config.text.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.inference_mode():
+        logits = []
+        for model in (reference, fast):
+            prompt = model.language_model(inputs_embeds=embeds[:, :8], use_cache=True)
+            step = model.language_model(inputs_embeds=embeds[:, 8:], past_key_values=prompt.past_key_values,
+                                        position_ids=torch.tensor([[8]], device=DEVICE), use_cache=True)  # fmt: skip
+            logits.append((model.logits(prompt.last_hidden_state), model.logits(step.last_hidden_state)))
+    for expected, got in zip(logits[0], logits[1], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_first_argmax_is_argmax_ties_included():
+    vocab = ARGMAX_ROWS * 1010
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        scores = torch.randn(1, vocab, generator=generator)
+        assert torch.equal(first_argmax(scores), torch.argmax(scores, dim=-1))
+    scores = torch.zeros(1, vocab)
+    scores[0, [5000, 70_000, 129_000]] = 3.0  # a tie across rows: the first index wins, as in torch.argmax
+    assert first_argmax(scores).tolist() == [5000] == torch.argmax(scores, dim=-1).tolist()
+    scores[0, :5000] = float("-inf")
+    scores[0, 4000] = 3.0  # a tie within an earlier row than the other maxima
+    assert first_argmax(scores).tolist() == [4000]

@@ -1,0 +1,88 @@
+"""TEST-ONLY: `dsocr` with faults in chosen jobs, for scenarios that need a fault no real input produces on
+demand. The package itself carries no fault hook and no switch for one: this entry point, which lives
+only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job), then
+hands the rest of its arguments to `dsocr`:
+
+    python tests/reliability/faulty_dsocr.py --crash 'poison*.png' --hang 'hung*.png' worker --gpus cpu
+
+    --crash GLOB  the process running a job whose image matches SIGKILLs itself once the job is claimed:
+                  a job that takes its worker down every time (a segfault in a native library, the OOM
+                  killer). Exercises reject_on_worker_lost and the attempt cap.
+    --hang GLOB   it sleeps forever with the soft-time-limit signal blocked: a call stuck in native code
+                  that never returns to Python. Only the hard time limit (SIGKILL by the parent) ends it.
+
+A worker's prefork children are forked from the process that installed the wrapper, so they run it;
+`dsocr run` runs it in its own process. Everything else about the job is real: the claim, the ledger,
+Celery, the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import functools
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsocr_workers.store.ledger import Claim
+
+RunJob = Callable[[Any, Claim, Any], Any]  # JobProcess.infer, unbound: (process, claim, upcoming) -> Ran
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Image-name globs whose jobs crash or hang their process (none: plain `dsocr`)."""
+
+    crash: tuple[str, ...] = ()
+    hang: tuple[str, ...] = ()
+
+    def dsocr_command(self) -> list[str]:
+        """The command line that starts `dsocr` with these faults; `python -m dsocr_workers` without any."""
+        if not (self.crash or self.hang):
+            return [sys.executable, "-m", "dsocr_workers"]
+        flags = [*(("--crash", glob) for glob in self.crash), *(("--hang", glob) for glob in self.hang)]
+        return [sys.executable, str(Path(__file__).resolve()), *(part for flag in flags for part in flag)]
+
+
+NO_FAULTS = Faults()
+
+
+def with_faults(infer: RunJob, faults: Faults) -> RunJob:
+    """`infer`, but a job whose image matches a glob of `faults` crashes or hangs its process after its
+    claim (the ledger shows it running under this process's lease) instead of running."""
+
+    @functools.wraps(infer)
+    def infer_with_faults(process: Any, claim: Claim, upcoming: Any = None) -> Any:
+        if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.crash):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.hang):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # billiard's soft time limit signal
+            while True:
+                time.sleep(3600)
+        return infer(process, claim, upcoming)
+
+    return infer_with_faults
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="faulty_dsocr.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--crash", action="append", default=[], metavar="GLOB", help="jobs that kill their process")
+    parser.add_argument("--hang", action="append", default=[], metavar="GLOB", help="jobs that hang their process")
+    parser.add_argument("dsocr_args", nargs=argparse.REMAINDER, help="the `dsocr` command line")
+    args = parser.parse_args(argv)
+
+    from dsocr_workers.cli import main as dsocr
+    from dsocr_workers.farm.child import JobProcess
+
+    JobProcess.infer = with_faults(JobProcess.infer, Faults(tuple(args.crash), tuple(args.hang)))
+    dsocr(args.dsocr_args, prog_name="dsocr")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
