@@ -118,8 +118,11 @@ def test_r10_redelivery_while_running(new_farm, tmp_path):
     duplicate publish) is refused while the holder's lease lives, retried, and refused for good once the
     job is done: one result, one attempt. The second delivery is made by hand, after the job is seen
     running and while the other worker is idle and warm, so no timing on a loaded machine decides
-    whether the case happens (it did once: a flaky test)."""
-    farm = new_farm()
+    whether the case happens (it did once: a flaky test).
+
+    The refused copy comes back when the holder's lease would run out: a 12 s lease (six heartbeats)
+    instead of the suite's 40 s keeps that wait short."""
+    farm = new_farm(DSOCR_LEASE_SECONDS="12")
     workers = [farm.start_worker() for _ in range(2)]
     farm.wait_for_ready_workers(len(workers), timeout=120)
     listing = make_pages(tmp_path / "pages", 1)
