@@ -52,6 +52,8 @@ class ModelSource:
     def label(self) -> str:
         if self.kind == "preset":
             return f"preset:{self.name} (RANDOM WEIGHTS, seed {self.seed})"
+        if self.random_weights:  # a preset saved as a checkpoint directory (`dsocr model save-preset`)
+            return f"checkpoint:{self.name} (RANDOM WEIGHTS, seed {self.seed})"
         return f"checkpoint:{self.name}"
 
 

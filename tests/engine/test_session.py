@@ -13,7 +13,7 @@ from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.checkpoint import build_preset, save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
 from dsocr_workers.model.fused import fuse_projections
 
@@ -29,6 +29,13 @@ def page(width: int, height: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def session() -> DeepSeekOCRSession:
     return DeepSeekOCRSession.from_local("tiny")
+
+
+def test_a_preset_saved_as_a_checkpoint_is_still_labelled_random_weights(tmp_path):
+    directory = save_preset("tiny", tmp_path / "tiny", seed=5)
+    source = DeepSeekOCRSession.from_local(directory).source
+    assert (source.kind, source.random_weights, source.seed) == ("checkpoint", True, 5)
+    assert source.label == f"checkpoint:{directory.resolve()} (RANDOM WEIGHTS, seed 5)"
 
 
 def test_gundam_page_result_contract(session):
