@@ -31,9 +31,12 @@ RUN python -m pip install -e '.[postgres,flower,report]' \
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
 
-# An unprivileged user; results go to the database, the container writes nothing of its own.
+# An unprivileged user; results go to the database. The one thing a container writes is the fast engine's
+# compile cache (DSOCR_COMPILE_CACHE_DIR), on a volume.
+# /var/cache/dsocr/compile: DSOCR_COMPILE_CACHE_DIR's mount point, owned by the worker's user so that a
+# fresh named volume mounted there (docker-compose.yml) is writable.
 RUN useradd --create-home --uid 1000 dsocr \
-    && mkdir -p /models
+    && mkdir -p /models /var/cache/dsocr/compile && chown dsocr /var/cache/dsocr/compile
 USER dsocr
 
 # One process per container; compose/Kubernetes pick the command (worker, db upgrade, submit, …).

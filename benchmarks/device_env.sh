@@ -23,6 +23,13 @@ else
     export PYTHONPATH=$_dsocr_root${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# bench_vendor.py's side of the vendor code: transformers 4.46.3 and the few packages the image lacks for
+# it (.whl/vendor/), installed apart in /tmp/vendor-site so they never shadow the image's transformers.
+if ls "$_dsocr_root"/.whl/vendor/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vendor-site \
+        "$_dsocr_root"/.whl/vendor/*.whl || { echo "device_env.sh: vendor wheel install failed" >&2; return 1 2>/dev/null || exit 1; }
+fi
+
 # dpkg -x where dpkg exists; otherwise ar + tar (a .deb is an ar archive holding data.tar.*).
 _dsocr_unpack() {
     if command -v dpkg >/dev/null 2>&1; then

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from dsocr_workers.engine.compile_cache import use_compile_cache
 from dsocr_workers.engine.generate import (
     EOS_CHECK_INTERVAL,
     DecodeBuffers,
@@ -232,11 +233,14 @@ class DeepSeekOCRSession:
         self._decode_step = decode_one_token
         if self.engine != "fast":
             return
-        # Vision: static shapes (one global view, 2–9 tiles: a few specialisations, each a better
-        # kernel choice than a dynamic graph). LM prefill: one graph, dynamic in the prompt length.
+        # Vision: one graph per global-view size, and one per tile size dynamic in the tile count
+        # (`_any_tile_count`). LM prefill: one graph, dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        cache = use_compile_cache()
+        if cache is not None:
+            log.info("compiled kernels persist in %s", cache)
         backend = self.fast_compile.backend
         if not self.fast_compile.decode_only:
             self._vision = _Vision(*(torch.compile(fn, dynamic=False, backend=backend)
@@ -337,13 +341,23 @@ class DeepSeekOCRSession:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
         # The global view first, then the tiles (if any) as one batch: one call per view group.
         with clock.stage("vision/sam"):
-            sam = [self._vision.sam(group) for group in inputs.pixels]
+            sam = [self._vision.sam(group) for group in self._any_tile_count(inputs.pixels)]
         with clock.stage("vision/clip"):
-            clip = [self._vision.clip(features) for features in sam]
+            clip = [self._vision.clip(features) for features in self._any_tile_count(sam)]
         with clock.stage("vision/projector"):
-            tokens = [self._vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
+            tokens = [self._vision.project(c, s) for c, s in zip(self._any_tile_count(clip), sam, strict=True)]
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
+
+    def _any_tile_count(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+        """fast: the tile group's batch (2 or more tiles) marked dynamic, so that one compiled graph per
+        vision stage serves every crop grid of a mode. A static graph per tile count cost 30–80 s of
+        compilation each on an H200, and gundam alone has about twenty grids (issue 10 item 4).
+        `maybe_`: a kernel may still guard on a range of counts (the CPU's convolution backend choice
+        guards on fewer than 16), which then costs a second graph instead of an error."""
+        if self.engine == "fast" and len(groups) > 1:
+            torch._dynamo.maybe_mark_dynamic(groups[1], 0)
+        return groups
 
     def start_job(
         self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock

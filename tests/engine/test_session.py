@@ -11,6 +11,7 @@ from PIL import Image, ImageDraw
 from dsocr_workers.engine import generate
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels
+from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset, save_preset
@@ -174,10 +175,11 @@ def test_fast_engine_on_cpu_says_so_and_runs_eager():
     assert fast.engine == "eager" and "CUDA" in fast.engine_note
 
 
-def fast_on_cpu(source: ModelSource) -> DeepSeekOCRSession:
+def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSession:
     """The fast engine's kernels (SDPA attention, fused projections) and its decode step compiled as the
     engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
-    generating code, and vision and prefill stay uncompiled: inductor takes minutes over them on a CPU.
+    generating code (inductor takes minutes over a whole model on a CPU); with `decode_only` vision and
+    prefill stay uncompiled.
     The routed experts are transformers' batched GEMMs: the selected-experts Triton kernels run on a CPU
     only in Triton's interpreter, which a compiled graph cannot trace (tests/model/test_fast_kernels.py
     checks them uncompiled here, compiled on a GPU)."""
@@ -186,7 +188,7 @@ def fast_on_cpu(source: ModelSource) -> DeepSeekOCRSession:
     with torch.inference_mode():
         loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
         fuse_projections(loaded.model.language_model)
-    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("aot_eager", decode_only=True))
+    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("aot_eager", decode_only))
 
 
 def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
@@ -204,6 +206,27 @@ def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
     assert not eos.cold, eos.cold_reasons
     assert eos.token_ids == reference.token_ids[:5] + [EOS_TOKEN_ID] and eos.stop_reason == "eos"
     assert eos.wasted_steps == 3 and eos.kv_length == eos.prompt_tokens + 8
+
+
+def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
+    """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
+    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs."""
+    fast = fast_on_cpu(session.source, decode_only=False)
+    clock = StageClock(fast.device, nvtx_enabled=False, timing_enabled=False)
+
+    def encode(on: DeepSeekOCRSession, width: int, height: int) -> tuple[tuple[int, int], torch.Tensor]:
+        prepared = on.prepare(page(width, height), None, "gundam", 9)
+        with torch.inference_mode():
+            return prepared.crop_grid, on.encode_image(on.upload(prepared), clock)
+
+    graphs = torch._dynamo.utils.counters["stats"]
+    assert encode(fast, 1280, 640)[0] == (2, 1)
+    compiled = graphs["unique_graphs"]
+    for (width, height), grid in (((1920, 640), (3, 1)), ((1280, 1280), (2, 2)), ((1920, 1280), (3, 2))):
+        found, embeds = encode(fast, width, height)
+        assert found == grid
+        assert graphs["unique_graphs"] == compiled, f"{grid}: compiled again"
+        torch.testing.assert_close(embeds, encode(session, width, height)[1])
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
