@@ -47,7 +47,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_engine import environment, synthetic_page  # noqa: E402
+from benchmarks.bench_engine import environment, fmt, synthetic_page  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_top1  # noqa: E402
@@ -144,14 +144,6 @@ def bench_ours(engine: str, args: argparse.Namespace, checkpoint: Path, image: P
             (k for k, (a, b) in enumerate(zip(free, vendor_tokens, strict=False)) if a != b), min(len(free), len(vendor_tokens))
         )
     return report
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
 
 
 def markdown(report: dict[str, Any]) -> str:
