@@ -104,6 +104,9 @@ class FastCompile:
 
     backend: str = "inductor"
     decode_only: bool = False
+    # One vision graph for every tile count (`_any_tile_count`); False: a graph per count, as before
+    # (benchmarks/bench_coldstart.py compares the two).
+    dynamic_tiles: bool = True
 
     @property
     def decode_mode(self) -> str | None:
@@ -258,6 +261,7 @@ class DeepSeekOCRSession:
         dtype: str | torch.dtype | None = None,
         engine: str = "eager",
         seed: int = 0,
+        fast_compile: FastCompile = FastCompile(),
     ) -> DeepSeekOCRSession:
         """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory."""
         if engine not in ENGINES:
@@ -284,7 +288,7 @@ class DeepSeekOCRSession:
                                            fingerprint=loaded.fingerprint)
         if engine == "fast":
             fuse_projections(loaded.model.language_model)
-        return cls(loaded, model_source, resolved, torch_dtype, engine, note)
+        return cls(loaded, model_source, resolved, torch_dtype, engine, note, fast_compile)
 
     @property
     def model(self) -> DeepSeekOCR:
@@ -355,7 +359,7 @@ class DeepSeekOCRSession:
         compilation each on an H200, and gundam alone has about twenty grids (issue 10 item 4).
         `maybe_`: a kernel may still guard on a range of counts (the CPU's convolution backend choice
         guards on fewer than 16), which then costs a second graph instead of an error."""
-        if self.engine == "fast" and len(groups) > 1:
+        if self.engine == "fast" and self.fast_compile.dynamic_tiles and len(groups) > 1:
             torch._dynamo.maybe_mark_dynamic(groups[1], 0)
         return groups
 

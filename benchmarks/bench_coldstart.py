@@ -1,0 +1,184 @@
+"""Cold start of the fast engine (issue 10 item 4): from process launch to ready for every gundam grid and
+the four fixed modes, with an empty and with a warm compile cache; and whether warm jobs kept their pace.
+
+    python benchmarks/bench_coldstart.py [--out DIR]
+
+Each measurement is a fresh process (`--child`), as a worker start is: it loads the `full` preset (RANDOM
+WEIGHTS) with the fast engine in bf16, runs `session.warmup(...)` over every shape of the modes (the
+worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
+path), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
+  A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
+  B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready)
+  C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the
+     reference for "warm e2e must not regress" (skipped when the budget is short)
+"Ready" is the child's wall clock from launch to the end of its warm-up (python start, imports, load,
+warm-up), measured by the parent. Per page, the medians of prefill and e2e (CUDA events) of the timed
+jobs, and the timed jobs still flagged cold. Output: coldstart.json / coldstart.md in --out (default $OUT).
+CPU smoke (fast runs eager there, numbers meaningless): `--device cpu --model tiny --modes tiny,gundam
+--repeats 1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# (width, height) of the timed pages: four gundam grids with different tile counts (the first is the
+# anchors' page, 2x3)
+PAGES = ((1600, 2000), (1400, 1400), (1280, 640), (800, 4000))
+ALL_MODES = "gundam,tiny,small,base,large"
+TARGETS = {"cold_ready_s": 60.0, "warm_cache_ready_s": 10.0}
+
+
+def child(args: argparse.Namespace) -> int:
+    """One worker-like start: imports, load, warm-up, timed jobs; JSON on the last line of stdout."""
+    began = time.time()
+    import torch
+
+    from benchmarks.bench_engine import synthetic_page
+    from dsocr_workers.engine.result import DecodeOptions
+    from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile
+
+    imported = time.time()
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine="fast",
+                                            fast_compile=FastCompile(dynamic_tiles=args.tiles == "dynamic"))  # fmt: skip
+    loaded = time.time()
+    warm = session.warmup(args.modes.split(","), max_new_tokens=args.tokens) if args.modes else None
+    ready = time.time()
+    options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+    pages = []
+    for width, height in PAGES:
+        image = synthetic_page().resize((width, height))
+        runs = [session.run_inference(image, mode="gundam", max_new_tokens=args.tokens, infer=options)
+                for _ in range(2 + args.repeats)]  # fmt: skip
+        timed = runs[2:]
+        pages.append({
+            "page": f"{width}x{height}", "crop_grid": list(timed[0].crop_grid),
+            "prefill_ms": statistics.median(r.timings.prefill_ms for r in timed),
+            "e2e_ms": statistics.median(r.timings.e2e_ms for r in timed),
+            "first_run_s": runs[0].timings.e2e_ms / 1e3, "timed_cold": sum(r.cold for r in timed),
+        })  # fmt: skip
+    print(json.dumps({
+        "launched_to_imported_s": imported - began, "load_s": loaded - imported, "warmup_s": ready - loaded,
+        "ready_unix": ready, "shapes": warm.shapes if warm else [], "passes": warm.passes if warm else 0,
+        "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "torch": torch.__version__, "pages": pages,
+    }))  # fmt: skip
+    return 0
+
+
+def run_child(args: argparse.Namespace, tiles: str, modes: str, cache: Path, timeout: float) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tiles", tiles, "--modes", modes,
+               "--model", args.model, "--device", args.device, "--tokens", str(args.tokens),
+               "--repeats", str(args.repeats)]  # fmt: skip
+    env = {**os.environ, "DSOCR_COMPILE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    launched = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"child exited {done.returncode}: {done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["ready_s"] = result["ready_unix"] - launched
+    result["process_s"] = time.time() - launched
+    return result
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    runs = report["runs"]
+    lines = [
+        f"### Fast-engine cold start, {env['date']}",
+        "",
+        f"GPU {env.get('gpu')} (driver {env.get('driver')}), torch {env['torch']}, transformers {env['transformers']}, "
+        f"git {env.get('git_sha')}. `{report['model']}` preset, RANDOM WEIGHTS, "
+        f"{next((r['dtype'] for r in runs.values() if 'dtype' in r), '-')}; warm-up modes {report['modes']}; "
+        f"{report['tokens']} tokens per job. Command: `{report['command']}`",
+        "",
+        "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for key, label in (("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)")):
+        r = runs.get(key, {})
+        if "error" in r or not r:
+            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | |")
+            continue
+        lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
+    lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms | static tiles (before): prefill / e2e ms | "
+              "timed jobs cold (dynamic / static) |", "|---|---|---|---|---|"]  # fmt: skip
+    dynamic = {p["page"]: p for p in runs.get("warm_cache", {}).get("pages", [])}
+    static = {p["page"]: p for p in runs.get("static", {}).get("pages", [])}
+    for width, height in PAGES:
+        name = f"{width}x{height}"
+        d, s = dynamic.get(name), static.get(name)
+        grid = "x".join(map(str, (d or s or {}).get("crop_grid", [])))
+        cell = lambda p: f"{p['prefill_ms']:.2f} / {p['e2e_ms']:.1f}" if p else "-"  # noqa: E731
+        cold = f"{d['timed_cold'] if d else '-'} / {s['timed_cold'] if s else '-'}"
+        lines.append(f"| {name} | {grid} | {cell(d)} | {cell(s)} | {cold} |")
+    for key, r in runs.items():
+        if r.get("engine_ran") not in (None, "fast"):
+            lines.append(f"\n{key}: the fast engine ran as {r['engine_ran']} (no CUDA): a smoke run.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tiles", choices=("dynamic", "static"), default="dynamic", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", default=ALL_MODES)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=560)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    from benchmarks.bench_engine import environment
+
+    began = time.perf_counter()
+    report: dict[str, Any] = {
+        "environment": environment(), "command": shlex.join(["python", "benchmarks/bench_coldstart.py", *sys.argv[1:]]),
+        "model": args.model, "modes": args.modes, "tokens": args.tokens, "targets": TARGETS, "runs": {},
+    }  # fmt: skip
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "coldstart.json").write_text(json.dumps(report, indent=2) + "\n")
+            (args.out / "coldstart.md").write_text(markdown(report))
+
+    with tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache:
+        plan = (("cold", "dynamic", args.modes, dynamic_cache), ("warm_cache", "dynamic", args.modes, dynamic_cache),
+                ("static", "static", "", static_cache))  # fmt: skip
+        for key, tiles, modes, cache in plan:
+            left = args.budget_s - (time.perf_counter() - began)
+            if key == "static" and left < 240:  # a compile per timed page's tile count: minutes
+                report["runs"][key] = {"error": f"skipped: {left:.0f} s of budget left"}
+                continue
+            print(f"[{time.perf_counter() - began:6.1f}s] {key}", flush=True)
+            try:
+                report["runs"][key] = run_child(args, tiles, modes, Path(cache), timeout=max(left, 1))
+            except Exception as exc:  # keep what the other starts measured
+                report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+            save()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
