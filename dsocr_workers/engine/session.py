@@ -48,6 +48,7 @@ from dsocr_workers.model.config import ENGINES, EOS_TOKEN_ID, PRESETS, get_mode
 from dsocr_workers.model.experts import VENDOR_LOOP
 from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.model.sam_attention import fold_relative_positions
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def engine_kernels(engine: str) -> dict[str, str]:
     """The attention and routed-expert implementations an engine loads the model with (the fast engine
-    also fuses its projections after loading: `model.fused.fuse_projections`)."""
+    also swaps modules after loading: `fast_modules`)."""
     if engine == "fast":
         # Imported here: Triton comes with CUDA builds of torch, and only the fast engine needs it.
         from dsocr_workers.model.selected_experts import SELECTED_EXPERTS
 
         return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
     return {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
+
+
+def fast_modules(model: DeepSeekOCR) -> None:
+    """The fast engine's module swaps after loading (checkpoints keep the vendor layout): fused decoder
+    projections (`model.fused`) and SAM's relative positions as query/key channels
+    (`model.sam_attention`)."""
+    fuse_projections(model.language_model)
+    fold_relative_positions(model.sam)
 
 
 @dataclass(frozen=True)
@@ -287,7 +296,7 @@ class DeepSeekOCRSession:
                                            random_weights=loaded.preset is not None, seed=loaded.seed,
                                            fingerprint=loaded.fingerprint)
         if engine == "fast":
-            fuse_projections(loaded.model.language_model)
+            fast_modules(loaded.model)
         return cls(loaded, model_source, resolved, torch_dtype, engine, note, fast_compile)
 
     @property

@@ -10,13 +10,12 @@ from PIL import Image, ImageDraw
 
 from dsocr_workers.engine import generate
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels
+from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules
 from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset, save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
-from dsocr_workers.model.fused import fuse_projections
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -176,8 +175,8 @@ def test_fast_engine_on_cpu_says_so_and_runs_eager():
 
 
 def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSession:
-    """The fast engine's kernels (SDPA attention, fused projections) and its decode step compiled as the
-    engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
+    """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its decode
+    step compiled as the engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
     generating code (inductor takes minutes over a whole model on a CPU); with `decode_only` vision and
     prefill stay uncompiled.
     The routed experts are transformers' batched GEMMs: the selected-experts Triton kernels run on a CPU
@@ -187,7 +186,7 @@ def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSes
     kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
     with torch.inference_mode():
         loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
-        fuse_projections(loaded.model.language_model)
+        fast_modules(loaded.model)
     return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("aot_eager", decode_only))
 
 

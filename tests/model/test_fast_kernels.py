@@ -2,6 +2,8 @@
 one; on a CPU the Triton kernels run in Triton's interpreter, tests/conftest.py): fused projections, the
 selected-experts GEMVs, the two-stage argmax, and the whole decoder with all of them."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -77,3 +79,32 @@ def test_first_argmax_is_argmax_ties_included():
     scores[0, :5000] = float("-inf")
     scores[0, 4000] = 3.0  # a tie within an earlier row than the other maxima
     assert first_argmax(scores).tolist() == [4000]
+
+
+@pytest.mark.parametrize("size", [640, 1024])
+def test_sam_with_folded_relative_positions_equals_transformers(size):
+    """The full model's SAM dims (head dim 64; 14×14 windows and global blocks), float32: the relative
+    positions as extra query/key channels give transformers' attention-bias result."""
+    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.sam_attention import FoldedRelPosAttention, fold_relative_positions
+    from dsocr_workers.model.vision import build_sam
+
+    torch.manual_seed(0)
+    dims = PRESETS["full"].sam
+    sam = build_sam(replace(dims, layers=2, global_attn_indexes=(1,))).eval()
+    with torch.no_grad():  # the presets' scales (model/checkpoint.py); transformers starts rel_pos at zero
+        for name, parameter in sam.named_parameters():
+            if parameter.dim() == 1:
+                parameter.fill_(1.0) if "norm" in name and name.endswith("weight") else parameter.normal_(0.0, 0.02)
+            elif "rel_pos" in name or "pos_embed" in name:
+                parameter.normal_(0.0, 0.5)
+            else:
+                parameter.normal_(0.0, parameter[0].numel() ** -0.5)
+    pixels = torch.randn(1, 3, size, size)
+    with torch.inference_mode():
+        reference = sam(pixels).last_hidden_state
+        fold_relative_positions(sam)
+        assert all(isinstance(layer.attn, FoldedRelPosAttention) for layer in sam.layers)
+        folded = sam(pixels).last_hidden_state
+    assert reference.std() > 0.1  # a live signal, not one flattened by the init
+    torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
