@@ -123,7 +123,8 @@ def test_r10_redelivery_while_running(new_farm, tmp_path):
     The refused copy comes back when the holder's lease would run out: a 12 s lease (six heartbeats)
     instead of the suite's 40 s keeps that wait short."""
     farm = new_farm(DSOCR_LEASE_SECONDS="12")
-    workers = [farm.start_worker() for _ in range(2)]
+    # Started before any run is open: told the mode to warm (auto would warm gundam, ~40 s for two workers).
+    workers = [farm.start_worker("--warmup", "tiny") for _ in range(2)]
     farm.wait_for_ready_workers(len(workers), timeout=120)
     listing = make_pages(tmp_path / "pages", 1)
     run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "2000", "--ignore-eos")

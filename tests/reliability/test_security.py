@@ -36,7 +36,7 @@ def test_pickled_message_is_refused_and_the_worker_keeps_going(new_farm, tmp_pat
     # A well-formed Celery message for our task whose body is a pickle that would run code when loaded.
     app.send_task(RUN_JOB, args=[MakesADirectoryWhenUnpickled(marker)], queue=farm.queue, serializer="pickle")
     assert farm.backlog() == (1, 0)
-    worker = farm.start_worker()
+    worker = farm.start_worker("--warmup", "tiny")  # no run open yet: auto would warm gundam
     farm.wait_drained(timeout=60)
     listing = make_pages(tmp_path / "pages", 3)
     run_id = farm.submit(listing, *FAST_JOB)
