@@ -93,6 +93,16 @@ def import_vendor(code_dir: Path, scratch: Path) -> types.ModuleType:
     return importlib.import_module(f"{PACKAGE}.modeling_deepseekocr")
 
 
+def mark(cuda: bool) -> Any:
+    """A point on the GPU's timeline (a recorded CUDA event); on a CPU smoke run, the host clock (its ops are
+    synchronous)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class ModuleTimer:
     """CUDA events around every call of some modules (forward pre-hook / hook): summed ms per name."""
 
@@ -104,18 +114,11 @@ class ModuleTimer:
             module.register_forward_pre_hook(lambda _m, _a, name=name: self._start(name))
             module.register_forward_hook(lambda _m, _a, _o, name=name: self._end(name))
 
-    def _event(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()  # CPU smoke runs only: synchronous ops, host clock is the truth
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def _start(self, name: str) -> None:
-        self.open[name] = self._event()
+        self.open[name] = mark(self.cuda)
 
     def _end(self, name: str) -> None:
-        self.pairs[name].append((self.open.pop(name), self._event()))
+        self.pairs[name].append((self.open.pop(name), mark(self.cuda)))
 
     def reset(self) -> None:
         for pairs in self.pairs.values():
@@ -132,14 +135,6 @@ def elapsed(start: Any, end: Any) -> float:
     if isinstance(start, float):
         return (end - start) * 1e3
     return float(start.elapsed_time(end))
-
-
-def mark(cuda: bool) -> Any:
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def run_once(model: Any, timer: ModuleTimer, page: dict[str, Any], tokens: int, autocast: Any, cuda: bool) -> dict:
