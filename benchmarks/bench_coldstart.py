@@ -97,13 +97,14 @@ def run_child(args: argparse.Namespace, tiles: str, modes: str, cache: Path, tim
 
 
 def markdown(report: dict[str, Any]) -> str:
+    from benchmarks.bench_engine import environment_line
+
     env = report["environment"]
     runs = report["runs"]
     lines = [
         f"### Fast-engine cold start, {env['date']}",
         "",
-        f"GPU {env.get('gpu')} (driver {env.get('driver')}), torch {env['torch']}, transformers {env['transformers']}, "
-        f"git {env.get('git_sha')}. `{report['model']}` preset, RANDOM WEIGHTS, "
+        f"{environment_line(env)} `{report['model']}` preset, RANDOM WEIGHTS, "
         f"{next((r['dtype'] for r in runs.values() if 'dtype' in r), '-')}; warm-up modes {report['modes']}; "
         f"{report['tokens']} tokens per job. Command: `{report['command']}`",
         "",

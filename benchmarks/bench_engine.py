@@ -273,6 +273,12 @@ def verdicts(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def environment_line(env: dict[str, Any]) -> str:
+    """The machine and versions a table was measured on, as every write-up's header states them."""
+    return (f"GPU {env.get('gpu')} (driver {env.get('driver')}), CUDA {env.get('cuda_runtime')}, torch {env['torch']}, "
+            f"transformers {env['transformers']}, Python {env['python']}, git {env.get('git_sha')}.")  # fmt: skip
+
+
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "-"
@@ -291,8 +297,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"### Engine benchmark, {env['date']}",
         "",
-        f"GPU {env.get('gpu')} (driver {env.get('driver')}), CUDA {env.get('cuda_runtime')}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, Python {env['python']}, git {env.get('git_sha')}. "
+        f"{environment_line(env)} "
         f"Model: `{report['model']}` ({dtype_and_label(report)}). Page: synthetic {PAGE_SIZE[0]}x{PAGE_SIZE[1]}, "
         f"gundam; {report['tokens']} decode tokens forced (ignore_eos), no n-gram ban. Medians of {report['repeats']} "
         f"runs after warm-up ({report['warmup']}); stage times from CUDA events.",

@@ -32,7 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_engine import environment, fmt  # noqa: E402
+from benchmarks.bench_engine import environment, environment_line, fmt  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.verify import run_checks, teacher_forced_top1  # noqa: E402
@@ -85,8 +85,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"### Fast vs eager fidelity, {env['date']}",
         "",
-        f"GPU {env.get('gpu')} (driver {env.get('driver')}), torch {env['torch']}, transformers {env['transformers']}, "
-        f"git {env.get('git_sha')}. `{report['model']}` preset, RANDOM WEIGHTS; {report['pages']} sample pages in gundam mode; "
+        f"{environment_line(env)} `{report['model']}` preset, RANDOM WEIGHTS; {report['pages']} sample pages in gundam mode; "
         f"{report['steps']} greedy steps (20-gram ban, EOS ignored). Command: `{report['command']}`",
         "",
         *(["**The fast engine ran as eager here (no CUDA): a smoke run of the script, agreement is trivial.**", ""]

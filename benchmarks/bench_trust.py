@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_engine import environment, fmt, synthetic_page  # noqa: E402
+from benchmarks.bench_engine import environment, environment_line, fmt, synthetic_page  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.stages import HOST_STAGES, STAGES, StageClock  # noqa: E402
 
@@ -603,8 +603,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"### Trust benchmark, {env['date']}",
         "",
-        f"GPU {env.get('gpu')} (driver {env.get('driver')}), CUDA {env.get('cuda_runtime')}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, Python {env['python']}, git {env.get('git_sha')}.",
+        environment_line(env),
         "",
         f"> **RANDOM WEIGHTS**: model `{s['model']}` ({s['dtype']}) is a random-weight preset; timings are real, "
         "outputs meaningless." if s["model"] in ("tiny", "full") else f"Model `{s['model']}` ({s['dtype']}).",
