@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -452,17 +452,22 @@ class DeepSeekOCRSession:
             return written, "repetition"
         return written, "max_positions" if job.budget == job.ceiling else "max_new_tokens"
 
-    def warmup(self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9) -> WarmupReport:
+    def warmup(
+        self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9,
+        infer: DecodeOptions | None = None,
+    ) -> WarmupReport:  # fmt: skip
         """Run every shape `modes` can produce until warm, so that jobs meet no compilation, no graph capture
-        and no first use of a cache bucket (`max_new_tokens` sizes the buckets, as jobs will). Eager
-        compiles nothing but runs every shape too: the allocator's pools grow to the largest page now."""
+        and no first use of a cache bucket (`max_new_tokens` sizes the buckets, as jobs will). `infer`:
+        the jobs' decode options (default: the vendor's), since the compiled decode step is specialised on
+        how tokens are chosen (the n-gram ban's size and window, sampling or greedy). Eager compiles
+        nothing but runs every shape too: the allocator's pools grow to the largest page now."""
         began = time.perf_counter()
         pages = warmup_pages(modes, max_crops)
         # EOS is forced early: decode only has to be compiled and captured, in the bucket jobs will use;
         # the EOS watch runs too (a job that ignores EOS runs the same compiled step, without it).
         # Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
         # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
-        options = DecodeOptions(force_eos_at_step=2)
+        options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
         shapes: list[str] = []
         passes = 0
         while passes < WARMUP_MAX_PASSES:

@@ -26,7 +26,7 @@ from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.prefetch import PageRequest, Prefetcher, Upcoming
-from dsocr_workers.farm.warm import ModelKey, Warmup
+from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
@@ -44,7 +44,7 @@ class LoadedSession:
     session: Any  # DeepSeekOCRSession
     worker_id: str  # the environment fingerprint
     worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
-    warmed: set[tuple[str, int | None]] = field(default_factory=set)  # (mode, token budget)
+    warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
 
 
 @dataclass
@@ -90,17 +90,19 @@ class JobProcess:
             self.loaded = self._load(warmup.key)
             load_ms = (time.perf_counter() - began) * 1e3
         loaded = self.loaded
-        missing = [(mode, budget) for budget in warmup.budgets for mode in warmup.modes
-                   if (mode, budget) not in loaded.warmed]  # fmt: skip
+        missing = [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
+                   for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
         if not missing and not load_ms:
             return loaded
         warmup_ms, shapes = 0.0, []
-        for budget in dict.fromkeys(budget for _, budget in missing):
-            modes = [mode for mode, b in missing if b == budget]
-            report = loaded.session.warmup(modes, max_new_tokens=budget)
+        for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
+            modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
+            options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
+            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=options)
             warmup_ms += report.ms
-            shapes += [f"{shape} ({budget or 'max'} tokens)" for shape in report.shapes]
-            loaded.warmed.update((mode, budget) for mode in modes)
+            ban = "" if ngram == DEFAULT_NGRAM else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
+            shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
+            loaded.warmed.update((mode, budget, ngram) for mode in modes)
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()
         row = WorkerSession(
@@ -182,7 +184,7 @@ def decode_options(parameters: dict[str, Any]) -> DecodeOptions:
 def job_warmup(model: str, parameters: dict[str, Any]) -> Warmup:
     """What one job needs warm: its run's model, mode and token budget."""
     return Warmup(ModelKey.of_run(model, parameters), (parameters.get("mode", "gundam"),),
-                  (parameters.get("max_new_tokens"),))
+                  (parameters.get("max_new_tokens"),), (run_ngram(parameters),))
 
 
 def devices_from_env() -> list[str]:

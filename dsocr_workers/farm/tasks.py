@@ -72,7 +72,7 @@ def _open_child(**_: object) -> None:
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:
-            log.info("child %s: %s warm (%s)", index, plan.key.model, ", ".join(sorted(m for m, _ in loaded.warmed)))
+            log.info("child %s: %s warm (%s)", index, plan.key.model, ", ".join(sorted({m for m, _, _ in loaded.warmed})))
 
 
 @worker_process_shutdown.connect

@@ -207,6 +207,19 @@ def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
     assert eos.wasted_steps == 3 and eos.kv_length == eos.prompt_tokens + 8
 
 
+def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
+    """The compiled decode step is specialised on the n-gram ban: a warm-up with the vendor's ban left a
+    run without it to compile on its first job (14.8 s on an H200). Warmed with the jobs' options, it
+    meets nothing cold; a job with another ban still does, and says so."""
+    fast = fast_on_cpu(session.source)
+    no_ban = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+    fast.warmup(["tiny"], max_new_tokens=8, infer=no_ban)
+    job = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=no_ban)
+    assert not job.cold, job.cold_reasons
+    other = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=DecodeOptions(ignore_eos=True))
+    assert other.cold_reasons == ("compiled 1 new graph(s)",)
+
+
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
     """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
     batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs."""

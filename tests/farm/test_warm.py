@@ -1,0 +1,39 @@
+"""What a worker warms at start: the model, modes, token budgets and n-gram bans of the runs open on its
+queues (farm/warm.py), read from the real ledger, and carried to the children through the environment."""
+
+from __future__ import annotations
+
+import uuid
+
+from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, Warmup, plan_warmup
+from dsocr_workers.store.db import Database
+from dsocr_workers.store.models import Job, Run, job_id_for
+
+
+def open_run(db: Database, parameters: dict, jobs: int = 1, queue: str = "q") -> None:
+    run_id = uuid.uuid4().hex[:12]
+    with db.transaction() as session:
+        session.add(Run(id=run_id, name="t", filelist="list.txt", root="/data", model="tiny",
+                        model_label="preset:tiny (RANDOM WEIGHTS, seed 0)", random_weights=True, queue=queue,
+                        parameters=parameters, tags={}))  # fmt: skip
+        session.flush()
+        for i in range(jobs):
+            session.add(Job(id=job_id_for(run_id, f"img{i}.png", 0), run_id=run_id, image=f"img{i}.png",
+                            line=i + 1, repeat=0, state="queued"))  # fmt: skip
+
+
+def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
+    fallback = ModelKey("tiny")
+    assert plan_warmup(database, ["q"], "auto", fallback, 64) == Warmup(fallback, ("gundam",), (64,), (DEFAULT_NGRAM,))
+    # A run with the vendor's ban, one without it and one windowed: the fast engine's decode step is a
+    # graph per ban, so each is warmed (a run the warm-up missed compiled on its first job).
+    open_run(database, {"mode": "base", "max_new_tokens": 128}, jobs=3)
+    open_run(database, {"mode": "base", "max_new_tokens": 128, "no_repeat_ngram_size": 0})
+    open_run(database, {"mode": "tiny", "max_new_tokens": 256, "no_repeat_ngram_size": 20, "ngram_window": 90})
+    open_run(database, {"mode": "large", "no_repeat_ngram_size": 3}, queue="elsewhere")
+    plan = plan_warmup(database, ["q"], "auto", fallback)
+    assert plan is not None and plan.key == fallback  # the runs' model (the same preset here)
+    # (the order is the ledger's)
+    assert set(plan.modes) == {"base", "tiny"} and set(plan.budgets) == {128, 256}
+    assert set(plan.ngrams) == {(20, None), (0, None), (20, 90)}
+    assert Warmup.from_env(plan.to_env()) == plan
