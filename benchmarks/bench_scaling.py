@@ -402,6 +402,27 @@ def _wall_clock_s(data: Any) -> float | None:
     return (max(ends) - data.run.created_at).total_seconds() if ends else None
 
 
+def timeline(data: Any) -> list[dict[str, Any]]:
+    """Per job, in seconds from the run's creation: the claim, the device's start and end, the ledger's
+    finish; so the idle, device-time and throughput figures can be checked against one another."""
+
+    def since(at: Any) -> float | None:
+        return None if at is None else round((at - data.run.created_at).total_seconds(), 6)
+
+    rows = [
+        {
+            "job": job.id[:12], "device": result.device, "session": (result.worker_session_id or "")[:8],
+            "claimed_s": since(job.started_at), "device_started_s": since(getattr(result, "device_started_at", None)),
+            "device_finished_s": since(getattr(result, "device_finished_at", None)), "finished_s": since(job.finished_at),
+            "e2e_ms": result.e2e_ms, "prefetched": getattr(result, "prefetched", None),
+            "page_wait_ms": getattr(result, "page_wait_ms", None), "cold": getattr(result, "cold", False),
+        }
+        for job in data.jobs
+        if (result := data.results.get(job.id)) is not None
+    ]  # fmt: skip
+    return sorted(rows, key=lambda row: row["claimed_s"] if row["claimed_s"] is not None else float("inf"))
+
+
 def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str | None]) -> dict[str, Any]:
     steady, ratio, wall_clock, _ = functions
     results = list(data.results.values())
@@ -437,6 +458,7 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
         }
         for s in sessions.values()
     ]  # fmt: skip
+    stats["timeline"] = timeline(data)
     return stats
 
 
