@@ -3,7 +3,8 @@ sessions (loaded models) behind them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -20,6 +21,9 @@ class RunData:
     results: dict[str, Result]  # by job id
     workers: dict[str, Worker]  # by worker id, the ones that produced results
     sessions: dict[str, WorkerSession]  # by id, the ones that produced results (none before schema 0002)
+    # By worker session: when its jobs of other runs finished (since this run was created), so that a
+    # lane's time on another run is never counted as this run's (report/throughput.py).
+    elsewhere: dict[str, list[datetime]] = field(default_factory=dict)
 
 
 def load_run(session: Session, ref: str) -> RunData:
@@ -32,7 +36,14 @@ def load_run(session: Session, ref: str) -> RunData:
     sessions = {
         s.id: s for s in session.scalars(select(WorkerSession).where(WorkerSession.id.in_(session_ids)))
     }
-    return RunData(run, jobs, results, workers, sessions)
+    elsewhere: dict[str, list[datetime]] = {}
+    for session_id, finished in session.execute(
+        select(Result.worker_session_id, Job.finished_at).join(Job, Job.id == Result.job_id)
+        .where(Result.worker_session_id.in_(session_ids), Result.run_id != run.id, Job.finished_at >= run.created_at)
+    ):  # fmt: skip
+        if session_id is not None and finished is not None:
+            elsewhere.setdefault(session_id, []).append(finished)
+    return RunData(run, jobs, results, workers, sessions, elsewhere)
 
 
 @dataclass(frozen=True)

@@ -156,3 +156,35 @@ def test_the_device_idles_between_jobs_only_while_work_waits_within_a_session(da
     table = next(t for t in single_report(data).tables if t.title == "Worker processes")
     (row,) = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
     assert row["prefetched"] == 0 and row["device idle between jobs p50 ms"].value == pytest.approx(4.0)
+
+
+def queued_at(database, run: str, at: datetime) -> None:
+    with database.transaction() as session:
+        for job in session.scalars(select(Job).where(Job.run_id == run)):
+            job.queued_at = at
+
+
+def test_the_farm_between_jobs_counts_while_work_waits(database, tmp_path, make_png):
+    # Every job queued at T0; the worker, ready at 1 s, claims each job 0.1 s after the previous one
+    # finished (result written, message delivered, claim) and runs it for 0.9 s: one page a second, not
+    # the 1.11 that counting from the claim made of it.
+    add_session(database, "f1", T0, T0 + timedelta(seconds=1))
+    pages = {(f"p{k}.png", 0): Page(1.0, session="f1") for k in range(4)}
+    run = make_run(database, tmp_path, make_png, pages)
+    set_times(database, run, T0, {(f"p{k}.png", 0): (1.1 + k, 2.0 + k) for k in range(4)})
+    queued_at(database, run, T0)
+    assert steady_state_throughput(load(database, run)).value == pytest.approx(1.0)
+
+
+def test_a_lanes_work_for_another_run_is_not_this_runs(database, tmp_path, make_png):
+    # One worker process alternates between run A's jobs and run B's, all queued at T0, one second each:
+    # each run's own pace on that lane is one page a second, whatever the other run took in between.
+    add_session(database, "x1", T0, T0 + timedelta(seconds=1))
+    run_a = make_run(database, tmp_path / "a", make_png, {(f"a{k}.png", 0): Page(1.0, session="x1") for k in range(3)})
+    run_b = make_run(database, tmp_path / "b", make_png, {(f"b{k}.png", 0): Page(1.0, session="x1") for k in range(3)})
+    set_times(database, run_a, T0, {(f"a{k}.png", 0): (1.0 + 2 * k, 2.0 + 2 * k) for k in range(3)})
+    set_times(database, run_b, T0, {(f"b{k}.png", 0): (2.0 + 2 * k, 3.0 + 2 * k) for k in range(3)})
+    queued_at(database, run_a, T0)
+    queued_at(database, run_b, T0)
+    for run in (run_a, run_b):
+        assert steady_state_throughput(load(database, run)).value == pytest.approx(1.0)
