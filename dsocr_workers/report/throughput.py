@@ -11,11 +11,11 @@ claim (of this run's job i−1, or of another run's job on the same worker sessi
 warm-up, time spent waiting for work (an empty queue), a prefetched job's wait behind the previous one
 and the lane's work for other runs never count, while the farm's own time between two jobs of a queue
 that held work (the result written, the message delivered, the next claim) does: measured on an H200
-with 0.15-s jobs, counting from the claim instead made the rate 5% higher than the jobs' real pace. A lane's rate is 1 / mean(d) over its warm jobs (a cold job still
-occupies the worker, so it still ends the previous interval, but its own d is left out unless
-`include_cold`); the run's rate is the sum of its lanes' rates, since lanes run side by side on
-different devices. The 95% interval resamples each lane's service times independently
-(report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
+with 0.15-s jobs, counting from the claim instead made the rate 5% higher than the jobs' real pace.
+A lane's rate is 1 / mean(d) over its warm jobs (a cold job still occupies the worker, so it still ends
+the previous interval, but its own d is left out unless `include_cold`); the run's rate is the sum of
+its lanes' rates, since lanes run side by side on different devices. The 95% interval resamples each
+lane's service times independently (report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
 fingerprint instead, without a `ready_at`.
 
 **Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
