@@ -274,8 +274,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Decode benchmark, {env['date']}",
         "",
-        f"{env.get('gpu')} (driver {env.get('driver')}), torch {env['torch']}, transformers {env['transformers']}, "
-        f"git {env.get('git_sha')}. `full` preset with RANDOM weights, bf16, the anchors' page (gundam 2x3), "
+        f"{bench_engine.environment_line(env)} `full` preset with RANDOM weights, bf16, the anchors' page (gundam 2x3), "
         f"EOS ignored, NVTX and CUDA events on.",
         "",
         f"Command: `{report['command']}`",
