@@ -91,7 +91,8 @@ def services(data: RunData) -> dict[str, list[Service]]:
         others = sorted(elsewhere.get(key, []))
         free_at: datetime | None = None  # this run's previous finish on the lane
         for finished, started, ready_at, job, result in sorted(done, key=lambda item: item[0]):
-            other = others[bisect_right(others, started) - 1] if bisect_right(others, started) else None
+            before = bisect_right(others, started)  # other runs' jobs this lane finished before the claim
+            other = others[before - 1] if before else None
             began = max(t for t in (waiting_since(job), free_at, other, ready_at) if t is not None)
             lanes[key].append(Service(job, result, began, finished))
             free_at = finished
