@@ -3,8 +3,10 @@ the four fixed modes, with an empty and with a warm compile cache; and whether w
 
     python benchmarks/bench_coldstart.py [--out DIR]
 
-Each measurement is a fresh process (`--child`), as a worker start is: it loads the `full` preset (RANDOM
-WEIGHTS) with the fast engine in bf16, runs `session.warmup(...)` over every shape of the modes (the
+Each measurement is a fresh process (`--child`), as a worker start is: it loads a checkpoint directory
+with the fast engine in bf16 (by default the `full` preset, RANDOM WEIGHTS, saved once in the vendor layout
+before any start and not timed: a worker loads a checkpoint from disk, while generating the preset's 3.3 B
+random numbers on the host takes ~20 s that no real start has), runs `session.warmup(...)` over every shape of the modes (the
 worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
 path), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
   A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
@@ -59,8 +61,14 @@ def child(args: argparse.Namespace) -> int:
     # Warmed with the timed jobs' decode options (the decode step is compiled per n-gram ban), one
     # mode at a time so that each mode's share of the warm-up is known.
     options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
-    warm = {mode: session.warmup([mode], max_new_tokens=args.tokens, infer=options)
-            for mode in filter(None, args.modes.split(","))}  # fmt: skip
+    warm = {}
+    compile_s = {}
+    for mode in filter(None, args.modes.split(",")):
+        warm[mode] = session.warmup([mode], max_new_tokens=args.tokens, infer=options)
+        compile_s[mode] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
+        # A progress line per mode: what the parent keeps if the start overruns its budget.
+        print(json.dumps({"progress": mode, "since_launch_s": time.time() - began, "warmup_s": warm[mode].ms / 1e3,
+                          "shapes": warm[mode].shapes, "compile_times": compile_s[mode]}), flush=True)  # fmt: skip
     ready = time.time()
     pages = []
     for width, height in PAGES:
@@ -81,20 +89,27 @@ def child(args: argparse.Namespace) -> int:
         "warmup_s_by_mode": {mode: w.ms / 1e3 for mode, w in warm.items()},
         # dynamo's own accounting of where compilation went (tracing, inductor, graph capture), per function
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
+        "compile_times_after_mode": compile_s,
         "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "torch": torch.__version__, "pages": pages,
     }))  # fmt: skip
     return 0
 
 
-def run_child(args: argparse.Namespace, tiles: str, modes: str, cache: Path, timeout: float) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tiles", tiles, "--modes", modes,
-               "--model", args.model, "--device", args.device, "--tokens", str(args.tokens),
+               "--model", model, "--device", args.device, "--tokens", str(args.tokens),
                "--repeats", str(args.repeats)]  # fmt: skip
     env = {**os.environ, "DSOCR_COMPILE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     launched = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        # The modes it warmed before the budget ran out (its progress lines).
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        progress = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"progress"')]
+        return {"error": f"overran the budget after {timeout:.0f} s", "progress": progress}
     if done.returncode != 0:
         raise RuntimeError(f"child exited {done.returncode}: {done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -113,7 +128,10 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{environment_line(env)} `{report['model']}` preset, RANDOM WEIGHTS, "
         f"{next((r['dtype'] for r in runs.values() if 'dtype' in r), '-')}; warm-up modes {report['modes']}; "
-        f"{report['tokens']} tokens per job. Command: `{report['command']}`",
+        f"{report['tokens']} tokens per job; "
+        + (f"each start loads the preset saved as a checkpoint (saving it took {report['preset_saved_s']:.1f} s, "
+           "before any start). " if "preset_saved_s" in report else "")
+        + f"Command: `{report['command']}`",
         "",
         "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes | warm-up by mode |",
         "|---|---:|---:|---:|---|---:|---|",
@@ -121,7 +139,9 @@ def markdown(report: dict[str, Any]) -> str:
     for key, label in (("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)")):
         r = runs.get(key, {})
         if "error" in r or not r:
-            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | |")
+            progress = ", ".join(f"{p['progress']} {p['warmup_s']:.1f} s (at {p['since_launch_s']:.1f} s)"
+                                 for p in r.get("progress", []))  # fmt: skip
+            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} |")
             continue
         lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
         by_mode = ", ".join(f"{mode} {seconds:.1f} s" for mode, seconds in r.get("warmup_s_by_mode", {}).items())
@@ -173,7 +193,17 @@ def main() -> int:
             (args.out / "coldstart.json").write_text(json.dumps(report, indent=2) + "\n")
             (args.out / "coldstart.md").write_text(markdown(report))
 
-    with tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache:
+    from dsocr_workers.model.config import PRESETS
+
+    with (tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache,
+          tempfile.TemporaryDirectory() as scratch):  # fmt: skip
+        model = args.model
+        if model in PRESETS:
+            from dsocr_workers.model.checkpoint import save_preset
+
+            saving = time.perf_counter()
+            model = str(save_preset(args.model, Path(scratch) / args.model))
+            report["preset_saved_s"] = time.perf_counter() - saving
         plan = (("cold", "dynamic", args.modes, dynamic_cache), ("warm_cache", "dynamic", args.modes, dynamic_cache),
                 ("static", "static", "", static_cache))  # fmt: skip
         for key, tiles, modes, cache in plan:
@@ -183,7 +213,7 @@ def main() -> int:
                 continue
             print(f"[{time.perf_counter() - began:6.1f}s] {key}", flush=True)
             try:
-                report["runs"][key] = run_child(args, tiles, modes, Path(cache), timeout=max(left, 1))
+                report["runs"][key] = run_child(args, model, tiles, modes, Path(cache), timeout=max(left, 1))
             except Exception as exc:  # keep what the other starts measured
                 report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
             save()
