@@ -10,8 +10,9 @@ hook between decode steps where they read the cache or force the next token.
 
 Engines: `eager` is plain PyTorch — the vendor's attention (fp32 softmax) and the vendor's expert
 dispatch — and the numerical reference. `fast` uses SDPA, fused q/k/v and gate/up projections, Triton
-GEMVs over the selected experts at decode (grouped GEMMs for a prompt), compiled vision encoders and a
-compiled decode step replayed as a CUDA graph; on a CPU it says so and runs eager.
+GEMVs over the selected experts at decode (grouped GEMMs for a prompt), vision encoders compiled block
+by block, a compiled LM prefill and a compiled decode step replayed as a CUDA graph; on a CPU it says so
+and runs eager.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
+from dsocr_workers.engine.regions import RegionalVision
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -113,8 +115,8 @@ class FastCompile:
 
     backend: str = "inductor"
     decode_only: bool = False
-    # One vision graph for every tile count (`_any_tile_count`); False: a graph per count, as before
-    # (benchmarks/bench_coldstart.py compares the two).
+    # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
+    # as before (benchmarks/bench_coldstart.py compares the two).
     dynamic_tiles: bool = True
 
     @property
@@ -245,11 +247,10 @@ class DeepSeekOCRSession:
         self._decode_step = decode_one_token
         if self.engine != "fast":
             return
-        # Vision: SAM and CLIP, one graph per global-view size and one per tile size dynamic in the tile
-        # count (`_any_tile_count`). The projector (a concatenation and one linear layer) stays eager: on
-        # an H200 it ran in 0.22 ms eager and 0.48 ms compiled (docs/benchmarks.md, vendor side by side),
-        # and each of its graphs was one more compilation at start. LM prefill: one graph, dynamic in the
-        # prompt length.
+        # Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
+        # block, dynamic in the tile count. The projector (a concatenation and one linear layer) stays
+        # eager: on an H200 it ran in 0.22 ms eager and 0.48 ms compiled (docs/benchmarks.md, vendor side
+        # by side). LM prefill: one graph, dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
@@ -258,8 +259,8 @@ class DeepSeekOCRSession:
             log.info("compiled kernels persist in %s", cache)
         backend = self.fast_compile.backend
         if not self.fast_compile.decode_only:
-            self._vision = _Vision(torch.compile(model.encode_sam, dynamic=False, backend=backend),
-                                   torch.compile(model.encode_clip, dynamic=False, backend=backend), model.project)
+            regions = RegionalVision(model, backend, self.fast_compile.dynamic_tiles)
+            self._vision = _Vision(regions.encode_sam, regions.encode_clip, model.project)
             self._prefill = torch.compile(prefill, dynamic=True, backend=backend)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
@@ -357,23 +358,13 @@ class DeepSeekOCRSession:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
         # The global view first, then the tiles (if any) as one batch: one call per view group.
         with clock.stage("vision/sam"):
-            sam = [self._vision.sam(group) for group in self._any_tile_count(inputs.pixels)]
+            sam = [self._vision.sam(group) for group in inputs.pixels]
         with clock.stage("vision/clip"):
-            clip = [self._vision.clip(features) for features in self._any_tile_count(sam)]
+            clip = [self._vision.clip(features) for features in sam]
         with clock.stage("vision/projector"):
-            tokens = [self._vision.project(c, s) for c, s in zip(self._any_tile_count(clip), sam, strict=True)]
+            tokens = [self._vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
-
-    def _any_tile_count(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-        """fast: the tile group's batch (2 or more tiles) marked dynamic, so that one compiled graph per
-        vision stage serves every crop grid of a mode. A static graph per tile count cost 30–80 s of
-        compilation each on an H200, and gundam alone has about twenty grids (issue 10 item 4).
-        `maybe_`: a kernel may still guard on a range of counts (the CPU's convolution backend choice
-        guards on fewer than 16), which then costs a second graph instead of an error."""
-        if self.engine == "fast" and self.fast_compile.dynamic_tiles and len(groups) > 1:
-            torch._dynamo.maybe_mark_dynamic(groups[1], 0)
-        return groups
 
     def start_job(
         self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock

@@ -223,7 +223,9 @@ def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
     """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
-    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs."""
+    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs.
+    And the encoders are compiled block by block: a graph per kind of block (SAM windowed, SAM global,
+    CLIP) and view group, not one per encoder holding every layer."""
     fast = fast_on_cpu(session.source, decode_only=False)
     clock = StageClock(fast.device, nvtx_enabled=False, timing_enabled=False)
 
@@ -233,8 +235,12 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
             return prepared.crop_grid, on.encode_image(on.upload(prepared), clock)
 
     graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
     assert encode(fast, 1280, 640)[0] == (2, 1)
     compiled = graphs["unique_graphs"]
+    # The global view (batch 1) and the tiles (batch 2, dynamic): 3 kinds of block each; the LM prefill
+    # is compiled too (`decode_only=False`) but not reached by encode_image.
+    assert compiled - before == 6
     for (width, height), grid in (((1920, 640), (3, 1)), ((1280, 1280), (2, 2)), ((1920, 1280), (3, 2))):
         found, embeds = encode(fast, width, height)
         assert found == grid
