@@ -39,7 +39,7 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
-from dsocr_workers.engine.regions import RegionalVision
+from dsocr_workers.engine.regions import GraphedVision, RegionalVision
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -126,11 +126,17 @@ class FastCompile:
 
 @dataclass
 class _Vision:
-    """The vision stage callables: plain methods (eager) or their compiled versions (fast)."""
+    """The vision stages over a page's view groups (the global view, then the tiles if any): plain
+    methods (eager), compiled block by block (fast), replayed as CUDA graphs (fast on CUDA)."""
 
-    sam: Callable[[torch.Tensor], torch.Tensor]
-    clip: Callable[[torch.Tensor], torch.Tensor]
+    sam: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    clip: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def per_group(cls, sam: Callable[[torch.Tensor], torch.Tensor], clip: Callable[[torch.Tensor], torch.Tensor],
+                  project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _Vision:  # fmt: skip
+        return cls(lambda groups: [sam(g) for g in groups], lambda features: [clip(f) for f in features], project)
 
 
 @dataclass(frozen=True)
@@ -242,25 +248,33 @@ class DeepSeekOCRSession:
     def __post_init__(self) -> None:
         model = self.loaded.model
         self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        self._vision = _Vision(model.encode_sam, model.encode_clip, model.project)
+        self._vision = _Vision.per_group(model.encode_sam, model.encode_clip, model.project)
         self._prefill = prefill
         self._decode_step = decode_one_token
         if self.engine != "fast":
             return
         # Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
-        # block, dynamic in the tile count. The projector (a concatenation and one linear layer) stays
+        # block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The projector (a concatenation and one linear layer) stays
         # eager: on an H200 it ran in 0.22 ms eager and 0.48 ms compiled (docs/benchmarks.md, vendor side
         # by side). LM prefill: one graph, dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        # Python floats as constants: the dynamic prefill otherwise traces them as symbolic floats, then
+        # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`;
+        # 31 s of a cold start on an H200 went to that second attempt).
+        torch._dynamo.config.specialize_float = True
         cache = use_compile_cache()
         if cache is not None:
             log.info("compiled kernels persist in %s", cache)
         backend = self.fast_compile.backend
         if not self.fast_compile.decode_only:
             regions = RegionalVision(model, backend, self.fast_compile.dynamic_tiles)
-            self._vision = _Vision(regions.encode_sam, regions.encode_clip, model.project)
+            if self.device.type == "cuda":
+                graphed = GraphedVision(regions, self.device)
+                self._vision = _Vision(graphed.sam, graphed.clip, model.project)
+            else:
+                self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
             self._prefill = torch.compile(prefill, dynamic=True, backend=backend)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
@@ -358,9 +372,9 @@ class DeepSeekOCRSession:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
         # The global view first, then the tiles (if any) as one batch: one call per view group.
         with clock.stage("vision/sam"):
-            sam = [self._vision.sam(group) for group in inputs.pixels]
+            sam = self._vision.sam(inputs.pixels)
         with clock.stage("vision/clip"):
-            clip = [self._vision.clip(features) for features in sam]
+            clip = self._vision.clip(sam)
         with clock.stage("vision/projector"):
             tokens = [self._vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)

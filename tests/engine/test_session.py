@@ -437,3 +437,26 @@ def test_cuda_fast_engine_follows_eager_in_float32():
     for _ in range(3):
         result = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=64, infer=options)
         assert result.engine == "fast" and result.token_ids == reference.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's vision graphs")
+def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
+    """Vision is captured once per page shape and replayed with the pixels copied in: every grid, and a
+    second page of a shape already captured, gets eager's embeddings, not the first page's."""
+    eager = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32")
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    clock = StageClock(fast.device, nvtx_enabled=False, timing_enabled=False)
+
+    def encode(on: DeepSeekOCRSession, image: Image.Image) -> torch.Tensor:
+        prepared = on.prepare(image, None, "gundam", 9)
+        with torch.inference_mode():
+            return on.encode_image(on.upload(prepared), clock).clone()
+
+    wide = page(1280, 640)
+    images = [wide, page(1920, 640), page(1280, 1280), wide.transpose(Image.Transpose.FLIP_LEFT_RIGHT), wide]
+    embeds = []
+    for image in images:
+        embeds.append(encode(fast, image))
+        torch.testing.assert_close(embeds[-1], encode(eager, image), rtol=2e-3, atol=2e-3)
+    assert not torch.equal(embeds[0], embeds[3])  # the flipped page: the replay saw its own pixels
+    torch.testing.assert_close(embeds[4], embeds[0], rtol=0, atol=0)  # and a replay is deterministic
