@@ -86,6 +86,7 @@ def child(args: argparse.Namespace) -> int:
         "launched_to_imported_s": imported - began, "load_s": loaded - imported, "warmup_s": ready - loaded,
         "ready_unix": ready, "shapes": [shape for w in warm.values() for shape in w.shapes],
         "passes": max((w.passes for w in warm.values()), default=0),
+        "still_cold": {mode: w.still_cold for mode, w in warm.items() if w.still_cold},
         "warmup_s_by_mode": {mode: w.ms / 1e3 for mode, w in warm.items()},
         # dynamo's own accounting of where compilation went (tracing, inductor, graph capture), per function
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),

@@ -46,7 +46,7 @@ from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
-from dsocr_workers.model.config import ENGINES, EOS_TOKEN_ID, PRESETS, get_mode
+from dsocr_workers.model.config import AUTO_ENGINE, ENGINE_CHOICES, EOS_TOKEN_ID, PRESETS, get_mode
 from dsocr_workers.model.experts import VENDOR_LOOP
 from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.modeling import DeepSeekOCR
@@ -203,6 +203,9 @@ class WarmupReport:
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
     passes: int  # over all shapes, until one met no cold path
+    # What the last pass still met, per shape ("mode:grid: reason"): empty when it came clean, so
+    # the first jobs will not be cold either.
+    still_cold: tuple[str, ...] = ()
 
 
 def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
@@ -291,9 +294,11 @@ class DeepSeekOCRSession:
         fast_compile: FastCompile = FastCompile(),
     ) -> DeepSeekOCRSession:
         """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory."""
-        if engine not in ENGINES:
-            raise InputError(f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
+        if engine not in ENGINE_CHOICES:
+            raise InputError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
         resolved = resolve_device(device)
+        if engine == AUTO_ENGINE:
+            engine = "fast" if resolved.type == "cuda" else "eager"
         torch_dtype = resolve_dtype(dtype, resolved)
         note = ""
         if engine == "fast" and resolved.type != "cuda":
@@ -478,21 +483,22 @@ class DeepSeekOCRSession:
         options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
         shapes: list[str] = []
         passes = 0
+        still_cold: list[str] = []
         while passes < WARMUP_MAX_PASSES:
             passes += 1
-            cold = False
+            still_cold = []
             for name, image in pages:
                 result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
                                             return_text=False, max_crops=max_crops)
                 cols, rows = result.crop_grid
                 shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
                 shapes += [shape] if shape not in shapes else []
-                cold = cold or result.cold
-            if not cold:
+                still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+            if not still_cold:
                 break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes)
+        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold))
 
     def run_inference(
         self,

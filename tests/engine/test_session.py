@@ -174,6 +174,12 @@ def test_fast_engine_on_cpu_says_so_and_runs_eager():
     assert fast.engine == "eager" and "CUDA" in fast.engine_note
 
 
+def test_auto_engine_is_eager_on_a_cpu_without_a_note():
+    """A run's default: fast where the job meets a GPU, the eager reference on a CPU, as asked."""
+    auto = DeepSeekOCRSession.from_local("tiny", engine="auto")
+    assert auto.engine == "eager" and auto.engine_note == ""
+
+
 def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSession:
     """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its decode
     step compiled as the engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
@@ -460,3 +466,8 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
         torch.testing.assert_close(embeds[-1], encode(eager, image), rtol=2e-3, atol=2e-3)
     assert not torch.equal(embeds[0], embeds[3])  # the flipped page: the replay saw its own pixels
     torch.testing.assert_close(embeds[4], embeds[0], rtol=0, atol=0)  # and a replay is deterministic
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_auto_engine_is_fast():
+    assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine == "fast"
