@@ -471,3 +471,20 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_engine_is_fast():
     assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine == "fast"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's graphs")
+def test_cuda_fast_sessions_can_be_dropped_and_replaced():
+    """A worker drops its session when a run asks for another model or dtype; the next one compiles
+    and captures its own graphs. Nothing of the first may be replayed or freed under the second."""
+    import gc
+
+    for dtype in ("float32", "bfloat16", "float32"):
+        fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype=dtype, engine="fast")
+        for width in (1280, 1920, 1280):
+            result = fast.run_inference(page(width, 640), mode="gundam", max_new_tokens=12)
+            assert result.engine == "fast" and result.token_ids
+        del fast, result
+        gc.collect()
+        torch._dynamo.reset()  # as bench_fidelity does between its dtypes
+        torch.cuda.synchronize()
