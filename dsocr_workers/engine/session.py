@@ -118,6 +118,9 @@ class FastCompile:
     # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
     # as before (benchmarks/bench_coldstart.py compares the two).
     dynamic_tiles: bool = True
+    # On CUDA, vision replayed as a CUDA graph per page shape (engine/regions.py GraphedVision); False:
+    # the compiled blocks called one by one.
+    vision_graphs: bool = True
 
     @property
     def decode_mode(self) -> str | None:
@@ -273,7 +276,7 @@ class DeepSeekOCRSession:
         backend = self.fast_compile.backend
         if not self.fast_compile.decode_only:
             regions = RegionalVision(model, backend, self.fast_compile.dynamic_tiles)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self.fast_compile.vision_graphs:
                 graphed = GraphedVision(regions, self.device)
                 self._vision = _Vision(graphed.sam, graphed.clip, model.project)
             else:
