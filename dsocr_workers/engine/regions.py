@@ -123,8 +123,17 @@ class GraphedVision:
     def _capture(self, run: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
         run()  # compiles what is new and settles the allocator: nothing may compile during a capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = run()
+        # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
+        # (the decode step) free those workspaces whenever they record: a graph that captured one then
+        # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
+        # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
+        # capture needs is allocated in this pool and lives with it.
+        torch._C._cuda_clearCublasWorkspaces()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = run()
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
         return graph, outputs
 
     def sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
