@@ -100,6 +100,9 @@ class JobProcess:
             options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
             report = loaded.session.warmup(modes, max_new_tokens=budget, infer=options)
             warmup_ms += report.ms
+            if report.still_cold:  # the first jobs may be stored cold: say why here, once
+                log.warning("warm-up of %s stopped after %d passes still meeting: %s", ", ".join(modes),
+                            report.passes, "; ".join(report.still_cold))  # fmt: skip
             ban = "" if ngram == DEFAULT_NGRAM else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
             shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
