@@ -107,9 +107,8 @@ class GraphedVision:
     while the outputs of those before it were alive, so a replay overwrites other graphs' temporaries,
     never their outputs. A page's outputs are read (projector, layout) before the next page's vision."""
 
-    def __init__(self, regions: RegionalVision, device: torch.device) -> None:
+    def __init__(self, regions: RegionalVision) -> None:
         self.regions = regions
-        self.device = device
         self._pool = torch.cuda.graph_pool_handle()
         self._pages: dict[tuple[torch.Size, ...], _PageGraphs] = {}
         self._current: _PageGraphs | None = None

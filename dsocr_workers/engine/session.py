@@ -260,9 +260,10 @@ class DeepSeekOCRSession:
         if self.engine != "fast":
             return
         # Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
-        # block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The projector (a concatenation and one linear layer) stays
-        # eager: on an H200 it ran in 0.22 ms eager and 0.48 ms compiled (docs/benchmarks.md, vendor side
-        # by side). LM prefill: one graph, dynamic in the prompt length.
+        # block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
+        # projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms
+        # eager and 0.48 ms compiled (docs/benchmarks.md, vendor side by side). LM prefill: one graph,
+        # dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
@@ -277,7 +278,7 @@ class DeepSeekOCRSession:
         if not self.fast_compile.decode_only:
             regions = RegionalVision(model, backend, self.fast_compile.dynamic_tiles)
             if self.device.type == "cuda" and self.fast_compile.vision_graphs:
-                graphed = GraphedVision(regions, self.device)
+                graphed = GraphedVision(regions)
                 self._vision = _Vision(graphed.sam, graphed.clip, model.project)
             else:
                 self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
