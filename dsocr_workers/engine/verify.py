@@ -29,14 +29,12 @@ class CheckResult:
 NEAR_TIE = {torch.float32: 2.0**-16, torch.float16: 2.0**-8, torch.bfloat16: 2.0**-6}
 
 
-def one_shot_choices(
+def one_shot_scores(
     session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
-) -> list[tuple[int, float, float]]:
-    """What one-shot generation picks at every step given the same prefix: a single cache-free forward
-    over prompt + `tokens` (teacher forcing), then the decode policy position by position. If every
-    pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
-
-    Returns (pick, logit of the pick, logit of `tokens[step]`) per step, after the n-gram ban."""
+) -> torch.Tensor:
+    """The scores one-shot generation picks from at every step given the same prefix: a single
+    cache-free forward over prompt + `tokens` (teacher forcing), each step's logits after the n-gram
+    ban of its own prefix. [len(tokens), vocab] float32 on the host."""
     page = session.prepare(image, None, mode, 9)
     model = session.model
     with torch.inference_mode():
@@ -52,13 +50,25 @@ def one_shot_choices(
         hidden = model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False).last_hidden_state
         logits = model.logits(hidden[0, page.prompt_tokens - 1:])
         ban = NGramBan.create(page.input_ids.to(session.device), ids.numel() + 1, options)
-        picks = []
+        scores = []
         for step, token in enumerate(tokens):
-            scores = ban(logits[step: step + 1])
-            pick = int(select_token(scores, options))
-            ban.append(torch.tensor([pick], device=session.device))
-            picks.append((pick, float(scores[0, pick]), float(scores[0, token])))
-            ban.tokens[ban.length - 1] = token  # continue from the split path's token
+            scores.append(ban(logits[step: step + 1]).float().cpu())
+            ban.append(torch.tensor([token], device=session.device))
+    return torch.cat(scores)
+
+
+def one_shot_choices(
+    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
+) -> list[tuple[int, float, float]]:
+    """What one-shot generation picks at every step given the same prefix (`one_shot_scores`). If every
+    pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
+
+    Returns (pick, logit of the pick, logit of `tokens[step]`) per step, after the n-gram ban."""
+    scores = one_shot_scores(session, image, tokens, options, mode)
+    picks = []
+    for step, token in enumerate(tokens):
+        pick = int(select_token(scores[step: step + 1], options))
+        picks.append((pick, float(scores[step, pick]), float(scores[step, token])))
     return picks
 
 
