@@ -19,7 +19,7 @@ from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.model.config import EOS_TOKEN_ID
-from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 
 MIN_CACHE_BUCKET = 1024
 # How many decode steps run between two EOS checks, and how many checks may be in flight before the
@@ -207,7 +207,7 @@ def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> tor
     """One forward over the whole prompt (positions 0..L-1); returns the last position's logits [1, V]."""
     positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
     hidden = model.language_model(
-        inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        inputs_embeds=embeds, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache}
     ).last_hidden_state
     return model.logits(hidden[:, -1])
 
@@ -229,6 +229,6 @@ def decode_one_token(
     position = (ban.length - 1).view(1, 1)
     token = ban.tokens[position.view(1)].view(1, 1)
     hidden = model.language_model(
-        inputs_embeds=model.embed(token), position_ids=position, past_key_values=cache, use_cache=True
+        inputs_embeds=model.embed(token), position_ids=position, use_cache=True, **{CACHE_ARGUMENT: cache}
     ).last_hidden_state
     return choose_token(model.logits(hidden[:, -1]), ban, options)

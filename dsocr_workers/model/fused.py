@@ -55,17 +55,21 @@ class FusedQKVAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The decoder layer hands the KV cache over as `cache` from transformers 5.24 and as
+        # `past_key_values` before (the device images carry 5.17).
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = (
             part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                                     **kwargs)  # fmt: skip

@@ -7,6 +7,8 @@ verified it against the vendor numerics). Vision: transformers' SAM encoder, our
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2TextConfig
@@ -15,6 +17,10 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr
 from dsocr_workers.model import experts  # noqa: F401  (registers the vendor-loop experts implementation)
 from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, OCRConfig, TextDims
 from dsocr_workers.model.vision import ClipOnSam, build_sam, layout_image_tokens
+
+# transformers 5.24 renamed the decoder's KV-cache argument `past_key_values` to `cache` (the old name warns
+# until 5.40); 5.17, on the device images, knows only the old one. Callers pass {CACHE_ARGUMENT: cache}.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekOcr2TextModel.forward).parameters else "past_key_values"
 
 
 def text_config(dims: TextDims, attn_implementation: str, experts_implementation: str) -> DeepseekOcr2TextConfig:

@@ -16,6 +16,7 @@ from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset, save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.modeling import CACHE_ARGUMENT
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -73,7 +74,7 @@ def test_split_check_catches_an_off_by_one_position(session, monkeypatch):
         position = ban.length.view(1, 1)  # one past the token's real position
         token = ban.tokens[(ban.length - 1).view(1)].view(1, 1)
         hidden = model.language_model(
-            inputs_embeds=model.embed(token), position_ids=position, past_key_values=cache, use_cache=True
+            inputs_embeds=model.embed(token), position_ids=position, use_cache=True, **{CACHE_ARGUMENT: cache}
         ).last_hidden_state
         return generate.choose_token(model.logits(hidden[:, -1]), ban, options)
 

@@ -10,6 +10,7 @@ import torch
 from dsocr_workers.engine.sampling import ARGMAX_ROWS, first_argmax
 from dsocr_workers.model.checkpoint import build_preset
 from dsocr_workers.model.fused import FusedGateUpMLP, FusedQKVAttention, fuse_projections
+from dsocr_workers.model.modeling import CACHE_ARGUMENT
 from dsocr_workers.model.selected_experts import MAX_PAIRS, SELECTED_EXPERTS, selected_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,8 +61,8 @@ def test_fused_decoder_equals_unfused():
         logits = []
         for model in (reference, fast):
             prompt = model.language_model(inputs_embeds=embeds[:, :8], use_cache=True)
-            step = model.language_model(inputs_embeds=embeds[:, 8:], past_key_values=prompt.past_key_values,
-                                        position_ids=torch.tensor([[8]], device=DEVICE), use_cache=True)  # fmt: skip
+            step = model.language_model(inputs_embeds=embeds[:, 8:], position_ids=torch.tensor([[8]], device=DEVICE),
+                                        use_cache=True, **{CACHE_ARGUMENT: prompt.past_key_values})  # fmt: skip
             logits.append((model.logits(prompt.last_hidden_state), model.logits(step.last_hidden_state)))
     for expected, got in zip(logits[0], logits[1], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
