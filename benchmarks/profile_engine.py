@@ -1,7 +1,8 @@
 """Where the fast engine's GPU time goes, and whether its numerics follow the eager reference.
 
-1. `--profile`: after warm-up, torch.profiler over one prefill and over 32 decode steps of the fast
-   engine (bf16, the anchors' page): the top CUDA kernels of each, and kernels launched per decode step.
+1. `--profile`: after warm-up, the prefill's stage split (CUDA events, median of 5 jobs), then
+   torch.profiler over one prefill and over 32 decode steps of the fast engine (bf16, the anchors'
+   page): the top CUDA kernels of each, and kernels launched per decode step.
 2. `--agreement-dtypes float32,...`: teacher-forced top-1 agreement of fast vs eager in that dtype. In
    bf16 random weights give near-tied logits (spec §12), so a kernel-order rounding difference flips
    some top-1 picks; in float32 the same comparison isolates real divergence from rounding.
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +51,11 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
     session = DeepSeekOCRSession.from_local(model, device="cuda", engine="fast")
     for _ in range(2):  # the same budget as below: the same cache bucket, warm
         session.run_inference(page, max_new_tokens=steps + 1, infer=PLAIN)
+    # The prefill's stage split (CUDA events, the median of 5 warm jobs) beside the kernels it runs.
+    split = [session.run_inference(page, max_new_tokens=steps + 1, infer=PLAIN).timings for _ in range(5)]
+    print("== fast prefill stages, median of 5 warm jobs (ms): " + ", ".join(
+        f"{name} {statistics.median(getattr(t, name + '_ms') for t in split):.2f}"
+        for name in ("prefill", "sam", "clip", "projector", "lm_prefill")), flush=True)
     clock = quiet_clock(session)
     with torch.inference_mode():
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
