@@ -51,6 +51,7 @@ from dsocr_workers.model.experts import VENDOR_LOOP
 from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.sam_attention import fold_relative_positions
+from dsocr_workers.model.sam_patches import embed_patches_by_matmul
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,11 @@ def engine_kernels(engine: str) -> dict[str, str]:
 
 def fast_modules(model: DeepSeekOCR) -> None:
     """The fast engine's module swaps after loading (checkpoints keep the vendor layout): fused decoder
-    projections (`model.fused`) and SAM's relative positions as query/key channels
-    (`model.sam_attention`)."""
+    projections (`model.fused`), SAM's relative positions as query/key channels
+    (`model.sam_attention`) and its patch embedding as a GEMM (`model.sam_patches`)."""
     fuse_projections(model.language_model)
     fold_relative_positions(model.sam)
+    embed_patches_by_matmul(model.sam)
 
 
 @dataclass(frozen=True)

@@ -109,3 +109,28 @@ def test_sam_with_folded_relative_positions_equals_transformers(size):
         folded = sam(pixels).last_hidden_state
     assert reference.std() > 0.1  # a live signal, not one flattened by the init
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_patch_embedding_as_matmul_equals_the_convolution():
+    """The full model's SAM patch embedding (16×16 at stride 16, 3 → 768), float32, a 1024-px view and
+    two 640-px tiles: the GEMM over unfolded patches gives the convolution's output."""
+    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.sam_patches import PatchEmbeddingMatmul, embed_patches_by_matmul
+    from dsocr_workers.model.vision import build_sam
+
+    torch.manual_seed(0)
+    sam = build_sam(replace(PRESETS["full"].sam, layers=1, global_attn_indexes=())).eval()
+    convolution = sam.patch_embed
+    with torch.no_grad():  # build_sam leaves the weights near zero and the bias at zero: make both count
+        convolution.projection.weight.normal_(0.0, (3 * 16 * 16) ** -0.5)
+        convolution.projection.bias.normal_()
+    views = [torch.randn(1, 3, 1024, 1024), torch.randn(2, 3, 640, 640)]
+    with torch.inference_mode():
+        expected = [convolution(view) for view in views]
+        embed_patches_by_matmul(sam)
+        assert isinstance(sam.patch_embed, PatchEmbeddingMatmul)
+        got = [sam.patch_embed(view) for view in views]
+    for g, e in zip(got, expected, strict=True):
+        assert e.std() > 0.5  # a live signal
+        assert g.shape == e.shape == (e.shape[0], e.shape[1], e.shape[2], 768)
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
