@@ -255,6 +255,11 @@ class DeepSeekOCRSession:
 
     def __post_init__(self) -> None:
         model = self.loaded.model
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to (matmuls
+            # are full float32 by default), which set the eager reference's SAM convolutions ~2e-3 away
+            # from the fast engine's patch-embedding GEMM on an H200. bf16 sessions are unaffected.
+            torch.backends.cudnn.allow_tf32 = False
         self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._vision = _Vision.per_group(model.encode_sam, model.encode_clip, model.project)
         self._prefill = prefill
