@@ -151,8 +151,14 @@ def selected_experts_forward(
         and self.config.hidden_act == "silu"
     )
     if not kernels_fit:
-        many_tokens = grouped_mm_experts_forward if hidden_states.dtype == torch.bfloat16 else batched_mm_experts_forward
-        return many_tokens(self, hidden_states, top_k_index, top_k_weights)
+        if hidden_states.dtype != torch.bfloat16:
+            return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        if not self.has_bias and self.num_experts <= torch.iinfo(torch.int16).max:
+            # grouped_mm sorts the pairs by expert id (cub's radix sort, a pass per key byte): as int16
+            # 2 passes instead of int64's 8; on an H200 the sorts took 0.49 ms of a 916-token prefill's
+            # 5.4 ms. Without biases the ids index nothing, so their dtype is free.
+            top_k_index = top_k_index.to(torch.int16)
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return selected_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
 

@@ -35,12 +35,14 @@ def test_selected_experts_match_grouped_mm(tokens):
     assert got.abs().max() > 0.1  # the experts contributed
 
 
-def test_selected_experts_implementation_falls_back_for_a_prompt():
-    """Past MAX_PAIRS (token, expert) pairs the implementation hands over to grouped/batched GEMMs."""
-    model = tiny(SELECTED_EXPERTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selected_experts_implementation_falls_back_for_a_prompt(dtype):
+    """Past MAX_PAIRS (token, expert) pairs the implementation hands over to batched GEMMs (float32) or
+    grouped GEMMs (bf16, expert ids sorted as int16): transformers' result either way."""
+    model = tiny(SELECTED_EXPERTS).to(dtype)
     moe = model.language_model.layers[1].mlp
     tokens = MAX_PAIRS // model.config.text.num_experts_per_tok + 5
-    hidden = torch.randn(1, tokens, model.config.text.hidden_size, device=DEVICE)
+    hidden = torch.randn(1, tokens, model.config.text.hidden_size, device=DEVICE, dtype=dtype)
     with torch.inference_mode():
         got = moe(hidden)
         model.language_model.config._experts_implementation = "grouped_mm"
