@@ -1,8 +1,8 @@
 """Where the fast engine's GPU time goes, and whether its numerics follow the eager reference.
 
 1. `--profile`: after warm-up, the prefill's stage split (CUDA events, median of 5 jobs), then
-   torch.profiler over one prefill and over 32 decode steps of the fast engine (bf16, the anchors'
-   page): the top CUDA kernels of each, and kernels launched per decode step.
+   torch.profiler over each prefill stage (SAM, CLIP, LM prefill) and over 32 decode steps of the fast
+   engine (bf16, the anchors' page): the top CUDA kernels of each, and kernels launched per decode step.
 2. `--agreement-dtypes float32,...`: teacher-forced top-1 agreement of fast vs eager in that dtype. In
    bf16 random weights give near-tied logits (spec §12), so a kernel-order rounding difference flips
    some top-1 picks; in float32 the same comparison isolates real divergence from rounding.
@@ -17,7 +17,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,6 +33,7 @@ from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.stages import StageClock  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_agreement  # noqa: E402
 
+T = TypeVar("T")
 PLAIN = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
 
 
@@ -40,6 +43,19 @@ def top_kernels(prof: profile, rows: int) -> str:
 
 def kernel_launches(prof: profile) -> int:
     return sum(event.count for event in prof.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def profile_stage(name: str, run: Callable[[], T], rows: int) -> T:
+    """Run one stage under torch.profiler; print its kernel time, launches and top kernels."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_ms = sum(e.self_device_time_total for e in kernels) / 1000
+    print(f"== fast {name}: {total_ms:.2f} ms of kernels, {kernel_launches(prof)} launches\n"
+          + top_kernels(prof, rows), flush=True)
+    return out
 
 
 def quiet_clock(session: DeepSeekOCRSession) -> StageClock:
@@ -59,11 +75,22 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
     clock = quiet_clock(session)
     with torch.inference_mode():
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
+        # The prefill's stages one at a time, as `DeepSeekOCRSession.prefill` runs them (its vision
+        # callables and compiled LM prefill: replayed CUDA graphs cannot be split by range afterwards).
+        vision, lm_prefill, ocr = session._vision, session._prefill, session.model
+        inputs, cache = job.inputs, job.buffers.cache
+        sam = profile_stage("SAM", lambda: vision.sam(inputs.pixels), rows)
+        clip = profile_stage("CLIP", lambda: vision.clip(sam), rows)
+        tokens = [vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
+        image = ocr.layout(tokens[0][0], tokens[1] if len(tokens) > 1 else None, inputs.page.crop_grid)
+        embeds = ocr.embed(inputs.input_ids).unsqueeze(0)
+        embeds[0].index_copy_(0, inputs.image_positions, image.to(embeds.dtype))
+        torch._dynamo.mark_dynamic(embeds, 1)
+        profile_stage("LM prefill", lambda: lm_prefill(ocr, embeds, cache), rows)
+        # The decode below starts from a whole prefill of its own.
+        job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
+        session.prefill(job, clock)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
-            session.prefill(job, clock)
-            torch.cuda.synchronize()
-        print("== fast prefill + first token: top CUDA kernels\n" + top_kernels(prefill_prof, rows), flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as decode_prof:
             session.decode(job, clock)
             torch.cuda.synchronize()
