@@ -133,12 +133,15 @@ class JobProcess:
 
     def prepare_for(self, job_id: str) -> None:
         """Before the claim: load and warm what this job's run needs, so the job does not pay for it.
-        A job that is gone or unknown is left to the claim to refuse."""
+        A job that is gone or unknown is left to the claim to refuse. The run of a job whose page was
+        prefetched was read with it: no ledger round trip between two jobs for it."""
         try:
-            with self.db.transaction() as tx:
-                row = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
-            if row is not None:
-                self.warm(job_warmup(row.model, row.parameters))
+            run: Any = self.prefetcher.job(job_id)  # a WaitingJob or a row: both have .model, .parameters
+            if run is None:
+                with self.db.transaction() as tx:
+                    run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
+            if run is not None:
+                self.warm(job_warmup(run.model, run.parameters))
         except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
 

@@ -63,10 +63,11 @@ class PageRequest:
 
 @dataclass(frozen=True)
 class Prefetched:
-    """A page prepared ahead for `request`, or the error preparing it met."""
+    """A page prepared ahead for `request`, or the error preparing it met, and its job as read then."""
 
     request: PageRequest
     outcome: PreparedJob | Exception
+    job: WaitingJob
 
     def page(self) -> PreparedJob:
         """The prepared page; the error, raised here, in the job's own run."""
@@ -88,6 +89,13 @@ class Prefetcher:
         another model is left to prepare its own, after that model is loaded). A page prefetched earlier
         and not taken is dropped."""
         self._next = self._thread.submit(self._prepare, upcoming, model, session)
+
+    def job(self, job_id: str) -> WaitingJob | None:
+        """The job whose page is being prefetched, as the thread read it, if it is `job_id` (waiting for
+        the thread if it is still at work: the job's own run would wait for its page anyway). Its
+        run's model and parameters then need no second read before the claim."""
+        prefetched = None if self._next is None else self._next.result()
+        return prefetched.job if prefetched is not None and prefetched.request.job_id == job_id else None
 
     def take(self, request: PageRequest) -> Prefetched | None:
         """The page prefetched for `request` (waiting for the thread if it is still at work), or None;
@@ -116,5 +124,5 @@ class Prefetcher:
         try:
             prepared = session.prepare_job(str(request.image_path), request.prompt, request.mode, job_id=request.job_id)
         except Exception as exc:  # the job raises it when it runs (a bad image: its InputError)
-            return Prefetched(request, exc)
-        return Prefetched(request, prepared)
+            return Prefetched(request, exc, waiting)
+        return Prefetched(request, prepared, waiting)

@@ -79,12 +79,16 @@ def claim_job(
     lease is refused, unless `is_dead(that owner)` says its process is gone (the farm's probe,
     farm/owners.py): then it is taken over at once as a new attempt."""
     now = now or utcnow()
-    row = session.execute(
-        select(Job, Run).join(Run, Job.run_id == Run.id).where(Job.id == job_id)
-    ).one_or_none()
-    if row is None:
+    # The columns the claim reads, not the ORM objects: loading two entities into the session (and
+    # flushing it at commit) is host time between one job's end and the next one's start on the device.
+    job = session.execute(
+        select(Job.state, Job.lease_owner, Job.lease_expires_at, Job.attempts, Job.image, Job.repeat,
+               Job.reference, Run.id.label("run_id"), Run.root, Run.model, Run.parameters)
+        .join(Run, Job.run_id == Run.id)
+        .where(Job.id == job_id)
+    ).one_or_none()  # fmt: skip
+    if job is None:
         return Refusal(job_id, "unknown job", None)
-    job, run = row
     if job.state in FINAL_STATES:
         return Refusal(job_id, f"already {job.state}", job.state)
 
@@ -147,15 +151,15 @@ def claim_job(
         return Refusal(job_id, "claimed concurrently by another worker", None)
     return Claim(
         job_id=job_id,
-        run_id=run.id,
+        run_id=job.run_id,
         image=job.image,
-        image_path=Path(run.root) / job.image,
+        image_path=Path(job.root) / job.image,
         repeat=job.repeat,
         attempt=attempt,
         owner=owner,
         lease_expires_at=lease_expires_at,
-        model=run.model,
-        parameters=dict(run.parameters),
+        model=job.model,
+        parameters=dict(job.parameters),
         reference=job.reference,
     )
 
