@@ -190,6 +190,21 @@ def test_claim_of_a_job_that_submit_marks_queued_meanwhile(database: Database):
     assert (job(database, job_id).state, job(database, job_id).lease_owner) == ("running", "host-a:1:x")
 
 
+def test_a_job_claimed_before_submit_marks_its_batch_still_gets_its_queued_time(database: Database):
+    """Submit sends every message, then marks the batch queued; a waiting worker may claim the first job
+    in between. It stays running, and gets the queued time all the same: throughput measures its wait
+    from min(queued, claim), from the row's creation when queued_at is missing."""
+    _, ids = make_run(database, images=2)
+    with database.transaction() as session:
+        session.execute(update(Job).where(Job.id.in_(ids)).values(state="pending", queued_at=None))
+    assert isinstance(claim(database, ids[0], "host-a:1:x"), ledger.Claim)
+    with database.transaction() as session:
+        ledger.mark_queued(session, ids)
+    claimed, waiting = job(database, ids[0]), job(database, ids[1])
+    assert (claimed.state, waiting.state) == ("running", "queued")
+    assert claimed.queued_at is not None and claimed.queued_at == waiting.queued_at >= claimed.started_at
+
+
 def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database):
     _, (job_id,) = make_run(database)
     worker_id = add_worker(database)

@@ -29,8 +29,7 @@ def test_insert_then_overwrite_then_leave_alone(database):
 
 
 def test_an_unknown_column_is_an_error_and_writes_nothing(database):
-    with pytest.raises(ValueError, match="workers has no column hostname"):
-        with database.transaction() as tx:
-            upsert(tx, Worker, {**worker(), "hostname": "h"}, ["id"])
+    with pytest.raises(ValueError, match="workers has no column hostname"), database.transaction() as tx:
+        upsert(tx, Worker, {**worker(), "hostname": "h"}, ["id"])
     with database.transaction() as tx:
         assert tx.scalars(select(Worker)).all() == []
