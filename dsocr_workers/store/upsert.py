@@ -38,8 +38,8 @@ def upsert(
 
 @lru_cache(maxsize=64)
 def _statement(dialect: str, table: Table, keys: tuple[str, ...], columns: tuple[str, ...]) -> Any:
-    """The statement for one shape of upsert, built once: the values travel as parameters. Built per
-    call, the results row's ~60 columns cost about a millisecond of Python per job (docs/benchmarks.md)."""
+    """The statement for one shape of upsert, built once: the values travel as parameters. Built on every
+    call, a result row's ~70 columns were Python work on the farm's path between two jobs."""
     statement = INSERTS[dialect](table)
     if columns:
         return statement.on_conflict_do_update(index_elements=list(keys), set_={c: statement.excluded[c] for c in columns})
