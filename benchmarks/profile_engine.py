@@ -77,16 +77,11 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
         # The prefill's stages one at a time, as `DeepSeekOCRSession.prefill` runs them (its vision
         # callables and compiled LM prefill: replayed CUDA graphs cannot be split by range afterwards).
-        vision, lm_prefill, ocr = session._vision, session._prefill, session.model
-        inputs, cache = job.inputs, job.buffers.cache
+        vision, lm_prefill, inputs, profiled = session._vision, session.lm_prefill, job.inputs, job
         sam = profile_stage("SAM", lambda: vision.sam(inputs.pixels), rows)
-        clip = profile_stage("CLIP", lambda: vision.clip(sam), rows)
-        tokens = [vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
-        image = ocr.layout(tokens[0][0], tokens[1] if len(tokens) > 1 else None, inputs.page.crop_grid)
-        embeds = ocr.embed(inputs.input_ids).unsqueeze(0)
-        embeds[0].index_copy_(0, inputs.image_positions, image.to(embeds.dtype))
-        torch._dynamo.mark_dynamic(embeds, 1)
-        profile_stage("LM prefill", lambda: lm_prefill(ocr, embeds, cache), rows)
+        profile_stage("CLIP", lambda: vision.clip(sam), rows)
+        image = session.encode_image(inputs, clock)  # all of vision again, unprofiled: the LM's input
+        profile_stage("LM prefill", lambda: lm_prefill(profiled, image), rows)
         # The decode below starts from a whole prefill of its own.
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
         session.prefill(job, clock)

@@ -419,19 +419,25 @@ class DeepSeekOCRSession:
         with clock.stage("prefill"):
             image_embeds = self.encode_image(inputs, clock) if injects_image else None
             with clock.stage("lm_prefill"):
-                embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
-                if image_embeds is not None:
-                    embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
-                if self.engine == "fast":
-                    # Dynamic in the prompt length from the first call: otherwise dynamo compiles the
-                    # first length statically and recompiles at the second.
-                    torch._dynamo.mark_dynamic(embeds, 1)
-                logits = self._prefill(self.model, embeds, job.buffers.cache)
+                logits = self.lm_prefill(job, image_embeds)
         job.vision_calls = int(injects_image)
         with clock.stage("first_token"):
             choose_token(logits, job.ban, job.options)
             self._force_eos(job, 0)
         return logits
+
+    def lm_prefill(self, job: Job, image_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The prompt's embeddings with the image's placed at its placeholders, through the language
+        model into the job's cache; returns the last position's logits."""
+        inputs = job.inputs
+        embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
+        if image_embeds is not None:
+            embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
+        if self.engine == "fast":
+            # Dynamic in the prompt length from the first call: otherwise dynamo compiles the first
+            # length statically and recompiles at the second.
+            torch._dynamo.mark_dynamic(embeds, 1)
+        return self._prefill(self.model, embeds, job.buffers.cache)
 
     def decode(
         self, job: Job, clock: StageClock, after_step: Callable[[int], None] | None = None,
