@@ -101,6 +101,8 @@ def environment() -> dict[str, Any]:
     """Versions and GPUs, read without importing torch or touching CUDA in this process."""
     import platform
 
+    import dsocr_workers
+
     gpus = _run_text(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"])
     rows = [[part.strip() for part in line.split(",")] for line in (gpus or "").splitlines() if line.strip()]
     return {
@@ -110,6 +112,8 @@ def environment() -> dict[str, Any]:
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "celery": _version("celery"),
+        # The code measured: with several checkouts on a machine (one of them installed editable), which one.
+        "dsocr_workers": str(Path(dsocr_workers.__file__).resolve().parent),
         "gpus": [{"index": r[0], "name": r[1], "memory": r[3]} for r in rows if len(r) >= 4],
         "gpu": rows[0][1] if rows else None,
         "driver": rows[0][2] if rows else None,
@@ -169,6 +173,31 @@ def prepare_ledger(url: str, create: bool) -> None:
         check_schema(db)
     finally:
         db.dispose()
+
+
+def given_ledger_error(url: str) -> tuple[int, str] | None:
+    """Why the --database-url ledger cannot be used, as (exit code, one line), or None if it can. Asked
+    before Redis or a worker starts, so that a wrong ledger costs nothing to find out. The codes are dsocr's
+    own: 2 a schema to create or upgrade (or a bad URL), 3 the database unreachable."""
+    from dsocr_workers.errors import DsocrError
+    from dsocr_workers.store.db import SchemaError
+
+    try:
+        prepare_ledger(url, create=False)
+    except SchemaError as exc:  # `dsocr db upgrade` takes its URL from the environment, not an option
+        return exc.exit_code, f"{exc} (with DSOCR_DATABASE_URL set to that URL)"
+    except DsocrError as exc:  # driver messages span lines ("Is the server running ...?"): one line
+        return exc.exit_code, " ".join(str(exc).split())
+    return None
+
+
+def output_folders(out: Path | None, keep_logs: Path | None) -> Path:
+    """Create the results folder and the --keep-logs folder (parents too) before any run, so that a
+    missing folder is not found at the first copy, after a worker's run; returns the results folder."""
+    out_dir = out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results")
+    for folder in filter(None, (out_dir, keep_logs)):
+        folder.mkdir(parents=True, exist_ok=True)
+    return out_dir
 
 
 def job_counts(db: Any, run_id: str) -> Counter[str]:
@@ -312,7 +341,7 @@ def one_run(
     record["final_counts"] = dict(job_counts(db, run_id))
     record["worker_log_tail"] = tail(logpath, 40 if status != "complete" else 6)
     if args.keep_logs:
-        shutil.copy(logpath, Path(args.keep_logs) / logpath.name)
+        shutil.copy(logpath, args.keep_logs / logpath.name)
     log(f"{engine} K={k}: {status}, worker stopped (exit {record['exit_code']}) in {record['stop_s']} s")
     return record
 
@@ -606,7 +635,7 @@ def main() -> int:
     parser.add_argument("--poll-s", type=float, default=1.0)
     parser.add_argument("--stop-grace-s", type=float, default=90)
     parser.add_argument("--worker-loglevel", default="INFO")
-    parser.add_argument("--keep-logs", help="copy the worker logs into this folder")
+    parser.add_argument("--keep-logs", type=Path, help="copy the worker logs into this folder (created if missing)")
     args = parser.parse_args()
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -625,8 +654,11 @@ def main() -> int:
     if not args.filelist.is_file():
         print(f"bench_scaling: no file list {args.filelist}", file=sys.stderr)
         return 2
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.database_url and (error := given_ledger_error(args.database_url)):
+        code, message = error
+        print(f"bench_scaling: {message}", file=sys.stderr)
+        return code
+    out_dir = output_folders(args.out, args.keep_logs)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M")
     json_path, md_path = out_dir / f"scaling-{stamp}.json", out_dir / f"scaling-{stamp}.md"
 
@@ -660,9 +692,13 @@ def main() -> int:
                 redis_proc, broker_url = start_redis(args.redis_server, tmp)
                 report["settings"]["broker"] = f"private redis-server ({_run_text([args.redis_server, '--version'])})"
                 log(f"redis-server pid {redis_proc.pid} at {broker_url}")
-            database_url = args.database_url or f"sqlite:///{tmp / 'ledger.db'}"
-            report["settings"]["ledger"] = "given (--database-url)" if args.database_url else "fresh SQLite file"
-            prepare_ledger(database_url, create=not args.database_url)
+            if args.database_url:  # its schema was checked before Redis started
+                database_url = args.database_url
+                report["settings"]["ledger"] = "given (--database-url)"
+            else:
+                database_url = f"sqlite:///{tmp / 'ledger.db'}"
+                report["settings"]["ledger"] = "fresh SQLite file"
+                prepare_ledger(database_url, create=True)
 
             env = dict(os.environ)
             env.update({

@@ -1,0 +1,94 @@
+"""benchmarks/bench_scaling.py at its edges: a ledger it cannot use is refused before Redis or a worker
+starts, the --keep-logs folder is made up front, and the results say which dsocr_workers ran."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scaling.py"
+PG_ADMIN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    # Loaded from its file: `benchmarks` is also the name of this test folder.
+    spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(database_url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    # --gpus cpu: without it a machine with no GPU stops at the GPU count, before the ledger is looked at.
+    command = [sys.executable, str(SCRIPT), "--gpus", "cpu", "--database-url", database_url,
+               "--out", str(tmp_path / "out")]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+
+
+def assert_refused_early(result: subprocess.CompletedProcess[str], tmp_path: Path) -> None:
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    # Nothing started: the results folder is made, and redis-server started, only after the check.
+    assert "redis-server" not in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_unmigrated_sqlite_is_refused_with_the_upgrade_command(tmp_path: Path) -> None:
+    result = run_script(f"sqlite:///{tmp_path / 'empty.db'}", tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "dsocr db upgrade" in result.stderr
+    assert_refused_early(result, tmp_path)
+
+
+@pytest.fixture
+def empty_postgres_url() -> Iterator[str]:
+    import psycopg
+
+    name = f"dsocr_bench_{uuid.uuid4().hex[:10]}"
+    try:
+        with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+    except psycopg.Error as exc:
+        pytest.skip(f"no PostgreSQL to create a scratch database on: {exc}")
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.mark.postgres
+def test_unmigrated_postgres_is_refused_with_the_upgrade_command(empty_postgres_url: str, tmp_path: Path) -> None:
+    result = run_script(empty_postgres_url, tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "dsocr db upgrade" in result.stderr
+    assert_refused_early(result, tmp_path)
+
+
+def test_unreachable_database_exits_3(tmp_path: Path) -> None:
+    result = run_script("postgresql+psycopg://nobody@127.0.0.1:1/x", tmp_path)  # port 1: refused at once
+    assert result.returncode == 3, result.stderr
+    assert "database unavailable" in result.stderr
+    assert_refused_early(result, tmp_path)
+
+
+def test_environment_names_the_imported_package(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dsocr_workers
+
+    monkeypatch.setenv("DSOCR_GIT_SHA", "0123abc")
+    env = bench.environment()
+    assert env["dsocr_workers"] == str(Path(dsocr_workers.__file__).resolve().parent)
+    assert env["git_sha"] == "0123abc"
+
+
+def test_output_folders_creates_the_keep_logs_folder(bench: ModuleType, tmp_path: Path) -> None:
+    out, logs = tmp_path / "out", tmp_path / "not" / "yet" / "logs"
+    assert bench.output_folders(out, logs) == out
+    assert out.is_dir() and logs.is_dir()
