@@ -4,7 +4,8 @@ It owns one device, one ledger connection (opened in this process, after fork) a
 kept while consecutive jobs ask for the same model settings (model, dtype, engine, seed). The model is
 loaded and warmed before a job is claimed (farm/warm.py), and each time that happens a
 `worker_sessions` row records what it cost; the jobs run afterwards point at that row. While a job has
-the device, the page of the job likely to come next is prepared on a thread (farm/prefetch.py).
+the device, the page of the job likely to come next is prepared on a thread (farm/prefetch.py); a
+Celery child's results are written on another while it takes its next job (farm/results.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.prefetch import PageRequest, Prefetcher, Upcoming
+from dsocr_workers.farm.results import ResultWriter
 from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -56,6 +58,7 @@ class JobProcess:
     owner: str
     queues: tuple[str, ...]
     prefetcher: Prefetcher
+    results: ResultWriter
     loaded: LoadedSession | None = None
 
     @classmethod
@@ -73,9 +76,10 @@ class JobProcess:
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
         return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner, queues=queues,
-                   prefetcher=Prefetcher(db))  # fmt: skip
+                   prefetcher=Prefetcher(db), results=ResultWriter(db))  # fmt: skip
 
     def close(self) -> None:
+        self.results.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
         self.heartbeat.stop()
         self.db.dispose()

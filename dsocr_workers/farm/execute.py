@@ -3,6 +3,9 @@
     claim (lease) → infer → result + `done` in one transaction guarded by the lease
                           ↘ failure classified: InputError final, TransientError released, other counted
 
+Given a `ResultWriter` (a Celery child: farm/results.py), the result's transaction runs on the writer's
+thread and the job's outcome is `completing`; without one (`dsocr run`) it runs here.
+
 Nothing here knows about Celery: retries are returned as `Outcome.retry_in_s` for the caller to schedule.
 """
 
@@ -17,6 +20,7 @@ from typing import Any, Literal
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.owners import owner_is_dead
+from dsocr_workers.farm.results import ResultWriter
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
@@ -25,7 +29,7 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import utcnow
 
-Status = Literal["done", "failed", "queued", "poisoned", "refused", "released", "lost"]
+Status = Literal["done", "completing", "failed", "queued", "poisoned", "refused", "released", "lost"]
 # Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
 BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 
@@ -59,9 +63,12 @@ def retry_backoff_s(attempt: int, settings: Settings) -> float:
     )
 
 
-def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer) -> Outcome:
+def execute_job(
+    db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, results: ResultWriter | None = None
+) -> Outcome:
     """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
-    under this owner's lease, and a later delivery to this process continues the same attempt."""
+    under this owner's lease, and a later delivery to this process continues the same attempt. With
+    `results`, a job that ran is `completing`: its result is written by `results`, after this returns."""
     with db.transaction() as session:
         claim = ledger.claim_job(
             session, job_id, owner, lease_s=settings.lease_s, max_attempts=settings.max_attempts,
@@ -83,9 +90,13 @@ def execute_job(db: Database, job_id: str, *, owner: str, settings: Settings, in
     except Exception as exc:  # a model bug, CUDA OOM, a soft time limit: counts an attempt
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
+    finished_at = utcnow()
     row = result_row(ran, claim, claimed_s)  # scored here, outside the transaction that holds the job's row
+    if results is not None:
+        results.write(claim, row, finished_at)
+        return Outcome(job_id, "completing")
     with db.transaction() as session:
-        written = ledger.complete_job(session, claim, row)
+        written = ledger.complete_job(session, claim, row, now=finished_at)
     if not written:
         return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
     return Outcome(job_id, "done")

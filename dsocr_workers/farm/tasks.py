@@ -132,7 +132,10 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # The next message is not this child's to see: the page prefetched while this job runs is a guess's.
     infer = partial(_process.infer, upcoming=_process.next_on_queues)
     try:
-        outcome = execute_job(_process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer)
+        # The result is written on the child's writer thread while the parent hands it the next message.
+        outcome = execute_job(
+            _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer, results=_process.results
+        )
     except TransientError as exc:
         delay = retry_backoff_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

@@ -1,7 +1,7 @@
 """TEST-ONLY: `dsocr` with faults in chosen jobs, for scenarios that need a fault no real input produces on
 demand. The package itself carries no fault hook and no switch for one: this entry point, which lives
-only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job), then
-hands the rest of its arguments to `dsocr`:
+only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job) and
+`ResultWriter.write` (farm/results.py), then hands the rest of its arguments to `dsocr`:
 
     python tests/reliability/faulty_dsocr.py --crash 'poison*.png' --hang 'hung*.png' worker --gpus cpu
 
@@ -10,9 +10,13 @@ hands the rest of its arguments to `dsocr`:
                   killer). Exercises reject_on_worker_lost and the attempt cap.
     --hang GLOB   it sleeps forever with the soft-time-limit signal blocked: a call stuck in native code
                   that never returns to Python. Only the hard time limit (SIGKILL by the parent) ends it.
+    --lose-result GLOB
+                  on the job's first attempt, its result is never handed to the writer thread
+                  (farm/results.py) and the process SIGKILLs itself a second later: the task has returned
+                  and its message is acknowledged, its result not written. The ledger must bring it back.
 
-A worker's prefork children are forked from the process that installed the wrapper, so they run it;
-`dsocr run` runs it in its own process. Everything else about the job is real: the claim, the ledger,
+A worker's prefork children are forked from the process that installed the wrappers, so they run them;
+`dsocr run` runs them in its own process. Everything else about the job is real: the claim, the ledger,
 Celery, the model.
 """
 
@@ -24,6 +28,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from typing import Any
 from dsocr_workers.store.ledger import Claim
 
 RunJob = Callable[[Any, Claim, Any], Any]  # JobProcess.infer, unbound: (process, claim, upcoming) -> Ran
+Write = Callable[[Any, Claim, dict[str, Any], Any], None]  # ResultWriter.write, unbound
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,14 @@ class Faults:
 
     crash: tuple[str, ...] = ()
     hang: tuple[str, ...] = ()
+    lose_result: tuple[str, ...] = ()
 
     def dsocr_command(self) -> list[str]:
         """The command line that starts `dsocr` with these faults; `python -m dsocr_workers` without any."""
-        if not (self.crash or self.hang):
+        if not (self.crash or self.hang or self.lose_result):
             return [sys.executable, "-m", "dsocr_workers"]
-        flags = [*(("--crash", glob) for glob in self.crash), *(("--hang", glob) for glob in self.hang)]
+        flags = [*(("--crash", glob) for glob in self.crash), *(("--hang", glob) for glob in self.hang),
+                 *(("--lose-result", glob) for glob in self.lose_result)]  # fmt: skip
         return [sys.executable, str(Path(__file__).resolve()), *(part for flag in flags for part in flag)]
 
 
@@ -70,17 +78,36 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
     return infer_with_faults
 
 
+def losing_results(write: Write, globs: tuple[str, ...]) -> Write:
+    """`write`, but the first attempt of a job whose image matches a glob is dropped and its process
+    killed a second later, once its task has returned."""
+
+    @functools.wraps(write)
+    def write_or_lose(writer: Any, claim: Claim, row: dict[str, Any], finished_at: Any) -> None:
+        if claim.attempt == 1 and any(fnmatch.fnmatchcase(claim.image, glob) for glob in globs):
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return
+        write(writer, claim, row, finished_at)
+
+    return write_or_lose
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="faulty_dsocr.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--crash", action="append", default=[], metavar="GLOB", help="jobs that kill their process")
     parser.add_argument("--hang", action="append", default=[], metavar="GLOB", help="jobs that hang their process")
+    parser.add_argument("--lose-result", action="append", default=[], metavar="GLOB",
+                        help="jobs whose first result is lost with their process after their task returned")
     parser.add_argument("dsocr_args", nargs=argparse.REMAINDER, help="the `dsocr` command line")
     args = parser.parse_args(argv)
 
     from dsocr_workers.cli import main as dsocr
     from dsocr_workers.farm.child import JobProcess
+    from dsocr_workers.farm.results import ResultWriter
 
     JobProcess.infer = with_faults(JobProcess.infer, Faults(tuple(args.crash), tuple(args.hang)))
+    if args.lose_result:
+        ResultWriter.write = losing_results(ResultWriter.write, tuple(args.lose_result))
     dsocr(args.dsocr_args, prog_name="dsocr")
 
 

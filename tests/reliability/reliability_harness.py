@@ -437,6 +437,10 @@ class TcpProxy:
         self._listener: threading.Thread | None = None
         self.restore()
 
+    @property
+    def up(self) -> bool:
+        return self._running
+
     def restore(self) -> None:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

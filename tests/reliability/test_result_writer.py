@@ -1,0 +1,192 @@
+"""A Celery child's result is written on its writer thread after the task returns (farm/results.py):
+the task does not wait for the write, the job keeps the time it finished, a ledger outage during the
+write is waited out, and closing in an outage gives the write up without hanging. The model (tiny, CPU),
+the ledger (PostgreSQL, through a proxy the test cuts) and the writer are the real ones; the write is
+held back by a row lock another connection takes, as a busy database would. Last, through a real farm:
+a child that dies between its task's return and its result's write loses no job."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from faulty_dsocr import Faults
+from reliability_harness import FAST_JOB, TcpProxy, check_invariants, make_pages, record
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from dsocr_workers.farm.child import JobProcess, job_warmup
+from dsocr_workers.farm.execute import execute_job
+from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.settings import Settings
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Result, utcnow
+
+OPTIONS = RunOptions(mode="tiny", max_new_tokens=2, engine="eager")
+
+
+@dataclass
+class Setup:
+    process: JobProcess
+    settings: Settings
+    proxy: TcpProxy
+    job_ids: list[str]
+    direct_url: str  # the ledger, not through the proxy
+
+
+@pytest.fixture
+def setup(postgres_url, tmp_path, make_png) -> Iterator[Setup]:
+    for name in ("a.png", "b.png"):
+        make_png(name, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\nb.png\n")
+    direct = open_database(postgres_url)
+    run = record_run(direct, read_filelist(listing), OPTIONS, queue="writer")
+    direct.dispose()
+    proxy = TcpProxy(5432)
+    proxied = make_url(postgres_url).set(port=proxy.port).render_as_string(hide_password=False)
+    settings = Settings(database_url=proxied, queue="writer")
+    process = JobProcess.open(settings, "cpu", queues=("writer",))
+    try:
+        process.warm(job_warmup(OPTIONS.model, OPTIONS.__dict__))
+        yield Setup(process, settings, proxy, run.job_ids, postgres_url)
+    finally:
+        if not proxy.up:
+            proxy.restore()
+        process.close()
+        proxy.cut()
+
+
+class RowLock:
+    """A job's row locked by another connection (not through the proxy): the writer's UPDATE waits
+    until `release()`."""
+
+    def __init__(self, url: str, job_id: str) -> None:
+        self._dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self._job_id = job_id
+        self._conn: psycopg.Connection | None = None
+
+    def acquire(self) -> None:
+        self._conn = psycopg.connect(self._dsn)  # a transaction is open from the first statement
+        # A write that waits on the lock in the caller's own thread would wait for ever: the server
+        # ends this session (and the lock) after 15 s idle, so such a test fails instead of hanging.
+        self._conn.execute("SET idle_in_transaction_session_timeout = '15s'")
+        self._conn.execute("SELECT 1 FROM jobs WHERE id = %s FOR UPDATE", (self._job_id,))
+
+    def release(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):  # ended by the server already
+                self._conn.rollback()
+            self._conn.close()
+            self._conn = None
+
+
+def job_state(url: str, job_id: str) -> tuple[str, object, int]:
+    db = open_database(url)
+    try:
+        with db.transaction() as tx:
+            state, finished_at = tx.execute(select(Job.state, Job.finished_at).where(Job.id == job_id)).one()
+            results = tx.scalar(select(func.count()).select_from(Result).where(Result.job_id == job_id))
+    finally:
+        db.dispose()
+    return state, finished_at, results
+
+
+def run_job(s: Setup, job_id: str, lock: RowLock | None = None):
+    """`execute_job` as the Celery task calls it; with `lock`, the job's row is locked once the job
+    has run (after its claim committed), so its result's write waits for `lock.release()`."""
+
+    def infer(claim):
+        ran = s.process.infer(claim)
+        if lock is not None:
+            lock.acquire()
+        return ran
+
+    return execute_job(s.process.db, job_id, owner=s.process.owner, settings=s.settings, infer=infer,
+                       results=s.process.results)  # fmt: skip
+
+
+def test_the_task_returns_before_its_result_is_written_and_the_job_keeps_its_finish_time(setup):
+    job_id = setup.job_ids[0]
+    lock = RowLock(setup.direct_url, job_id)
+    try:
+        outcome = run_job(setup, job_id, lock)
+        returned = utcnow()
+        assert outcome.status == "completing"  # returned while the write waits on the lock
+        time.sleep(0.5)
+        assert job_state(setup.direct_url, job_id)[:1] == ("running",)
+    finally:
+        lock.release()
+    assert setup.process.results.wait() is True
+    state, finished_at, results = job_state(setup.direct_url, job_id)
+    assert (state, results) == ("done", 1)
+    assert finished_at <= returned  # when the job finished, not when its row could be written (0.5 s later)
+
+
+def test_a_ledger_outage_during_the_write_is_waited_out(setup):
+    job_id = setup.job_ids[0]
+    lock = RowLock(setup.direct_url, job_id)
+    try:
+        assert run_job(setup, job_id, lock).status == "completing"
+        setup.proxy.cut()  # the writer's connection breaks; its next tries are refused
+    finally:
+        lock.release()
+    time.sleep(3)
+    assert job_state(setup.direct_url, job_id)[:1] == ("running",)
+    setup.proxy.restore()
+    assert setup.process.results.wait() is True
+    assert job_state(setup.direct_url, job_id)[::2] == ("done", 1)
+    # The process goes on: its next job is claimed, run and written as usual.
+    assert run_job(setup, setup.job_ids[1]).status == "completing"
+    assert setup.process.results.wait() is True
+
+
+def test_closing_in_an_outage_gives_the_write_up_and_leaves_the_job_to_be_swept(setup):
+    job_id = setup.job_ids[0]
+    lock = RowLock(setup.direct_url, job_id)
+    try:
+        assert run_job(setup, job_id, lock).status == "completing"
+        setup.proxy.cut()
+    finally:
+        lock.release()
+    time.sleep(1)  # the first try failed; the writer waits before the next (2 s, then longer)
+    closed = threading.Thread(target=setup.process.results.close)
+    closed.start()
+    closed.join(timeout=30)
+    assert not closed.is_alive(), "close() kept waiting for a ledger that is down"
+    assert setup.process.results.wait() is False
+    # Still running under this process's lease: the sweep puts it back in line once the process is gone.
+    assert job_state(setup.direct_url, job_id)[::2] == ("running", 0)
+
+
+LEASE_S, HEARTBEAT_S = 15, 3
+
+
+def test_a_child_killed_after_its_task_returned_but_before_its_result_was_written_loses_nothing(new_farm, tmp_path):
+    """The window the writer opens: a job's message is acknowledged when its task returns, its result is
+    written after. A child that dies in between (here: its result dropped, itself killed a second later)
+    leaves the job running under a dead lease; a live worker's sweep puts it back in line once the lease
+    has run out, and it is done on its second attempt, with one result."""
+    farm = new_farm(faults=Faults(lose_result=("lost*.png",)), DSOCR_LEASE_SECONDS=str(LEASE_S),
+                    DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S))  # fmt: skip
+    pages = tmp_path / "pages"
+    listing = pages / "all.txt"
+    listing.parent.mkdir(parents=True)
+    listing.write_text(make_pages(pages, 6).read_text() + make_pages(pages, 2, prefix="lost").read_text())
+    run_id = farm.submit(listing, *FAST_JOB)
+    workers = [farm.start_worker() for _ in range(2)]
+    farm.wait_until_final(run_id, timeout=120 + 2 * (LEASE_S + HEARTBEAT_S))
+    tally = check_invariants(farm, run_id, max_attempts=3)
+    lost = [job for job in farm.jobs(run_id) if job.image.startswith("lost")]
+    assert [(job.state, job.attempts, job.last_error_class) for job in lost] == [("done", 2, "LeaseExpired")] * 2
+    assert tally.done == 8 and tally.results == 8
+    assert all(worker.alive() for worker in workers)  # the parents replaced their killed children
+    record("results written after the task returned: child killed in between", workers=2,
+           faults="2 results dropped, their children killed", lost=8 - tally.done, duplicated=tally.duplicates,
+           tally=tally)  # fmt: skip
