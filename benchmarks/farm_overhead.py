@@ -72,7 +72,7 @@ def main() -> int:
     for job_id in run.job_ids:
         start = time.perf_counter()
         outcome = execute_job(
-            db, job_id, owner=owner, settings=settings, infer=lambda claim: Ran(result, worker["id"])
+            db, job_id, owner=owner, settings=settings, infer=lambda claiming: Ran(result, worker["id"])
         )
         overhead_ms.append((time.perf_counter() - start) * 1000)
         assert outcome.status == "done", outcome

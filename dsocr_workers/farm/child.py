@@ -5,7 +5,8 @@ kept while consecutive jobs ask for the same model settings (model, dtype, engin
 loaded and warmed before a job is claimed (farm/warm.py), and each time that happens a
 `worker_sessions` row records what it cost; the jobs run afterwards point at that row. While a job has
 the device, the page of the job likely to come next is prepared on a thread (farm/prefetch.py); a
-Celery child's results are written on another while it takes its next job (farm/results.py).
+Celery child's claims and results are written on another, off the path between two jobs
+(farm/ledger_threads.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.farm.execute import Ran
+from dsocr_workers.farm.execute import Claiming, Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
+from dsocr_workers.farm.ledger_threads import LedgerThreads
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.prefetch import PageRequest, Prefetcher, Upcoming
-from dsocr_workers.farm.results import ResultWriter
 from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -58,7 +59,7 @@ class JobProcess:
     owner: str
     queues: tuple[str, ...]
     prefetcher: Prefetcher
-    results: ResultWriter
+    ledger_threads: LedgerThreads
     loaded: LoadedSession | None = None
 
     @classmethod
@@ -76,10 +77,10 @@ class JobProcess:
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
         return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner, queues=queues,
-                   prefetcher=Prefetcher(db), results=ResultWriter(db))  # fmt: skip
+                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db))  # fmt: skip
 
     def close(self) -> None:
-        self.results.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
+        self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
         self.heartbeat.stop()
         self.db.dispose()
@@ -149,20 +150,38 @@ class JobProcess:
         except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
 
-    def infer(self, claim: ledger.Claim, upcoming: Upcoming | None = None) -> Ran:
-        """Run a claimed job: on the page prefetched for it, if there is one, else on a page prepared
-        here. `upcoming` names the job likely to come next, whose page is prepared while this one runs."""
-        p = claim.parameters
-        loaded = self.warm(job_warmup(claim.model, p))  # warm already, unless the run changed its mind
-        request = PageRequest.of_job(claim.job_id, claim.image_path, claim.model, p)
-        prefetched = self.prefetcher.take(request)
+    def infer(self, claiming: Claiming, upcoming: Upcoming | None = None) -> Ran:
+        """Run a job once its claim is written: on the page prefetched for it, if there is one, else on a
+        page prepared here. `upcoming` names the job likely to come next, whose page is prepared while
+        this one runs. A prefetched job whose claim is still under way (farm/ledger_threads.py) starts on
+        the device at once, from what the prefetch read of its job (a run's settings and a job's image
+        never change), and waits for its claim once its prefill is queued: a refused claim (Refused)
+        drops the prefill, and nothing of it is recorded."""
+        prefetched = self.prefetcher.take_job(claiming.job_id)
+        early = (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
+                 and self.loaded is not None and self.loaded.key == prefetched.request.model)  # fmt: skip
+        if prefetched is not None and early:
+            p, model = prefetched.job.parameters, prefetched.job.model
+        else:
+            claim = claiming.result()
+            p, model = claim.parameters, claim.model
+            request = PageRequest.of_job(claim.job_id, claim.image_path, claim.model, p)
+            if prefetched is not None and prefetched.request != request:
+                prefetched = None
+        loaded = self.warm(job_warmup(model, p))  # warm already, unless the run changed its mind
 
         def prefetch_next() -> None:
             if upcoming is not None:
                 self.prefetcher.start(upcoming, loaded.key, loaded.session)
 
+        def claimed_then_prefetch_next() -> None:
+            try:
+                claiming.result()  # before the first decode step: the decode runs under the job's lease
+            finally:
+                prefetch_next()  # refused or not, the next page is prepared meanwhile
+
         try:
-            prepared = prefetched.page() if prefetched else loaded.session.prepare_job(
+            prepared = prefetched.page() if prefetched is not None else loaded.session.prepare_job(
                 str(claim.image_path), request.prompt, request.mode, job_id=claim.job_id
             )  # fmt: skip
         except Exception:
@@ -172,7 +191,7 @@ class JobProcess:
         # between this job's claim and its start on the device (the device's idle time between jobs).
         result = loaded.session.run_prepared(
             prepared.page, p.get("max_new_tokens"), decode_options(p), clock=prepared.clock,
-            after_prefill=prefetch_next,
+            after_prefill=claimed_then_prefetch_next if early else prefetch_next,
         )  # fmt: skip
         return Ran(result, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None)
 

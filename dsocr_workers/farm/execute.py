@@ -3,8 +3,10 @@
     claim (lease) → infer → result + `done` in one transaction guarded by the lease
                           ↘ failure classified: InputError final, TransientError released, other counted
 
-Given a `ResultWriter` (a Celery child: farm/results.py), the result's transaction runs on the writer's
-thread and the job's outcome is `completing`; without one (`dsocr run`) it runs here.
+Given a `LedgerThreads` (a Celery child: farm/ledger_threads.py), both transactions run on that thread: the
+claim while the job starts (`infer` gets the claim under way, `Claiming`, and may start the job's prefill
+before it waits for the claim), the result after this returns (the outcome is then `completing`).
+Without one (`dsocr run`) they run here, in order.
 
 Nothing here knows about Celery: retries are returned as `Outcome.retry_in_s` for the caller to schedule.
 """
@@ -13,14 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.farm.ledger_threads import LedgerThreads
 from dsocr_workers.farm.owners import owner_is_dead
-from dsocr_workers.farm.results import ResultWriter
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
@@ -43,7 +47,30 @@ class Ran:
     prefetched: bool = False  # its page was prepared while the previous job ran (farm/prefetch.py)
 
 
-Infer = Callable[[ledger.Claim], Ran]
+class Refused(Exception):
+    """Raised by `Claiming.result()`: the job is not this process's to run."""
+
+    def __init__(self, refusal: ledger.Refusal) -> None:
+        super().__init__(refusal.reason)
+        self.refusal = refusal
+
+
+@dataclass(frozen=True)
+class Claiming:
+    """A job's claim, written or under way."""
+
+    job_id: str
+    claim: Future[ledger.Claim | ledger.Refusal]
+
+    def result(self) -> ledger.Claim:
+        """The claim, once written; raises Refused, or TransientError when the ledger is out of reach."""
+        claim = self.claim.result()
+        if isinstance(claim, ledger.Refusal):
+            raise Refused(claim)
+        return claim
+
+
+Infer = Callable[[Claiming], Ran]
 
 
 @dataclass(frozen=True)
@@ -64,42 +91,63 @@ def retry_backoff_s(attempt: int, settings: Settings) -> float:
 
 
 def execute_job(
-    db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, results: ResultWriter | None = None
+    db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, ledger_threads: LedgerThreads | None = None
 ) -> Outcome:
     """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
     under this owner's lease, and a later delivery to this process continues the same attempt. With
-    `results`, a job that ran is `completing`: its result is written by `results`, after this returns."""
-    with db.transaction() as session:
-        claim = ledger.claim_job(
-            session, job_id, owner, lease_s=settings.lease_s, max_attempts=settings.max_attempts,
-            is_dead=owner_is_dead,
-        )  # fmt: skip
-    if isinstance(claim, ledger.Refusal):
-        later = None if claim.retry_after_s is None else claim.retry_after_s + 1
-        return Outcome(job_id, "refused", claim.reason, later)
-    claimed_s = time.perf_counter()  # TTFT from the claim starts here
+    `ledger_threads`, a job that ran is `completing`: its result is written there, after this returns."""
+    claim_job = partial(ledger.claim_job, job_id=job_id, owner=owner, lease_s=settings.lease_s,
+                        max_attempts=settings.max_attempts, is_dead=owner_is_dead)  # fmt: skip
+    claimed_s = time.perf_counter()  # TTFT from the claim starts here, where the claim starts
+    if ledger_threads is not None:
+        claiming = Claiming(job_id, ledger_threads.claim(claim_job))
+    else:
+        with db.transaction() as session:
+            claimed = claim_job(session)
+        if isinstance(claimed, ledger.Refusal):
+            return _refused(claimed)
+        done: Future[ledger.Claim | ledger.Refusal] = Future()
+        done.set_result(claimed)
+        claiming = Claiming(job_id, done)
 
     try:
-        ran = infer(claim)
-    except InputError as exc:
-        return _record_failure(db, claim, exc, final=True, settings=settings)
-    except TransientError as exc:
-        with db.transaction() as session:
-            ledger.release_job(session, claim, exc)
-        return Outcome(job_id, "released", str(exc), retry_backoff_s(claim.attempt, settings))
-    except Exception as exc:  # a model bug, CUDA OOM, a soft time limit: counts an attempt
+        ran = infer(claiming)
+    except Exception as exc:
+        # The claim's own outcome first: a job refused is not this process's to fail, and a claim that
+        # met a ledger outage raises it here (the job is unchanged: the caller retries).
+        try:
+            claim = claiming.result()
+        except Refused as refused:
+            return _refused(refused.refusal)
+        if isinstance(exc, InputError):
+            return _record_failure(db, claim, exc, final=True, settings=settings)
+        if isinstance(exc, TransientError):
+            with db.transaction() as session:
+                ledger.release_job(session, claim, exc)
+            return Outcome(job_id, "released", str(exc), retry_backoff_s(claim.attempt, settings))
+        # A model bug, CUDA OOM, a soft time limit: counts an attempt.
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
+    try:
+        claim = claiming.result()  # JobProcess.infer waited for it before the job's first decode step
+    except Refused as refused:
+        return _refused(refused.refusal)
     finished_at = utcnow()
-    row = result_row(ran, claim, claimed_s)  # scored here, outside the transaction that holds the job's row
-    if results is not None:
-        results.write(claim, row, finished_at)
+    build_row = partial(result_row, ran, claim, claimed_s)  # scored outside the transaction holding the job's row
+    if ledger_threads is not None:
+        ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")
+    row = build_row()
     with db.transaction() as session:
         written = ledger.complete_job(session, claim, row, now=finished_at)
     if not written:
         return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
     return Outcome(job_id, "done")
+
+
+def _refused(refusal: ledger.Refusal) -> Outcome:
+    later = None if refusal.retry_after_s is None else refusal.retry_after_s + 1
+    return Outcome(refusal.job_id, "refused", refusal.reason, later)
 
 
 def _record_failure(

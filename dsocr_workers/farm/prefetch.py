@@ -97,14 +97,15 @@ class Prefetcher:
         prefetched = None if self._next is None else self._next.result()
         return prefetched.job if prefetched is not None and prefetched.request.job_id == job_id else None
 
-    def take(self, request: PageRequest) -> Prefetched | None:
-        """The page prefetched for `request` (waiting for the thread if it is still at work), or None;
-        either way nothing stays prefetched."""
+    def take_job(self, job_id: str) -> Prefetched | None:
+        """The page prefetched for `job_id` (waiting for the thread if it is still at work), or None;
+        either way nothing stays prefetched. The caller checks that it was prepared for the job as it
+        is claimed (`Prefetched.request`)."""
         future, self._next = self._next, None
         if future is None:
             return None
         prefetched = future.result()
-        return prefetched if prefetched is not None and prefetched.request == request else None
+        return prefetched if prefetched is not None and prefetched.request.job_id == job_id else None
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

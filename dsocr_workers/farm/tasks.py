@@ -132,10 +132,12 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # The next message is not this child's to see: the page prefetched while this job runs is a guess's.
     infer = partial(_process.infer, upcoming=_process.next_on_queues)
     try:
-        # The result is written on the child's writer thread while the parent hands it the next message.
+        # The claim and the result are written on the child's ledger thread: the job starts on the device
+        # while its claim is written, and its result is written while the parent hands over the next message.
         outcome = execute_job(
-            _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer, results=_process.results
-        )
+            _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer,
+            ledger_threads=_process.ledger_threads,
+        )  # fmt: skip
     except TransientError as exc:
         delay = retry_backoff_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

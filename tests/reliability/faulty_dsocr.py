@@ -1,7 +1,7 @@
 """TEST-ONLY: `dsocr` with faults in chosen jobs, for scenarios that need a fault no real input produces on
 demand. The package itself carries no fault hook and no switch for one: this entry point, which lives
 only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job) and
-`ResultWriter.write` (farm/results.py), then hands the rest of its arguments to `dsocr`:
+`LedgerThreads.complete` (farm/ledger_threads.py), then hands the rest of its arguments to `dsocr`:
 
     python tests/reliability/faulty_dsocr.py --crash 'poison*.png' --hang 'hung*.png' worker --gpus cpu
 
@@ -11,8 +11,8 @@ only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that ru
     --hang GLOB   it sleeps forever with the soft-time-limit signal blocked: a call stuck in native code
                   that never returns to Python. Only the hard time limit (SIGKILL by the parent) ends it.
     --lose-result GLOB
-                  on the job's first attempt, its result is never handed to the writer thread
-                  (farm/results.py) and the process SIGKILLs itself a second later: the task has returned
+                  on the job's first attempt, its result is never handed to the ledger thread
+                  (farm/ledger_threads.py) and the process SIGKILLs itself a second later: the task has returned
                   and its message is acknowledged, its result not written. The ledger must bring it back.
 
 A worker's prefork children are forked from the process that installed the wrappers, so they run them;
@@ -37,8 +37,8 @@ from typing import Any
 
 from dsocr_workers.store.ledger import Claim
 
-RunJob = Callable[[Any, Claim, Any], Any]  # JobProcess.infer, unbound: (process, claim, upcoming) -> Ran
-Write = Callable[[Any, Claim, dict[str, Any], Any], None]  # ResultWriter.write, unbound
+RunJob = Callable[[Any, Any, Any], Any]  # JobProcess.infer, unbound: (process, claiming, upcoming) -> Ran
+Complete = Callable[[Any, Claim, Any, Any], None]  # LedgerThreads.complete, unbound: (thread, claim, build_row, finished_at)
 
 
 @dataclass(frozen=True)
@@ -66,30 +66,31 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
     claim (the ledger shows it running under this process's lease) instead of running."""
 
     @functools.wraps(infer)
-    def infer_with_faults(process: Any, claim: Claim, upcoming: Any = None) -> Any:
+    def infer_with_faults(process: Any, claiming: Any, upcoming: Any = None) -> Any:
+        claim = claiming.result()
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.crash):
             os.kill(os.getpid(), signal.SIGKILL)
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.hang):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # billiard's soft time limit signal
             while True:
                 time.sleep(3600)
-        return infer(process, claim, upcoming)
+        return infer(process, claiming, upcoming)
 
     return infer_with_faults
 
 
-def losing_results(write: Write, globs: tuple[str, ...]) -> Write:
-    """`write`, but the first attempt of a job whose image matches a glob is dropped and its process
+def losing_results(complete: Complete, globs: tuple[str, ...]) -> Complete:
+    """`complete`, but the first attempt of a job whose image matches a glob is dropped and its process
     killed a second later, once its task has returned."""
 
-    @functools.wraps(write)
-    def write_or_lose(writer: Any, claim: Claim, row: dict[str, Any], finished_at: Any) -> None:
+    @functools.wraps(complete)
+    def complete_or_lose(thread: Any, claim: Claim, build_row: Any, finished_at: Any) -> None:
         if claim.attempt == 1 and any(fnmatch.fnmatchcase(claim.image, glob) for glob in globs):
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
             return
-        write(writer, claim, row, finished_at)
+        complete(thread, claim, build_row, finished_at)
 
-    return write_or_lose
+    return complete_or_lose
 
 
 def main(argv: list[str]) -> None:
@@ -103,11 +104,11 @@ def main(argv: list[str]) -> None:
 
     from dsocr_workers.cli import main as dsocr
     from dsocr_workers.farm.child import JobProcess
-    from dsocr_workers.farm.results import ResultWriter
+    from dsocr_workers.farm.ledger_threads import LedgerThreads
 
     JobProcess.infer = with_faults(JobProcess.infer, Faults(tuple(args.crash), tuple(args.hang)))
     if args.lose_result:
-        ResultWriter.write = losing_results(ResultWriter.write, tuple(args.lose_result))
+        LedgerThreads.complete = losing_results(LedgerThreads.complete, tuple(args.lose_result))
     dsocr(args.dsocr_args, prog_name="dsocr")
 
 

@@ -105,7 +105,8 @@ def make_run(
     with db.transaction() as session:
         upsert(session, Worker, WORKER, ["id"])
 
-    def infer(claim):
+    def infer(claiming):
+        claim = claiming.result()
         page = pages[(claim.image, claim.repeat)]
         if page is None:
             raise InputError("corrupt page")

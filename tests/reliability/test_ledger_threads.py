@@ -1,8 +1,10 @@
-"""A Celery child's result is written on its writer thread after the task returns (farm/results.py):
-the task does not wait for the write, the job keeps the time it finished, a ledger outage during the
-write is waited out, and closing in an outage gives the write up without hanging. The model (tiny, CPU),
-the ledger (PostgreSQL, through a proxy the test cuts) and the writer are the real ones; the write is
-held back by a row lock another connection takes, as a busy database would. Last, through a real farm:
+"""A Celery child's claims and results are written on its ledger thread (farm/ledger_threads.py): the
+task does not wait for its result's write, the job keeps the time it finished, a ledger outage during
+the write is waited out, and closing in an outage gives the write up without hanging; a prefetched job
+starts on the device while its claim is written, waits for it before decoding, and a refused claim
+drops its prefill and records nothing. The model (tiny, CPU), the ledger (PostgreSQL, through a proxy
+the test cuts) and the thread are the real ones; a write is held back by a row lock another connection
+takes, as a busy database would. Last, through a real farm:
 a child that dies between its task's return and its result's write loses no job."""
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dsocr_workers.farm.execute import execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import Job, Result, utcnow
 
@@ -102,14 +105,14 @@ def run_job(s: Setup, job_id: str, lock: RowLock | None = None):
     """`execute_job` as the Celery task calls it; with `lock`, the job's row is locked once the job
     has run (after its claim committed), so its result's write waits for `lock.release()`."""
 
-    def infer(claim):
-        ran = s.process.infer(claim)
+    def infer(claiming):
+        ran = s.process.infer(claiming)
         if lock is not None:
             lock.acquire()
         return ran
 
     return execute_job(s.process.db, job_id, owner=s.process.owner, settings=s.settings, infer=infer,
-                       results=s.process.results)  # fmt: skip
+                       ledger_threads=s.process.ledger_threads)  # fmt: skip
 
 
 def test_the_task_returns_before_its_result_is_written_and_the_job_keeps_its_finish_time(setup):
@@ -123,7 +126,7 @@ def test_the_task_returns_before_its_result_is_written_and_the_job_keeps_its_fin
         assert job_state(setup.direct_url, job_id)[:1] == ("running",)
     finally:
         lock.release()
-    assert setup.process.results.wait() is True
+    assert setup.process.ledger_threads.wait() is True
     state, finished_at, results = job_state(setup.direct_url, job_id)
     assert (state, results) == ("done", 1)
     assert finished_at <= returned  # when the job finished, not when its row could be written (0.5 s later)
@@ -140,11 +143,11 @@ def test_a_ledger_outage_during_the_write_is_waited_out(setup):
     time.sleep(3)
     assert job_state(setup.direct_url, job_id)[:1] == ("running",)
     setup.proxy.restore()
-    assert setup.process.results.wait() is True
+    assert setup.process.ledger_threads.wait() is True
     assert job_state(setup.direct_url, job_id)[::2] == ("done", 1)
     # The process goes on: its next job is claimed, run and written as usual.
     assert run_job(setup, setup.job_ids[1]).status == "completing"
-    assert setup.process.results.wait() is True
+    assert setup.process.ledger_threads.wait() is True
 
 
 def test_closing_in_an_outage_gives_the_write_up_and_leaves_the_job_to_be_swept(setup):
@@ -156,13 +159,68 @@ def test_closing_in_an_outage_gives_the_write_up_and_leaves_the_job_to_be_swept(
     finally:
         lock.release()
     time.sleep(1)  # the first try failed; the writer waits before the next (2 s, then longer)
-    closed = threading.Thread(target=setup.process.results.close)
+    closed = threading.Thread(target=setup.process.ledger_threads.close)
     closed.start()
     closed.join(timeout=30)
     assert not closed.is_alive(), "close() kept waiting for a ledger that is down"
-    assert setup.process.results.wait() is False
+    assert setup.process.ledger_threads.wait() is False
     # Still running under this process's lease: the sweep puts it back in line once the process is gone.
     assert job_state(setup.direct_url, job_id)[::2] == ("running", 0)
+
+
+def prefetch(s: Setup, job_id: str) -> None:
+    """Prepare `job_id`'s page on the prefetch thread, as while a previous job runs."""
+    loaded = s.process.loaded
+    assert loaded is not None
+    s.process.prefetcher.start(lambda tx: ledger.waiting_job(tx, job_id, s.process.owner), loaded.key, loaded.session)
+
+
+def released_after(lock: RowLock, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, lock.release)
+    timer.start()
+    return timer
+
+
+def test_a_prefetched_job_starts_on_the_device_before_its_claim_is_written_and_decodes_after(setup):
+    job_id = setup.job_ids[0]
+    prefetch(setup, job_id)
+    lock = RowLock(setup.direct_url, job_id)
+    lock.acquire()  # the claim's UPDATE waits 1 s on it
+    released_after(lock, 1.0)
+    outcome = run_job(setup, job_id)
+    assert outcome.status == "completing"
+    assert setup.process.ledger_threads.wait() is True
+    db = open_database(setup.direct_url)
+    try:
+        with db.transaction() as tx:
+            prefetched, prefill_ms, host_gap_ms, e2e_ms, tokens = tx.execute(
+                select(Result.prefetched, Result.prefill_ms, Result.host_gap_ms, Result.e2e_ms, Result.decode_tokens)
+                .where(Result.job_id == job_id)
+            ).one()
+    finally:
+        db.dispose()
+    assert prefetched and tokens == OPTIONS.max_new_tokens
+    # The prefill ran while the claim waited on the lock; the decode waited for the claim, and that wait
+    # is in the job's own time (between its stages), not hidden.
+    assert host_gap_ms > 500, (prefill_ms, host_gap_ms, e2e_ms)
+
+
+def test_a_refused_claim_drops_the_prefill_it_overlapped_and_records_nothing(setup):
+    job_id, other = setup.job_ids
+    prefetch(setup, job_id)
+    with setup.process.db.transaction() as tx:  # another live worker holds the job
+        holder = ledger.claim_job(tx, job_id, "elsewhere:1:x", lease_s=60, max_attempts=3, is_dead=lambda owner: False)
+    assert isinstance(holder, ledger.Claim)
+    lock = RowLock(setup.direct_url, job_id)
+    lock.acquire()
+    released_after(lock, 1.0)
+    outcome = run_job(setup, job_id)
+    assert (outcome.status, outcome.retry_in_s is not None) == ("refused", True), outcome
+    assert job_state(setup.direct_url, job_id)[::2] == ("running", 0)  # still the other worker's, no result
+    # The session is whole after the dropped job: the next one runs and is written.
+    assert run_job(setup, other).status == "completing"
+    assert setup.process.ledger_threads.wait() is True
+    assert job_state(setup.direct_url, other)[::2] == ("done", 1)
 
 
 LEASE_S, HEARTBEAT_S = 15, 3

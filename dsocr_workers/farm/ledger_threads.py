@@ -1,0 +1,111 @@
+"""A Celery child's ledger writes on threads of their own, off the path between two jobs (issue 10).
+
+Between two jobs of a Celery child the device waited for the host: the finished job's result
+transaction (~1.8 ms on an H200 host), Celery's hand-over of the next message (~3 ms there: the child
+reports back, the parent acknowledges and fetches the next message) and the next job's claim
+transaction (~1.8 ms). Neither transaction needs the main thread:
+
+- **The result** (`complete`): the row is built and written on one thread while the task returns and
+  the next message is delivered; the child waits in a pipe read meanwhile (the GIL is free), so the write
+  overlaps the hand-over instead of preceding it.
+- **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
+  written on the other thread; the job waits for its claim before its first decode step
+  (farm/child.py), so only its prefill can run before the lease is its own, and a refused claim drops
+  that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate delivery, rare.
+
+Two threads, one for claims and one for results: a claim must never wait behind a result whose write is
+waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take
+turns at the single writer's lock (`busy_timeout`), a fraction of a millisecond each.
+
+What a crash loses: nothing. A job's message is acknowledged when its task returns, possibly before its
+result is written; a process that dies in between leaves the job `running` under its dead lease, as a
+crash during inference does, and a live worker's sweep (farm/liveness.py) puts it back in line once the
+lease has run out: its inference runs again. A result written late keeps the time the job finished
+(`finished_at` is taken when the task hands it over), so throughput and the gaps between jobs do not
+move with the write.
+
+A ledger outage: a claim fails at once (TransientError from `Claiming.result()`: the task retries the
+message, as before). A result is tried again (2 s, then doubling to 30 s) until it goes through or the
+process closes. It is never given up while the process lives: the heartbeat renews every lease the
+process holds, so a job whose result was dropped would stay `running` under a live lease for good. If
+the outage outlasts the lease, a sweep may give the job to another worker meanwhile; the late write
+then finds the lease gone and writes nothing (the ledger's guard). `close()` lets the write under way
+finish, or, in an outage, gives it up after its current try: the process exits and the job is put back
+in line as after a crash. A warm shutdown with the ledger up writes every result it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+from tenacity import Retrying, retry_if_exception_type, wait_exponential
+
+from dsocr_workers.errors import TransientError
+from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database
+
+log = logging.getLogger("dsocr.worker")
+
+
+class LedgerThreads:
+    """A process's claims, and its result writes, each one at a time in the order handed over."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._closing = threading.Event()
+        self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
+        self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
+        self._last_write: Future[bool] | None = None
+
+    def claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> Future[ledger.Claim | ledger.Refusal]:
+        """`claim_job` in a transaction of its own: its Claim or Refusal, or its TransientError."""
+        return self._claims.submit(self._claim, claim_job)
+
+    def complete(self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime) -> None:
+        """Mark `claim`'s job done with the result `build_row()` makes, after this call returns."""
+        self._last_write = self._results.submit(self._complete, claim, build_row, finished_at)
+
+    def wait(self) -> bool | None:
+        """Wait for the last result handed over: True when written, False when its lease was lost or the
+        write was given up, None when none was handed over."""
+        return None if self._last_write is None else self._last_write.result()
+
+    def close(self) -> None:
+        self._closing.set()  # ends the waits between tries, not a try under way
+        self._claims.shutdown(wait=True)
+        self._results.shutdown(wait=True)
+
+    def _claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> ledger.Claim | ledger.Refusal:
+        with self._db.transaction() as session:
+            return claim_job(session)
+
+    def _pause(self, seconds: float) -> None:
+        self._closing.wait(seconds)  # cut short by close()
+
+    def _complete(self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime) -> bool:
+        retrying = Retrying(
+            retry=retry_if_exception_type(TransientError),
+            wait=wait_exponential(multiplier=2, max=30),
+            stop=lambda _: self._closing.is_set(),
+            sleep=self._pause,
+            reraise=True,
+        )
+        try:
+            row = build_row()
+            for attempt in retrying:
+                with attempt, self._db.transaction() as session:
+                    written = ledger.complete_job(session, claim, row, now=finished_at)
+        except Exception:  # closing in an outage, or a bug: the job is swept once this process is gone
+            log.exception("job %s: its result could not be written; it will run again", claim.job_id)
+            return False
+        if written:
+            log.info("job %s: done", claim.job_id)
+        else:
+            log.warning("job %s: lost: the lease was taken over before the result was written; discarded", claim.job_id)
+        return written
