@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -452,6 +453,32 @@ def timeline(data: Any) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["claimed_s"] if row["claimed_s"] is not None else float("inf"))
 
 
+# The three parts of the device's idle time between two jobs of one worker session: (name, start, end),
+# each a `timeline` field of the earlier job ("previous") or the later one ("next").
+GAP_PARTS = (
+    ("device end → job finished", ("previous", "device_finished_s"), ("previous", "finished_s")),
+    ("→ next claim", ("previous", "finished_s"), ("next", "claimed_s")),
+    ("claim → device start", ("next", "claimed_s"), ("next", "device_started_s")),
+)
+
+
+def gap_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """p50 / p90 in ms of each of `GAP_PARTS` over the consecutive jobs of each worker session.
+    `finished_s` is the job's finish as the ledger stores it, `claimed_s` the claim's start."""
+    import numpy as np
+
+    parts: dict[str, list[float]] = {name: [] for name, *_ in GAP_PARTS}
+    for session in {row["session"] for row in rows}:
+        lane = [row for row in rows if row["session"] == session]
+        for previous, following in itertools.pairwise(lane):
+            jobs = {"previous": previous, "next": following}
+            for name, (start_job, start), (end_job, end) in GAP_PARTS:
+                begin, finish = jobs[start_job][start], jobs[end_job][end]
+                if begin is not None and finish is not None:
+                    parts[name].append((finish - begin) * 1e3)
+    return {name: {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))} for name, v in parts.items() if v}
+
+
 def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str | None]) -> dict[str, Any]:
     steady, ratio, wall_clock, _ = functions
     results = list(data.results.values())
@@ -488,6 +515,7 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
         for s in sessions.values()
     ]  # fmt: skip
     stats["timeline"] = timeline(data)
+    stats["gap_split_ms"] = gap_split(stats["timeline"])
     return stats
 
 
@@ -587,6 +615,10 @@ def markdown(report: dict[str, Any]) -> str:
                 for x in sessions
             )
             lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}")
+        split = r.get("stats", {}).get("gap_split_ms")
+        if split:
+            parts = ", ".join(f"{name} {fmt(v['p50'], 1)} / {fmt(v['p90'], 1)}" for name, v in split.items())
+            lines.append(f"- {r['engine']} K={r['k']} between two jobs, ms p50 / p90: {parts}")
         if r.get("stats", {}).get("cold_reasons"):
             lines.append(f"- {r['engine']} K={r['k']} cold reasons: {'; '.join(r['stats']['cold_reasons'])}")
         if r.get("error"):

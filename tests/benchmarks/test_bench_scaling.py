@@ -92,3 +92,18 @@ def test_output_folders_creates_the_keep_logs_folder(bench: ModuleType, tmp_path
     out, logs = tmp_path / "out", tmp_path / "not" / "yet" / "logs"
     assert bench.output_folders(out, logs) == out
     assert out.is_dir() and logs.is_dir()
+
+
+def test_gap_split_parts_the_idle_time_between_consecutive_jobs_of_a_session():
+    from benchmarks.bench_scaling import gap_split
+
+    def job(session, claimed, started, device_finished, finished):
+        return {"session": session, "claimed_s": claimed, "device_started_s": started,
+                "device_finished_s": device_finished, "finished_s": finished}  # fmt: skip
+
+    rows = [job("a", 0.000, 0.001, 0.100, 0.102), job("b", 0.000, 0.002, 0.300, 0.301),
+            job("a", 0.106, 0.107, 0.200, 0.203), job("a", 0.209, 0.2085, 0.300, 0.302)]  # fmt: skip
+    split = gap_split(rows)
+    # Lane a only has consecutive pairs: (0.100 → 0.102, 0.102 → 0.106, 0.106 → 0.107) and
+    # (0.200 → 0.203, 0.203 → 0.209, 0.209 → 0.2085: a device start before the claim's start).
+    assert [round(split[name]["p50"], 3) for name in split] == [2.5, 5.0, 0.25]

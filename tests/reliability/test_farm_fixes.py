@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from reliability_harness import TcpProxy, ThrowawayRedis, make_pages
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import TRANSPORT
 from dsocr_workers.farm.celery_app import create_app, restore_sweep
+from dsocr_workers.farm.execute import Claiming
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.submit import RunOptions, record_run
@@ -176,9 +178,13 @@ def test_dsocr_run_waits_out_a_ledger_outage_and_gives_up_on_a_longer_one(databa
         assert [session.get_one(Job, job_id).state for job_id in run.job_ids] == ["done", "pending"]
 
 
-def a_claim(image: str) -> ledger.Claim:
-    return ledger.Claim(job_id="j", run_id="r", image=image, image_path=Path("/data") / image, repeat=0,
-                        attempt=1, owner="h:1:x", lease_expires_at=utcnow(), model="tiny", parameters={})  # fmt: skip
+def a_claim(image: str) -> Claiming:
+    """A written claim of a job of `image`, as `JobProcess.infer` gets it."""
+    claim = ledger.Claim(job_id="j", run_id="r", image=image, image_path=Path("/data") / image, repeat=0,
+                         attempt=1, owner="h:1:x", lease_expires_at=utcnow(), model="tiny", parameters={})  # fmt: skip
+    written: Future[ledger.Claim | ledger.Refusal] = Future()
+    written.set_result(claim)
+    return Claiming("j", written)
 
 
 FAULTS = Faults(crash=("poison*.png",), hang=("hung*.png",))
@@ -187,9 +193,10 @@ FAULTS = Faults(crash=("poison*.png",), hang=("hung*.png",))
 def test_fault_hook_runs_every_job_it_does_not_name_to_its_end():
     ran: list[str] = []
 
-    def infer(process, claim, upcoming):
-        ran.append(claim.image)
-        return f"result of {claim.image}"
+    def infer(process, claiming, upcoming):
+        image = claiming.result().image
+        ran.append(image)
+        return f"result of {image}"
 
     infer_with_faults = with_faults(infer, FAULTS)
     images = ["page.png", "xpoison.png", "Poison.png", "hung.jpg"]  # a glob matches whole names, case included
