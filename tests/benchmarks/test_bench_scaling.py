@@ -107,3 +107,17 @@ def test_gap_split_parts_the_idle_time_between_consecutive_jobs_of_a_session():
     # Lane a only has consecutive pairs: (0.100 → 0.102, 0.102 → 0.106, 0.106 → 0.107) and
     # (0.200 → 0.203, 0.203 → 0.209, 0.209 → 0.2085: a device start before the claim's start).
     assert [round(split[name]["p50"], 3) for name in split] == [2.5, 5.0, 0.25]
+
+
+def test_prefetch_verdict_says_whether_the_busy_share_is_shown_or_only_estimated():
+    from benchmarks.bench_scaling import prefetch_verdict
+
+    def verdict(ratio, interval):
+        return prefetch_verdict({"device_idle_ms": {"p90": 7.2}, "steady_over_busy_device": ratio,
+                                 "steady_over_busy_device_ci": interval})  # fmt: skip
+
+    assert "0.954 of 1/(device time per page) ≥ 0.95 by the estimate, not shown" in verdict(0.954, [0.934, 0.967])
+    assert "≥ 0.95 shown (95% interval 0.951-0.970)" in verdict(0.96, [0.951, 0.970])
+    assert "0.948 of 1/(device time per page) < 0.95" in verdict(0.948, [0.93, 0.96])
+    assert verdict(0.96, None).endswith("(no interval: not shown)")
+    assert verdict(0.96, None).startswith("idle p90 7.2 ms ≤ 10; ")
