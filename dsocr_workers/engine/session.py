@@ -236,6 +236,56 @@ class _ColdProbe:
     reserved_bytes: int
 
 
+@dataclass(frozen=True)
+class DeviceRun:
+    """A job whose device part is done (`DeepSeekOCRSession.run_on_device`): its tokens are on the host.
+    `finish()` is the host's part (decoding and parsing the text, the timings resolved from the job's
+    CUDA events, the loop analysis); it reads nothing the device's next job changes."""
+
+    session: DeepSeekOCRSession
+    page: preprocess.PreparedPage
+    job: Job
+    clock: StageClock
+    generated: list[int]
+    stop_reason: StopReason
+    memory: JobMemory | None
+    cold_reasons: tuple[str, ...]
+    return_text: bool = True
+
+    def finish(self) -> InferenceResult:
+        session, page, clock, generated = self.session, self.page, self.clock, self.generated
+        with clock.stage("postprocess"):
+            text = session.decode_text(generated) if self.return_text else ""
+            parsed = postprocess.parse_markup(text, *page.original.size)
+        clock.finish()
+        # Analysis, not inference: outside the stages, so it is no part of the job's timings.
+        loop = None if self.stop_reason == "eos" else find_loop(generated)
+        return InferenceResult(
+            text=text,
+            token_ids=generated,
+            stop_reason=self.stop_reason,
+            prompt_tokens=page.prompt_tokens,
+            image_tokens=page.image_tokens,
+            crop_grid=page.crop_grid,
+            mode=page.mode.name,
+            image_size=page.original.size,
+            timings=clock.stage_timings(kept_steps=len(generated) - 1),
+            boxes=postprocess.boxes_json(parsed),
+            skipped_spans=parsed.skipped_spans,
+            memory=self.memory,
+            engine=session.engine,
+            device=str(session.device),
+            dtype=str(session.dtype).removeprefix("torch."),
+            model=session.source,
+            kv_length=self.job.kv_length,
+            vision_calls=self.job.vision_calls,
+            wasted_steps=self.job.steps + 1 - len(generated),
+            cold_reasons=self.cold_reasons,
+            loop=loop,
+            device_span=clock.device_span(),
+        )
+
+
 @dataclass
 class DeepSeekOCRSession:
     loaded: LoadedModel
@@ -549,12 +599,29 @@ class DeepSeekOCRSession:
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_prefill: Callable[[], None] | None = None,
     ) -> InferenceResult:
-        """`run_inference` from setup on, for a page prepared already. `clock` holds its `preprocess`
-        stage where that was timed (`prepare_job`: a page prepared ahead, e.g. while the previous job
-        ran; the time it waited since is `page_wait_ms`, outside e2e); on a fresh clock the job's
-        timings start at setup. `after_prefill()` is called once the prefill and the first token are
-        queued on the device: the place for host work that must not delay the job's start on the
-        device but may share its time there (the farm starts preparing the next page)."""
+        """`run_inference` from setup on, for a page prepared already: `run_on_device(...).finish()`."""
+        return self.run_on_device(page, max_new_tokens, infer, clock, job_id, return_text, on_decode_progress,
+                                  after_prefill).finish()  # fmt: skip
+
+    def run_on_device(
+        self,
+        page: preprocess.PreparedPage,
+        max_new_tokens: int | None = None,
+        infer: DecodeOptions | None = None,
+        clock: StageClock | None = None,
+        job_id: str | None = None,
+        return_text: bool = True,
+        on_decode_progress: Callable[[int, int], None] | None = None,
+        after_prefill: Callable[[], None] | None = None,
+    ) -> DeviceRun:
+        """The job's part on the device, up to its output read back (and what must be read before the
+        device's next job: its peak memory, its cold paths); `DeviceRun.finish()` does the rest on the
+        host, on any thread, while the device runs the next job. `clock` holds its `preprocess` stage
+        where that was timed (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the
+        time it waited since is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start
+        at setup. `after_prefill()` is called once the prefill and the first token are queued on the
+        device: the place for host work that must not delay the job's start on the device but may
+        share its time there (the farm starts preparing the next page, and waits for the job's claim)."""
         options = infer or DecodeOptions()
         clock = clock or StageClock(self.device, job_id=job_id)
         cuda = self.device.type == "cuda"
@@ -574,37 +641,9 @@ class DeepSeekOCRSession:
             if cuda:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
-            with clock.stage("postprocess"):
-                text = self.decode_text(generated) if return_text else ""
-                parsed = postprocess.parse_markup(text, *page.original.size)
-        clock.finish()
         self._jobs_run += 1
-        # Analysis, not inference: outside the stages, so it is no part of the job's timings.
-        loop = None if stop_reason == "eos" else find_loop(generated)
-        return InferenceResult(
-            text=text,
-            token_ids=generated,
-            stop_reason=stop_reason,
-            prompt_tokens=page.prompt_tokens,
-            image_tokens=page.image_tokens,
-            crop_grid=page.crop_grid,
-            mode=page.mode.name,
-            image_size=page.original.size,
-            timings=clock.stage_timings(kept_steps=len(generated) - 1),
-            boxes=postprocess.boxes_json(parsed),
-            skipped_spans=parsed.skipped_spans,
-            memory=memory,
-            engine=self.engine,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            model=self.source,
-            kv_length=job.kv_length,
-            vision_calls=job.vision_calls,
-            wasted_steps=job.steps + 1 - len(generated),
-            cold_reasons=self._cold_reasons(before),
-            loop=loop,
-            device_span=clock.device_span(),
-        )
+        return DeviceRun(self, page, job, clock, generated, stop_reason, memory, self._cold_reasons(before),
+                         return_text)  # fmt: skip
 
     def _budget(self, prompt_tokens: int, max_new_tokens: int | None) -> tuple[int, int]:
         """The job's token budget and the most the model's positions allow."""

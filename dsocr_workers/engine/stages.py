@@ -202,13 +202,19 @@ class StageClock:
     # ---- results ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Synchronize once and resolve every mark into milliseconds. Idempotent."""
+        """Wait for this clock's last mark on the device and resolve every mark into milliseconds.
+        Idempotent. It waits for its own events, not the whole device: a job's clock may be finished
+        on another thread while the device already runs the next job (farm/ledger_threads.py)."""
         if self._resolved is not None:
             return
         if self._open:
             raise RuntimeError(f"stages still open: {[self.entries[i].name for i in self._open]}")
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            # Every stage's end, and the last step mark (the steps complete in order): a few waits, each
+            # on a mark that is usually complete already.
+            ends = [entry.end for entry in self.entries if isinstance(entry.end, torch.cuda.Event)]
+            for mark in ends + self._step_events[: self._n_steps][-1:]:
+                mark.synchronize()
         totals = dict.fromkeys(STAGES, 0.0)
         if self.timing_enabled:
             for entry in self.entries:

@@ -189,11 +189,13 @@ class JobProcess:
             raise
         # The next page once this job's prefill is queued: the thread's start must not hold the GIL
         # between this job's claim and its start on the device (the device's idle time between jobs).
-        result = loaded.session.run_prepared(
+        # The device's part only: the host's part (the text, the timings) is done where the result row
+        # is built, on a Celery child's results thread while the device runs the next job.
+        on_device = loaded.session.run_on_device(
             prepared.page, p.get("max_new_tokens"), decode_options(p), clock=prepared.clock,
             after_prefill=claimed_then_prefetch_next if early else prefetch_next,
         )  # fmt: skip
-        return Ran(result, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None)
+        return Ran(on_device, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None)
 
     def next_on_queues(self, session: Session) -> ledger.WaitingJob | None:
         """A Celery child's upcoming job: a guess (ledger.next_waiting_job), since its parent hands it

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
@@ -33,18 +33,25 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import utcnow
 
+if TYPE_CHECKING:  # the engine's session imports torch: the farm's parent process does not need it
+    from dsocr_workers.engine.session import DeviceRun
+
 Status = Literal["done", "completing", "failed", "queued", "poisoned", "refused", "released", "lost"]
 # Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
 BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 
 @dataclass(frozen=True)
 class Ran:
-    """One claimed job, run: the engine's result and who ran it."""
+    """One claimed job, run: the engine's result (or its device part, whose host part is left to
+    `finished()`: a Celery child finishes it on its results thread) and who ran it."""
 
-    result: InferenceResult
+    result: InferenceResult | DeviceRun
     worker_id: str  # the environment fingerprint (`workers` row)
     worker_session_id: str | None = None  # the loaded model in its process (`worker_sessions` row)
     prefetched: bool = False  # its page was prepared while the previous job ran (farm/prefetch.py)
+
+    def finished(self) -> InferenceResult:
+        return self.result if isinstance(self.result, InferenceResult) else self.result.finish()
 
 
 class Refused(Exception):
@@ -185,8 +192,9 @@ def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
 
 
 def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any]:
-    """The `results` columns for one inference of a job claimed at `claimed_s` (perf_counter)."""
-    result = ran.result
+    """The `results` columns for one inference of a job claimed at `claimed_s` (perf_counter); the
+    engine's host part, if it was left to do, is done here."""
+    result = ran.finished()
     loop = result.loop
     t = result.timings
     memory = result.memory

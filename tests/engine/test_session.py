@@ -489,3 +489,27 @@ def test_cuda_fast_sessions_can_be_dropped_and_replaced():
         gc.collect()
         torch._dynamo.reset()  # as bench_fidelity does between its dtypes
         torch.cuda.synchronize()
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_jobs_host_part_can_finish_after_the_next_job_ran_on_the_device(device, session):
+    """`run_on_device` leaves the host's part to `DeviceRun.finish()`, which the farm runs on another
+    thread while the device runs the next job: finishing a job after the next one ran (and on another
+    thread) must give what finishing it at once gives. The pages differ so their outputs do."""
+    engine = session if device == "cpu" else DeepSeekOCRSession.from_local("tiny", device=device)
+    options = DecodeOptions(ignore_eos=True)
+    images = [page(600, 480), page(480, 900)]
+    at_once = [engine.run_prepared(engine.prepare_job(image, mode="tiny").page, 6, options) for image in images]
+    first, second = (engine.run_on_device(engine.prepare_job(image, mode="tiny").page, 6, options) for image in images)
+    with ThreadPoolExecutor(max_workers=1) as other_thread:
+        finished = [other_thread.submit(run.finish).result() for run in (first, second)]
+    assert [r.token_ids for r in finished] == [r.token_ids for r in at_once]
+    assert [r.text for r in finished] == [r.text for r in at_once]
+    assert at_once[0].token_ids != at_once[1].token_ids
+    for result in finished:
+        timings = result.timings
+        assert timings.postprocess_ms > 0 and timings.decode_ms > 0 and len(timings.decode_step_ms) == 5
+        assert result.kv_length == result.prompt_tokens + 5

@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from dsocr_workers.farm.child import JobProcess, job_warmup
-from dsocr_workers.farm.execute import execute_job
+from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings
@@ -221,6 +221,37 @@ def test_a_refused_claim_drops_the_prefill_it_overlapped_and_records_nothing(set
     assert run_job(setup, other).status == "completing"
     assert setup.process.ledger_threads.wait() is True
     assert job_state(setup.direct_url, other)[::2] == ("done", 1)
+
+
+class UnfinishableRun:
+    """A job's device part whose host part fails, as a bug in the engine's postprocessing would: no
+    real input does it on demand."""
+
+    def finish(self):
+        raise RuntimeError("the host part failed")
+
+
+def test_a_result_that_cannot_be_built_fails_its_job_instead_of_holding_it(setup):
+    job_id = setup.job_ids[0]
+
+    def infer(claiming):
+        claiming.result()
+        return Ran(UnfinishableRun(), setup.process.loaded.worker_id)  # type: ignore[arg-type, union-attr]
+
+    outcome = execute_job(setup.process.db, job_id, owner=setup.process.owner, settings=setup.settings, infer=infer,
+                          ledger_threads=setup.process.ledger_threads)  # fmt: skip
+    assert outcome.status == "completing"
+    assert setup.process.ledger_threads.wait() is False
+    db = open_database(setup.direct_url)
+    try:
+        with db.transaction() as tx:
+            state, error, owner = tx.execute(
+                select(Job.state, Job.last_error_class, Job.lease_owner).where(Job.id == job_id)
+            ).one()
+    finally:
+        db.dispose()
+    # Final and released: a live process's heartbeat would otherwise renew its lease for good.
+    assert (state, error, owner) == ("failed", "RuntimeError", None)
 
 
 LEASE_S, HEARTBEAT_S = 15, 3
