@@ -106,13 +106,10 @@ class _PageGraphs:
     clip_out: list[torch.Tensor] | None = None
 
 
-def capture(run: Callable[[], T], pool: Any, settle: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(run: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
     """`run()` once (it compiles what is new and settles the allocator: nothing may compile during a
-    capture), `settle()` (host state the first run advanced, put back), then `run()` captured into a
-    CUDA graph in `pool`; the graph and the outputs it writes."""
+    capture), then captured into a CUDA graph in `pool`; the graph and the outputs it writes."""
     run()
-    if settle is not None:
-        settle()
     graph = torch.cuda.CUDAGraph()
     # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
     # (the decode step) free those workspaces whenever they record: a graph that captured one then
@@ -207,10 +204,7 @@ class GraphedPrefill:
         if entry is None:
             static = embeds.clone()
             torch._dynamo.mark_dynamic(static, 1)  # as the caller's: one compiled graph for every length
-            # The cache counts the positions written on the host (transformers' static layers), and the
-            # prompt's positions are derived from that count at capture: the count the first run
-            # advanced is reset, as every job's start resets it, or the graph writes past the prompt.
-            graph, logits = capture(lambda: self._prefill(model, static, cache), self._pool, settle=cache.reset)
+            graph, logits = capture(lambda: self._prefill(model, static, cache), self._pool)
             entry = self._graphs[key] = _PrefillGraph(static, graph, logits)
         else:
             entry.embeds.copy_(embeds)
