@@ -24,13 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import torch
 
 from dsocr_workers.model.modeling import DeepSeekOCR
-
-T = TypeVar("T")
 
 # Each compiled region is its own function, so each has its own code object and with it its own cache
 # of graphs and its own recompile limit (dynamo keys both on the code object).
@@ -106,25 +103,6 @@ class _PageGraphs:
     clip_out: list[torch.Tensor] | None = None
 
 
-def capture(run: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
-    """`run()` once (it compiles what is new and settles the allocator: nothing may compile during a
-    capture), then captured into a CUDA graph in `pool`; the graph and the outputs it writes."""
-    run()
-    graph = torch.cuda.CUDAGraph()
-    # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
-    # (the decode step) free those workspaces whenever they record: a graph that captured one then
-    # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
-    # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
-    # capture needs is allocated in this pool and lives with it.
-    torch._C._cuda_clearCublasWorkspaces()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = run()
-    finally:
-        torch._C._cuda_clearCublasWorkspaces()
-    return graph, outputs
-
-
 class GraphedVision:
     """`RegionalVision` replayed as CUDA graphs, one pair (SAM, CLIP) per page shape: `sam(groups)` for
     all of a page's view groups, then `clip(features)` with the list `sam` returned.
@@ -148,7 +126,20 @@ class GraphedVision:
         return [self.regions.encode_clip(group) for group in features]
 
     def _capture(self, run: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-        return capture(run, self._pool)
+        run()  # compiles what is new and settles the allocator: nothing may compile during a capture
+        graph = torch.cuda.CUDAGraph()
+        # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
+        # (the decode step) free those workspaces whenever they record: a graph that captured one then
+        # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
+        # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
+        # capture needs is allocated in this pool and lives with it.
+        torch._C._cuda_clearCublasWorkspaces()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = run()
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
+        return graph, outputs
 
     def sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(group.shape for group in groups)
@@ -174,39 +165,3 @@ class GraphedVision:
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)
-
-
-@dataclass
-class _PrefillGraph:
-    embeds: torch.Tensor  # the graph's input: a job's embeddings are copied in
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # the graph's output
-
-
-class GraphedPrefill:
-    """The compiled LM prefill (dynamic in the prompt length) replayed as a CUDA graph per prompt length
-    and KV cache: the compiled graph launches one kernel after another from the host (about 0.6 ms of
-    the 5.5-ms prefill of the anchors' page on an H200 went to gaps between them). A length met for the
-    first time runs the compiled prefill once (inductor compiles nothing new for a new length) and is
-    captured; a replay copies the job's embeddings in. The graphs share one pool: replayed one at a
-    time, each job's logits read (its first token chosen) before the next prefill. The cache a graph
-    writes is the bucket's own (DecodeBuffers, one per capacity, kept for the session), so the graph
-    is keyed by it."""
-
-    def __init__(self, prefill: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> None:
-        self._prefill = prefill
-        self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], _PrefillGraph] = {}
-
-    def __call__(self, model: Any, embeds: torch.Tensor, cache: Any) -> torch.Tensor:
-        key = (embeds.shape[1], id(cache))
-        entry = self._graphs.get(key)
-        if entry is None:
-            static = embeds.clone()
-            torch._dynamo.mark_dynamic(static, 1)  # as the caller's: one compiled graph for every length
-            graph, logits = capture(lambda: self._prefill(model, static, cache), self._pool)
-            entry = self._graphs[key] = _PrefillGraph(static, graph, logits)
-        else:
-            entry.embeds.copy_(embeds)
-        entry.graph.replay()
-        return entry.logits

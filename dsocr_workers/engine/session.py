@@ -39,7 +39,7 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
-from dsocr_workers.engine.regions import GraphedPrefill, GraphedVision, RegionalVision
+from dsocr_workers.engine.regions import GraphedVision, RegionalVision
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -123,9 +123,6 @@ class FastCompile:
     # On CUDA, vision replayed as a CUDA graph per page shape (engine/regions.py GraphedVision); False:
     # the compiled blocks called one by one.
     vision_graphs: bool = True
-    # On CUDA, the compiled LM prefill replayed as a CUDA graph per prompt length and cache bucket
-    # (engine/regions.py GraphedPrefill); False: the compiled prefill called as it is.
-    prefill_graphs: bool = True
 
     @property
     def decode_mode(self) -> str | None:
@@ -323,7 +320,7 @@ class DeepSeekOCRSession:
         # block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
         # projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms
         # eager and 0.48 ms compiled (docs/benchmarks.md, vendor side by side). LM prefill: one graph,
-        # dynamic in the prompt length, on CUDA replayed as a CUDA graph per length.
+        # dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
@@ -343,8 +340,6 @@ class DeepSeekOCRSession:
             else:
                 self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
             self._prefill = torch.compile(prefill, dynamic=True, backend=backend)
-            if self.device.type == "cuda" and self.fast_compile.prefill_graphs:
-                self._prefill = GraphedPrefill(self._prefill)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
 

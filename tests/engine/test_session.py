@@ -469,25 +469,6 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
     torch.testing.assert_close(embeds[4], embeds[0], rtol=0, atol=0)  # and a replay is deterministic
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's prefill graphs")
-def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings():
-    """The LM prefill is captured once per prompt length and replayed with the job's embeddings copied
-    in: pages of other lengths in between, and a page of a length already captured but other content,
-    get eager's tokens (float32: the engines agree exactly on these pages)."""
-    eager = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32")
-    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
-    options = DecodeOptions(ignore_eos=True)
-    wide = page(1280, 640)
-    images = [wide, page(1920, 640), wide.transpose(Image.Transpose.FLIP_LEFT_RIGHT), page(1280, 1280), wide]
-    results = []
-    for image in images:
-        reference = eager.run_inference(image, mode="gundam", max_new_tokens=8, infer=options)
-        results.append(fast.run_inference(image, mode="gundam", max_new_tokens=8, infer=options))
-        assert results[-1].token_ids == reference.token_ids
-    assert len({r.prompt_tokens for r in results}) == 3  # three lengths, two of them met twice
-    assert results[2].token_ids != results[0].token_ids  # the flipped page: the replay saw its own embeddings
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_engine_is_fast():
     assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine == "fast"
