@@ -158,7 +158,7 @@ class DevicePage:
 @dataclass(frozen=True)
 class PreparedJob:
     """A job's page, preprocessed, and the job's clock holding that `preprocess` stage, timed where it
-    ran: `run_prepared(prepared.page, clock=prepared.clock)` runs the rest of the job. Made on any
+    ran: `run_on_device(prepared.page, clock=prepared.clock).finish()` runs the rest of the job. Made on any
     thread (host work only: the page reaches the device in the job's setup), e.g. while another job
     has the device."""
 
@@ -585,23 +585,8 @@ class DeepSeekOCRSession:
         budget)` is called at the EOS watch's cadence (every EOS_CHECK_INTERVAL steps, host side: on CUDA
         the steps launched, which the device finishes shortly after), for a progress display."""
         prepared = self.prepare_job(image, prompt, mode, job_id, max_crops, clock)
-        return self.run_prepared(prepared.page, max_new_tokens, infer, clock=prepared.clock,
-                                 return_text=return_text, on_decode_progress=on_decode_progress)
-
-    def run_prepared(
-        self,
-        page: preprocess.PreparedPage,
-        max_new_tokens: int | None = None,
-        infer: DecodeOptions | None = None,
-        clock: StageClock | None = None,
-        job_id: str | None = None,
-        return_text: bool = True,
-        on_decode_progress: Callable[[int, int], None] | None = None,
-        after_prefill: Callable[[], None] | None = None,
-    ) -> InferenceResult:
-        """`run_inference` from setup on, for a page prepared already: `run_on_device(...).finish()`."""
-        return self.run_on_device(page, max_new_tokens, infer, clock, job_id, return_text, on_decode_progress,
-                                  after_prefill).finish()  # fmt: skip
+        return self.run_on_device(prepared.page, max_new_tokens, infer, clock=prepared.clock, return_text=return_text,
+                                  on_decode_progress=on_decode_progress).finish()  # fmt: skip
 
     def run_on_device(
         self,
@@ -614,9 +599,10 @@ class DeepSeekOCRSession:
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_prefill: Callable[[], None] | None = None,
     ) -> DeviceRun:
-        """The job's part on the device, up to its output read back (and what must be read before the
-        device's next job: its peak memory, its cold paths); `DeviceRun.finish()` does the rest on the
-        host, on any thread, while the device runs the next job. `clock` holds its `preprocess` stage
+        """`run_inference` from setup on, for a page prepared already: the job's part on the device, up
+        to its output read back (and what must be read before the device's next job: its peak memory,
+        its cold paths); `DeviceRun.finish()` does the rest on the host, on any thread, while the
+        device runs the next job. `clock` holds its `preprocess` stage
         where that was timed (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the
         time it waited since is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start
         at setup. `after_prefill()` is called once the prefill and the first token are queued on the

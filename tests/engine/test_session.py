@@ -133,8 +133,8 @@ def test_a_page_prepared_ahead_runs_as_the_same_job(session):
     with ThreadPoolExecutor(1) as thread:
         prepared = thread.submit(session.prepare_job, page(600, 480), None, "tiny", "8").result()
     time.sleep(0.2)  # the page waits for its job
-    ahead = session.run_prepared(prepared.page, max_new_tokens=6, clock=prepared.clock)
-    untimed = session.run_prepared(prepared.page, max_new_tokens=6)
+    ahead = session.run_on_device(prepared.page, max_new_tokens=6, clock=prepared.clock).finish()
+    untimed = session.run_on_device(prepared.page, max_new_tokens=6).finish()
     assert ahead.token_ids == untimed.token_ids == whole.token_ids
     assert ahead.timings.preprocess_ms > 0 and untimed.timings.preprocess_ms == 0
     assert ("push", "preprocess") in prepared.clock.nvtx_log and prepared.clock.job_id == "8"
@@ -502,7 +502,7 @@ def test_a_jobs_host_part_can_finish_after_the_next_job_ran_on_the_device(device
     engine = session if device == "cpu" else DeepSeekOCRSession.from_local("tiny", device=device)
     options = DecodeOptions(ignore_eos=True)
     images = [page(600, 480), page(480, 900)]
-    at_once = [engine.run_prepared(engine.prepare_job(image, mode="tiny").page, 6, options) for image in images]
+    at_once = [engine.run_on_device(engine.prepare_job(image, mode="tiny").page, 6, options).finish() for image in images]
     first, second = (engine.run_on_device(engine.prepare_job(image, mode="tiny").page, 6, options) for image in images)
     with ThreadPoolExecutor(max_workers=1) as other_thread:
         finished = [other_thread.submit(run.finish).result() for run in (first, second)]
