@@ -602,10 +602,9 @@ class DeepSeekOCRSession:
         """`run_inference` from setup on, for a page prepared already: the job's part on the device, up
         to its output read back (and what must be read before the device's next job: its peak memory,
         its cold paths); `DeviceRun.finish()` does the rest on the host, on any thread, while the
-        device runs the next job. `clock` holds its `preprocess` stage
-        where that was timed (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the
-        time it waited since is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start
-        at setup. `after_prefill()` is called once the prefill and the first token are queued on the
+        device runs the next job. `clock` holds its `preprocess` stage where that was timed
+        (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the time it waited since
+        is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start at setup. `after_prefill()` is called once the prefill and the first token are queued on the
         device: the place for host work that must not delay the job's start on the device but may
         share its time there (the farm starts preparing the next page, and waits for the job's claim)."""
         options = infer or DecodeOptions()

@@ -1,9 +1,9 @@
 """A Celery child's ledger writes on threads of their own, off the path between two jobs (issue 10).
 
 Between two jobs of a Celery child the device waited for the host: the finished job's host part and
-result transaction (~1.5 + 1.8 ms on an H200 host), Celery's hand-over of the next message (~3 ms there: the child
-reports back, the parent acknowledges and fetches the next message) and the next job's claim
-transaction (~1.8 ms). Neither transaction needs the main thread:
+result transaction (~1.5 + 1.8 ms on an H200 host), Celery's hand-over of the next message (~3 ms
+there: the child reports back, the parent acknowledges and fetches the next message) and the next job's
+claim transaction (~1.8 ms). Neither transaction needs the main thread:
 
 - **The result** (`complete`): the row is built and written on one thread while the task returns and
   the next message is delivered; the child waits in a pipe read meanwhile (the GIL is free), so the write
@@ -13,7 +13,8 @@ transaction (~1.8 ms). Neither transaction needs the main thread:
 - **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
   written on the other thread; the job waits for its claim before its first decode step
   (farm/child.py), so only its prefill can run before the lease is its own, and a refused claim drops
-  that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate delivery, rare.
+  that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate
+  delivery, rare.
 
 Two threads, one for claims and one for results: a claim must never wait behind a result whose write is
 waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take

@@ -132,7 +132,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # The next message is not this child's to see: the page prefetched while this job runs is a guess's.
     infer = partial(_process.infer, upcoming=_process.next_on_queues)
     try:
-        # The claim and the result are written on the child's ledger thread: the job starts on the device
+        # The claim and the result are written on the child's ledger threads: the job starts on the device
         # while its claim is written, and its result is written while the parent hands over the next message.
         outcome = execute_job(
             _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer,
