@@ -608,11 +608,12 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["runs"]:
         pf = r.get("stats", {}).get("prefetch") or {}
         idle = pf.get("device_idle_ms") or {}
+        interval = pf.get("steady_over_busy_device_ci")
+        share_ci = f" [{fmt(interval[0], 3)}, {fmt(interval[1], 3)}]" if interval else ""
         lines.append(
             f"| {r['engine']} | {r['k']} | {pf.get('prefetched', '-')} / {pf.get('results', '-')} "
             f"| {fmt(idle.get('p50'), 1)} / {fmt(idle.get('p90'), 1)} / {fmt(idle.get('max'), 1)} ({idle.get('n', '-')}) "
-            f"| {fmt(pf.get('device_ms_per_page_mean'), 1)} | {fmt(pf.get('steady_over_busy_device'), 3)}"
-            f"{' [' + fmt(pf['steady_over_busy_device_ci'][0], 3) + ', ' + fmt(pf['steady_over_busy_device_ci'][1], 3) + ']' if pf.get('steady_over_busy_device_ci') else ''} "
+            f"| {fmt(pf.get('device_ms_per_page_mean'), 1)} | {fmt(pf.get('steady_over_busy_device'), 3)}{share_ci} "
             f"| {fmt(pf.get('ttft_from_claim_ms_p50'), 1)} | {fmt(pf.get('ttft_from_device_start_ms_p50'), 1)} "
             f"| {fmt(pf.get('page_wait_ms_p50'), 1)} | {prefetch_verdict(pf) if pf else '-'} |"
         )

@@ -1,15 +1,16 @@
 """A Celery child's ledger writes on threads of their own, off the path between two jobs (issue 10).
 
-Between two jobs of a Celery child the device waited for the host: the finished job's host part and
-result transaction (~1.5 + 1.8 ms on an H200 host), Celery's hand-over of the next message (~3 ms
-there: the child reports back, the parent acknowledges and fetches the next message) and the next job's
-claim transaction (~1.8 ms). Neither transaction needs the main thread:
+Between two jobs of a Celery child the device waited for the host (bench_scaling's split, on an H200
+host, docs/benchmarks.md): the finished job's host part and result row (2.6 ms), its transaction with
+Celery's hand-over of the next message (5.5 ms; the hand-over alone ~3 ms, probe_celery_handover.py: the
+child reports back, the parent acknowledges and fetches the next message) and the next job's claim
+transaction with its setup (3.5 ms). Neither transaction needs the main thread:
 
 - **The result** (`complete`): the row is built and written on one thread while the task returns and
   the next message is delivered; the child waits in a pipe read meanwhile (the GIL is free), so the write
   overlaps the hand-over instead of preceding it. Building the row includes the engine's host part after
   the device (`DeviceRun.finish`: the text decoded and parsed, the timings read from the job's CUDA
-  events; ~1.5 ms there). A row that cannot be built (a bug: it would fail again) fails the job.
+  events). A row that cannot be built (a bug: it would fail again) fails the job.
 - **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
   written on the other thread; the job waits for its claim before its first decode step
   (farm/child.py), so only its prefill can run before the lease is its own, and a refused claim drops
