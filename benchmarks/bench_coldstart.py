@@ -49,6 +49,7 @@ def child(args: argparse.Namespace) -> int:
     began = time.time()
     import torch
 
+    torch_imported = time.time()
     from benchmarks.bench_engine import synthetic_page
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile
@@ -83,7 +84,7 @@ def child(args: argparse.Namespace) -> int:
             "first_run_s": runs[0].timings.e2e_ms / 1e3, "timed_cold": sum(r.cold for r in timed),
         })  # fmt: skip
     print(json.dumps({
-        "launched_to_imported_s": imported - began, "load_s": loaded - imported, "warmup_s": ready - loaded,
+        "launched_to_imported_s": imported - began, "torch_import_s": torch_imported - began, "load_s": loaded - imported, "warmup_s": ready - loaded,
         "ready_unix": ready, "shapes": [shape for w in warm.values() for shape in w.shapes],
         "passes": max((w.passes for w in warm.values()), default=0),
         "still_cold": {mode: w.still_cold for mode, w in warm.items() if w.still_cold},
@@ -91,10 +92,34 @@ def child(args: argparse.Namespace) -> int:
         # dynamo's own accounting of where compilation went (tracing, inductor, graph capture), per function
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
         "compile_times_after_mode": compile_s,
+        "compilations": compilations(torch),
         "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "torch": torch.__version__, "pages": pages,
     }))  # fmt: skip
     return 0
+
+
+def compilations(torch: Any) -> list[dict[str, Any]]:
+    """Every frame dynamo compiled, in order: which function, its seconds (whole, then inductor's part),
+    whether inductor's FX graph cache had it, and why it was compiled again if it was a recompilation."""
+    return [{
+        "function": m.co_name, "compile_id": str(m.compile_id), "s": m.entire_frame_compile_time_s,
+        "inductor_s": m.inductor_compile_time_s, "fx_cache_hits": m.inductor_fx_local_cache_hit_count,
+        "recompile_reason": m.recompile_reason, "graph_ops": m.graph_op_count,
+    } for m in torch._dynamo.utils.get_compilation_metrics()]  # fmt: skip
+
+
+def compilations_table(runs: dict[str, Any]) -> list[str]:
+    """Per compiled function: how many frames and seconds each start spent on it."""
+    lines = ["", "| start | function | frames compiled | s | of which inductor s |", "|---|---|---:|---:|---:|"]
+    for key in ("cold", "warm_cache"):
+        per_function: dict[str, list[float]] = {}
+        for c in runs.get(key, {}).get("compilations", []):
+            per_function.setdefault(c["function"], []).append(c)
+        for function, frames in sorted(per_function.items(), key=lambda item: -sum(c["s"] or 0 for c in item[1])):
+            lines.append(f"| {key} | {function} | {len(frames)} | {sum(c['s'] or 0 for c in frames):.1f} "
+                         f"| {sum(c['inductor_s'] or 0 for c in frames):.1f} |")  # fmt: skip
+    return lines
 
 
 def run_child(args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float) -> dict[str, Any]:
@@ -159,6 +184,7 @@ def markdown(report: dict[str, Any]) -> str:
         cold = f"{d['timed_cold'] if d else '-'} / {s['timed_cold'] if s else '-'}"
         lines.append(f"| {name} | {grid} | {cell(d)} | {cell(s)} | {cold} | {d['first_run_s']:.2f} |" if d else
                      f"| {name} | {grid} | {cell(d)} | {cell(s)} | {cold} | - |")  # fmt: skip
+    lines += compilations_table(runs)
     for key, r in runs.items():
         if r.get("engine_ran") not in (None, "fast"):
             lines.append(f"\n{key}: the fast engine ran as {r['engine_ran']} (no CUDA): a smoke run.")
