@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions
@@ -44,6 +45,16 @@ def cache_bucket(needed: int, max_positions: int) -> int:
     return min(bucket, max_positions)
 
 
+class _BucketLayer(StaticLayer):
+    """transformers' static cache layer, telling the attention mask its length as the size of its
+    tensors rather than as the Python int it was built with: a compiled step would take that int as a
+    constant, the same in every bucket, and compile again for the next one."""
+
+    def get_mask_sizes(self, *args: object, **kwargs: object) -> tuple[int, int]:
+        assert self.keys is not None, "allocated by early_initialization"
+        return self.keys.shape[2], 0
+
+
 @dataclass
 class DecodeBuffers:
     """Static per-bucket state reused by every job of a session: the KV cache and the token buffer."""
@@ -71,6 +82,15 @@ class DecodeBuffers:
         )
         cache_bytes = 2 * len(cache.layers) * text.num_key_value_heads * capacity * text.head_dim * dtype.itemsize
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
+        # One compiled decode step for every bucket: the capacity is a symbol from the first compilation
+        # instead of a constant that the second bucket would compile again (dynamo would then make it
+        # symbolic anyway: 13 s of a cold start on an H200 went to that second graph).
+        torch._dynamo.maybe_mark_dynamic(tokens, 0)
+        for layer in cache.layers:
+            if type(layer) is StaticLayer:  # every layer of this model: full attention
+                layer.__class__ = _BucketLayer
+                torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+                torch._dynamo.maybe_mark_dynamic(layer.values, 2)
         length = torch.zeros((), dtype=torch.int64, device=device)
         prompt_length = torch.zeros((), dtype=torch.int64, device=device)
         if device.type == "cuda":

@@ -21,6 +21,7 @@ from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
 from dsocr_workers.report.throughput import (
+    device_busy_share,
     device_idle_ms,
     lane_key,
     service_times_s,
@@ -333,10 +334,12 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 Summary.from_values([r.e2e_ms for r in counted]).p50,
                 sum(r.prefetched for r in results),
                 Summary.from_values(idle.get(key, [])).p50,
+                device_busy_share(data, key),
             ]
         )
     columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
-               "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms"]  # fmt: skip
+               "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms",
+               "device share of a job between jobs"]  # fmt: skip
     return Table("Worker processes", columns, rows)
 
 

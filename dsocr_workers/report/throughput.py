@@ -27,8 +27,15 @@ between jobs of one worker session, and only where the next job was in the ledge
 one ended (not: the worker waiting for work). Beside it, the device's time per page
 (`device_ms_per_page`): a lane kept busy runs at 1 / that many pages per second.
 
+**The device's share of a job** (`device_busy_share`) — over the warm jobs that began when the job
+before them on their lane finished (the queue held work; one worker session), Σ device time / Σ service
+time: how close those jobs ran to 1 / (device time per page). Each job's two times are taken as a pair
+and resampled together, so the spread of the pages' own device times (5% between pages of one run on an
+H200) does not widen the interval of the share; a lane's first job (its page read and preprocessed with
+nothing to overlap) and jobs after the queue ran dry are not between jobs and are left out.
+
 Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`,
-`device_idle_ms`, `device_ms_per_page`.
+`device_idle_ms`, `device_ms_per_page`, `device_busy_share`.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from dsocr_workers.report.queries import RunData
-from dsocr_workers.report.stats import Estimate, rate_sum, rate_sum_ratio
+from dsocr_workers.report.stats import Estimate, paired_ratios, rate_sum, rate_sum_ratio
 from dsocr_workers.store.models import Job, Result, WorkerSession
 
 
@@ -147,6 +154,23 @@ def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, l
         if started is not None and finished is not None and (include_cold or not r.cold):
             spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
     return dict(spans)
+
+
+def device_busy_share(data: RunData, lane: str | None = None) -> Estimate:
+    """Σ device time / Σ service time over the warm jobs between jobs (as defined above), of every lane
+    or of `lane`, with the interval of a paired bootstrap; `n` counts the jobs."""
+    device_s, service_s = [], []
+    for key, lane_services in services(data).items():
+        if lane is not None and key != lane:
+            continue
+        for before, s in zip(lane_services, lane_services[1:], strict=False):
+            r = s.result
+            if (r.cold or r.device_started_at is None or r.device_finished_at is None or s.began != before.finished
+                    or r.worker_session_id != before.result.worker_session_id):  # fmt: skip
+                continue
+            device_s.append([(r.device_finished_at - r.device_started_at).total_seconds()])
+            service_s.append([(s.finished - s.began).total_seconds()])
+    return paired_ratios(device_s, service_s).mean
 
 
 def wall_clock_s(data: RunData) -> float | None:

@@ -112,12 +112,14 @@ def test_gap_split_parts_the_idle_time_between_consecutive_jobs_of_a_session():
 def test_prefetch_verdict_says_whether_the_busy_share_is_shown_or_only_estimated():
     from benchmarks.bench_scaling import prefetch_verdict
 
-    def verdict(ratio, interval):
-        return prefetch_verdict({"device_idle_ms": {"p90": 7.2}, "steady_over_busy_device": ratio,
-                                 "steady_over_busy_device_ci": interval})  # fmt: skip
+    def verdict(value, interval):
+        low, high = interval or (None, None)
+        return prefetch_verdict({"device_idle_ms": {"p90": 7.2},
+                                 "device_busy_share": {"value": value, "low": low, "high": high}})  # fmt: skip
 
-    assert "0.954 of 1/(device time per page) ≥ 0.95 by the estimate, not shown" in verdict(0.954, [0.934, 0.967])
+    assert "share of a job between jobs 0.954 ≥ 0.95 by the estimate, not shown" in verdict(0.954, [0.934, 0.967])
     assert "≥ 0.95 shown (95% interval 0.951-0.970)" in verdict(0.96, [0.951, 0.970])
-    assert "0.948 of 1/(device time per page) < 0.95" in verdict(0.948, [0.93, 0.96])
+    assert "between jobs 0.948 < 0.95" in verdict(0.948, [0.93, 0.96])
     assert verdict(0.96, None).endswith("(no interval: not shown)")
     assert verdict(0.96, None).startswith("idle p90 7.2 ms ≤ 10; ")
+    assert prefetch_verdict({"device_idle_ms": {"p90": 7.2}}) == "not measured"

@@ -228,16 +228,36 @@ def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
     assert unwarmed.cold_reasons == ("compiled 1 new graph(s)",)
 
 
+def test_one_compiled_decode_step_serves_every_cache_bucket(session):
+    """A cache bucket is a new length for the cache and the token buffer: the second bucket a worker
+    met used to compile the decode step again (13 s of a cold start on an H200). The capacity is a
+    symbol from the first compilation now; each bucket still decodes what eager decodes."""
+    fast = fast_on_cpu(session.source)
+    graphs = torch._dynamo.utils.counters["stats"]
+    # A ban no other test compiles: dynamo keeps a compiled step per code object, across sessions.
+    options = DecodeOptions(no_repeat_ngram_size=5, force_eos_at_step=6)
+    first = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=options)
+    assert "compiled 1 new graph(s)" in first.cold_reasons
+    compiled = graphs["unique_graphs"]
+    for max_new_tokens, capacity in ((1500, 2048), (3000, 4096), (6000, 8192)):
+        job = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options)
+        assert job.cold_reasons == (f"first use of the {capacity}-position KV cache bucket",)
+        assert graphs["unique_graphs"] == compiled
+        reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options)
+        assert job.token_ids == reference.token_ids == first.token_ids
+
+
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
     """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
-    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs.
+    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs;
+    so is the view size once a block kind has met two.
     And the encoders are compiled block by block: a graph per kind of block (SAM windowed, SAM global,
     CLIP) and view group, not one per encoder holding every layer."""
     fast = fast_on_cpu(session.source, decode_only=False)
     clock = StageClock(fast.device, nvtx_enabled=False, timing_enabled=False)
 
-    def encode(on: DeepSeekOCRSession, width: int, height: int) -> tuple[tuple[int, int], torch.Tensor]:
-        prepared = on.prepare(page(width, height), None, "gundam", 9)
+    def encode(on: DeepSeekOCRSession, width: int, height: int, mode: str = "gundam") -> tuple[tuple[int, int], torch.Tensor]:
+        prepared = on.prepare(page(width, height), None, mode, 9)
         with torch.inference_mode():
             return prepared.crop_grid, on.encode_image(on.upload(prepared), clock)
 
@@ -253,6 +273,13 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
         assert found == grid
         assert graphs["unique_graphs"] == compiled, f"{grid}: compiled again"
         torch.testing.assert_close(embeds, encode(session, width, height)[1])
+    # The fixed modes' single views (512, 640, 1280 px): the first compiles its block kinds once more (a
+    # batch of 1, the view size symbolic), the others reuse those graphs.
+    for mode, new_graphs in (("tiny", 3), ("small", 0), ("large", 0)):
+        found, embeds = encode(fast, 900, 700, mode)
+        assert graphs["unique_graphs"] == compiled + new_graphs, f"{mode}: {graphs['unique_graphs'] - compiled} new"
+        compiled = graphs["unique_graphs"]
+        torch.testing.assert_close(embeds, encode(session, 900, 700, mode)[1])
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

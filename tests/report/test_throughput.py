@@ -12,6 +12,7 @@ from sqlalchemy import select
 from dsocr_workers.report.build import comparison_report, single_report
 from dsocr_workers.report.queries import load_run
 from dsocr_workers.report.throughput import (
+    device_busy_share,
     device_idle_ms,
     device_ms_per_page,
     steady_state_throughput,
@@ -188,3 +189,22 @@ def test_a_lanes_work_for_another_run_is_not_this_runs(database, tmp_path, make_
     queued_at(database, run_b, T0)
     for run in (run_a, run_b):
         assert steady_state_throughput(load(database, run)).value == pytest.approx(1.0)
+
+
+def test_the_device_share_pairs_each_job_between_jobs_with_its_own_device_time(database, tmp_path, make_png):
+    # One session, six 1-s jobs back to back; the device ran 0.5 s of the first (its page read with
+    # nothing to overlap: not between jobs) and 0.90 … 0.98 s of the others, which then run at 94% of
+    # 1 / (device time per page) whatever the spread of those times.
+    run = back_to_back(database, tmp_path, make_png, {"s": 1.0}, jobs=6)
+    busy = [0.5, 0.90, 0.92, 0.94, 0.96, 0.98]
+    with database.transaction() as session:
+        for k, seconds in enumerate(busy):
+            result = session.scalars(select(Result).where(Result.job_id == job_id_for(run, f"s-{k}.png", 0))).one()
+            result.device_finished_at = T0 + timedelta(seconds=1.0 + k + 0.99)
+            result.device_started_at = result.device_finished_at - timedelta(seconds=seconds)
+    share = device_busy_share(load(database, run))
+    assert share.value == pytest.approx(0.94) and share.n == 5
+    assert share.low is not None and share.low < 0.94 < share.high < 0.98
+    table = next(t for t in single_report(load(database, run)).tables if t.title == "Worker processes")
+    (row,) = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
+    assert row["device share of a job between jobs"] == share
