@@ -11,12 +11,7 @@ few kernels per call.
 
 A tile group (2 or more tiles of one view size) has its batch dimension marked dynamic at every block's
 input, so one graph per block kind serves every crop grid of a mode. `maybe_`: a kernel may still guard
-on a range of batch sizes, which then costs a second graph instead of an error. The view size is left
-to dynamo's automatic dynamic shapes: the first view size a block kind meets (gundam's 1024-px global
-view, or the mode's) gets a static graph, the second a graph with the view size symbolic, which every
-later size reuses (one more for a single view if the first dynamic graph had a tile group: a batch of 1 is
-always specialised). Static per view size, the four fixed modes' views compiled two SAM and one CLIP
-graph each: 6–9 s per mode of an empty-cache start on an H200.
+on a range of batch sizes, which then costs a second graph instead of an error.
 
 Called block by block, the encoders spend host time per call (dynamo's guards over each block's weights,
 the compiled wrapper): on an H200 the prefill of a gundam page went from 29 ms (whole encoders compiled)
@@ -53,8 +48,7 @@ REGION_RECOMPILE_LIMIT = 32
 
 class RegionalVision:
     """`encode_sam` and `encode_clip` of `model` with each block compiled (`backend`), equal in function
-    to the model's own methods. `dynamic_tiles=False`: a graph per tile count and view size (the engine
-    before)."""
+    to the model's own methods. `dynamic_tiles=False`: a graph per tile count (the engine before)."""
 
     def __init__(self, model: DeepSeekOCR, backend: str, dynamic_tiles: bool = True) -> None:
         self.model = model
@@ -63,10 +57,10 @@ class RegionalVision:
         self._sam_block = self._compile(_sam_block, backend)
         self._clip_block = self._compile(_clip_block, backend)
 
-    def _compile(self, block: Callable, backend: str) -> Callable:
+    @staticmethod
+    def _compile(block: Callable, backend: str) -> Callable:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-        # None: dynamo's automatic dynamic shapes (see the module docstring); False: a graph per shape.
-        return torch.compile(block, dynamic=None if self.dynamic_tiles else False, backend=backend)
+        return torch.compile(block, dynamic=False, backend=backend)
 
     def _mark(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dynamic_tiles and hidden.shape[0] > 1:

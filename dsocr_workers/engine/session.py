@@ -117,9 +117,8 @@ class FastCompile:
 
     backend: str = "inductor"
     decode_only: bool = False
-    # One graph per vision block kind for every tile count, and for every view size after the first
-    # (engine/regions.py); False: a graph per count and size, as before (benchmarks/bench_coldstart.py
-    # compares the two).
+    # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
+    # as before (benchmarks/bench_coldstart.py compares the two).
     dynamic_tiles: bool = True
     # On CUDA, vision replayed as a CUDA graph per page shape (engine/regions.py GraphedVision); False:
     # the compiled blocks called one by one.
