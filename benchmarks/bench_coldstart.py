@@ -14,7 +14,8 @@ path), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64
   C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the
      reference for "warm e2e must not regress" (skipped when the budget is short)
 "Ready" is the child's wall clock from launch to the end of its warm-up (python start, imports, load,
-warm-up), measured by the parent. Per page, the medians of prefill and e2e (CUDA events) of the timed
+warm-up), measured by the parent. Per page, the medians of prefill, e2e and decode ms per token (CUDA events; e2e
+also holds the host's preprocessing, which moves with the host's load) of the timed
 jobs, and the timed jobs still flagged cold. Output: coldstart.json / coldstart.md in --out (default $OUT).
 CPU smoke (fast runs eager there, numbers meaningless): `--device cpu --model tiny --modes tiny,gundam
 --repeats 1`.
@@ -51,6 +52,7 @@ def child(args: argparse.Namespace) -> int:
 
     torch_imported = time.time()
     from benchmarks.bench_engine import synthetic_page
+    from dsocr_workers.engine.generate import cache_bucket
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile
 
@@ -81,6 +83,8 @@ def child(args: argparse.Namespace) -> int:
             "page": f"{width}x{height}", "crop_grid": list(timed[0].crop_grid),
             "prefill_ms": statistics.median(r.timings.prefill_ms for r in timed),
             "e2e_ms": statistics.median(r.timings.e2e_ms for r in timed),
+            "decode_ms_per_token": statistics.median(r.timings.decode_ms / len(r.timings.decode_step_ms) for r in timed),
+            "kv_bucket": cache_bucket(timed[0].prompt_tokens + args.tokens, session.max_positions),
             "first_run_s": runs[0].timings.e2e_ms / 1e3, "timed_cold": sum(r.cold for r in timed),
         })  # fmt: skip
     print(json.dumps({
@@ -144,6 +148,10 @@ def run_child(args: argparse.Namespace, model: str, tiles: str, modes: str, cach
     return result
 
 
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     from benchmarks.bench_engine import environment_line
 
@@ -172,18 +180,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
         by_mode = ", ".join(f"{mode} {seconds:.1f} s" for mode, seconds in r.get("warmup_s_by_mode", {}).items())
         lines[-1] += f" {by_mode or '-'} |"
-    lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms | static tiles (before): prefill / e2e ms | "
-              "timed jobs cold (dynamic / static) | first job s (dynamic) |", "|---|---|---|---|---|---:|"]  # fmt: skip
+    lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms / decode ms per token "
+              "| static tiles (before): prefill / e2e ms / decode ms per token | KV bucket "
+              "| timed jobs cold (dynamic / static) | first job s (dynamic) |", "|---|---|---|---|---:|---|---:|"]  # fmt: skip
     dynamic = {p["page"]: p for p in runs.get("warm_cache", {}).get("pages", [])}
     static = {p["page"]: p for p in runs.get("static", {}).get("pages", [])}
     for width, height in PAGES:
         name = f"{width}x{height}"
         d, s = dynamic.get(name), static.get(name)
         grid = "x".join(map(str, (d or s or {}).get("crop_grid", [])))
-        cell = lambda p: f"{p['prefill_ms']:.2f} / {p['e2e_ms']:.1f}" if p else "-"  # noqa: E731
+        def cell(p: dict[str, Any] | None) -> str:
+            return f"{p['prefill_ms']:.2f} / {p['e2e_ms']:.1f} / {fmt(p.get('decode_ms_per_token'))}" if p else "-"
+
         cold = f"{d['timed_cold'] if d else '-'} / {s['timed_cold'] if s else '-'}"
-        lines.append(f"| {name} | {grid} | {cell(d)} | {cell(s)} | {cold} | {d['first_run_s']:.2f} |" if d else
-                     f"| {name} | {grid} | {cell(d)} | {cell(s)} | {cold} | - |")  # fmt: skip
+        bucket = (d or s or {}).get("kv_bucket", "-")
+        lines.append(f"| {name} | {grid} | {cell(d)} | {cell(s)} | {bucket} | {cold} | {d['first_run_s']:.2f} |" if d else
+                     f"| {name} | {grid} | {cell(d)} | {cell(s)} | {bucket} | {cold} | - |")  # fmt: skip
     lines += compilations_table(runs)
     for key, r in runs.items():
         if r.get("engine_ran") not in (None, "fast"):
