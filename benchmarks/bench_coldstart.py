@@ -85,6 +85,7 @@ def child(args: argparse.Namespace) -> int:
             "e2e_ms": statistics.median(r.timings.e2e_ms for r in timed),
             "decode_ms_per_token": statistics.median(r.timings.decode_ms / len(r.timings.decode_step_ms) for r in timed),
             "kv_bucket": cache_bucket(timed[0].prompt_tokens + args.tokens, session.max_positions),
+            "parts_ms": {part: statistics.median(r.timings.parts_ms[part] for r in timed) for part in timed[0].timings.parts_ms},
             "first_run_s": runs[0].timings.e2e_ms / 1e3, "timed_cold": sum(r.cold for r in timed),
         })  # fmt: skip
     print(json.dumps({
