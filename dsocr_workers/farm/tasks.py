@@ -87,15 +87,21 @@ class JobRequest(Request):
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # Called in the parent before billiard kills the child, so the child's lease is still its own.
         if not soft and self.worker_pid:
+            job_id, queue = str(self.args[0]), self.delivery_info.get("routing_key")
             try:
-                _record_hard_timeout(self.task, str(self.args[0]), self.worker_pid, timeout, self.kwargsrepr)
-            except Exception:  # the ledger is down: lease expiry and a live worker's sweep recover the job
-                log.exception("job %s: could not record the hard time limit", self.args[0])
+                _record_hard_timeout(self.task, job_id, self.worker_pid, timeout, self.kwargsrepr, queue)
+            except Exception:
+                # The ledger is down: a job claimed by the child is recovered by lease expiry and a live
+                # worker's sweep, but one whose claim was not written (stuck in that outage) would stay
+                # queued without a message, Celery acknowledging this one. Sent again: a delivery too
+                # many is refused by the claim, one too few is a job lost until `dsocr reconcile`.
+                log.exception("job %s: could not record the hard time limit; its message is sent again", job_id)
+                _send_again(self.task, job_id, self.kwargsrepr, queue, Settings.from_env())
         super().on_timeout(soft, timeout)
 
 
 def _record_hard_timeout(
-    task: object, job_id: str, child_pid: int, limit_s: float, label: str | None
+    task: object, job_id: str, child_pid: int, limit_s: float, label: str | None, queue: str | None
 ) -> None:
     settings = Settings.from_env()
     # A short-lived engine, disposed at once: the parent forks replacement children, which must not
@@ -107,17 +113,25 @@ def _record_hard_timeout(
                 session, job_id, owner_prefix_of_pid(child_pid), limit_s,
                 max_attempts=settings.max_attempts,
             )  # fmt: skip
+            unclaimed = recorded is None and ledger.job_state(session, job_id) == "queued"
     finally:
         db.dispose()
-    if recorded is None:
-        return
-    state, queue = recorded
-    log.warning("job %s: killed at the hard time limit (%s s); %s", job_id, limit_s, state)
-    if state == "queued":
-        delay = retry_backoff_s(1, settings)
-        task.apply_async(  # type: ignore[attr-defined]
-            args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=delay
-        )
+    if recorded is not None:
+        state, run_queue = recorded
+        log.warning("job %s: killed at the hard time limit (%s s); %s", job_id, limit_s, state)
+        if state == "queued":
+            _send_again(task, job_id, label, run_queue, settings)
+    elif unclaimed:
+        # Killed before its claim was written: nothing ran, no attempt counts, and Celery acknowledges
+        # the message of a task that timed out.
+        log.warning("job %s: not claimed when its process was killed at the hard time limit; sent again", job_id)
+        _send_again(task, job_id, label, queue, settings)
+
+
+def _send_again(task: object, job_id: str, label: str | None, queue: str | None, settings: Settings) -> None:
+    task.apply_async(  # type: ignore[attr-defined]
+        args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=retry_backoff_s(1, settings)
+    )
 
 
 @shared_task(

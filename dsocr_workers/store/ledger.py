@@ -273,6 +273,11 @@ def record_timeout(
 # --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
 
 
+def job_state(session: Session, job_id: str) -> str | None:
+    """The job's state; None for no such job."""
+    return session.scalar(select(Job.state).where(Job.id == job_id))
+
+
 def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
     """pending → queued for jobs whose message is now in the broker. A job a worker claimed before its
     batch was marked keeps its state and gets the time too: without it, throughput would count its wait

@@ -1,7 +1,8 @@
 """TEST-ONLY: `dsocr` with faults in chosen jobs, for scenarios that need a fault no real input produces on
 demand. The package itself carries no fault hook and no switch for one: this entry point, which lives
 only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job) and
-`LedgerThreads.complete` (farm/ledger_threads.py), then hands the rest of its arguments to `dsocr`:
+`LedgerThreads.complete` (farm/ledger_threads.py) and `ledger.claim_job` (store/ledger.py), then hands the rest of its arguments
+to `dsocr`:
 
     python tests/reliability/faulty_dsocr.py --crash 'poison*.png' --hang 'hung*.png' worker --gpus cpu
 
@@ -10,6 +11,10 @@ only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that ru
                   killer). Exercises reject_on_worker_lost and the attempt cap.
     --hang GLOB   it sleeps forever with the soft-time-limit signal blocked: a call stuck in native code
                   that never returns to Python. Only the hard time limit (SIGKILL by the parent) ends it.
+    --hang-claim GLOB
+                  the first claim of a job whose image matches (once per job id, across processes: a
+                  marker file) never returns: a claim stuck in the ledger (a connection that hangs) until
+                  the hard time limit kills the process, before anything is written for the job.
     --lose-result GLOB
                   on the job's first attempt, its result is never handed to the ledger thread
                   (farm/ledger_threads.py) and the process SIGKILLs itself a second later: the task has returned
@@ -28,6 +33,7 @@ import functools
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from dsocr_workers.store.ledger import Claim
+from dsocr_workers.store.models import Job
 
 RunJob = Callable[[Any, Any, Any], Any]  # JobProcess.infer, unbound: (process, claiming, upcoming) -> Ran
+ClaimJob = Callable[..., Any]  # ledger.claim_job: (session, *, job_id, owner, ...) -> Claim | Refusal
 Complete = Callable[[Any, Claim, Any, Any], None]  # LedgerThreads.complete, unbound: (thread, claim, build_row, finished_at)
 
 
@@ -48,13 +56,15 @@ class Faults:
     crash: tuple[str, ...] = ()
     hang: tuple[str, ...] = ()
     lose_result: tuple[str, ...] = ()
+    hang_claim: tuple[str, ...] = ()
 
     def dsocr_command(self) -> list[str]:
         """The command line that starts `dsocr` with these faults; `python -m dsocr_workers` without any."""
-        if not (self.crash or self.hang or self.lose_result):
+        if not (self.crash or self.hang or self.lose_result or self.hang_claim):
             return [sys.executable, "-m", "dsocr_workers"]
         flags = [*(("--crash", glob) for glob in self.crash), *(("--hang", glob) for glob in self.hang),
-                 *(("--lose-result", glob) for glob in self.lose_result)]  # fmt: skip
+                 *(("--lose-result", glob) for glob in self.lose_result),
+                 *(("--hang-claim", glob) for glob in self.hang_claim)]  # fmt: skip
         return [sys.executable, str(Path(__file__).resolve()), *(part for flag in flags for part in flag)]
 
 
@@ -93,22 +103,49 @@ def losing_results(complete: Complete, globs: tuple[str, ...]) -> Complete:
     return complete_or_lose
 
 
+def hanging_claims(claim_job: ClaimJob, globs: tuple[str, ...]) -> ClaimJob:
+    """`claim_job`, but the first claim of a job whose image matches a glob sleeps forever instead (on the
+    claims thread: the soft time limit interrupts the task's thread, which then waits for the claim again)."""
+    markers = Path(tempfile.gettempdir()) / "dsocr-hang-claim"
+    markers.mkdir(exist_ok=True)
+
+    @functools.wraps(claim_job)
+    def claim_or_hang(session: Any, **kwargs: Any) -> Any:
+        job = session.get(Job, kwargs["job_id"])
+        if job is not None and any(fnmatch.fnmatchcase(job.image, glob) for glob in globs):
+            try:
+                os.close(os.open(markers / kwargs["job_id"], os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass  # this job's claim hung once already
+            else:
+                while True:
+                    time.sleep(3600)
+        return claim_job(session, **kwargs)
+
+    return claim_or_hang
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="faulty_dsocr.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--crash", action="append", default=[], metavar="GLOB", help="jobs that kill their process")
     parser.add_argument("--hang", action="append", default=[], metavar="GLOB", help="jobs that hang their process")
     parser.add_argument("--lose-result", action="append", default=[], metavar="GLOB",
                         help="jobs whose first result is lost with their process after their task returned")
+    parser.add_argument("--hang-claim", action="append", default=[], metavar="GLOB",
+                        help="jobs whose first claim never returns")
     parser.add_argument("dsocr_args", nargs=argparse.REMAINDER, help="the `dsocr` command line")
     args = parser.parse_args(argv)
 
     from dsocr_workers.cli import main as dsocr
     from dsocr_workers.farm.child import JobProcess
     from dsocr_workers.farm.ledger_threads import LedgerThreads
+    from dsocr_workers.store import ledger
 
     JobProcess.infer = with_faults(JobProcess.infer, Faults(tuple(args.crash), tuple(args.hang)))
     if args.lose_result:
         LedgerThreads.complete = losing_results(LedgerThreads.complete, tuple(args.lose_result))
+    if args.hang_claim:
+        ledger.claim_job = hanging_claims(ledger.claim_job, tuple(args.hang_claim))  # type: ignore[assignment]
     dsocr(args.dsocr_args, prog_name="dsocr")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from faulty_dsocr import Faults
-from reliability_harness import FAST_JOB, check_invariants, make_pages, record
+from reliability_harness import FAST_JOB, TcpProxy, check_invariants, make_pages, record
 from sqlalchemy import select
 
 from dsocr_workers.farm.celery_app import create_app
@@ -111,6 +111,63 @@ def test_r9_hung_job(new_farm, tmp_path):
     record("R9 hung job", workers=1, faults=f"1 job hanging with the soft limit blocked (hard limit {HARD_LIMIT_S} s, "
            "cap 2)", lost=8 - tally.done, duplicated=tally.duplicates, hung_recorded_as=hung.last_error_class,
            wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_r9_a_claim_stuck_past_the_hard_time_limit(new_farm, tmp_path):
+    """A job whose claim never returns (the ledger's connection hangs) is killed at the hard time limit
+    with nothing written for it: still queued, no attempt counted, and its message acknowledged by
+    Celery. The parent sends the message again, and the job runs on a fresh child."""
+    farm = new_farm(faults=Faults(hang_claim=("stuck*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
+                    DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2")  # fmt: skip
+    listing = make_pages(tmp_path / "pages", 4)
+    make_pages(tmp_path / "pages", 1, prefix="stuck")
+    listing.write_text("stuck0000.png\n" + listing.read_text())
+    run_id = farm.submit(listing, *FAST_JOB)
+    worker = farm.start_worker()
+    wall = farm.wait_until_final(run_id, timeout=120)
+    tally = check_invariants(farm, run_id, max_attempts=2)
+    assert all((j.state, j.attempts) == ("done", 1) for j in farm.jobs(run_id)), [
+        (j.image, j.state, j.attempts, j.last_error_message) for j in farm.jobs(run_id)]  # fmt: skip
+    logs = farm.logs()
+    assert logs.count("Hard time limit") == 1 and worker.alive()
+    assert "not claimed when its process was killed at the hard time limit; sent again" in logs
+    record("R9 claim stuck", workers=1, faults=f"1 job whose first claim never returns (hard limit {HARD_LIMIT_S} s)",
+           lost=5 - tally.done, duplicated=tally.duplicates, wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_r9_a_claim_stuck_in_a_ledger_outage_past_the_hard_time_limit(new_farm, tmp_path, postgres_url):
+    """The same stuck claim, with PostgreSQL out of reach when the hard time limit strikes: the parent
+    cannot read whether the job was claimed, so it sends the message again; the job runs once the
+    ledger is back (a claim decides, so a message too many would be refused, not run twice)."""
+    proxy = TcpProxy(5432)
+    try:
+        farm = new_farm(faults=Faults(hang_claim=("stuck*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
+                        DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2",
+                        worker_database_url=postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))  # fmt: skip
+        listing = make_pages(tmp_path / "pages", 2)
+        make_pages(tmp_path / "pages", 1, prefix="stuck")
+        listing.write_text("stuck0000.png\n" + listing.read_text())
+        run_id = farm.submit(listing, *FAST_JOB)
+        worker = farm.start_worker()
+        farm.wait_for_ready_workers(1, timeout=120)
+
+        def outage(_jobs: list) -> None:
+            logs = farm.logs()
+            if proxy.up and "Soft time limit" in logs and "could not record" not in logs:
+                proxy.cut()  # the parent's record at the hard limit, a second later, meets the outage
+            elif not proxy.up and "could not record the hard time limit" in logs:
+                proxy.restore()
+
+        farm.wait_until_final(run_id, timeout=150, tick=outage)
+        tally = check_invariants(farm, run_id, max_attempts=2)
+        assert all((j.state, j.attempts) == ("done", 1) for j in farm.jobs(run_id)), [
+            (j.image, j.state, j.attempts, j.last_error_message) for j in farm.jobs(run_id)]  # fmt: skip
+        assert "could not record the hard time limit; its message is sent again" in farm.logs() and worker.alive()
+        record("R9 claim stuck, ledger out", workers=1, faults="1 job whose first claim never returns; PostgreSQL "
+               "cut from its soft time limit until the parent failed to record the hard one", lost=3 - tally.done,
+               duplicated=tally.duplicates, tally=tally)  # fmt: skip
+    finally:
+        proxy.cut()
 
 
 def test_r10_redelivery_while_running(new_farm, tmp_path):
