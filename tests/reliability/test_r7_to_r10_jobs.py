@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from faulty_dsocr import Faults
-from reliability_harness import FAST_JOB, TcpProxy, check_invariants, make_pages, record
+from reliability_harness import FAST_JOB, Farm, TcpProxy, check_invariants, make_pages, record
 from sqlalchemy import select
 
 from dsocr_workers.farm.celery_app import create_app
@@ -86,14 +86,20 @@ def test_r8_poison_job(new_farm, tmp_path):
 HARD_LIMIT_S = 12
 
 
+def hard_limited_run(new_farm, tmp_path, faults: Faults, prefix: str, others: int, **settings: str) -> tuple[Farm, str]:
+    """A farm whose workers inject `faults` under a 12-s hard time limit (a lease far above it: a job must
+    be recorded at the hard limit, not at lease expiry; cap 2), and a run of `<prefix>0000.png` first,
+    then `others` plain pages."""
+    farm = new_farm(faults=faults, DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S), DSOCR_LEASE_SECONDS="300",
+                    DSOCR_MAX_ATTEMPTS="2", **settings)  # fmt: skip
+    listing = make_pages(tmp_path / "pages", others)
+    make_pages(tmp_path / "pages", 1, prefix=prefix)
+    listing.write_text(f"{prefix}0000.png\n" + listing.read_text())
+    return farm, farm.submit(listing, *FAST_JOB)
+
+
 def test_r9_hung_job(new_farm, tmp_path):
-    # A lease far above the hard limit: the job must be recorded at the hard limit, not at lease expiry.
-    farm = new_farm(faults=Faults(hang=("hung*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
-                    DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2")  # fmt: skip
-    listing = make_pages(tmp_path / "pages", 8)
-    make_pages(tmp_path / "pages", 1, prefix="hung")
-    listing.write_text("hung0000.png\n" + listing.read_text())
-    run_id = farm.submit(listing, *FAST_JOB)
+    farm, run_id = hard_limited_run(new_farm, tmp_path, Faults(hang=("hung*.png",)), "hung", 8)
     worker = farm.start_worker()  # one worker with one child: it must carry on after each kill
     start = time.monotonic()
     wall = farm.wait_until_final(run_id, timeout=180)
@@ -117,12 +123,7 @@ def test_r9_a_claim_stuck_past_the_hard_time_limit(new_farm, tmp_path):
     """A job whose claim never returns (the ledger's connection hangs) is killed at the hard time limit
     with nothing written for it: still queued, no attempt counted, and its message acknowledged by
     Celery. The parent sends the message again, and the job runs on a fresh child."""
-    farm = new_farm(faults=Faults(hang_claim=("stuck*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
-                    DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2")  # fmt: skip
-    listing = make_pages(tmp_path / "pages", 4)
-    make_pages(tmp_path / "pages", 1, prefix="stuck")
-    listing.write_text("stuck0000.png\n" + listing.read_text())
-    run_id = farm.submit(listing, *FAST_JOB)
+    farm, run_id = hard_limited_run(new_farm, tmp_path, Faults(hang_claim=("stuck*.png",)), "stuck", 4)
     worker = farm.start_worker()
     wall = farm.wait_until_final(run_id, timeout=120)
     tally = check_invariants(farm, run_id, max_attempts=2)
@@ -141,13 +142,10 @@ def test_r9_a_claim_stuck_in_a_ledger_outage_past_the_hard_time_limit(new_farm, 
     ledger is back (a claim decides, so a message too many would be refused, not run twice)."""
     proxy = TcpProxy(5432)
     try:
-        farm = new_farm(faults=Faults(hang_claim=("stuck*.png",)), DSOCR_HARD_TIME_LIMIT=str(HARD_LIMIT_S),
-                        DSOCR_LEASE_SECONDS="300", DSOCR_MAX_ATTEMPTS="2",
-                        worker_database_url=postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))  # fmt: skip
-        listing = make_pages(tmp_path / "pages", 2)
-        make_pages(tmp_path / "pages", 1, prefix="stuck")
-        listing.write_text("stuck0000.png\n" + listing.read_text())
-        run_id = farm.submit(listing, *FAST_JOB)
+        farm, run_id = hard_limited_run(
+            new_farm, tmp_path, Faults(hang_claim=("stuck*.png",)), "stuck", 2,
+            worker_database_url=postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        )  # fmt: skip
         worker = farm.start_worker()
         farm.wait_for_ready_workers(1, timeout=120)
 
