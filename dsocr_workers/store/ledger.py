@@ -270,12 +270,12 @@ def record_timeout(
     return (state, queue) if _rowcount(changed) == 1 else None
 
 
-# --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
-
-
 def job_state(session: Session, job_id: str) -> str | None:
     """The job's state; None for no such job."""
     return session.scalar(select(Job.state).where(Job.id == job_id))
+
+
+# --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
 
 
 def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
