@@ -118,7 +118,7 @@ def compilations_table(runs: dict[str, Any]) -> list[str]:
     """Per compiled function: how many frames and seconds each start spent on it."""
     lines = ["", "| start | function | frames compiled | s | of which inductor s |", "|---|---|---:|---:|---:|"]
     for key in ("cold", "warm_cache"):
-        per_function: dict[str, list[float]] = {}
+        per_function: dict[str, list[dict[str, Any]]] = {}
         for c in runs.get(key, {}).get("compilations", []):
             per_function.setdefault(c["function"], []).append(c)
         for function, frames in sorted(per_function.items(), key=lambda item: -sum(c["s"] or 0 for c in item[1])):

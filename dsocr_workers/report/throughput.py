@@ -30,8 +30,8 @@ one ended (not: the worker waiting for work). Beside it, the device's time per p
 **The device's share of a job** (`device_busy_share`) — over the warm jobs that began when the job
 before them on their lane finished (the queue held work; one worker session), Σ device time / Σ service
 time: how close those jobs ran to 1 / (device time per page). Each job's two times are taken as a pair
-and resampled together, so the spread of the pages' own device times (5% between pages of one run on an
-H200) does not widen the interval of the share; a lane's first job (its page read and preprocessed with
+and resampled together, so the spread of the pages' own device times (136–150 ms, p5–p95, in one
+252-job run on an H200) does not widen the interval of the share; a lane's first job (its page read and preprocessed with
 nothing to overlap) and jobs after the queue ran dry are not between jobs and are left out.
 
 Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`,
