@@ -1,4 +1,5 @@
-"""The fast engine's vision encoders, compiled one transformer block at a time (regional compilation).
+"""The fast engine's vision encoders and LM prefill, compiled one transformer block at a time (regional
+compilation).
 
 Compiling `encode_sam` and `encode_clip` whole made one graph of 12 SAM blocks and one of 24 CLIP layers
 per view size: about 30 s of compilation per size on an H200 and, with an empty compile cache, five of
@@ -9,6 +10,11 @@ graph inputs): two SAM graphs per view size (windowed and global attention), one
 between blocks (patch embedding, position tables, SAM's neck and compressor convolutions) runs eager: a
 few kernels per call.
 
+The LM prefill likewise (`RegionalPrefill`): the language model compiled whole was one graph of 12
+decoder layers, 31.7 s of a cold start on an H200 (17.2 s of it inductor's); compiled layer by layer it is
+two graphs, the dense first layer and the MoE layers, each dynamic in the prompt length and the cache
+bucket. Each layer gets its own cache layer, so no graph depends on which layer it runs.
+
 A tile group (2 or more tiles of one view size) has its batch dimension marked dynamic at every block's
 input, so one graph per block kind serves every crop grid of a mode. `maybe_`: a kernel may still guard
 on a range of batch sizes, which then costs a second graph instead of an error.
@@ -18,6 +24,7 @@ the compiled wrapper): on an H200 the prefill of a gundam page went from 29 ms (
 to 35–49 ms, bound by the host. `GraphedVision` removes that: per page shape (the view groups' shapes),
 SAM over all the page's views is captured once into a CUDA graph and CLIP into another, then replayed.
 Capturing costs milliseconds once the blocks are compiled, so a new crop grid costs no compilation.
+The LM prefill is not replayed as a graph: its shapes change with every prompt length.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
-from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 
 # Each compiled region is its own function, so each has its own code object and with it its own cache
 # of graphs and its own recompile limit (dynamo keys both on the code object).
@@ -39,6 +48,13 @@ def _sam_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def _clip_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
+
+
+def _lm_layer(
+    layer: torch.nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor, cache_layer: StaticLayer,
+) -> torch.Tensor:
+    return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
 
 
 # Distinct view sizes × block kinds a worker meets: 5 sizes (the four fixed modes' global views and
@@ -89,6 +105,34 @@ class RegionalVision:
         for layer in clip.transformer.layers:
             hidden = self._clip_block(layer, self._mark(hidden))
         return hidden[:, 1:]
+
+
+class RegionalPrefill:
+    """`generate.prefill` with each decoder layer compiled (`backend`): the same function of the prompt's
+    embeddings, the same cache contents. What runs between layers is eager: the causal mask and rotary
+    tables once per prompt, the final norm and the LM head on the last position alone.
+
+    The layers need the fast engine's fused attention (`model.fused`), which writes a cache layer handed
+    to it without reading its layer index."""
+
+    def __init__(self, backend: str) -> None:
+        # Dynamic in the prompt length and the cache bucket from the first call, as the whole compiled
+        # prefill was: a static first graph would be compiled again at the second length.
+        self._layer = torch.compile(_lm_layer, dynamic=True, backend=backend)
+
+    def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        language_model = model.language_model
+        length, device = embeds.shape[1], embeds.device
+        positions = torch.arange(length, device=device)
+        capacity = cache.layers[0].keys.shape[2]  # type: ignore[union-attr]  # allocated by DecodeBuffers
+        # What transformers' create_causal_mask builds for SDPA over a static cache filled from position 0:
+        # query i attends to slots 0..i of the bucket's `capacity`.
+        mask = (torch.arange(capacity, device=device) <= positions[:, None]).view(1, 1, length, capacity)
+        position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
+        hidden = embeds
+        for layer, cache_layer in zip(language_model.layers, cache.layers, strict=True):
+            hidden = self._layer(layer, hidden, position_embeddings, mask, cache_layer)
+        return model.logits(language_model.norm(hidden[:, -1]))
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
-from dsocr_workers.engine.regions import GraphedVision, RegionalVision
+from dsocr_workers.engine.regions import GraphedVision, RegionalPrefill, RegionalVision
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -319,8 +319,8 @@ class DeepSeekOCRSession:
         # Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
         # block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
         # projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms
-        # eager and 0.48 ms compiled (docs/benchmarks.md, vendor side by side). LM prefill: one graph,
-        # dynamic in the prompt length.
+        # eager and 0.48 ms compiled (docs/benchmarks.md, vendor side by side). LM prefill: compiled layer
+        # by layer (engine/regions.py), one graph per kind of layer, dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
@@ -339,7 +339,7 @@ class DeepSeekOCRSession:
                 self._vision = _Vision(graphed.sam, graphed.clip, model.project)
             else:
                 self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
-            self._prefill = torch.compile(prefill, dynamic=True, backend=backend)
+            self._prefill = RegionalPrefill(backend)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
 
@@ -483,10 +483,6 @@ class DeepSeekOCRSession:
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
         if image_embeds is not None:
             embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
-        if self.engine == "fast":
-            # Dynamic in the prompt length from the first call: otherwise dynamo compiles the first
-            # length statically and recompiles at the second.
-            torch._dynamo.mark_dynamic(embeds, 1)
         return self._prefill(self.model, embeds, job.buffers.cache)
 
     def decode(

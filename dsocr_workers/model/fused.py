@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
     DeepseekOcr2TextAttention,
@@ -68,7 +69,11 @@ class FusedQKVAttention(nn.Module):
             part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        if cache is not None:
+        if isinstance(cache, StaticLayer):
+            # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
+            # layer index is not read: a compiled layer would take it as a constant, one graph per layer.
+            key, value = cache.update(key, value)
+        elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,

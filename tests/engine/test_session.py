@@ -274,6 +274,36 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
         torch.testing.assert_close(embeds, encode(session, width, height)[1])
 
 
+def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
+    """The LM prefill compiled whole was one graph of every decoder layer (31.7 s of a cold start on an
+    H200). Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
+    prompt length and cache bucket, and it leaves what the uncompiled prefill leaves: the logits of the
+    last position and every layer's cache."""
+    fast = fast_on_cpu(session.source, decode_only=False)
+    model, hidden = fast.model, fast.model.config.text.hidden_size
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    for length, capacity in ((53, 1024), (81, 1024), (97, 2048)):
+        embeds = torch.randn(1, length, hidden, generator=torch.Generator().manual_seed(length))
+        with torch.inference_mode():  # as the session allocates and runs: a graph guards on it
+            compiled, reference = (generate.DecodeBuffers.allocate(model, capacity, fast.device) for _ in range(2))
+            logits = fast._prefill(model, embeds.clone(), compiled.cache)
+            expected = generate.prefill(model, embeds.clone(), reference.cache)
+        assert graphs["unique_graphs"] - before == 2, f"prompt of {length} in a {capacity} bucket compiled again"
+        torch.testing.assert_close(logits, expected)
+        for ours, theirs in zip(compiled.cache.layers, reference.cache.layers, strict=True):
+            torch.testing.assert_close(ours.keys, theirs.keys)
+            torch.testing.assert_close(ours.values, theirs.values)
+            assert int(ours.cumulative_length) == int(theirs.cumulative_length) == length
+    # Through the session: prompts of other lengths (gundam grids) compile no third layer graph.
+    options = DecodeOptions(ignore_eos=True)
+    for width, height in ((1280, 640), (1280, 1280)):
+        job = fast.run_inference(page(width, height), mode="gundam", max_new_tokens=8, infer=options)
+        assert job.token_ids == session.run_inference(page(width, height), mode="gundam", max_new_tokens=8,
+                                                      infer=options).token_ids  # fmt: skip
+    assert graphs["unique_graphs"] - before == 2 + 6 + 1  # + the vision blocks (two view groups) and decode
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"engine": "turbo"}, "unknown engine"),
     ({"dtype": "int3"}, "unknown dtype"),
