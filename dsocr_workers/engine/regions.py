@@ -124,13 +124,14 @@ class RegionalPrefill:
         language_model = model.language_model
         length, device = embeds.shape[1], embeds.device
         positions = torch.arange(length, device=device)
-        capacity = cache.layers[0].keys.shape[2]  # type: ignore[union-attr]  # allocated by DecodeBuffers
+        capacity = cache.get_max_length()
+        cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
         # What transformers' create_causal_mask builds for SDPA over a static cache filled from position 0:
         # query i attends to slots 0..i of the bucket's `capacity`.
         mask = (torch.arange(capacity, device=device) <= positions[:, None]).view(1, 1, length, capacity)
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
         hidden = embeds
-        for layer, cache_layer in zip(language_model.layers, cache.layers, strict=True):
+        for layer, cache_layer in zip(language_model.layers, cache_layers, strict=True):
             hidden = self._layer(layer, hidden, position_embeddings, mask, cache_layer)
         return model.logits(language_model.norm(hidden[:, -1]))
 
