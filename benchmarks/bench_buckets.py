@@ -4,8 +4,8 @@ The fast engine compiles its decode step once for every cache bucket (the capaci
 the first bucket a process met got a static graph and the second one dynamo's automatic dynamic graph.
 This runs the anchors' page (1600x2000, gundam 2x3, 916 prompt tokens) with each token budget of
 `--tokens` (64 → the 1024-position bucket, 256 → 2048), every budget once to compile and capture, then
-4 warm-up and 5 timed jobs per budget; prints the medians (CUDA events) as one JSON line. Run it on two
-commits in one device call to compare them side by side.
+4 warm-up and `--runs` timed jobs per budget; prints the medians (CUDA events; prefill also per stage) as
+one JSON line. Run it on two commits in one device call to compare them side by side.
 
     python benchmarks/bench_buckets.py [--tokens 64,256]
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="64,256", help="token budgets, comma-separated")
+    parser.add_argument("--runs", type=int, default=5, help="timed jobs per budget (after 4 warm-up jobs)")
     parser.add_argument("--model", default="full")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (fast runs eager there)")
     args = parser.parse_args()
@@ -45,12 +46,14 @@ def main() -> int:
     for tokens in budgets:
         for _ in range(4):
             session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options)
-        runs = [session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options) for _ in range(5)]
+        runs = [session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options) for _ in range(args.runs)]
         report[str(tokens)] = {
             "kv_length": runs[0].kv_length,
             "decode_ms_per_token_mean": statistics.median(r.timings.decode_ms / len(r.timings.decode_step_ms) for r in runs),
             "decode_step_p50": statistics.median(statistics.median(r.timings.decode_step_ms) for r in runs),
             "prefill_ms": statistics.median(r.timings.prefill_ms for r in runs),
+            "prefill_stages_ms": {stage: statistics.median(getattr(r.timings, f"{stage}_ms") for r in runs)
+                                  for stage in ("sam", "clip", "projector", "lm_prefill")},
             "parts_ms": {part: statistics.median(r.timings.parts_ms[part] for r in runs) for part in runs[0].timings.parts_ms},
             "e2e_ms": statistics.median(r.timings.e2e_ms for r in runs),
             "cold": sum(r.cold for r in runs),
