@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE
 
 # Each compiled region is its own function, so each has its own code object and with it its own cache
 # of graphs and its own recompile limit (dynamo keys both on the code object).
@@ -107,33 +111,144 @@ class RegionalVision:
         return hidden[:, 1:]
 
 
+# Prompts are padded to a multiple of this many positions for the LM prefill (a graph per padded length,
+# `GraphedPrefill`): ~20 lengths cover every mode and gundam grid (73 to ~1 250 prompt tokens), for at
+# most 63 positions of padding (the 916-token prefill takes ~5.5 µs per position on an H200).
+PREFILL_BUCKET = 64
+
+
+def padded_length(length: int, capacity: int) -> int:
+    """The prefill length of a `length`-token prompt in a cache of `capacity` positions."""
+    return min(-(-length // PREFILL_BUCKET) * PREFILL_BUCKET, capacity)
+
+
 class RegionalPrefill:
-    """`generate.prefill` with each decoder layer compiled (`backend`): the same function of the prompt's
-    embeddings, the same cache contents. What runs between layers is eager: the causal mask and rotary
-    tables once per prompt, the final norm and the LM head on the last position alone.
+    """`generate.prefill` with each decoder layer compiled (`backend`), over the prompt padded to
+    `padded_length`: the same logits, the same cache for the prompt's positions and the same fill count.
+
+    The padding (zero embeddings after the prompt) changes nothing the prompt's positions compute: the
+    attention is causal and every other operation is per position. Its keys and values land in the
+    cache slots after the prompt, which decoding overwrites one by one before any query may read them
+    (a decode step writes its slot, then attends up to it). What runs between layers is eager: the causal
+    mask and rotary tables, the final norm and the LM head at the last prompt position alone.
 
     The layers need the fast engine's fused attention (`model.fused`), which writes a cache layer handed
     to it without reading its layer index."""
 
     def __init__(self, backend: str) -> None:
-        # Dynamic in the prompt length and the cache bucket from the first call, as the whole compiled
-        # prefill was: a static first graph would be compiled again at the second length.
-        self._layer = torch.compile(_lm_layer, dynamic=True, backend=backend)
+        self._layer = torch.compile(_lm_layer, backend=backend)
 
     def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """`generate.prefill`'s contract: the last position's logits [1, V]."""
+        length = embeds.shape[1]
+        padded = embeds.new_zeros(1, padded_length(length, cache.get_max_length()), embeds.shape[2])
+        padded[:, :length] = embeds
+        return self.padded(model, padded, torch.tensor(length, device=embeds.device), cache)
+
+    def padded(self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """The prefill of a prompt of `length` (a 0-d int64 device tensor: no host value, so a CUDA graph
+        replays it for any length) padded to `embeds`' [1, P, hidden]."""
         language_model = model.language_model
-        length, device = embeds.shape[1], embeds.device
-        positions = torch.arange(length, device=device)
+        padded, device = embeds.shape[1], embeds.device
+        positions = torch.arange(padded, device=device)
         capacity = cache.get_max_length()
         cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
         # What transformers' create_causal_mask builds for SDPA over a static cache filled from position 0:
         # query i attends to slots 0..i of the bucket's `capacity`.
-        mask = (torch.arange(capacity, device=device) <= positions[:, None]).view(1, 1, length, capacity)
+        mask = (torch.arange(capacity, device=device) <= positions[:, None]).view(1, 1, padded, capacity)
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
+        # Dynamic in the prompt length and the cache bucket from the first call (a static first graph
+        # would be compiled again at the second length), and only there: `dynamic=True` also made the
+        # hidden size a symbol, which a prompt of that many positions then shared and pinned.
+        for table in position_embeddings:
+            torch._dynamo.maybe_mark_dynamic(table, 1)
+        torch._dynamo.maybe_mark_dynamic(mask, 2)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
         hidden = embeds
         for layer, cache_layer in zip(language_model.layers, cache_layers, strict=True):
+            torch._dynamo.maybe_mark_dynamic(hidden, 1)
             hidden = self._layer(layer, hidden, position_embeddings, mask, cache_layer)
-        return model.logits(language_model.norm(hidden[:, -1]))
+        for cache_layer in cache_layers:  # filled up to the prompt: the next token goes to its slot
+            cache_layer.cumulative_length.copy_(length)
+        last = hidden.index_select(1, (length - 1).view(1))[:, 0]
+        return model.logits(language_model.norm(last))
+
+
+@dataclass
+class _PrefillGraph:
+    embeds: torch.Tensor  # [1, P, hidden], the prompt then zeros
+    length: torch.Tensor  # 0-d int64
+    cache: StaticCache  # the graph writes this cache's tensors
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class GraphedPrefill:
+    """`RegionalPrefill` replayed as a CUDA graph per padded prompt length and cache bucket.
+
+    Compiled layer by layer, the prefill spends ~1 ms of host time per layer (dynamo's guards, the
+    compiled wrappers, their ~30 launches): ~12 ms for a 916-token prompt on an H200 against ~5 ms on
+    the device, which the host could only hide behind the vision graphs' ~12 ms. Replayed, it costs a
+    copy of the embeddings and a launch. A padded length met for the first time is run once (compiling
+    only if the layers never ran) and captured: tens of milliseconds, counted in `captured` for the
+    job's cold flags; `capture` does it ahead (the warm-up). One memory pool for all: replays run one at
+    a time, and the logits they return are copies."""
+
+    def __init__(self, regions: RegionalPrefill) -> None:
+        self.regions = regions
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], _PrefillGraph] = {}  # (padded length, id of the cache)
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def _graph(self, model: DeepSeekOCR, padded: int, cache: StaticCache) -> _PrefillGraph:
+        key = (padded, id(cache))
+        found = self._graphs.get(key)
+        if found is not None and found.cache is cache:
+            return found
+        weight = model.lm_head.weight
+        embeds = torch.zeros(1, padded, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        length = torch.tensor(padded, device=embeds.device)
+        graph, (logits,) = capture_graph(lambda: [self.regions.padded(model, embeds, length, cache)], self._pool)
+        self._graphs[key] = _PrefillGraph(embeds, length, cache, graph, logits)
+        return self._graphs[key]
+
+    def capture(self, model: DeepSeekOCR, length: int, cache: StaticCache) -> None:
+        """Capture the graph a `length`-token prompt into `cache` will replay, if it is new."""
+        self._graph(model, padded_length(length, cache.get_max_length()), cache)
+
+    def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """`generate.prefill`'s contract: the last position's logits [1, V]."""
+        length = embeds.shape[1]
+        found = self._graph(model, padded_length(length, cache.get_max_length()), cache)
+        found.embeds[:, :length].copy_(embeds)
+        found.embeds[:, length:].zero_()
+        found.length.fill_(length)
+        found.graph.replay()
+        return found.logits.clone()
+
+
+def capture_graph(
+    run: Callable[[], list[torch.Tensor]], pool: _POOL_HANDLE
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """`run` captured as a CUDA graph in `pool`, after one uncaptured call; the graph and the outputs
+    of the captured call (replays overwrite them)."""
+    run()  # compiles what is new and settles the allocator: nothing may compile during a capture
+    graph = torch.cuda.CUDAGraph()
+    # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
+    # (the decode step) free those workspaces whenever they record: a graph that captured one then
+    # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
+    # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
+    # capture needs is allocated in this pool and lives with it.
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
+    return graph, outputs
 
 
 @dataclass
@@ -170,28 +285,12 @@ class GraphedVision:
     def _clip_all(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [self.regions.encode_clip(group) for group in features]
 
-    def _capture(self, run: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-        run()  # compiles what is new and settles the allocator: nothing may compile during a capture
-        graph = torch.cuda.CUDAGraph()
-        # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
-        # (the decode step) free those workspaces whenever they record: a graph that captured one then
-        # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
-        # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
-        # capture needs is allocated in this pool and lives with it.
-        torch._C._cuda_clearCublasWorkspaces()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                outputs = run()
-        finally:
-            torch._C._cuda_clearCublasWorkspaces()
-        return graph, outputs
-
     def sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(group.shape for group in groups)
         page = self._pages.get(key)
         if page is None:
             pixels = [group.clone() for group in groups]
-            graph, outputs = self._capture(lambda: self._sam_all(pixels))
+            graph, outputs = capture_graph(lambda: self._sam_all(pixels), self._pool)
             page = self._pages[key] = _PageGraphs(pixels, graph, outputs)
         else:
             for static, group in zip(page.pixels, groups, strict=True):
@@ -206,7 +305,7 @@ class GraphedVision:
                 f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True)):  # fmt: skip
             raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
         if page.clip is None:
-            page.clip, page.clip_out = self._capture(lambda: self._clip_all(page.sam_out))
+            page.clip, page.clip_out = capture_graph(lambda: self._clip_all(page.sam_out), self._pool)
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)

@@ -39,7 +39,14 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
-from dsocr_workers.engine.regions import GraphedVision, RegionalPrefill, RegionalVision
+from dsocr_workers.engine.regions import (
+    PREFILL_BUCKET,
+    GraphedPrefill,
+    GraphedVision,
+    RegionalPrefill,
+    RegionalVision,
+    padded_length,
+)
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -120,9 +127,9 @@ class FastCompile:
     # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
     # as before (benchmarks/bench_coldstart.py compares the two).
     dynamic_tiles: bool = True
-    # On CUDA, vision replayed as a CUDA graph per page shape (engine/regions.py GraphedVision); False:
-    # the compiled blocks called one by one.
-    vision_graphs: bool = True
+    # On CUDA, vision replayed as a CUDA graph per page shape and the LM prefill per padded prompt length
+    # (engine/regions.py GraphedVision, GraphedPrefill); False: the compiled blocks called one by one.
+    cuda_graphs: bool = True
 
     @property
     def decode_mode(self) -> str | None:
@@ -233,6 +240,7 @@ class _ColdProbe:
     """What a job can find changed when it meets a cold path: counted before, compared after."""
 
     graphs: int
+    prefill_graphs: int
     reserved_bytes: int
 
 
@@ -298,6 +306,7 @@ class DeepSeekOCRSession:
     _vision: _Vision = field(init=False)
     _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
+    _prefill_graphs: GraphedPrefill | None = field(init=False, default=None)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
     _new_buckets: list[int] = field(init=False, default_factory=list)  # allocated since the last job began
     _jobs_run: int = field(init=False, default=0)
@@ -334,12 +343,13 @@ class DeepSeekOCRSession:
         backend = self.fast_compile.backend
         if not self.fast_compile.decode_only:
             regions = RegionalVision(model, backend, self.fast_compile.dynamic_tiles)
-            if self.device.type == "cuda" and self.fast_compile.vision_graphs:
+            if self.device.type == "cuda" and self.fast_compile.cuda_graphs:
                 graphed = GraphedVision(regions)
                 self._vision = _Vision(graphed.sam, graphed.clip, model.project)
+                self._prefill = self._prefill_graphs = GraphedPrefill(RegionalPrefill(backend))
             else:
                 self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
-            self._prefill = RegionalPrefill(backend)
+                self._prefill = RegionalPrefill(backend)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
 
@@ -550,6 +560,7 @@ class DeepSeekOCRSession:
         while passes < WARMUP_MAX_PASSES:
             passes += 1
             still_cold = []
+            prompts = []
             for name, image in pages:
                 result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
                                             return_text=False, max_crops=max_crops)
@@ -557,11 +568,26 @@ class DeepSeekOCRSession:
                 shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
                 shapes += [shape] if shape not in shapes else []
                 still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+                prompts.append(result.prompt_tokens)
+            self._capture_prefills(min(prompts), max(prompts), max_new_tokens)
             if not still_cold:
                 break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold))
+
+    def _capture_prefills(self, shortest: int, longest: int, max_new_tokens: int | None) -> None:
+        """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in
+        the cache bucket a prompt of that length will use: the warm-up's pages meet every tile count,
+        but a grid's prompt length also depends on its rows (a newline per row of tiles)."""
+        if self._prefill_graphs is None:
+            return
+        with torch.inference_mode():  # as jobs run: a compiled layer guards on it
+            for padded in range(padded_length(shortest, self.max_positions), longest + PREFILL_BUCKET, PREFILL_BUCKET):
+                # The bucket's shortest and longest prompts: their cache buckets may differ.
+                for length in {max(shortest, padded - PREFILL_BUCKET + 1), min(longest, padded)}:
+                    buffers = self.buffers_for(length + self._budget(length, max_new_tokens)[0])
+                    self._prefill_graphs.capture(self.model, length, buffers.cache)
 
     def run_inference(
         self,
@@ -637,7 +663,8 @@ class DeepSeekOCRSession:
 
     def _cold_probe(self) -> _ColdProbe:
         reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        return _ColdProbe(torch._dynamo.utils.counters["stats"]["unique_graphs"], reserved)
+        prefill_graphs = self._prefill_graphs.captured if self._prefill_graphs is not None else 0
+        return _ColdProbe(torch._dynamo.utils.counters["stats"]["unique_graphs"], prefill_graphs, reserved)
 
     def _cold_reasons(self, before: _ColdProbe) -> tuple[str, ...]:
         """Why this job met a cold path, if it did: read from counters, never from timings."""
@@ -648,6 +675,8 @@ class DeepSeekOCRSession:
         reasons.extend(f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets)
         if after.graphs > before.graphs:
             reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
+        if after.prefill_graphs > before.prefill_graphs:
+            reasons.append("captured the LM prefill graph of a new prompt length")
         if after.reserved_bytes > before.reserved_bytes:
             grown = (after.reserved_bytes - before.reserved_bytes) / 2**20
             reasons.append(f"the CUDA allocator reserved {grown:.0f} MiB more")

@@ -277,8 +277,9 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
 def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
     """The LM prefill compiled whole was one graph of every decoder layer (31.7 s of a cold start on an
     H200). Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
-    prompt length and cache bucket, and it leaves what the uncompiled prefill leaves: the logits of the
-    last position and every layer's cache."""
+    prompt length and cache bucket, and over the prompt padded to its bucket it leaves what the
+    uncompiled prefill leaves: the logits of the last position, every layer's cache for the prompt's
+    positions and its fill count."""
     fast = fast_on_cpu(session.source, decode_only=False)
     model, hidden = fast.model, fast.model.config.text.hidden_size
     graphs = torch._dynamo.utils.counters["stats"]
@@ -292,16 +293,19 @@ def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
         assert graphs["unique_graphs"] - before == 2, f"prompt of {length} in a {capacity} bucket compiled again"
         torch.testing.assert_close(logits, expected)
         for ours, theirs in zip(compiled.cache.layers, reference.cache.layers, strict=True):
-            torch.testing.assert_close(ours.keys, theirs.keys)
-            torch.testing.assert_close(ours.values, theirs.values)
+            # The prompt's slots; the padding's slots after them are overwritten by decoding.
+            torch.testing.assert_close(ours.keys[:, :, :length], theirs.keys[:, :, :length])
+            torch.testing.assert_close(ours.values[:, :, :length], theirs.values[:, :, :length])
             assert int(ours.cumulative_length) == int(theirs.cumulative_length) == length
-    # Through the session: prompts of other lengths (gundam grids) compile no third layer graph.
+    # Through the session, as eager decodes; a prompt of another length (another grid) compiles nothing.
     options = DecodeOptions(ignore_eos=True)
     for width, height in ((1280, 640), (1280, 1280)):
         job = fast.run_inference(page(width, height), mode="gundam", max_new_tokens=8, infer=options)
         assert job.token_ids == session.run_inference(page(width, height), mode="gundam", max_new_tokens=8,
                                                       infer=options).token_ids  # fmt: skip
-    assert graphs["unique_graphs"] - before == 2 + 6 + 1  # + the vision blocks (two view groups) and decode
+        if width == height:
+            assert graphs["unique_graphs"] == compiled
+        compiled = graphs["unique_graphs"]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -493,6 +497,31 @@ def test_cuda_fast_engine_follows_eager_in_float32():
     for _ in range(3):
         result = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=64, infer=options)
         assert result.engine == "fast" and result.token_ids == reference.token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's prefill graphs")
+def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings():
+    """The LM prefill is captured once per padded prompt length and cache, and replayed with the
+    embeddings copied in: each prompt gets the uncompiled prefill's logits and cache, a second prompt of
+    a captured length its own, and the warm-up captures the lengths between the pages it ran."""
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    model, hidden = fast.model, fast.model.config.text.hidden_size
+    with torch.inference_mode():
+        for length, capacity, seed in ((53, 1024, 0), (81, 1024, 1), (97, 1024, 2), (97, 1024, 3), (97, 2048, 2)):
+            embeds = torch.randn(1, length, hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            ours, reference = fast.buffers_for(capacity - 8), generate.DecodeBuffers.allocate(model, capacity, fast.device)
+            ours.cache.reset()
+            logits = fast._prefill(model, embeds, ours.cache)
+            torch.testing.assert_close(logits, generate.prefill(model, embeds, reference.cache), rtol=1e-4, atol=1e-4)
+            for mine, theirs in zip(ours.cache.layers, reference.cache.layers, strict=True):
+                torch.testing.assert_close(mine.keys[:, :, :length], theirs.keys[:, :, :length], rtol=1e-4, atol=1e-4)
+                assert int(mine.cumulative_length) == length
+    # 64, 128 in the 1024 cache, 128 in the 2048 one
+    assert fast._prefill_graphs is not None and fast._prefill_graphs.captured == 3
+    report = fast.warmup(["tiny", "gundam"], max_new_tokens=8, max_crops=4)
+    assert not report.still_cold, report.still_cold
+    job = fast.run_inference(page(1280, 1280), mode="gundam", max_new_tokens=8, max_crops=4)  # a 2x2 grid
+    assert job.crop_grid == (2, 2) and not job.cold, job.cold_reasons
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's vision graphs")
