@@ -24,7 +24,7 @@ the compiled wrapper): on an H200 the prefill of a gundam page went from 29 ms (
 to 35–49 ms, bound by the host. `GraphedVision` removes that: per page shape (the view groups' shapes),
 SAM over all the page's views is captured once into a CUDA graph and CLIP into another, then replayed.
 Capturing costs milliseconds once the blocks are compiled, so a new crop grid costs no compilation.
-The LM prefill is not replayed as a graph: its shapes change with every prompt length.
+`GraphedPrefill` does the same for the LM prefill, per prompt length padded to `PREFILL_BUCKET`.
 """
 
 from __future__ import annotations
@@ -164,6 +164,10 @@ class RegionalPrefill:
             torch._dynamo.maybe_mark_dynamic(table, 1)
         torch._dynamo.maybe_mark_dynamic(mask, 2)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
+        # A prefill fills the cache from slot 0 whatever it held: a graph's replay follows a job that
+        # left the count at its own end, and `update` writes at the count.
+        for cache_layer in cache_layers:
+            cache_layer.cumulative_length.zero_()
         hidden = embeds
         for layer, cache_layer in zip(language_model.layers, cache_layers, strict=True):
             torch._dynamo.maybe_mark_dynamic(hidden, 1)

@@ -288,6 +288,8 @@ def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
         embeds = torch.randn(1, length, hidden, generator=torch.Generator().manual_seed(length))
         with torch.inference_mode():  # as the session allocates and runs: a graph guards on it
             compiled, reference = (generate.DecodeBuffers.allocate(model, capacity, fast.device) for _ in range(2))
+            # Into a cache another prompt filled, as a graph's replay after another job: from slot 0 again.
+            fast._prefill(model, torch.randn(1, length + 7, hidden), compiled.cache)
             logits = fast._prefill(model, embeds.clone(), compiled.cache)
             expected = generate.prefill(model, embeds.clone(), reference.cache)
         assert graphs["unique_graphs"] - before == 2, f"prompt of {length} in a {capacity} bucket compiled again"
