@@ -2,10 +2,10 @@
 
 The fast engine compiles its decode step once for every cache bucket (the capacity is symbolic); before,
 the first bucket a process met got a static graph and the second one dynamo's automatic dynamic graph.
-This runs the anchors' page (1600x2000, gundam 2x3, 916 prompt tokens) with each token budget of
-`--tokens` (64 → the 1024-position bucket, 256 → 2048), every budget once to compile and capture, then
-4 warm-up and `--runs` timed jobs per budget; prints the medians (CUDA events; prefill also per stage) as
-one JSON line. Run it on two commits in one device call to compare them side by side.
+This runs the anchors' page (1600x2000, gundam 2x3, 916 prompt tokens; `--modes` adds the page in other
+modes) with each token budget of `--tokens` (64 → the 1024-position bucket, 256 → 2048), every budget
+once to compile and capture, then 4 warm-up and `--runs` timed jobs per budget; prints the medians (CUDA
+events; prefill also per stage) as one JSON line. Run it on two commits in one device call to compare them side by side.
 
     python benchmarks/bench_buckets.py [--tokens 64,256]
 """
@@ -26,6 +26,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="64,256", help="token budgets, comma-separated")
     parser.add_argument("--runs", type=int, default=5, help="timed jobs per budget (after 4 warm-up jobs)")
+    parser.add_argument("--modes", default="gundam", help="modes, comma-separated: the page resized by each")
     parser.add_argument("--model", default="full")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (fast runs eager there)")
     args = parser.parse_args()
@@ -41,13 +42,16 @@ def main() -> int:
     budgets = [int(tokens) for tokens in args.tokens.split(",")]
     report: dict = {"repo": str(REPO), "model": args.model, "engine": session.engine, "dtype": dtype,
                     "random_weights": session.source.random_weights}  # fmt: skip
-    for tokens in budgets:  # every bucket once: compiles and captures whatever it meets first
-        session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options)
-    for tokens in budgets:
+    modes = args.modes.split(",")
+    for mode in modes:  # every bucket once: compiles and captures whatever it meets first
+        for tokens in budgets:
+            session.run_inference(page, mode=mode, max_new_tokens=tokens, infer=options)
+    for mode, tokens in ((mode, tokens) for mode in modes for tokens in budgets):
         for _ in range(4):
-            session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options)
-        runs = [session.run_inference(page, mode="gundam", max_new_tokens=tokens, infer=options) for _ in range(args.runs)]
-        report[str(tokens)] = {
+            session.run_inference(page, mode=mode, max_new_tokens=tokens, infer=options)
+        runs = [session.run_inference(page, mode=mode, max_new_tokens=tokens, infer=options) for _ in range(args.runs)]
+        # Keyed by the budget alone for gundam (the script's first output), by mode/budget otherwise.
+        report[str(tokens) if mode == "gundam" else f"{mode}/{tokens}"] = {
             "kv_length": runs[0].kv_length,
             "decode_ms_per_token_mean": statistics.median(r.timings.decode_ms / len(r.timings.decode_step_ms) for r in runs),
             "decode_step_p50": statistics.median(statistics.median(r.timings.decode_step_ms) for r in runs),
