@@ -15,10 +15,9 @@ decoder layers, 31.7 s of a cold start on an H200 (17.2 s of it inductor's); com
 two graphs, the dense first layer and the MoE layers, each dynamic in the prompt length and the cache
 bucket. Each layer gets its own cache layer, so no graph depends on which layer it runs.
 
-Every view group has its batch dimension marked unbacked at every block's input, so one graph per block
-kind and view size serves every crop grid of a mode and a single view of the same size (small mode's
-640-px page runs gundam's tile graphs). Unbacked, not merely dynamic: dynamo specialises a backed size
-of 1, which would give single views graphs of their own.
+A tile group (2 or more tiles of one view size) has its batch dimension marked dynamic at every block's
+input, so one graph per block kind serves every crop grid of a mode. `maybe_`: a kernel may still guard
+on a range of batch sizes, which then costs a second graph instead of an error.
 
 Called block by block, the encoders spend host time per call (dynamo's guards over each block's weights,
 the compiled wrapper): on an H200 the prefill of a gundam page went from 29 ms (whole encoders compiled)
@@ -62,8 +61,8 @@ def _lm_layer(
     return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
 
 
-# Distinct view sizes a worker meets per block kind: 4 (512, 640, 1024 and 1280 px: the four fixed modes'
-# views, which gundam's tiles and global view share), with room to spare.
+# Distinct view sizes × block kinds a worker meets: 5 sizes (the four fixed modes' global views and
+# gundam's 640-px tiles) × (static, dynamic batch) for each kind, with room to spare.
 REGION_RECOMPILE_LIMIT = 32
 
 
@@ -84,10 +83,8 @@ class RegionalVision:
         return torch.compile(block, dynamic=False, backend=backend)
 
     def _mark(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_tiles:
-            # Unbacked: a batch of 1 too (a backed size is specialised at 0 and 1), so one graph serves
-            # a view size whether it is one view (small mode's 640-px page) or a mode's tiles (gundam's).
-            torch._dynamo.decorators.mark_unbacked(hidden, 0)
+        if self.dynamic_tiles and hidden.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)
         return hidden
 
     def encode_sam(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -248,16 +248,15 @@ def test_one_compiled_decode_step_serves_every_cache_bucket(session):
 
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
-    """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the view
-    batch is dynamic now, so the first gundam page with tiles compiles and other grids, and small mode's
-    single view of the tiles' size, reuse its graphs.
+    """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
+    batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs.
     And the encoders are compiled block by block: a graph per kind of block (SAM windowed, SAM global,
     CLIP) and view group, not one per encoder holding every layer."""
     fast = fast_on_cpu(session.source, decode_only=False)
     clock = StageClock(fast.device, nvtx_enabled=False, timing_enabled=False)
 
-    def encode(on: DeepSeekOCRSession, width: int, height: int, mode: str = "gundam") -> tuple[tuple[int, int], torch.Tensor]:
-        prepared = on.prepare(page(width, height), None, mode, 9)
+    def encode(on: DeepSeekOCRSession, width: int, height: int) -> tuple[tuple[int, int], torch.Tensor]:
+        prepared = on.prepare(page(width, height), None, "gundam", 9)
         with torch.inference_mode():
             return prepared.crop_grid, on.encode_image(on.upload(prepared), clock)
 
@@ -273,10 +272,6 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
         assert found == grid
         assert graphs["unique_graphs"] == compiled, f"{grid}: compiled again"
         torch.testing.assert_close(embeds, encode(session, width, height)[1])
-    # Small mode's one 640-px view is a batch of 1 of the tiles' size: the tiles' graphs serve it.
-    embeds = encode(fast, 1280, 640, "small")[1]
-    assert graphs["unique_graphs"] == compiled, "small mode compiled again"
-    torch.testing.assert_close(embeds, encode(session, 1280, 640, "small")[1])
 
 
 def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
