@@ -218,6 +218,9 @@ class WarmupReport:
     # What the last pass still met, per shape ("mode:grid: reason"): empty when it came clean, so
     # the first jobs will not be cold either.
     still_cold: tuple[str, ...] = ()
+    # The prompt lengths (the warm-up's prompt) whose LM prefill is ready: from its shortest page to the
+    # longest prompt any crop grid of its modes makes, which its `n x 1` strips do not reach.
+    prompt_lengths: tuple[int, int] = (0, 0)
 
 
 def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
@@ -560,7 +563,7 @@ class DeepSeekOCRSession:
         while passes < WARMUP_MAX_PASSES:
             passes += 1
             still_cold = []
-            prompts = []
+            shortest, longest = self.max_positions, 0
             for name, image in pages:
                 result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
                                             return_text=False, max_crops=max_crops)
@@ -568,18 +571,21 @@ class DeepSeekOCRSession:
                 shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
                 shapes += [shape] if shape not in shapes else []
                 still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
-                prompts.append(result.prompt_tokens)
-            self._capture_prefills(min(prompts), max(prompts), max_new_tokens)
+                text = result.prompt_tokens - result.image_tokens
+                shortest = min(shortest, result.prompt_tokens)
+                longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
+            self._capture_prefills(shortest, longest, max_new_tokens)
             if not still_cold:
                 break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold))
+        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest))
 
     def _capture_prefills(self, shortest: int, longest: int, max_new_tokens: int | None) -> None:
         """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in
-        the cache bucket a prompt of that length will use: the warm-up's pages meet every tile count,
-        but a grid's prompt length also depends on its rows (a newline per row of tiles)."""
+        the cache bucket a prompt of that length will use. A grid's prompt length depends on its rows (a
+        newline per row of tiles), not only on the tile count the warm-up's pages meet: every length
+        between, not only theirs."""
         if self._prefill_graphs is None:
             return
         with torch.inference_mode():  # as jobs run: a compiled layer guards on it

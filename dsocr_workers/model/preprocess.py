@@ -125,6 +125,13 @@ def count_image_tokens(mode: ModeSpec, crop_grid: tuple[int, int]) -> int:
     return n
 
 
+def most_image_tokens(mode: ModeSpec, max_crops: int = 9) -> int:
+    """The most placeholders a page can take in `mode`: with tiles, the grid whose rows bring the most
+    newlines (1×9 takes 80 more than 9×1, for the same tiles)."""
+    grids = crop_candidates(2, max_crops) if mode.crop_mode else []
+    return max(count_image_tokens(mode, grid) for grid in [(1, 1), *grids])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Prompt
 

@@ -394,6 +394,12 @@ def test_cold_paths_are_flagged_and_warm_up_removes_them():
         result = warmed.run_inference(image, mode="gundam" if image.width == 1000 else "base",
                                       max_new_tokens=4, max_crops=3)
         assert not result.cold, result.cold_reasons
+    # The LM prefill is readied up to the longest prompt of any grid: 1x3's, 20 newlines more than the
+    # 3x1 strip the warm-up ran; base's page is the shortest.
+    tall = warmed.run_inference(page(480, 1440), mode="gundam", max_new_tokens=4, max_crops=3)
+    assert tall.crop_grid == (1, 3) and not tall.cold, tall.cold_reasons
+    shortest = warmed.run_inference(page(600, 480), mode="base", max_new_tokens=4).prompt_tokens
+    assert report.prompt_lengths == (shortest, tall.prompt_tokens)
 
 
 # --- repetition loops: found after decoding, and stopped early when asked -----------------------------
@@ -505,7 +511,7 @@ def test_cuda_fast_engine_follows_eager_in_float32():
 def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings():
     """The LM prefill is captured once per padded prompt length and cache, and replayed with the
     embeddings copied in: each prompt gets the uncompiled prefill's logits and cache, a second prompt of
-    a captured length its own, and the warm-up captures the lengths between the pages it ran."""
+    a captured length its own, and the warm-up captures every length its modes' grids make."""
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
     model, hidden = fast.model, fast.model.config.text.hidden_size
     with torch.inference_mode():
@@ -524,6 +530,9 @@ def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings()
     assert not report.still_cold, report.still_cold
     job = fast.run_inference(page(1280, 1280), mode="gundam", max_new_tokens=8, max_crops=4)  # a 2x2 grid
     assert job.crop_grid == (2, 2) and not job.cold, job.cold_reasons
+    # 1x4: 30 newlines more than the 4x1 strip the warm-up ran, a padded length of its own.
+    tall = fast.run_inference(page(480, 1920), mode="gundam", max_new_tokens=8, max_crops=4)
+    assert tall.crop_grid == (1, 4) and not tall.cold, tall.cold_reasons
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's vision graphs")

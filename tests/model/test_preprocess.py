@@ -22,6 +22,7 @@ from dsocr_workers.model.preprocess import (
     PROMPTS,
     build_prompt,
     count_image_tokens,
+    most_image_tokens,
     prepare_page,
     select_crop_grid,
 )
@@ -101,6 +102,14 @@ def test_crop_grid_and_gundam_tokens(width, height, max_crops, grid, tokens):
 @pytest.mark.parametrize(("mode", "tokens"), [("tiny", 73), ("small", 111), ("base", 273), ("large", 421)])
 def test_single_view_mode_tokens(mode, tokens):
     assert count_image_tokens(MODES[mode], (1, 1)) == tokens
+
+
+def test_the_most_image_tokens_of_a_mode_come_from_its_tallest_grid():
+    """What the warm-up readies the LM prefill for: a column of tiles has a newline per row, so 1×9
+    takes more placeholders than any other grid of at most 9 tiles, 9×1 included."""
+    assert most_image_tokens(GUNDAM, 9) == count_image_tokens(GUNDAM, (1, 9)) == 1263
+    assert most_image_tokens(GUNDAM, 4) == count_image_tokens(GUNDAM, (1, 4)) > count_image_tokens(GUNDAM, (4, 1))
+    assert most_image_tokens(MODES["base"]) == count_image_tokens(MODES["base"], (1, 1)) == 273
 
 
 def test_crop_candidates_match_the_vendor_set_order():
