@@ -5,7 +5,8 @@ the first bucket a process met got a static graph and the second one dynamo's au
 This runs the anchors' page (1600x2000, gundam 2x3, 916 prompt tokens; `--modes` adds the page in other
 modes) with each token budget of `--tokens` (64 → the 1024-position bucket, 256 → 2048), every budget
 once to compile and capture, then 4 warm-up and `--runs` timed jobs per budget; prints the medians (CUDA
-events; prefill also per stage) as one JSON line. Run it on two commits in one device call to compare them side by side.
+events; prefill also per stage) as one JSON line. Run it on two commits in one device call to compare
+them side by side.
 
     python benchmarks/bench_buckets.py [--tokens 64,256]
 """
