@@ -29,15 +29,18 @@ Capturing costs milliseconds once the blocks are compiled, so a new crop grid co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
+from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionLayer
 
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+from dsocr_workers.model.sam_views import sam_block_over_views
+from dsocr_workers.model.vision import ClipLayer
 
 if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
@@ -50,8 +53,16 @@ def _sam_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
 
+def _sam_block_views(layer: DeepseekOcr2SamVisionLayer, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    return sam_block_over_views(layer, groups)
+
+
 def _clip_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
+
+
+def _clip_block_views(layer: ClipLayer, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    return layer.forward_views(groups)
 
 
 def _lm_layer(
@@ -75,7 +86,9 @@ class RegionalVision:
         self.dynamic_tiles = dynamic_tiles
         self._positions: dict[tuple[int, int], torch.Tensor] = {}  # SAM's position table per patch grid
         self._sam_block = self._compile(_sam_block, backend)
+        self._sam_block_views = self._compile(_sam_block_views, backend)
         self._clip_block = self._compile(_clip_block, backend)
+        self._clip_block_views = self._compile(_clip_block_views, backend)
 
     @staticmethod
     def _compile(block: Callable, backend: str) -> Callable:
@@ -87,8 +100,20 @@ class RegionalVision:
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
         return hidden
 
-    def encode_sam(self, pixels: torch.Tensor) -> torch.Tensor:
-        """transformers' SAM encoder forward (`DeepSeekOCR.encode_sam`), block by block."""
+    def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+        """transformers' SAM encoder forward (`DeepSeekOCR.encode_sam`) of each view group's pixels,
+        block by block. Two groups (the global view and the tiles) run each block together
+        (`model.sam_views`)."""
+        sam = self.model.sam
+        hidden = [self._embed_patches(pixels) for pixels in groups]
+        for layer in sam.layers:
+            if len(hidden) == 1:
+                hidden = [self._sam_block(layer, self._mark(hidden[0]))]
+            else:
+                hidden = self._sam_block_views(layer, [self._mark(group) for group in hidden])
+        return [sam.proj(sam.neck(group)) for group in hidden]
+
+    def _embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         sam = self.model.sam
         hidden = sam.patch_embed(pixels)
         if sam.pos_embed is not None:
@@ -98,17 +123,19 @@ class RegionalVision:
                 # otherwise (0.09 ms of a gundam page's SAM on an H200).
                 self._positions[grid] = sam.interpolate_pos_encoding(*grid)
             hidden = hidden + self._positions[grid]
-        for layer in sam.layers:
-            hidden = self._sam_block(layer, self._mark(hidden))
-        return sam.proj(sam.neck(hidden))
+        return hidden
 
-    def encode_clip(self, sam_features: torch.Tensor) -> torch.Tensor:
-        """`DeepSeekOCR.encode_clip`, layer by layer."""
+    def encode_clip(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`DeepSeekOCR.encode_clip` of each view group's SAM features, layer by layer. Two groups (the
+        global view and the tiles) run each layer together (`ClipLayer.forward_views`)."""
         clip = self.model.clip
-        hidden = clip.pre_layrnorm(clip.embeddings(sam_features))
+        hidden = [clip.pre_layrnorm(clip.embeddings(group)) for group in features]
         for layer in clip.transformer.layers:
-            hidden = self._clip_block(layer, self._mark(hidden))
-        return hidden[:, 1:]
+            if len(hidden) == 1:
+                hidden = [self._clip_block(layer, self._mark(hidden[0]))]
+            else:
+                hidden = self._clip_block_views(layer, [self._mark(group) for group in hidden])
+        return [group[:, 1:] for group in hidden]
 
 
 # Prompts are padded to a multiple of this many positions for the LM prefill (a graph per padded length,
@@ -283,18 +310,12 @@ class GraphedVision:
         self._pages: dict[tuple[torch.Size, ...], _PageGraphs] = {}
         self._current: _PageGraphs | None = None
 
-    def _sam_all(self, groups: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [self.regions.encode_sam(group) for group in groups]
-
-    def _clip_all(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [self.regions.encode_clip(group) for group in features]
-
     def sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(group.shape for group in groups)
         page = self._pages.get(key)
         if page is None:
             pixels = [group.clone() for group in groups]
-            graph, outputs = capture_graph(lambda: self._sam_all(pixels), self._pool)
+            graph, outputs = capture_graph(lambda: self.regions.encode_sam(pixels), self._pool)
             page = self._pages[key] = _PageGraphs(pixels, graph, outputs)
         else:
             for static, group in zip(page.pixels, groups, strict=True):
@@ -309,7 +330,7 @@ class GraphedVision:
                 f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True)):  # fmt: skip
             raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
         if page.clip is None:
-            page.clip, page.clip_out = capture_graph(lambda: self._clip_all(page.sam_out), self._pool)
+            page.clip, page.clip_out = capture_graph(lambda: self.regions.encode_clip(page.sam_out), self._pool)
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)

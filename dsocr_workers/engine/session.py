@@ -351,7 +351,7 @@ class DeepSeekOCRSession:
                 self._vision = _Vision(graphed.sam, graphed.clip, model.project)
                 self._prefill = self._prefill_graphs = GraphedPrefill(RegionalPrefill(backend))
             else:
-                self._vision = _Vision.per_group(regions.encode_sam, regions.encode_clip, model.project)
+                self._vision = _Vision(regions.encode_sam, regions.encode_clip, model.project)
                 self._prefill = RegionalPrefill(backend)
         self._decode_step = torch.compile(decode_one_token, backend=backend, mode=self.fast_compile.decode_mode,
                                           fullgraph=True)
