@@ -36,10 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
-from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionLayer
 
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
-from dsocr_workers.model.sam_views import sam_block_over_views
 from dsocr_workers.model.vision import ClipLayer
 
 if TYPE_CHECKING:
@@ -53,10 +51,6 @@ def _sam_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
 
-def _sam_block_views(layer: DeepseekOcr2SamVisionLayer, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    return sam_block_over_views(layer, groups)
-
-
 def _clip_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
@@ -67,9 +61,10 @@ def _clip_block_views(layer: ClipLayer, groups: list[torch.Tensor]) -> list[torc
 
 def _lm_layer(
     layer: torch.nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor, cache_layer: StaticLayer,
+    cache_layer: StaticLayer,
 ) -> torch.Tensor:
-    return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
+    # No mask: the fused attention attends causally over the prompt it writes to `cache_layer`.
+    return layer(hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
 
 
 # Distinct view sizes × block kinds a worker meets: 5 sizes (the four fixed modes' global views and
@@ -86,7 +81,6 @@ class RegionalVision:
         self.dynamic_tiles = dynamic_tiles
         self._positions: dict[tuple[int, int], torch.Tensor] = {}  # SAM's position table per patch grid
         self._sam_block = self._compile(_sam_block, backend)
-        self._sam_block_views = self._compile(_sam_block_views, backend)
         self._clip_block = self._compile(_clip_block, backend)
         self._clip_block_views = self._compile(_clip_block_views, backend)
 
@@ -102,15 +96,11 @@ class RegionalVision:
 
     def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
         """transformers' SAM encoder forward (`DeepSeekOCR.encode_sam`) of each view group's pixels,
-        block by block. Two groups (the global view and the tiles) run each block together
-        (`model.sam_views`)."""
+        block by block."""
         sam = self.model.sam
         hidden = [self._embed_patches(pixels) for pixels in groups]
         for layer in sam.layers:
-            if len(hidden) == 1:
-                hidden = [self._sam_block(layer, self._mark(hidden[0]))]
-            else:
-                hidden = self._sam_block_views(layer, [self._mark(group) for group in hidden])
+            hidden = [self._sam_block(layer, self._mark(group)) for group in hidden]
         return [sam.proj(sam.neck(group)) for group in hidden]
 
     def _embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -156,8 +146,8 @@ class RegionalPrefill:
     The padding (zero embeddings after the prompt) changes nothing the prompt's positions compute: the
     attention is causal and every other operation is per position. Its keys and values land in the
     cache slots after the prompt, which decoding overwrites one by one before any query may read them
-    (a decode step writes its slot, then attends up to it). What runs between layers is eager: the causal
-    mask and rotary tables, the final norm and the LM head at the last prompt position alone.
+    (a decode step writes its slot, then attends up to it). What runs between layers is eager: the rotary
+    tables, the final norm and the LM head at the last prompt position alone.
 
     The layers need the fast engine's fused attention (`model.fused`), which writes a cache layer handed
     to it without reading its layer index."""
@@ -178,19 +168,13 @@ class RegionalPrefill:
         language_model = model.language_model
         padded, device = embeds.shape[1], embeds.device
         positions = torch.arange(padded, device=device)
-        capacity = cache.get_max_length()
         cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
-        # What transformers' create_causal_mask builds for SDPA over a static cache filled from position 0:
-        # query i attends to slots 0..i of the bucket's `capacity`.
-        mask = (torch.arange(capacity, device=device) <= positions[:, None]).view(1, 1, padded, capacity)
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
         # Dynamic in the prompt length and the cache bucket from the first call (a static first graph
         # would be compiled again at the second length), and only there: `dynamic=True` also made the
         # hidden size a symbol, which a prompt of that many positions then shared and pinned.
         for table in position_embeddings:
             torch._dynamo.maybe_mark_dynamic(table, 1)
-        torch._dynamo.maybe_mark_dynamic(mask, 2)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
         # A prefill fills the cache from slot 0 whatever it held: a graph's replay follows a job that
         # left the count at its own end, and `update` writes at the count.
         for cache_layer in cache_layers:
@@ -198,7 +182,7 @@ class RegionalPrefill:
         hidden = embeds
         for layer, cache_layer in zip(language_model.layers, cache_layers, strict=True):
             torch._dynamo.maybe_mark_dynamic(hidden, 1)
-            hidden = self._layer(layer, hidden, position_embeddings, mask, cache_layer)
+            hidden = self._layer(layer, hidden, position_embeddings, cache_layer)
         for cache_layer in cache_layers:  # filled up to the prompt: the next token goes to its slot
             cache_layer.cumulative_length.copy_(length)
         last = hidden.index_select(1, (length - 1).view(1))[:, 0]

@@ -72,7 +72,10 @@ class FusedQKVAttention(nn.Module):
         if isinstance(cache, StaticLayer):
             # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
             # layer index is not read: a compiled layer would take it as a constant, one graph per layer.
-            key, value = cache.update(key, value)
+            # That prefill fills the cache from slot 0, so the prompt's own keys are all its queries may
+            # see: causal attention over them (no mask: `attention_mask` is None there) instead of a
+            # masked pass over the whole cache bucket.
+            cache.update(key, value)
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)

@@ -264,10 +264,10 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
     before = graphs["unique_graphs"]
     assert encode(fast, 1280, 640)[0] == (2, 1)
     compiled = graphs["unique_graphs"]
-    # The global view (batch 1) and the tiles (batch 2, dynamic) run each block together: 3 kinds of
-    # block (SAM windowed, SAM global, CLIP); the LM prefill is compiled too (`decode_only=False`) but
+    # The global view (batch 1) and the tiles (batch 2, dynamic): SAM's 2 kinds of block each, and
+    # CLIP's layer over both groups at once; the LM prefill is compiled too (`decode_only=False`) but
     # not reached by encode_image.
-    assert compiled - before == 3
+    assert compiled - before == 5
     for (width, height), grid in (((1920, 640), (3, 1)), ((1280, 1280), (2, 2)), ((1920, 1280), (3, 2))):
         found, embeds = encode(fast, width, height)
         assert found == grid
