@@ -5,8 +5,8 @@ cumsum) and run one grouped GEMM over all 64 experts' weights, then unsort: at b
 ten small kernels per layer around two GEMMs that reach ~40% of the memory bandwidth (docs/benchmarks.md,
 "What limits decode"). Here two Triton GEMV kernels run one program block per (pair, block of output
 rows) and read the picked expert's rows directly: gate+up with the activation fused, then down with the
-routing weight fused. Prompts longer than `MAX_PAIRS / top_k` tokens go to `grouped_mm` (torch's grouped
-GEMM takes bfloat16 only; other dtypes, a float32 numerics check, go to `batched_mm`).
+routing weight fused. Prompts longer than `MAX_PAIRS / top_k` tokens go to the grouped GEMM kernels of
+model/grouped_experts.py.
 
 Numerics follow `grouped_mm`'s: float32 accumulation, the projections rounded to the weights' dtype before
 the activation and before the routing weight, the top-k sum in float32. The kernels are wrapped as a
@@ -23,14 +23,12 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
-from transformers.integrations.moe import (
-    ExpertsInterface,
-    batched_mm_experts_forward,
-    grouped_mm_experts_forward,
-)
+from transformers.integrations.moe import ExpertsInterface, batched_mm_experts_forward
+
+from dsocr_workers.model.grouped_experts import grouped_experts
 
 SELECTED_EXPERTS = "dsocr_selected_experts"
-MAX_PAIRS = 64  # (token, expert) pairs up to which the GEMV kernels beat the grouped GEMM
+MAX_PAIRS = 64  # (token, expert) pairs up to which the GEMV kernels beat a grouped GEMM
 
 
 @dataclass(frozen=True)
@@ -141,25 +139,15 @@ def selected_experts(
 def selected_experts_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The experts implementation: the GEMV kernels for a few tokens, grouped or batched GEMMs for a prompt. The
-    token count is static in a compiled graph, so each graph holds one of the two paths."""
-    kernels_fit = (
-        top_k_index.numel() <= MAX_PAIRS
-        and self.has_gate
-        and not self.has_bias
-        and not self.is_transposed
-        and self.config.hidden_act == "silu"
-    )
+    """The experts implementation: the GEMV kernels for a few tokens, the grouped GEMM kernels
+    (model/grouped_experts.py) for a prompt; transformers' batched GEMMs for experts the kernels do not
+    cover. The token count is static in a compiled graph (or guarded on), so each graph holds one path."""
+    kernels_fit = self.has_gate and not self.has_bias and not self.is_transposed and self.config.hidden_act == "silu"
     if not kernels_fit:
-        if hidden_states.dtype != torch.bfloat16:
-            return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        if not self.has_bias and self.num_experts <= torch.iinfo(torch.int16).max:
-            # grouped_mm sorts the pairs by expert id (cub's radix sort, a pass per key byte): as int16
-            # 2 passes instead of int64's 8; on an H200 the sorts took 0.49 ms of a 916-token prefill's
-            # 5.4 ms. Without biases the ids index nothing, so their dtype is free.
-            top_k_index = top_k_index.to(torch.int16)
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return selected_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+        return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    if top_k_index.numel() <= MAX_PAIRS:
+        return selected_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    return grouped_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
 
 ExpertsInterface.register(SELECTED_EXPERTS, selected_experts_forward)
