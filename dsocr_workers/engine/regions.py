@@ -129,9 +129,9 @@ class RegionalVision:
 
 
 # Prompts are padded to a multiple of this many positions for the LM prefill (a graph per padded length,
-# `GraphedPrefill`): ~40 lengths cover every mode and gundam grid (73 to ~1 250 prompt tokens), for at
-# most 31 positions of padding (the 916-token prefill takes ~4 µs per position on an H200).
-PREFILL_BUCKET = 32
+# `GraphedPrefill`): ~20 lengths cover every mode and gundam grid (73 to ~1 250 prompt tokens), for at
+# most 63 positions of padding (the 916-token prefill takes ~5.5 µs per position on an H200).
+PREFILL_BUCKET = 64
 
 
 def padded_length(length: int, capacity: int) -> int:

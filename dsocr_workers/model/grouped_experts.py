@@ -40,14 +40,12 @@ class GroupedBlocks:
     stages: int
 
 
-# From sweeps on an H200 (the full preset's MoE shape, 960 tokens, uniform random routing, each kernel
-# alone in a CUDA graph: m 64/128, n 32/64/128, k 32/64, 4/8 warps, 3/4 stages, either grid order): gate+up
-# 102.5 µs, down 63.9 µs, against 61 and 31 µs to read the expert weights at 4.8 TB/s. The grid runs a
-# block's output-column tiles one after another (its pair rows stay in L2 while the launch walks its
-# columns): 4–11% faster than blocks first. Whole forward (both kernels and the bookkeeping) 259.7 µs against
-# 381.1 µs for transformers' grouped_mm, bit-identical (benchmarks/probe_grouped_experts.py).
+# From a sweep on an H200 (m 64/128, n 64/128 per kernel, 4/8 warps, 3/4 stages; the full preset's MoE
+# shape, 960 tokens, uniform random routing; inside a CUDA graph): 275.5 µs for the whole experts forward
+# against 386.5 µs for transformers' grouped_mm, bit-identical outputs. The fastest (271.5 µs) had
+# 128-wide gate+up blocks, whose 4-warp variants took 530–645 µs; these have no slow neighbour.
 GATE_UP_BLOCKS = GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3)
-DOWN_BLOCKS = GroupedBlocks(m=128, n=64, k=64, warps=8, stages=4)
+DOWN_BLOCKS = GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3)
 
 
 @triton.jit
@@ -58,7 +56,7 @@ def _grouped_gate_up_kernel(
 ):
     """out[s, n] = silu(x[token(s)] · W[e, n]) * (x[token(s)] · W[e, inter + n]) for the sorted pairs s of
     this block's expert e; W is [E, 2·inter, hidden], out [pairs, inter] in sorted order."""
-    block = tl.program_id(1)
+    block = tl.program_id(0)
     start = tl.load(block_start_ptr + block)
     end = tl.load(block_end_ptr + block)
     if start >= end:  # past the last expert's blocks
@@ -67,7 +65,7 @@ def _grouped_gate_up_kernel(
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     tokens = (tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     gate_w = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     up_w = gate_w + inter * stride_wn
@@ -96,7 +94,7 @@ def _grouped_down_kernel(
 ):
     """out[pair(s), h] = routing_weight[pair(s)] · round(a[s] · W[e, h]) for the sorted pairs s of this
     block's expert e; W is [E, hidden, inter], out [pairs, hidden] float32 in pair order."""
-    block = tl.program_id(1)
+    block = tl.program_id(0)
     start = tl.load(block_start_ptr + block)
     end = tl.load(block_end_ptr + block)
     if start >= end:
@@ -104,7 +102,7 @@ def _grouped_down_kernel(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -163,14 +161,14 @@ def launch_grouped_experts(
     order, block_expert, block_start, block_end = expert_blocks(top_k_index, gate_up_proj.shape[0], gate_up_blocks.m)
     grid_blocks = block_expert.shape[0]
     activated = torch.empty(pairs, inter, dtype=hidden_states.dtype, device=hidden_states.device)
-    wrap_triton(_grouped_gate_up_kernel)[(triton.cdiv(inter, gate_up_blocks.n), grid_blocks)](
+    wrap_triton(_grouped_gate_up_kernel)[(grid_blocks, triton.cdiv(inter, gate_up_blocks.n))](
         hidden_states.contiguous(), gate_up_proj, order, block_expert, block_start, block_end, activated,
         top_k, hidden, inter, gate_up_proj.stride(0), gate_up_proj.stride(1),
         BLOCK_M=gate_up_blocks.m, BLOCK_N=gate_up_blocks.n, BLOCK_K=gate_up_blocks.k, PRECISION=precision,
         num_warps=gate_up_blocks.warps, num_stages=gate_up_blocks.stages,
     )
     weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=hidden_states.device)
-    wrap_triton(_grouped_down_kernel)[(triton.cdiv(hidden, down_blocks.n), grid_blocks)](
+    wrap_triton(_grouped_down_kernel)[(grid_blocks, triton.cdiv(hidden, down_blocks.n))](
         activated, down_proj, order, block_expert, block_start, block_end,
         top_k_weights.reshape(-1).to(torch.float32).contiguous(), weighted,
         hidden, inter, down_proj.stride(0), down_proj.stride(1),
