@@ -40,10 +40,12 @@ class GroupedBlocks:
     stages: int
 
 
-# From a sweep on an H200 (m 64/128, n 64/128 per kernel, 4/8 warps, 3/4 stages; the full preset's MoE
-# shape, 960 tokens, uniform random routing; inside a CUDA graph): 275.5 µs for the whole experts forward
-# against 386.5 µs for transformers' grouped_mm, bit-identical outputs. The fastest (271.5 µs) had
-# 128-wide gate+up blocks, whose 4-warp variants took 530–645 µs; these have no slow neighbour.
+# From benchmarks/probe_grouped_experts.py on an H200 (the full preset's MoE shape, 960 tokens, uniform
+# random routing, in a CUDA graph; m 128, n 64/128 per kernel, k 64/128, 2–4 stages, 8 warps): these run
+# the whole experts forward in 270.5 µs against 381.1 µs for transformers' grouped_mm, bit-identical
+# (compiled: 225.3 against 231.2 µs). 2-stage pipelines took 310–340 µs; the fastest, 259.7 µs (64-wide
+# down blocks), tied with these in another run. Other grid orders and configurations chosen from each
+# kernel alone were no faster inside the engine (docs/benchmarks.md).
 GATE_UP_BLOCKS = GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3)
 DOWN_BLOCKS = GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3)
 
