@@ -58,6 +58,7 @@ from dsocr_workers.model.experts import VENDOR_LOOP
 from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.sam_attention import fold_relative_positions
+from dsocr_workers.model.sam_mlp import fuse_gelu_into_lin1
 from dsocr_workers.model.sam_patches import embed_patches_by_matmul
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
@@ -109,9 +110,11 @@ def engine_kernels(engine: str) -> dict[str, str]:
 def fast_modules(model: DeepSeekOCR) -> None:
     """The fast engine's module swaps after loading (checkpoints keep the vendor layout): fused decoder
     projections (`model.fused`), SAM's relative positions as query/key channels
-    (`model.sam_attention`) and its patch embedding as a GEMM (`model.sam_patches`)."""
+    (`model.sam_attention`), its MLP's GELU in the first GEMM (`model.sam_mlp`) and its patch embedding as a
+    GEMM (`model.sam_patches`)."""
     fuse_projections(model.language_model)
     fold_relative_positions(model.sam)
+    fuse_gelu_into_lin1(model.sam)
     embed_patches_by_matmul(model.sam)
 
 

@@ -144,6 +144,59 @@ def test_sam_with_folded_relative_positions_equals_transformers(size):
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 dot operands wrongly")),
+])
+@pytest.mark.parametrize(("batch", "height", "width", "channels"), [(3, 14, 14, 16), (1, 20, 24, 64)])
+def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, channels):
+    """The Triton kernel that builds the folded query, key and value from the qkv projection gives the
+    torch operations' tensors: a batch of SAM windows (14×14, padded blocks) and a non-square grid at
+    the full model's head dim (small shapes: on a CPU the kernel runs in Triton's interpreter)."""
+    from dsocr_workers.model.sam_attention import fold_with_torch, launch_fold
+
+    heads, scale = 2, channels**-0.5
+    generator = torch.Generator(DEVICE).manual_seed(height)
+    qkv = torch.randn(batch, height, width, 3 * heads * channels, device=DEVICE, generator=generator).to(dtype)
+    table_h = torch.randn(2 * height - 1, channels, device=DEVICE, generator=generator).to(dtype)
+    table_w = torch.randn(2 * width - 1, channels, device=DEVICE, generator=generator).to(dtype)
+    got = launch_fold(qkv, table_h, table_w, heads, scale)
+    expected = fold_with_torch(qkv, table_h, table_w, heads, scale)
+    for name, built, reference in zip(("query", "key", "value"), got, expected):
+        assert built.shape == reference.shape and built.is_contiguous(), name
+        # float32: the products in another order; bfloat16: those rounded once to 8 bits.
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
+        torch.testing.assert_close(built, reference, **tolerance, msg=name)
+    query, key, _ = got
+    assert query.shape[-1] % 8 == 0 and query[..., channels:].abs().max() > 1.0  # the relative terms are there
+    assert torch.equal(key[..., channels:].sum(-1), torch.full_like(key[..., 0], 2.0))  # one row, one column
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 dot operands wrongly")),
+])
+def test_linear_gelu_kernel_equals_linear_then_gelu(dtype):
+    """SAM's lin1 with its bias and the exact GELU in one Triton GEMM: torch's linear then GELU, over a
+    shape that leaves every tile edge partial (rows, columns and the inner dimension)."""
+    from dsocr_workers.model.sam_mlp import GemmBlocks, launch_linear_gelu
+
+    generator = torch.Generator(DEVICE).manual_seed(7)
+    x = torch.randn(2, 75, 96, device=DEVICE, generator=generator).to(dtype)
+    weight = (torch.randn(200, 96, device=DEVICE, generator=generator) * 96**-0.5).to(dtype)
+    bias = torch.randn(200, device=DEVICE, generator=generator).to(dtype)
+    blocks = GemmBlocks(m=64, n=64, k=32, group=2, warps=4, stages=2)
+    got = launch_linear_gelu(x, weight, bias, blocks)
+    expected = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), weight.float(), bias.float()))
+    assert got.shape == (2, 75, 200) and got.dtype == dtype
+    # float32: the sums in another order; bfloat16: one rounding of the activation (eager rounds twice).
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+    assert (got < 0).any() and (got < -0.1).sum() < (got > 0.1).sum()  # GELU's shape, not a ReLU or identity
+
+
 def test_patch_embedding_as_matmul_equals_the_convolution():
     """The full model's SAM patch embedding (16×16 at stride 16, 3 → 768), float32, a 1024-px view and
     two 640-px tiles: the GEMM over unfolded patches gives the convolution's output."""

@@ -1,0 +1,106 @@
+"""SAM's two fast-engine kernels alone on one GPU (bf16, the `full` preset's SAM shapes, random inputs)
+against what the engine compiled before them:
+
+1. lin1 + bias + exact GELU (model/sam_mlp.py) over a 1024-px view's 4096 positions and six 640-px
+   tiles' 9600, 768 → 3072: a sweep of block configurations against inductor's cuBLAS GEMM and GELU
+   pass; cuBLAS's tanh-GELU epilogue (`torch._addmm_activation`) for scale. Largest difference from the
+   float32 result.
+2. The folded query/key/value built by the Triton kernel (model/sam_attention.py) against the same
+   tensors from torch operations compiled by inductor, for the global view, the tiles and both groups'
+   14×14 windows, and each followed by the attention itself.
+
+    python benchmarks/probe_sam_fused.py > $OUT/sam-fused.txt
+
+CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsocr_workers.engine.regions import capture_graph  # noqa: E402
+from dsocr_workers.model.sam_attention import fold_with_torch, launch_fold  # noqa: E402
+from dsocr_workers.model.sam_mlp import LINEAR_GELU_BLOCKS, GemmBlocks, launch_linear_gelu  # noqa: E402
+
+WIDTH, HIDDEN, HEADS, CHANNELS = 768, 3072, 12, 64
+
+
+def graph_us(run: Callable[[], object], iters: int = 30) -> float:
+    graph, _ = capture_graph(lambda: [run()], torch.cuda.graph_pool_handle())
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def linear_gelu_sweep() -> None:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    weight = (torch.randn(HIDDEN, WIDTH, device=device) * WIDTH**-0.5).to(dtype)
+    bias = (torch.randn(HIDDEN, device=device) * 0.02).to(dtype)
+    compiled = torch.compile(lambda x: F.gelu(F.linear(x, weight, bias)))
+    for rows in (4096, 9600):
+        x = torch.randn(rows, WIDTH, device=device).to(dtype)
+        exact = F.gelu(F.linear(x.float(), weight.float(), bias.float()))
+        base = graph_us(lambda: compiled(x))
+        diff = (compiled(x).float() - exact).abs().max().item()
+        print(f"{rows} rows: inductor (cuBLAS + GELU pass) {base:.1f} us, max|diff| {diff:.4f}")
+        tanh = graph_us(lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True))
+        diff = (torch._addmm_activation(bias, x, weight.t(), use_gelu=True).float() - exact).abs().max().item()
+        print(f"{rows} rows: cuBLAS tanh-GELU epilogue {tanh:.1f} us, max|diff| {diff:.4f}")
+        configs = [LINEAR_GELU_BLOCKS] + [
+            GemmBlocks(m, n, k, 8, warps, stages)
+            for m, n, k, warps, stages in itertools.product((128,), (128, 256), (64,), (4, 8), (3, 4))
+        ] + [GemmBlocks(64, 256, 64, 8, 4, 3), GemmBlocks(128, 64, 64, 8, 4, 4), GemmBlocks(256, 128, 64, 8, 8, 3)]
+        for blocks in configs:
+            try:
+                took = graph_us(lambda: launch_linear_gelu(x, weight, bias, blocks))
+            except Exception as error:  # noqa: BLE001 (a configuration past the shared memory: reported, skipped)
+                print(f"{rows} rows: {blocks}: failed ({type(error).__name__})")
+                continue
+            diff = (launch_linear_gelu(x, weight, bias, blocks).float() - exact).abs().max().item()
+            print(f"{rows} rows: {blocks}: {took:.1f} us, max|diff| {diff:.4f}")
+
+
+def fold_side_by_side() -> None:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    compiled = torch.compile(fold_with_torch)
+    for name, batch, size in (("global 1024-px", 1, 64), ("global 6 tiles", 6, 40),
+                              ("windows 1024-px", 25, 14), ("windows 6 tiles", 54, 14)):
+        qkv = torch.randn(batch, size, size, 3 * HEADS * CHANNELS, device=device).to(dtype)
+        table = torch.randn(2 * size - 1, CHANNELS, device=device).to(dtype) * 0.5
+        got = launch_fold(qkv, table, table, HEADS, CHANNELS**-0.5)
+        expected = compiled(qkv, table, table, HEADS, CHANNELS**-0.5)
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
+        kernel = graph_us(lambda: launch_fold(qkv, table, table, HEADS, CHANNELS**-0.5))
+        torch_ops = graph_us(lambda: compiled(qkv, table, table, HEADS, CHANNELS**-0.5))
+        attention = graph_us(lambda: F.scaled_dot_product_attention(*launch_fold(qkv, table, table, HEADS,
+                                                                                 CHANNELS**-0.5), scale=1.0))
+        print(f"fold {name}: kernel {kernel:.1f} us, torch ops compiled {torch_ops:.1f} us, max|diff| {diff:.4f};"
+              f" kernel + attention {attention:.1f} us")
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random inputs, bf16")
+    linear_gelu_sweep()
+    fold_side_by_side()
+
+
+if __name__ == "__main__":
+    main()
