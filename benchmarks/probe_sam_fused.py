@@ -58,10 +58,10 @@ def linear_gelu_sweep() -> None:
     for rows in (4096, 9600):
         x = torch.randn(rows, WIDTH, device=device).to(dtype)
         exact = F.gelu(F.linear(x.float(), weight.float(), bias.float()))
-        base = graph_us(lambda: compiled(x))
+        base = graph_us(lambda x=x: compiled(x))
         diff = (compiled(x).float() - exact).abs().max().item()
         print(f"{rows} rows: inductor (cuBLAS + GELU pass) {base:.1f} us, max|diff| {diff:.4f}")
-        tanh = graph_us(lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True))
+        tanh = graph_us(lambda x=x: torch._addmm_activation(bias, x, weight.t(), use_gelu=True))
         diff = (torch._addmm_activation(bias, x, weight.t(), use_gelu=True).float() - exact).abs().max().item()
         print(f"{rows} rows: cuBLAS tanh-GELU epilogue {tanh:.1f} us, max|diff| {diff:.4f}")
         configs = [LINEAR_GELU_BLOCKS] + [
@@ -70,7 +70,7 @@ def linear_gelu_sweep() -> None:
         ] + [GemmBlocks(64, 256, 64, 8, 4, 3), GemmBlocks(128, 64, 64, 8, 4, 4), GemmBlocks(256, 128, 64, 8, 8, 3)]
         for blocks in configs:
             try:
-                took = graph_us(lambda: launch_linear_gelu(x, weight, bias, blocks))
+                took = graph_us(lambda x=x, blocks=blocks: launch_linear_gelu(x, weight, bias, blocks))
             except Exception as error:  # noqa: BLE001 (a configuration past the shared memory: reported, skipped)
                 print(f"{rows} rows: {blocks}: failed ({type(error).__name__})")
                 continue
@@ -87,11 +87,15 @@ def fold_side_by_side() -> None:
         table = torch.randn(2 * size - 1, CHANNELS, device=device).to(dtype) * 0.5
         got = launch_fold(qkv, table, table, HEADS, CHANNELS**-0.5)
         expected = compiled(qkv, table, table, HEADS, CHANNELS**-0.5)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
-        kernel = graph_us(lambda: launch_fold(qkv, table, table, HEADS, CHANNELS**-0.5))
-        torch_ops = graph_us(lambda: compiled(qkv, table, table, HEADS, CHANNELS**-0.5))
-        attention = graph_us(lambda: F.scaled_dot_product_attention(*launch_fold(qkv, table, table, HEADS,
-                                                                                 CHANNELS**-0.5), scale=1.0))
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected, strict=True))
+        def kernel_run(qkv: torch.Tensor = qkv, table: torch.Tensor = table) -> tuple[torch.Tensor, ...]:
+            return launch_fold(qkv, table, table, HEADS, CHANNELS**-0.5)
+
+        def torch_run(qkv: torch.Tensor = qkv, table: torch.Tensor = table) -> tuple[torch.Tensor, ...]:
+            return compiled(qkv, table, table, HEADS, CHANNELS**-0.5)
+
+        kernel, torch_ops = graph_us(kernel_run), graph_us(torch_run)
+        attention = graph_us(lambda run=kernel_run: F.scaled_dot_product_attention(*run(), scale=1.0))
         print(f"fold {name}: kernel {kernel:.1f} us, torch ops compiled {torch_ops:.1f} us, max|diff| {diff:.4f};"
               f" kernel + attention {attention:.1f} us")
 

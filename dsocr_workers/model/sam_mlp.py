@@ -121,4 +121,5 @@ def fuse_gelu_into_lin1(sam: DeepseekOcr2SamVisionEncoder) -> None:
     if sam.config.hidden_act != "gelu":
         raise ValueError(f"the fused SAM MLP computes the exact GELU, not {sam.config.hidden_act!r}")
     for layer in sam.layers:
-        layer.mlp = FusedGeluMLP(layer.mlp)
+        if isinstance(layer.mlp, DeepseekOcr2SamMLPBlock):
+            layer.mlp = FusedGeluMLP(layer.mlp)

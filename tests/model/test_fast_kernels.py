@@ -163,7 +163,7 @@ def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, chan
     table_w = torch.randn(2 * width - 1, channels, device=DEVICE, generator=generator).to(dtype)
     got = launch_fold(qkv, table_h, table_w, heads, scale)
     expected = fold_with_torch(qkv, table_h, table_w, heads, scale)
-    for name, built, reference in zip(("query", "key", "value"), got, expected):
+    for name, built, reference in zip(("query", "key", "value"), got, expected, strict=True):
         assert built.shape == reference.shape and built.is_contiguous(), name
         # float32: the products in another order; bfloat16: those rounded once to 8 bits.
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
