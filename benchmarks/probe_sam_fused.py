@@ -1,11 +1,12 @@
 """SAM's two fast-engine kernels alone on one GPU (bf16, the `full` preset's SAM shapes, random inputs)
 against what the engine compiled before them:
 
-1. lin1 + bias + exact GELU (model/sam_mlp.py) over a 1024-px view's 4096 positions and six 640-px
-   tiles' 9600, 768 → 3072: a sweep of block configurations against inductor's cuBLAS GEMM and GELU
-   pass; cuBLAS's tanh-GELU epilogue (`torch._addmm_activation`) for scale. Largest difference from the
-   float32 result.
-2. The folded query/key/value built by the Triton kernel (model/sam_attention.py) against the same
+1. lin1 + bias + GELU over a 1024-px view's 4096 positions and six 640-px tiles' 9600, 768 → 3072:
+   inductor's cuBLAS GEMM and exact-GELU pass against cuBLASLt's tanh-GELU epilogue
+   (`torch._addmm_activation`, model/sam_mlp.py's operator). Largest difference from the float32 result.
+   (A Triton GEMM with the exact GELU in its epilogue, swept over block configurations in the first run of
+   this probe, was slower than the GEMM and pass: docs/benchmarks.md.)
+2. The folded query/key/value built by the Triton kernel (model/sam_attention.py; 2, 4, 8 warps) against the same
    tensors from torch operations compiled by inductor, for the global view, the tiles and both groups'
    14×14 windows, and each followed by the attention itself.
 
@@ -16,7 +17,6 @@ CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsocr_workers.engine.regions import capture_graph  # noqa: E402
 from dsocr_workers.model.sam_attention import fold_with_torch, launch_fold  # noqa: E402
-from dsocr_workers.model.sam_mlp import LINEAR_GELU_BLOCKS, GemmBlocks, launch_linear_gelu  # noqa: E402
+from dsocr_workers.model.sam_mlp import linear_gelu_tanh  # noqa: E402
 
 WIDTH, HIDDEN, HEADS, CHANNELS = 768, 3072, 12, 64
 
@@ -64,18 +64,8 @@ def linear_gelu_sweep() -> None:
         tanh = graph_us(lambda x=x: torch._addmm_activation(bias, x, weight.t(), use_gelu=True))
         diff = (torch._addmm_activation(bias, x, weight.t(), use_gelu=True).float() - exact).abs().max().item()
         print(f"{rows} rows: cuBLAS tanh-GELU epilogue {tanh:.1f} us, max|diff| {diff:.4f}")
-        configs = [LINEAR_GELU_BLOCKS] + [
-            GemmBlocks(m, n, k, 8, warps, stages)
-            for m, n, k, warps, stages in itertools.product((128,), (128, 256), (64,), (4, 8), (3, 4))
-        ] + [GemmBlocks(64, 256, 64, 8, 4, 3), GemmBlocks(128, 64, 64, 8, 4, 4), GemmBlocks(256, 128, 64, 8, 8, 3)]
-        for blocks in configs:
-            try:
-                took = graph_us(lambda x=x, blocks=blocks: launch_linear_gelu(x, weight, bias, blocks))
-            except Exception as error:  # noqa: BLE001 (a configuration past the shared memory: reported, skipped)
-                print(f"{rows} rows: {blocks}: failed ({type(error).__name__})")
-                continue
-            diff = (launch_linear_gelu(x, weight, bias, blocks).float() - exact).abs().max().item()
-            print(f"{rows} rows: {blocks}: {took:.1f} us, max|diff| {diff:.4f}")
+        fused = graph_us(lambda x=x: linear_gelu_tanh(x, weight, bias))
+        print(f"{rows} rows: dsocr::linear_gelu_tanh {fused:.1f} us")
 
 
 def fold_side_by_side() -> None:
@@ -94,6 +84,10 @@ def fold_side_by_side() -> None:
         def torch_run(qkv: torch.Tensor = qkv, table: torch.Tensor = table) -> tuple[torch.Tensor, ...]:
             return compiled(qkv, table, table, HEADS, CHANNELS**-0.5)
 
+        for warps in (2, 4, 8):
+            took = graph_us(lambda warps=warps, qkv=qkv, table=table: launch_fold(qkv, table, table, HEADS,
+                                                                                  CHANNELS**-0.5, warps))
+            print(f"fold {name}: kernel with {warps} warps {took:.1f} us")
         kernel, torch_ops = graph_us(kernel_run), graph_us(torch_run)
         attention = graph_us(lambda run=kernel_run: F.scaled_dot_product_attention(*run(), scale=1.0))
         print(f"fold {name}: kernel {kernel:.1f} us, torch ops compiled {torch_ops:.1f} us, max|diff| {diff:.4f};"
