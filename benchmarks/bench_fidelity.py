@@ -13,8 +13,10 @@ for every page of datasets/samples/samples.txt in gundam mode (tiles from none t
   - the floor: the same eager session computing the same steps by its other path (one cache-free
     forward instead of prefill + decode), top-1 equal to its split path's token. Kernels that only
     round differently cannot be expected to agree more often than this;
-  - `dsocr verify`'s checks on the fast session, on the first page (split decode = one-shot
-    generation, KV growth, vision once inside prefill, NVTX balanced).
+  - `dsocr verify`'s checks (split decode = one-shot generation, KV growth, vision once inside prefill,
+    NVTX balanced) on every page, for the fast session and, as the checks' own floor, the eager one:
+    in bf16 on random weights the split = one-shot check meets near-ties past its rounding allowance on
+    some pages (docs/benchmarks.md), so one page's verdict says little.
 Targets: float32, 100% of steps equal free running; bfloat16, ≥ 99% teacher-forced top-1 over all pages.
 Output: fidelity.json / fidelity.md in --out (default $OUT); the table is printed last. `--device cpu
 --model tiny` is a smoke run of the script (the fast engine runs eager there: agreement is trivial).
@@ -95,8 +97,12 @@ def bench_dtype(dtype: str, args: argparse.Namespace, pages: list[Path]) -> dict
     for page in pages:
         log(f"{dtype} {page.name}")
         out["pages"].append(compare_page(sessions["eager"], sessions["fast"], page, args.steps))
-    checks = run_checks(sessions["fast"], pages[0], max_new_tokens=32)
-    out["verify_fast"] = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in checks]
+    out["verify"] = {
+        engine: [{"page": page.name, "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail}
+                                                for c in run_checks(sessions[engine], page, max_new_tokens=32)]}
+                 for page in pages]
+        for engine in ("fast", "eager")
+    }  # fmt: skip
     total = sum(p["steps"] for p in out["pages"])
     out["free_running_share"] = sum(p["free_running_same_steps"] for p in out["pages"]) / total
     out["teacher_forced_share"] = sum(p["teacher_forced_agree"] for p in out["pages"]) / total
@@ -143,15 +149,26 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{scientific(result['max_relative_gap'])} | **{fmt(100 * result['eager_one_shot_share'], 2)}%** |")  # fmt: skip
     lines.append("")
     for dtype, result in report["dtypes"].items():
-        for check in result.get("verify_fast", []):
-            lines.append(f"- {dtype} `dsocr verify --engine fast`: {'PASS' if check['passed'] else 'FAIL'} "
-                         f"{check['name']} ({check['detail']})")  # fmt: skip
+        lines.extend(verify_lines(dtype, result.get("verify", {})))
     f32, b16 = report["dtypes"].get("float32", {}), report["dtypes"].get("bfloat16", {})
     if "free_running_share" in f32:
         lines.append(f"\nfloat32 free running equal {f32['free_running_share']:.2%} (target 100%).")
     if "teacher_forced_share" in b16:
         lines.append(f"bfloat16 teacher-forced top-1 {b16['teacher_forced_share']:.2%} (target ≥ 99%).")
     return "\n".join(lines) + "\n"
+
+
+def verify_lines(dtype: str, verify: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per `dsocr verify` check, the pages each engine passes, and every failure's detail."""
+    lines = []
+    names = [check["name"] for check in next(iter(verify.values()), [{"checks": []}])[0]["checks"]]
+    for index, name in enumerate(names):
+        passed = {engine: sum(page["checks"][index]["passed"] for page in pages) for engine, pages in verify.items()}
+        counts = ", ".join(f"{engine} {passed[engine]} / {len(pages)} pages" for engine, pages in verify.items())
+        lines.append(f"- {dtype} `dsocr verify`, {name}: passed by {counts}")
+        lines.extend(f"  - FAIL {engine}, {page['page']}: {page['checks'][index]['detail']}"
+                     for engine, pages in verify.items() for page in pages if not page["checks"][index]["passed"])
+    return lines
 
 
 def main() -> int:
