@@ -17,7 +17,6 @@ CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,27 +26,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsocr_workers.engine.regions import capture_graph  # noqa: E402
+from benchmarks.probe_grouped_experts import graph_us as replay_us  # noqa: E402
 from dsocr_workers.model.sam_attention import fold_with_torch, launch_fold  # noqa: E402
 from dsocr_workers.model.sam_mlp import linear_gelu_tanh  # noqa: E402
 
 WIDTH, HIDDEN, HEADS, CHANNELS = 768, 3072, 12, 64
 
 
-def graph_us(run: Callable[[], object], iters: int = 30) -> float:
-    graph, _ = capture_graph(lambda: [run()], torch.cuda.graph_pool_handle())
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+def graph_us(run: Callable[[], object]) -> float:
+    """Microseconds per replay of `run` captured as a CUDA graph (probe_grouped_experts' timing)."""
+    return replay_us(lambda: run())[0]
 
 
 def linear_gelu_sweep() -> None:
