@@ -96,6 +96,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def make_current(device: torch.device) -> None:
+    """A session's process drives one GPU (a worker child, `dsocr infer`): its device becomes the current
+    one, so that what runs on the current device (a CUDA graph's capture stream, CUDA events, the
+    default stream, a synchronisation) runs on it. Otherwise a worker child on cuda:1 captured its
+    graphs on a stream of cuda:0 while its kernels ran on cuda:1 (its warm-up failed, "operation not
+    permitted when stream is capturing": 2 × H200, docs/benchmarks.md), its events would time cuda:0's
+    stream, and it kept a context on cuda:0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def engine_kernels(engine: str) -> dict[str, str]:
     """The attention and routed-expert implementations an engine loads the model with (the fast engine
     also swaps modules after loading: `fast_modules`)."""
@@ -320,6 +331,7 @@ class DeepSeekOCRSession:
 
     def __post_init__(self) -> None:
         model = self.loaded.model
+        make_current(self.device)
         if self.device.type == "cuda" and self.dtype == torch.float32:
             # float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to (matmuls
             # are full float32 by default), which set the eager reference's SAM convolutions ~2e-3 away
@@ -374,6 +386,7 @@ class DeepSeekOCRSession:
         if engine not in ENGINE_CHOICES:
             raise InputError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
         resolved = resolve_device(device)
+        make_current(resolved)  # before loading: nothing of this process lands on another GPU
         if engine == AUTO_ENGINE:
             engine = "fast" if resolved.type == "cuda" else "eager"
         torch_dtype = resolve_dtype(dtype, resolved)

@@ -508,6 +508,27 @@ def test_cuda_fast_engine_follows_eager_in_float32():
         assert result.engine == "fast" and result.token_ids == reference.token_ids
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_fast_engine_on_a_second_gpu_runs_there():
+    """A worker child on cuda:1 in a process whose current device was cuda:0: its warm-up captured CUDA
+    graphs on a stream of cuda:0 while the kernels ran on cuda:1 and failed ("operation not permitted
+    when stream is capturing", found on 2 × H200). The session makes its device current: the warm-up
+    and a job run, the job's device times come from events on cuda:1, nothing lands on cuda:0."""
+    torch.cuda.set_device(0)
+    on_first = torch.cuda.memory_allocated(0)
+    try:
+        fast = DeepSeekOCRSession.from_local("tiny", device="cuda:1", dtype="bfloat16", engine="fast")
+        assert torch.cuda.current_device() == 1
+        options = DecodeOptions(ignore_eos=True)
+        fast.warmup(["tiny"], max_new_tokens=8, infer=options)
+        result = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=options)
+        assert result.engine == "fast" and len(result.token_ids) == 8 and not result.cold, result.cold_reasons
+        assert result.timings.prefill_ms > 0 and result.timings.decode_ms > 0
+        assert torch.cuda.memory_allocated(0) == on_first
+    finally:
+        torch.cuda.set_device(0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's prefill graphs")
 def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings():
     """The LM prefill is captured once per padded prompt length and cache, and replayed with the
