@@ -175,9 +175,10 @@ def test_r10_redelivery_while_running(new_farm, tmp_path):
     running and while the other worker is idle and warm, so no timing on a loaded machine decides
     whether the case happens (it did once: a flaky test).
 
-    The refused copy comes back when the holder's lease would run out: a 12 s lease (six heartbeats)
-    instead of the suite's 40 s keeps that wait short."""
-    farm = new_farm(DSOCR_LEASE_SECONDS="12")
+    The refused copy comes back when the holder's lease would run out: a 24 s lease (six heartbeats)
+    instead of the suite's 40 s keeps that wait short. At 12 s the holder's lease lapsed on the 2-core
+    development machine while it decoded (the job attempted 3 times), which is not this scenario."""
+    farm = new_farm(DSOCR_LEASE_SECONDS="24")
     # Started before any run is open: told the mode to warm (auto would warm gundam, ~40 s for two workers).
     workers = [farm.start_worker("--warmup", "tiny") for _ in range(2)]
     farm.wait_for_ready_workers(len(workers), timeout=120)
