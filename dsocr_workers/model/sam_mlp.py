@@ -3,8 +3,8 @@
 SAM's MLP is lin1 (768 → 3072), GELU, lin2. cuBLAS adds lin1's bias in its epilogue; the exact GELU (erf)
 was a pass of its own over the 3072-wide hidden states, reading and writing ~120 MB per block of six
 640-px tiles: on an H200 lin1 + GELU took 116.9 µs there and 51.0 for a 1024-px view, against 80.6 and
-37.9 with the activation in cuBLASLt's epilogue (~0.6 of a gundam page's 9.5 ms SAM over 12 blocks);
-a Triton GEMM with the exact GELU in its epilogue took 128.8 and 57.9 (benchmarks/probe_sam_fused.py,
+37.9 with the activation in cuBLASLt's epilogue (a gundam 2×3 page's SAM 9.35 → 8.59 ms); a Triton GEMM
+with the exact GELU in its epilogue took 128.8 and 57.9 (benchmarks/probe_sam_fused.py,
 docs/benchmarks.md).
 
 cuBLASLt's GELU is the tanh approximation, within 5e-4 of the exact one: a few percent of a bfloat16
