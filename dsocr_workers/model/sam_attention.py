@@ -11,8 +11,10 @@ same products); the query and key head dimension grows from 64 to 64 + H + W rou
 The value keeps 64.
 
 One Triton kernel builds the three operands from the qkv projection (`_fold_kernel`): built from torch ops
-(two einsums over permuted copies, concatenations, the value's copy) the same tensors took ~1 ms of a
-gundam page's 9.5 ms SAM on an H200, several times what their bytes take (docs/benchmarks.md).
+(two einsums over permuted copies, concatenations, the value's copy) the same tensors took ~0.8 ms of
+kernels of a gundam page's 9.2 ms SAM on an H200; the kernel takes ~1 ms alone over the page's 12
+blocks, yet in the compiled engine SAM went 9.48 → 9.35 ms with it (runs in separate calls:
+docs/benchmarks.md). Still several times what its bytes take.
 The eager engine, the numerical reference, keeps transformers' module.
 """
 
