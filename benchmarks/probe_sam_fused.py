@@ -35,7 +35,7 @@ WIDTH, HIDDEN, HEADS, CHANNELS = 768, 3072, 12, 64
 
 def graph_us(run: Callable[[], object]) -> float:
     """Microseconds per replay of `run` captured as a CUDA graph (probe_grouped_experts' timing)."""
-    return replay_us(lambda: run())[0]
+    return replay_us(run)[0]
 
 
 def linear_gelu_sweep() -> None:
