@@ -72,6 +72,16 @@ def _lm_layer(
 REGION_RECOMPILE_LIMIT = 32
 
 
+def configure_dynamo() -> None:
+    """dynamo's settings for the fast engine's graphs, in every process that compiles them (the worker
+    and its vision compile helpers, engine/precompile.py: their graphs must be the same)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    # Python floats as constants: the dynamic prefill otherwise traces them as symbolic floats, then
+    # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`;
+    # 31 s of a cold start on an H200 went to that second attempt).
+    torch._dynamo.config.specialize_float = True
+
+
 class RegionalVision:
     """`encode_sam` and `encode_clip` of `model` with each block compiled (`backend`), equal in function
     to the model's own methods. `dynamic_tiles=False`: a graph per tile count (the engine before)."""

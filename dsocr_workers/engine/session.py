@@ -17,6 +17,7 @@ and runs eager.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -39,12 +40,22 @@ from dsocr_workers.engine.generate import (
     prefill,
 )
 from dsocr_workers.engine.loops import find_loop
+from dsocr_workers.engine.precompile import (
+    PROCESSES_ENV,
+    HelperTask,
+    PrecompileReport,
+    VisionHelpers,
+    helper_processes,
+    vision_shapes,
+    warm_marker,
+)
 from dsocr_workers.engine.regions import (
     PREFILL_BUCKET,
     GraphedPrefill,
     GraphedVision,
     RegionalPrefill,
     RegionalVision,
+    configure_dynamo,
     padded_length,
 )
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
@@ -120,10 +131,15 @@ def engine_kernels(engine: str) -> dict[str, str]:
 
 def fast_modules(model: DeepSeekOCR) -> None:
     """The fast engine's module swaps after loading (checkpoints keep the vendor layout): fused decoder
-    projections (`model.fused`), SAM's relative positions as query/key channels
-    (`model.sam_attention`), its MLP's GELU in the first GEMM (`model.sam_mlp`) and its patch embedding as a
-    GEMM (`model.sam_patches`)."""
+    projections (`model.fused`), then SAM's (`fast_vision_modules`)."""
     fuse_projections(model.language_model)
+    fast_vision_modules(model)
+
+
+def fast_vision_modules(model: DeepSeekOCR) -> None:
+    """SAM's swaps: relative positions as query/key channels (`model.sam_attention`), the MLP's GELU in
+    the first GEMM (`model.sam_mlp`) and the patch embedding as a GEMM (`model.sam_patches`). Also what
+    a vision compile helper builds (engine/vision_helper.py)."""
     fold_relative_positions(model.sam)
     fuse_gelu_into_lin1(model.sam)
     embed_patches_by_matmul(model.sam)
@@ -235,6 +251,9 @@ class WarmupReport:
     # The prompt lengths (the warm-up's prompt) whose LM prefill is ready: from its shortest page to the
     # longest prompt any crop grid of its modes makes, which its `n x 1` strips do not reach.
     prompt_lengths: tuple[int, int] = (0, 0)
+    # The vision compile helpers (engine/precompile.py), when they ran; `precompile_skipped` says why not.
+    precompile: PrecompileReport | None = None
+    precompile_skipped: str = ""
 
 
 def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
@@ -350,11 +369,7 @@ class DeepSeekOCRSession:
         # by layer (engine/regions.py), one graph per kind of layer, dynamic in the prompt length.
         # Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per
         # token), replayed as a CUDA graph.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        # Python floats as constants: the dynamic prefill otherwise traces them as symbolic floats, then
-        # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`;
-        # 31 s of a cold start on an H200 went to that second attempt).
-        torch._dynamo.config.specialize_float = True
+        configure_dynamo()
         cache = use_compile_cache()
         if cache is not None:
             log.info("compiled kernels persist in %s", cache)
@@ -573,6 +588,14 @@ class DeepSeekOCRSession:
         # Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
         # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
         options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
+        helpers, marker, skipped = self._start_vision_helpers(modes, max_crops)
+        precompiled = None
+        if helpers is not None:
+            # The language model compiles here meanwhile: the first page's job without its image.
+            name, image = pages[0]
+            page = replace(self.prepare(image, None, name, max_crops), injects_image=False)
+            self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
+            precompiled = helpers.wait()
         shapes: list[str] = []
         passes = 0
         still_cold: list[str] = []
@@ -595,7 +618,34 @@ class DeepSeekOCRSession:
                 break
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest))
+        if marker is not None and not still_cold:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"modes": list(modes), "source": self.source.label}) + "\n")
+        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
+                            precompiled, skipped)  # fmt: skip
+
+    def _start_vision_helpers(
+        self, modes: Sequence[str], max_crops: int
+    ) -> tuple[VisionHelpers | None, Path | None, str]:
+        """The vision compile helpers of a fast warm-up (engine/precompile.py), started, unless they have
+        nothing to do; the marker to leave once warm; why no helper was started."""
+        if self.engine != "fast" or self.fast_compile.decode_only or self.fast_compile.backend != "inductor":
+            return None, None, "nothing compiled by inductor"
+        processes = helper_processes()
+        task = HelperTask(
+            source=self.source.name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            attn_implementation=engine_kernels(self.engine)["attn_implementation"],
+            backend=self.fast_compile.backend, dynamic_tiles=self.fast_compile.dynamic_tiles, max_crops=max_crops,
+            shapes=tuple(vision_shapes(modes)),
+        )  # fmt: skip
+        marker = warm_marker(task, self.loaded.config, modes)
+        if marker.exists():
+            return None, marker, f"the compile cache is warm for these modes ({marker})"
+        if processes == 0:
+            return None, marker, f"{PROCESSES_ENV}=0"
+        if self._jobs_run:
+            return None, marker, "this session has compiled already"
+        return VisionHelpers.start(task, processes), marker, ""
 
     def _capture_prefills(self, shortest: int, longest: int, max_new_tokens: int | None) -> None:
         """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in

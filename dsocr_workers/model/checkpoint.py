@@ -211,15 +211,7 @@ def load_checkpoint(
     """Load a vendor-layout checkpoint directory offline. Validates every tensor name and shape from the
     safetensors headers before reading any data."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise InputError(f"{directory}: not a checkpoint directory (nor a preset: {', '.join(PRESETS)})")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
-    try:
-        config = OCRConfig.from_vendor(json.loads(config_path.read_text()))
-    except ValueError as exc:
-        raise CheckpointError(f"{config_path}: {exc}") from exc
+    config = _read_config(directory)
     tokenizer = OCRTokenizer.from_dir(directory)
     files = _safetensors_files(directory)
 
@@ -243,6 +235,44 @@ def load_checkpoint(
     model = _materialize(config, to_our_state(vendor, config), device, dtype, attn_implementation, experts_implementation)
     preset, seed = _preset_tag(metadata.get(PRESET_METADATA_KEY))
     return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
+
+
+def _read_config(directory: Path) -> OCRConfig:
+    if not directory.is_dir():
+        raise InputError(f"{directory}: not a checkpoint directory (nor a preset: {', '.join(PRESETS)})")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json")
+    try:
+        return OCRConfig.from_vendor(json.loads(config_path.read_text()))
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from exc
+
+
+def model_config(source: str) -> OCRConfig:
+    """The architecture of a preset name or a checkpoint directory, without reading any weights."""
+    return PRESETS[source] if source in PRESETS else _read_config(Path(source))
+
+
+def build_vision_only(
+    config: OCRConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str = "eager",
+    experts_implementation: str = "eager",
+) -> DeepSeekOCR:
+    """The model with zeros for the weights of its vision encoders and projector, on `device` as
+    `_materialize` leaves them (every tensor in `dtype`), and its language model left on the meta device
+    (no memory). Enough to compile the vision graphs (engine/precompile.py): a graph depends on the
+    weights' shapes, dtypes and devices, never their values. Zeros, not uninitialised memory: an index
+    read from a buffer stays in range."""
+    with torch.device("meta"):
+        model = DeepSeekOCR(config, attn_implementation, experts_implementation)
+    vision = {key: torch.zeros(tensor.shape, device=device, dtype=dtype) for key, tensor in model.state_dict().items()
+              if not key.startswith(("language_model.", "lm_head."))}  # fmt: skip
+    model.load_state_dict(vision, strict=False, assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def _preset_tag(tag: str | None) -> tuple[str | None, int | None]:

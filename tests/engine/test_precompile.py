@@ -1,0 +1,146 @@
+"""The warm-up's vision compile helpers (engine/precompile.py): which view sizes they take, how they share
+them, and that the worker then loads every graph they compiled (inductor on the CPU, the tiny preset)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsocr_workers.engine.precompile import (
+    PROCESSES_ENV,
+    HelperTask,
+    VisionHelpers,
+    VisionShapes,
+    helper_processes,
+    share,
+    vision_shapes,
+    warm_marker,
+)
+from dsocr_workers.engine.result import ModelSource
+from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules
+from dsocr_workers.errors import InputError
+from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.config import PRESETS
+
+ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
+
+
+def template(shapes: list[VisionShapes], source: str = "tiny", max_crops: int = 3) -> HelperTask:
+    return HelperTask(source=source, device="cpu", dtype="float32", attn_implementation="sdpa", backend="inductor",
+                      dynamic_tiles=True, max_crops=max_crops, shapes=tuple(shapes))  # fmt: skip
+
+
+def test_every_view_size_is_compiled_once_and_shared_out_evenly():
+    shapes = vision_shapes(ALL_MODES)
+    # gundam's global view is base's: five sizes, not six.
+    assert [s.label for s in shapes] == ["global 1024 px", "tiles 640 px", "global 512 px", "global 640 px",
+                                         "global 1280 px"]  # fmt: skip
+    groups = share(shapes, 4)
+    assert sorted(s.label for group in groups for s in group) == sorted(s.label for s in shapes)
+    assert [[s.label for s in group] for group in groups] == [
+        ["tiles 640 px"], ["global 1280 px"], ["global 1024 px"], ["global 640 px", "global 512 px"]]  # fmt: skip
+    assert len(share(shapes, 9)) == 5 and len(share(vision_shapes(["base"]), 4)) == 1
+
+
+def test_the_helper_count_setting():
+    assert helper_processes({}) == 4
+    assert helper_processes({PROCESSES_ENV: "0"}) == 0
+    with pytest.raises(InputError, match=f"{PROCESSES_ENV}='two'"):
+        helper_processes({PROCESSES_ENV: "two"})
+
+
+def test_the_marker_names_the_configuration(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    task = template(vision_shapes(["gundam"]))
+    gundam = warm_marker(task, PRESETS["tiny"], ["gundam"])
+    assert gundam.parent == tmp_path / "dsocr-warm"
+    assert gundam == warm_marker(task, PRESETS["tiny"], ["gundam"])
+    assert gundam != warm_marker(task, PRESETS["tiny"], ["gundam", "tiny"])
+    assert gundam != warm_marker(task, PRESETS["full"], ["gundam"])
+    bf16 = HelperTask(**{**task.__dict__, "dtype": "bfloat16"})
+    assert gundam != warm_marker(bf16, PRESETS["tiny"], ["gundam"])
+
+
+def inductor_session() -> DeepSeekOCRSession:
+    """A fast session on the CPU with inductor (its compilations are what the cache holds); building it
+    compiles nothing."""
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
+    with torch.inference_mode():
+        loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
+        fast_modules(loaded.model)
+    source = ModelSource("preset", "tiny", random_weights=True, seed=0)
+    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("inductor", cuda_graphs=False))
+
+
+def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fast = inductor_session()
+    monkeypatch.setenv(PROCESSES_ENV, "0")
+    helpers, marker, why = fast._start_vision_helpers(["tiny"], 3)
+    assert helpers is None and marker is not None and why == f"{PROCESSES_ENV}=0"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    monkeypatch.delenv(PROCESSES_ENV)
+    helpers, _, why = fast._start_vision_helpers(["tiny"], 3)
+    assert helpers is None and why.startswith("the compile cache is warm for these modes")
+    assert inductor_session()._start_vision_helpers(["gundam"], 3)[2] == ""  # another configuration
+    eager = DeepSeekOCRSession.from_local("tiny")
+    assert eager._start_vision_helpers(["tiny"], 3) == (None, None, "nothing compiled by inductor")
+
+
+def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, subprocess_env, caplog):
+    monkeypatch.setenv("PYTHONPATH", subprocess_env["PYTHONPATH"])
+    task = template(vision_shapes(["tiny"]), source=str(tmp_path / "no-checkpoint"))
+    with caplog.at_level(logging.WARNING):
+        report = VisionHelpers.start(task, 2).wait()
+    assert report.results == () and report.failures == ("global 512 px: exit code 1",)
+    assert "no-checkpoint: not a checkpoint directory" in caplog.text
+
+
+# The worker's side, in a fresh process: `inductor_session()`'s session, its own vision path over every
+# warm-up page of the modes given.
+WORKER = """
+import json, sys, torch
+from dsocr_workers.engine.result import ModelSource
+from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules, warmup_pages
+from dsocr_workers.engine.stages import StageClock
+from dsocr_workers.model.checkpoint import build_preset
+
+cpu, fp32 = torch.device("cpu"), torch.float32
+with torch.inference_mode():
+    loaded = build_preset("tiny", device=cpu, dtype=fp32, **engine_kernels("fast"))
+    fast_modules(loaded.model)
+fast = DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, "fast",
+                          fast_compile=FastCompile("inductor", cuda_graphs=False))
+clock = StageClock(cpu, nvtx_enabled=False, timing_enabled=False)
+with torch.inference_mode():
+    for mode, image in warmup_pages(sys.argv[1].split(","), 3):
+        fast.encode_image(fast.upload(fast.prepare(image, None, mode, 3)), clock)
+counters = torch._dynamo.utils.counters
+print(json.dumps({"graphs": counters["stats"]["unique_graphs"], "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_the_worker_loads_every_graph_the_helpers_compiled(tmp_path, monkeypatch, subprocess_env):
+    """Two helpers compile gundam's view sizes (the global view: SAM's two kinds of block and CLIP; the
+    tiles: SAM's two, their batch dynamic) into an empty cache; the worker's vision over gundam's
+    warm-up pages (the global view alone, then strips of 2 and 3 tiles) finds all five there and
+    compiles only CLIP over both view groups at once, which no helper runs."""
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache)
+    monkeypatch.setenv("PYTHONPATH", subprocess_env["PYTHONPATH"])
+    report = VisionHelpers.start(template(vision_shapes(["gundam"])), 2).wait()
+    assert report.failures == ()
+    assert sorted((r.shapes, r.graphs, r.cache_hits) for r in report.results) == [
+        (["global 1024 px"], 3, 0), (["tiles 640 px"], 2, 0)]  # fmt: skip
+    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam"], capture_output=True, text=True, timeout=600,
+                            env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": cache})  # fmt: skip
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"graphs": 6, "hits": 5, "misses": 1}
