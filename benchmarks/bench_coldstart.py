@@ -8,7 +8,9 @@ with the fast engine in bf16 (by default the `full` preset, RANDOM WEIGHTS, save
 before any start and not timed: a worker loads a checkpoint from disk, while generating the preset's 3.3 B
 random numbers on the host takes ~20 s that no real start has), runs `session.warmup(...)` over every shape of the modes (the
 worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
-path), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
+path; all modes in one call, as a worker warms them, or one at a time with `--per-mode`), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
+  A0. (`--without-helpers-too`) A with DSOCR_COMPILE_PROCESSES=0 in a cache of its own: the cold start
+     without the vision compile helpers (engine/precompile.py), side by side with A
   A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
   B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready)
   C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the
@@ -24,6 +26,7 @@ CPU smoke (fast runs eager there, numbers meaningless): `--device cpu --model ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -61,17 +64,21 @@ def child(args: argparse.Namespace) -> int:
     session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine="fast",
                                             fast_compile=FastCompile(dynamic_tiles=args.tiles == "dynamic"))  # fmt: skip
     loaded = time.time()
-    # Warmed with the timed jobs' decode options (the decode step is compiled per n-gram ban), one
-    # mode at a time so that each mode's share of the warm-up is known.
+    # Warmed with the timed jobs' decode options (the decode step is compiled per n-gram ban). All modes
+    # in one warm-up, as a worker warms them (its vision compile helpers take every view size at once);
+    # `--per-mode`: one mode at a time, so that each mode's share of the warm-up is known.
     options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
     warm = {}
     compile_s = {}
-    for mode in filter(None, args.modes.split(",")):
-        warm[mode] = session.warmup([mode], max_new_tokens=args.tokens, infer=options)
-        compile_s[mode] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
-        # A progress line per mode: what the parent keeps if the start overruns its budget.
-        print(json.dumps({"progress": mode, "since_launch_s": time.time() - began, "warmup_s": warm[mode].ms / 1e3,
-                          "shapes": warm[mode].shapes, "compile_times": compile_s[mode]}), flush=True)  # fmt: skip
+    modes = [mode for mode in args.modes.split(",") if mode]
+    for group in ([[mode] for mode in modes] if args.per_mode else [modes]):
+        name = ",".join(group)
+        warm[name] = session.warmup(group, max_new_tokens=args.tokens, infer=options)
+        compile_s[name] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
+        # A progress line per warm-up: what the parent keeps if the start overruns its budget.
+        print(json.dumps({"progress": name, "since_launch_s": time.time() - began, "warmup_s": warm[name].ms / 1e3,
+                          "shapes": warm[name].shapes, "compile_times": compile_s[name]}), flush=True)  # fmt: skip
+    first = next(iter(warm.values()))
     ready = time.time()
     pages = []
     for width, height in PAGES:
@@ -98,6 +105,8 @@ def child(args: argparse.Namespace) -> int:
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
         "compile_times_after_mode": compile_s,
         "compilations": compilations(torch),
+        "precompile": dataclasses.asdict(first.precompile) if first.precompile else None,
+        "precompile_skipped": first.precompile_skipped,
         "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "torch": torch.__version__, "pages": pages,
     }))  # fmt: skip
@@ -127,12 +136,16 @@ def compilations_table(runs: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_child(args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float) -> dict[str, Any]:
+def run_child(
+    args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float, helpers: str
+) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tiles", tiles, "--modes", modes,
                "--model", model, "--device", args.device, "--tokens", str(args.tokens),
-               "--repeats", str(args.repeats)]  # fmt: skip
+               "--repeats", str(args.repeats), *(["--per-mode"] if args.per_mode else [])]  # fmt: skip
     env = {**os.environ, "DSOCR_COMPILE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    if helpers:
+        env["DSOCR_COMPILE_PROCESSES"] = helpers
     launched = time.time()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -147,6 +160,17 @@ def run_child(args: argparse.Namespace, model: str, tiles: str, modes: str, cach
     result["ready_s"] = result["ready_unix"] - launched
     result["process_s"] = time.time() - launched
     return result
+
+
+def helpers_cell(run: dict[str, Any]) -> str:
+    pre = run.get("precompile")
+    if not pre:
+        return f"none: {run.get('precompile_skipped') or '-'}"
+    graphs = sum(r["graphs"] for r in pre["results"])
+    slowest = max((r["seconds"] for r in pre["results"]), default=0.0)
+    failed = f", failed: {'; '.join(pre['failures'])}" if pre["failures"] else ""
+    return (f"{pre['processes']} in {pre['seconds']:.1f} s (slowest compiled for {slowest:.1f} s after its imports), "
+            f"{graphs} graphs{failed}")
 
 
 def fmt(value: float | None) -> str:
@@ -168,19 +192,24 @@ def markdown(report: dict[str, Any]) -> str:
            "before any start). " if "preset_saved_s" in report else "")
         + f"Command: `{report['command']}`",
         "",
-        "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes | warm-up by mode |",
-        "|---|---:|---:|---:|---|---:|---|",
+        "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes | warm-up by mode "
+        "| vision compile helpers |",
+        "|---|---:|---:|---:|---|---:|---|---|",
     ]
-    for key, label in (("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)")):
+    starts = (("cold_no_helpers", "A0. empty compile cache, no helpers (before)"),
+              ("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)"))
+    for key, label in starts:
+        if key == "cold_no_helpers" and key not in runs:
+            continue
         r = runs.get(key, {})
         if "error" in r or not r:
             progress = ", ".join(f"{p['progress']} {p['warmup_s']:.1f} s (at {p['since_launch_s']:.1f} s)"
                                  for p in r.get("progress", []))  # fmt: skip
-            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} |")
+            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} | |")
             continue
         lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
         by_mode = ", ".join(f"{mode} {seconds:.1f} s" for mode, seconds in r.get("warmup_s_by_mode", {}).items())
-        lines[-1] += f" {by_mode or '-'} |"
+        lines[-1] += f" {by_mode or '-'} | {helpers_cell(r)} |"
     lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms / decode ms per token "
               "| static tiles (before): prefill / e2e ms / decode ms per token | KV bucket "
               "| timed jobs cold (dynamic / static) | first job s (dynamic) |", "|---|---|---|---|---:|---|---:|"]  # fmt: skip
@@ -214,6 +243,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=560)
+    parser.add_argument("--per-mode", action="store_true", help="warm one mode at a time (each mode's share)")
+    parser.add_argument("--helpers", default="", help="DSOCR_COMPILE_PROCESSES for the starts (default: the engine's)")
+    parser.add_argument("--without-helpers-too", action="store_true",
+                        help="first a cold start with DSOCR_COMPILE_PROCESSES=0 in a cache of its own (the before)")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = parser.parse_args()
     if args.child:
@@ -236,7 +269,7 @@ def main() -> int:
     from dsocr_workers.model.config import PRESETS
 
     with (tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache,
-          tempfile.TemporaryDirectory() as scratch):  # fmt: skip
+          tempfile.TemporaryDirectory() as before_cache, tempfile.TemporaryDirectory() as scratch):  # fmt: skip
         model = args.model
         if model in PRESETS:
             from dsocr_workers.model.checkpoint import save_preset
@@ -244,16 +277,19 @@ def main() -> int:
             saving = time.perf_counter()
             model = str(save_preset(args.model, Path(scratch) / args.model))
             report["preset_saved_s"] = time.perf_counter() - saving
-        plan = (("cold", "dynamic", args.modes, dynamic_cache), ("warm_cache", "dynamic", args.modes, dynamic_cache),
-                ("static", "static", "", static_cache))  # fmt: skip
-        for key, tiles, modes, cache in plan:
+        plan = [("cold", "dynamic", args.modes, dynamic_cache, args.helpers),
+                ("warm_cache", "dynamic", args.modes, dynamic_cache, args.helpers),
+                ("static", "static", "", static_cache, args.helpers)]  # fmt: skip
+        if args.without_helpers_too:
+            plan.insert(0, ("cold_no_helpers", "dynamic", args.modes, before_cache, "0"))
+        for key, tiles, modes, cache, helpers in plan:
             left = args.budget_s - (time.perf_counter() - began)
             if key == "static" and left < 240:  # a compile per timed page's tile count: minutes
                 report["runs"][key] = {"error": f"skipped: {left:.0f} s of budget left"}
                 continue
             print(f"[{time.perf_counter() - began:6.1f}s] {key}", flush=True)
             try:
-                report["runs"][key] = run_child(args, model, tiles, modes, Path(cache), timeout=max(left, 1))
+                report["runs"][key] = run_child(args, model, tiles, modes, Path(cache), max(left, 1), helpers)
             except Exception as exc:  # keep what the other starts measured
                 report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
             save()

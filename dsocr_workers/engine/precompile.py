@@ -102,7 +102,9 @@ def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) ->
     if not raw:
         return DEFAULT_PROCESSES
     if not raw.isdigit():
-        raise InputError(f"{PROCESSES_ENV}={raw!r}: expected a count of processes, 0 to compile in the worker only")
+        raise InputError(
+            f"{PROCESSES_ENV}={raw!r}: expected a count of processes, 0 to compile in the worker only"
+        )
     return int(raw)
 
 
@@ -198,7 +200,9 @@ class VisionHelpers:
         outside the cache key)."""
         groups = share(template.shapes, processes)
         env = dict(os.environ)
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // (len(groups) + 1))))
+        env.setdefault(
+            "TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // (len(groups) + 1)))
+        )
         running = []
         for group in groups:
             task = HelperTask(**{**asdict(template), "shapes": tuple(group)})
@@ -225,7 +229,10 @@ class VisionHelpers:
                 code = None
             helper.stdout.seek(0)
             helper.stderr.seek(0)
-            out, err = helper.stdout.read().decode(errors="replace"), helper.stderr.read().decode(errors="replace")
+            out, err = (
+                helper.stdout.read().decode(errors="replace"),
+                helper.stderr.read().decode(errors="replace"),
+            )
             helper.stdout.close()
             helper.stderr.close()
             if code == 0 and out.strip():
@@ -235,4 +242,6 @@ class VisionHelpers:
             failures.append(f"{label}: {why}")
             log.warning("vision compile helper (%s) failed, %s; the worker compiles its graphs itself:\n%s",
                         label, why, err[-2000:])  # fmt: skip
-        return PrecompileReport(len(self._running), time.perf_counter() - self._began, tuple(results), tuple(failures))
+        return PrecompileReport(
+            len(self._running), time.perf_counter() - self._began, tuple(results), tuple(failures)
+        )

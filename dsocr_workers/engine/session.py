@@ -118,6 +118,14 @@ def make_current(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def set_numerics(device: torch.device, dtype: torch.dtype) -> None:
+    """float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to (matmuls are
+    full float32 by default), which set the eager reference's SAM convolutions ~2e-3 away from the fast
+    engine's patch-embedding GEMM on an H200. bf16 sessions are unaffected."""
+    if device.type == "cuda" and dtype == torch.float32:
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def engine_kernels(engine: str) -> dict[str, str]:
     """The attention and routed-expert implementations an engine loads the model with (the fast engine
     also swaps modules after loading: `fast_modules`)."""
@@ -351,11 +359,7 @@ class DeepSeekOCRSession:
     def __post_init__(self) -> None:
         model = self.loaded.model
         make_current(self.device)
-        if self.device.type == "cuda" and self.dtype == torch.float32:
-            # float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to (matmuls
-            # are full float32 by default), which set the eager reference's SAM convolutions ~2e-3 away
-            # from the fast engine's patch-embedding GEMM on an H200. bf16 sessions are unaffected.
-            torch.backends.cudnn.allow_tf32 = False
+        set_numerics(self.device, self.dtype)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self._vision = _Vision.per_group(model.encode_sam, model.encode_clip, model.project)
         self._prefill = prefill
@@ -596,6 +600,8 @@ class DeepSeekOCRSession:
             page = replace(self.prepare(image, None, name, max_crops), injects_image=False)
             self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
             precompiled = helpers.wait()
+            log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
+                     precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
         shapes: list[str] = []
         passes = 0
         still_cold: list[str] = []

@@ -23,13 +23,16 @@ from dsocr_workers.engine.session import (
     make_current,
     resolve_device,
     resolve_dtype,
+    set_numerics,
     warmup_pages,
 )
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, model_config
 
 
-def _pixel_groups(shapes: VisionShapes, max_crops: int, device: torch.device, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def _pixel_groups(
+    shapes: VisionShapes, max_crops: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
     """The view group of `shapes` from each of the warm-up's pages that has one, on the device and
     normalised as `DeepSeekOCRSession.upload` leaves it. The prompt's tokens play no part: none are made."""
     for mode, image in warmup_pages([shapes.mode], max_crops):
@@ -44,6 +47,7 @@ def compile_vision(task: HelperTask) -> HelperResult:
     device = resolve_device(task.device)
     make_current(device)
     dtype = resolve_dtype(task.dtype, device)
+    set_numerics(device, dtype)
     configure_dynamo()
     model = build_vision_only(model_config(task.source), device=device, dtype=dtype,
                               attn_implementation=task.attn_implementation)  # fmt: skip

@@ -75,7 +75,9 @@ def inductor_session() -> DeepSeekOCRSession:
         loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
         fast_modules(loaded.model)
     source = ModelSource("preset", "tiny", random_weights=True, seed=0)
-    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("inductor", cuda_graphs=False))
+    return DeepSeekOCRSession(
+        loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("inductor", cuda_graphs=False)
+    )
 
 
 def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
@@ -103,44 +105,41 @@ def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, sub
     assert "no-checkpoint: not a checkpoint directory" in caplog.text
 
 
-# The worker's side, in a fresh process: `inductor_session()`'s session, its own vision path over every
-# warm-up page of the modes given.
+# A worker's warm-up, in a fresh process: `inductor_session()`'s session warming the modes given.
 WORKER = """
-import json, sys, torch
+import dataclasses, json, sys, torch
 from dsocr_workers.engine.result import ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules, warmup_pages
-from dsocr_workers.engine.stages import StageClock
+from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules
 from dsocr_workers.model.checkpoint import build_preset
 
 cpu, fp32 = torch.device("cpu"), torch.float32
 with torch.inference_mode():
-    loaded = build_preset("tiny", device=cpu, dtype=fp32, **engine_kernels("fast"))
+    loaded = build_preset("tiny", device=cpu, dtype=fp32, **{**engine_kernels("fast"), "experts_implementation": "batched_mm"})
     fast_modules(loaded.model)
 fast = DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, "fast",
                           fast_compile=FastCompile("inductor", cuda_graphs=False))
-clock = StageClock(cpu, nvtx_enabled=False, timing_enabled=False)
-with torch.inference_mode():
-    for mode, image in warmup_pages(sys.argv[1].split(","), 3):
-        fast.encode_image(fast.upload(fast.prepare(image, None, mode, 3)), clock)
+report = fast.warmup(sys.argv[1].split(","), max_new_tokens=8, max_crops=3)
 counters = torch._dynamo.utils.counters
-print(json.dumps({"graphs": counters["stats"]["unique_graphs"], "hits": counters["inductor"]["fxgraph_cache_hit"],
-                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+print(json.dumps({"report": dataclasses.asdict(report), "graphs": counters["stats"]["unique_graphs"],
+                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-def test_the_worker_loads_every_graph_the_helpers_compiled(tmp_path, monkeypatch, subprocess_env):
-    """Two helpers compile gundam's view sizes (the global view: SAM's two kinds of block and CLIP; the
-    tiles: SAM's two, their batch dynamic) into an empty cache; the worker's vision over gundam's
-    warm-up pages (the global view alone, then strips of 2 and 3 tiles) finds all five there and
-    compiles only CLIP over both view groups at once, which no helper runs."""
-    cache = str(tmp_path / "cache")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache)
-    monkeypatch.setenv("PYTHONPATH", subprocess_env["PYTHONPATH"])
-    report = VisionHelpers.start(template(vision_shapes(["gundam"])), 2).wait()
-    assert report.failures == ()
-    assert sorted((r.shapes, r.graphs, r.cache_hits) for r in report.results) == [
-        (["global 1024 px"], 3, 0), (["tiles 640 px"], 2, 0)]  # fmt: skip
-    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam"], capture_output=True, text=True, timeout=600,
-                            env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": cache})  # fmt: skip
+def test_the_worker_loads_every_graph_its_helpers_compiled(tmp_path, subprocess_env):
+    """A fast warm-up of gundam with an empty cache (inductor on the CPU): two helpers compile its view
+    sizes — the global view (SAM's two kinds of block and CLIP) and the tiles (SAM's two, their batch
+    dynamic) — while the worker compiles its language model (the LM's two kinds of layer and the decode
+    step). Then the worker's passes (the global view alone, then strips of 2 and 3 tiles) find all five
+    vision graphs in the cache, and compile only CLIP over both view groups at once, which no helper
+    runs. The warm-up ends warm and leaves its marker."""
+    cache = tmp_path / "cache"
+    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam"], capture_output=True, text=True, timeout=900,
+                            env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})  # fmt: skip
     assert worker.returncode == 0, worker.stderr[-3000:]
-    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"graphs": 6, "hits": 5, "misses": 1}
+    found = json.loads(worker.stdout.strip().splitlines()[-1])
+    report = found["report"]
+    assert report["precompile"]["failures"] == [] and report["still_cold"] == []
+    assert sorted((r["shapes"], r["graphs"], r["cache_hits"]) for r in report["precompile"]["results"]) == [
+        (["global 1024 px"], 3, 0), (["tiles 640 px"], 2, 0)]  # fmt: skip
+    assert (found["graphs"], found["hits"], found["misses"]) == (9, 5, 4)
+    assert len(list((cache / "dsocr-warm").iterdir())) == 1
