@@ -592,14 +592,17 @@ class DeepSeekOCRSession:
         # Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
         # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
         options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
-        helpers, marker, skipped = self._start_vision_helpers(modes, max_crops)
+        helper_task, marker, skipped = self._plan_vision_helpers(modes, max_crops)
         precompiled = None
-        if helpers is not None:
+        if helper_task is not None:
+            helpers = VisionHelpers.start(helper_task, helper_processes())
             # The language model compiles here meanwhile: the first page's job without its image.
             name, image = pages[0]
-            page = replace(self.prepare(image, None, name, max_crops), injects_image=False)
-            self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
-            precompiled = helpers.wait()
+            try:
+                page = replace(self.prepare(image, None, name, max_crops), injects_image=False)
+                self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
+            finally:  # no helper outlives a failed warm-up
+                precompiled = helpers.wait()
             log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
                      precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
         shapes: list[str] = []
@@ -625,16 +628,19 @@ class DeepSeekOCRSession:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if marker is not None and not still_cold:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"modes": list(modes), "source": self.source.label}) + "\n")
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(json.dumps({"modes": list(modes), "source": self.source.label}) + "\n")
+            except OSError as exc:  # the next start runs the helpers again, nothing worse
+                log.warning("could not mark the compile cache warm (%s): %s", marker, exc)
         return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
                             precompiled, skipped)  # fmt: skip
 
-    def _start_vision_helpers(
+    def _plan_vision_helpers(
         self, modes: Sequence[str], max_crops: int
-    ) -> tuple[VisionHelpers | None, Path | None, str]:
-        """The vision compile helpers of a fast warm-up (engine/precompile.py), started, unless they have
-        nothing to do; the marker to leave once warm; why no helper was started."""
+    ) -> tuple[HelperTask | None, Path | None, str]:
+        """What the vision compile helpers of a fast warm-up (engine/precompile.py) would compile, or None
+        when none should start; the marker to leave once warm; why none starts."""
         if self.engine != "fast" or self.fast_compile.decode_only or self.fast_compile.backend != "inductor":
             return None, None, "nothing compiled by inductor"
         processes = helper_processes()
@@ -651,7 +657,7 @@ class DeepSeekOCRSession:
             return None, marker, f"{PROCESSES_ENV}=0"
         if self._jobs_run:
             return None, marker, "this session has compiled already"
-        return VisionHelpers.start(task, processes), marker, ""
+        return task, marker, ""
 
     def _capture_prefills(self, shortest: int, longest: int, max_new_tokens: int | None) -> None:
         """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in

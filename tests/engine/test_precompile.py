@@ -84,16 +84,18 @@ def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fast = inductor_session()
     monkeypatch.setenv(PROCESSES_ENV, "0")
-    helpers, marker, why = fast._start_vision_helpers(["tiny"], 3)
-    assert helpers is None and marker is not None and why == f"{PROCESSES_ENV}=0"
+    task, marker, why = fast._plan_vision_helpers(["tiny"], 3)
+    assert task is None and marker is not None and why == f"{PROCESSES_ENV}=0"
     marker.parent.mkdir(parents=True)
     marker.write_text("{}")
     monkeypatch.delenv(PROCESSES_ENV)
-    helpers, _, why = fast._start_vision_helpers(["tiny"], 3)
-    assert helpers is None and why.startswith("the compile cache is warm for these modes")
-    assert inductor_session()._start_vision_helpers(["gundam"], 3)[2] == ""  # another configuration
+    task, _, why = fast._plan_vision_helpers(["tiny"], 3)
+    assert task is None and why.startswith("the compile cache is warm for these modes")
+    task, _, why = fast._plan_vision_helpers(["gundam"], 3)  # another configuration
+    assert why == "" and task is not None
+    assert [shape.label for shape in task.shapes] == ["global 1024 px", "tiles 640 px"]
     eager = DeepSeekOCRSession.from_local("tiny")
-    assert eager._start_vision_helpers(["tiny"], 3) == (None, None, "nothing compiled by inductor")
+    assert eager._plan_vision_helpers(["tiny"], 3) == (None, None, "nothing compiled by inductor")
 
 
 def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, subprocess_env, caplog):
