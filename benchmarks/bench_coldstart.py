@@ -168,9 +168,10 @@ def helpers_cell(run: dict[str, Any]) -> str:
         return f"none: {run.get('precompile_skipped') or '-'}"
     graphs = sum(r["graphs"] for r in pre["results"])
     slowest = max((r["seconds"] for r in pre["results"]), default=0.0)
+    peak = max((r.get("peak_memory_bytes", 0) for r in pre["results"]), default=0) / 2**30
     failed = f", failed: {'; '.join(pre['failures'])}" if pre["failures"] else ""
     return (f"{pre['processes']} in {pre['seconds']:.1f} s (slowest compiled for {slowest:.1f} s after its imports), "
-            f"{graphs} graphs{failed}")
+            f"{graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
 
 
 def fmt(value: float | None) -> str:

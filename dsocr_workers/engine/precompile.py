@@ -139,6 +139,7 @@ class HelperResult:
     graphs: int  # compiled in the helper (dynamo's count)
     cache_hits: int  # inductor's FX graph cache: found there instead (a cache someone filled before)
     seconds: float  # building the encoders and running them (compiling), after the imports
+    peak_memory_bytes: int  # on its GPU (the caching allocator's peak); 0 on a CPU
 
 
 @dataclass(frozen=True)

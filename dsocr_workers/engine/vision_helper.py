@@ -60,10 +60,12 @@ def compile_vision(task: HelperTask) -> HelperResult:
                 features = regions.encode_sam([pixels])
                 if not shapes.tiles:
                     regions.encode_clip(features)
+    peak = 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
     return HelperResult([shape.label for shape in task.shapes], stats["unique_graphs"],
-                        inductor["fxgraph_cache_hit"], time.perf_counter() - began)  # fmt: skip
+                        inductor["fxgraph_cache_hit"], time.perf_counter() - began, peak)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
