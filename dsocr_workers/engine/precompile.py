@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 PROCESSES_ENV = "DSOCR_COMPILE_PROCESSES"
 DEFAULT_PROCESSES = 4  # five vision view sizes in all; the two smallest share a helper
-# A helper's start (python, torch, a CUDA context) and its graphs took ~25 s on an H200 (estimate); far
-# past that it is stuck, and the worker compiles without it.
+# A helper's start (python, torch, a CUDA context) and its graphs should take ~20-30 s on an H200 (an
+# estimate from the graphs' compile times, not yet measured); far past that it is stuck, and the worker
+# compiles without it.
 HELPER_TIMEOUT_S = 300.0
 
 
