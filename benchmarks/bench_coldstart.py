@@ -101,6 +101,7 @@ def child(args: argparse.Namespace) -> int:
         "passes": max((w.passes for w in warm.values()), default=0),
         "still_cold": {mode: w.still_cold for mode, w in warm.items() if w.still_cold},
         "warmup_s_by_mode": {mode: w.ms / 1e3 for mode, w in warm.items()},
+        "warmup_phases_s": {mode: {phase: ms / 1e3 for phase, ms in w.phases_ms.items()} for mode, w in warm.items()},
         # dynamo's own accounting of where compilation went (tracing, inductor, graph capture), per function
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
         "compile_times_after_mode": compile_s,
@@ -193,8 +194,8 @@ def markdown(report: dict[str, Any]) -> str:
            "before any start). " if "preset_saved_s" in report else "")
         + f"Command: `{report['command']}`",
         "",
-        "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes | warm-up by mode "
-        "| vision compile helpers |",
+        "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes "
+        "| warm-up by mode: its parts s | vision compile helpers |",
         "|---|---:|---:|---:|---|---:|---|---|",
     ]
     starts = (("cold_no_helpers", "A0. empty compile cache, no helpers (before)"),
@@ -209,7 +210,10 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} | |")
             continue
         lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
-        by_mode = ", ".join(f"{mode} {seconds:.1f} s" for mode, seconds in r.get("warmup_s_by_mode", {}).items())
+        phases = r.get("warmup_phases_s", {})
+        by_mode = "; ".join(f"{mode} {seconds:.1f} s" + (": " + ", ".join(f"{phase} {s:.1f}" for phase, s in phases[mode].items())
+                                                        if mode in phases else "")
+                            for mode, seconds in r.get("warmup_s_by_mode", {}).items())  # fmt: skip
         lines[-1] += f" {by_mode or '-'} | {helpers_cell(r)} |"
     lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms / decode ms per token "
               "| static tiles (before): prefill / e2e ms / decode ms per token | KV bucket "

@@ -262,6 +262,10 @@ class WarmupReport:
     # The vision compile helpers (engine/precompile.py), when they ran; `precompile_skipped` says why not.
     precompile: PrecompileReport | None = None
     precompile_skipped: str = ""
+    # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
+    # every pass), "language" (the first page's job without its image, while helpers compile), "helpers"
+    # (waiting for them after it), "pass 1", "pass 2", ... (each with its prefill captures).
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
@@ -593,16 +597,32 @@ class DeepSeekOCRSession:
         # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
         options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
         helper_task, marker, skipped = self._plan_vision_helpers(modes, max_crops)
-        precompiled = None
+        phases: dict[str, float] = {}
+        mark = began
+
+        def phase_ends(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name], mark = (now - mark) * 1e3, now
+
+        precompiled, helpers = None, None
         if helper_task is not None:
             helpers = VisionHelpers.start(helper_task, helper_processes())
-            # The language model compiles here meanwhile: the first page's job without its image.
-            name, image = pages[0]
-            try:
-                page = replace(self.prepare(image, None, name, max_crops), injects_image=False)
-                self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
-            finally:  # no helper outlives a failed warm-up
+        try:
+            with torch.inference_mode():  # as run_inference prepares a page
+                prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in pages]
+            phase_ends("prepare")
+            if helpers is not None:
+                # The language model compiles here meanwhile: the first page's job without its image.
+                name, page = prepared[0]
+                self.run_on_device(replace(page, injects_image=False), max_new_tokens, options,
+                                   return_text=False).finish()  # fmt: skip
+                phase_ends("language")
+        finally:  # no helper outlives a failed warm-up
+            if helpers is not None:
                 precompiled = helpers.wait()
+        if precompiled is not None:
+            phase_ends("helpers")
             log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
                      precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
         shapes: list[str] = []
@@ -612,9 +632,8 @@ class DeepSeekOCRSession:
             passes += 1
             still_cold = []
             shortest, longest = self.max_positions, 0
-            for name, image in pages:
-                result = self.run_inference(image, mode=name, max_new_tokens=max_new_tokens, infer=options,
-                                            return_text=False, max_crops=max_crops)
+            for name, page in prepared:
+                result = self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
                 cols, rows = result.crop_grid
                 shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
                 shapes += [shape] if shape not in shapes else []
@@ -623,18 +642,19 @@ class DeepSeekOCRSession:
                 shortest = min(shortest, result.prompt_tokens)
                 longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
             self._capture_prefills(shortest, longest, max_new_tokens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            phase_ends(f"pass {passes}")
             if not still_cold:
                 break
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         if marker is not None and not still_cold:
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(json.dumps({"modes": list(modes), "source": self.source.label}) + "\n")
             except OSError as exc:  # the next start runs the helpers again, nothing worse
                 log.warning("could not mark the compile cache warm (%s): %s", marker, exc)
-        return WarmupReport((time.perf_counter() - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
-                            precompiled, skipped)  # fmt: skip
+        return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
+                            precompiled, skipped, phases)  # fmt: skip
 
     def _plan_vision_helpers(
         self, modes: Sequence[str], max_crops: int
@@ -643,6 +663,8 @@ class DeepSeekOCRSession:
         when none should start; the marker to leave once warm; why none starts."""
         if self.engine != "fast" or self.fast_compile.decode_only or self.fast_compile.backend != "inductor":
             return None, None, "nothing compiled by inductor"
+        if not modes:
+            return None, None, "no mode to warm"
         processes = helper_processes()
         task = HelperTask(
             source=self.source.name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),

@@ -50,25 +50,45 @@ class LoadedSession:
     warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
 
 
+def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The device a Celery child runs on once it sees only its own GPU (`CUDA_VISIBLE_DEVICES`): `cuda:0`
+    in every child, whichever GPU it has. Inductor's compiled graphs name their device's index, so a
+    compile cache filled on cuda:0 served only the children on cuda:0 (2 x H200: the child on cuda:1
+    compiled 34 s of graphs the warm cache held for cuda:0, docs/benchmarks.md). Call before CUDA is
+    initialised in this process; otherwise, or for a device that is not one GPU, `device` as it is."""
+    import torch
+
+    if not device.startswith("cuda:") or torch.cuda.is_initialized():
+        return device
+    index = int(device.removeprefix("cuda:"))
+    visible = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    if "CUDA_VISIBLE_DEVICES" in environ and index >= len(visible):
+        return device  # not there: torch's own error says so when the model loads
+    environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    return "cuda:0"
+
+
 @dataclass
 class JobProcess:
     settings: Settings
-    device: str
+    device: str  # as the ledger names it (heartbeats, worker sessions, results): the worker's --gpus index
     db: Database
     heartbeat: Heartbeat
     owner: str
     queues: tuple[str, ...]
     prefetcher: Prefetcher
     ledger_threads: LedgerThreads
+    runs_on: str = ""  # the device in this process (see_only_this_gpu); `device` where empty
     loaded: LoadedSession | None = None
 
     @classmethod
     def open(
         cls, settings: Settings, device: str, *, queues: tuple[str, ...], sweep: Sweep | None = None,
-        cpu_threads: int | None = None,
+        cpu_threads: int | None = None, runs_on: str = "",
     ) -> JobProcess:  # fmt: skip
         """Open the ledger and start beating (farm/liveness.py): from here on this process renews the
-        leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues."""
+        leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues. `runs_on`:
+        the device as this process sees it, where that is not `device` (see_only_this_gpu)."""
         if cpu_threads:
             import torch
 
@@ -77,7 +97,7 @@ class JobProcess:
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
         return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner, queues=queues,
-                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db))  # fmt: skip
+                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db), runs_on=runs_on or device)  # fmt: skip
 
     def close(self) -> None:
         self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
@@ -129,9 +149,9 @@ class JobProcess:
         from dsocr_workers.engine.session import DeepSeekOCRSession
 
         session = DeepSeekOCRSession.from_local(
-            key.model, device=self.device, dtype=key.dtype, engine=key.engine, seed=key.seed
+            key.model, device=self.runs_on or self.device, dtype=key.dtype, engine=key.engine, seed=key.seed
         )
-        fingerprint = environment_fingerprint(self.device, session.source)
+        fingerprint = environment_fingerprint(self.device, session.source, runs_on=self.runs_on)
         with self.db.transaction() as tx:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
         return LoadedSession(key, session, fingerprint["id"], worker_session_id="")
@@ -195,7 +215,8 @@ class JobProcess:
             prepared.page, p.get("max_new_tokens"), decode_options(p), clock=prepared.clock,
             after_prefill=claimed_then_prefetch_next if early else prefetch_next,
         )  # fmt: skip
-        return Ran(on_device, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None)
+        return Ran(on_device, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None,
+                   device=self.device)  # fmt: skip
 
     def next_on_queues(self, session: Session) -> ledger.WaitingJob | None:
         """A Celery child's upcoming job: a guess (ledger.next_waiting_job), since its parent hands it

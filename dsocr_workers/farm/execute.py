@@ -49,6 +49,7 @@ class Ran:
     worker_id: str  # the environment fingerprint (`workers` row)
     worker_session_id: str | None = None  # the loaded model in its process (`worker_sessions` row)
     prefetched: bool = False  # its page was prepared while the previous job ran (farm/prefetch.py)
+    device: str | None = None  # as the ledger names it, where the engine's name differs (farm/child.py)
 
     def finished(self) -> InferenceResult:
         return self.result if isinstance(self.result, InferenceResult) else self.result.finish()
@@ -247,7 +248,7 @@ def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any
         "cold": result.cold,
         "cold_reason": "; ".join(result.cold_reasons) or None,
         "engine": result.engine,
-        "device": result.device,
+        "device": ran.device or result.device,
         "dtype": result.dtype,
         "model_label": result.model.label,
         "random_weights": result.model.random_weights,

@@ -55,14 +55,15 @@ def nvidia_driver() -> str | None:
     return out.stdout.splitlines()[0].strip() if out.stdout.strip() else None
 
 
-def environment_fingerprint(device: str, source: ModelSource) -> dict[str, Any]:
-    """Column values of a `workers` row (including its content-hash `id`)."""
+def environment_fingerprint(device: str, source: ModelSource, runs_on: str = "") -> dict[str, Any]:
+    """Column values of a `workers` row (including its content-hash `id`). `device` as the ledger names
+    it; `runs_on`: as this process sees it, where that differs (farm/child.py see_only_this_gpu)."""
     import torch
     import transformers
 
     gpu_name = gpu_uuid = None
     if device.startswith("cuda"):
-        properties = torch.cuda.get_device_properties(torch.device(device))
+        properties = torch.cuda.get_device_properties(torch.device(runs_on or device))
         gpu_name = properties.name
         gpu_uuid = str(getattr(properties, "uuid", "")) or None
     values: dict[str, Any] = {

@@ -2,7 +2,8 @@
 
 Each prefork child takes its device from its pool index (`DSOCR_WORKER_DEVICES`, set by `dsocr worker`),
 so the parent never touches CUDA; a replacement child gets the index, and the device, of the one it
-replaces.
+replaces. A child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those
+of cuda:0, one compile cache for all of them.
 
 A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
 the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
@@ -23,7 +24,7 @@ from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import TransientError
-from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env
+from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env, see_only_this_gpu
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
@@ -59,10 +60,12 @@ def _open_child(**_: object) -> None:
         # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
         send_job_messages(run_job.app, jobs, [], job_labels(session, [job_id for job_id, _ in jobs]))
 
+    runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
     _process = JobProcess.open(
-        settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads
+        settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads, runs_on=runs_on
     )
-    log.info("child %s (pid %d) on %s", index, os.getpid(), device)
+    seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
+    log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
     plan = plan_from_env()
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for

@@ -94,6 +94,7 @@ def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     task, _, why = fast._plan_vision_helpers(["gundam"], 3)  # another configuration
     assert why == "" and task is not None
     assert [shape.label for shape in task.shapes] == ["global 1024 px", "tiles 640 px"]
+    assert fast._plan_vision_helpers([], 3) == (None, None, "no mode to warm")
     eager = DeepSeekOCRSession.from_local("tiny")
     assert eager._plan_vision_helpers(["tiny"], 3) == (None, None, "nothing compiled by inductor")
 
@@ -144,4 +145,6 @@ def test_the_worker_loads_every_graph_its_helpers_compiled(tmp_path, subprocess_
     assert sorted((r["shapes"], r["graphs"], r["cache_hits"]) for r in report["precompile"]["results"]) == [
         (["global 1024 px"], 3, 0), (["tiles 640 px"], 2, 0)]  # fmt: skip
     assert (found["graphs"], found["hits"], found["misses"]) == (9, 5, 4)
+    assert list(report["phases_ms"]) == ["prepare", "language", "helpers", "pass 1", "pass 2"]
+    assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
     assert len(list((cache / "dsocr-warm").iterdir())) == 1

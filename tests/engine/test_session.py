@@ -391,6 +391,10 @@ def test_cold_paths_are_flagged_and_warm_up_removes_them():
     warmed = DeepSeekOCRSession.from_local("tiny")
     report = warmed.warmup(["base", "gundam"], max_new_tokens=4, max_crops=3)
     assert report.shapes == ["base", "gundam", "gundam:2x1", "gundam:3x1"] and report.ms > 0
+    # Eager: no helpers, no language job; its parts add up to the warm-up.
+    assert list(report.phases_ms) == ["prepare", *(f"pass {n}" for n in range(1, report.passes + 1))]
+    assert sum(report.phases_ms.values()) == pytest.approx(report.ms)
+    assert warmed.warmup([]).shapes == []
     for image in (page(600, 480), page(1000, 800)):  # base; gundam 2x1
         result = warmed.run_inference(image, mode="gundam" if image.width == 1000 else "base",
                                       max_new_tokens=4, max_crops=3)

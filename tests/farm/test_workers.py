@@ -321,3 +321,22 @@ def test_gpus_auto_falls_back_to_the_cpu_without_a_gpu():
     count = count_gpus()
     assert parse_devices("auto") == ([f"cuda:{i}" for i in range(count)] if count else ["cpu"])
     assert parse_devices("0,1") == ["cuda:0", "cuda:1"]
+
+
+def test_a_child_sees_only_its_own_gpu():
+    """Every child runs on its cuda:0, so that one compile cache serves all of them (a compiled graph
+    names its device's index); the ledger keeps the worker's own name for the GPU (JobProcess.device)."""
+    import torch
+
+    from dsocr_workers.farm.child import see_only_this_gpu
+
+    env: dict[str, str] = {}
+    if torch.cuda.is_initialized():  # too late for this process to choose what it sees
+        assert see_only_this_gpu("cuda:1", env) == "cuda:1" and env == {}
+        return
+    assert see_only_this_gpu("cuda:1", env) == "cuda:0" and env == {"CUDA_VISIBLE_DEVICES": "1"}
+    env = {"CUDA_VISIBLE_DEVICES": "4, 6"}  # the worker's indices count the GPUs it was given
+    assert see_only_this_gpu("cuda:1", env) == "cuda:0" and env == {"CUDA_VISIBLE_DEVICES": "6"}
+    env = {"CUDA_VISIBLE_DEVICES": "4"}
+    assert see_only_this_gpu("cuda:1", env) == "cuda:1" and env == {"CUDA_VISIBLE_DEVICES": "4"}
+    assert see_only_this_gpu("cpu", env) == "cpu"
