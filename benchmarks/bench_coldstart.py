@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shlex
@@ -80,6 +81,11 @@ def child(args: argparse.Namespace) -> int:
                           "shapes": warm[name].shapes, "compile_times": compile_s[name]}), flush=True)  # fmt: skip
     first = next(iter(warm.values()))
     ready = time.time()
+    # What a worker's first full collection would scan and cost (farm/child.py settle_heap), after ready.
+    heap_objects = len(gc.get_objects())
+    collecting = time.perf_counter()
+    gc.collect()
+    full_collect_s = time.perf_counter() - collecting
     pages = []
     for width, height in PAGES:
         image = synthetic_page().resize((width, height))
@@ -101,6 +107,7 @@ def child(args: argparse.Namespace) -> int:
         "passes": max((w.passes for w in warm.values()), default=0),
         "still_cold": {mode: w.still_cold for mode, w in warm.items() if w.still_cold},
         "warmup_s_by_mode": {mode: w.ms / 1e3 for mode, w in warm.items()},
+        "heap_objects": heap_objects, "full_collect_s": full_collect_s,
         "warmup_phases_s": {mode: {phase: ms / 1e3 for phase, ms in w.phases_ms.items()} for mode, w in warm.items()},
         # dynamo's own accounting of where compilation went (tracing, inductor, graph capture), per function
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
@@ -215,6 +222,10 @@ def markdown(report: dict[str, Any]) -> str:
                                                         if mode in phases else "")
                             for mode, seconds in r.get("warmup_s_by_mode", {}).items())  # fmt: skip
         lines[-1] += f" {by_mode or '-'} | {helpers_cell(r)} |"
+    heaps = [f"{label.split('.')[0]}: {r['heap_objects'] / 1e6:.2f} M objects, a full collection {r['full_collect_s'] * 1e3:.0f} ms"
+             for key, label in starts if "heap_objects" in (r := runs.get(key, {}))]  # fmt: skip
+    if heaps:
+        lines += ["", "After ready, what a first full garbage collection scans and costs: " + "; ".join(heaps) + "."]
     lines += ["", "| page | gundam grid | dynamic tiles: prefill / e2e ms / decode ms per token "
               "| static tiles (before): prefill / e2e ms / decode ms per token | KV bucket "
               "| timed jobs cold (dynamic / static) | first job s (dynamic) |", "|---|---|---|---|---:|---|---:|"]  # fmt: skip

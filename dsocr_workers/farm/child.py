@@ -11,6 +11,7 @@ Celery child's claims and results are written on another, off the path between t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -68,6 +69,15 @@ def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = 
     return "cuda:0"
 
 
+def settle_heap() -> None:
+    """Once the model is loaded and warm: collect, then freeze what survives, so that no later collection
+    scans it again. A load and a warm-up leave millions of long-lived objects (dynamo's and inductor's
+    caches, compiled graphs); the first full collection after them came during jobs and held the child
+    for ~0.6 s once per run (2 x H200, a job's device idle time, docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+
+
 @dataclass
 class JobProcess:
     settings: Settings
@@ -104,6 +114,7 @@ class JobProcess:
         self.prefetcher.close()
         self.heartbeat.stop()
         self.db.dispose()
+        gc.unfreeze()
 
     def warm(self, warmup: Warmup) -> LoadedSession:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
@@ -111,6 +122,7 @@ class JobProcess:
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
+            gc.unfreeze()  # the previous model's objects may be collected again (settle_heap)
             self.loaded = None  # free the previous model before loading the next one
             self.loaded = self._load(warmup.key)
             load_ms = (time.perf_counter() - began) * 1e3
@@ -131,6 +143,9 @@ class JobProcess:
             ban = "" if ngram == DEFAULT_NGRAM else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
             shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
+        settling = time.perf_counter()
+        settle_heap()
+        warmup_ms += (time.perf_counter() - settling) * 1e3
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()
         row = WorkerSession(

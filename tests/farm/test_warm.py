@@ -3,9 +3,12 @@ queues (farm/warm.py), read from the real ledger, and carried to the children th
 
 from __future__ import annotations
 
+import gc
 import uuid
 
+from dsocr_workers.farm.child import JobProcess
 from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, Warmup, plan_warmup
+from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for
 
@@ -37,3 +40,17 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     assert set(plan.modes) == {"base", "tiny"} and set(plan.budgets) == {128, 256}
     assert set(plan.ngrams) == {(20, None), (0, None), (20, 90)}
     assert Warmup.from_env(plan.to_env()) == plan
+
+
+def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
+    """Once loaded and warm, a process freezes what survives a collection (farm/child.py settle_heap):
+    a full collection during jobs scans none of it. Closing the process unfreezes it."""
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    try:
+        unfrozen = gc.get_freeze_count()
+        process.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
+        assert gc.get_freeze_count() > unfrozen + 100_000  # the model's, the tokenizer's, torch's own
+    finally:
+        process.close()
+    assert gc.get_freeze_count() == 0
