@@ -173,7 +173,7 @@ def _code_fingerprint() -> str:
 def warm_marker(task: HelperTask, config: OCRConfig, modes: Sequence[str]) -> Path:
     """The file a completed warm-up of this configuration leaves in the compile cache."""
     device = torch.device(task.device)
-    # The GPU's index too: a compiled graph names it, so the cache holds another's graphs for cuda:1.
+    # The GPU's index too: compiled graphs name it, so a cache warmed on cuda:0 is cold for cuda:1.
     gpu = f"{torch.cuda.get_device_name(device)} as {device}" if device.type == "cuda" else "cpu"
     fields = {**asdict(task), "device": gpu, "shapes": None, "modes": sorted(modes), "config": repr(config),
               "torch": torch.__version__, "code": _code_fingerprint()}  # fmt: skip

@@ -71,9 +71,10 @@ def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = 
 
 def settle_heap() -> None:
     """Once the model is loaded and warm: collect, then freeze what survives, so that no later collection
-    scans it again. A load and a warm-up leave millions of long-lived objects (dynamo's and inductor's
-    caches, compiled graphs); the first full collection after them came during jobs and held the child
-    for ~0.6 s once per run (2 x H200, a job's device idle time, docs/benchmarks.md)."""
+    scans it again. A load and a warm-up leave about a million long-lived objects (dynamo's and
+    inductor's caches, compiled graphs, the model); the first full collection after them came a dozen
+    jobs into a run and held the child for ~0.6 s (an H200: a run's one device idle gap over 10 ms, and
+    a full collection after ready 0.4-0.7 s, docs/benchmarks.md)."""
     gc.collect()
     gc.freeze()
 
