@@ -24,10 +24,12 @@ warm, skip the helpers: they would spend seconds importing torch to load what th
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,10 +51,12 @@ log = logging.getLogger(__name__)
 
 PROCESSES_ENV = "DSOCR_COMPILE_PROCESSES"
 DEFAULT_PROCESSES = 4  # five vision view sizes in all; the two smallest share a helper
-# A helper's start (python, torch, a CUDA context) and its graphs should take ~20-30 s on an H200 (an
-# estimate from the graphs' compile times, not yet measured); far past that it is stuck, and the worker
+# A helper's start (python, torch, a CUDA context) and its graphs took 32-38 s on an H200 beside a
+# worker compiling its language model (docs/benchmarks.md); far past that it is stuck, and the worker
 # compiles without it.
 HELPER_TIMEOUT_S = 300.0
+WORKER_PID_ENV = "DSOCR_HELPER_OF"  # the process whose warm-up started a helper
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,17 @@ def warm_marker(task: HelperTask, config: OCRConfig, modes: Sequence[str]) -> Pa
     return cache_root() / "dsocr-warm" / key
 
 
+def exit_with_the_worker() -> None:
+    """A helper outlives no worker: the kernel kills it when the process that started it dies (Linux's
+    parent-death signal), and one whose worker died while it started exits now. Otherwise a worker child
+    killed during its warm-up (a hard time limit, an OOM kill) left its helpers compiling on its GPU."""
+    worker = int(os.environ.get(WORKER_PID_ENV) or 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if worker and os.getppid() != worker:
+        os._exit(1)
+
+
 @dataclass
 class _Running:
     shapes: tuple[VisionShapes, ...]
@@ -206,6 +221,7 @@ class VisionHelpers:
         env.setdefault(
             "TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // (len(groups) + 1)))
         )
+        env[WORKER_PID_ENV] = str(os.getpid())
         running = []
         for group in groups:
             task = HelperTask(**{**asdict(template), "shapes": tuple(group)})

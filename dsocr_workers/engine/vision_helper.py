@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import torch
 
-from dsocr_workers.engine.precompile import HelperResult, HelperTask, VisionShapes
+from dsocr_workers.engine.precompile import HelperResult, HelperTask, VisionShapes, exit_with_the_worker
 from dsocr_workers.engine.regions import RegionalVision, configure_dynamo
 from dsocr_workers.engine.session import (
     fast_vision_modules,
@@ -69,6 +69,7 @@ def compile_vision(task: HelperTask) -> HelperResult:
 
 
 def main(argv: list[str]) -> int:
+    exit_with_the_worker()
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2

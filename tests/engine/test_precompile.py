@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -148,3 +149,40 @@ def test_the_worker_loads_every_graph_its_helpers_compiled(tmp_path, subprocess_
     assert list(report["phases_ms"]) == ["prepare", "language", "helpers", "pass 1", "pass 2"]
     assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
     assert len(list((cache / "dsocr-warm").iterdir())) == 1
+
+
+# A worker killed during its warm-up: it starts helpers on every view size, then dies without waiting.
+DYING_WORKER = """
+import os
+from dsocr_workers.engine.precompile import HelperTask, VisionHelpers, vision_shapes
+
+task = HelperTask(source="tiny", device="cpu", dtype="float32", attn_implementation="sdpa", backend="inductor",
+                  dynamic_tiles=True, max_crops=9, shapes=tuple(vision_shapes(["gundam", "tiny", "small", "base", "large"])))
+helpers = VisionHelpers.start(task, 2)
+print(" ".join(str(helper.process.pid) for helper in helpers._running), flush=True)
+os._exit(0)
+"""
+
+
+def running(pid: int) -> bool:
+    """Not gone and not a zombie (an orphan's zombie waits for whoever adopts it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_helpers_do_not_outlive_the_worker_that_started_them(tmp_path, subprocess_env):
+    """Their graphs take minutes here (every view size of every mode, inductor on this CPU): alive, they
+    would still be compiling at the deadline."""
+    worker = subprocess.run([sys.executable, "-c", DYING_WORKER], capture_output=True, text=True, timeout=300,
+                            env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})  # fmt: skip
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    helpers = [int(pid) for pid in worker.stdout.split()]
+    assert len(helpers) == 2
+    deadline = time.monotonic() + 60
+    while any(running(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(running(pid) for pid in helpers)
