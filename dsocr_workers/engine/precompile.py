@@ -25,6 +25,7 @@ warm, skip the helpers: they would spend seconds importing torch to load what th
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
 import logging
@@ -194,6 +195,53 @@ def exit_with_the_worker() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if worker and os.getppid() != worker:
         os._exit(1)
+
+
+class HelpersLock:
+    """One set of helpers per configuration on a host: the warm-up that takes this lock (an flock on
+    `<marker>.lock` beside the warm marker, in the shared cache) starts them; another process warming
+    the same configuration meanwhile (a worker's other GPUs: every child's graphs are cuda:0's,
+    farm/child.py) compiles its language model and then waits for the lock instead of starting helpers
+    of its own, which would compile the same graphs. The kernel releases the lock of a process that dies."""
+
+    def __init__(self, file: IO[bytes] | None) -> None:
+        self._file = file  # None: no lock could be made (an unwritable cache); nothing is shared
+
+    @staticmethod
+    def path(marker: Path) -> Path:
+        return marker.with_name(marker.name + ".lock")
+
+    @classmethod
+    def take(cls, marker: Path) -> HelpersLock | None:
+        """The lock, or None while another process holds it."""
+        path = cls.path(marker)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = path.open("ab")
+        except OSError as exc:
+            log.warning("no lock for the vision compile helpers (%s): %s; this process's run unshared", path, exc)
+            return cls(None)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            return None
+        return cls(file)
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor releases its flock
+
+    @classmethod
+    def wait(cls, marker: Path, timeout_s: float = HELPER_TIMEOUT_S) -> bool:
+        """Until no process holds the lock (its helpers are done, or it died); False at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while (lock := cls.take(marker)) is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        lock.release()
+        return True
 
 
 @dataclass

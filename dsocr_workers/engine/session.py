@@ -41,7 +41,9 @@ from dsocr_workers.engine.generate import (
 )
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.precompile import (
+    HELPER_TIMEOUT_S,
     PROCESSES_ENV,
+    HelpersLock,
     HelperTask,
     PrecompileReport,
     VisionHelpers,
@@ -264,7 +266,8 @@ class WarmupReport:
     precompile_skipped: str = ""
     # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
     # every pass), "language" (the first page's job without its image, while helpers compile), "helpers"
-    # (waiting for them after it), "pass 1", "pass 2", ... (each with its prefill captures).
+    # (waiting for them after it: this process's or another's, HelpersLock), "pass 1", "pass 2", ...
+    # (each with its prefill captures).
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -605,26 +608,37 @@ class DeepSeekOCRSession:
             now = time.perf_counter()
             phases[name], mark = (now - mark) * 1e3, now
 
-        precompiled, helpers = None, None
-        if helper_task is not None:
-            helpers = VisionHelpers.start(helper_task, helper_processes())
+        precompiled, helpers, lock, others = None, None, None, False
+        if helper_task is not None and marker is not None:
+            lock = HelpersLock.take(marker)
+            if lock is None:  # another process's helpers compile these very graphs: wait for them instead
+                others, skipped = True, f"another process's helpers compile these graphs ({HelpersLock.path(marker)})"
+                log.info("%s: compiling the language model meanwhile, then waiting for them", skipped)
+            else:
+                helpers = VisionHelpers.start(helper_task, helper_processes())
         try:
             with torch.inference_mode():  # as run_inference prepares a page
                 prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in pages]
             phase_ends("prepare")
-            if helpers is not None:
+            if helpers is not None or others:
                 # The language model compiles here meanwhile: the first page's job without its image.
                 name, page = prepared[0]
                 self.run_on_device(replace(page, injects_image=False), max_new_tokens, options,
                                    return_text=False).finish()  # fmt: skip
                 phase_ends("language")
-        finally:  # no helper outlives a failed warm-up
+        finally:  # no helper outlives a failed warm-up, nor does its lock
             if helpers is not None:
                 precompiled = helpers.wait()
+            if lock is not None:
+                lock.release()
         if precompiled is not None:
             phase_ends("helpers")
             log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
                      precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
+        elif others and marker is not None:
+            if not HelpersLock.wait(marker):
+                log.warning("%s: still held after %.0f s; compiling what is missing here", skipped, HELPER_TIMEOUT_S)
+            phase_ends("helpers")
         shapes: list[str] = []
         passes = 0
         still_cold: list[str] = []

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from dsocr_workers.engine.precompile import (
     PROCESSES_ENV,
+    HelpersLock,
     HelperTask,
     VisionHelpers,
     VisionShapes,
@@ -186,3 +188,57 @@ def test_helpers_do_not_outlive_the_worker_that_started_them(tmp_path, subproces
     while any(running(pid) for pid in helpers) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(running(pid) for pid in helpers)
+
+
+def test_the_helpers_lock_is_held_once_and_freed_by_release_or_death(tmp_path, subprocess_env):
+    marker = tmp_path / "dsocr-warm" / "configuration"
+    first = HelpersLock.take(marker)
+    assert first is not None and HelpersLock.take(marker) is None
+    assert not HelpersLock.wait(marker, timeout_s=0.5)
+    threading.Timer(1.0, first.release).start()
+    began = time.monotonic()
+    assert HelpersLock.wait(marker, timeout_s=30) and time.monotonic() - began >= 0.9
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsocr_workers.engine.precompile import "
+         "HelpersLock; lock = HelpersLock.take(Path(sys.argv[1])); print(lock is not None, flush=True); time.sleep(600)", str(marker)],
+        stdout=subprocess.PIPE, text=True, env=subprocess_env,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
+        assert HelpersLock.take(marker) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert HelpersLock.wait(marker, timeout_s=10)  # the kernel freed a dead holder's lock
+
+
+def test_a_second_worker_waits_for_the_first_ones_helpers(tmp_path, monkeypatch, subprocess_env):
+    """Two processes warming one configuration at once (a worker's other GPUs): the one that finds the
+    helpers' lock held starts no helper, compiles its language model, then waits for the lock."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    _, marker, _ = inductor_session()._plan_vision_helpers(["tiny"], 3)
+    assert marker is not None
+    first = HelpersLock.take(marker)  # the first worker's, whose helpers are compiling
+    assert first is not None
+    script = "import logging; logging.basicConfig(level=logging.INFO)\n" + WORKER
+    worker = subprocess.Popen([sys.executable, "-c", script, "tiny"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})  # fmt: skip
+    try:
+        assert worker.stderr is not None
+        seen = []
+        for line in worker.stderr:  # until it has seen the lock held
+            seen.append(line)
+            if "another process's helpers compile these graphs" in line:
+                break
+        else:
+            raise AssertionError("".join(seen)[-3000:])
+        first.release()  # the first worker's helpers are done
+        out, err = worker.communicate(timeout=900)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])["report"]
+    assert report["precompile"] is None and report["still_cold"] == []
+    assert report["precompile_skipped"].startswith("another process's helpers compile these graphs")
+    assert list(report["phases_ms"])[:3] == ["prepare", "language", "helpers"]
