@@ -74,10 +74,12 @@ def claim_job(
     max_attempts: int,
     is_dead: Callable[[str], bool],
     now: datetime | None = None,
+    again: bool = True,
 ) -> Claim | Refusal:
     """Claim `job_id` for `owner` under a lease of `lease_s`. A job running under another owner's live
     lease is refused, unless `is_dead(that owner)` says its process is gone (the farm's probe,
-    farm/owners.py): then it is taken over at once as a new attempt."""
+    farm/owners.py): then it is taken over at once as a new attempt. `again`: a job found waiting
+    after the claim's guard missed is claimed once more (below)."""
     now = now or utcnow()
     # The columns the claim reads, not the ORM objects: loading two entities into the session (and
     # flushing it at commit) is host time between one job's end and the next one's start on the device.
@@ -148,6 +150,12 @@ def claim_job(
         )
     )
     if _rowcount(changed) != 1:
+        # A sweep that took the job back (expire_leases) sends its message before it commits, so this
+        # delivery can read the job still running and meet it queued at the UPDATE: nobody claimed it,
+        # and refusing would drop its only message (found by R5: the job waited for a reconcile).
+        if again and session.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
+            return claim_job(session, job_id, owner, lease_s=lease_s, max_attempts=max_attempts, is_dead=is_dead,
+                             now=now, again=False)  # fmt: skip
         return Refusal(job_id, "claimed concurrently by another worker", None)
     return Claim(
         job_id=job_id,

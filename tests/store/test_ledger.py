@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -222,6 +223,32 @@ def test_expired_lease_taken_over_and_old_owner_cannot_write(database: Database)
     with database.transaction() as session:
         (markup,) = session.execute(select(Result.markup).where(Result.job_id == job_id)).one()
     assert markup == "text"
+
+
+@pytest.mark.postgres
+def test_a_delivery_that_meets_a_sweeps_requeue_mid_claim_takes_the_job(postgres_url):
+    """A sweep sends a taken-back job's message before it commits: the delivery reads the job still
+    running under the dead owner, and its UPDATE waits on the sweep's row lock, then finds it queued.
+    Nobody else claimed it; this delivery is its only message and claims it (R5 in CI, before: refused)."""
+    db = open_database(postgres_url)
+    try:
+        _, (job_id,) = make_run(db)
+        claim(db, job_id, "h:1:dead")
+        later = utcnow() + timedelta(seconds=61)
+        claimed: list[ledger.Claim | ledger.Refusal] = []
+        with db.transaction() as sweep:
+            taken = ledger.expire_leases(sweep, max_attempts=CAP, now=later, queues=["q"])
+            assert taken.requeued == [(job_id, "q")]
+            delivery = threading.Thread(target=lambda: claimed.append(claim(db, job_id, "h:2:live", now=later)))
+            delivery.start()
+            delivery.join(timeout=2)
+            assert delivery.is_alive()  # its UPDATE waits for the sweep's commit
+        delivery.join(timeout=30)
+        (result,) = claimed
+        assert isinstance(result, ledger.Claim) and result.attempt == 2 and result.owner == "h:2:live"
+        assert job(db, job_id).state == "running"
+    finally:
+        db.dispose()
 
 
 def test_an_owner_the_probe_finds_dead_is_taken_over_at_once(database: Database):
