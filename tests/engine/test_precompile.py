@@ -150,7 +150,9 @@ def test_the_worker_loads_every_graph_its_helpers_compiled(tmp_path, subprocess_
     assert (found["graphs"], found["hits"], found["misses"]) == (9, 5, 4)
     assert list(report["phases_ms"]) == ["prepare", "language", "helpers", "pass 1", "pass 2"]
     assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
-    assert len(list((cache / "dsocr-warm").iterdir())) == 1
+    # The marker, and the lock its helpers were started under (HelpersLock), free now.
+    marker, lock = sorted((cache / "dsocr-warm").iterdir(), key=lambda path: path.suffix)
+    assert lock == HelpersLock.path(marker) and HelpersLock.wait(marker, timeout_s=0)
 
 
 # A worker killed during its warm-up: it starts helpers on every view size, then dies without waiting.
