@@ -219,7 +219,7 @@ class HelpersLock:
             path.parent.mkdir(parents=True, exist_ok=True)
             file = path.open("ab")
         except OSError as exc:
-            log.warning("no lock for the vision compile helpers (%s): %s; this process's run unshared", path, exc)
+            log.warning("no lock for the vision compile helpers (%s): %s; they run unshared", path, exc)
             return cls(None)
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
