@@ -608,11 +608,12 @@ class DeepSeekOCRSession:
             now = time.perf_counter()
             phases[name], mark = (now - mark) * 1e3, now
 
-        precompiled, helpers, lock, others = None, None, None, False
+        precompiled, helpers, lock = None, None, None
+        others: Path | None = None  # the marker whose lock another process's helpers hold
         if helper_task is not None and marker is not None:
             lock = HelpersLock.take(marker)
             if lock is None:  # another process's helpers compile these very graphs: wait for them instead
-                others, skipped = True, f"another process's helpers compile these graphs ({HelpersLock.path(marker)})"
+                others, skipped = marker, f"another process's helpers compile these graphs ({HelpersLock.path(marker)})"
                 log.info("%s: compiling the language model meanwhile, then waiting for them", skipped)
             else:
                 helpers = VisionHelpers.start(helper_task, helper_processes())
@@ -620,7 +621,7 @@ class DeepSeekOCRSession:
             with torch.inference_mode():  # as run_inference prepares a page
                 prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in pages]
             phase_ends("prepare")
-            if helpers is not None or others:
+            if helpers is not None or others is not None:
                 # The language model compiles here meanwhile: the first page's job without its image.
                 name, page = prepared[0]
                 self.run_on_device(replace(page, injects_image=False), max_new_tokens, options,
@@ -635,8 +636,8 @@ class DeepSeekOCRSession:
             phase_ends("helpers")
             log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
                      precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
-        elif others and marker is not None:
-            if not HelpersLock.wait(marker):
+        elif others is not None:
+            if not HelpersLock.wait(others):
                 log.warning("%s: still held after %.0f s; compiling what is missing here", skipped, HELPER_TIMEOUT_S)
             phase_ends("helpers")
         shapes: list[str] = []
