@@ -20,6 +20,8 @@ wrong. A helper that fails or overruns costs a warning and the same.
 A warm-up that completed leaves a marker in the compile cache for its configuration (the torch version,
 the device, the model's architecture, the modes, this package's code), and later starts, whose cache is
 warm, skip the helpers: they would spend seconds importing torch to load what the worker loads itself.
+A host runs one set of helpers per configuration (`HelpersLock`: a worker's other GPUs wait for them),
+and a helper dies with the process that started it (`exit_with_the_worker`).
 """
 
 from __future__ import annotations
