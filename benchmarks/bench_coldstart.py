@@ -58,23 +58,29 @@ def child(args: argparse.Namespace) -> int:
     from benchmarks.bench_engine import synthetic_page
     from dsocr_workers.engine.generate import cache_bucket
     from dsocr_workers.engine.result import DecodeOptions
-    from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile
+    from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, start_compile_helpers
 
     imported = time.time()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine="fast",
-                                            fast_compile=FastCompile(dynamic_tiles=args.tiles == "dynamic"))  # fmt: skip
-    loaded = time.time()
     # Warmed with the timed jobs' decode options (the decode step is compiled per n-gram ban). All modes
-    # in one warm-up, as a worker warms them (its vision compile helpers take every view size at once);
+    # in one warm-up, as a worker warms them (its compile helpers take every view size at once);
     # `--per-mode`: one mode at a time, so that each mode's share of the warm-up is known.
     options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+    modes = [mode for mode in args.modes.split(",") if mode]
+    groups = [[mode] for mode in modes] if args.per_mode else [modes]
+    # As a worker child starts: its compile helpers forked before the load, their imports done.
+    fast_compile = FastCompile(dynamic_tiles=args.tiles == "dynamic")
+    helpers = start_compile_helpers(args.model, args.device, dtype, "fast", groups[0], args.tokens, options,
+                                    fast_compile=fast_compile) if groups else None  # fmt: skip
+    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine="fast",
+                                            fast_compile=fast_compile)  # fmt: skip
+    loaded = time.time()
     warm = {}
     compile_s = {}
-    modes = [mode for mode in args.modes.split(",") if mode]
-    for group in ([[mode] for mode in modes] if args.per_mode else [modes]):
+    for group in groups:
         name = ",".join(group)
-        warm[name] = session.warmup(group, max_new_tokens=args.tokens, infer=options)
+        warm[name] = session.warmup(group, max_new_tokens=args.tokens, infer=options, helpers=helpers)
+        helpers = None
         compile_s[name] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
         # A progress line per warm-up: what the parent keeps if the start overruns its budget.
         print(json.dumps({"progress": name, "since_launch_s": time.time() - began, "warmup_s": warm[name].ms / 1e3,
@@ -174,12 +180,15 @@ def helpers_cell(run: dict[str, Any]) -> str:
     pre = run.get("precompile")
     if not pre:
         return f"none: {run.get('precompile_skipped') or '-'}"
-    graphs = sum(r["graphs"] for r in pre["results"])
-    slowest = max((r["seconds"] for r in pre["results"]), default=0.0)
-    peak = max((r.get("peak_memory_bytes", 0) for r in pre["results"]), default=0) / 2**30
+    results = pre["results"]
+    graphs = sum(r["graphs"] for r in results)
+    vision = max((r["seconds"] for r in results if r["share"] != "language model"), default=0.0)
+    language = next((f"{r['seconds']:.1f} s" for r in results if r["share"] == "language model"), "-")
+    peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0) / 2**30
+    outcomes = ", ".join(sorted({r["outcome"] for r in results}))
     failed = f", failed: {'; '.join(pre['failures'])}" if pre["failures"] else ""
-    return (f"{pre['processes']} in {pre['seconds']:.1f} s (slowest compiled for {slowest:.1f} s after its imports), "
-            f"{graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
+    return (f"{pre['processes']} {pre['how']} ({outcomes}), done {pre['seconds']:.1f} s after their start: language "
+            f"{language}, slowest vision {vision:.1f} s; {graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
 
 
 def fmt(value: float | None) -> str:
@@ -202,7 +211,7 @@ def markdown(report: dict[str, Any]) -> str:
         + f"Command: `{report['command']}`",
         "",
         "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes "
-        "| warm-up by mode: its parts s | vision compile helpers |",
+        "| warm-up by mode: its parts s | compile helpers |",
         "|---|---:|---:|---:|---|---:|---|---|",
     ]
     starts = (("cold_no_helpers", "A0. empty compile cache, no helpers (before)"),

@@ -41,14 +41,11 @@ from dsocr_workers.engine.generate import (
 )
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.precompile import (
-    HELPER_TIMEOUT_S,
     PROCESSES_ENV,
-    HelpersLock,
-    HelperTask,
+    CompileHelpers,
+    CompilePlan,
     PrecompileReport,
-    VisionHelpers,
     helper_processes,
-    vision_shapes,
     warm_marker,
 )
 from dsocr_workers.engine.regions import (
@@ -149,7 +146,7 @@ def fast_modules(model: DeepSeekOCR) -> None:
 def fast_vision_modules(model: DeepSeekOCR) -> None:
     """SAM's swaps: relative positions as query/key channels (`model.sam_attention`), the MLP's GELU in
     the first GEMM (`model.sam_mlp`) and the patch embedding as a GEMM (`model.sam_patches`). Also what
-    a vision compile helper builds (engine/vision_helper.py)."""
+    a vision compile helper builds (engine/compile_helper.py)."""
     fold_relative_positions(model.sam)
     fuse_gelu_into_lin1(model.sam)
     embed_patches_by_matmul(model.sam)
@@ -261,13 +258,13 @@ class WarmupReport:
     # The prompt lengths (the warm-up's prompt) whose LM prefill is ready: from its shortest page to the
     # longest prompt any crop grid of its modes makes, which its `n x 1` strips do not reach.
     prompt_lengths: tuple[int, int] = (0, 0)
-    # The vision compile helpers (engine/precompile.py), when they ran; `precompile_skipped` says why not.
+    # The compile helpers (engine/precompile.py), when they ran; `precompile_skipped` says why not.
     precompile: PrecompileReport | None = None
     precompile_skipped: str = ""
     # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
-    # every pass), "language" (the first page's job without its image, while helpers compile), "helpers"
-    # (waiting for them after it: this process's or another's, HelpersLock), "pass 1", "pass 2", ...
-    # (each with its prefill captures).
+    # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
+    # stages: their graphs traced and loaded from the cache, captured), "language helpers"; then
+    # "pass 1", "pass 2", ... (each with its prefill captures).
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -284,6 +281,58 @@ def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Im
         pages.append((name, Image.new("RGB", (side, side), "white")))
         pages.extend((name, Image.new("RGB", (side * n, side), "white")) for n in range(2, max_crops + 1))
     return pages
+
+
+def _warm_options(infer: DecodeOptions | None) -> DecodeOptions:
+    """A warm-up's decode options: the jobs' (`infer`), with EOS forced early: decode only has to be
+    compiled and captured, in the bucket jobs will use; the EOS watch runs too (a job that ignores EOS
+    runs the same compiled step, without it). Passes repeat until one meets no cold path: CUDA graph
+    trees run a new graph once before they capture it, at its second call (measured: the capture grows
+    the allocator by ~1 GiB)."""
+    return replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
+
+
+def compile_plan(
+    source: str, device: torch.device, dtype: torch.dtype, kernels: dict[str, str], fast_compile: FastCompile,
+    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = 9,
+) -> CompilePlan | None:  # fmt: skip
+    """What a fast warm-up's graphs depend on (engine/precompile.py), or None when inductor compiles none.
+    `kernels`: the model's attention and expert implementations (`engine_kernels`)."""
+    if fast_compile.decode_only or fast_compile.backend != "inductor" or not modes:
+        return None
+    return CompilePlan(
+        source=source, device=str(device), dtype=str(dtype).removeprefix("torch."), **kernels,
+        backend=fast_compile.backend, dynamic_tiles=fast_compile.dynamic_tiles, cuda_graphs=fast_compile.cuda_graphs,
+        max_crops=max_crops, modes=tuple(modes), max_new_tokens=max_new_tokens, options=infer or DecodeOptions(),
+    )  # fmt: skip
+
+
+def start_compile_helpers(
+    source: str | os.PathLike, device: str, dtype: str | None, engine: str, modes: Sequence[str],
+    max_new_tokens: int | None = None, infer: DecodeOptions | None = None, max_crops: int = 9,
+    fast_compile: FastCompile = FastCompile(),
+) -> CompileHelpers | None:  # fmt: skip
+    """Fork the compile helpers of a warm-up before its model is loaded: call after the imports, before
+    anything initialises CUDA or starts a thread in this process; hand them to `warmup(helpers=...)`.
+    They begin compiling at once, with the imports done, while this process loads its checkpoint
+    (engine/precompile.py). None where nothing would be compiled, no helper is wanted
+    (DSOCR_COMPILE_PROCESSES=0), or CUDA is initialised here already (the warm-up then spawns them if
+    the cache is cold). A helper that finds the compile cache warm for this plan exits at once."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", 0)  # as resolve_device names it; asking CUDA here would initialise it
+    if engine == AUTO_ENGINE:
+        engine = "fast" if resolved.type == "cuda" else "eager"
+    if engine != "fast" or resolved.type != "cuda":  # the fast engine runs eager on a CPU (from_local)
+        return None
+    name = os.fspath(source)
+    name = name if name in PRESETS else str(Path(name).resolve())  # as from_local names a checkpoint
+    plan = compile_plan(name, resolved, resolve_dtype(dtype, resolved), engine_kernels(engine), fast_compile, modes,
+                        max_new_tokens, infer, max_crops)  # fmt: skip
+    processes = helper_processes()
+    if plan is None or processes == 0 or torch.cuda.is_initialized():
+        return None
+    return CompileHelpers.start(plan, processes, fork=True)
 
 
 @dataclass
@@ -585,21 +634,25 @@ class DeepSeekOCRSession:
 
     def warmup(
         self, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9,
-        infer: DecodeOptions | None = None,
+        infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None,
     ) -> WarmupReport:  # fmt: skip
         """Run every shape `modes` can produce until warm, so that jobs meet no compilation, no graph capture
         and no first use of a cache bucket (`max_new_tokens` sizes the buckets, as jobs will). `infer`:
         the jobs' decode options (default: the vendor's), since the compiled decode step is specialised on
         how tokens are chosen (the n-gram ban's size and window, sampling or greedy). Eager compiles
-        nothing but runs every shape too: the allocator's pools grow to the largest page now."""
+        nothing but runs every shape too: the allocator's pools grow to the largest page now.
+        `helpers`: compile helpers started for this warm-up before the model was loaded
+        (`start_compile_helpers`); otherwise a fast warm-up with an empty cache starts them now."""
         began = time.perf_counter()
         pages = warmup_pages(modes, max_crops)
-        # EOS is forced early: decode only has to be compiled and captured, in the bucket jobs will use;
-        # the EOS watch runs too (a job that ignores EOS runs the same compiled step, without it).
-        # Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
-        # they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
-        options = replace(infer or DecodeOptions(), force_eos_at_step=2, ignore_eos=False)
-        helper_task, marker, skipped = self._plan_vision_helpers(modes, max_crops)
+        options = _warm_options(infer)
+        plan, marker, skipped = self._plan_helpers(modes, max_new_tokens, max_crops, infer)
+        if helpers is not None:
+            skipped = ""
+            if helpers.plan != plan:  # their graphs may not be this warm-up's: what they miss compiles here
+                log.warning("compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan)
+        elif plan is not None and not skipped:
+            helpers = CompileHelpers.start(plan, helper_processes())
         phases: dict[str, float] = {}
         mark = began
 
@@ -608,57 +661,40 @@ class DeepSeekOCRSession:
             now = time.perf_counter()
             phases[name], mark = (now - mark) * 1e3, now
 
-        precompiled, helpers, lock = None, None, None
-        others: Path | None = None  # the marker whose lock another process's helpers hold
-        if helper_task is not None and marker is not None:
-            lock = HelpersLock.take(marker)
-            if lock is None:  # another process's helpers compile these very graphs: wait for them instead
-                others, skipped = marker, f"another process's helpers compile these graphs ({HelpersLock.path(marker)})"
-                log.info("%s: compiling the language model meanwhile, then waiting for them", skipped)
-            else:
-                helpers = VisionHelpers.start(helper_task, helper_processes())
         try:
             with torch.inference_mode():  # as run_inference prepares a page
                 prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in pages]
             phase_ends("prepare")
-            if helpers is not None or others is not None:
-                # The language model compiles here meanwhile: the first page's job without its image.
-                name, page = prepared[0]
-                self.run_on_device(replace(page, injects_image=False), max_new_tokens, options,
-                                   return_text=False).finish()  # fmt: skip
-                phase_ends("language")
-        finally:  # no helper outlives a failed warm-up, nor does its lock
             if helpers is not None:
-                precompiled = helpers.wait()
-            if lock is not None:
-                lock.release()
+                # The vision graphs traced and captured once their helpers are done, while the language
+                # helper may still compile; then the passes, once it is done too.
+                helpers.wait("vision")
+                phase_ends("vision helpers")
+                with torch.inference_mode():
+                    for _, page in prepared:
+                        self.encode_image(self.upload(page), StageClock(self.device))
+                self._synchronize()
+                phase_ends("vision")
+                helpers.wait("language")
+                phase_ends("language helpers")
+        except BaseException:
+            if helpers is not None:
+                helpers.stop()  # none outlives a failed warm-up
+            raise
+        precompiled = helpers.report() if helpers is not None else None
         if precompiled is not None:
-            phase_ends("helpers")
-            log.info("vision compile helpers: %d in %.1f s, %d graphs compiled, %d failed", precompiled.processes,
-                     precompiled.seconds, sum(r.graphs for r in precompiled.results), len(precompiled.failures))  # fmt: skip
-        elif others is not None:
-            if not HelpersLock.wait(others):
-                log.warning("%s: still held after %.0f s; compiling what is missing here", skipped, HELPER_TIMEOUT_S)
-            phase_ends("helpers")
-        shapes: list[str] = []
+            log.info("compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed", precompiled.how,
+                     precompiled.processes, precompiled.seconds, sum(r.graphs for r in precompiled.results),
+                     len(precompiled.failures))  # fmt: skip
         passes = 0
         still_cold: list[str] = []
+        shapes: list[str] = []
+        shortest = longest = 0
         while passes < WARMUP_MAX_PASSES:
             passes += 1
-            still_cold = []
-            shortest, longest = self.max_positions, 0
-            for name, page in prepared:
-                result = self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
-                cols, rows = result.crop_grid
-                shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
-                shapes += [shape] if shape not in shapes else []
-                still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
-                text = result.prompt_tokens - result.image_tokens
-                shortest = min(shortest, result.prompt_tokens)
-                longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
-            self._capture_prefills(shortest, longest, max_new_tokens)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            shapes, still_cold, (shortest, longest) = self._warm_pass(
+                prepared, max_new_tokens, options, max_crops
+            )
             phase_ends(f"pass {passes}")
             if not still_cold:
                 break
@@ -671,30 +707,71 @@ class DeepSeekOCRSession:
         return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
                             precompiled, skipped, phases)  # fmt: skip
 
-    def _plan_vision_helpers(
-        self, modes: Sequence[str], max_crops: int
-    ) -> tuple[HelperTask | None, Path | None, str]:
-        """What the vision compile helpers of a fast warm-up (engine/precompile.py) would compile, or None
-        when none should start; the marker to leave once warm; why none starts."""
-        if self.engine != "fast" or self.fast_compile.decode_only or self.fast_compile.backend != "inductor":
-            return None, None, "nothing compiled by inductor"
-        if not modes:
-            return None, None, "no mode to warm"
-        processes = helper_processes()
-        task = HelperTask(
-            source=self.source.name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            attn_implementation=engine_kernels(self.engine)["attn_implementation"],
-            backend=self.fast_compile.backend, dynamic_tiles=self.fast_compile.dynamic_tiles, max_crops=max_crops,
-            shapes=tuple(vision_shapes(modes)),
-        )  # fmt: skip
-        marker = warm_marker(task, self.loaded.config, modes)
+    def warm_language(
+        self,
+        modes: Sequence[str],
+        max_new_tokens: int | None,
+        max_crops: int = 9,
+        infer: DecodeOptions | None = None,
+    ) -> None:
+        """One warm-up pass over the pages of `modes` without their images: the language model's graphs
+        as `warmup` meets them (the LM prefill's layers, the decode step per cache bucket, the prefill
+        captures), in the same order. What the language compile helper runs (engine/compile_helper.py)."""
+        with torch.inference_mode():
+            prepared = [
+                (name, self.prepare(image, None, name, max_crops))
+                for name, image in warmup_pages(modes, max_crops)
+            ]
+        self._warm_pass(prepared, max_new_tokens, _warm_options(infer), max_crops, images=False)
+
+    def _warm_pass(
+        self, prepared: list[tuple[str, preprocess.PreparedPage]], max_new_tokens: int | None,
+        options: DecodeOptions, max_crops: int, images: bool = True,
+    ) -> tuple[list[str], list[str], tuple[int, int]]:  # fmt: skip
+        """Every prepared page's job once, then the prefill captures: the shapes met, the cold paths
+        met, and the prompt lengths whose prefill is captured."""
+        shapes: list[str] = []
+        still_cold: list[str] = []
+        shortest, longest = self.max_positions, 0
+        for name, page in prepared:
+            result = self.run_on_device(page if images else replace(page, injects_image=False), max_new_tokens,
+                                        options, return_text=False).finish()  # fmt: skip
+            cols, rows = result.crop_grid
+            shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
+            shapes += [shape] if shape not in shapes else []
+            still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+            text = result.prompt_tokens - result.image_tokens
+            shortest = min(shortest, result.prompt_tokens)
+            longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
+        self._capture_prefills(shortest, longest, max_new_tokens)
+        self._synchronize()
+        return shapes, still_cold, (shortest, longest)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _plan_helpers(
+        self, modes: Sequence[str], max_new_tokens: int | None, max_crops: int, infer: DecodeOptions | None
+    ) -> tuple[CompilePlan | None, Path | None, str]:
+        """The compile plan of this warm-up (None when inductor compiles nothing for it), the marker to
+        leave once warm, and why no helper should start now (empty: they should)."""
+        text = self.model.language_model.config
+        kernels = {"attn_implementation": text._attn_implementation, "experts_implementation": text._experts_implementation}
+        plan = None
+        if self.engine == "fast":
+            plan = compile_plan(self.source.name, self.device, self.dtype, kernels, self.fast_compile, modes,
+                                max_new_tokens, infer, max_crops)  # fmt: skip
+        if plan is None:
+            return None, None, "no mode to warm" if not modes else "nothing compiled by inductor"
+        marker = warm_marker(plan, self.loaded.config)
         if marker.exists():
-            return None, marker, f"the compile cache is warm for these modes ({marker})"
-        if processes == 0:
-            return None, marker, f"{PROCESSES_ENV}=0"
+            return plan, marker, f"the compile cache is warm for this warm-up ({marker})"
+        if helper_processes() == 0:
+            return plan, marker, f"{PROCESSES_ENV}=0"
         if self._jobs_run:
-            return None, marker, "this session has compiled already"
-        return task, marker, ""
+            return plan, marker, "this session has compiled already"
+        return plan, marker, ""
 
     def _capture_prefills(self, shortest: int, longest: int, max_new_tokens: int | None) -> None:
         """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in

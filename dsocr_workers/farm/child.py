@@ -18,7 +18,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -36,6 +36,9 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
 from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.precompile import CompileHelpers
 
 DEVICES_ENV = "DSOCR_WORKER_DEVICES"
 QUEUES_ENV = "DSOCR_WORKER_QUEUES"
@@ -67,6 +70,23 @@ def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = 
         return device  # not there: torch's own error says so when the model loads
     environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
     return "cuda:0"
+
+
+def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
+    """The compile helpers of the start-up warm-up's first part (its modes at its first token budget and
+    n-gram ban: what `JobProcess.warm` warms first), forked before this child loads its model, opens its
+    ledger or starts a thread (engine/precompile.py): they compile while it loads. None where the
+    engine compiles nothing or this child cannot fork them; its warm-up then decides for itself."""
+    from dsocr_workers.engine.session import start_compile_helpers
+
+    ngram = warmup.ngrams[0]
+    options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
+    try:
+        return start_compile_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
+                                     warmup.budgets[0], options)  # fmt: skip
+    except Exception:  # a bad model or setting: the warm-up meets it again and says so
+        log.warning("could not start the compile helpers before the load", exc_info=True)
+        return None
 
 
 def settle_heap() -> None:
@@ -117,15 +137,22 @@ class JobProcess:
         self.db.dispose()
         gc.unfreeze()
 
-    def warm(self, warmup: Warmup) -> LoadedSession:
+    def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> LoadedSession:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
-        met yet, and record the cost as a new worker session. A no-op when all is warm already."""
+        met yet, and record the cost as a new worker session. A no-op when all is warm already.
+        `helpers`: the compile helpers forked for this warm-up (`fork_compile_helpers`), handed to its
+        first part; stopped if the load fails."""
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
             gc.unfreeze()  # the previous model's objects may be collected again (settle_heap)
             self.loaded = None  # free the previous model before loading the next one
-            self.loaded = self._load(warmup.key)
+            try:
+                self.loaded = self._load(warmup.key)
+            except BaseException:
+                if helpers is not None:
+                    helpers.stop()
+                raise
             load_ms = (time.perf_counter() - began) * 1e3
         loaded = self.loaded
         missing = [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
@@ -136,7 +163,8 @@ class JobProcess:
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
             options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
-            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=options)
+            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=options, helpers=helpers)
+            helpers = None
             warmup_ms += report.ms
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
                 log.warning("warm-up of %s stopped after %d passes still meeting: %s", ", ".join(modes),

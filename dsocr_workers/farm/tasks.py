@@ -24,7 +24,13 @@ from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import TransientError
-from dsocr_workers.farm.child import JobProcess, devices_from_env, queues_from_env, see_only_this_gpu
+from dsocr_workers.farm.child import (
+    JobProcess,
+    devices_from_env,
+    fork_compile_helpers,
+    queues_from_env,
+    see_only_this_gpu,
+)
 from dsocr_workers.farm.execute import execute_job, retry_backoff_s
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
@@ -61,17 +67,19 @@ def _open_child(**_: object) -> None:
         send_job_messages(run_job.app, jobs, [], job_labels(session, [job_id for job_id, _ in jobs]))
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
+    plan = plan_from_env()
+    # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
+    helpers = fork_compile_helpers(plan, runs_on) if plan is not None else None
     _process = JobProcess.open(
         settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads, runs_on=runs_on
     )
     seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
     log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
-    plan = plan_from_env()
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
         try:
-            loaded = _process.warm(plan)
+            loaded = _process.warm(plan, helpers)
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:

@@ -281,6 +281,27 @@ def build_vision_only(
     return model.eval().requires_grad_(False)
 
 
+def build_zeroed(
+    source: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str = "eager",
+    experts_implementation: str = "eager",
+) -> LoadedModel:
+    """The whole model of a preset or checkpoint directory with zeros for every weight, as a load leaves
+    it (`_materialize`), and its tokenizer; no weight is read. What the language compile helper compiles
+    the LM prefill and the decode step on (engine/precompile.py): a graph depends on the weights' shapes,
+    dtypes and devices, never their values."""
+    config = model_config(source)
+    with torch.device("meta"):
+        shapes = {key: tensor.shape for key, tensor in DeepSeekOCR(config).state_dict().items()}
+    state = {key: torch.zeros(shape, device=device, dtype=dtype) for key, shape in shapes.items()}
+    model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
+    tokenizer = OCRTokenizer.build_preset() if source in PRESETS else OCRTokenizer.from_dir(Path(source))
+    return LoadedModel(model, tokenizer, config, "zeros", None, None)
+
+
 def _preset_tag(tag: str | None) -> tuple[str | None, int | None]:
     """"tiny:seed3" → ("tiny", 3): the safetensors metadata `save_preset` writes."""
     if not tag or ":seed" not in tag:

@@ -1,0 +1,147 @@
+"""A compile helper of the warm-up (engine/precompile.py):
+
+    python -m dsocr_workers.engine.compile_helper '<HelperTask as JSON>'
+
+compiles its share of a warm-up's graphs into inductor's on-disk cache, as the worker's jobs will run
+them, and prints its report (`HelperResult`) as the last line of standard output. A vision share: the SAM
+and CLIP graphs of its view sizes. The language share: the LM prefill's layers and the decode step, over
+the warm-up's prompts. A forked helper (`CompileHelpers.start(..., fork=True)`) calls `main` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import torch
+
+from dsocr_workers.engine.precompile import (
+    CompilePlan,
+    CompileShare,
+    HelperResult,
+    HelperTask,
+    ShareLock,
+    VisionShapes,
+    exit_with_the_worker,
+    warm_marker,
+)
+from dsocr_workers.engine.regions import RegionalVision, configure_dynamo
+from dsocr_workers.engine.result import ModelSource
+from dsocr_workers.engine.session import (
+    DeepSeekOCRSession,
+    FastCompile,
+    fast_modules,
+    fast_vision_modules,
+    make_current,
+    resolve_device,
+    resolve_dtype,
+    set_numerics,
+    warmup_pages,
+)
+from dsocr_workers.model import preprocess
+from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config
+
+
+def _pixel_groups(
+    shapes: VisionShapes, max_crops: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
+    """From each of the warm-up's pages that has the view group of `shapes`: the page's global view
+    when the group is its tiles (else None), and the group, on the device and normalised as
+    `DeepSeekOCRSession.upload` leaves them. The prompt's tokens play no part: none are made."""
+    for mode, image in warmup_pages([shapes.mode], max_crops):
+        page = preprocess.prepare_page(image, lambda _text: [], mode=mode, max_crops=max_crops)
+        group = page.tile_pixels if shapes.tiles else page.global_pixels
+        if group is not None and (shapes.tiles or page.tile_pixels is None):
+            whole = preprocess.normalize_pixels(page.global_pixels.to(device), dtype) if shapes.tiles else None
+            yield whole, preprocess.normalize_pixels(group.to(device), dtype)
+
+
+def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype) -> None:
+    model = build_vision_only(model_config(plan.source), device=device, dtype=dtype,
+                              attn_implementation=plan.attn_implementation)  # fmt: skip
+    fast_vision_modules(model)
+    regions = RegionalVision(model, plan.backend, plan.dynamic_tiles)
+    with torch.inference_mode():  # as jobs run: a compiled block guards on it
+        for shapes in share.shapes:
+            for whole, pixels in _pixel_groups(shapes, plan.max_crops, device, dtype):
+                features = regions.encode_sam([pixels])
+                if whole is None:
+                    regions.encode_clip(features)
+                else:
+                    # CLIP over the global view and the tiles together, as a tiled page runs it. The
+                    # global view's SAM features come from the eager encoder: its graphs are another
+                    # share's, and the features' shape and layout are all CLIP's graph depends on.
+                    regions.encode_clip([model.encode_sam(whole), *features])
+
+
+def compile_language(plan: CompilePlan, device: torch.device, dtype: torch.dtype) -> None:
+    with torch.inference_mode():
+        loaded = build_zeroed(plan.source, device=device, dtype=dtype, attn_implementation=plan.attn_implementation,
+                              experts_implementation=plan.experts_implementation)  # fmt: skip
+        fast_modules(loaded.model)
+    session = DeepSeekOCRSession(
+        loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, "fast",
+        fast_compile=FastCompile(plan.backend, dynamic_tiles=plan.dynamic_tiles, cuda_graphs=plan.cuda_graphs),
+    )  # fmt: skip
+    session.warm_language(plan.modes, plan.max_new_tokens, plan.max_crops, plan.options)
+
+
+def compile_share(task: HelperTask) -> HelperResult:
+    """The share's graphs, unless the plan's marker says a warm-up of it completed already or another
+    process's helper compiled this share (ShareLock)."""
+    began = time.perf_counter()
+    plan, share = task.plan, task.share
+    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
+    if threads.isdigit():  # a forked helper imported inductor's settings with the worker's count
+        torch._inductor.config.compile_threads = int(threads)
+    device = resolve_device(plan.device)
+    make_current(device)
+    dtype = resolve_dtype(plan.dtype, device)
+    set_numerics(device, dtype)
+    configure_dynamo()
+    stats, inductor = torch._dynamo.utils.counters["stats"], torch._dynamo.utils.counters["inductor"]
+
+    def result(outcome: str) -> HelperResult:
+        peak = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        return HelperResult(share.label, outcome, stats["unique_graphs"], inductor["fxgraph_cache_hit"],
+                            time.perf_counter() - began, peak)  # fmt: skip
+
+    marker = warm_marker(plan, model_config(plan.source))
+    if marker.exists():
+        return result("warm")
+    lock_path, done = ShareLock.paths(marker, share)
+    lock = ShareLock.hold(lock_path)  # None after the timeout: a stuck holder; compile regardless
+    try:
+        if done.exists():
+            return result("shared")
+        if share.kind == "vision":
+            compile_vision(plan, share, device, dtype)
+        else:
+            compile_language(plan, device, dtype)
+        with contextlib.suppress(OSError):  # an unwritable cache: another process compiles it again, no worse
+            done.touch()
+        return result("compiled")
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def main(argv: list[str]) -> int:
+    exit_with_the_worker()
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(compile_share(HelperTask.from_json(argv[1])))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
