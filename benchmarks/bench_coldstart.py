@@ -182,13 +182,14 @@ def helpers_cell(run: dict[str, Any]) -> str:
         return f"none: {run.get('precompile_skipped') or '-'}"
     results = pre["results"]
     graphs = sum(r["graphs"] for r in results)
-    vision = max((r["seconds"] for r in results if r["share"] != "language model"), default=0.0)
-    language = next((f"{r['seconds']:.1f} s" for r in results if r["share"] == "language model"), "-")
+    language = ("LM prefill", "decode step")
+    vision = max((r["seconds"] for r in results if r["share"] not in language), default=0.0)
+    times = ", ".join(f"{r['share']} {r['seconds']:.1f} s" for r in results if r["share"] in language) or "-"
     peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0) / 2**30
     outcomes = ", ".join(sorted({r["outcome"] for r in results}))
     failed = f", failed: {'; '.join(pre['failures'])}" if pre["failures"] else ""
-    return (f"{pre['processes']} {pre['how']} ({outcomes}), done {pre['seconds']:.1f} s after their start: language "
-            f"{language}, slowest vision {vision:.1f} s; {graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
+    return (f"{pre['processes']} {pre['how']} ({outcomes}), done {pre['seconds']:.1f} s after their start: "
+            f"{times}, slowest vision {vision:.1f} s; {graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
 
 
 def fmt(value: float | None) -> str:

@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import torch
 
+from dsocr_workers.engine.compile_cache import use_compile_cache
 from dsocr_workers.engine.precompile import (
     CompilePlan,
     CompileShare,
@@ -45,6 +46,10 @@ from dsocr_workers.engine.session import (
 )
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config
+
+# Vision shares finished in 25-31 s beside the language share's 49 s on an H100 host (16 cores, every
+# helper compiling at once): they run at a lower priority.
+VISION_NICENESS = 5
 
 
 def _pixel_groups(
@@ -79,16 +84,19 @@ def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device,
                     regions.encode_clip([model.encode_sam(whole), *features])
 
 
-def compile_language(plan: CompilePlan, device: torch.device, dtype: torch.dtype) -> None:
+def compile_language(plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype) -> None:
+    """The LM prefill's graphs (share "prefill"), or the decode step's (share "decode": the session
+    compiles nothing else, its prefill runs eager)."""
     with torch.inference_mode():
         loaded = build_zeroed(plan.source, device=device, dtype=dtype, attn_implementation=plan.attn_implementation,
                               experts_implementation=plan.experts_implementation)  # fmt: skip
         fast_modules(loaded.model)
-    session = DeepSeekOCRSession(
-        loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, "fast",
-        fast_compile=FastCompile(plan.backend, dynamic_tiles=plan.dynamic_tiles, cuda_graphs=plan.cuda_graphs),
-    )  # fmt: skip
-    session.warm_language(plan.modes, plan.max_new_tokens, plan.max_crops, plan.options)
+    decode = share.kind == "decode"
+    fast_compile = FastCompile(plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles,
+                               cuda_graphs=plan.cuda_graphs)  # fmt: skip
+    session = DeepSeekOCRSession(loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, "fast",
+                                 fast_compile=fast_compile)  # fmt: skip
+    session.warm_language(plan.modes, plan.max_new_tokens, plan.max_crops, plan.options, decode=decode)
 
 
 def compile_share(task: HelperTask) -> HelperResult:
@@ -96,6 +104,10 @@ def compile_share(task: HelperTask) -> HelperResult:
     process's helper compiled this share (ShareLock)."""
     began = time.perf_counter()
     plan, share = task.plan, task.share
+    # The worker's cache: a helper forked before the worker's session pointed torch at it has no
+    # TORCHINDUCTOR_CACHE_DIR yet, and filled torch's default cache instead (an H100: every vision graph
+    # compiled again by the worker).
+    use_compile_cache()
     threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
     if threads.isdigit():  # a forked helper imported inductor's settings with the worker's count
         torch._inductor.config.compile_threads = int(threads)
@@ -123,9 +135,10 @@ def compile_share(task: HelperTask) -> HelperResult:
         if done.exists():
             return result("shared")
         if share.kind == "vision":
+            os.nice(VISION_NICENESS)  # the language shares take longest: the host's cores go to them first
             compile_vision(plan, share, device, dtype)
         else:
-            compile_language(plan, device, dtype)
+            compile_language(plan, share, device, dtype)
         with contextlib.suppress(OSError):  # an unwritable cache: another process compiles it again, no worse
             done.touch()
         return result("compiled")

@@ -147,11 +147,10 @@ class CompilePlan:
     options: DecodeOptions = DecodeOptions()
 
     def shares(self, processes: int) -> list[CompileShare]:
-        """The vision view sizes in `processes` shares, then the language model's."""
-        vision = [
-            CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)
-        ]
-        return [*vision, CompileShare("language")]
+        """The language model's two shares (the decode step, the longest to compile; the LM prefill),
+        then the vision view sizes in `processes` shares."""
+        vision = [CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)]
+        return [CompileShare("decode"), CompileShare("prefill"), *vision]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,12 +164,17 @@ class CompilePlan:
 
 @dataclass(frozen=True)
 class CompileShare:
-    kind: Literal["vision", "language"]
+    """A helper's part of a plan: the SAM and CLIP graphs of some view sizes ("vision"), the LM
+    prefill's layers ("prefill") or the decode step ("decode")."""
+
+    kind: Literal["vision", "prefill", "decode"]
     shapes: tuple[VisionShapes, ...] = ()  # vision: its view sizes
 
     @property
     def label(self) -> str:
-        return ", ".join(shape.label for shape in self.shapes) if self.kind == "vision" else "language model"
+        if self.kind == "vision":
+            return ", ".join(shape.label for shape in self.shapes)
+        return "LM prefill" if self.kind == "prefill" else "decode step"
 
 
 @dataclass(frozen=True)
@@ -355,7 +359,7 @@ class CompileHelpers:
         them from this process, which has imported the engine and must not have initialised CUDA (a
         forked child cannot use it then) nor started threads; otherwise spawn them (each imports torch).
         Each gets an equal share of the host's cores for inductor's Triton compile pool, the language
-        helper twice that, unless TORCHINDUCTOR_COMPILE_THREADS says otherwise (a setting outside the
+        helpers twice that, unless TORCHINDUCTOR_COMPILE_THREADS says otherwise (a setting outside the
         cache key)."""
         shares = plan.shares(processes)
         cores = os.cpu_count() or 1
@@ -365,7 +369,7 @@ class CompileHelpers:
             task = HelperTask(plan, compile_share)
             env = {WORKER_PID_ENV: str(os.getpid())}
             if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-                count = threads * (2 if compile_share.kind == "language" else 1)
+                count = threads * (1 if compile_share.kind == "vision" else 2)
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = str(count)
             # Files, not pipes: a helper's output can fill a pipe nobody reads until `wait`, which closes them.
             stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115

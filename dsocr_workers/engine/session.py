@@ -675,7 +675,7 @@ class DeepSeekOCRSession:
                         self.encode_image(self.upload(page), StageClock(self.device))
                 self._synchronize()
                 phase_ends("vision")
-                helpers.wait("language")
+                helpers.wait()  # the language model's: the LM prefill's, the decode step's
                 phase_ends("language helpers")
         except BaseException:
             if helpers is not None:
@@ -708,40 +708,42 @@ class DeepSeekOCRSession:
                             precompiled, skipped, phases)  # fmt: skip
 
     def warm_language(
-        self,
-        modes: Sequence[str],
-        max_new_tokens: int | None,
-        max_crops: int = 9,
-        infer: DecodeOptions | None = None,
-    ) -> None:
+        self, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = 9,
+        infer: DecodeOptions | None = None, decode: bool = True,
+    ) -> None:  # fmt: skip
         """One warm-up pass over the pages of `modes` without their images: the language model's graphs
-        as `warmup` meets them (the LM prefill's layers, the decode step per cache bucket, the prefill
-        captures), in the same order. What the language compile helper runs (engine/compile_helper.py)."""
+        as `warmup` meets them (the LM prefill's layers and captures; the decode step per cache bucket),
+        in the same order. `decode=False`: the prefills only. What the language compile helpers run
+        (engine/compile_helper.py): one the prefill, one the decode step of a session that compiles only
+        that (`FastCompile.decode_only`)."""
         with torch.inference_mode():
-            prepared = [
-                (name, self.prepare(image, None, name, max_crops))
-                for name, image in warmup_pages(modes, max_crops)
-            ]
-        self._warm_pass(prepared, max_new_tokens, _warm_options(infer), max_crops, images=False)
+            prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in warmup_pages(modes, max_crops)]
+        self._warm_pass(prepared, max_new_tokens, _warm_options(infer), max_crops, images=False, decode=decode)
 
     def _warm_pass(
         self, prepared: list[tuple[str, preprocess.PreparedPage]], max_new_tokens: int | None,
-        options: DecodeOptions, max_crops: int, images: bool = True,
+        options: DecodeOptions, max_crops: int, images: bool = True, decode: bool = True,
     ) -> tuple[list[str], list[str], tuple[int, int]]:  # fmt: skip
-        """Every prepared page's job once, then the prefill captures: the shapes met, the cold paths
-        met, and the prompt lengths whose prefill is captured."""
+        """Every prepared page's job once (without its image, or its decode, when asked), then the
+        prefill captures: the shapes met, the cold paths met, and the prompt lengths whose prefill is
+        captured."""
         shapes: list[str] = []
         still_cold: list[str] = []
         shortest, longest = self.max_positions, 0
         for name, page in prepared:
-            result = self.run_on_device(page if images else replace(page, injects_image=False), max_new_tokens,
-                                        options, return_text=False).finish()  # fmt: skip
-            cols, rows = result.crop_grid
+            page = page if images else replace(page, injects_image=False)
+            cols, rows = page.crop_grid
             shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
             shapes += [shape] if shape not in shapes else []
-            still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
-            text = result.prompt_tokens - result.image_tokens
-            shortest = min(shortest, result.prompt_tokens)
+            if decode:
+                result = self.run_on_device(page, max_new_tokens, options, return_text=False).finish()
+                still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+            else:
+                with torch.inference_mode():
+                    clock = StageClock(self.device)
+                    self.prefill(self.start_job(page, options, max_new_tokens, clock), clock)
+            shortest = min(shortest, page.prompt_tokens)
+            text = page.prompt_tokens - page.image_tokens
             longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
         self._capture_prefills(shortest, longest, max_new_tokens)
         self._synchronize()
