@@ -6,11 +6,12 @@ the four fixed modes, with an empty and with a warm compile cache; and whether w
 Each measurement is a fresh process (`--child`), as a worker start is: it loads a checkpoint directory
 with the fast engine in bf16 (by default the `full` preset, RANDOM WEIGHTS, saved once in the vendor layout
 before any start and not timed: a worker loads a checkpoint from disk, while generating the preset's 3.3 B
-random numbers on the host takes ~20 s that no real start has), runs `session.warmup(...)` over every shape of the modes (the
+random numbers on the host takes ~20 s that no real start has; its compile helpers forked after the imports,
+before the load, as a worker child forks them), runs `session.warmup(...)` over every shape of the modes (the
 worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
 path; all modes in one call, as a worker warms them, or one at a time with `--per-mode`), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
   A0. (`--without-helpers-too`) A with DSOCR_COMPILE_PROCESSES=0 in a cache of its own: the cold start
-     without the vision compile helpers (engine/precompile.py), side by side with A
+     without the compile helpers (engine/precompile.py), side by side with A
   A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
   B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready)
   C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the

@@ -579,7 +579,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         f"Job set: `{s['filelist']}` x repeats {s['repeats']}, mode `{s['mode']}`, {s['max_new_tokens']} tokens"
         f"{' (ignore_eos)' if s['ignore_eos'] else ''}, worker warm-up `{s['warmup']}`"
-        f"{'' if s['warmup_flag'] else ' (NOT passed: this worker has no --warmup)'}. Broker: {s['broker']}; "
+        # No flag recorded: the script stopped before it started a worker (its error is in the notes).
+        f"{'' if s.get('warmup_flag', True) else ' (NOT passed: this worker has no --warmup)'}. Broker: {s['broker']}; "
         f"ledger: {s['ledger']}.",
         "",
         "Steady-state pages/s: finished warm jobs over the time warmed workers were busy (cold jobs left out), "

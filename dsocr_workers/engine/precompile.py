@@ -65,8 +65,8 @@ PROCESSES_ENV = "DSOCR_COMPILE_PROCESSES"
 DEFAULT_PROCESSES = (
     4  # vision helpers: five view sizes in all, the two smallest share one; and the language's
 )
-# A helper's start and its graphs took 32-38 s on an H200 beside a worker compiling its language model
-# (docs/benchmarks.md); far past that it is stuck, and the worker compiles without it.
+# A helper's graphs took 18-28 s on an H100, forked beside five others (docs/benchmarks.md); far past
+# that it is stuck, and the worker compiles without it.
 HELPER_TIMEOUT_S = 300.0
 WORKER_PID_ENV = "DSOCR_HELPER_OF"  # the process whose warm-up started a helper
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -440,6 +440,8 @@ def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[b
     try:  # the helper: nothing of the worker's below runs in it
         os.dup2(stdout.fileno(), 1)
         os.dup2(stderr.fileno(), 2)
+        # Python's streams onto them too: the worker's may be another object (Celery can redirect them).
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
         os.environ.update(env)
         from dsocr_workers.engine.compile_helper import main
 
