@@ -637,7 +637,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{x['device']} load {fmt((x['load_ms'] or 0) / 1e3, 1)} s + warm-up {fmt((x['warmup_ms'] or 0) / 1e3, 1)} s"
                 for x in sessions
             )
-            lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}")
+            launch = f"; `dsocr worker` launch → every child ready {fmt(r['ready_after_s'], 1)} s" if r.get("ready_after_s") else ""
+            lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}{launch}")
         split = r.get("stats", {}).get("gap_split_ms")
         if split:
             parts = ", ".join(f"{name} {fmt(v['p50'], 1)} / {fmt(v['p90'], 1)}" for name, v in split.items())

@@ -263,8 +263,9 @@ class WarmupReport:
     precompile_skipped: str = ""
     # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
     # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
-    # stages: their graphs traced and loaded from the cache, captured), "language helpers"; then
-    # "pass 1", "pass 2", ... (each with its prefill captures).
+    # stages: their graphs traced and loaded from the cache, captured), "prefill helper", "prefill"
+    # (each page's LM prefill and the prefill captures, likewise), "decode helper"; then "pass 1",
+    # "pass 2", ... (each with its prefill captures).
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -666,8 +667,9 @@ class DeepSeekOCRSession:
                 prepared = [(name, self.prepare(image, None, name, max_crops)) for name, image in pages]
             phase_ends("prepare")
             if helpers is not None:
-                # The vision graphs traced and captured once their helpers are done, while the language
-                # helper may still compile; then the passes, once it is done too.
+                # Each part traced (its graphs loaded from the cache) and captured as soon as its helpers
+                # are done, while the others still compile: the vision stages of every page, then the
+                # LM prefills, then the passes once the decode step's helper is done too.
                 helpers.wait("vision")
                 phase_ends("vision helpers")
                 with torch.inference_mode():
@@ -675,8 +677,12 @@ class DeepSeekOCRSession:
                         self.encode_image(self.upload(page), StageClock(self.device))
                 self._synchronize()
                 phase_ends("vision")
-                helpers.wait()  # the language model's: the LM prefill's, the decode step's
-                phase_ends("language helpers")
+                helpers.wait("prefill")
+                phase_ends("prefill helper")
+                self._warm_pass(prepared, max_new_tokens, options, max_crops, decode=False)
+                phase_ends("prefill")
+                helpers.wait()
+                phase_ends("decode helper")
         except BaseException:
             if helpers is not None:
                 helpers.stop()  # none outlives a failed warm-up

@@ -177,7 +177,8 @@ def test_the_worker_loads_every_graph_its_forked_helpers_compiled(tmp_path, subp
         ("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
         ("tiles 640 px", "compiled", 3)]  # fmt: skip
     assert (found["graphs"], found["hits"], found["misses"]) == (9, 9, 0)
-    assert list(report["phases_ms"]) == ["prepare", "vision helpers", "vision", "language helpers", "pass 1", "pass 2"]
+    assert list(report["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
+                                         "decode helper", "pass 1", "pass 2"]  # fmt: skip
     assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
     # The marker, and each share's lock and done file.
     files = sorted(path.name for path in (cache / "dsocr-warm").iterdir())
