@@ -1,8 +1,7 @@
 """Starting workers: `dsocr worker` (Celery prefork, one child per device) and `dsocr run`'s in-process loop.
 
-The parent process never touches CUDA: GPUs are counted with `nvidia-smi`, and each child opens its own
-device, ledger connection and model after fork. With GPUs it imports the engine before forking the
-children (`preload_engine`), so that they start with torch and transformers imported.
+The parent process never imports torch or touches CUDA: GPUs are counted with `nvidia-smi`, and each
+child opens its own device, ledger connection and model after fork.
 """
 
 from __future__ import annotations
@@ -61,14 +60,6 @@ def parse_devices(gpus: str) -> list[str]:
     return [f"cuda:{i}" for i in indices]
 
 
-def preload_engine() -> None:
-    """Import the engine here, once, before Celery forks the children: each child then starts with torch,
-    transformers and the model code imported (~10 s of a GPU worker's start, each child's, on an H100
-    host) and forks its compile helpers at once (farm/child.py). Importing initialises no CUDA: the
-    children still choose their GPU (`see_only_this_gpu`) and initialise it themselves."""
-    import dsocr_workers.engine.session  # noqa: F401
-
-
 def check_ledger(
     settings: Settings, queues: list[str], warmup: str, fallback: ModelKey, fallback_budget: int | None
 ) -> str | None:
@@ -112,8 +103,6 @@ def start_worker(
     else:
         os.environ.pop(WARMUP_ENV, None)
 
-    if any(device.startswith("cuda") for device in devices):
-        preload_engine()
     from dsocr_workers.farm.celery_app import create_app
 
     app = create_app(settings, events=events)
