@@ -132,8 +132,9 @@ def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, sub
     assert "no-checkpoint: not a checkpoint directory" in caplog.text
 
 
-# A worker child's start, in a fresh process: the compile helpers forked after the imports, then
-# `inductor_session()`'s model built and warmed (modes in argv[1]).
+# A worker child's start, in a fresh process: the compile helpers forked after the imports (argv[2]
+# "fork"; "spawn": started by the warm-up), then `inductor_session()`'s model built and warmed (modes in
+# argv[1]).
 WORKER = """
 import dataclasses, json, sys, torch
 from dsocr_workers.engine.precompile import CompileHelpers
@@ -144,7 +145,9 @@ from dsocr_workers.model.checkpoint import build_preset
 cpu, fp32 = torch.device("cpu"), torch.float32
 kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
 fast_compile, modes = FastCompile("inductor", cuda_graphs=False), sys.argv[1].split(",")
-helpers = CompileHelpers.start(compile_plan("tiny", cpu, fp32, kernels, fast_compile, modes, 8, None, 3), 2, fork=True)
+helpers = None  # spawned by the warm-up: a worker whose CUDA is initialised already
+if sys.argv[2] == "fork":
+    helpers = CompileHelpers.start(compile_plan("tiny", cpu, fp32, kernels, fast_compile, modes, 8, None, 3), 2, fork=True)
 with torch.inference_mode():
     loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
     fast_modules(loaded.model)
@@ -157,21 +160,22 @@ print(json.dumps({"report": dataclasses.asdict(report), "graphs": counters["stat
 """
 
 
-def test_the_worker_loads_every_graph_its_forked_helpers_compiled(tmp_path, subprocess_env):
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_the_worker_loads_every_graph_its_helpers_compiled(how, tmp_path, subprocess_env):
     """A fast warm-up of gundam with an empty cache (inductor on the CPU): its helpers, forked before
-    the model is built, compile the decode step, the LM prefill's two kinds of layer, the global view
+    the model is built (or spawned by the warm-up), compile the decode step, the LM prefill's two kinds of layer, the global view
     (SAM's two kinds of block and CLIP) and the tiles (SAM's two, their batch dynamic, and CLIP over
     both view groups at once), while the worker builds its model. The worker then compiles nothing: it
     finds every graph it traces in the cache. The cache is the one DSOCR_COMPILE_CACHE_DIR names, which
     the worker's session points torch at only after the fork: helpers that did not do so themselves
     filled torch's default cache instead, and the worker compiled all the vision graphs again."""
     cache = tmp_path / "cache"
-    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam"], capture_output=True, text=True, timeout=900,
-                            env={**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)})  # fmt: skip
+    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam", how], capture_output=True, text=True,
+                            timeout=900, env={**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)})  # fmt: skip
     assert worker.returncode == 0, worker.stderr[-3000:]
     found = json.loads(worker.stdout.strip().splitlines()[-1])
     report = found["report"]
-    assert report["precompile"]["how"] == "forked" and report["precompile"]["failures"] == []
+    assert report["precompile"]["how"] == f"{how}ed" and report["precompile"]["failures"] == []
     assert report["still_cold"] == []
     assert sorted((r["share"], r["outcome"], r["graphs"]) for r in report["precompile"]["results"]) == [
         ("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
