@@ -62,9 +62,7 @@ from dsocr_workers.model.preprocess import TILE_SIZE
 log = logging.getLogger(__name__)
 
 PROCESSES_ENV = "DSOCR_COMPILE_PROCESSES"
-DEFAULT_PROCESSES = (
-    4  # vision helpers: five view sizes in all, the two smallest share one; and the language's
-)
+DEFAULT_PROCESSES = 4  # vision helpers: five view sizes, the two smallest in one; two language helpers besides
 # A helper's graphs took 18-28 s on an H100, forked beside five others (docs/benchmarks.md); far past
 # that it is stuck, and the worker compiles without it.
 HELPER_TIMEOUT_S = 300.0
@@ -116,7 +114,7 @@ def share(shapes: Sequence[VisionShapes], processes: int) -> list[list[VisionSha
 
 
 def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """How many vision helpers (the language helper comes with them); 0: the worker compiles alone."""
+    """How many vision helpers (the two language helpers come with them); 0: the worker compiles alone."""
     raw = environ.get(PROCESSES_ENV, "").strip()
     if not raw:
         return DEFAULT_PROCESSES

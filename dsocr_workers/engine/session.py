@@ -698,9 +698,7 @@ class DeepSeekOCRSession:
         shortest = longest = 0
         while passes < WARMUP_MAX_PASSES:
             passes += 1
-            shapes, still_cold, (shortest, longest) = self._warm_pass(
-                prepared, max_new_tokens, options, max_crops
-            )
+            shapes, still_cold, (shortest, longest) = self._warm_pass(prepared, max_new_tokens, options, max_crops)
             phase_ends(f"pass {passes}")
             if not still_cold:
                 break
