@@ -277,3 +277,26 @@ def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_p
     assert (result.outcome, result.graphs) == ("shared", 0) and time.monotonic() - began >= 0.9
     marker.write_text("{}")
     assert compile_share(HelperTask(plan, CompileShare("prefill"))).outcome == "warm"
+
+
+def test_a_load_that_fails_stops_the_helpers_started_for_it(database, tmp_path, monkeypatch, subprocess_env):
+    """A worker child forks its helpers before it loads its model (farm/child.py fork_compile_helpers):
+    when the load fails, none of them is left compiling for a warm-up that will not happen (here they
+    would compile every mode for minutes)."""
+    from dsocr_workers.farm.child import JobProcess
+    from dsocr_workers.farm.warm import ModelKey, Warmup
+    from dsocr_workers.settings import Settings
+
+    monkeypatch.setenv("PYTHONPATH", subprocess_env["PYTHONPATH"])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    helpers = CompileHelpers.start(cpu_plan(ALL_MODES, max_crops=9), 2)
+    pids = [helper.process.pid for helper in helpers._running]
+    assert len(pids) == 4 and all(running(pid) for pid in pids)
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    try:
+        with pytest.raises(InputError, match="not a checkpoint directory"):
+            process.warm(Warmup(ModelKey(str(tmp_path / "missing"), "fast"), ("tiny",)), helpers)
+    finally:
+        process.close()
+    assert not any(running(pid) for pid in pids)
