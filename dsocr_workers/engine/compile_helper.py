@@ -5,7 +5,7 @@
 compiles its share of a warm-up's graphs into inductor's on-disk cache, as the worker's jobs will run
 them, and prints its report (`HelperResult`) as the last line of standard output. A vision share: the SAM
 and CLIP graphs of its view sizes. The language share: the LM prefill's layers and the decode step, over
-the warm-up's prompts. A forked helper (`CompileHelpers.start(..., fork=True)`) calls `main` directly.
+the warm-up's prompts. A forked helper (`CompileHelpers.start(..., fork=True)`) calls `run` directly.
 """
 
 from __future__ import annotations
@@ -147,13 +147,18 @@ def compile_share(task: HelperTask) -> HelperResult:
             lock.release()
 
 
-def main(argv: list[str]) -> int:
+def run(task: HelperTask) -> int:
+    """A helper's whole life, spawned (`main`) or forked (precompile.py): its report on standard output."""
     exit_with_the_worker()
+    print(json.dumps(asdict(compile_share(task))), flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    print(json.dumps(asdict(compile_share(HelperTask.from_json(argv[1])))), flush=True)
-    return 0
+    return run(HelperTask.from_json(argv[1]))
 
 
 if __name__ == "__main__":

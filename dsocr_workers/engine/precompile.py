@@ -353,9 +353,10 @@ class CompileHelpers:
 
     @classmethod
     def start(cls, plan: CompilePlan, processes: int, *, fork: bool = False) -> CompileHelpers:
-        """A helper per share of `plan` (`processes` vision helpers, one language helper). `fork`: fork
-        them from this process, which has imported the engine and must not have initialised CUDA (a
-        forked child cannot use it then) nor started threads; otherwise spawn them (each imports torch).
+        """A helper per share of `plan` (`processes` vision helpers; the decode step's and the LM
+        prefill's). `fork`: fork them from this process, which has imported the engine and must not have
+        initialised CUDA (a forked child cannot use it then) nor started threads; otherwise spawn them
+        (each imports torch).
         Each gets an equal share of the host's cores for inductor's Triton compile pool, the language
         helpers twice that, unless TORCHINDUCTOR_COMPILE_THREADS says otherwise (a setting outside the
         cache key)."""
@@ -441,9 +442,9 @@ def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[b
         # Python's streams onto them too: the worker's may be another object (Celery can redirect them).
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
         os.environ.update(env)
-        from dsocr_workers.engine.compile_helper import main
+        from dsocr_workers.engine.compile_helper import run
 
-        code = main(["", task.to_json()])
+        code = run(task)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -72,6 +72,12 @@ def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = 
     return "cuda:0"
 
 
+def ngram_options(ngram: NGram) -> DecodeOptions:
+    """The decode options a warm-up of jobs with this n-gram ban runs with: the same in the helpers'
+    plan and in the warm-up, or the helpers compile another decode step."""
+    return DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
+
+
 def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
     """The compile helpers of the start-up warm-up's first part (its modes at its first token budget and
     n-gram ban: what `JobProcess.warm` warms first), forked before this child loads its model, opens its
@@ -79,11 +85,9 @@ def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
     engine compiles nothing or this child cannot fork them; its warm-up then decides for itself."""
     from dsocr_workers.engine.session import start_compile_helpers
 
-    ngram = warmup.ngrams[0]
-    options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
     try:
         return start_compile_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
-                                     warmup.budgets[0], options)  # fmt: skip
+                                     warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
     except Exception:  # a bad model or setting: the warm-up meets it again and says so
         log.warning("could not start the compile helpers before the load", exc_info=True)
         return None
@@ -162,8 +166,7 @@ class JobProcess:
         warmup_ms, shapes = 0.0, []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
-            options = DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
-            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=options, helpers=helpers)
+            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
             helpers = None
             warmup_ms += report.ms
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
