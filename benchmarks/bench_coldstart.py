@@ -53,6 +53,11 @@ TARGETS = {"cold_ready_s": 60.0, "warm_cache_ready_s": 10.0}
 def child(args: argparse.Namespace) -> int:
     """One worker-like start: imports, load, warm-up, timed jobs; JSON on the last line of stdout."""
     began = time.time()
+    # As `dsocr worker` starts (cli/__init__.py): bytecode kept in the compile cache where the
+    # installation ships none and may not write it.
+    from dsocr_workers.engine.compile_cache import use_bytecode_cache
+
+    bytecode = use_bytecode_cache()
     import torch
 
     torch_imported = time.time()
@@ -123,6 +128,7 @@ def child(args: argparse.Namespace) -> int:
         "precompile": dataclasses.asdict(first.precompile) if first.precompile else None,
         "precompile_skipped": first.precompile_skipped,
         "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "bytecode_cache": str(bytecode) if bytecode else None,
         "torch": torch.__version__, "pages": pages,
     }))  # fmt: skip
     return 0

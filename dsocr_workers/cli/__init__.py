@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from dsocr_workers import __version__
+from dsocr_workers.engine.compile_cache import use_bytecode_cache
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,7 +54,8 @@ def exits_on_errors(command: F) -> F:
 @click.group(help=f"Profile DeepSeek-OCR inference on one GPU or a rack of them.\n\n{EXIT_CODES_HELP}")
 @click.version_option(__version__, prog_name="dsocr")
 def main() -> None:
-    pass
+    # Before any command imports torch: a worker's start without bytecode compiles every source again.
+    use_bytecode_cache()
 
 
 # Each module defines `register(group)`; they import heavy dependencies (torch, celery, sqlalchemy)

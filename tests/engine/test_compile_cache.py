@@ -1,13 +1,21 @@
 """DSOCR_COMPILE_CACHE_DIR: a fast session points torch's compile cache there, and a second process
-finds what the first one compiled (inductor on the CPU, a small function: the mechanism, not the model)."""
+finds what the first one compiled (inductor on the CPU, a small function: the mechanism, not the model);
+where the installation ships no Python bytecode and may not write it, the bytecode is kept there too."""
 
 from __future__ import annotations
 
 import json
+import os
+import py_compile
 import subprocess
 import sys
 
-from dsocr_workers.engine.compile_cache import COMPILE_CACHE_ENV, use_compile_cache
+from dsocr_workers.engine.compile_cache import (
+    BYTECODE_DIR,
+    COMPILE_CACHE_ENV,
+    use_bytecode_cache,
+    use_compile_cache,
+)
 
 # A fast session on the CPU (decode step traced by aot_eager), then one inductor compilation.
 PROCESS = """
@@ -57,3 +65,62 @@ def test_a_directory_that_cannot_be_made_is_a_warning_and_the_default(tmp_path, 
     assert use_compile_cache(environ) is None
     assert "TORCHINDUCTOR_CACHE_DIR" not in environ
     assert f"{COMPILE_CACHE_ENV}={blocker / 'cache'} cannot be created" in caplog.text
+
+
+# A process started as `dsocr` starts: the bytecode decision first, then the import it is about.
+BYTECODE_PROCESS = """
+import os, sys
+from dsocr_workers.engine.compile_cache import use_bytecode_cache
+print(use_bytecode_cache(probe="probe_module"))
+import probe_module
+print(os.environ.get("PYTHONPYCACHEPREFIX"), os.environ.get("PYTHONDONTWRITEBYTECODE"))
+"""
+
+
+def run_bytecode_process(env: dict[str, str]) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", BYTECODE_PROCESS], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
+def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
+    """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
+    compiled every source again, ~5 s of a worker's imports on the H100 host. The first process writes
+    the bytecode under the compile cache, and tells the processes it starts; the next one reads it."""
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "probe_module.py").write_text("VALUE = 1\n")
+    cache = tmp_path / "cache"
+    env = {**subprocess_env, COMPILE_CACHE_ENV: str(cache), "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    bytecode = cache.resolve() / BYTECODE_DIR
+    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} None"]
+    written = list(bytecode.rglob("probe_module.*.pyc"))
+    assert len(written) == 1 and not (sources / "__pycache__").exists()
+    stamp = written[0].stat().st_mtime_ns
+    assert run_bytecode_process(env)[0] == str(bytecode)
+    assert written[0].stat().st_mtime_ns == stamp, "the second process compiled the source again"
+    # Without the variable, Python's own behaviour: nothing written anywhere.
+    del env[COMPILE_CACHE_ENV]
+    assert run_bytecode_process(env) == ["None", "None 1"]
+    assert not (sources / "__pycache__").exists()
+
+
+def test_bytecode_present_or_writable_or_placed_by_the_user_is_left_alone(tmp_path, monkeypatch):
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "shipped_module.py").write_text("VALUE = 1\n")
+    py_compile.compile(str(sources / "shipped_module.py"))  # bytecode beside the source, as pip leaves it
+    (sources / "writable_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(sources))
+    environ = {COMPILE_CACHE_ENV: str(tmp_path / "cache")}
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert use_bytecode_cache(environ, probe="shipped_module") is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert use_bytecode_cache(environ, probe="writable_module") is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert use_bytecode_cache({**environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "mine")}, probe="writable_module") is None
+    assert environ == {COMPILE_CACHE_ENV: str(tmp_path / "cache")} and not (tmp_path / "cache").exists()
+    assert sys.pycache_prefix is None
