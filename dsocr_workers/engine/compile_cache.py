@@ -11,8 +11,9 @@ Python's own compilation is the other cost of every start: an installation that 
 may not write it (PYTHONDONTWRITEBYTECODE, as many container images set, or a read-only image) compiles
 torch's, transformers' and this package's sources again in every process. On the H100 host's image that
 was half of a worker's imports (10.4–10.9 s against 5.1–5.6 s with a bytecode cache) and half of its
-checkpoint load (4.7–5.3 s against 2.6–2.8 s: inductor's modules imported on first use). There
-`use_bytecode_cache` keeps the bytecode beside the compiled kernels, in the same directory.
+checkpoint load (4.7–5.3 s against 2.6–2.8 s: inductor's modules imported on first use). There the
+bytecode is kept beside the compiled kernels, in the same directory: a start reads it
+(`use_bytecode_cache`), a ready process writes what it lacked (`write_bytecode`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import ModuleType
 
 COMPILE_CACHE_ENV = "DSOCR_COMPILE_CACHE_DIR"
 # torch's own variable: inductor's cache root, with Triton's kernel cache beneath it.
@@ -63,11 +67,15 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
 
 
 def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, probe: str = "torch") -> Path | None:
-    """Keep Python's bytecode in DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
+    """Read Python's bytecode from DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
     for `probe` (the largest import of a worker) and this process may not write it beside the sources;
     the bytecode directory in use, or None where Python's own behaviour stands (bytecode present or
     writable, no DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the
-    heavy imports; the processes this one starts inherit it (the environment), as do those it forks."""
+    heavy imports; the processes this one starts inherit it (the environment), as do those it forks.
+
+    The imports themselves write nothing: writing ~3 000 files as they go added 8–12 s to a cold start's
+    imports on the GPU host's disk, before its compile helpers could start. `write_bytecode` writes them
+    once the process is ready."""
     raw = environ.get(COMPILE_CACHE_ENV)
     if not raw or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
         return None
@@ -82,8 +90,48 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     if directory is None:
         return None
     bytecode = directory / BYTECODE_DIR
-    sys.pycache_prefix, sys.dont_write_bytecode = str(bytecode), False
-    environ[BYTECODE_PREFIX_ENV] = str(bytecode)
-    environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    log.info("Python bytecode kept in %s (the installation ships none for %s and may not write it)", bytecode, probe)
+    sys.pycache_prefix, sys.dont_write_bytecode = str(bytecode), True
+    environ[BYTECODE_PREFIX_ENV], environ["PYTHONDONTWRITEBYTECODE"] = str(bytecode), "1"
     return bytecode
+
+
+# The writer: compileall's freshness check and atomic writes, one source per line on stdin; niced, so
+# that it takes no core from the worker's jobs.
+_WRITER = (
+    "import compileall, os, sys; os.nice(10); "
+    "sys.exit(not all([compileall.compile_file(path, quiet=2) for path in sys.stdin.read().splitlines()]))"
+)
+
+
+def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[bytes] | None:
+    """Once the process is ready (loaded and warm): the bytecode of the modules it imported (`modules`,
+    default all) whose bytecode is missing or older than their source, written into the bytecode cache
+    `use_bytecode_cache` put in effect, by a background process; None when no such cache is in effect or
+    nothing is missing. The next start then reads what this one compiled in memory."""
+    prefix = sys.pycache_prefix
+    if prefix is None or Path(prefix).name != BYTECODE_DIR:
+        return None
+    sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
+               if _stale(source)]  # fmt: skip
+    if not sources:
+        return None
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: prefix})  # fmt: skip
+    # Fed and reaped by a thread: the list outgrows a pipe's buffer, and nothing here waits for it.
+    threading.Thread(target=writer.communicate, args=("\n".join(sources).encode(),), daemon=True,
+                     name="bytecode-writer").start()  # fmt: skip
+    log.info("writing the bytecode of %d modules into %s (pid %d)", len(sources), prefix, writer.pid)
+    return writer
+
+
+def _sources(modules: list[ModuleType]) -> list[str]:
+    found = (getattr(getattr(module, "__spec__", None), "origin", None) for module in modules)
+    return sorted({origin for origin in found if isinstance(origin, str) and origin.endswith(".py")})
+
+
+def _stale(source: str) -> bool:
+    try:
+        written = os.stat(importlib.util.cache_from_source(source)).st_mtime
+    except OSError:
+        return os.path.isfile(source)
+    return written < os.stat(source).st_mtime

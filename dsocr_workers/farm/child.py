@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dsocr_workers.engine.compile_cache import write_bytecode
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm.execute import Claiming, Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
@@ -177,6 +178,7 @@ class JobProcess:
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
         settle_heap()
+        write_bytecode()  # what this start compiled from source, for the next one (engine/compile_cache.py)
         warmup_ms += (time.perf_counter() - settling) * 1e3
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()

@@ -67,13 +67,16 @@ def test_a_directory_that_cannot_be_made_is_a_warning_and_the_default(tmp_path, 
     assert f"{COMPILE_CACHE_ENV}={blocker / 'cache'} cannot be created" in caplog.text
 
 
-# A process started as `dsocr` starts: the bytecode decision first, then the import it is about.
+# A process started as `dsocr` starts: the bytecode decision first, then the import it is about, then,
+# once "ready", the writer of what it compiled in memory.
 BYTECODE_PROCESS = """
 import os, sys
-from dsocr_workers.engine.compile_cache import use_bytecode_cache
+from dsocr_workers.engine.compile_cache import use_bytecode_cache, write_bytecode
 print(use_bytecode_cache(probe="probe_module"))
 import probe_module
 print(os.environ.get("PYTHONPYCACHEPREFIX"), os.environ.get("PYTHONDONTWRITEBYTECODE"))
+writer = write_bytecode([probe_module])
+print(writer and writer.wait())
 """
 
 
@@ -86,8 +89,9 @@ def run_bytecode_process(env: dict[str, str]) -> list[str]:
 
 def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
     """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
-    compiled every source again, ~5 s of a worker's imports on the H100 host. The first process writes
-    the bytecode under the compile cache, and tells the processes it starts; the next one reads it."""
+    compiled every source again, ~5 s of a worker's imports on the H100 host. A start reads the
+    bytecode from the compile cache and tells the processes it starts; it writes nothing while it
+    imports; once ready, a writer process writes what it lacked, and the next start has nothing to write."""
     sources = tmp_path / "sources"
     sources.mkdir()
     (sources / "probe_module.py").write_text("VALUE = 1\n")
@@ -96,15 +100,19 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
-    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} None"]
+    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "0"]
     written = list(bytecode.rglob("probe_module.*.pyc"))
     assert len(written) == 1 and not (sources / "__pycache__").exists()
-    stamp = written[0].stat().st_mtime_ns
-    assert run_bytecode_process(env)[0] == str(bytecode)
-    assert written[0].stat().st_mtime_ns == stamp, "the second process compiled the source again"
-    # Without the variable, Python's own behaviour: nothing written anywhere.
+    # The next start: the prefix from its environment (as a started process inherits it), nothing to write.
+    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "None"]
+    assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1", "None"]
+    # An edited source is written again.
+    (sources / "probe_module.py").write_text("VALUE = 2\n")
+    os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 5,) * 2)
+    assert run_bytecode_process(env)[2] == "0"
+    # Without the variable, Python's own behaviour: nothing read or written anywhere.
     del env[COMPILE_CACHE_ENV]
-    assert run_bytecode_process(env) == ["None", "None 1"]
+    assert run_bytecode_process(env) == ["None", "None 1", "None"]
     assert not (sources / "__pycache__").exists()
 
 
