@@ -12,8 +12,8 @@ may not write it (PYTHONDONTWRITEBYTECODE, as many container images set, or a re
 torch's, transformers' and this package's sources again in every process. On the H100 host's image that
 was half of a worker's imports (10.4–10.9 s against 5.1–5.6 s with a bytecode cache) and half of its
 checkpoint load (4.7–5.3 s against 2.6–2.8 s: inductor's modules imported on first use). There the
-bytecode is kept beside the compiled kernels, in the same directory: a start reads it
-(`use_bytecode_cache`), a ready process writes what it lacked (`write_bytecode`).
+bytecode is kept beside the compiled kernels, in the same directory: a ready process writes what it
+compiled in memory (`write_bytecode`), and later starts read it (`use_bytecode_cache`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ TORCH_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Python's: where bytecode is read and written instead of each source's __pycache__.
 BYTECODE_PREFIX_ENV = "PYTHONPYCACHEPREFIX"
 BYTECODE_DIR = "python-bytecode"
+# Left by a writer that wrote every source it was given: imports may read from the directory.
+BYTECODE_WRITTEN = "written"
+# Where `write_bytecode` writes: set by `use_bytecode_cache` in this process or the one it was forked from.
+_writes_to: Path | None = None
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +71,17 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
 
 
 def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, probe: str = "torch") -> Path | None:
-    """Read Python's bytecode from DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
-    for `probe` (the largest import of a worker) and this process may not write it beside the sources;
-    the bytecode directory in use, or None where Python's own behaviour stands (bytecode present or
-    writable, no DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the
-    heavy imports; the processes this one starts inherit it (the environment), as do those it forks.
+    """Keep Python's bytecode in DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
+    for `probe` (the largest import of a worker) and this process may not write it beside the sources:
+    `write_bytecode` writes there once the process is ready, and from the next start on, imports read
+    from there. The directory, or None where Python's own behaviour stands (bytecode present or writable,
+    no DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the heavy
+    imports; processes this one starts inherit the reading (the environment), those it forks the writing.
 
-    The imports themselves write nothing: writing ~3 000 files as they go added 8–12 s to a cold start's
-    imports on the GPU host's disk, before its compile helpers could start. `write_bytecode` writes them
-    once the process is ready."""
+    Nothing changes for the first start, whose writer has not finished: reading from a directory Python
+    would also ignore the bytecode the system ships for the standard library (+5 s of a cold start's
+    imports on the GPU host), and writing as the imports go added 8–12 s there."""
+    global _writes_to
     raw = environ.get(COMPILE_CACHE_ENV)
     if not raw or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
         return None
@@ -89,38 +95,39 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     directory = _cache_directory(raw, "Python compiles every source again in each process")
     if directory is None:
         return None
-    bytecode = directory / BYTECODE_DIR
-    sys.pycache_prefix, sys.dont_write_bytecode = str(bytecode), True
-    environ[BYTECODE_PREFIX_ENV], environ["PYTHONDONTWRITEBYTECODE"] = str(bytecode), "1"
-    return bytecode
+    _writes_to = directory / BYTECODE_DIR
+    if (_writes_to / BYTECODE_WRITTEN).exists():
+        sys.pycache_prefix = environ[BYTECODE_PREFIX_ENV] = str(_writes_to)
+    return _writes_to
 
 
-# The writer: compileall's freshness check and atomic writes, one source per line on stdin; niced, so
-# that it takes no core from the worker's jobs.
+# The writer: compileall's freshness check and atomic writes, one source per line on stdin, then the
+# mark; niced, so that it takes no core from the worker's jobs.
 _WRITER = (
-    "import compileall, os, sys; os.nice(10); "
-    "sys.exit(not all([compileall.compile_file(path, quiet=2) for path in sys.stdin.read().splitlines()]))"
+    "import compileall, os, pathlib, sys; os.nice(10); "
+    "ok = all([compileall.compile_file(path, quiet=2) for path in sys.stdin.read().splitlines()]); "
+    f"ok and pathlib.Path(sys.pycache_prefix, {BYTECODE_WRITTEN!r}).touch(); sys.exit(not ok)"
 )
 
 
 def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[bytes] | None:
     """Once the process is ready (loaded and warm): the bytecode of the modules it imported (`modules`,
-    default all) whose bytecode is missing or older than their source, written into the bytecode cache
-    `use_bytecode_cache` put in effect, by a background process; None when no such cache is in effect or
-    nothing is missing. The next start then reads what this one compiled in memory."""
-    prefix = sys.pycache_prefix
-    if prefix is None or Path(prefix).name != BYTECODE_DIR:
+    default all) written into the directory `use_bytecode_cache` chose, by a background process; every
+    module on a first start, those whose bytecode is missing or older than their source once imports
+    read from there. None when there is no such directory or nothing to write."""
+    if _writes_to is None:
         return None
-    sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
-               if _stale(source)]  # fmt: skip
+    sources = _sources(list(sys.modules.values()) if modules is None else modules)
+    if sys.pycache_prefix == str(_writes_to):
+        sources = [source for source in sources if _stale(source)]
     if not sources:
         return None
     writer = subprocess.Popen([sys.executable, "-c", _WRITER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: prefix})  # fmt: skip
+                              stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: str(_writes_to)})  # fmt: skip
     # Fed and reaped by a thread: the list outgrows a pipe's buffer, and nothing here waits for it.
     threading.Thread(target=writer.communicate, args=("\n".join(sources).encode(),), daemon=True,
                      name="bytecode-writer").start()  # fmt: skip
-    log.info("writing the bytecode of %d modules into %s (pid %d)", len(sources), prefix, writer.pid)
+    log.info("writing the bytecode of %d modules into %s (pid %d)", len(sources), _writes_to, writer.pid)
     return writer
 
 

@@ -12,6 +12,7 @@ import sys
 
 from dsocr_workers.engine.compile_cache import (
     BYTECODE_DIR,
+    BYTECODE_WRITTEN,
     COMPILE_CACHE_ENV,
     use_bytecode_cache,
     use_compile_cache,
@@ -68,7 +69,7 @@ def test_a_directory_that_cannot_be_made_is_a_warning_and_the_default(tmp_path, 
 
 
 # A process started as `dsocr` starts: the bytecode decision first, then the import it is about, then,
-# once "ready", the writer of what it compiled in memory.
+# once "ready", the writer of what it compiled in memory (waited for here).
 BYTECODE_PROCESS = """
 import os, sys
 from dsocr_workers.engine.compile_cache import use_bytecode_cache, write_bytecode
@@ -89,9 +90,9 @@ def run_bytecode_process(env: dict[str, str]) -> list[str]:
 
 def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
     """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
-    compiled every source again, ~5 s of a worker's imports on the H100 host. A start reads the
-    bytecode from the compile cache and tells the processes it starts; it writes nothing while it
-    imports; once ready, a writer process writes what it lacked, and the next start has nothing to write."""
+    compiled every source again, ~5 s of a worker's imports on the H100 host. The first start changes
+    nothing for its imports, then, once ready, has a writer process write what it compiled in memory;
+    the next starts read it (and tell the processes they start), with nothing left to write."""
     sources = tmp_path / "sources"
     sources.mkdir()
     (sources / "probe_module.py").write_text("VALUE = 1\n")
@@ -100,11 +101,12 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
-    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "0"]
+    assert run_bytecode_process(env) == [str(bytecode), "None 1", "0"]
     written = list(bytecode.rglob("probe_module.*.pyc"))
-    assert len(written) == 1 and not (sources / "__pycache__").exists()
-    # The next start: the prefix from its environment (as a started process inherits it), nothing to write.
+    assert len(written) == 1 and (bytecode / BYTECODE_WRITTEN).exists()
+    assert not (sources / "__pycache__").exists()
     assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "None"]
+    # A process started by one that reads from there: its environment says so; it writes nothing.
     assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1", "None"]
     # An edited source is written again.
     (sources / "probe_module.py").write_text("VALUE = 2\n")
