@@ -28,8 +28,10 @@ prepared with nothing to overlap) and takes the spread of the pages' device time
 
 Unless --broker-url / --database-url are given, the script starts its own redis-server on a free
 127.0.0.1 port (no persistence) and uses a fresh SQLite ledger in a temporary folder, so it touches no
-shared Redis or database. TORCHINDUCTOR_CACHE_DIR points at one folder for every worker of the script:
-the K = 2 workers reuse what the K = 1 worker compiled (the graph capture is still theirs).
+shared Redis or database. DSOCR_COMPILE_CACHE_DIR points at one folder for every worker of the script, as
+a deployment's volume per host (torch's compile cache and, where the installation ships none, Python's
+bytecode): the K = 2 workers reuse what the K = 1 worker compiled (the graph capture is still theirs);
+`--compile-cache DIR` across two invocations measures a restart with a warm cache.
 
 Default job set and why: datasets/samples/samples.txt (7 synthetic pages) in mode `base`. `base` has no
 tiles: every page becomes one 1024x1024 view, so the whole set is ONE vision shape, one prompt length
@@ -683,7 +685,7 @@ def main() -> int:
     parser.add_argument("--database-url", help="default: a fresh SQLite file in a temporary folder")
     parser.add_argument("--broker-url", help="default: a private redis-server on a free port")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
-    parser.add_argument("--inductor-cache", help="TORCHINDUCTOR_CACHE_DIR shared by all workers (default: temp)")
+    parser.add_argument("--compile-cache", help="DSOCR_COMPILE_CACHE_DIR shared by all workers (default: temp)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for scaling-<date>.json/.md (default: $OUT, else benchmarks/results)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=520, help="no new run starts past this; runs are cut to fit")
@@ -760,7 +762,7 @@ def main() -> int:
             env.update({
                 "DSOCR_DATABASE_URL": database_url,
                 "DSOCR_BROKER_URL": broker_url,
-                "TORCHINDUCTOR_CACHE_DIR": args.inductor_cache or str(tmp / "inductor"),
+                "DSOCR_COMPILE_CACHE_DIR": args.compile_cache or str(tmp / "compile-cache"),
                 "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
             })  # fmt: skip
