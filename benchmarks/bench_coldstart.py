@@ -13,7 +13,9 @@ path; all modes in one call, as a worker warms them, or one at a time with `--pe
   A0. (`--without-helpers-too`) A with DSOCR_COMPILE_PROCESSES=0 in a cache of its own: the cold start
      without the compile helpers (engine/precompile.py), side by side with A
   A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
-  B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready)
+  B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready); where the
+     installation ships no Python bytecode, also the bytecode A's start wrote once ready (as a worker
+     does, engine/compile_cache.py; A waits for its writer before it exits)
   C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the
      reference for "warm e2e must not regress" (skipped when the budget is short)
 "Ready" is the child's wall clock from launch to the end of its warm-up (python start, imports, load,
