@@ -37,6 +37,8 @@ BYTECODE_DIR = "python-bytecode"
 BYTECODE_WRITTEN = "written"
 # Where `write_bytecode` writes: set by `use_bytecode_cache` in this process or the one it was forked from.
 _writes_to: Path | None = None
+# The sources this process handed to a writer: a later warm-up's call hands only what is new since.
+_handed: set[str] = set()
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +116,17 @@ def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[
     """Once the process is ready (loaded and warm): the bytecode of the modules it imported (`modules`,
     default all) written into the directory `use_bytecode_cache` chose, by a background process; every
     module on a first start, those whose bytecode is missing or older than their source once imports
-    read from there. None when there is no such directory or nothing to write."""
+    read from there; never twice the same source in one process. None when there is no such directory or
+    nothing to write."""
     if _writes_to is None:
         return None
-    sources = _sources(list(sys.modules.values()) if modules is None else modules)
+    sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
+               if source not in _handed]  # fmt: skip
     if sys.pycache_prefix == str(_writes_to):
         sources = [source for source in sources if _stale(source)]
     if not sources:
         return None
+    _handed.update(sources)
     writer = subprocess.Popen([sys.executable, "-c", _WRITER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: str(_writes_to)})  # fmt: skip
     # Fed and reaped by a thread: the list outgrows a pipe's buffer, and nothing here waits for it.

@@ -78,6 +78,7 @@ import probe_module
 print(os.environ.get("PYTHONPYCACHEPREFIX"), os.environ.get("PYTHONDONTWRITEBYTECODE"))
 writer = write_bytecode([probe_module])
 print(writer and writer.wait())
+print(write_bytecode([probe_module]))  # a later warm-up of the same process: nothing new to write
 """
 
 
@@ -101,20 +102,20 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
-    assert run_bytecode_process(env) == [str(bytecode), "None 1", "0"]
+    assert run_bytecode_process(env) == [str(bytecode), "None 1", "0", "None"]
     written = list(bytecode.rglob("probe_module.*.pyc"))
     assert len(written) == 1 and (bytecode / BYTECODE_WRITTEN).exists()
     assert not (sources / "__pycache__").exists()
-    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "None"]
+    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "None", "None"]
     # A process started by one that reads from there: its environment says so; it writes nothing.
-    assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1", "None"]
+    assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1", "None", "None"]
     # An edited source is written again.
     (sources / "probe_module.py").write_text("VALUE = 2\n")
     os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 5,) * 2)
     assert run_bytecode_process(env)[2] == "0"
     # Without the variable, Python's own behaviour: nothing read or written anywhere.
     del env[COMPILE_CACHE_ENV]
-    assert run_bytecode_process(env) == ["None", "None 1", "None"]
+    assert run_bytecode_process(env) == ["None", "None 1", "None", "None"]
     assert not (sources / "__pycache__").exists()
 
 
