@@ -18,6 +18,8 @@ compiled in memory (`write_bytecode`), and later starts read it (`use_bytecode_c
 
 from __future__ import annotations
 
+import compileall
+import fcntl
 import importlib.util
 import logging
 import os
@@ -103,13 +105,9 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     return _writes_to
 
 
-# The writer: compileall's freshness check and atomic writes, one source per line on stdin, then the
-# mark; niced, so that it takes no core from the worker's jobs.
-_WRITER = (
-    "import compileall, os, pathlib, sys; os.nice(10); "
-    "ok = all([compileall.compile_file(path, quiet=2) for path in sys.stdin.read().splitlines()]); "
-    f"ok and pathlib.Path(sys.pycache_prefix, {BYTECODE_WRITTEN!r}).touch(); sys.exit(not ok)"
-)
+# Held by the writer at work: the other worker children of a host, ready at the same time with the same
+# modules, leave the writing to it (an flock: released when its holder exits, however it exits).
+BYTECODE_LOCK = "writing.lock"
 
 
 def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[bytes] | None:
@@ -127,7 +125,7 @@ def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[
     if not sources:
         return None
     _handed.update(sources)
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    writer = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: str(_writes_to)})  # fmt: skip
     # Fed and reaped by a thread: the list outgrows a pipe's buffer, and nothing here waits for it.
     threading.Thread(target=writer.communicate, args=("\n".join(sources).encode(),), daemon=True,
@@ -147,3 +145,27 @@ def _stale(source: str) -> bool:
     except OSError:
         return os.path.isfile(source)
     return written < os.stat(source).st_mtime
+
+
+def _write() -> int:
+    """The writer process (`python -m dsocr_workers.engine.compile_cache`, PYTHONPYCACHEPREFIX set, one
+    source per line on stdin): niced, so that it takes no core from the worker's jobs; compileall's
+    freshness check and atomic writes; the directory marked written once every source is. Exits at once
+    where another writer holds the lock."""
+    os.nice(10)
+    prefix = Path(sys.pycache_prefix or "")
+    prefix.mkdir(parents=True, exist_ok=True)
+    with open(prefix / BYTECODE_LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0
+        # Every source tried, whichever fails: a list, not all()'s short circuit.
+        if not all([compileall.compile_file(source, quiet=2) for source in sys.stdin.read().splitlines()]):
+            return 1
+        (prefix / BYTECODE_WRITTEN).touch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_write() if sys.pycache_prefix else 2)

@@ -4,6 +4,7 @@ where the installation ships no Python bytecode and may not write it, the byteco
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import py_compile
@@ -12,6 +13,7 @@ import sys
 
 from dsocr_workers.engine.compile_cache import (
     BYTECODE_DIR,
+    BYTECODE_LOCK,
     BYTECODE_WRITTEN,
     COMPILE_CACHE_ENV,
     use_bytecode_cache,
@@ -92,8 +94,9 @@ def run_bytecode_process(env: dict[str, str]) -> list[str]:
 def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
     """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
     compiled every source again, ~5 s of a worker's imports on the H100 host. The first start changes
-    nothing for its imports, then, once ready, has a writer process write what it compiled in memory;
-    the next starts read it (and tell the processes they start), with nothing left to write."""
+    nothing for its imports, then, once ready, has a writer process write what it compiled in memory
+    (unless another worker child's writer is at work); the next starts read it (and tell the processes
+    they start), with nothing left to write."""
     sources = tmp_path / "sources"
     sources.mkdir()
     (sources / "probe_module.py").write_text("VALUE = 1\n")
@@ -102,6 +105,12 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
+    # Another worker child's writer at work (it holds the lock): this one leaves the writing to it.
+    bytecode.mkdir(parents=True)
+    with open(bytecode / BYTECODE_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert run_bytecode_process(env) == [str(bytecode), "None 1", "0", "None"]
+    assert not list(bytecode.rglob("*.pyc")) and not (bytecode / BYTECODE_WRITTEN).exists()
     assert run_bytecode_process(env) == [str(bytecode), "None 1", "0", "None"]
     written = list(bytecode.rglob("probe_module.*.pyc"))
     assert len(written) == 1 and (bytecode / BYTECODE_WRITTEN).exists()
