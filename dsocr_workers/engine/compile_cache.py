@@ -37,6 +37,9 @@ BYTECODE_PREFIX_ENV = "PYTHONPYCACHEPREFIX"
 BYTECODE_DIR = "python-bytecode"
 # Left by a writer that wrote every source it was given: imports may read from the directory.
 BYTECODE_WRITTEN = "written"
+# Held by the writer at work: the other worker children of a host, ready at the same time with the same
+# modules, leave the writing to it (an flock: released when its holder exits, however it exits).
+BYTECODE_LOCK = "writing.lock"
 # Where `write_bytecode` writes: set by `use_bytecode_cache` in this process or the one it was forked from.
 _writes_to: Path | None = None
 # The sources this process handed to a writer: a later warm-up's call hands only what is new since.
@@ -103,11 +106,6 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     if (_writes_to / BYTECODE_WRITTEN).exists():
         sys.pycache_prefix = environ[BYTECODE_PREFIX_ENV] = str(_writes_to)
     return _writes_to
-
-
-# Held by the writer at work: the other worker children of a host, ready at the same time with the same
-# modules, leave the writing to it (an flock: released when its holder exits, however it exits).
-BYTECODE_LOCK = "writing.lock"
 
 
 def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[bytes] | None:
