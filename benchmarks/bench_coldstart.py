@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> int:
     began = time.time()
     # As `dsocr worker` starts (cli/__init__.py): bytecode kept in the compile cache where the
     # installation ships none and may not write it.
-    from dsocr_workers.engine.compile_cache import use_bytecode_cache
+    from dsocr_workers.engine.compile_cache import use_bytecode_cache, write_bytecode
 
     bytecode = use_bytecode_cache()
     import torch
@@ -102,8 +102,6 @@ def child(args: argparse.Namespace) -> int:
     full_collect_s = time.perf_counter() - collecting
     # As a worker does once ready (farm/child.py): the bytecode it compiled in memory, written for the
     # next start by a niced background process while the timed jobs run.
-    from dsocr_workers.engine.compile_cache import write_bytecode
-
     bytecode_writer, writing = write_bytecode(), time.time()
     pages = []
     for width, height in PAGES:
