@@ -36,8 +36,8 @@ from PIL import Image, ImageDraw
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dsocr_workers import settings  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
-from dsocr_workers.engine.stages import INSTRUMENTATION_ENV  # noqa: E402
 from dsocr_workers.farm.fingerprint import git_sha, nvidia_driver  # noqa: E402
 
 # The fast engine's first job compiles (vision for two shapes, then dynamic) and its decode step is
@@ -225,11 +225,11 @@ def bench_instrumentation(session: Any, page: Path, args: argparse.Namespace, op
     for k in range(args.instrumentation_pairs):
         order = ("on", "off") if k % 2 == 0 else ("off", "on")
         for state in order:
-            os.environ[INSTRUMENTATION_ENV] = "1" if state == "on" else "0"
+            os.environ[settings.INSTRUMENTATION.name] = "1" if state == "on" else "0"
             try:
                 result, wall = timed_job(session, page, args.tokens, options)
             finally:
-                os.environ.pop(INSTRUMENTATION_ENV, None)
+                os.environ.pop(settings.INSTRUMENTATION.name, None)
             walls[state].append(wall)
             if state == "off":
                 off_timings_zero &= result.timings.prefill_ms == 0.0

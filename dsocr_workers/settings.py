@@ -1,40 +1,163 @@
-"""Farm settings, read from the environment (flags override them where a command offers one).
+"""Every environment variable the package reads, once: its name, type, default and meaning
+(`VARIABLES`), in the manner of vLLM's `envs.py`. Code reads a variable through `read(VARIABLE)`, never
+through `os.environ`; the README's configuration table is checked against this registry by a test
+(tests/test_settings.py), and so is the package's source (no `DSOCR_*` name outside this file).
 
-Every process of the farm — `dsocr submit`, `dsocr worker`, `dsocr report` — reads the same variables, so a
-deployment sets them once (compose file, systemd unit, Kubernetes manifest):
-
-    DSOCR_DATABASE_URL        SQLAlchemy URL of the ledger            sqlite:///./dsocr.db
-    DSOCR_BROKER_URL          Celery broker (Redis)                   redis://127.0.0.1:6379/0
-    DSOCR_BROKER_KEY_PREFIX   prefix of every Redis key the farm uses  "" (none)
-    DSOCR_QUEUE               queue that jobs are sent to and read from dsocr
-    DSOCR_LEASE_SECONDS       how long a claim holds a job without    60
-                              its worker's heartbeat renewing it
-    DSOCR_HEARTBEAT_SECONDS   how often a worker renews its leases,   10
-                              records that it lives, and requeues
-                              jobs whose holder stopped beating
-    DSOCR_MAX_ATTEMPTS        attempts before a job is poisoned        3
-    DSOCR_SOFT_TIME_LIMIT     seconds before a job is asked to stop    hard limit - 10 %
-    DSOCR_HARD_TIME_LIMIT     seconds before its process is killed     600
-    DSOCR_RETRY_BACKOFF_MAX   ceiling of the retry backoff (seconds)   60
-    DSOCR_VISIBILITY_TIMEOUT  seconds before Redis redelivers an       max(3600, 2 x lease)
-                              unacknowledged message
-
-Credentials live only in the two URLs; `redacted()` is what may be printed or stored.
+`Settings` is the farm's part, read once per process (`Settings.from_env`) and handed down: every process
+of the farm — `dsocr submit`, `dsocr worker`, `dsocr report` — reads the same variables, so a deployment
+sets them once (compose file, systemd unit, Kubernetes manifest). Credentials live only in the two URLs;
+`redacted()` is what may be printed or stored.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
 from dsocr_workers.errors import InputError
 
+T = TypeVar("T")
+
 DEFAULT_DATABASE_URL = "sqlite:///./dsocr.db"
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+BROKER_URL_FORMS = "redis://[:PASSWORD@]HOST[:PORT]/DB, or rediss://… for TLS (e.g. redis://127.0.0.1:6379/0)"
 # Queue names travel comma-separated to Celery's --queues: a comma would split one name into two.
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}")
+
+
+@dataclass(frozen=True)
+class Variable(Generic[T]):
+    """One environment variable: `parse` turns its text into a value (raising InputError on bad text);
+    unset or empty means `default`. `shown_default` is how the README's table states the default."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+    shown_default: str
+
+
+def _integer(name: str) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise InputError(f"{name} must be an integer, got {raw!r}") from None
+
+    return parse
+
+
+def _optional_integer(name: str) -> Callable[[str], int | None]:
+    return _integer(name)
+
+
+def _switch(name: str) -> Callable[[str], bool]:
+    def parse(raw: str) -> bool:
+        if raw not in ("0", "1"):
+            raise InputError(f"{name} must be 0 or 1, got {raw!r}")
+        return raw == "1"
+
+    return parse
+
+
+def _path(raw: str) -> Path | None:
+    return Path(raw).expanduser()
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _optional_text(raw: str) -> str | None:
+    return raw
+
+
+DATABASE_URL = Variable("DSOCR_DATABASE_URL", _text, DEFAULT_DATABASE_URL,
+                        "SQLAlchemy URL of the ledger", f"`{DEFAULT_DATABASE_URL}`")
+BROKER_URL = Variable("DSOCR_BROKER_URL", _text, DEFAULT_BROKER_URL,
+                      "Celery broker (Redis)", f"`{DEFAULT_BROKER_URL}`")
+BROKER_KEY_PREFIX = Variable("DSOCR_BROKER_KEY_PREFIX", _text, "",
+                             "prefix of every Redis key the farm uses", "none")
+QUEUE = Variable("DSOCR_QUEUE", _text, "dsocr", "queue jobs are sent to and read from", "`dsocr`")
+MAX_ATTEMPTS = Variable("DSOCR_MAX_ATTEMPTS", _integer("DSOCR_MAX_ATTEMPTS"), 3,
+                        "attempts before a job is poisoned", "`3`")
+HARD_TIME_LIMIT = Variable("DSOCR_HARD_TIME_LIMIT", _integer("DSOCR_HARD_TIME_LIMIT"), 600,
+                           "seconds before a job's process is killed", "`600`")
+SOFT_TIME_LIMIT = Variable("DSOCR_SOFT_TIME_LIMIT", _optional_integer("DSOCR_SOFT_TIME_LIMIT"), None,
+                           "seconds before a job is asked to stop", "hard − 10 %")
+LEASE_SECONDS = Variable(
+    "DSOCR_LEASE_SECONDS", _integer("DSOCR_LEASE_SECONDS"), 60,
+    "how long a claim holds a job without a heartbeat renewing it; a dead worker's jobs are requeued by "
+    "the live ones within lease + heartbeat", "`60`")  # fmt: skip
+HEARTBEAT_SECONDS = Variable(
+    "DSOCR_HEARTBEAT_SECONDS", _integer("DSOCR_HEARTBEAT_SECONDS"), 10,
+    "how often each worker renews its leases, records that it lives, and requeues jobs whose holder "
+    "stopped beating (lease ≥ 3 × heartbeat)", "`10`")  # fmt: skip
+RETRY_BACKOFF_MAX = Variable("DSOCR_RETRY_BACKOFF_MAX", _integer("DSOCR_RETRY_BACKOFF_MAX"), 60,
+                             "ceiling of the retry backoff, seconds", "`60`")
+VISIBILITY_TIMEOUT = Variable(
+    "DSOCR_VISIBILITY_TIMEOUT", _optional_integer("DSOCR_VISIBILITY_TIMEOUT"), None,
+    "seconds before Redis redelivers an unacknowledged job (below the job length, running jobs are "
+    "delivered twice: safe, the claim refuses the copy, but wasteful)", "max(3600, 2 × lease)")  # fmt: skip
+MODEL = Variable("DSOCR_MODEL", _text, "tiny", "default `--model` of `dsocr infer` / `dsocr verify`", "`tiny`")
+FLOWER_BASIC_AUTH = Variable("DSOCR_FLOWER_BASIC_AUTH", _text, "",
+                             "`USER:PASSWORD` that `dsocr flower` asks for", "none")
+GIT_SHA = Variable("DSOCR_GIT_SHA", _optional_text, None,
+                   "the commit recorded in results where there is no git checkout (set by image builds)",
+                   "the checkout's commit")
+INSTRUMENTATION = Variable("DSOCR_INSTRUMENTATION", _switch("DSOCR_INSTRUMENTATION"), True,
+                           "`0` turns NVTX ranges and stage timers off (overhead benchmarks)", "`1`")
+COMPILE_CACHE_DIR = Variable(
+    "DSOCR_COMPILE_CACHE_DIR", _path, None,
+    "where the fast engine's compiled kernels persist (torch's inductor and Triton caches): a directory "
+    "per host that outlives the worker, so a restart loads instead of compiling. Where the Python "
+    "installation ships no bytecode and may not write it (`PYTHONDONTWRITEBYTECODE`, a read-only image), "
+    "also Python's bytecode (`python-bytecode/`). docker-compose.yml and the Kubernetes manifest mount one",
+    "torch's default, in /tmp")  # fmt: skip
+
+
+def _processes(raw: str) -> int:
+    if not raw.strip().isdigit():
+        raise InputError(f"DSOCR_COMPILE_PROCESSES={raw!r}: expected a count of processes, 0 to compile in the "
+                         "worker only")  # fmt: skip
+    return int(raw)
+
+
+COMPILE_PROCESSES = Variable(
+    "DSOCR_COMPILE_PROCESSES", _processes, 4,
+    "vision helper processes that compile the fast engine's graphs while a worker with a cold compile "
+    "cache loads its checkpoint, beside two that compile the language model's; each holds zeros for "
+    "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
+    "worker compiles everything itself", "`4`")  # fmt: skip
+
+CPU_THREADS = Variable("OMP_NUM_THREADS", _optional_integer("OMP_NUM_THREADS"), None,
+                       "CPU threads per CPU worker child; set it when several CPU workers share a host",
+                       "cores ÷ CPU children")
+
+# In the README's order (its configuration table is `markdown_table()`, checked by a test).
+VARIABLES: tuple[Variable, ...] = (
+    DATABASE_URL, BROKER_URL, BROKER_KEY_PREFIX, QUEUE, MAX_ATTEMPTS, HARD_TIME_LIMIT, SOFT_TIME_LIMIT,
+    LEASE_SECONDS, HEARTBEAT_SECONDS, RETRY_BACKOFF_MAX, MODEL, VISIBILITY_TIMEOUT, INSTRUMENTATION,
+    COMPILE_CACHE_DIR, COMPILE_PROCESSES, FLOWER_BASIC_AUTH, GIT_SHA, CPU_THREADS,
+)  # fmt: skip
+
+
+def markdown_table() -> str:
+    """The README's configuration table: one row per variable, from this registry."""
+    rows = ["| variable | meaning | default |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.doc} | {v.shown_default} |" for v in VARIABLES]
+    return "\n".join(rows)
+
+
+def read(variable: Variable[T], environ: Mapping[str, str] | None = None) -> T:
+    """The variable's value in `environ` (default: this process's environment); unset or empty: its default."""
+    raw = (os.environ if environ is None else environ).get(variable.name, "")
+    return variable.default if raw == "" else variable.parse(raw)
 
 
 def check_queue_name(name: str) -> str:
@@ -43,8 +166,6 @@ def check_queue_name(name: str) -> str:
             f"queue name {name!r}: use letters, digits and . _ : @ - (no commas or spaces), at most 200"
         )
     return name
-DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-BROKER_URL_FORMS = "redis://[:PASSWORD@]HOST[:PORT]/DB, or rediss://… for TLS (e.g. redis://127.0.0.1:6379/0)"
 
 
 def check_broker_url(url: str) -> str:
@@ -119,35 +240,22 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        env = os.environ if environ is None else environ
-        hard = _int(env, "DSOCR_HARD_TIME_LIMIT", cls.hard_time_limit_s)
+        hard = read(HARD_TIME_LIMIT, environ)
         # The soft limit leaves a tenth of the hard one to record the timeout before the kill.
-        soft = _int(env, "DSOCR_SOFT_TIME_LIMIT", max(1, hard - max(1, hard // 10)))
+        soft = read(SOFT_TIME_LIMIT, environ)
         return cls(
-            database_url=env.get("DSOCR_DATABASE_URL") or DEFAULT_DATABASE_URL,
-            broker_url=env.get("DSOCR_BROKER_URL") or DEFAULT_BROKER_URL,
-            broker_key_prefix=env.get("DSOCR_BROKER_KEY_PREFIX", ""),
-            queue=env.get("DSOCR_QUEUE") or "dsocr",
-            soft_time_limit_s=soft,
+            database_url=read(DATABASE_URL, environ),
+            broker_url=read(BROKER_URL, environ),
+            broker_key_prefix=read(BROKER_KEY_PREFIX, environ),
+            queue=read(QUEUE, environ),
+            soft_time_limit_s=max(1, hard - max(1, hard // 10)) if soft is None else soft,
             hard_time_limit_s=hard,
-            lease_s=_int(env, "DSOCR_LEASE_SECONDS", cls.lease_s),
-            heartbeat_s=_int(env, "DSOCR_HEARTBEAT_SECONDS", cls.heartbeat_s),
-            max_attempts=_int(env, "DSOCR_MAX_ATTEMPTS", cls.max_attempts),
-            retry_backoff_max_s=_int(env, "DSOCR_RETRY_BACKOFF_MAX", cls.retry_backoff_max_s),
-            visibility_timeout_override_s=(
-                _int(env, "DSOCR_VISIBILITY_TIMEOUT", 0) if env.get("DSOCR_VISIBILITY_TIMEOUT") else None
-            ),
+            lease_s=read(LEASE_SECONDS, environ),
+            heartbeat_s=read(HEARTBEAT_SECONDS, environ),
+            max_attempts=read(MAX_ATTEMPTS, environ),
+            retry_backoff_max_s=read(RETRY_BACKOFF_MAX, environ),
+            visibility_timeout_override_s=read(VISIBILITY_TIMEOUT, environ),
         )
-
-
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise InputError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def redacted(url: str) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from dsocr_workers import settings
 from dsocr_workers.cli import F, exits_on_errors, stdout_console
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.config import AUTO_ENGINE, DTYPES, ENGINE_CHOICES, MODES
@@ -141,7 +142,7 @@ def worker(
 @click.option("--port", type=int, default=5555, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True,
               help="Interface to listen on; 0.0.0.0 for every one (then set --basic-auth).")
-@click.option("--basic-auth", metavar="USER:PASSWORD", envvar="DSOCR_FLOWER_BASIC_AUTH",
+@click.option("--basic-auth", metavar="USER:PASSWORD", envvar=settings.FLOWER_BASIC_AUTH.name,
               help="Ask for this login (env DSOCR_FLOWER_BASIC_AUTH; empty: none).")
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 @exits_on_errors

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.config import DTYPES, ENGINES, MODES, PRESETS
@@ -33,9 +34,9 @@ def model_options(func: Any) -> Any:
             click.option(
                 "--model",
                 "model",
-                default="tiny",
+                default=settings.MODEL.default,
                 show_default=True,
-                envvar="DSOCR_MODEL",
+                envvar=settings.MODEL.name,
                 metavar="DIR|tiny|full",
                 help="A vendor checkpoint directory, or a random-weight preset (tiny: CPU tests; full: real dims).",
             ),

@@ -29,7 +29,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-COMPILE_CACHE_ENV = "DSOCR_COMPILE_CACHE_DIR"
+from dsocr_workers import settings
+
 # torch's own variable: inductor's cache root, with Triton's kernel cache beneath it.
 TORCH_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Python's: where bytecode is read and written instead of each source's __pycache__.
@@ -48,17 +49,17 @@ _handed: set[str] = set()
 log = logging.getLogger(__name__)
 
 
-def _cache_directory(raw: str, what: str) -> Path | None:
+def _cache_directory(raw: Path, what: str) -> Path | None:
     """DSOCR_COMPILE_CACHE_DIR's value resolved and created, or None (and a warning saying where `what`
     stays instead) when this process cannot write there."""
-    directory = Path(raw).expanduser().resolve()
+    directory = raw.resolve()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         problem = None if os.access(directory, os.W_OK) else "is not writable by this process"
     except OSError as exc:
         problem = f"cannot be created ({exc.strerror})"
     if problem:
-        log.warning("%s=%s %s: %s", COMPILE_CACHE_ENV, raw, problem, what)
+        log.warning("%s=%s %s: %s", settings.COMPILE_CACHE_DIR.name, raw, problem, what)
         return None
     return directory
 
@@ -67,8 +68,8 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
     """Point torch's compile cache at DSOCR_COMPILE_CACHE_DIR (created if missing) when it is set;
     the directory in use, or None when torch keeps its default. A directory that cannot be used costs
     a warning and the default, not the worker: it only makes the next start slower."""
-    raw = environ.get(COMPILE_CACHE_ENV)
-    if not raw:
+    raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
+    if raw is None:
         return None
     default = environ.get(TORCH_CACHE_ENV, "under /tmp")
     directory = _cache_directory(raw, f"compiled kernels stay in torch's default cache ({default})")
@@ -89,8 +90,8 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     would also ignore the bytecode the system ships for the standard library (+5 s of a cold start's
     imports on the GPU host), and writing as the imports go added 8–12 s there."""
     global _writes_to
-    raw = environ.get(COMPILE_CACHE_ENV)
-    if not raw or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
+    raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
+    if raw is None or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
         return None
     spec = importlib.util.find_spec(probe)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):

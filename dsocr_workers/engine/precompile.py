@@ -53,16 +53,15 @@ from typing import IO, Literal, Protocol
 import torch
 
 import dsocr_workers
+from dsocr_workers import settings
 from dsocr_workers.engine.compile_cache import TORCH_CACHE_ENV
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.errors import InputError
 from dsocr_workers.model.config import OCRConfig, get_mode
 from dsocr_workers.model.preprocess import TILE_SIZE
 
 log = logging.getLogger(__name__)
 
-PROCESSES_ENV = "DSOCR_COMPILE_PROCESSES"
-DEFAULT_PROCESSES = 4  # vision helpers: five view sizes, the two smallest in one; two language helpers besides
+PROCESSES_ENV = settings.COMPILE_PROCESSES.name
 # A helper's graphs took 18-28 s on an H100, forked beside five others (docs/benchmarks.md); far past
 # that it is stuck, and the worker compiles without it.
 HELPER_TIMEOUT_S = 300.0
@@ -115,14 +114,7 @@ def share(shapes: Sequence[VisionShapes], processes: int) -> list[list[VisionSha
 
 def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """How many vision helpers (the two language helpers come with them); 0: the worker compiles alone."""
-    raw = environ.get(PROCESSES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PROCESSES
-    if not raw.isdigit():
-        raise InputError(
-            f"{PROCESSES_ENV}={raw!r}: expected a count of processes, 0 to compile in the worker only"
-        )
-    return int(raw)
+    return settings.read(settings.COMPILE_PROCESSES, environ)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ package hands out a dummy domain whose push/pop do nothing (see benchmarks/bench
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 import nvtx
 import torch
 
+from dsocr_workers import settings
 from dsocr_workers.engine.result import DeviceSpan, StageTimings
 
 NVTX_DOMAIN = "dsocr"
@@ -52,13 +52,12 @@ STAGES = ("preprocess", "setup", "prefill", "vision/sam", "vision/clip", "vision
 JOB_PARTS = ("preprocess", "setup", "prefill", "first_token", "decode", "readback", "postprocess")
 HOST_STAGES = frozenset({"preprocess", "postprocess"})
 VISION_STAGES = ("vision/sam", "vision/clip", "vision/projector")
-# `DSOCR_INSTRUMENTATION=0` turns NVTX ranges and timings off for clocks built with the defaults:
-# the benchmark's "instrumentation off" arm, without threading a flag through the session.
-INSTRUMENTATION_ENV = "DSOCR_INSTRUMENTATION"
 
 
 def instrumentation_default() -> bool:
-    return os.environ.get(INSTRUMENTATION_ENV, "1") != "0"
+    """`DSOCR_INSTRUMENTATION=0` turns NVTX ranges and timings off for clocks built with the defaults:
+    the benchmark's "instrumentation off" arm, without threading a flag through the session."""
+    return settings.read(settings.INSTRUMENTATION)
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from dsocr_workers import __version__
+from dsocr_workers import __version__, settings
 from dsocr_workers.engine.result import ModelSource
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -25,7 +24,7 @@ REPO_DIR = Path(__file__).resolve().parents[2]
 @cache
 def git_sha() -> str | None:
     """The checkout's commit; DSOCR_GIT_SHA where there is no checkout (container images set it at build)."""
-    if sha := os.environ.get("DSOCR_GIT_SHA"):
+    if sha := settings.read(settings.GIT_SHA):
         return sha[:40]
     try:
         out = subprocess.run(

@@ -36,7 +36,7 @@ from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.submit import job_labels, send_job_messages
 from dsocr_workers.farm.warm import plan_from_env
-from dsocr_workers.settings import Settings
+from dsocr_workers.settings import CPU_THREADS, Settings, read
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
 
@@ -56,9 +56,9 @@ def _open_child(**_: object) -> None:
     # with every child spinning a thread per core, N children oversubscribe the host N-fold, and on a
     # 2-GPU host the eager engine's host-bound decode ran 13% slower per token at K = 2 than at K = 1.
     threads = max(1, (os.cpu_count() or 1) // len(devices))
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+    if (chosen := read(CPU_THREADS)) is not None:
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
-        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+        threads = max(1, chosen)
     queues = queues_from_env()
     settings = Settings.from_env()
 

@@ -11,11 +11,11 @@ import py_compile
 import subprocess
 import sys
 
+from dsocr_workers import settings
 from dsocr_workers.engine.compile_cache import (
     BYTECODE_DIR,
     BYTECODE_LOCK,
     BYTECODE_WRITTEN,
-    COMPILE_CACHE_ENV,
     use_bytecode_cache,
     use_compile_cache,
 )
@@ -46,7 +46,7 @@ def run(env: dict[str, str]) -> dict:
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path, subprocess_env):
     cache = tmp_path / "compile-cache"
-    env = {**subprocess_env, COMPILE_CACHE_ENV: str(cache)}
+    env = {**subprocess_env, settings.COMPILE_CACHE_DIR.name: str(cache)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     first = run(env)
     assert first["torch_cache"] == str(cache.resolve())
@@ -64,10 +64,10 @@ def test_no_variable_keeps_torch_default():
 def test_a_directory_that_cannot_be_made_is_a_warning_and_the_default(tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    environ = {COMPILE_CACHE_ENV: str(blocker / "cache")}
+    environ = {settings.COMPILE_CACHE_DIR.name: str(blocker / "cache")}
     assert use_compile_cache(environ) is None
     assert "TORCHINDUCTOR_CACHE_DIR" not in environ
-    assert f"{COMPILE_CACHE_ENV}={blocker / 'cache'} cannot be created" in caplog.text
+    assert f"{settings.COMPILE_CACHE_DIR.name}={blocker / 'cache'} cannot be created" in caplog.text
 
 
 # A process started as `dsocr` starts: the bytecode decision first, then the import it is about, then,
@@ -101,7 +101,7 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
     sources.mkdir()
     (sources / "probe_module.py").write_text("VALUE = 1\n")
     cache = tmp_path / "cache"
-    env = {**subprocess_env, COMPILE_CACHE_ENV: str(cache), "PYTHONDONTWRITEBYTECODE": "1",
+    env = {**subprocess_env, settings.COMPILE_CACHE_DIR.name: str(cache), "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
@@ -123,7 +123,7 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
     os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 5,) * 2)
     assert run_bytecode_process(env)[2] == "0"
     # Without the variable, Python's own behaviour: nothing read or written anywhere.
-    del env[COMPILE_CACHE_ENV]
+    del env[settings.COMPILE_CACHE_DIR.name]
     assert run_bytecode_process(env) == ["None", "None 1", "None", "None"]
     assert not (sources / "__pycache__").exists()
 
@@ -135,12 +135,12 @@ def test_bytecode_present_or_writable_or_placed_by_the_user_is_left_alone(tmp_pa
     py_compile.compile(str(sources / "shipped_module.py"))  # bytecode beside the source, as pip leaves it
     (sources / "writable_module.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(sources))
-    environ = {COMPILE_CACHE_ENV: str(tmp_path / "cache")}
+    environ = {settings.COMPILE_CACHE_DIR.name: str(tmp_path / "cache")}
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert use_bytecode_cache(environ, probe="shipped_module") is None
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     assert use_bytecode_cache(environ, probe="writable_module") is None
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert use_bytecode_cache({**environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "mine")}, probe="writable_module") is None
-    assert environ == {COMPILE_CACHE_ENV: str(tmp_path / "cache")} and not (tmp_path / "cache").exists()
+    assert environ == {settings.COMPILE_CACHE_DIR.name: str(tmp_path / "cache")} and not (tmp_path / "cache").exists()
     assert sys.pycache_prefix is None

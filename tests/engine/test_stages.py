@@ -3,7 +3,8 @@ import time
 import pytest
 import torch
 
-from dsocr_workers.engine.stages import _STEP_EVENT_POOL, INSTRUMENTATION_ENV, STAGES, StageClock
+from dsocr_workers import settings
+from dsocr_workers.engine.stages import _STEP_EVENT_POOL, STAGES, StageClock
 
 # CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
 EPS = 0.01
@@ -180,7 +181,7 @@ def test_ranges_close_when_a_stage_raises():
 
 
 def test_instrumentation_off_by_environment(monkeypatch):
-    monkeypatch.setenv(INSTRUMENTATION_ENV, "0")
+    monkeypatch.setenv(settings.INSTRUMENTATION.name, "0")
     clock = StageClock("cpu")
     run_job(clock, "cpu", steps=3)
     assert clock.nvtx_log == []
