@@ -95,12 +95,12 @@ def child(args: argparse.Namespace) -> int:
                           "shapes": warm[name].shapes, "compile_times": compile_s[name]}), flush=True)  # fmt: skip
     first = next(iter(warm.values()))
     ready = time.time()
-    # What a worker's first full collection would scan and cost (farm/child.py settle_heap), after ready.
+    # What a worker's first full collection would scan and cost (farm/job/process.py settle_heap), after ready.
     heap_objects = len(gc.get_objects())
     collecting = time.perf_counter()
     gc.collect()
     full_collect_s = time.perf_counter() - collecting
-    # As a worker does once ready (farm/child.py): the bytecode it compiled in memory, written for the
+    # As a worker does once ready (farm/job/process.py): the bytecode it compiled in memory, written for the
     # next start by a niced background process while the timed jobs run.
     bytecode_writer, writing = write_bytecode(), time.time()
     pages = []

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from dsocr_workers import settings  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
-from dsocr_workers.farm.fingerprint import git_sha, nvidia_driver  # noqa: E402
+from dsocr_workers.farm.job.fingerprint import git_sha, nvidia_driver  # noqa: E402
 
 # The fast engine's first job compiles (vision for two shapes, then dynamic) and its decode step is
 # captured as a CUDA graph after a warm-up; eager needs one job to settle allocator and kernels.

@@ -19,9 +19,9 @@ import numpy as np
 from PIL import Image
 
 from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimings
-from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.fingerprint import environment_fingerprint
+from dsocr_workers.farm.job.execute import Ran, execute_job
+from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings

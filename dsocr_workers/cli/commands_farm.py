@@ -127,8 +127,9 @@ def worker(
 
     Settings come from the environment (DSOCR_DATABASE_URL, DSOCR_BROKER_URL, …). SIGTERM finishes the
     current jobs and stops; a job cut short is delivered again and resumed from the ledger."""
-    from dsocr_workers.farm.warm import ModelKey
-    from dsocr_workers.farm.worker import parse_devices, start_worker
+    from dsocr_workers.farm.celery.worker import start_worker
+    from dsocr_workers.farm.devices import parse_devices
+    from dsocr_workers.farm.job.warm import ModelKey
     from dsocr_workers.settings import Settings
 
     start_worker(
@@ -152,7 +153,7 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
     keyword arguments), queue lengths. Extra arguments go to Flower, e.g. --url-prefix=flower. Flower
     serves its control API (shutdown, pool resize, revoke) only with authentication set; resize no pool
     from it: a grown pool puts two children on one GPU."""
-    from dsocr_workers.farm.celery_app import start_flower
+    from dsocr_workers.farm.celery.app import start_flower
     from dsocr_workers.settings import Settings
 
     start_flower(Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args)

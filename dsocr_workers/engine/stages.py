@@ -203,7 +203,7 @@ class StageClock:
     def finish(self) -> None:
         """Wait for this clock's last mark on the device and resolve every mark into milliseconds.
         Idempotent. It waits for its own events, not the whole device: a job's clock may be finished
-        on another thread while the device already runs the next job (farm/ledger_threads.py)."""
+        on another thread while the device already runs the next job (farm/job/ledger_threads.py)."""
         if self._resolved is not None:
             return
         if self._open:

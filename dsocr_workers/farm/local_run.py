@@ -11,17 +11,22 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy import select
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from dsocr_workers.errors import FailuresError, InputError
-from dsocr_workers.farm.execute import BACK_IN_LINE, Outcome
+from dsocr_workers.errors import FailuresError, InputError, TransientError
+from dsocr_workers.farm.devices import parse_devices
+from dsocr_workers.farm.job.execute import BACK_IN_LINE, Outcome, execute_job
+from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.submit import RunRequest, SubmittedRun, prepare_run
-from dsocr_workers.farm.worker import IN_PROCESS_QUEUE, parse_devices, run_in_process
 from dsocr_workers.settings import Settings, check_queue_name
+from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, check_schema, open_database, upgrade
 from dsocr_workers.store.models import Job
 
+IN_PROCESS_QUEUE = "in-process"  # the queue `dsocr run` records its runs under by default (no worker reads it)
 FAILURES_NAMED = 10  # failed jobs the error names one by one; the rest are counted
 
 
@@ -53,7 +58,7 @@ def record_local_run(
 
 
 def work_local_run(settings: Settings, local: LocalRun, on_final: Callable[[Outcome], None]) -> list[Outcome]:
-    """Every job of the run, here, until it is final (`worker.run_in_process`, beating on the run's
+    """Every job of the run, here, until it is final (`run_in_process`, beating on the run's
     queue); `on_final` hears of each job's end. Returns the final outcomes."""
 
     def final_only(outcome: Outcome) -> None:
@@ -76,3 +81,57 @@ def raise_for_failures(local: LocalRun, finals: list[Outcome]) -> None:
     which = "; ".join(f"{images.get(o.job_id, o.job_id)}: {o.status} ({o.detail})" for o in failures[:FAILURES_NAMED])
     more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
     raise FailuresError(f"run {local.run.run_id}: {counts} of {len(local.run.job_ids)} jobs: {which}{more}")
+
+
+def run_in_process(
+    settings: Settings,
+    device: str,
+    job_ids: list[str],
+    on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+    max_transient_retries: int = 5,
+    queue: str = IN_PROCESS_QUEUE,
+) -> list[Outcome]:
+    """Run jobs here, one after the other (`dsocr run`). Failed attempts go to the back of the line until
+    they are final; the ledger decides, exactly as for Celery workers. Each job's model is loaded and
+    warmed before its claim (the first job's: before any claim). This process beats like a worker on
+    `queue` (its run's), renewing its leases, but sweeps nothing: it has no broker to send messages to."""
+    process = JobProcess.open(settings, device, queues=(queue,))
+    try:
+        return _run_line(process, settings, job_ids, on_outcome, max_transient_retries)
+    finally:
+        process.close()
+
+
+def _ledger_retries(retries: int) -> Retrying:
+    """Calls again after a TransientError (the ledger out of reach: the job is unchanged, or still held
+    under this process's lease and continued by the next call), `retries` times at most, 2 s later, then
+    4, 8, 16 and 30 s at most; the last error is raised."""
+    return Retrying(
+        retry=retry_if_exception_type(TransientError),
+        wait=wait_exponential(multiplier=2, max=30),
+        stop=stop_after_attempt(retries + 1),
+        reraise=True,
+    )
+
+
+def _run_line(
+    process: JobProcess, settings: Settings, job_ids: list[str], on_outcome: Callable[[Outcome], None],
+    max_transient_retries: int,
+) -> list[Outcome]:  # fmt: skip
+    line = list(job_ids)
+    finals: list[Outcome] = []
+    while line:
+        job_id = line.pop(0)
+        process.prepare_for(job_id)
+        # The next job of the line is known: its page is prepared while this one runs (farm/job/prefetch.py).
+        upcoming = partial(ledger.waiting_job, job_id=line[0], owner=process.owner) if line else None
+        infer = partial(process.infer, upcoming=upcoming)
+        outcome = _ledger_retries(max_transient_retries)(
+            execute_job, process.db, job_id, owner=process.owner, settings=settings, infer=infer
+        )
+        on_outcome(outcome)
+        if outcome.status in BACK_IN_LINE:
+            line.append(job_id)
+        else:
+            finals.append(outcome)
+    return finals

@@ -10,19 +10,19 @@ If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import insert, select
-from sqlalchemy.orm import Session
+from sqlalchemy import insert
 
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.broker import job_ids_in_broker
-from dsocr_workers.farm.celery_app import create_app
+from dsocr_workers.farm.celery.app import create_app
+from dsocr_workers.farm.celery.broker import job_ids_in_broker
+from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
 from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
 from dsocr_workers.model.config import AUTO_ENGINE, DTYPES, ENGINE_CHOICES, get_mode
 from dsocr_workers.settings import Settings, check_queue_name, redacted
@@ -30,8 +30,6 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, check_schema, open_database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 from dsocr_workers.store.runs import resolve_run
-
-LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
 
 
 @dataclass(frozen=True)
@@ -253,19 +251,6 @@ def submit_run(
     return Submission(run, enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids]))
 
 
-def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
-    """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
-    and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
-    the job id and reads everything else from the ledger. Read in the caller's transaction (a sweep
-    sends inside its own: a second transaction would wait on SQLite's write lock)."""
-    labels: dict[str, str] = {}
-    for start in range(0, len(job_ids), LABEL_BATCH):
-        batch = job_ids[start : start + LABEL_BATCH]
-        for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
-            labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
-    return labels
-
-
 def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     """Send one JSON message (the job id) per job, then mark them queued. Returns how many were sent;
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
@@ -285,23 +270,6 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
         with db.transaction() as session:
             ledger.mark_queued(session, sent)
     return len(sent)
-
-
-def send_job_messages(
-    app: Any, jobs: list[tuple[str, str]], sent: list[str], labels: Mapping[str, str]
-) -> None:
-    """One message per (job id, queue), its task id the job id and its label for monitors the job's in
-    `labels` (`job_labels`); appends each job id to `sent` once its message is out. Raises the broker's
-    error."""
-    from dsocr_workers.farm.tasks import RUN_JOB
-
-    with app.producer_or_acquire() as producer:
-        for job_id, queue in jobs:
-            app.send_task(
-                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
-                producer=producer,
-            )  # fmt: skip
-            sent.append(job_id)
 
 
 def reconcile_and_enqueue(

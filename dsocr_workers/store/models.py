@@ -184,7 +184,7 @@ class Result(Base):
     host_gap_ms: Mapped[float] = mapped_column(Float, default=0.0)
     ttft_ms: Mapped[float] = mapped_column(Float)  # preprocess + device start to first token
     e2e_ms: Mapped[float] = mapped_column(Float)
-    # Prefetched: the page was prepared while the previous job ran (farm/prefetch.py); its preprocess_ms
+    # Prefetched: the page was prepared while the previous job ran (farm/job/prefetch.py); its preprocess_ms
     # is still its own, timed where it ran (the prefetch thread). page_wait_ms: from the end of its
     # preprocessing to its setup (the previous job's rest, the claim), outside e2e; microseconds for a
     # page prepared in line. This and the columns below are NULL in rows older than revision 0005.

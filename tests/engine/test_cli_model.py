@@ -19,7 +19,7 @@ def test_literal_choices_match_the_model_package():
 
 def test_farm_entry_points_import_no_torch():
     # A worker's parent, `dsocr reconcile` and `dsocr --help` start fast and never touch CUDA.
-    code = "import sys, dsocr_workers.farm.tasks, dsocr_workers.cli; assert 'torch' not in sys.modules"
+    code = "import sys, dsocr_workers.farm.celery.tasks, dsocr_workers.cli; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
 
 

@@ -148,7 +148,7 @@ def test_flower_shows_workers_started_with_events_and_their_jobs_by_run_and_imag
 
 
 def json_kwargs(task: dict) -> dict:
-    """Flower shows a task's kwargs as the repr the message carried (farm/submit.py `job_labels`)."""
+    """Flower shows a task's kwargs as the repr the message carried (farm/celery/messages.py `job_labels`)."""
     import ast
 
     return ast.literal_eval(task["kwargs"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+from dsocr_workers.farm.celery.messages import job_labels
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
-from dsocr_workers.farm.submit import job_labels
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database

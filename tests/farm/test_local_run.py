@@ -1,6 +1,6 @@
 """Preparing a run from a file list (farm/submit.py `prepare_run`) and `dsocr run`'s steps around its
 in-process loop (farm/local_run.py), called directly on SQLite; tests/farm/test_workers.py runs them
-through `dsocr run`. The loop prefetches the next page of its line (farm/prefetch.py)."""
+through `dsocr run`. The loop prefetches the next page of its line (farm/job/prefetch.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ import pytest
 from sqlalchemy import func, select
 
 from dsocr_workers.errors import FailuresError, InputError
-from dsocr_workers.farm.execute import Outcome
-from dsocr_workers.farm.local_run import FAILURES_NAMED, raise_for_failures, record_local_run, work_local_run
+from dsocr_workers.farm.job.execute import Outcome
+from dsocr_workers.farm.local_run import (
+    FAILURES_NAMED,
+    IN_PROCESS_QUEUE,
+    raise_for_failures,
+    record_local_run,
+    work_local_run,
+)
 from dsocr_workers.farm.submit import RunOptions, RunRequest, prepare_run
-from dsocr_workers.farm.worker import IN_PROCESS_QUEUE
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.models import Job, Result, Run
 

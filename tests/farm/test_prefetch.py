@@ -1,5 +1,5 @@
-"""A job whose page was prefetched reaches its claim without another ledger read (farm/prefetch.py,
-farm/child.py): the run's model and parameters were read with the page, and every statement between
+"""A job whose page was prefetched reaches its claim without another ledger read (farm/job/prefetch.py,
+farm/job/process.py): the run's model and parameters were read with the page, and every statement between
 two jobs is host time the device waits through."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 
 from sqlalchemy import event
 
-from dsocr_workers.farm.child import JobProcess, job_warmup
 from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.job.process import JobProcess, job_warmup
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger

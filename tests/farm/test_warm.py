@@ -1,13 +1,13 @@
 """What a worker warms at start: the model, modes, token budgets and n-gram bans of the runs open on its
-queues (farm/warm.py), read from the real ledger, and carried to the children through the environment."""
+queues (farm/job/warm.py), read from the real ledger, and carried to the children through the environment."""
 
 from __future__ import annotations
 
 import gc
 import uuid
 
-from dsocr_workers.farm.child import JobProcess
-from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, Warmup, plan_warmup
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, job_id_for
@@ -43,7 +43,7 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
 
 
 def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
-    """Once loaded and warm, a process freezes what survives a collection (farm/child.py settle_heap):
+    """Once loaded and warm, a process freezes what survives a collection (farm/job/process.py settle_heap):
     a full collection during jobs scans none of it. Closing the process unfreezes it."""
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))

@@ -14,7 +14,7 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from dsocr_workers.farm.celery_app import create_app
+from dsocr_workers.farm.celery.app import create_app
 from dsocr_workers.farm.submit import enqueue
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -316,7 +316,7 @@ def test_piped_output_keeps_whole_lines(pages, tmp_path, subprocess_env, broker_
 
 
 def test_gpus_auto_falls_back_to_the_cpu_without_a_gpu():
-    from dsocr_workers.farm.worker import count_gpus, parse_devices
+    from dsocr_workers.farm.devices import count_gpus, parse_devices
 
     count = count_gpus()
     assert parse_devices("auto") == ([f"cuda:{i}" for i in range(count)] if count else ["cpu"])
@@ -328,7 +328,7 @@ def test_a_child_sees_only_its_own_gpu():
     names its device's index); the ledger keeps the worker's own name for the GPU (JobProcess.device)."""
     import torch
 
-    from dsocr_workers.farm.child import see_only_this_gpu
+    from dsocr_workers.farm.devices import see_only_this_gpu
 
     env: dict[str, str] = {}
     if torch.cuda.is_initialized():  # too late for this process to choose what it sees

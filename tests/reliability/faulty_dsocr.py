@@ -1,7 +1,7 @@
 """TEST-ONLY: `dsocr` with faults in chosen jobs, for scenarios that need a fault no real input produces on
 demand. The package itself carries no fault hook and no switch for one: this entry point, which lives
-only in the test tree, wraps `JobProcess.infer` (farm/child.py: the call that runs a claimed job) and
-`LedgerThreads.complete` (farm/ledger_threads.py) and `ledger.claim_job` (store/ledger.py), then hands the rest of its arguments
+only in the test tree, wraps `JobProcess.infer` (farm/job/process.py: the call that runs a claimed job) and
+`LedgerThreads.complete` (farm/job/ledger_threads.py) and `ledger.claim_job` (store/ledger.py), then hands the rest of its arguments
 to `dsocr`:
 
     python tests/reliability/faulty_dsocr.py --crash 'poison*.png' --hang 'hung*.png' worker --gpus cpu
@@ -17,7 +17,7 @@ to `dsocr`:
                   the hard time limit kills the process, before anything is written for the job.
     --lose-result GLOB
                   on the job's first attempt, its result is never handed to the ledger thread
-                  (farm/ledger_threads.py) and the process SIGKILLs itself a second later: the task has returned
+                  (farm/job/ledger_threads.py) and the process SIGKILLs itself a second later: the task has returned
                   and its message is acknowledged, its result not written. The ledger must bring it back.
 
 A worker's prefork children are forked from the process that installed the wrappers, so they run them;
@@ -137,8 +137,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from dsocr_workers.cli import main as dsocr
-    from dsocr_workers.farm.child import JobProcess
-    from dsocr_workers.farm.ledger_threads import LedgerThreads
+    from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+    from dsocr_workers.farm.job.process import JobProcess
     from dsocr_workers.store import ledger
 
     JobProcess.infer = with_faults(JobProcess.infer, Faults(tuple(args.crash), tuple(args.hang)))

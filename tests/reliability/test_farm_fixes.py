@@ -23,13 +23,13 @@ from kombu import Connection
 from reliability_harness import TcpProxy, ThrowawayRedis, make_pages
 
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.broker import TRANSPORT
-from dsocr_workers.farm.celery_app import create_app, restore_sweep
-from dsocr_workers.farm.execute import Claiming
+from dsocr_workers.farm.celery.app import create_app, restore_sweep
+from dsocr_workers.farm.celery.broker import TRANSPORT
 from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.job.execute import Claiming
+from dsocr_workers.farm.local_run import run_in_process
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.submit import RunOptions, record_run
-from dsocr_workers.farm.worker import run_in_process
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
@@ -153,7 +153,7 @@ def test_keepalive_on_broker_and_ledger_connections(monkeypatch):
 
 @pytest.mark.parametrize("database", ["postgres"], indirect=True)
 def test_dsocr_run_waits_out_a_ledger_outage_and_gives_up_on_a_longer_one(database, tmp_path):
-    """`dsocr run` (farm/worker.py) calls the ledger again 2 s, then 4 s, … after a TransientError: a job
+    """`dsocr run` (farm/celery/worker.py) calls the ledger again 2 s, then 4 s, … after a TransientError: a job
     whose ledger comes back in time is done; past its retries, the error is raised, the job unchanged."""
     listing = make_pages(tmp_path / "pages", 2)
     run = record_run(database, read_filelist(listing), RunOptions(mode="tiny", max_new_tokens=2), queue="here")

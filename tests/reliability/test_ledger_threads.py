@@ -1,4 +1,4 @@
-"""A Celery child's claims and results are written on its ledger thread (farm/ledger_threads.py): the
+"""A Celery child's claims and results are written on its ledger thread (farm/job/ledger_threads.py): the
 task does not wait for its result's write, the job keeps the time it finished, a ledger outage during
 the write is waited out, and closing in an outage gives the write up without hanging; a prefetched job
 starts on the device while its claim is written, waits for it before decoding, and a refused claim
@@ -22,9 +22,9 @@ from reliability_harness import FAST_JOB, TcpProxy, check_invariants, make_pages
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from dsocr_workers.farm.child import JobProcess, job_warmup
-from dsocr_workers.farm.execute import Ran, execute_job
 from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.job.execute import Ran, execute_job
+from dsocr_workers.farm.job.process import JobProcess, job_warmup
 from dsocr_workers.farm.submit import RunOptions, record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger

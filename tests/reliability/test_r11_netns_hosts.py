@@ -244,7 +244,7 @@ def test_r11_services_forget_a_cut_off_host(netns_lab: NetnsLab, tmp_path: Path,
     """Half-open connections: the servers drop host 2's connections during a 30 s cut (`forgetful_services`:
     what a partition of ~15 min does at the kernel's defaults) and no reset reaches host 2. Its idle worker
     must take jobs again, and a query that waited across the cut must fail (and be retried by its caller)
-    rather than wait: before the farm's TCP keepalive (farm/celery_app.py, store/db.py), the query waited
+    rather than wait: before the farm's TCP keepalive (farm/celery/app.py, store/db.py), the query waited
     for the OS's 2 h keepalive, and with kombu < 5.7 the idle worker never took a job again."""
     lab = netns_lab
     h2 = lab.hosts[1]

@@ -12,9 +12,9 @@ from faulty_dsocr import Faults
 from reliability_harness import FAST_JOB, Farm, TcpProxy, check_invariants, make_pages, record
 from sqlalchemy import select
 
-from dsocr_workers.farm.celery_app import create_app
+from dsocr_workers.farm.celery.app import create_app
+from dsocr_workers.farm.celery.messages import RUN_JOB
 from dsocr_workers.farm.submit import enqueue
-from dsocr_workers.farm.tasks import RUN_JOB
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import Job, Run

@@ -13,9 +13,9 @@ from pathlib import Path
 from reliability_harness import FAST_JOB, REPO, ThrowawayRedis, check_invariants, make_pages, record
 from sqlalchemy import text
 
-from dsocr_workers.farm.broker import TRANSPORT
-from dsocr_workers.farm.celery_app import create_app
-from dsocr_workers.farm.tasks import RUN_JOB
+from dsocr_workers.farm.celery.app import create_app
+from dsocr_workers.farm.celery.broker import TRANSPORT
+from dsocr_workers.farm.celery.messages import RUN_JOB
 from dsocr_workers.model.postprocess import parse_markup
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import open_database
@@ -106,7 +106,7 @@ def test_credentials_never_printed_logged_or_stored(new_farm, tmp_path, postgres
 
 def test_rediss_broker_verifies_the_server_and_keeps_the_ack_fix(new_farm, tmp_path):
     """A TLS broker (`rediss://`) gets the same transport as `redis://` (kombu's, with the acknowledgement
-    fix of farm/broker.py) and still speaks TLS, verifying the server's certificate."""
+    fix of farm/celery/broker.py) and still speaks TLS, verifying the server's certificate."""
     broker = ThrowawayRedis(tmp_path / "redis", tls=True)
     try:
         connection = create_app(Settings(broker_url=broker.url)).connection_for_write()

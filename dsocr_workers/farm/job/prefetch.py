@@ -1,6 +1,6 @@
 """The next job's page, prepared while this job has the device (issue 10).
 
-A job process (farm/child.py) runs one job at a time, and a job begins with host work: reading the
+A job process (farm/job/process.py) runs one job at a time, and a job begins with host work: reading the
 image, EXIF, tiling, normalising to bytes, the prompt's tokens (`model.preprocess.prepare_page`, about
 100 ms for a gundam page) before the device has anything to do. So while a job runs, one background
 thread prepares the page of the job this process will most likely run next:
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from dsocr_workers.farm.warm import ModelKey
+from dsocr_workers.farm.job.warm import ModelKey
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.ledger import WaitingJob
 

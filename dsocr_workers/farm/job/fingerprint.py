@@ -18,7 +18,7 @@ from typing import Any
 from dsocr_workers import __version__, settings
 from dsocr_workers.engine.result import ModelSource
 
-REPO_DIR = Path(__file__).resolve().parents[2]
+REPO_DIR = Path(__file__).resolve().parents[3]
 
 
 @cache
@@ -56,7 +56,7 @@ def nvidia_driver() -> str | None:
 
 def environment_fingerprint(device: str, source: ModelSource, runs_on: str = "") -> dict[str, Any]:
     """Column values of a `workers` row (including its content-hash `id`). `device` as the ledger names
-    it; `runs_on`: as this process sees it, where that differs (farm/child.py see_only_this_gpu)."""
+    it; `runs_on`: as this process sees it, where that differs (farm/devices.py see_only_this_gpu)."""
     import torch
     import transformers
 

@@ -20,7 +20,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual.base import QoS as VirtualQoS
 
-TRANSPORT = "dsocr_workers.farm.broker:Transport"
+TRANSPORT = "dsocr_workers.farm.celery.broker:Transport"
 
 
 class QoS(kombu_redis.QoS):

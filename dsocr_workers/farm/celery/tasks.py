@@ -24,23 +24,22 @@ from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import TransientError
-from dsocr_workers.farm.child import (
+from dsocr_workers.farm.celery.messages import RUN_JOB, job_labels, send_job_messages
+from dsocr_workers.farm.devices import see_only_this_gpu
+from dsocr_workers.farm.job.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.job.process import (
     JobProcess,
     devices_from_env,
     fork_compile_helpers,
     queues_from_env,
-    see_only_this_gpu,
 )
-from dsocr_workers.farm.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.job.warm import plan_from_env
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
-from dsocr_workers.farm.submit import job_labels, send_job_messages
-from dsocr_workers.farm.warm import plan_from_env
 from dsocr_workers.settings import CPU_THREADS, Settings, read
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
 
-RUN_JOB = "dsocr.run_job"
 log = logging.getLogger("dsocr.worker")
 
 _process: JobProcess | None = None
@@ -151,7 +150,7 @@ def _send_again(task: object, job_id: str, label: str | None, queue: str | None,
 def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     if _process is None:
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")
-    # A retry is a new message: it keeps the job's label (farm/submit.py `job_labels`) for monitors.
+    # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
     # The next message is not this child's to see: the page prefetched while this job runs is a guess's.

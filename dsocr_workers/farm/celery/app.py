@@ -17,13 +17,13 @@ from celery import Celery
 from kombu.utils.url import parse_url
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.farm.broker import TRANSPORT
+from dsocr_workers.farm.celery.broker import TRANSPORT
 from dsocr_workers.settings import Settings
 
 
 def create_app(settings: Settings, *, events: bool = False) -> Celery:
     """The farm's app. `events`: a worker that Flower can show (`dsocr worker --events`, see below)."""
-    app = Celery("dsocr", broker=settings.broker_url, include=["dsocr_workers.farm.tasks"])
+    app = Celery("dsocr", broker=settings.broker_url, include=["dsocr_workers.farm.celery.tasks"])
     transport_options: dict[str, object] = {
         "visibility_timeout": settings.visibility_timeout_s,
         **restore_sweep(settings.visibility_timeout_s),
@@ -46,7 +46,7 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
         # A worker must not take its siblings' or its own previous incarnation's state: no gossip, no
-        # mingle (farm/worker.py). Monitoring is opt-in: Flower lists workers and tasks from task events
+        # mingle (farm/celery/worker.py). Monitoring is opt-in: Flower lists workers and tasks from task events
         # and event heartbeats, and fills its worker pages (pool, queues, registered tasks) through
         # remote-control inspection. Without a monitor nothing would listen, so by default workers send
         # no events and keep no broadcast queue in Redis; with one, the cost is three small pub/sub

@@ -13,7 +13,7 @@ transaction with its setup (3.5 ms). Neither transaction needs the main thread:
   events). A row that cannot be built (a bug: it would fail again) fails the job.
 - **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
   written on the other thread; the job waits for its claim before its first decode step
-  (farm/child.py), so only its prefill can run before the lease is its own, and a refused claim drops
+  (farm/job/process.py), so only its prefill can run before the lease is its own, and a refused claim drops
   that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate
   delivery, rare.
 

@@ -3,7 +3,7 @@
     claim (lease) → infer → result + `done` in one transaction guarded by the lease
                           ↘ failure classified: InputError final, TransientError released, other counted
 
-Given a `LedgerThreads` (a Celery child: farm/ledger_threads.py), both transactions run on that thread: the
+Given a `LedgerThreads` (a Celery child: farm/job/ledger_threads.py), both transactions run on that thread: the
 claim while the job starts (`infer` gets the claim under way, `Claiming`, and may start the job's prefill
 before it waits for the claim), the result after this returns (the outcome is then `completing`).
 Without one (`dsocr run`) they run here, in order.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.owners import owner_is_dead
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
@@ -48,8 +48,8 @@ class Ran:
     result: InferenceResult | DeviceRun
     worker_id: str  # the environment fingerprint (`workers` row)
     worker_session_id: str | None = None  # the loaded model in its process (`worker_sessions` row)
-    prefetched: bool = False  # its page was prepared while the previous job ran (farm/prefetch.py)
-    device: str | None = None  # as the ledger names it, where the engine's name differs (farm/child.py)
+    prefetched: bool = False  # its page was prepared while the previous job ran (farm/job/prefetch.py)
+    device: str | None = None  # as the ledger names it, where the engine's name differs (farm/job/process.py)
 
     def finished(self) -> InferenceResult:
         return self.result if isinstance(self.result, InferenceResult) else self.result.finish()

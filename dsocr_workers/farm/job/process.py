@@ -2,11 +2,11 @@
 
 It owns one device, one ledger connection (opened in this process, after fork) and one loaded model,
 kept while consecutive jobs ask for the same model settings (model, dtype, engine, seed). The model is
-loaded and warmed before a job is claimed (farm/warm.py), and each time that happens a
+loaded and warmed before a job is claimed (farm/job/warm.py), and each time that happens a
 `worker_sessions` row records what it cost; the jobs run afterwards point at that row. While a job has
-the device, the page of the job likely to come next is prepared on a thread (farm/prefetch.py); a
+the device, the page of the job likely to come next is prepared on a thread (farm/job/prefetch.py); a
 Celery child's claims and results are written on another, off the path between two jobs
-(farm/ledger_threads.py).
+(farm/job/ledger_threads.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.compile_cache import write_bytecode
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.farm.execute import Claiming, Ran
-from dsocr_workers.farm.fingerprint import environment_fingerprint
-from dsocr_workers.farm.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.execute import Claiming, Ran
+from dsocr_workers.farm.job.fingerprint import environment_fingerprint
+from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.prefetch import PageRequest, Prefetcher, Upcoming
+from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
-from dsocr_workers.farm.prefetch import PageRequest, Prefetcher, Upcoming
-from dsocr_workers.farm.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
@@ -53,24 +53,6 @@ class LoadedSession:
     worker_id: str  # the environment fingerprint
     worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
     warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
-
-
-def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
-    """The device a Celery child runs on once it sees only its own GPU (`CUDA_VISIBLE_DEVICES`): `cuda:0`
-    in every child, whichever GPU it has. Inductor's compiled graphs name their device's index, so a
-    compile cache filled on cuda:0 served only the children on cuda:0 (2 x H200: the child on cuda:1
-    compiled 34 s of graphs the warm cache held for cuda:0, docs/benchmarks.md). Call before CUDA is
-    initialised in this process; otherwise, or for a device that is not one GPU, `device` as it is."""
-    import torch
-
-    if not device.startswith("cuda:") or torch.cuda.is_initialized():
-        return device
-    index = int(device.removeprefix("cuda:"))
-    visible = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
-    if "CUDA_VISIBLE_DEVICES" in environ and index >= len(visible):
-        return device  # not there: torch's own error says so when the model loads
-    environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
-    return "cuda:0"
 
 
 def ngram_options(ngram: NGram) -> DecodeOptions:
@@ -222,7 +204,7 @@ class JobProcess:
     def infer(self, claiming: Claiming, upcoming: Upcoming | None = None) -> Ran:
         """Run a job once its claim is written: on the page prefetched for it, if there is one, else on a
         page prepared here. `upcoming` names the job likely to come next, whose page is prepared while
-        this one runs. A prefetched job whose claim is still under way (farm/ledger_threads.py) starts on
+        this one runs. A prefetched job whose claim is still under way (farm/job/ledger_threads.py) starts on
         the device at once, from what the prefetch read of its job (a run's settings and a job's image
         never change), and waits for its claim once its prefill is queued: a refused claim (Refused)
         drops the prefill, and nothing of it is recorded."""

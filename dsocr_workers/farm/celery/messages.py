@@ -1,0 +1,45 @@
+"""The farm's one kind of message: a job id, sent to its queue as the task `RUN_JOB` (JSON, nothing
+else; the ledger holds the rest), labelled for monitors with the job's run, image and repeat. Sent by
+`dsocr submit` / `dsocr reconcile` (farm/submit.py), by a sweep that takes back a dead worker's jobs and
+by the parent of a child killed at the hard time limit (farm/celery/tasks.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from dsocr_workers.store.models import Job
+
+RUN_JOB = "dsocr.run_job"
+LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
+
+
+def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
+    """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
+    and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
+    the job id and reads everything else from the ledger. Read in the caller's transaction (a sweep
+    sends inside its own: a second transaction would wait on SQLite's write lock)."""
+    labels: dict[str, str] = {}
+    for start in range(0, len(job_ids), LABEL_BATCH):
+        batch = job_ids[start : start + LABEL_BATCH]
+        for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+            labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
+    return labels
+
+
+def send_job_messages(
+    app: Any, jobs: list[tuple[str, str]], sent: list[str], labels: Mapping[str, str]
+) -> None:
+    """One message per (job id, queue), its task id the job id and its label for monitors the job's in
+    `labels` (`job_labels`); appends each job id to `sent` once its message is out. Raises the broker's
+    error."""
+    with app.producer_or_acquire() as producer:
+        for job_id, queue in jobs:
+            app.send_task(
+                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                producer=producer,
+            )  # fmt: skip
+            sent.append(job_id)
