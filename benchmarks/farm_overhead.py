@@ -23,7 +23,8 @@ from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Ran, execute_job
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.owners import process_owner
-from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import open_database, upgrade
 from dsocr_workers.store.models import Worker

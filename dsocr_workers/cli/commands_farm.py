@@ -10,7 +10,7 @@ import click
 from dsocr_workers import settings
 from dsocr_workers.cli import F, exits_on_errors, stdout_console
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.model.config import AUTO_ENGINE, DTYPES, ENGINE_CHOICES, MODES
+from dsocr_workers.model.config import AUTO_ENGINE, DEFAULT_MODE, DTYPES, ENGINE_CHOICES, MODES
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -28,7 +28,7 @@ def run_options(command: F) -> F:
         click.option("--name", help="Run name (default: the list's file name)."),
         click.option("--model", default="tiny", show_default=True,
                      help="Preset (tiny, full: RANDOM weights) or a checkpoint directory."),
-        click.option("--mode", type=click.Choice(tuple(MODES)), default="gundam", show_default=True,
+        click.option("--mode", type=click.Choice(tuple(MODES)), default=DEFAULT_MODE, show_default=True,
                      help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles)."),
         click.option("--max-new-tokens", type=int, help="Decode at most this many tokens."),
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
@@ -58,7 +58,8 @@ def run_options(command: F) -> F:
 
 def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
     """The run that `run_options` ask for (RunOptions checks them)."""
-    from dsocr_workers.farm.submit import RunOptions, RunRequest
+    from dsocr_workers.farm.run_options import RunOptions
+    from dsocr_workers.farm.submit import RunRequest
 
     options = RunOptions(
         model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
@@ -129,7 +130,7 @@ def worker(
     current jobs and stops; a job cut short is delivered again and resumed from the ledger."""
     from dsocr_workers.farm.celery.worker import start_worker
     from dsocr_workers.farm.devices import parse_devices
-    from dsocr_workers.farm.job.warm import ModelKey
+    from dsocr_workers.farm.run_options import ModelKey
     from dsocr_workers.settings import Settings
 
     start_worker(

@@ -12,7 +12,7 @@ import click
 from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.errors import FailuresError
-from dsocr_workers.model.config import DTYPES, ENGINES, MODES, PRESETS
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, ENGINES, MODES, PRESETS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -117,7 +117,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.command("infer")
 @click.argument("image", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @model_options
-@click.option("--mode", type=click.Choice(MODE_NAMES), default="gundam", show_default=True)
+@click.option("--mode", type=click.Choice(MODE_NAMES), default=DEFAULT_MODE, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Default: up to the model's positions.")
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")

@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, result_document
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.model.config import DEFAULT_MODE
 from dsocr_workers.model.images import load_image
 from dsocr_workers.model.postprocess import parse_markup, write_outputs
 from dsocr_workers.model.preprocess import build_prompt
@@ -60,7 +61,7 @@ class PageRequest:
     image: Path
     out_dir: Path
     prompt: str | None = None  # text with <image> once, or a vendor prompt's name; None: document
-    mode: str = "gundam"
+    mode: str = DEFAULT_MODE
     max_new_tokens: int | None = None  # None: up to the model's positions
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     max_crops: int = 9

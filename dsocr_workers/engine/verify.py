@@ -13,6 +13,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.stages import VISION_STAGES, StageClock
+from dsocr_workers.model.config import DEFAULT_MODE
 
 ImageInput = str | os.PathLike | bytes | Image.Image
 
@@ -30,7 +31,7 @@ NEAR_TIE = {torch.float32: 2.0**-16, torch.float16: 2.0**-8, torch.bfloat16: 2.0
 
 
 def one_shot_scores(
-    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
+    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
 ) -> torch.Tensor:
     """The scores one-shot generation picks from at every step given the same prefix: a single
     cache-free forward over prompt + `tokens` (teacher forcing), each step's logits after the n-gram
@@ -58,7 +59,7 @@ def one_shot_scores(
 
 
 def one_shot_choices(
-    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = "gundam"
+    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
 ) -> list[tuple[int, float, float]]:
     """What one-shot generation picks at every step given the same prefix (`one_shot_scores`). If every
     pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
@@ -83,7 +84,7 @@ class KvGrowth:
 
 
 def split_kv_growth(
-    session: DeepSeekOCRSession, image: ImageInput, steps: int, options: DecodeOptions, mode: str = "gundam"
+    session: DeepSeekOCRSession, image: ImageInput, steps: int, options: DecodeOptions, mode: str = DEFAULT_MODE
 ) -> KvGrowth:
     """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
     every step."""
@@ -100,7 +101,7 @@ def split_kv_growth(
 
 
 def run_checks(
-    session: DeepSeekOCRSession, image: ImageInput, max_new_tokens: int = 32, mode: str = "gundam"
+    session: DeepSeekOCRSession, image: ImageInput, max_new_tokens: int = 32, mode: str = DEFAULT_MODE
 ) -> list[CheckResult]:
     options = DecodeOptions(ignore_eos=True)  # a fixed length makes the comparison total
     result = session.run_inference(image, mode=mode, max_new_tokens=max_new_tokens, infer=options)
@@ -149,7 +150,7 @@ def run_checks(
 
 
 def teacher_forced_top1(
-    session: DeepSeekOCRSession, image: ImageInput, forced: list[int], options: DecodeOptions, mode: str = "gundam"
+    session: DeepSeekOCRSession, image: ImageInput, forced: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
 ) -> list[int]:
     """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
     picks at every step, each from the forced prefix."""
@@ -171,7 +172,7 @@ def teacher_forced_top1(
 
 def teacher_forced_agreement(
     session_a: DeepSeekOCRSession, session_b: DeepSeekOCRSession, image: ImageInput, steps: int = 256,
-    mode: str = "gundam",
+    mode: str = DEFAULT_MODE,
 ) -> float:
     """Fraction of steps where B's top-1 equals A's greedy token, B teacher-forced on A's tokens."""
     options = DecodeOptions(ignore_eos=True)

@@ -11,63 +11,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import redis
 from sqlalchemy import insert
 
-from dsocr_workers.engine.result import DecodeOptions, ModelSource
+from dsocr_workers.engine.result import ModelSource
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.celery.app import create_app
 from dsocr_workers.farm.celery.broker import job_ids_in_broker
 from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
 from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
-from dsocr_workers.model.config import AUTO_ENGINE, DTYPES, ENGINE_CHOICES, get_mode
+from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, check_schema, open_database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 from dsocr_workers.store.runs import resolve_run
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What every job of a run computes; stored in the run row and read back by the worker."""
-
-    model: str = "tiny"
-    mode: str = "gundam"
-    prompt: str | None = None
-    max_new_tokens: int | None = None
-    ignore_eos: bool = False
-    engine: str = AUTO_ENGINE
-    dtype: str | None = None
-    repeats: int = 1
-    seed: int = 0
-    stop_on_repetition: bool = False
-    # The no-repeat n-gram ban: the vendor's HF default, or off (0), or windowed as in its vLLM path.
-    no_repeat_ngram_size: int = DecodeOptions.no_repeat_ngram_size
-    ngram_window: int | None = None
-
-    def __post_init__(self) -> None:
-        get_mode(self.mode)  # InputError naming the valid modes
-        if self.engine not in ENGINE_CHOICES:
-            raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
-        if self.repeats < 1:
-            raise InputError("--repeats must be at least 1")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise InputError("--max-new-tokens must be at least 1")
-        if self.no_repeat_ngram_size < 0:
-            raise InputError("--no-repeat-ngram-size must be 0 (off) or more")
-        if self.ngram_window is not None and self.ngram_window < 1:
-            raise InputError("--ngram-window must be at least 1")
-
-    @property
-    def parameters(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "model"}
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,8 @@ def get_mode(mode: str | ModeSpec) -> ModeSpec:
 
 # What a run may ask for (checked at submit, offered as CLI choices): the engine's names and the dtypes
 # it loads weights in (engine/session.py maps them to torch dtypes, with short aliases).
+# The vendor's default mode: what a run, a warm-up or `dsocr infer` uses when nothing says otherwise.
+DEFAULT_MODE = "gundam"
 ENGINES = ("eager", "fast")
 # `auto`, a run's default: the fast engine where the job runs on a GPU, eager (the reference) on a CPU.
 # Each result records the engine that ran.

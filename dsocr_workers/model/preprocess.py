@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, ModeSpec, get_mode
+from dsocr_workers.model.config import BOS_TOKEN_ID, DEFAULT_MODE, IMAGE_TOKEN_ID, ModeSpec, get_mode
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
@@ -207,7 +207,7 @@ def prepare_page(
     image: str | os.PathLike | bytes | Image.Image,
     encode: Callable[[str], list[int]],
     *,
-    mode: str | ModeSpec = "gundam",
+    mode: str | ModeSpec = DEFAULT_MODE,
     prompt: str | None = None,
     max_crops: int = 9,
     max_pixels: int = MAX_PIXELS,

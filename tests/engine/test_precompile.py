@@ -284,7 +284,8 @@ def test_a_load_that_fails_stops_the_helpers_started_for_it(database, tmp_path, 
     when the load fails, none of them is left compiling for a warm-up that will not happen (here they
     would compile every mode for minutes)."""
     from dsocr_workers.farm.job.process import JobProcess
-    from dsocr_workers.farm.job.warm import ModelKey, Warmup
+    from dsocr_workers.farm.job.warm import Warmup
+    from dsocr_workers.farm.run_options import ModelKey
     from dsocr_workers.settings import Settings
 
     monkeypatch.setenv("PYTHONPATH", subprocess_env["PYTHONPATH"])

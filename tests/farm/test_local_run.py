@@ -18,7 +18,8 @@ from dsocr_workers.farm.local_run import (
     record_local_run,
     work_local_run,
 )
-from dsocr_workers.farm.submit import RunOptions, RunRequest, prepare_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import RunRequest, prepare_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.models import Job, Result, Run
 

@@ -10,7 +10,8 @@ from sqlalchemy import event
 
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.process import JobProcess, job_warmup
-from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 
@@ -27,8 +28,9 @@ def test_prepare_for_a_prefetched_job_reads_nothing_more(database, tmp_path, mak
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         with process.db.transaction() as tx:
-            parameters = ledger.waiting_job(tx, prefetched_job, process.owner).parameters  # type: ignore[union-attr]
-        loaded = process.warm(job_warmup("tiny", parameters))
+            waiting = ledger.waiting_job(tx, prefetched_job, process.owner)
+        assert waiting is not None
+        loaded = process.warm(job_warmup(RunOptions.from_parameters(waiting.model, waiting.parameters)))
         process.prefetcher.start(lambda tx: ledger.waiting_job(tx, prefetched_job, process.owner),
                                  loaded.key, loaded.session)  # fmt: skip
 

@@ -29,7 +29,8 @@ from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Claiming
 from dsocr_workers.farm.local_run import run_in_process
 from dsocr_workers.farm.owners import owner_prefix_of_pid
-from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database

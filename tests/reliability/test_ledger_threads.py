@@ -25,7 +25,8 @@ from sqlalchemy.engine import make_url
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Ran, execute_job
 from dsocr_workers.farm.job.process import JobProcess, job_warmup
-from dsocr_workers.farm.submit import RunOptions, record_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database

@@ -25,7 +25,8 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Ran, execute_job
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
-from dsocr_workers.farm.submit import RunOptions, attach_ground_truth, record_run
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import attach_ground_truth, record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, job_id_for

@@ -1,6 +1,6 @@
 """The Celery task: a job id in, `execute_job`, and the retry it asks for. Thin on purpose.
 
-Each prefork child takes its device from its pool index (`DSOCR_WORKER_DEVICES`, set by `dsocr worker`),
+Each prefork child takes its device from its pool index (the `WorkerSpec` handed down by `dsocr worker`),
 so the parent never touches CUDA; a replacement child gets the index, and the device, of the one it
 replaces. A child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those
 of cuda:0, one compile cache for all of them.
@@ -25,15 +25,13 @@ from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.celery.messages import RUN_JOB, job_labels, send_job_messages
+from dsocr_workers.farm.celery.worker import handed_spec
 from dsocr_workers.farm.devices import see_only_this_gpu
 from dsocr_workers.farm.job.execute import execute_job, retry_backoff_s
 from dsocr_workers.farm.job.process import (
     JobProcess,
-    devices_from_env,
     fork_compile_helpers,
-    queues_from_env,
 )
-from dsocr_workers.farm.job.warm import plan_from_env
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.settings import CPU_THREADS, Settings, read
@@ -48,25 +46,23 @@ _process: JobProcess | None = None
 @worker_process_init.connect
 def _open_child(**_: object) -> None:
     global _process
-    devices = devices_from_env()
+    spec = handed_spec()
     index = getattr(current_process(), "index", 0) or 0
-    device = devices[index % len(devices)]
+    device = spec.device_of(index)
     # Each child gets its share of the host's cores for torch's CPU threads (preprocessing, CPU decode):
     # with every child spinning a thread per core, N children oversubscribe the host N-fold, and on a
     # 2-GPU host the eager engine's host-bound decode ran 13% slower per token at K = 2 than at K = 1.
-    threads = max(1, (os.cpu_count() or 1) // len(devices))
+    threads = max(1, (os.cpu_count() or 1) // len(spec.slots))
     if (chosen := read(CPU_THREADS)) is not None:
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
         threads = max(1, chosen)
-    queues = queues_from_env()
-    settings = Settings.from_env()
+    queues, settings, plan = spec.queues, spec.settings, spec.warmup
 
     def send_again(session: Session, jobs: list[tuple[str, str]]) -> None:
         # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
         send_job_messages(run_job.app, jobs, [], job_labels(session, [job_id for job_id, _ in jobs]))
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
-    plan = plan_from_env()
     # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
     helpers = fork_compile_helpers(plan, runs_on) if plan is not None else None
     _process = JobProcess.open(
@@ -106,14 +102,14 @@ class JobRequest(Request):
                 # queued without a message, Celery acknowledging this one. Sent again: a delivery too
                 # many is refused by the claim, one too few is a job lost until `dsocr reconcile`.
                 log.exception("job %s: could not record the hard time limit; its message is sent again", job_id)
-                _send_again(self.task, job_id, self.kwargsrepr, queue, Settings.from_env())
+                _send_again(self.task, job_id, self.kwargsrepr, queue, handed_spec().settings)
         super().on_timeout(soft, timeout)
 
 
 def _record_hard_timeout(
     task: object, job_id: str, child_pid: int, limit_s: float, label: str | None, queue: str | None
 ) -> None:
-    settings = Settings.from_env()
+    settings = handed_spec().settings
     # A short-lived engine, disposed at once: the parent forks replacement children, which must not
     # inherit an open database connection.
     db = open_database(settings.database_url)

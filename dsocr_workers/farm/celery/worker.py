@@ -1,18 +1,20 @@
-"""Starting workers: `dsocr worker` (Celery prefork, one child per device) and `dsocr run`'s in-process loop.
+"""Starting `dsocr worker`: Celery prefork, one child per device slot.
 
-The parent process never imports torch or touches CUDA: GPUs are counted with `nvidia-smi`, and each
-child opens its own device, ledger connection and model after fork.
+The parent process never imports torch or touches CUDA (GPUs are counted with `nvidia-smi`,
+farm/devices.py); each child opens its own device, ledger connection and model after fork. What a child
+needs to know comes in one `WorkerSpec`, set in the parent before the pool starts and inherited by every
+child it forks (replacements too: billiard forks them from the same parent), never through the
+environment.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.farm.job.process import DEVICES_ENV, QUEUES_ENV
-from dsocr_workers.farm.job.warm import WARMUP_ENV, ModelKey, plan_warmup
+from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store.db import check_schema, open_database
 
@@ -22,9 +24,35 @@ WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What `dsocr worker` hands each of its children: the settings it read, one device per pool index
+    (a device repeats with --concurrency-per-device), the queues it consumes (the ones its children
+    sweep) and the start-up warm-up (None: `--warmup none`)."""
+
+    settings: Settings
+    slots: tuple[str, ...]
+    queues: tuple[str, ...]
+    warmup: Warmup | None
+
+    def device_of(self, index: int) -> str:
+        """The device of pool index `index` (a replacement child gets the index of the one it replaces)."""
+        return self.slots[index % len(self.slots)]
+
+
+_handed: WorkerSpec | None = None
+
+
+def handed_spec() -> WorkerSpec:
+    """The spec of the worker this process belongs to (its parent or itself)."""
+    if _handed is None:
+        raise RuntimeError("no WorkerSpec: this process was not started by `dsocr worker`")
+    return _handed
+
+
 def check_ledger(
     settings: Settings, queues: list[str], warmup: str, fallback: ModelKey, fallback_budget: int | None
-) -> str | None:
+) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
     db = open_database(settings.database_url)
@@ -33,7 +61,7 @@ def check_ledger(
         plan = plan_warmup(db, queues, warmup, fallback, fallback_budget)
     finally:
         db.dispose()
-    return plan.to_env() if plan else None
+    return plan
 
 
 def start_worker(
@@ -57,13 +85,9 @@ def start_worker(
         raise InputError("--concurrency-per-device must be at least 1")
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
-    slots = [device for device in devices for _ in range(concurrency_per_device)]
-    os.environ[DEVICES_ENV] = ",".join(slots)
-    os.environ[QUEUES_ENV] = ",".join(queue_names)
-    if plan:
-        os.environ[WARMUP_ENV] = plan
-    else:
-        os.environ.pop(WARMUP_ENV, None)
+    global _handed
+    slots = tuple(device for device in devices for _ in range(concurrency_per_device))
+    _handed = WorkerSpec(settings, slots, tuple(queue_names), plan)
 
     from dsocr_workers.farm.celery.app import create_app
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from dsocr_workers.farm.job.warm import ModelKey
+from dsocr_workers.farm.run_options import ModelKey, RunOptions
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.ledger import WaitingJob
 
@@ -56,9 +56,8 @@ class PageRequest:
     model: ModelKey  # the tokenizer that made the prompt's ids
 
     @classmethod
-    def of_job(cls, job_id: str, image_path: Path, model: str, parameters: dict[str, Any]) -> PageRequest:
-        return cls(job_id, image_path, parameters.get("prompt"), parameters.get("mode", "gundam"),
-                   ModelKey.of_run(model, parameters))  # fmt: skip
+    def of_job(cls, job_id: str, image_path: Path, options: RunOptions) -> PageRequest:
+        return cls(job_id, image_path, options.prompt, options.mode, options.model_key)
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,8 @@ class Prefetcher:
             return None
         if waiting is None:
             return None
-        request = PageRequest.of_job(waiting.job_id, waiting.image_path, waiting.model, waiting.parameters)
+        options = RunOptions.from_parameters(waiting.model, waiting.parameters)
+        request = PageRequest.of_job(waiting.job_id, waiting.image_path, options)
         if request.model != model:
             return None
         try:

@@ -29,9 +29,10 @@ from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.job.prefetch import PageRequest, Prefetcher, Upcoming
-from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, ModelKey, NGram, Warmup, run_ngram
+from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
+from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
@@ -41,8 +42,6 @@ from dsocr_workers.store.upsert import upsert
 if TYPE_CHECKING:
     from dsocr_workers.engine.precompile import CompileHelpers
 
-DEVICES_ENV = "DSOCR_WORKER_DEVICES"
-QUEUES_ENV = "DSOCR_WORKER_QUEUES"
 log = logging.getLogger("dsocr.worker")
 
 
@@ -197,7 +196,7 @@ class JobProcess:
                 with self.db.transaction() as tx:
                     run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
             if run is not None:
-                self.warm(job_warmup(run.model, run.parameters))
+                self.warm(job_warmup(RunOptions.from_parameters(run.model, run.parameters)))
         except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
 
@@ -212,14 +211,14 @@ class JobProcess:
         early = (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
                  and self.loaded is not None and self.loaded.key == prefetched.request.model)  # fmt: skip
         if prefetched is not None and early:
-            p, model = prefetched.job.parameters, prefetched.job.model
+            options = RunOptions.from_parameters(prefetched.job.model, prefetched.job.parameters)
         else:
             claim = claiming.result()
-            p, model = claim.parameters, claim.model
-            request = PageRequest.of_job(claim.job_id, claim.image_path, claim.model, p)
+            options = RunOptions.from_parameters(claim.model, claim.parameters)
+            request = PageRequest.of_job(claim.job_id, claim.image_path, options)
             if prefetched is not None and prefetched.request != request:
                 prefetched = None
-        loaded = self.warm(job_warmup(model, p))  # warm already, unless the run changed its mind
+        loaded = self.warm(job_warmup(options))  # warm already, unless the run changed its mind
 
         def prefetch_next() -> None:
             if upcoming is not None:
@@ -243,7 +242,7 @@ class JobProcess:
         # The device's part only: the host's part (the text, the timings) is done where the result row
         # is built, on a Celery child's results thread while the device runs the next job.
         on_device = loaded.session.run_on_device(
-            prepared.page, p.get("max_new_tokens"), decode_options(p), clock=prepared.clock,
+            prepared.page, options.max_new_tokens, options.decode_options, clock=prepared.clock,
             after_prefill=claimed_then_prefetch_next if early else prefetch_next,
         )  # fmt: skip
         return Ran(on_device, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None,
@@ -255,25 +254,6 @@ class JobProcess:
         return ledger.next_waiting_job(session, self.queues, self.owner)
 
 
-# The run parameters that are decode options (farm/submit.py RunOptions), under DecodeOptions' names.
-DECODE_PARAMETERS = ("ignore_eos", "stop_on_repetition", "no_repeat_ngram_size", "ngram_window")
-
-
-def decode_options(parameters: dict[str, Any]) -> DecodeOptions:
-    """A run's decode policy; what an older run did not record keeps DecodeOptions' default."""
-    return DecodeOptions(**{name: parameters[name] for name in DECODE_PARAMETERS if name in parameters})
-
-
-def job_warmup(model: str, parameters: dict[str, Any]) -> Warmup:
-    """What one job needs warm: its run's model, mode and token budget."""
-    return Warmup(ModelKey.of_run(model, parameters), (parameters.get("mode", "gundam"),),
-                  (parameters.get("max_new_tokens"),), (run_ngram(parameters),))
-
-
-def devices_from_env() -> list[str]:
-    return [d for d in os.environ.get(DEVICES_ENV, "cpu").split(",") if d]
-
-
-def queues_from_env() -> tuple[str, ...]:
-    """The queues the worker consumes (set by `dsocr worker`): the ones its children sweep."""
-    return tuple(q for q in os.environ.get(QUEUES_ENV, "").split(",") if q) or (Settings.from_env().queue,)
+def job_warmup(options: RunOptions) -> Warmup:
+    """What one job needs warm: its run's model, mode, token budget and n-gram ban."""
+    return Warmup(options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,))

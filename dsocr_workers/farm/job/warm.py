@@ -11,46 +11,23 @@ submitted after the worker started). Either way no job pays for it.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
-from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import MODES
+from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
+from dsocr_workers.model.config import DEFAULT_MODE, MODES
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run
 
-WARMUP_ENV = "DSOCR_WORKER_WARMUP"  # the plan, as JSON, from `dsocr worker` to its children
 # What users run most (the vendor's default mode) when nothing else says what to warm.
-DEFAULT_WARMUP_MODES = ("gundam",)
+DEFAULT_WARMUP_MODES = (DEFAULT_MODE,)
 
 
-@dataclass(frozen=True)
-class ModelKey:
-    """The settings that make one loaded model (a worker process holds one at a time)."""
-
-    model: str
-    engine: str = "eager"
-    dtype: str | None = None
-    seed: int = 0
-
-    @classmethod
-    def of_run(cls, model: str, parameters: dict[str, Any]) -> ModelKey:
-        return cls(model, parameters.get("engine", "eager"), parameters.get("dtype"), parameters.get("seed", 0))
-
-
-# A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window); the vendor's default.
-NGram = tuple[int, int | None]
-DEFAULT_NGRAM: NGram = (DecodeOptions.no_repeat_ngram_size, DecodeOptions.ngram_window)
-
-
-def run_ngram(parameters: dict[str, Any]) -> NGram:
-    return (parameters.get("no_repeat_ngram_size", DEFAULT_NGRAM[0]), parameters.get("ngram_window", DEFAULT_NGRAM[1]))
+# The vendor's n-gram ban (RunOptions' default), the one a warm-up compiles for when no run says otherwise.
+DEFAULT_NGRAM: NGram = RunOptions().ngram
 
 
 @dataclass(frozen=True)
@@ -63,15 +40,6 @@ class Warmup:
     modes: tuple[str, ...]
     budgets: tuple[int | None, ...] = (None,)
     ngrams: tuple[NGram, ...] = (DEFAULT_NGRAM,)
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_env(cls, text: str) -> Warmup:
-        data = json.loads(text)
-        return cls(ModelKey(**data["key"]), tuple(data["modes"]), tuple(data["budgets"]),
-                   tuple((size, window) for size, window in data["ngrams"]))  # fmt: skip
 
 
 def parse_modes(spec: str) -> tuple[str, ...] | None:
@@ -105,19 +73,15 @@ def plan_warmup(
             .group_by(Job.run_id)
         ).all())  # fmt: skip
         rows = session.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
+    runs = [RunOptions.from_parameters(model, parameters) for _, model, parameters in rows]
     open_jobs: Counter[ModelKey] = Counter()
-    for run_id, model, parameters in rows:
-        open_jobs[ModelKey.of_run(model, parameters)] += counts[run_id]
+    for (run_id, _, _), options in zip(rows, runs, strict=True):
+        open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
         return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,))
     key = open_jobs.most_common(1)[0][0]
-    runs = [parameters for _, model, parameters in rows if ModelKey.of_run(model, parameters) == key]
+    runs = [options for options in runs if options.model_key == key]
     if modes is None:
-        modes = tuple(dict.fromkeys(p.get("mode", "gundam") for p in runs))
-    return Warmup(key, modes, tuple(dict.fromkeys(p.get("max_new_tokens") for p in runs)),
-                  tuple(dict.fromkeys(run_ngram(p) for p in runs)))  # fmt: skip
-
-
-def plan_from_env() -> Warmup | None:
-    text = os.environ.get(WARMUP_ENV)
-    return Warmup.from_env(text) if text else None
+        modes = tuple(dict.fromkeys(options.mode for options in runs))
+    return Warmup(key, modes, tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
+                  tuple(dict.fromkeys(options.ngram for options in runs)))  # fmt: skip

@@ -1,0 +1,86 @@
+"""A run's options: what every job of the run computes. Written into the run row by `dsocr submit` /
+`dsocr run` (`RunOptions.parameters`) and read back, by the worker and the warm-up planner, in one place
+(`RunOptions.from_parameters`), with one default per option."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.errors import InputError
+from dsocr_workers.model.config import AUTO_ENGINE, DEFAULT_MODE, DTYPES, ENGINE_CHOICES, get_mode
+
+# A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window).
+NGram = tuple[int, int | None]
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """The settings that make one loaded model (a worker process holds one at a time)."""
+
+    model: str
+    engine: str = AUTO_ENGINE
+    dtype: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every job of a run computes; stored in the run row and read back by the worker."""
+
+    model: str = "tiny"
+    mode: str = DEFAULT_MODE
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    engine: str = AUTO_ENGINE
+    dtype: str | None = None
+    repeats: int = 1
+    seed: int = 0
+    stop_on_repetition: bool = False
+    # The no-repeat n-gram ban: the vendor's HF default, or off (0), or windowed as in its vLLM path.
+    no_repeat_ngram_size: int = DecodeOptions.no_repeat_ngram_size
+    ngram_window: int | None = None
+
+    def __post_init__(self) -> None:
+        get_mode(self.mode)  # InputError naming the valid modes
+        if self.engine not in ENGINE_CHOICES:
+            raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
+        if self.repeats < 1:
+            raise InputError("--repeats must be at least 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InputError("--max-new-tokens must be at least 1")
+        if self.no_repeat_ngram_size < 0:
+            raise InputError("--no-repeat-ngram-size must be 0 (off) or more")
+        if self.ngram_window is not None and self.ngram_window < 1:
+            raise InputError("--ngram-window must be at least 1")
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """What the run row stores (its model has a column of its own)."""
+        return {k: v for k, v in asdict(self).items() if k != "model"}
+
+    @classmethod
+    def from_parameters(cls, model: str, parameters: Mapping[str, Any]) -> RunOptions:
+        """A run's options read back from its row: what an older run did not record keeps this class's
+        default, and what it recorded that this version no longer knows is left out."""
+        known = {f.name for f in fields(cls)}
+        return cls(model=model, **{k: v for k, v in parameters.items() if k in known and k != "model"})
+
+    @property
+    def model_key(self) -> ModelKey:
+        return ModelKey(self.model, self.engine, self.dtype, self.seed)
+
+    @property
+    def ngram(self) -> NGram:
+        return (self.no_repeat_ngram_size, self.ngram_window)
+
+    @property
+    def decode_options(self) -> DecodeOptions:
+        """The run's decode policy, as the engine takes it."""
+        return DecodeOptions(ignore_eos=self.ignore_eos, stop_on_repetition=self.stop_on_repetition,
+                             no_repeat_ngram_size=self.no_repeat_ngram_size, ngram_window=self.ngram_window)  # fmt: skip

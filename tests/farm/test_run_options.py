@@ -1,0 +1,29 @@
+"""A run's options are read back from its row in one place (`RunOptions.from_parameters`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.errors import InputError
+from dsocr_workers.farm.run_options import ModelKey, RunOptions
+
+
+def test_options_survive_the_row() -> None:
+    options = RunOptions(model="tiny", mode="base", max_new_tokens=7, engine="eager", dtype="float32", seed=3,
+                         no_repeat_ngram_size=4, ngram_window=90, stop_on_repetition=True)  # fmt: skip
+    assert RunOptions.from_parameters("tiny", options.parameters) == options
+    assert options.model_key == ModelKey("tiny", "eager", "float32", 3)
+    assert options.ngram == (4, 90)
+    assert options.decode_options == DecodeOptions(stop_on_repetition=True, no_repeat_ngram_size=4, ngram_window=90)
+
+
+def test_an_older_run_keeps_the_defaults_and_unknown_keys_are_left_out() -> None:
+    read = RunOptions.from_parameters("tiny", {"mode": "small", "retired_option": 1})
+    assert read == RunOptions(model="tiny", mode="small")
+    assert read.model_key == ModelKey("tiny")  # one engine default: the same as a new run's
+
+
+def test_a_stored_option_is_checked_again() -> None:
+    with pytest.raises(InputError, match="unknown engine"):
+        RunOptions.from_parameters("tiny", {"engine": "warp"})
