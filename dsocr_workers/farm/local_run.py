@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from functools import partial
 
 from sqlalchemy import select
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from dsocr_workers.errors import FailuresError, InputError, TransientError
+from dsocr_workers.errors import FailuresError, InputError
 from dsocr_workers.farm.devices import parse_devices
 from dsocr_workers.farm.job.execute import BACK_IN_LINE, Outcome, execute_job
 from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.retries import ledger_retrying
 from dsocr_workers.farm.submit import RunRequest, SubmittedRun, prepare_run
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store import ledger
@@ -102,18 +102,6 @@ def run_in_process(
         process.close()
 
 
-def _ledger_retries(retries: int) -> Retrying:
-    """Calls again after a TransientError (the ledger out of reach: the job is unchanged, or still held
-    under this process's lease and continued by the next call), `retries` times at most, 2 s later, then
-    4, 8, 16 and 30 s at most; the last error is raised."""
-    return Retrying(
-        retry=retry_if_exception_type(TransientError),
-        wait=wait_exponential(multiplier=2, max=30),
-        stop=stop_after_attempt(retries + 1),
-        reraise=True,
-    )
-
-
 def _run_line(
     process: JobProcess, settings: Settings, job_ids: list[str], on_outcome: Callable[[Outcome], None],
     max_transient_retries: int,
@@ -126,7 +114,7 @@ def _run_line(
         # The next job of the line is known: its page is prepared while this one runs (farm/job/prefetch.py).
         upcoming = partial(ledger.waiting_job, job_id=line[0], owner=process.owner) if line else None
         infer = partial(process.infer, upcoming=upcoming)
-        outcome = _ledger_retries(max_transient_retries)(
+        outcome = ledger_retrying(attempts=max_transient_retries + 1)(
             execute_job, process.db, job_id, owner=process.owner, settings=settings, infer=infer
         )
         on_outcome(outcome)

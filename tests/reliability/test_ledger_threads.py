@@ -58,7 +58,7 @@ def setup(postgres_url, tmp_path, make_png) -> Iterator[Setup]:
     settings = Settings(database_url=proxied, queue="writer")
     process = JobProcess.open(settings, "cpu", queues=("writer",))
     try:
-        process.warm(job_warmup(OPTIONS.model, OPTIONS.__dict__))
+        process.warm(job_warmup(OPTIONS))
         yield Setup(process, settings, proxy, run.job_ids, postgres_url)
     finally:
         if not proxy.up:

@@ -27,13 +27,14 @@ from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.celery.messages import RUN_JOB, job_labels, send_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec
 from dsocr_workers.farm.devices import see_only_this_gpu
-from dsocr_workers.farm.job.execute import execute_job, retry_backoff_s
+from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.process import (
     JobProcess,
     fork_compile_helpers,
 )
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
+from dsocr_workers.farm.retries import job_retry_in_s
 from dsocr_workers.settings import CPU_THREADS, Settings, read
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
@@ -136,7 +137,7 @@ def _record_hard_timeout(
 
 def _send_again(task: object, job_id: str, label: str | None, queue: str | None, settings: Settings) -> None:
     task.apply_async(  # type: ignore[attr-defined]
-        args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=retry_backoff_s(1, settings)
+        args=[job_id], kwargsrepr=label, task_id=job_id, queue=queue, countdown=job_retry_in_s(1, settings)
     )
 
 
@@ -159,7 +160,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
             ledger_threads=_process.ledger_threads,
         )  # fmt: skip
     except TransientError as exc:
-        delay = retry_backoff_s(self.request.retries, _process.settings)
+        delay = job_retry_in_s(self.request.retries, _process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)
         raise self.retry(countdown=delay, exc=exc, kwargsrepr=label) from exc
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)

@@ -25,6 +25,7 @@ from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.owners import owner_is_dead
+from dsocr_workers.farm.retries import job_retry_in_s
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
@@ -89,15 +90,6 @@ class Outcome:
     retry_in_s: float | None = None  # deliver the job again after this long
 
 
-def retry_backoff_s(attempt: int, settings: Settings) -> float:
-    """Exponential backoff, 2 s doubling up to the configured ceiling (Celery's own helper, with jitter)."""
-    from celery.utils.time import get_exponential_backoff_interval
-
-    return float(
-        get_exponential_backoff_interval(2, attempt, settings.retry_backoff_max_s, full_jitter=True) + 1
-    )
-
-
 def execute_job(
     db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, ledger_threads: LedgerThreads | None = None
 ) -> Outcome:
@@ -132,7 +124,7 @@ def execute_job(
         if isinstance(exc, TransientError):
             with db.transaction() as session:
                 ledger.release_job(session, claim, exc)
-            return Outcome(job_id, "released", str(exc), retry_backoff_s(claim.attempt, settings))
+            return Outcome(job_id, "released", str(exc), job_retry_in_s(claim.attempt, settings))
         # A model bug, CUDA OOM, a soft time limit: counts an attempt.
         return _record_failure(db, claim, exc, final=False, settings=settings)
 
@@ -166,7 +158,7 @@ def _record_failure(
     detail = f"{type(exc).__name__}: {exc}"
     if state is None:
         return Outcome(claim.job_id, "lost", detail)
-    retry = retry_backoff_s(claim.attempt, settings) if state == "queued" else None
+    retry = job_retry_in_s(claim.attempt, settings) if state == "queued" else None
     return Outcome(claim.job_id, state, detail, retry)  # type: ignore[arg-type]
 
 

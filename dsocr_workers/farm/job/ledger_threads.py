@@ -49,9 +49,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
-from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
-from dsocr_workers.errors import TransientError
+from dsocr_workers.farm.retries import ledger_retrying
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 
@@ -111,13 +110,7 @@ class LedgerThreads:
     def _retrying(self, write: Callable[[Session], T]) -> T | None:
         """`write` in a transaction, tried again through ledger outages until this closes; None when
         given up (closing in an outage, or another error: the job is swept once this process is gone)."""
-        retrying = Retrying(
-            retry=retry_if_exception_type(TransientError),
-            wait=wait_exponential(multiplier=2, max=30),
-            stop=lambda _: self._closing.is_set(),
-            sleep=self._pause,
-            reraise=True,
-        )
+        retrying = ledger_retrying(until=self._closing.is_set, sleep=self._pause)
         try:
             for attempt in retrying:
                 with attempt, self._db.transaction() as session:
