@@ -4,6 +4,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,11 @@ def test_error_tree_exit_codes():
 
 
 def test_cli_version():
+    """`dsocr --version` prints the project's version as pyproject.toml declares it."""
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
-    assert dsocr_workers.__version__ in result.output
+    assert result.output.split()[-1] == declared == dsocr_workers.__version__
 
 
 # --- public names: each package's `__all__` is what its __init__ re-exports, no more, no less ----------
@@ -47,11 +50,22 @@ def reexported(package: str) -> list[str]:
     return names
 
 
+# The packages with a public API of their own (`__all__`); the others are used through their modules.
+API_PACKAGES = [name for name in PACKAGES if hasattr(importlib.import_module(f"dsocr_workers.{name}"), "__all__")]
+
+
 def test_packages_are_found():
     assert {"engine", "farm", "model", "store"} <= set(PACKAGES)
+    assert "engine" in API_PACKAGES
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+def test_packages_without_all_reexport_nothing():
+    assert {package: reexported(package) for package in PACKAGES if package not in API_PACKAGES} == {
+        package: [] for package in PACKAGES if package not in API_PACKAGES
+    }
+
+
+@pytest.mark.parametrize("package", API_PACKAGES)
 def test_all_lists_exactly_the_public_reexports(package):
     module = importlib.import_module(f"dsocr_workers.{package}")
     exported = list(getattr(module, "__all__", []))
@@ -60,10 +74,11 @@ def test_all_lists_exactly_the_public_reexports(package):
     assert sorted(exported) == sorted({name for name in reexported(package) if not name.startswith("_")})
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", API_PACKAGES)
 def test_every_exported_name_resolves_to_the_package(package):
     module = importlib.import_module(f"dsocr_workers.{package}")
-    for name in getattr(module, "__all__", []):
+    assert module.__all__
+    for name in module.__all__:
         value = getattr(module, name)  # a lazy name goes through the package's __getattr__
         assert value.__module__.startswith(f"dsocr_workers.{package}."), (name, value.__module__)
 
@@ -112,3 +127,68 @@ def test_documented_names_exist():
         except (ImportError, AttributeError):
             missing.append((doc, name))
     assert not missing
+
+
+# --- code the documentation names by file and by class -------------------------------------------------
+
+# The documents that describe the code as it is now (docs/benchmarks.md is a dated record of runs).
+CURRENT_DOCS = [REPO / "README.md", REPO / "docs" / "architecture.md", REPO / "docs" / "reliability.md",
+                REPO / "benchmarks" / "README.md", REPO / "deploy" / "README.md"]  # fmt: skip
+# A package file (`farm/devices.py`, `dsocr_workers/settings.py`), and the code name that may follow it
+# (`farm/devices.py see_only_this_gpu`, `engine/session.py DeepSeekOCRSession.prefill`).
+PATH_AND_NAME = re.compile(
+    r"(?<![\w/])((?:dsocr_workers/)?(?:cli|farm|engine|model|store|report|quality)/[\w/]+\.py|"
+    r"(?:dsocr_workers/)?(?:settings|errors)\.py)(?:`? `?([A-Za-z_]\w*(?:\.\w+)?)`?)?"
+)
+CLASS_MEMBER = re.compile(r"`([A-Z]\w+)\.(\w+)`")
+
+
+def definitions(path: Path) -> dict[str, set[str]]:
+    """A module's top-level names, each class with the names its body defines."""
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {
+                target.id if isinstance(target, ast.Name) else getattr(target, "name", "")
+                for member in node.body
+                for target in (member.targets if isinstance(member, ast.Assign)
+                               else [member.target] if isinstance(member, ast.AnnAssign) else [member])
+            }  # fmt: skip
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names[node.name] = set()
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    names[target.id] = set()
+    return names
+
+
+def is_code_name(word: str) -> bool:
+    """A name, not an English word after a path: CamelCase, snake_case or dotted."""
+    return word[0].isupper() or "_" in word or "." in word
+
+
+def test_documented_files_and_names_exist():
+    missing = []
+    for doc in CURRENT_DOCS:
+        for path_text, name in PATH_AND_NAME.findall(doc.read_text()):
+            path = REPO / (path_text if path_text.startswith("dsocr_workers/") else f"dsocr_workers/{path_text}")
+            if not path.exists():
+                missing.append((doc.name, path_text))
+            elif name and is_code_name(name):
+                head, _, member = name.partition(".")
+                defined = definitions(path)
+                if head not in defined or (member and member not in defined[head]):
+                    missing.append((doc.name, f"{path_text} {name}"))
+    assert missing == []
+
+
+def test_documented_class_members_exist():
+    classes: dict[str, set[str]] = {}
+    for path in [*(REPO / "dsocr_workers").rglob("*.py"), *(REPO / "tests").rglob("*.py")]:
+        for name, members in definitions(path).items():
+            classes.setdefault(name, set()).update(members)
+    cited = [(doc.name, cls, member) for doc in CURRENT_DOCS for cls, member in CLASS_MEMBER.findall(doc.read_text())]
+    assert any(cls == "InferenceResult" for _, cls, _ in cited)
+    assert [(doc, f"{cls}.{member}") for doc, cls, member in cited
+            if cls in classes and member not in classes[cls]] == []  # fmt: skip
