@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from dsocr_workers.engine.loops import RepetitionLoop
-from dsocr_workers.stages import StageTimings  # the stage registry (torch-free): re-exported by the engine
+from dsocr_workers.stages import StageTimings
 
 # "repetition": stopped early by `stop_on_repetition` once the output ended in a loop (engine/loops.py).
 StopReason = Literal["eos", "max_new_tokens", "max_positions", "repetition"]

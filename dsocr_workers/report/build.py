@@ -76,13 +76,19 @@ E2E, PAGE_WAIT = BY_COLUMN["e2e_ms"], BY_COLUMN["page_wait_ms"]
 DECODE_PER_TOKEN = Metric("decode ms/token", lambda r: list(r.decode_step_ms))  # kept steps, pooled over jobs
 END_TO_END = timing_metric(E2E)
 TOKENS_OUT = Metric("tokens out", _column("decode_tokens"))
-# The registry's latency figures in its order (TTFT: preprocess + from the device start, a prefetched
-# page's too), then what the farm measures: TTFT from the claim, and the decode steps.
-LATENCY = [
-    *(timing_metric(t) for t in shown_in(LATENCY_TABLE)),
-    Metric("TTFT from claim ms", _column("ttft_from_claim_ms")),
-    DECODE_PER_TOKEN,
-]
+# Measured by the farm (from the claim), not by the engine's clock: no figure of the registry.
+TTFT_FROM_CLAIM = Metric("TTFT from claim ms", _column("ttft_from_claim_ms"))
+
+
+def beside(timings: tuple[Timing, ...], extra: dict[str, list[Metric]]) -> list[Metric]:
+    """The registry's figures in its order, each followed by the `extra` metrics named by its column."""
+    return [m for t in timings for m in (timing_metric(t), *extra.get(t.column, []))]
+
+
+# The registry's latency figures (TTFT: preprocess + from the device start, a prefetched page's too),
+# TTFT from the claim after TTFT, the decode steps after decode.
+LATENCY = beside(shown_in(LATENCY_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]})
+PER_IMAGE = beside(shown_in(PER_IMAGE_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM]})
 OUTPUT = [
     TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
@@ -362,10 +368,9 @@ def _loop_cell(r: Result) -> str | None:
 
 
 def _per_image(data: RunData) -> Table:
-    timings = shown_in(PER_IMAGE_TABLE)
     job_columns = ["image", "repeat", "job id", "state", "attempts"]
-    columns = [*job_columns, "worker", "device", *(f"{t.label} ms" for t in timings), "TTFT from claim ms", "tokens",
-               "wasted steps", "ms/token p50", "peak MiB", "boxes", "cold", "text edit", "formula edit", "table edit",
+    columns = [*job_columns, "worker", "device", *(m.label.strip() for m in PER_IMAGE), "tokens", "wasted steps",
+               "ms/token p50", "peak MiB", "boxes", "cold", "text edit", "formula edit", "table edit",
                "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
     rows = []
     for j in data.jobs:
@@ -373,7 +378,7 @@ def _per_image(data: RunData) -> Table:
         peak = r.peak_memory_bytes if r else None
         # A job without a result shows its error in the last column.
         result_cells = [
-            lane_key(data, r), r.device, *(t.of(r) for t in timings), r.ttft_from_claim_ms, r.decode_tokens,
+            lane_key(data, r), r.device, *(next(iter(m.values(r)), None) for m in PER_IMAGE), r.decode_tokens,
             r.wasted_steps, r.decode_ms_per_token_p50, None if peak is None else peak / MIB, r.box_count,
             r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
             _loop_cell(r), r.stop_reason,

@@ -1,5 +1,5 @@
 """Runs for report tests, written through the farm's own claim → complete path with given inference
-results. Their timings satisfy the engine's accounting identity (engine/result.py StageTimings):
+results. Their timings satisfy the engine's accounting identity (dsocr_workers/stages.py StageTimings):
 e2e = the sum of the named parts, TTFT = preprocess + setup + prefill + first token; their device span
 starts as the fake inference is made, after the claim, so TTFT from the claim is a little more than
 TTFT from the device start."""
@@ -18,7 +18,6 @@ from dsocr_workers.engine.result import (
     InferenceResult,
     JobMemory,
     ModelSource,
-    StageTimings,
     StopReason,
 )
 from dsocr_workers.errors import InputError
@@ -27,6 +26,7 @@ from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.fingerprint import environment_fingerprint
 from dsocr_workers.farm.submit import RunOptions, attach_ground_truth, record_run
 from dsocr_workers.settings import Settings
+from dsocr_workers.stages import StageTimings
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, job_id_for
 from dsocr_workers.store.upsert import upsert
