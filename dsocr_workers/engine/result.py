@@ -113,7 +113,7 @@ class InferenceResult:
     cold_reasons: tuple[str, ...] = ()
     # The repetition loop the output ends in, looked for unless decoding stopped at EOS.
     loop: RepetitionLoop | None = None
-    device_span: DeviceSpan | None = None  # None when timing is off (`DSOCR_INSTRUMENTATION=0`)
+    device_span: DeviceSpan | None = None  # None when timing is off (`session.instrumented`)
 
     @property
     def cold(self) -> bool:
