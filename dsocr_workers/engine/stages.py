@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import nvtx
 import torch
@@ -329,17 +329,15 @@ class StageClock:
         stage_ms = {t.column: totals[t.stage] for t in TIMINGS if t.stage is not None}
         stage_ms["decode_ms"] = totals["decode"] - sum(wasted)
         e2e = self.e2e_ms()
-        return replace(
-            StageTimings(
-                clock="cuda_event" if self.cuda else "perf_counter",
-                decode_step_ms=kept,
-                vision_ms=sum(totals[name] for name in VISION_STAGES),
-                wasted_decode_ms=sum(wasted),
-                host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
-                ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
-                e2e_ms=e2e,
-                page_wait_ms=self._page_wait_ms() if self.timing_enabled else 0.0,
-                ttft_from_device_start_ms=self._ttft_from_device_start_ms,
-            ),
+        return StageTimings(
+            clock="cuda_event" if self.cuda else "perf_counter",
+            decode_step_ms=kept,
             **stage_ms,
+            vision_ms=sum(totals[name] for name in VISION_STAGES),
+            wasted_decode_ms=sum(wasted),
+            host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
+            ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
+            e2e_ms=e2e,
+            page_wait_ms=self._page_wait_ms() if self.timing_enabled else 0.0,
+            ttft_from_device_start_ms=self._ttft_from_device_start_ms,
         )
