@@ -5,8 +5,9 @@ One process, one GPU, one call of at most 10 minutes including torch.compile war
      one's wall time holds compilation, reported apart), then >= 5 measured runs of 256 decode
      tokens forced with ignore_eos. Times are the CUDA-event stage timings of InferenceResult;
      medians over the runs (decode ms/token: the median of each run's per-step p50).
-  2. instrumentation on vs off (NVTX + CUDA events, DSOCR_INSTRUMENTATION=0), same engine,
-     interleaved repeats, host wall time around synchronized jobs; median ratio.
+  2. instrumentation on vs off (NVTX + CUDA events: `session.instrumented`, which DSOCR_INSTRUMENTATION=0
+     turns off where a session is built), same engine, interleaved repeats, host wall time around
+     synchronized jobs; median ratio.
   3. fast-vs-eager teacher-forced top-1 agreement over 256 steps.
   4. if time is left: the fast engine with the vendor's no_repeat_ngram_size=20 ban.
 Every section writes its numbers (or its error) into bench.json as soon as it ends, so a run cut
@@ -36,7 +37,6 @@ from PIL import Image, ImageDraw
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dsocr_workers import settings  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.farm.job.fingerprint import git_sha, nvidia_driver  # noqa: E402
 
@@ -225,11 +225,11 @@ def bench_instrumentation(session: Any, page: Path, args: argparse.Namespace, op
     for k in range(args.instrumentation_pairs):
         order = ("on", "off") if k % 2 == 0 else ("off", "on")
         for state in order:
-            os.environ[settings.INSTRUMENTATION.name] = "1" if state == "on" else "0"
+            session.instrumented = state == "on"
             try:
                 result, wall = timed_job(session, page, args.tokens, options)
             finally:
-                os.environ.pop(settings.INSTRUMENTATION.name, None)
+                session.instrumented = True
             walls[state].append(wall)
             if state == "off":
                 off_timings_zero &= result.timings.prefill_ms == 0.0

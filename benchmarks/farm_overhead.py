@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dsocr_workers.engine.result import InferenceResult, ModelSource, StageTimings
+from dsocr_workers.engine.result import InferenceResult, ModelSource
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Ran, execute_job
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
@@ -26,6 +26,7 @@ from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
+from dsocr_workers.stages import StageTimings
 from dsocr_workers.store.db import open_database, upgrade
 from dsocr_workers.store.models import Worker
 from dsocr_workers.store.upsert import upsert
@@ -37,8 +38,9 @@ SOURCE = ModelSource(kind="preset", name="tiny", random_weights=True, seed=0)
 def prepared_result(steps: int = 256) -> InferenceResult:
     """A result the size of a real page's: a few hundred decode steps, markup and boxes."""
     timings = StageTimings(
-        "perf_counter", 1.0, 10.0, 6.0, 3.0, 2.0, 1.0, 4.0, 20.0, [0.1] * steps, 12.0, 40.0
-    )
+        "perf_counter", [0.1] * steps, preprocess_ms=1.0, prefill_ms=10.0, vision_ms=6.0, sam_ms=3.0, clip_ms=2.0,
+        projector_ms=1.0, lm_prefill_ms=4.0, decode_ms=20.0, setup_ms=12.0, first_token_ms=40.0,
+    )  # fmt: skip
     return InferenceResult(
         text="<|ref|>text<|/ref|><|det|>[[1, 2, 3, 4]]<|/det|>\nSome words " * 20, token_ids=list(range(steps + 1)),
         stop_reason="eos", prompt_tokens=300, image_tokens=273, crop_grid=(2, 3), mode="gundam",

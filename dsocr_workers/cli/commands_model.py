@@ -13,6 +13,7 @@ from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, ENGINES, MODES, PRESETS
+from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -71,38 +72,27 @@ def parse_ids(text: str) -> tuple[int, ...]:
 
 
 def timing_table(result: InferenceResult, title: str) -> Any:
+    """Every figure of the stage registry (dsocr_workers/stages.py) in its order, nested ones indented,
+    with the NVTX range (domain `dsocr`) that times it, then the decode steps' percentiles."""
     from rich.table import Table
 
     t = result.timings
     stats = t.decode_step_percentiles
     table = Table(title=title, title_justify="left")
-    table.add_column("stage")
+    table.add_column("figure")
     table.add_column("ms", justify="right")
-    rows = [
-        ("preprocess", t.preprocess_ms),
-        ("setup", t.setup_ms),
-        ("prefill", t.prefill_ms),
-        ("  vision/sam", t.sam_ms),
-        ("  vision/clip", t.clip_ms),
-        ("  vision/projector", t.projector_ms),
-        ("  lm_prefill", t.lm_prefill_ms),
-        ("first token", t.first_token_ms),
-        (f"decode ({result.decode_tokens} tokens, stop: {result.stop_reason})", t.decode_ms),
-        ("  ms/token p50", stats["p50"]),
-        ("  ms/token p90", stats["p90"]),
-        ("  ms/token p99", stats["p99"]),
-        (f"wasted decode ({result.wasted_steps} steps past EOS)", t.wasted_decode_ms),
-        ("readback", t.readback_ms),
-        ("postprocess", t.postprocess_ms),
-        ("host gap (no stage)", t.host_gap_ms),
-        ("end to end (= the parts above)", t.e2e_ms),
-        ("TTFT", t.ttft_ms),
-        ("  from the device start (no preprocess)", t.ttft_from_device_start_ms),
+    table.add_column("part of e2e", justify="center")
+    table.add_column("NVTX range")
+    rows: list[tuple[str, float | None, str, str]] = [
+        (f"{'  ' * depth(timing)}{timing.label}", timing.of(t), "yes" if timing in PARTS else "", timing.stage or "")
+        for timing in TIMINGS
     ]
-    for name, ms in rows:
-        table.add_row(name, "-" if ms is None else f"{ms:.2f}")
+    rows += [(f"decode ms/token {name}", ms, "", "") for name, ms in stats.items()]
+    for name, ms, part, stage in rows:
+        table.add_row(name, "-" if ms is None else f"{ms:.2f}", part, stage)
     table.caption = (
-        f"clock: {t.clock}; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
+        f"clock: {t.clock}; {result.decode_tokens} tokens (stop: {result.stop_reason}), {result.wasted_steps} decode "
+        f"steps past EOS; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
         f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
         + (f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB (weights "
            f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dsocr_workers.engine.result import DecodeOptions, InferenceResult, ModelSource, StageTimings
+from dsocr_workers.engine.result import DecodeOptions, InferenceResult, ModelSource
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.session import DeepSeekOCRSession
 
-__all__ = ["DecodeOptions", "DeepSeekOCRSession", "InferenceResult", "ModelSource", "StageTimings"]
+__all__ = ["DecodeOptions", "DeepSeekOCRSession", "InferenceResult", "ModelSource"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from dsocr_workers.engine.loops import RepetitionLoop
+from dsocr_workers.stages import StageTimings
 
 # "repetition": stopped early by `stop_on_repetition` once the output ended in a loop (engine/loops.py).
 StopReason = Literal["eos", "max_new_tokens", "max_positions", "repetition"]
 STOP_REASONS: tuple[StopReason, ...] = ("eos", "max_new_tokens", "max_positions", "repetition")
-Clock = Literal["cuda_event", "perf_counter"]
 
 
 @dataclass(frozen=True)
@@ -55,67 +55,6 @@ class ModelSource:
         if self.random_weights:  # a preset saved as a checkpoint directory (`dsocr model save-preset`)
             return f"checkpoint:{self.name} (RANDOM WEIGHTS, seed {self.seed})"
         return f"checkpoint:{self.name}"
-
-
-@dataclass(frozen=True)
-class StageTimings:
-    """Milliseconds per part of one job. GPU parts are timed with CUDA events on CUDA (perf_counter on
-    the CPU); host parts (`preprocess`, `postprocess`) always with perf_counter; `e2e_ms` with the host
-    clock from the start of preprocessing to the end of postprocessing, less `page_wait_ms`. The parts
-    add up:
-
-        e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
-              + postprocess + host_gap
-
-    `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
-    device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
-    vision stages and `lm_prefill_ms`.
-
-    `page_wait_ms` is no part of the job: the time its page, prepared ahead (the farm prepares the next
-    job's page while this one runs), waited between the end of its preprocessing and the start of its
-    setup. A page prepared in line waits for nothing (a few microseconds of host code)."""
-
-    clock: Clock
-    preprocess_ms: float
-    prefill_ms: float
-    vision_ms: float
-    sam_ms: float
-    clip_ms: float
-    projector_ms: float
-    lm_prefill_ms: float
-    decode_ms: float  # the kept steps only
-    # One entry per kept decode step (each step produces one token after the first, which comes from
-    # the prefill logits).
-    decode_step_ms: list[float] = field(default_factory=list)
-    setup_ms: float = 0.0  # inputs to the device, the cache reset: before the prefill
-    first_token_ms: float = 0.0  # choosing the first token from the prefill logits
-    wasted_decode_ms: float = 0.0  # steps computed after EOS (the loop looks for EOS asynchronously)
-    readback_ms: float = 0.0  # the generated ids back to the host
-    postprocess_ms: float = 0.0  # detokenising and parsing the markup
-    host_gap_ms: float = 0.0
-    ttft_ms: float = 0.0  # preprocess + setup + prefill + first_token
-    e2e_ms: float = 0.0
-    page_wait_ms: float = 0.0  # a page prepared ahead, waiting for its job's setup: outside e2e
-    ttft_from_device_start_ms: float = 0.0  # setup + prefill + first_token: from its start on the device
-
-    @property
-    def parts_ms(self) -> dict[str, float]:
-        """The named parts whose sum is `e2e_ms`."""
-        return {
-            "preprocess": self.preprocess_ms, "setup": self.setup_ms, "prefill": self.prefill_ms,
-            "first_token": self.first_token_ms, "decode": self.decode_ms, "wasted_decode": self.wasted_decode_ms,
-            "readback": self.readback_ms, "postprocess": self.postprocess_ms, "host_gap": self.host_gap_ms,
-        }  # fmt: skip
-
-    @property
-    def decode_step_percentiles(self) -> dict[str, float | None]:
-        """p50 / p90 / p99 of the kept decode steps' ms (numpy's linear method); None without steps."""
-        if not self.decode_step_ms:
-            return {"p50": None, "p90": None, "p99": None}
-        import numpy as np
-
-        p50, p90, p99 = np.percentile(np.asarray(self.decode_step_ms, dtype=np.float64), [50, 90, 99])
-        return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 @dataclass(frozen=True)
@@ -174,7 +113,7 @@ class InferenceResult:
     cold_reasons: tuple[str, ...] = ()
     # The repetition loop the output ends in, looked for unless decoding stopped at EOS.
     loop: RepetitionLoop | None = None
-    device_span: DeviceSpan | None = None  # None when timing is off (`DSOCR_INSTRUMENTATION=0`)
+    device_span: DeviceSpan | None = None  # None when timing is off (`session.instrumented`)
 
     @property
     def cold(self) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from dsocr_workers import settings
 from dsocr_workers.engine.compile_cache import use_compile_cache
 from dsocr_workers.engine.generate import (
     EOS_CHECK_INTERVAL,
@@ -404,6 +405,8 @@ class DeepSeekOCRSession:
     engine: str
     engine_note: str = ""
     fast_compile: FastCompile = FastCompile()
+    # NVTX ranges and stage timings for its jobs' clocks (`new_clock`); off only to measure what they cost.
+    instrumented: bool = True
     _vision: _Vision = field(init=False)
     _prefill: Callable = field(init=False)
     _decode_step: Callable = field(init=False)
@@ -457,8 +460,10 @@ class DeepSeekOCRSession:
         engine: str = "eager",
         seed: int = 0,
         fast_compile: FastCompile = FastCompile(),
+        instrumented: bool | None = None,
     ) -> DeepSeekOCRSession:
-        """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory."""
+        """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory.
+        `instrumented`: None reads `DSOCR_INSTRUMENTATION`, here and only here."""
         if engine not in ENGINE_CHOICES:
             raise InputError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
         resolved = resolve_device(device)
@@ -486,7 +491,8 @@ class DeepSeekOCRSession:
                                            fingerprint=loaded.fingerprint)
         if engine == "fast":
             fast_modules(loaded.model)
-        return cls(loaded, model_source, resolved, torch_dtype, engine, note, fast_compile)
+        instrumented = settings.read(settings.INSTRUMENTATION) if instrumented is None else instrumented
+        return cls(loaded, model_source, resolved, torch_dtype, engine, note, fast_compile, instrumented)
 
     @property
     def model(self) -> DeepSeekOCR:
@@ -510,6 +516,10 @@ class DeepSeekOCRSession:
 
     # --- one job ------------------------------------------------------------------------------------
 
+    def new_clock(self, job_id: str | None = None) -> StageClock:
+        """A job's clock, instrumented as this session is."""
+        return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented)
+
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
     ) -> preprocess.PreparedPage:
@@ -521,7 +531,7 @@ class DeepSeekOCRSession:
     ) -> PreparedJob:  # fmt: skip
         """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
         `run_inference`."""
-        clock = clock or StageClock(self.device, job_id=job_id)
+        clock = clock or self.new_clock(job_id)
         with torch.inference_mode(), clock.stage("preprocess"):
             page = self.prepare(image, prompt, mode, max_crops)
         return PreparedJob(page, clock)
@@ -674,7 +684,7 @@ class DeepSeekOCRSession:
                 phase_ends("vision helpers")
                 with torch.inference_mode():
                     for _, page in prepared:
-                        self.encode_image(self.upload(page), StageClock(self.device))
+                        self.encode_image(self.upload(page), self.new_clock())
                 self._synchronize()
                 phase_ends("vision")
                 helpers.wait("prefill")
@@ -744,7 +754,7 @@ class DeepSeekOCRSession:
                 still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
             else:
                 with torch.inference_mode():
-                    clock = StageClock(self.device)
+                    clock = self.new_clock()
                     self.prefill(self.start_job(page, options, max_new_tokens, clock), clock)
             shortest = min(shortest, page.prompt_tokens)
             text = page.prompt_tokens - page.image_tokens
@@ -834,7 +844,7 @@ class DeepSeekOCRSession:
         device: the place for host work that must not delay the job's start on the device but may
         share its time there (the farm starts preparing the next page, and waits for the job's claim)."""
         options = infer or DecodeOptions()
-        clock = clock or StageClock(self.device, job_id=job_id)
+        clock = clock or self.new_clock(job_id)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's

@@ -5,8 +5,9 @@ asynchronous GPU work is timed on the GPU's own clock, and `time.perf_counter` o
 work is synchronous and a host clock is right. `preprocess` and `postprocess` are host work on every
 device and always use the host clock: CUDA events around them would measure the GPU's queue instead.
 
-The job's top-level stages are its parts (JOB_PARTS); end-to-end is the host time from entering the
-first stage to leaving the last, and whatever it holds that no part covers is the named `host_gap`
+The stages are the registry's (dsocr_workers/stages.py: their names, which use the host clock, how they
+nest). The job's top-level stages are its parts (JOB_PARTS); end-to-end is the host time from entering
+the first stage to leaving the last, and whatever it holds that no part covers is the named `host_gap`
 (host work between stages, launch latency, the host's wake-up after a wait). The engine's last stage
 is host work after the output was read back, so its end is when the job really ended. One interval is
 left out of end-to-end and named apart: `page_wait`, from the end of `preprocess` to the start of the
@@ -27,6 +28,10 @@ StageClock is host code: call it around compiled regions, never from inside a fu
 the Python decode loop, outside the compiled decode step; `stage()` refuses to run while dynamo
 traces.
 
+Instrumentation is on unless the clock is built with `nvtx_enabled=False, timing_enabled=False`: the
+session decides for its jobs (`DeepSeekOCRSession.instrumented`, from `DSOCR_INSTRUMENTATION` where the
+session is built), so no clock reads the environment.
+
 NVTX: messages are registered strings, so a message per stage name costs nothing per call; the job
 id goes into the message ("decode [job 42]") because NVTX's classic payloads are numbers only, and
 into the int64 payload as well when the id is an integer. With no profiler attached the `nvtx`
@@ -43,21 +48,10 @@ from dataclasses import dataclass
 import nvtx
 import torch
 
-from dsocr_workers import settings
-from dsocr_workers.engine.result import DeviceSpan, StageTimings
+from dsocr_workers.engine.result import DeviceSpan
+from dsocr_workers.stages import HOST_STAGES, JOB_PARTS, STAGES, TIMINGS, VISION_STAGES, StageTimings
 
 NVTX_DOMAIN = "dsocr"
-STAGES = ("preprocess", "setup", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill",
-          "first_token", "decode", "readback", "postprocess")
-JOB_PARTS = ("preprocess", "setup", "prefill", "first_token", "decode", "readback", "postprocess")
-HOST_STAGES = frozenset({"preprocess", "postprocess"})
-VISION_STAGES = ("vision/sam", "vision/clip", "vision/projector")
-
-
-def instrumentation_default() -> bool:
-    """`DSOCR_INSTRUMENTATION=0` turns NVTX ranges and timings off for clocks built with the defaults:
-    the benchmark's "instrumentation off" arm, without threading a flag through the session."""
-    return settings.read(settings.INSTRUMENTATION)
 
 
 @dataclass
@@ -109,14 +103,14 @@ class StageClock:
         self,
         device: torch.device | str,
         job_id: str | None = None,
-        nvtx_enabled: bool | None = None,
-        timing_enabled: bool | None = None,
+        nvtx_enabled: bool = True,
+        timing_enabled: bool = True,
         step_capacity: int = 8192,
     ) -> None:
         self.device = torch.device(device)
         self.job_id = job_id
-        self.nvtx_enabled = instrumentation_default() if nvtx_enabled is None else nvtx_enabled
-        self.timing_enabled = instrumentation_default() if timing_enabled is None else timing_enabled
+        self.nvtx_enabled = nvtx_enabled
+        self.timing_enabled = timing_enabled
         self.cuda = self.device.type == "cuda"
         self.entries: list[_Entry] = []
         # Every NVTX push/pop this clock issued, in order, as (kind, stage name): the observable
@@ -331,24 +325,16 @@ class StageClock:
         totals = self._require_finished()
         kept_steps = len(self._step_ms) if kept_steps is None else kept_steps
         kept, wasted = self._step_ms[:kept_steps], self._step_ms[kept_steps:]
-        decode_ms = totals["decode"] - sum(wasted)
+        # Every stage's total into its field; the decode stage's steps after EOS are waste, not decode.
+        stage_ms = {t.column: totals[t.stage] for t in TIMINGS if t.stage is not None}
+        stage_ms["decode_ms"] = totals["decode"] - sum(wasted)
         e2e = self.e2e_ms()
         return StageTimings(
             clock="cuda_event" if self.cuda else "perf_counter",
-            preprocess_ms=totals["preprocess"],
-            setup_ms=totals["setup"],
-            prefill_ms=totals["prefill"],
-            vision_ms=sum(totals[name] for name in VISION_STAGES),
-            sam_ms=totals["vision/sam"],
-            clip_ms=totals["vision/clip"],
-            projector_ms=totals["vision/projector"],
-            lm_prefill_ms=totals["lm_prefill"],
-            first_token_ms=totals["first_token"],
-            decode_ms=decode_ms,
-            wasted_decode_ms=sum(wasted),
             decode_step_ms=kept,
-            readback_ms=totals["readback"],
-            postprocess_ms=totals["postprocess"],
+            **stage_ms,
+            vision_ms=sum(totals[name] for name in VISION_STAGES),
+            wasted_decode_ms=sum(wasted),
             host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
             ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
             e2e_ms=e2e,

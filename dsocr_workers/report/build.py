@@ -29,6 +29,7 @@ from dsocr_workers.report.throughput import (
     throughput_ratio,
     wall_clock_s,
 )
+from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
 from dsocr_workers.store.models import Result
 
 RANDOM_WEIGHTS_WARNING = (
@@ -64,25 +65,30 @@ def _column(name: str, scale: float = 1.0) -> Callable[[Result], list[float]]:
     return lambda r: [] if getattr(r, name) is None else [getattr(r, name) * scale]
 
 
+def timing_metric(timing: Timing) -> Metric:
+    """A figure of the stage registry as a row of the latency tables, indented as it nests."""
+    return Metric(f"{'  ' * depth(timing)}{timing.label} ms", _column(timing.column))
+
+
+# Figures of the registry the report reads by name (results rows have every registry figure as a column).
+E2E, PAGE_WAIT = BY_COLUMN["e2e_ms"], BY_COLUMN["page_wait_ms"]
 # Named: the accuracy table shows them beside the edit distances.
 DECODE_PER_TOKEN = Metric("decode ms/token", lambda r: list(r.decode_step_ms))  # kept steps, pooled over jobs
-END_TO_END = Metric("end-to-end ms", _column("e2e_ms"))
+END_TO_END = timing_metric(E2E)
 TOKENS_OUT = Metric("tokens out", _column("decode_tokens"))
-LATENCY = [
-    Metric("TTFT ms", _column("ttft_ms")),  # preprocess + from the device start (a prefetched page's too)
-    Metric("TTFT from claim ms", _column("ttft_from_claim_ms")),
-    Metric("TTFT from device start ms", _column("ttft_from_device_start_ms")),
-    Metric("preprocess ms", _column("preprocess_ms")),
-    Metric("prefill ms", _column("prefill_ms")),
-    Metric("vision ms", _column("vision_ms")),
-    Metric("  sam ms", _column("sam_ms")),
-    Metric("  clip ms", _column("clip_ms")),
-    Metric("  projector ms", _column("projector_ms")),
-    Metric("lm prefill ms", _column("lm_prefill_ms")),
-    DECODE_PER_TOKEN,
-    Metric("decode ms", _column("decode_ms")),
-    END_TO_END,
-]
+# Measured by the farm (from the claim), not by the engine's clock: no figure of the registry.
+TTFT_FROM_CLAIM = Metric("TTFT from claim ms", _column("ttft_from_claim_ms"))
+
+
+def beside(timings: tuple[Timing, ...], extra: dict[str, list[Metric]]) -> list[Metric]:
+    """The registry's figures in its order, each followed by the `extra` metrics named by its column."""
+    return [m for t in timings for m in (timing_metric(t), *extra.get(t.column, []))]
+
+
+# The registry's latency figures (TTFT: preprocess + from the device start, a prefetched page's too),
+# TTFT from the claim after TTFT, the decode steps after decode.
+LATENCY = beside(shown_in(LATENCY_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]})
+PER_IMAGE = beside(shown_in(PER_IMAGE_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM]})
 OUTPUT = [
     TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
@@ -104,18 +110,6 @@ ACCURACY = [
 ]
 # Beside accuracy, per mode: what it cost.
 SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
-# The parts of e2e, in the order they happen (engine/result.py StageTimings: their sum is e2e_ms).
-PARTS = [
-    ("preprocess", "preprocess_ms"),
-    ("setup", "setup_ms"),
-    ("prefill", "prefill_ms"),
-    ("first token", "first_token_ms"),
-    ("decode", "decode_ms"),
-    ("wasted decode", "wasted_decode_ms"),
-    ("readback", "readback_ms"),
-    ("postprocess", "postprocess_ms"),
-    ("host gap", "host_gap_ms"),
-]
 
 
 def in_job_order(data: RunData) -> list[Result]:
@@ -279,12 +273,12 @@ def _stop_reasons(data: RunData) -> Table:
 
 def _accounting(results: list[Result]) -> Table:
     """Mean per job of each part of e2e: means add up, so the parts' column sums to the e2e row."""
-    e2e = Summary.from_values([r.e2e_ms for r in results]).mean
+    e2e = Summary.from_values([E2E.of(r) for r in results]).mean
 
     def share(mean: float | None) -> float | None:
         return None if mean is None or not e2e.value else 100 * mean / e2e.value
 
-    parts = [(label, Summary.from_values([getattr(r, name) for r in results]).mean) for label, name in PARTS]
+    parts = [(t.label, Summary.from_values([t.of(r) for r in results]).mean) for t in PARTS]
     total = sum(mean.value for _, mean in parts if mean.value is not None) if results else None
     rows: list[list[Any]] = [[label, mean, share(mean.value)] for label, mean in parts]
     rows.append(["sum of parts", total, share(total)])
@@ -292,7 +286,7 @@ def _accounting(results: list[Result]) -> Table:
     prefetched = [r for r in results if r.prefetched]
     note = None
     if prefetched:
-        wait = Summary.from_values([r.page_wait_ms for r in prefetched]).mean.value
+        wait = Summary.from_values([PAGE_WAIT.of(r) for r in prefetched]).mean.value
         note = (f"{len(prefetched)} of {len(results)} jobs prefetched: their preprocess ran while the previous job had "
                 f"the device, and their pages then waited {wait:.1f} ms on average for their jobs, outside e2e")  # fmt: skip
     return Table("Accounting: parts of end-to-end", ["part", "mean ms", "share of e2e %"], rows, note)
@@ -331,7 +325,7 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 len(results),
                 sum(r.cold for r in results),
                 rate_sum([times.get(key, [])]),
-                Summary.from_values([r.e2e_ms for r in counted]).p50,
+                Summary.from_values([E2E.of(r) for r in counted]).p50,
                 sum(r.prefetched for r in results),
                 Summary.from_values(idle.get(key, [])).p50,
                 device_busy_share(data, key),
@@ -374,24 +368,22 @@ def _loop_cell(r: Result) -> str | None:
 
 
 def _per_image(data: RunData) -> Table:
+    job_columns = ["image", "repeat", "job id", "state", "attempts"]
+    columns = [*job_columns, "worker", "device", *(m.label.strip() for m in PER_IMAGE), "tokens", "wasted steps",
+               "ms/token p50", "peak MiB", "boxes", "cold", "text edit", "formula edit", "table edit",
+               "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
     rows = []
     for j in data.jobs:
         r = data.results.get(j.id)
         peak = r.peak_memory_bytes if r else None
-        rows.append(
-            [j.image, j.repeat, j.id, j.state, j.attempts] + (
-                [lane_key(data, r), r.device, r.ttft_ms, r.ttft_from_claim_ms, r.ttft_from_device_start_ms,
-                 r.prefill_ms, r.decode_tokens, r.wasted_steps,
-                 r.decode_ms_per_token_p50, r.e2e_ms, None if peak is None else peak / MIB, r.box_count,
-                 r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
-                 _loop_cell(r), r.stop_reason]
-                if r else [None] * 18 + [j.last_error_class]
-            )
-        )  # fmt: skip
-    columns = ["image", "repeat", "job id", "state", "attempts", "worker", "device", "TTFT ms", "TTFT from claim ms",
-               "TTFT from device start ms", "prefill ms", "tokens",
-               "wasted steps", "ms/token p50", "e2e ms", "peak MiB", "boxes", "cold", "text edit", "formula edit",
-               "table edit", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
+        # A job without a result shows its error in the last column.
+        result_cells = [
+            lane_key(data, r), r.device, *(next(iter(m.values(r)), None) for m in PER_IMAGE), r.decode_tokens,
+            r.wasted_steps, r.decode_ms_per_token_p50, None if peak is None else peak / MIB, r.box_count,
+            r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
+            _loop_cell(r), r.stop_reason,
+        ] if r else [None] * (len(columns) - len(job_columns) - 1) + [j.last_error_class]  # fmt: skip
+        rows.append([j.image, j.repeat, j.id, j.state, j.attempts, *result_cells])
     return Table("Per image", columns, rows, _accuracy_note(data) if scored(data) else None)
 
 
@@ -501,8 +493,9 @@ def _per_image_pairs(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, 
     rows = []
     for key in sorted(set(by_a) & set(by_b)):
         ra, rb = by_a[key], by_b[key]
+        e2e_a, e2e_b = E2E.of(ra), E2E.of(rb)
         rows.append(
-            [*key, ra.e2e_ms, rb.e2e_ms, rb.e2e_ms / ra.e2e_ms if ra.e2e_ms else None, ra.cold, rb.cold,
+            [*key, e2e_a, e2e_b, e2e_b / e2e_a if e2e_a and e2e_b is not None else None, ra.cold, rb.cold,
              ra.decode_tokens, rb.decode_tokens, ra.markup == rb.markup, ra.box_count, rb.box_count,
              ra.text_edit, rb.text_edit, ra.stop_reason, rb.stop_reason]
         )  # fmt: skip

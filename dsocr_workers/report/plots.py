@@ -24,9 +24,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from dsocr_workers.report.build import LATENCY, measured
+from dsocr_workers.report.build import DECODE_PER_TOKEN, E2E, measured, timing_metric
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.throughput import services, steady_state_throughput
+from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in
 from dsocr_workers.store.models import Result
 
 DPI = 100
@@ -65,31 +66,23 @@ class Plot:
     png: bytes
 
 
-# The bars of the per-image breakdown, in the order they happen. Their sum is e2e: "setup + gaps" is
-# e2e minus every other bar, i.e. setup, the part of prefill outside the vision stages and the LM
-# prefill, and the host gap (engine/result.py StageTimings).
-STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("preprocess", ("preprocess_ms",)),
-    ("SAM", ("sam_ms",)),
-    ("CLIP", ("clip_ms",)),
-    ("projector", ("projector_ms",)),
-    ("LM prefill", ("lm_prefill_ms",)),
-    ("decode", ("first_token_ms", "decode_ms")),
-    ("wasted decode", ("wasted_decode_ms",)),
-    ("postprocess", ("readback_ms", "postprocess_ms")),
-]
+# The bars of the per-image breakdown, in the order they happen: the stage registry's (its `bar`s, each
+# the sum of its columns; dsocr_workers/stages.py). Their sum is e2e: "setup + gaps" is e2e minus every
+# other bar, i.e. what no bar names (today setup, the prefill outside its nested stages, the host gap).
+BARS: dict[str, tuple[str, ...]] = breakdown_bars()
 GAPS = "setup + gaps"
-STAGE_LABELS = [*(label for label, _ in STAGES), GAPS]
-STAGE_COLORS = dict(zip(STAGE_LABELS, ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728",
-                                       "#bcbd22", "#c7c7c7"), strict=True))  # fmt: skip
-# The distributions drawn, by their label in the report's latency table.
-CDF_METRICS = ("TTFT ms", "decode ms/token", "end-to-end ms")
+# A colour per bar in order (a new bar takes the next one), light grey for the gaps.
+BAR_COLORS = ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728", "#bcbd22", "#8c564b",
+              "#e377c2", "#aec7e8", "#98df8a", "#ffbb78", "#c5b0d5")  # fmt: skip
+STAGE_COLORS = {label: BAR_COLORS[i % len(BAR_COLORS)] for i, label in enumerate(BARS)} | {GAPS: "#c7c7c7"}
+# The distributions drawn: the registry's CDF figures, and the decode steps (as the latency table has them).
+CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN]
 
 
 def stage_ms(result: Result) -> dict[str, float]:
     """Milliseconds of each bar of one job; they add up to its e2e."""
-    bars = {label: sum(getattr(result, column) for column in columns) for label, columns in STAGES}
-    bars[GAPS] = result.e2e_ms - sum(bars.values())
+    bars = {label: sum(getattr(result, column) for column in columns) for label, columns in BARS.items()}
+    bars[GAPS] = (E2E.of(result) or 0.0) - sum(bars.values())
     return bars
 
 
@@ -157,11 +150,9 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
 
 def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
     title = "Latency distributions (CDF)"
-    by_label = {m.label: m for m in LATENCY}
-    metrics = [by_label[label] for label in CDF_METRICS]
     figure = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
-    axes = figure.subplots(1, len(metrics))
-    for ax, metric in zip(axes, metrics, strict=True):
+    axes = figure.subplots(1, len(CDF_METRICS))
+    for ax, metric in zip(axes, CDF_METRICS, strict=True):
         for side, color in zip(sides, RUN_COLORS, strict=False):
             values = [v for r in measured(side.data, include_cold) for v in metric.values(r)]
             if values:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from dsocr_workers.stages import TIMINGS
+
 JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
 FINAL_STATES: tuple[str, ...] = ("done", "failed", "poisoned")
 
@@ -152,7 +154,19 @@ class WorkerSession(Base):
     last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
-class Result(Base):
+class TimingColumns:
+    """One Float column per figure of the stage registry, named by it (`preprocess_ms`, `e2e_ms`, …) and
+    NULL-able where the registry says so: a new stage needs a migration, not an edit here. Read them
+    through the registry (`Timing.of(result)`): they are generated, so the type checker does not see
+    them as attributes."""
+
+
+for _timing in TIMINGS:
+    setattr(TimingColumns, _timing.column, mapped_column(Float, nullable=_timing.nullable))
+del _timing
+
+
+class Result(TimingColumns, Base):
     """What one job measured (DESIGN.md §3). Exactly one per job: `job_id` is unique and written by upsert."""
 
     __tablename__ = "results"
@@ -166,33 +180,14 @@ class Result(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     clock: Mapped[str] = mapped_column(String(16))  # cuda_event | perf_counter
-    # The parts of e2e (engine/result.py StageTimings): preprocess + setup + prefill + first_token +
-    # decode + wasted_decode + readback + postprocess + host_gap = e2e.
-    preprocess_ms: Mapped[float] = mapped_column(Float)
-    setup_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    prefill_ms: Mapped[float] = mapped_column(Float)
-    vision_ms: Mapped[float] = mapped_column(Float)
-    sam_ms: Mapped[float] = mapped_column(Float)
-    clip_ms: Mapped[float] = mapped_column(Float)
-    projector_ms: Mapped[float] = mapped_column(Float)
-    lm_prefill_ms: Mapped[float] = mapped_column(Float)
-    first_token_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    decode_ms: Mapped[float] = mapped_column(Float)
-    wasted_decode_ms: Mapped[float] = mapped_column(Float, default=0.0)  # steps computed after EOS
-    readback_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    postprocess_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    host_gap_ms: Mapped[float] = mapped_column(Float, default=0.0)
-    ttft_ms: Mapped[float] = mapped_column(Float)  # preprocess + device start to first token
-    e2e_ms: Mapped[float] = mapped_column(Float)
+    # The figures of the stage registry (dsocr_workers/stages.py) are columns too: `TimingColumns`.
     # Prefetched: the page was prepared while the previous job ran (farm/job/prefetch.py); its preprocess_ms
-    # is still its own, timed where it ran (the prefetch thread). page_wait_ms: from the end of its
-    # preprocessing to its setup (the previous job's rest, the claim), outside e2e; microseconds for a
-    # page prepared in line. This and the columns below are NULL in rows older than revision 0005.
+    # is still its own, timed where it ran (the prefetch thread), and page_wait_ms is the time it then
+    # waited for its job. Rows older than revision 0005 hold false here and NULL in page_wait_ms,
+    # ttft_from_device_start_ms and the three columns below.
     prefetched: Mapped[bool] = mapped_column(default=False, server_default=false())
-    page_wait_ms: Mapped[float | None] = mapped_column(Float)
-    # TTFT both ways: from the claim (lease taken) and from the job's start on the device (setup).
+    # TTFT from the claim (lease taken), beside the registry's TTFT from the job's start on the device.
     ttft_from_claim_ms: Mapped[float | None] = mapped_column(Float)
-    ttft_from_device_start_ms: Mapped[float | None] = mapped_column(Float)
     # When the device began the job (setup) and finished it (readback): between two jobs of one worker
     # process, the device idled from one's finish to the next one's start (engine/result.py DeviceSpan).
     device_started_at: Mapped[datetime | None]

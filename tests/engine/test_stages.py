@@ -4,11 +4,18 @@ import pytest
 import torch
 
 from dsocr_workers import settings
+from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.stages import _STEP_EVENT_POOL, STAGES, StageClock
+from dsocr_workers.stages import TIMINGS
 
 # CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
 EPS = 0.01
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def page_png(make_png) -> str:
+    return str(make_png("page.png", size=(200, 260)))
 
 
 def work(device: str, size: int = 96) -> None:
@@ -16,6 +23,12 @@ def work(device: str, size: int = 96) -> None:
     a = torch.randn(size, size, device=device)
     for _ in range(4):
         a = torch.tanh(a @ a)
+
+
+# The stages `run_job` enters, as the engine does (every stage of the registry is checked apart, in
+# test_every_registry_stage_is_timed_into_its_field).
+JOB_STAGES = ("preprocess", "setup", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill",
+              "first_token", "decode", "readback", "postprocess")
 
 
 def run_job(clock: StageClock, device: str, steps: int = 5) -> None:
@@ -70,14 +83,14 @@ def test_nvtx_ranges_are_balanced_and_named(device):
         depth += 1 if kind == "push" else -1
         assert depth >= 0
     assert depth == 0
-    assert {name for _, name in clock.nvtx_log} == set(STAGES)
+    assert {name for _, name in clock.nvtx_log} == set(JOB_STAGES)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_timings_positive_and_nested(device):
     clock = StageClock(device, job_id="job-a")
     run_job(clock, device, steps=6)
-    for name in STAGES:
+    for name in JOB_STAGES:
         assert clock.ms(name) > 0, name
     vision = clock.ms("vision/sam") + clock.ms("vision/clip") + clock.ms("vision/projector")
     assert vision + clock.ms("lm_prefill") <= clock.ms("prefill") + EPS
@@ -180,15 +193,48 @@ def test_ranges_close_when_a_stage_raises():
     assert clock.nesting_ok()
 
 
-def test_instrumentation_off_by_environment(monkeypatch):
-    monkeypatch.setenv(settings.INSTRUMENTATION.name, "0")
-    clock = StageClock("cpu")
+def test_instrumentation_off():
+    clock = StageClock("cpu", nvtx_enabled=False, timing_enabled=False)
     run_job(clock, "cpu", steps=3)
     assert clock.nvtx_log == []
     assert clock.ms("prefill") == 0.0 and clock.step_ms() == []
     assert clock.steps_marked == 4
     assert clock.count("vision/sam") == 1
     assert clock.stage_timings().e2e_ms == 0.0 and clock.device_span() is None
+
+
+def test_the_environment_is_read_where_the_session_is_built_not_by_clocks(monkeypatch, page_png):
+    monkeypatch.setenv(settings.INSTRUMENTATION.name, "0")
+    clock = StageClock("cpu")  # a clock reads no environment: instrumented unless told otherwise
+    run_job(clock, "cpu", steps=1)
+    assert clock.nvtx_log and clock.stage_timings().e2e_ms > 0
+    session = DeepSeekOCRSession.from_local("tiny")
+    assert not session.instrumented
+    off = session.run_inference(page_png, mode="tiny", max_new_tokens=2)
+    assert off.timings.e2e_ms == 0.0 and off.device_span is None
+    monkeypatch.setenv(settings.INSTRUMENTATION.name, "1")  # read once: the built session does not see it
+    assert session.run_inference(page_png, mode="tiny", max_new_tokens=2).timings.e2e_ms == 0.0
+    session.instrumented = True  # the public switch (benchmarks/bench_engine.py's on/off arms)
+    on = session.run_inference(page_png, mode="tiny", max_new_tokens=2)
+    assert on.timings.e2e_ms > 0 and on.device_span is not None
+    assert DeepSeekOCRSession.from_local("tiny", instrumented=False).instrumented is False
+
+
+def test_every_registry_stage_is_timed_into_its_field():
+    """The clock's stages are the registry's, and each stage's total lands in its own field."""
+    clock = StageClock("cpu")
+    for timing in TIMINGS:
+        if timing.stage is not None:
+            with clock.stage(timing.stage):
+                time.sleep(0.001 * (1 + TIMINGS.index(timing)))  # a distinct time per stage
+    clock.finish()
+    timings = clock.stage_timings()
+    for timing in TIMINGS:
+        if timing.stage is not None:
+            assert timing.of(timings) == pytest.approx(clock.ms(timing.stage)), timing.column
+    assert timings.vision_ms == pytest.approx(sum(clock.ms(name) for name in STAGES if name.startswith("vision/")))
+    assert set(timings.columns()) == {t.column for t in TIMINGS}
+    assert set(timings.parts_ms) == {t.column.removesuffix("_ms") for t in TIMINGS if t.part}
 
 
 def test_misuse_is_reported():

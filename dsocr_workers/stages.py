@@ -1,0 +1,247 @@
+"""The measured stages of one job, in one place (DESIGN §2 "one registry per fact", §3).
+
+`StageTimings` is the registry: each of its millisecond fields carries a `Timing` (its metadata) that
+says what the figure is and where it is shown, and everything that shows a timing is derived from it:
+
+- the engine's clock (engine/stages.py `StageClock`): the stage names it accepts (each an NVTX range in
+  the domain `dsocr`), which of them are timed on the host clock, the top-level stages whose times
+  (with `host_gap`) add up to end-to-end, and the `StageTimings` it fills in;
+- the result row (farm/job/execute.py `result_row`: `StageTimings.columns()`) and the store's `results`
+  columns (store/models.py: one Float column per field, generated from `TIMINGS`);
+- the report's tables (latency, accounting, per image: report/build.py) and plots (the stage breakdown's
+  bars and the latency CDFs: report/plots.py);
+- `dsocr infer`'s timing table (cli/commands_model.py `timing_table`).
+
+A new stage is a new field here (its `Timing` names the stage) plus one Alembic migration adding its
+column (nullable: rows written before it have none), and the engine's `with clock.stage(name):` around
+the work it times. Nothing else names it.
+
+Kinds of figures: a stage's time (`stage` set: the StageClock stage of that name, summed over its
+entries), or one computed from the stages (`stage` None: vision, wasted decode, host gap, TTFT,
+end-to-end, page wait). `parent` nests a figure in another (the vision stages in `vision`, which is in
+`prefill`): tables indent it, and it is not a part of e2e, its parent's time holds it. The parts
+(`part`) are the top-level stages plus the wasted decode and the host gap: their sum is `e2e_ms`.
+A stage whose name begins with `vision/` adds to `vision_ms` (and `dsocr verify` checks it ran once per
+job, inside the prefill).
+
+This module imports nothing heavy: the store and the report (which must not import the engine) read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+Clock = Literal["cuda_event", "perf_counter"]
+# Where a figure is shown beside the CLI's timing table (which shows every figure) and the report's
+# accounting table (which shows the parts).
+Place = Literal["latency", "per_image", "cdf"]
+LATENCY_TABLE: Place = "latency"  # the report's latency table, and its paired B/A table
+PER_IMAGE_TABLE: Place = "per_image"  # the report's per-image table
+CDF_PLOT: Place = "cdf"  # a panel of the report's latency distributions (CDF) plot
+VISION_PREFIX = "vision/"
+METADATA_KEY = "timing"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What one millisecond figure of a job is, how it is measured and where it is shown."""
+
+    label: str  # how tables and plots name it; a table adds the unit ("prefill ms")
+    doc: str
+    stage: str | None = None  # the StageClock stage (NVTX range, domain `dsocr`) it is the time of; None: computed
+    host: bool = False  # a stage timed on the host clock on every device: host work (a CUDA event would time the queue)
+    parent: str | None = None  # the column of the figure that holds it; None: top level
+    part: bool = False  # one of the parts whose sum is e2e_ms
+    bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
+    shown: frozenset[Place] = frozenset()
+    nullable: bool = False  # its results column holds NULL in rows written before it was measured
+    column: str = ""  # the field's name, which is its results column's: set by `TIMINGS`
+
+    def field(self) -> Any:
+        """This figure as a StageTimings field (0.0 when not measured, e.g. with timing off)."""
+        return field(default=0.0, metadata={METADATA_KEY: self})
+
+    def of(self, row: object) -> float | None:
+        """The figure in a row that has it as an attribute (a `results` row, a StageTimings)."""
+        value = getattr(row, self.column)
+        return None if value is None else float(value)
+
+
+_LATENCY = frozenset({LATENCY_TABLE})
+
+
+@dataclass(frozen=True)
+class StageTimings:
+    """Milliseconds per part of one job. GPU parts are timed with CUDA events on CUDA (perf_counter on
+    the CPU); host parts (`preprocess`, `postprocess`) always with perf_counter; `e2e_ms` with the host
+    clock from the start of preprocessing to the end of postprocessing, less `page_wait_ms`. The parts
+    add up:
+
+        e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
+              + postprocess + host_gap
+
+    `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
+    device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
+    vision stages and `lm_prefill_ms`.
+
+    `page_wait_ms` is no part of the job: the time its page, prepared ahead (the farm prepares the next
+    job's page while this one runs), waited between the end of its preprocessing and the start of its
+    setup. A page prepared in line waits for nothing (a few microseconds of host code).
+
+    The fields below, in this order, are the registry (module docstring) and the order of every table:
+    the TTFTs first (what a reader looks for first), then the stages as they happen, end-to-end, the page's
+    wait outside it."""
+
+    clock: Clock
+    # One entry per kept decode step (each step produces one token after the first, which comes from
+    # the prefill logits).
+    decode_step_ms: list[float] = field(default_factory=list)
+
+    ttft_ms: float = Timing(
+        "TTFT", "preprocess + setup + prefill + first token (from the device start)",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
+    ).field()  # fmt: skip
+    ttft_from_device_start_ms: float = Timing(
+        "TTFT from device start", "setup + prefill + first token, from the job's start on the device",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}), nullable=True,
+    ).field()  # fmt: skip
+    preprocess_ms: float = Timing(
+        "preprocess", "the page read, tiled and tokenised (host)", stage="preprocess", host=True, part=True,
+        bar="preprocess", shown=_LATENCY,
+    ).field()  # fmt: skip
+    setup_ms: float = Timing(
+        "setup", "inputs to the device, the cache reset: before the prefill", stage="setup", part=True,
+    ).field()  # fmt: skip
+    prefill_ms: float = Timing(
+        "prefill", "vision and the language model's prefill", stage="prefill", part=True,
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
+    ).field()  # fmt: skip
+    vision_ms: float = Timing(
+        "vision", f"the sum of the `{VISION_PREFIX}*` stages", parent="prefill_ms", shown=_LATENCY,
+    ).field()  # fmt: skip
+    sam_ms: float = Timing(
+        "SAM", "the SAM encoder over the global view and the tiles", stage="vision/sam", parent="vision_ms",
+        bar="SAM", shown=_LATENCY,
+    ).field()  # fmt: skip
+    clip_ms: float = Timing(
+        "CLIP", "the CLIP trunk on SAM's features", stage="vision/clip", parent="vision_ms", bar="CLIP",
+        shown=_LATENCY,
+    ).field()  # fmt: skip
+    projector_ms: float = Timing(
+        "projector", "the projector and the image token layout", stage="vision/projector", parent="vision_ms",
+        bar="projector", shown=_LATENCY,
+    ).field()  # fmt: skip
+    lm_prefill_ms: float = Timing(
+        "LM prefill", "the language model over the prompt", stage="lm_prefill", parent="prefill_ms",
+        bar="LM prefill", shown=_LATENCY,
+    ).field()  # fmt: skip
+    first_token_ms: float = Timing(
+        "first token", "choosing the first token from the prefill logits", stage="first_token", part=True,
+        bar="decode",
+    ).field()  # fmt: skip
+    decode_ms: float = Timing(
+        "decode", "the kept decode steps (the decode stage less its steps after EOS)", stage="decode", part=True,
+        bar="decode", shown=_LATENCY,
+    ).field()  # fmt: skip
+    wasted_decode_ms: float = Timing(
+        "wasted decode", "steps computed after EOS (the loop looks for EOS asynchronously)", part=True,
+        bar="wasted decode",
+    ).field()  # fmt: skip
+    readback_ms: float = Timing(
+        "readback", "the generated ids back to the host", stage="readback", part=True, bar="postprocess",
+    ).field()  # fmt: skip
+    postprocess_ms: float = Timing(
+        "postprocess", "detokenising and parsing the markup (host)", stage="postprocess", host=True, part=True,
+        bar="postprocess",
+    ).field()  # fmt: skip
+    host_gap_ms: float = Timing("host gap", "end-to-end less every stage: host time between stages", part=True).field()
+    e2e_ms: float = Timing(
+        "end-to-end", "host time from the first stage's start to the last one's end, less the page wait",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
+    ).field()  # fmt: skip
+    page_wait_ms: float = Timing(
+        "page wait", "a page prepared ahead, waiting for its job's setup: outside e2e", nullable=True,
+    ).field()  # fmt: skip
+
+    @property
+    def parts_ms(self) -> dict[str, float]:
+        """The named parts whose sum is `e2e_ms`, by name (the column less `_ms`)."""
+        return {t.column.removesuffix("_ms"): getattr(self, t.column) for t in PARTS}
+
+    def columns(self) -> dict[str, float]:
+        """Every figure by its results column."""
+        return {t.column: getattr(self, t.column) for t in TIMINGS}
+
+    @property
+    def decode_step_percentiles(self) -> dict[str, float | None]:
+        """p50 / p90 / p99 of the kept decode steps' ms (numpy's linear method); None without steps."""
+        if not self.decode_step_ms:
+            return {"p50": None, "p90": None, "p99": None}
+        import numpy as np
+
+        p50, p90, p99 = np.percentile(np.asarray(self.decode_step_ms, dtype=np.float64), [50, 90, 99])
+        return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+TIMINGS: tuple[Timing, ...] = tuple(
+    replace(f.metadata[METADATA_KEY], column=f.name) for f in fields(StageTimings) if METADATA_KEY in f.metadata
+)
+BY_COLUMN: dict[str, Timing] = {t.column: t for t in TIMINGS}
+# StageClock's stage names, in registry order; those timed on the host clock; the top-level ones (the
+# job's stages whose times, with the host gap, make up end-to-end); the vision stages.
+STAGES: tuple[str, ...] = tuple(t.stage for t in TIMINGS if t.stage is not None)
+HOST_STAGES: frozenset[str] = frozenset(t.stage for t in TIMINGS if t.stage is not None and t.host)
+JOB_PARTS: tuple[str, ...] = tuple(t.stage for t in TIMINGS if t.stage is not None and t.parent is None)
+VISION_STAGES: tuple[str, ...] = tuple(s for s in STAGES if s.startswith(VISION_PREFIX))
+PARTS: tuple[Timing, ...] = tuple(t for t in TIMINGS if t.part)
+
+
+def depth(timing: Timing) -> int:
+    """How deep a figure is nested (0: top level): tables indent it by this."""
+    return 0 if timing.parent is None else 1 + depth(BY_COLUMN[timing.parent])
+
+
+def shown_in(place: Place) -> tuple[Timing, ...]:
+    return tuple(t for t in TIMINGS if place in t.shown)
+
+
+def breakdown_bars() -> dict[str, tuple[str, ...]]:
+    """The stage breakdown's bars, in the order they happen: each bar's label and the columns it adds."""
+    out: dict[str, tuple[str, ...]] = {}
+    for t in TIMINGS:
+        if t.bar is not None:
+            out[t.bar] = (*out.get(t.bar, ()), t.column)
+    return out
+
+
+def check(timings: tuple[Timing, ...] = TIMINGS) -> None:
+    """The registry's rules, checked at import: a mistake in a new stage's Timing fails loudly."""
+    columns = [t.column for t in timings]
+    stages = [t.stage for t in timings if t.stage is not None]
+    problems = [f"{c} twice" for c in set(columns) if columns.count(c) > 1]
+    problems += [f"stage {s} twice" for s in set(stages) if stages.count(s) > 1]
+    by_column = {t.column: t for t in timings}
+    for t in timings:
+        ancestors: list[Timing] = []
+        parent = t.parent
+        while parent is not None and parent in by_column and len(ancestors) <= len(timings):
+            ancestors.append(by_column[parent])
+            parent = by_column[parent].parent
+        if not t.column.endswith("_ms"):
+            problems.append(f"{t.column}: a column of milliseconds ends in _ms")
+        if parent is not None:
+            problems.append(f"{t.column}: parent {parent} is no figure")
+        if t.stage is not None and t.part != (t.parent is None):
+            problems.append(f"{t.column}: a stage is a part of e2e exactly when it is top level")
+        if t.part and t.parent is not None:
+            problems.append(f"{t.column}: a nested figure cannot be a part of e2e (its parent holds it)")
+        if t.host and t.stage is None:
+            problems.append(f"{t.column}: only a stage has a clock")
+        if t.bar is not None and (any(a.bar is not None for a in ancestors) or not (t.part or ancestors)):
+            problems.append(f"{t.column}: a bar adds a part or what is nested in one, never both")
+    if problems:
+        raise ValueError("stage registry: " + "; ".join(problems))
+
+
+check()
