@@ -119,6 +119,23 @@ def open_session(preset: str, device_name: str) -> Any:
     return DeepSeekOCRSession(loaded, source, device, dtype, "fast", "", FastCompile(backend=backend, decode_only=True))
 
 
+def trial_load(spec: Path, result: Path, record: dict[str, Any], name: str) -> bool:
+    """`fresh-aoti` on one package in a child process (faulthandler on): whether it loaded and ran; its
+    numbers, or how it died, into `record`."""
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "fresh-aoti", "--spec", str(spec),
+                               "--result", str(result)], capture_output=True, text=True, timeout=150)  # fmt: skip
+        rc: int | str = done.returncode
+        tail = (done.stdout + done.stderr)[-3000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = "timeout", str(exc)[-3000:]
+    record[f"{name}_trial_load"] = {"rc": rc, "s": round(time.perf_counter() - began, 3),
+                                    "result": read(result), "output_tail": tail if rc != 0 else ""}  # fmt: skip
+    packages = (read(result) or {}).get("packages") or [{}]
+    return rc == 0 and "load_package_error" not in packages[0]
+
+
 def aoti_package(exported: Any, path: Path, record: dict[str, Any], name: str) -> str | None:
     """Compile an exported program into a .pt2 package without its constants (the caller hands them at
     load); its seconds and bytes into `record`."""
@@ -327,11 +344,18 @@ def section_decode(args: argparse.Namespace) -> None:
         save(out, record)
         if path is None:
             return
+        weights = {**dict(module.named_parameters()), **dict(module.named_buffers()), **exported.constants}
+        # Every name the package may ask for; it asks for those it did not fold (get_constant_fqns).
+        spec = {"package": path, "state": record["state_inputs"], "length": int(buffers.length.item()),
+                "constants": {name: tensor_spec(tensor) for name, tensor in weights.items()}, "capture": True}  # fmt: skip
+        (work / "decode.spec.json").write_text(json.dumps(spec))
+        # A first load in a child process: a package that crashes its loader takes only the child down.
+        if not trial_load(work / "decode.spec.json", work / "trial-decode.json", record, "decode"):
+            return
         runner = attempt(record, "decode_load_same_process",
                          lambda: torch._inductor.aoti_load_package(path, run_single_threaded=True))  # fmt: skip
         if runner is None:
             return
-        weights = {**dict(module.named_parameters()), **dict(module.named_buffers()), **exported.constants}
         fqns = runner.get_constant_fqns()
         record["decode_constants"] = len(fqns)
         missing = [name for name in fqns if name not in weights]
@@ -339,10 +363,6 @@ def section_decode(args: argparse.Namespace) -> None:
         constants = {name: weights[name] for name in fqns if name in weights}
         attempt(record, "decode_load_constants",
                 lambda: runner.load_constants(constants, check_full_update=not missing, user_managed=True))  # fmt: skip
-        spec = {"package": path, "state": record["state_inputs"], "length": int(buffers.length.item()),
-                "constants": {name: tensor_spec(constants[name]) for name in fqns if name in constants},
-                "capture": True}  # fmt: skip
-        (work / "decode.spec.json").write_text(json.dumps(spec))
 
         def aoti_direct() -> None:
             runner(*state)
@@ -508,6 +528,7 @@ def section_blocks(args: argparse.Namespace) -> None:
     model, device, dtype = session.model, session.device, session.dtype
     generator = torch.Generator(device=device).manual_seed(0)
     specs: list[dict[str, Any]] = []
+    trials_failed: list[str] = []
     tile = 640 if args.preset == "full" else 64
     tiles_max = 9
 
@@ -527,12 +548,19 @@ def section_blocks(args: argparse.Namespace) -> None:
         save(out, record)
         if path is None:
             return
+        specs.append({"name": kind, "package": path, "inputs": [tensor_spec(t) for t in example], "capture": False})
+        (work / "blocks.spec.json").write_text(json.dumps(specs))
+        (work / f"{kind}.spec.json").write_text(json.dumps(specs[-1]))
+        if trials_failed:  # a loader that crashed once crashes again: the time goes to the other builds
+            entry["block_trial_load"] = f"skipped: the trial load of {trials_failed[0]} failed"
+            return
+        if not trial_load(work / f"{kind}.spec.json", work / f"trial-{kind}.json", entry, "block"):
+            trials_failed.append(kind)
+            return
         runner = attempt(entry, "block_load_same_process", lambda: torch._inductor.aoti_load_package(path))
         if runner is None:
             return
         entry["block_constants"] = len(runner.get_constant_fqns())
-        specs.append({"name": kind, "package": path, "inputs": [tensor_spec(t) for t in example], "capture": False})
-        (work / "blocks.spec.json").write_text(json.dumps(specs))
         rows = []
         with gpu_lock(work), torch.inference_mode():
             for make in sizes:
@@ -682,9 +710,13 @@ def fresh_package(torch: Any, spec: dict[str, Any], device: Any) -> dict[str, An
                      lambda: torch._inductor.aoti_load_package(spec["package"], run_single_threaded=spec["capture"]))  # fmt: skip
     if runner is None:
         return row
-    constants = {name: fill(torch, shape, device) for name, shape in spec.get("constants", {}).items()}
+    wanted = runner.get_constant_fqns()
+    row["constants"] = len(wanted)
+    row["constants_unknown"] = [name for name in wanted if name not in spec.get("constants", {})][:20]
+    constants = {name: fill(torch, spec["constants"][name], device) for name in wanted if name in spec.get("constants", {})}
     if constants:
-        attempt(row, "load_constants", lambda: runner.load_constants(constants, check_full_update=True, user_managed=True))
+        attempt(row, "load_constants", lambda: runner.load_constants(constants, check_full_update=not row["constants_unknown"],
+                                                                      user_managed=True))  # fmt: skip
     if "state" in spec:
         inputs = [fill(torch, s, device, 0) if s["dtype"] == "int64" else fill(torch, s, device) for s in spec["state"]]
         inputs[1].fill_(spec["length"])
@@ -752,7 +784,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
     from dsocr_workers.model.modeling import DeepSeekOCR
 
     record["imports_s"] = round(time.perf_counter() - began, 3)
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     began = time.perf_counter()
     config = PRESETS[args.preset]
@@ -833,7 +865,9 @@ def fresh_compile(args: argparse.Namespace) -> None:
 
 def child(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log_path, "a") as handle:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, __file__, *command], stdout=handle, stderr=subprocess.STDOUT, env=env)
+        # faulthandler: a crash inside a loaded package prints the Python stack before the process dies.
+        return subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, *command], stdout=handle,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 
 def wait(process: subprocess.Popen, deadline: float, name: str, record: dict[str, Any]) -> None:
@@ -875,9 +909,14 @@ def run(args: argparse.Namespace) -> int:
     fresh: dict[str, Any] = {}
     if not args.export_only:
         jobs: list[tuple[str, list[str]]] = []
-        if (work / "decode.spec.json").exists():
+        decode = read(work / "decode.json") or {}
+        blocks = read(work / "blocks.json") or {}
+        decode_loads = (decode.get("decode_trial_load") or {}).get("rc") == 0
+        blocks_load = any(isinstance(e.get("block_trial_load"), dict) and e["block_trial_load"].get("rc") == 0
+                          for e in blocks.values() if isinstance(e, dict))  # fmt: skip
+        if decode_loads and (work / "decode.spec.json").exists():
             jobs += [(f"aoti_decode_{i}", ["fresh-aoti", "--spec", str(work / "decode.spec.json")]) for i in (1, 2)]
-        if (work / "blocks.spec.json").exists():
+        if blocks_load and (work / "blocks.spec.json").exists():
             jobs.append(("aoti_blocks", ["fresh-aoti", "--spec", str(work / "blocks.spec.json")]))
         if "decode" in args.sections:
             jobs.append(("compile_warm", ["fresh-compile", "--how", "warm", *common]))
