@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import statistics
@@ -119,13 +120,18 @@ def open_session(preset: str, device_name: str) -> Any:
     return DeepSeekOCRSession(loaded, source, device, dtype, "fast", "", FastCompile(backend=backend, decode_only=True))
 
 
-def trial_load(spec: Path, result: Path, record: dict[str, Any], name: str) -> bool:
+# SAM's blocks call this project operator (a cuBLASLt epilogue, not a Triton kernel AOTInductor compiles in).
+SAM_OPERATORS = "dsocr_workers.model.sam_mlp"
+
+
+def trial_load(spec: Path, result: Path, record: dict[str, Any], name: str, imports: str = "") -> bool:
     """`fresh-aoti` on one package in a child process (faulthandler on): whether it loaded and ran; its
     numbers, or how it died, into `record`."""
     began = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "fresh-aoti", "--spec", str(spec),
-                               "--result", str(result)], capture_output=True, text=True, timeout=150)  # fmt: skip
+                               "--result", str(result), "--imports", imports], capture_output=True, text=True,
+                              timeout=150)  # fmt: skip
         rc: int | str = done.returncode
         tail = (done.stdout + done.stderr)[-3000:]
     except subprocess.TimeoutExpired as exc:
@@ -554,7 +560,8 @@ def section_blocks(args: argparse.Namespace) -> None:
         if trials_failed:  # a loader that crashed once crashes again: the time goes to the other builds
             entry["block_trial_load"] = f"skipped: the trial load of {trials_failed[0]} failed"
             return
-        if not trial_load(work / f"{kind}.spec.json", work / f"trial-{kind}.json", entry, "block"):
+        imports = SAM_OPERATORS if kind.startswith("sam") else ""
+        if not trial_load(work / f"{kind}.spec.json", work / f"trial-{kind}.json", entry, "block", imports):
             trials_failed.append(kind)
             return
         runner = attempt(entry, "block_load_same_process", lambda: torch._inductor.aoti_load_package(path))
@@ -605,6 +612,8 @@ def section_blocks(args: argparse.Namespace) -> None:
     blocks64 = torch.export.Dim("blocks64", min=1, max=longest // PREFILL_BUCKET)
     length_dim = PREFILL_BUCKET * blocks64
     for kind, index in (("lm_moe", 1), ("lm_dense", 0)):
+        if kind not in args.kinds:
+            continue
         layer = language_model.layers[index]
         makers = []
         for other in (index, len(language_model.layers) - 1) if index else (index,):
@@ -648,6 +657,8 @@ def section_blocks(args: argparse.Namespace) -> None:
         return out[0] if isinstance(out, tuple) else out
 
     for kind, index in (("sam_windowed", windowed), ("sam_global", global_)):
+        if kind not in args.kinds:
+            continue
         same_kind = [i for i, layer in enumerate(sam_layers)
                      if (getattr(layer, "window_size", 0) > 0) == (getattr(sam_layers[index], "window_size", 0) > 0)]  # fmt: skip
         makers = []
@@ -672,7 +683,8 @@ def section_blocks(args: argparse.Namespace) -> None:
                 return [hidden, *weights_of(clip_layers[other])], lambda: clip_call(clip_layers[other], hidden)
 
             makers.append(make)
-    run_block("clip", clip_layers[0], clip_call, [clip_inputs[0][:3].contiguous()], ({0: tiles},), makers)
+    if "clip" in args.kinds:
+        run_block("clip", clip_layers[0], clip_call, [clip_inputs[0][:3].contiguous()], ({0: tiles},), makers)
 
     (work / "blocks.spec.json").write_text(json.dumps(specs))
     save(out, record)
@@ -757,6 +769,12 @@ def fresh_aoti(args: argparse.Namespace) -> None:
     torch.cuda.init()
     torch.empty(1, device=device)
     record["cuda_init_s"] = round(time.perf_counter() - began - record["import_torch_s"], 3)
+    began = time.perf_counter()
+    for module in filter(None, args.imports.split(",")):
+        # A package that calls a project operator (not a Triton kernel it compiled in) needs the
+        # operator's registration, e.g. SAM's dsocr::linear_gelu_tanh (model/sam_mlp.py).
+        importlib.import_module(module)
+    record["project_imports_s"] = round(time.perf_counter() - began, 3)
     specs = json.loads(Path(args.spec).read_text())
     results = [fresh_package(torch, spec, device) for spec in (specs if isinstance(specs, list) else [specs])]
     record["packages"] = results
@@ -890,7 +908,11 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime())
     tag = f"aoti-{stamp}-{args.tag}" if args.tag else f"aoti-{stamp}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+    # TORCHINDUCTOR_VEC_ISA_OK=1: aoti_load_package compares the package's CPU vector ISA with this host's,
+    # which inductor finds by compiling test programs: ~40 s of a fresh process's first load on the H100
+    # host (a CUDA package runs no CPU kernel).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
+           "TORCHINDUCTOR_VEC_ISA_OK": os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "1")}  # fmt: skip
     common = ["--work", str(work), "--preset", args.preset, "--device", args.device]
     common += ["--export-only"] if args.export_only else []
     deadline = STARTED + args.budget_s
@@ -958,7 +980,7 @@ def markdown(report: dict[str, Any]) -> str:
     keys = ["load_s", "compiled_first_step_s", "compiled_ready_s", "decode_export_nonstrict_s",
             "decode_export_nonstrict_error", "decode_export_strict_s", "decode_export_strict_error",
             "decode_aoti_compile_s", "decode_aoti_compile_error", "decode_package_bytes", "decode_custom_ops",
-            "decode_mutated_inputs", "decode_constants", "decode_constants_missing", "decode_load_constants_s",
+            "decode_mutated_inputs", "decode_inplace_ops", "decode_trial_load", "decode_constants", "decode_constants_missing", "decode_load_constants_s",
             "decode_in_place", "aoti_direct_tokens_equal", "decode_capture_s", "decode_capture_error",
             "aoti_graphed_tokens_equal", "megacache_bytes", "megacache_save_error", "precompile_s",
             "precompile_error"]  # fmt: skip
@@ -977,6 +999,10 @@ def markdown(report: dict[str, Any]) -> str:
         export = entry.get("block_export_nonstrict_error") and entry.get("block_export_strict_error") or "ok"
         sizes = "; ".join(f"{r.get('shape')} {r.get('max_abs_diff'):.3g} {r.get('aoti_ms')} {r.get('eager_ms')}"
                           for r in entry.get("sizes", []) if isinstance(r, dict))  # fmt: skip
+        trial = entry.get("block_trial_load")
+        if isinstance(trial, dict):
+            trial = f"rc {trial.get('rc')} in {trial.get('s')} s"
+        export = f"{export}; trial load: {trial}"
         lines.append(f"| {kind} | {str(export)[:200]} | {entry.get('block_aoti_compile_s')} "
                      f"{entry.get('block_aoti_compile_error', '')[:200]} | {entry.get('block_package_bytes')} | {sizes} |")  # fmt: skip
     lines += ["", "## fresh processes", "", "| process | numbers |", "| --- | --- |"]
@@ -1024,8 +1050,10 @@ def main() -> int:
         p.add_argument("--warm-steps", type=int, default=16)
         p.add_argument("--timing-steps", type=int, default=256)
         p.add_argument("--max-new-tokens", type=int, default=512)
+        p.add_argument("--kinds", default="lm_moe,lm_dense,sam_windowed,sam_global,clip", help="blocks to build")
     p = sub.add_parser("fresh-aoti")
     p.add_argument("--spec", required=True)
+    p.add_argument("--imports", default="", help="modules to import first (operator registrations), comma-separated")
     p.add_argument("--result", required=True)
     p = sub.add_parser("fresh-compile")
     shared(p)
