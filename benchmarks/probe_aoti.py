@@ -23,9 +23,17 @@ Measures, on one GPU, the `full` preset in bf16 (fast engine modules), with AOTI
 The decode and blocks parts build in two processes at once (compilation is host work; a lock file keeps
 their GPU measurements apart), then the fresh processes run one by one. Everything lands in --out:
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_aoti.py run --out $OUT --budget-s 560
+    # on the GPU machine (tool `run`; nvtx from .whl, benchmarks/README.md "Device wheels")
+    source benchmarks/device_env.sh && export CXX=/usr/bin/g++
+    python3 benchmarks/probe_aoti.py run --out $OUT --tag h100 --budget-s 560 --build-share 0.7 --fresh-timeout-s 70
 
-`run --preset tiny --device cpu --export-only` checks the exports on a CPU (TRITON_INTERPRET=1).
+CXX: the device image's default C++ compiler (/opt/gcc/bin/g++) builds packages whose loader segfaults
+(even a one-layer toy); Ubuntu's /usr/bin/g++ builds loadable ones. Each package is first loaded in a
+child process (`trial_load`), so a crashing loader costs that child only. Results and the recommendation:
+benchmarks/results/aoti-2026-11-26-summary.md.
+
+`run --preset tiny --device cpu --export-only` checks the exports on a CPU (TRITON_INTERPRET=1; the
+decode step then uses transformers' batched experts, the Triton GEMVs cannot be traced on a CPU).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ STARTED = time.perf_counter()
 ROOT = next((p for p in Path(__file__).resolve().parents if (p / "dsocr_workers").is_dir()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
 
 def log(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
@@ -117,7 +126,9 @@ def open_session(preset: str, device_name: str) -> Any:
         loaded.model.language_model.config._experts_implementation = "batched_mm"
     source = ModelSource("preset", preset, random_weights=True, seed=0, fingerprint=loaded.fingerprint)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    return DeepSeekOCRSession(loaded, source, device, dtype, "fast", "", FastCompile(backend=backend, decode_only=True))
+    return DeepSeekOCRSession(
+        loaded, source, device, dtype, "fast", "", FastCompile(backend=backend, decode_only=True)
+    )
 
 
 # SAM's blocks call this project operator (a cuBLASLt epilogue, not a Triton kernel AOTInductor compiles in).
@@ -162,7 +173,9 @@ def in_place(target: str) -> bool:
     return len(parts) >= 3 and parts[-2].endswith("_") and not parts[-2].startswith("_")
 
 
-def export_program(module: Any, args: tuple, record: dict[str, Any], name: str, dynamic_shapes: Any = None) -> Any:
+def export_program(
+    module: Any, args: tuple, record: dict[str, Any], name: str, dynamic_shapes: Any = None
+) -> Any:
     """torch.export, non-strict first (tracing with Python, as torch.export defaults to), then strict
     (dynamo) if that failed; which one worked goes into `record`."""
     import torch
@@ -196,7 +209,9 @@ def decode_state_slots(cache: Any, ban: Any) -> list[tuple[Any, str]]:
 
     slots: list[tuple[Any, str]] = [(ban, "tokens"), (ban, "length"), (ban, "prompt_length")]
     for layer in cache.layers:
-        slots += [(layer, key) for key, value in sorted(vars(layer).items()) if isinstance(value, torch.Tensor)]
+        slots += [
+            (layer, key) for key, value in sorted(vars(layer).items()) if isinstance(value, torch.Tensor)
+        ]
     return slots
 
 
@@ -251,7 +266,11 @@ def summary_ms(times: list[float]) -> dict[str, float]:
 def section_decode(args: argparse.Namespace) -> None:
     work = Path(args.work)
     out = work / "decode.json"
-    record: dict[str, Any] = {"preset": args.preset, "device": args.device, "bucket_tokens": args.max_new_tokens}
+    record: dict[str, Any] = {
+        "preset": args.preset,
+        "device": args.device,
+        "bucket_tokens": args.max_new_tokens,
+    }
     began = time.perf_counter()
     import torch
 
@@ -293,7 +312,9 @@ def section_decode(args: argparse.Namespace) -> None:
     def compiled_step() -> None:
         compiled(model, buffers.cache, job.ban, options)
 
-    def run_job(step: Callable[[], None], steps: int, record_times: bool = False) -> tuple[list[int], list[float]]:
+    def run_job(
+        step: Callable[[], None], steps: int, record_times: bool = False
+    ) -> tuple[list[int], list[float]]:
         nonlocal job
         job = new_job()
         assert job.buffers is buffers, "one cache bucket for every job of the probe"
@@ -320,7 +341,9 @@ def section_decode(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         record["compiled_ready_s"] = round(time.perf_counter() - began, 3)
     if hasattr(torch._dynamo.utils, "calculate_time_spent"):
-        record["compiled_time_spent"] = {k: round(v, 3) for k, v in torch._dynamo.utils.calculate_time_spent().items()}
+        record["compiled_time_spent"] = {
+            k: round(v, 3) for k, v in torch._dynamo.utils.calculate_time_spent().items()
+        }
     reference, _ = run_job(compiled_step, args.steps)
     record["reference_tokens"] = reference
     save(out, record)
@@ -339,7 +362,8 @@ def section_decode(args: argparse.Namespace) -> None:
         nonlocal job
         # AOTInductor: export the step with the decode state as inputs, package without weights.
         module, state = decode_module(model, buffers.cache, job.ban, options)
-        example = tuple(tensor.clone() for tensor in state)  # normal tensors (the buffers are inference tensors)
+        # Normal tensors: the buffers are inference tensors.
+        example = tuple(tensor.clone() for tensor in state)
         record["state_inputs"] = [tensor_spec(t) for t in example]
         with torch.no_grad():
             exported = export_program(module, example, record, "decode")
@@ -383,7 +407,12 @@ def section_decode(args: argparse.Namespace) -> None:
                 after = int(buffers.length.item())
                 written = int(buffers.tokens[after - 1].item()) if after > before else -1
                 token = int(returned.reshape(-1)[0].item()) if isinstance(returned, torch.Tensor) else -2
-            return {"length_before": before, "length_after": after, "token_written": written, "token_returned": token}
+            return {
+                "length_before": before,
+                "length_after": after,
+                "token_written": written,
+                "token_returned": token,
+            }
 
         record["decode_in_place"] = attempt(record, "decode_in_place_check", check_in_place)
         direct = attempt(record, "decode_direct_run", lambda: run_job(aoti_direct, args.steps)[0])
@@ -409,7 +438,9 @@ def section_decode(args: argparse.Namespace) -> None:
                 record["aoti_graphed_tokens_equal"] = graphed == reference
                 record["aoti_graphed_tokens"] = graphed
                 if graphed != reference:
-                    record["aoti_graphed_first_mismatch"] = next(i for i, (a, b) in enumerate(zip(graphed, reference, strict=False)) if a != b)
+                    record["aoti_graphed_first_mismatch"] = next(
+                        i for i, (a, b) in enumerate(zip(graphed, reference, strict=False)) if a != b
+                    )
         save(out, record)
 
         # Side by side in this process: events per step, the engine's compiled step, then AOTI (graphed and
@@ -423,22 +454,28 @@ def section_decode(args: argparse.Namespace) -> None:
             if "graph" in graph_holder:
                 variants.append(("aoti_cuda_graph_again", graph_holder["graph"].replay))
             for name, step in variants:
+
                 def timed(step: Callable[[], None] = step) -> dict[str, Any]:
                     wall_began = time.perf_counter()
                     _, times = run_job(step, args.warm_steps + args.timing_steps, record_times=True)
-                    return summary_ms(times[args.warm_steps:]) | {"job_wall_s": round(time.perf_counter() - wall_began, 3)}
+                    return summary_ms(times[args.warm_steps :]) | {
+                        "job_wall_s": round(time.perf_counter() - wall_began, 3)
+                    }
 
                 timing[name] = attempt(timing, name, timed)
         record["decode_ms_per_token"] = timing
         save(out, record)
 
     aoti()
+
     # dynamo's own ahead-of-time compile (precompile): the step traced once, saved, loaded without tracing.
     def precompile() -> int:
         from dsocr_workers.engine.generate import decode_one_token
 
         with torch.inference_mode():
-            fn = torch.compile(decode_one_token, fullgraph=True).aot_compile(((model, buffers.cache, job.ban, options), {}))
+            fn = torch.compile(decode_one_token, fullgraph=True).aot_compile(
+                ((model, buffers.cache, job.ban, options), {})
+            )
         fn.save_compiled_function(str(work / "decode.precompiled"))
         return os.path.getsize(work / "decode.precompiled")
 
@@ -459,7 +496,9 @@ def weights_as_inputs(layer: Any, call: Callable[..., Any]) -> tuple[Any, list[A
     from torch.nn.utils.stateless import _reparametrize_module
 
     names = [name for name, _ in layer.named_parameters()] + [name for name, _ in layer.named_buffers()]
-    tensors = [tensor for _, tensor in layer.named_parameters()] + [tensor for _, tensor in layer.named_buffers()]
+    tensors = [tensor for _, tensor in layer.named_parameters()] + [
+        tensor for _, tensor in layer.named_buffers()
+    ]
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -467,16 +506,20 @@ def weights_as_inputs(layer: Any, call: Callable[..., Any]) -> tuple[Any, list[A
             self.count = len(names)
 
         def forward(self, *inputs: torch.Tensor) -> Any:
-            head, weights = inputs[: -self.count], inputs[-self.count:]
+            head, weights = inputs[: -self.count], inputs[-self.count :]
             # functional_call's own swap, around `call` rather than around `layer.forward`.
-            with _reparametrize_module(layer, dict(zip(names, weights, strict=True)), tie_weights=False, strict=True):
+            with _reparametrize_module(
+                layer, dict(zip(names, weights, strict=True)), tie_weights=False, strict=True
+            ):
                 return call(layer, *head)
 
     return Block(), tensors
 
 
 def weights_of(layer: Any) -> list[Any]:
-    return [tensor for _, tensor in layer.named_parameters()] + [tensor for _, tensor in layer.named_buffers()]
+    return [tensor for _, tensor in layer.named_parameters()] + [
+        tensor for _, tensor in layer.named_buffers()
+    ]
 
 
 def capture_inputs(layers: Any, run: Callable[[], Any]) -> list[Any]:
@@ -507,6 +550,7 @@ def compare_block(runner: Any, reference: Callable[[], Any], inputs: list[Any],
     row: dict[str, Any] = {"max_abs_diff": diff, "max_abs_reference": scale}
     if got_t.is_cuda:
         for name, call in (("aoti_ms", lambda: runner(*inputs)), ("eager_ms", reference)):
+
             def fn(call: Callable[[], Any] = call) -> None:
                 before()
                 call()
@@ -554,7 +598,9 @@ def section_blocks(args: argparse.Namespace) -> None:
         save(out, record)
         if path is None:
             return
-        specs.append({"name": kind, "package": path, "inputs": [tensor_spec(t) for t in example], "capture": False})
+        specs.append(
+            {"name": kind, "package": path, "inputs": [tensor_spec(t) for t in example], "capture": False}
+        )
         (work / "blocks.spec.json").write_text(json.dumps(specs))
         (work / f"{kind}.spec.json").write_text(json.dumps(specs[-1]))
         if trials_failed:  # a loader that crashed once crashes again: the time goes to the other builds
@@ -571,9 +617,12 @@ def section_blocks(args: argparse.Namespace) -> None:
         rows = []
         with gpu_lock(work), torch.inference_mode():
             for make in sizes:
+
                 def one(make: Callable[[], tuple[list[Any], Callable[[], Any]]] = make) -> dict[str, Any]:
                     inputs, reference, *before = make()
-                    return {"shape": list(inputs[0].shape)} | compare_block(runner, reference, inputs, *before)
+                    return {"shape": list(inputs[0].shape)} | compare_block(
+                        runner, reference, inputs, *before
+                    )
 
                 rows.append(attempt(entry, f"size{len(rows)}", one))
         entry["sizes"] = rows
@@ -596,7 +645,9 @@ def section_blocks(args: argparse.Namespace) -> None:
         try:
             for key, tensor in zip(cache_keys, cache_state, strict=True):
                 setattr(layer_cache, key, tensor)
-            out = layer(hidden, attention_mask=None, position_embeddings=(cos, sin), **{CACHE_ARGUMENT: layer_cache})
+            out = layer(
+                hidden, attention_mask=None, position_embeddings=(cos, sin), **{CACHE_ARGUMENT: layer_cache}
+            )
             return out[0] if isinstance(out, tuple) else out
         finally:
             for key, tensor in zip(cache_keys, saved, strict=True):
@@ -617,13 +668,15 @@ def section_blocks(args: argparse.Namespace) -> None:
         layer = language_model.layers[index]
         makers = []
         for other in (index, len(language_model.layers) - 1) if index else (index,):
-            for length in ((128, 640, longest) if other == index else (longest,)):
+            for length in (128, 640, longest) if other == index else (longest,):
+
                 def make(other: int = other, length: int = length) -> tuple[list[Any], Callable[[], Any]]:
                     head = lm_inputs(length)
                     target = language_model.layers[other]
                     reference_state = [t.clone() for t in head[3:]]
 
-                    def refill() -> None:  # as RegionalPrefill does before its layers: a prefill fills from slot 0
+                    # As RegionalPrefill does before its layers: a prefill fills the cache from slot 0.
+                    def refill() -> None:
                         for tensor in (*head[3:], *reference_state):
                             if tensor.dim() == 0:
                                 tensor.zero_()
@@ -637,7 +690,6 @@ def section_blocks(args: argparse.Namespace) -> None:
         example = [t.clone() for t in example]
         dynamic = ({1: length_dim}, {1: length_dim}, {1: length_dim}) + (None,) * len(cache_keys)
         run_block(kind, layer, lm_call, example, dynamic, makers)
-
 
     # SAM: the tiles' block inputs (a 640-px view each), captured from the eager encoder.
     sam_layers = model.sam.layers
@@ -663,10 +715,13 @@ def section_blocks(args: argparse.Namespace) -> None:
                      if (getattr(layer, "window_size", 0) > 0) == (getattr(sam_layers[index], "window_size", 0) > 0)]  # fmt: skip
         makers = []
         for other in (same_kind[0], same_kind[-1]):
-            for count in ((2, 6, tiles_max) if other == same_kind[0] else (tiles_max,)):
+            for count in (2, 6, tiles_max) if other == same_kind[0] else (tiles_max,):
+
                 def make(other: int = other, count: int = count) -> tuple[list[Any], Callable[[], Any]]:
                     hidden = sam_inputs[other][:count].contiguous()
-                    return [hidden, *weights_of(sam_layers[other])], lambda: sam_call(sam_layers[other], hidden)
+                    return [hidden, *weights_of(sam_layers[other])], lambda: sam_call(
+                        sam_layers[other], hidden
+                    )
 
                 makers.append(make)
         example = sam_inputs[index][:3].contiguous()
@@ -677,10 +732,13 @@ def section_blocks(args: argparse.Namespace) -> None:
 
     makers = []
     for other in (0, len(clip_layers) - 1):
-        for count in ((2, 6, tiles_max) if other == 0 else (tiles_max,)):
+        for count in (2, 6, tiles_max) if other == 0 else (tiles_max,):
+
             def make(other: int = other, count: int = count) -> tuple[list[Any], Callable[[], Any]]:
                 hidden = clip_inputs[other][:count].contiguous()
-                return [hidden, *weights_of(clip_layers[other])], lambda: clip_call(clip_layers[other], hidden)
+                return [hidden, *weights_of(clip_layers[other])], lambda: clip_call(
+                    clip_layers[other], hidden
+                )
 
             makers.append(make)
     if "clip" in args.kinds:
@@ -716,21 +774,46 @@ def graph_of(torch: Any, run: Callable[[], Any]) -> Any:
     return graph
 
 
-def fresh_package(torch: Any, spec: dict[str, Any], device: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {"package": spec["package"], "name": spec.get("name", "decode")}
-    runner = attempt(row, "load_package",
-                     lambda: torch._inductor.aoti_load_package(spec["package"], run_single_threaded=spec["capture"]))  # fmt: skip
+def load_direct(torch: Any, path: str, run_single_threaded: bool) -> Any:
+    """The package's C++ loader without `aoti_load_package`'s host comparison, whose CPU vector ISA probe
+    (compiles and dlopen children, ~7 s each on the H100 host) was the whole of a fresh process's first
+    load: the project's own artifact key (GPU type, torch version, ...) is the check that matters."""
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+    except ImportError:
+        from torch._inductor.package.package import AOTICompiledModel
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", run_single_threaded, 1, -1))
+
+
+def fresh_package(
+    torch: Any, spec: dict[str, Any], device: Any, loader: str = "aoti_load_package"
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"package": spec["package"], "name": spec.get("name", "decode"), "loader": loader}
+
+    def load() -> Any:
+        if loader == "direct":
+            return load_direct(torch, spec["package"], spec["capture"])
+        return torch._inductor.aoti_load_package(spec["package"], run_single_threaded=spec["capture"])
+
+    runner = attempt(row, "load_package", load)
     if runner is None:
         return row
     wanted = runner.get_constant_fqns()
     row["constants"] = len(wanted)
     row["constants_unknown"] = [name for name in wanted if name not in spec.get("constants", {})][:20]
-    constants = {name: fill(torch, spec["constants"][name], device) for name in wanted if name in spec.get("constants", {})}
+    constants = {
+        name: fill(torch, spec["constants"][name], device)
+        for name in wanted
+        if name in spec.get("constants", {})
+    }
     if constants:
         attempt(row, "load_constants", lambda: runner.load_constants(constants, check_full_update=not row["constants_unknown"],
                                                                       user_managed=True))  # fmt: skip
     if "state" in spec:
-        inputs = [fill(torch, s, device, 0) if s["dtype"] == "int64" else fill(torch, s, device) for s in spec["state"]]
+        inputs = [
+            fill(torch, s, device, 0) if s["dtype"] == "int64" else fill(torch, s, device)
+            for s in spec["state"]
+        ]
         inputs[1].fill_(spec["length"])
         inputs[2].fill_(spec["length"])
     else:
@@ -743,6 +826,7 @@ def fresh_package(torch: Any, spec: dict[str, Any], device: Any) -> dict[str, An
 
     attempt(row, "first_call", first)
     if spec.get("capture") and "first_call_error" not in row:
+
         def capture() -> Any:
             with torch.inference_mode():
                 return graph_of(torch, lambda: runner(*inputs))
@@ -750,7 +834,9 @@ def fresh_package(torch: Any, spec: dict[str, Any], device: Any) -> dict[str, An
         graph = attempt(row, "capture", capture)
         if graph is not None:
             row["replay_ms"] = summary_ms(step_times(graph.replay, 50))
-    row["ready_s"] = round(sum(row.get(k, 0) for k in ("load_package_s", "load_constants_s", "first_call_s", "capture_s")), 3)
+    row["ready_s"] = round(
+        sum(row.get(k, 0) for k in ("load_package_s", "load_constants_s", "first_call_s", "capture_s")), 3
+    )
     return row
 
 
@@ -776,7 +862,10 @@ def fresh_aoti(args: argparse.Namespace) -> None:
         importlib.import_module(module)
     record["project_imports_s"] = round(time.perf_counter() - began, 3)
     specs = json.loads(Path(args.spec).read_text())
-    results = [fresh_package(torch, spec, device) for spec in (specs if isinstance(specs, list) else [specs])]
+    results = [
+        fresh_package(torch, spec, device, args.loader)
+        for spec in (specs if isinstance(specs, list) else [specs])
+    ]
     record["packages"] = results
     record["total_s"] = round(time.perf_counter() - STARTED, 3)
     save(Path(args.result), record)
@@ -813,14 +902,20 @@ def fresh_compile(args: argparse.Namespace) -> None:
                  for name, tensor in model.state_dict().items()}  # fmt: skip
         model.load_state_dict(state, strict=True, assign=True)
         with torch.device(device):
-            model.language_model.rotary_emb = type(model.language_model.rotary_emb)(config=model.language_model.config)
+            model.language_model.rotary_emb = type(model.language_model.rotary_emb)(
+                config=model.language_model.config
+            )
         model = model.eval().requires_grad_(False)
     fast_modules(model)
     torch.cuda.synchronize()
     record["model_on_device_s"] = round(time.perf_counter() - began, 3)
     configure_dynamo()
     options = DecodeOptions(ignore_eos=True)
-    spec = json.loads((Path(args.work) / "decode.spec.json").read_text()) if (Path(args.work) / "decode.spec.json").exists() else None
+    spec = (
+        json.loads((Path(args.work) / "decode.spec.json").read_text())
+        if (Path(args.work) / "decode.spec.json").exists()
+        else None
+    )
     capacity = spec["state"][0]["shape"][0] if spec else 1024
     length = spec["length"] if spec else 100
     with torch.inference_mode():
@@ -836,6 +931,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
         data = (Path(args.work) / "megacache.bin").read_bytes()
         attempt(record, "load_cache_artifacts", lambda: torch.compiler.load_cache_artifacts(data))
     if args.how == "precompile":
+
         def load() -> Any:
             with open(Path(args.work) / "decode.precompiled", "rb") as handle:
                 return torch.compiler.load_compiled_function(handle)
@@ -851,6 +947,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
     ready_began = time.perf_counter()
     with torch.inference_mode():
         for index in range(3):
+
             def call() -> None:
                 calls[0]()
                 torch.cuda.synchronize()
@@ -937,9 +1034,11 @@ def run(args: argparse.Namespace) -> int:
         blocks_load = any(isinstance(e.get("block_trial_load"), dict) and e["block_trial_load"].get("rc") == 0
                           for e in blocks.values() if isinstance(e, dict))  # fmt: skip
         if decode_loads and (work / "decode.spec.json").exists():
-            jobs += [(f"aoti_decode_{i}", ["fresh-aoti", "--spec", str(work / "decode.spec.json")]) for i in (1, 2)]
+            jobs += [(f"aoti_decode_{loader}", ["fresh-aoti", "--spec", str(work / "decode.spec.json"), "--loader", loader])
+                     for loader in ("aoti_load_package", "direct")]  # fmt: skip
         if blocks_load and (work / "blocks.spec.json").exists():
-            jobs.append(("aoti_blocks", ["fresh-aoti", "--spec", str(work / "blocks.spec.json")]))
+            jobs.append(("aoti_blocks", ["fresh-aoti", "--spec", str(work / "blocks.spec.json"), "--imports",
+                                         SAM_OPERATORS, "--loader", "direct"]))  # fmt: skip
         if "decode" in args.sections:
             jobs.append(("compile_warm", ["fresh-compile", "--how", "warm", *common]))
             if (work / "megacache.bin").exists():
@@ -976,7 +1075,9 @@ def markdown(report: dict[str, Any]) -> str:
     """A short table of the headline numbers (the JSON holds everything)."""
     lines = ["# AOTInductor probe", ""]
     decode = report.get("decode") or {}
-    lines.append(f"torch {decode.get('torch')}, transformers {decode.get('transformers')}, {decode.get('gpu')}")
+    lines.append(
+        f"torch {decode.get('torch')}, transformers {decode.get('transformers')}, {decode.get('gpu')}"
+    )
     keys = ["load_s", "compiled_first_step_s", "compiled_ready_s", "decode_export_nonstrict_s",
             "decode_export_nonstrict_error", "decode_export_strict_s", "decode_export_strict_error",
             "decode_aoti_compile_s", "decode_aoti_compile_error", "decode_package_bytes", "decode_custom_ops",
@@ -988,7 +1089,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {k} | {str(decode[k])[:300]} |" for k in keys if k in decode]
     for name, row in (decode.get("decode_ms_per_token") or {}).items():
         if isinstance(row, dict):
-            lines.append(f"| ms/token {name} | median {row.get('median')} (p10 {row.get('p10')}, p90 {row.get('p90')}, n {row.get('n')}) |")
+            lines.append(
+                f"| ms/token {name} | median {row.get('median')} (p10 {row.get('p10')}, p90 {row.get('p90')}, n {row.get('n')}) |"
+            )
     blocks = report.get("blocks") or {}
     lines += ["", "## blocks", "", "| block | export | compile s | package bytes | sizes: shape, max abs diff, AOTI ms, eager ms |",
               "| --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -1010,11 +1113,19 @@ def markdown(report: dict[str, Any]) -> str:
         if isinstance(row, dict) and "packages" in row:
             parts = [f"import torch {row.get('import_torch_s')} s, CUDA init {row.get('cuda_init_s')} s"]
             for package in row["packages"]:
-                picked = {k: v for k, v in package.items() if k.endswith("_s") or k.endswith("_error") or k == "replay_ms"}
+                picked = {
+                    k: v
+                    for k, v in package.items()
+                    if k.endswith("_s") or k.endswith("_error") or k == "replay_ms"
+                }
                 parts.append(f"{package.get('name')}: {json.dumps(picked)[:400]}")
             lines.append(f"| {name} | {'<br>'.join(parts)} |")
         elif isinstance(row, dict):
-            picked = {k: v for k, v in row.items() if k.endswith("_s") or k.endswith("_error") or k in ("replay_ms", "time_spent")}
+            picked = {
+                k: v
+                for k, v in row.items()
+                if k.endswith("_s") or k.endswith("_error") or k in ("replay_ms", "time_spent")
+            }
             lines.append(f"| {name} | {json.dumps(picked)[:900]} |")
         else:
             lines.append(f"| {name} | {row} |")
@@ -1038,7 +1149,9 @@ def main() -> int:
     p.add_argument("--tag", default="", help="appended to the result names, e.g. h100")
     p.add_argument("--sections", default="decode,blocks")
     p.add_argument("--budget-s", type=float, default=560.0)
-    p.add_argument("--build-share", type=float, default=0.66, help="of the budget, for the two build processes")
+    p.add_argument(
+        "--build-share", type=float, default=0.66, help="of the budget, for the two build processes"
+    )
     p.add_argument("--fresh-timeout-s", type=float, default=90.0)
     p.add_argument("--steps", type=int, default=64, help="greedy steps compared token by token")
     p.add_argument("--timing-steps", type=int, default=256)
@@ -1050,10 +1163,20 @@ def main() -> int:
         p.add_argument("--warm-steps", type=int, default=16)
         p.add_argument("--timing-steps", type=int, default=256)
         p.add_argument("--max-new-tokens", type=int, default=512)
-        p.add_argument("--kinds", default="lm_moe,lm_dense,sam_windowed,sam_global,clip", help="blocks to build")
+        p.add_argument(
+            "--kinds", default="lm_moe,lm_dense,sam_windowed,sam_global,clip", help="blocks to build"
+        )
     p = sub.add_parser("fresh-aoti")
     p.add_argument("--spec", required=True)
-    p.add_argument("--imports", default="", help="modules to import first (operator registrations), comma-separated")
+    p.add_argument(
+        "--imports", default="", help="modules to import first (operator registrations), comma-separated"
+    )
+    p.add_argument(
+        "--loader",
+        choices=("aoti_load_package", "direct"),
+        default="aoti_load_package",
+        help="direct: the C++ loader without the host ISA comparison (load_direct)",
+    )
     p.add_argument("--result", required=True)
     p = sub.add_parser("fresh-compile")
     shared(p)
