@@ -1017,7 +1017,7 @@ def run(args: argparse.Namespace) -> int:
     driver: dict[str, Any] = {"command": " ".join(sys.argv), "budget_s": args.budget_s}
     processes = {}
     if "blocks" in args.sections:
-        processes["blocks"] = child(["blocks", *common], work / "blocks.log", env)
+        processes["blocks"] = child(["blocks", *common, "--kinds", args.kinds], work / "blocks.log", env)
     if "decode" in args.sections:
         processes["decode"] = child(["decode", *common, "--steps", str(args.steps), "--timing-steps",
                                            str(args.timing_steps), "--max-new-tokens", str(args.max_new_tokens)],
@@ -1148,6 +1148,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tag", default="", help="appended to the result names, e.g. h100")
     p.add_argument("--sections", default="decode,blocks")
+    p.add_argument("--kinds", default="lm_moe,lm_dense,sam_windowed,sam_global,clip", help="blocks to build")
     p.add_argument("--budget-s", type=float, default=560.0)
     p.add_argument(
         "--build-share", type=float, default=0.66, help="of the budget, for the two build processes"
