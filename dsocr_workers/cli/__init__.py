@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from dsocr_workers import __version__
-from dsocr_workers.engine.compile_cache import use_bytecode_cache
+from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, use_compile_cache
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -56,6 +56,8 @@ def exits_on_errors(command: F) -> F:
 def main() -> None:
     # Before any command imports torch: a worker's start without bytecode compiles every source again.
     use_bytecode_cache()
+    # Where what torch compiles persists, for this process and the ones it starts (engine/coldstart/cache.py).
+    use_compile_cache()
 
 
 # Each module defines `register(group)`; they import heavy dependencies (torch, celery, sqlalchemy)

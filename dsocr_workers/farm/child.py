@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.engine.compile_cache import write_bytecode
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm.execute import Claiming, Ran
 from dsocr_workers.farm.fingerprint import environment_fingerprint
@@ -39,7 +38,7 @@ from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
 
 if TYPE_CHECKING:
-    from dsocr_workers.engine.precompile import CompileHelpers
+    from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 
 DEVICES_ENV = "DSOCR_WORKER_DEVICES"
 QUEUES_ENV = "DSOCR_WORKER_QUEUES"
@@ -82,13 +81,13 @@ def ngram_options(ngram: NGram) -> DecodeOptions:
 def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
     """The compile helpers of the start-up warm-up's first part (its modes at its first token budget and
     n-gram ban: what `JobProcess.warm` warms first), forked before this child loads its model, opens its
-    ledger or starts a thread (engine/precompile.py): they compile while it loads. None where the
+    ledger or starts a thread (engine/coldstart/helpers.py): they compile while it loads. None where the
     engine compiles nothing or this child cannot fork them; its warm-up then decides for itself."""
-    from dsocr_workers.engine.session import start_compile_helpers
+    from dsocr_workers.engine.coldstart.helpers import start_helpers
 
     try:
-        return start_compile_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
-                                     warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
+        return start_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
+                             warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
     except Exception:  # a bad model or setting: the warm-up meets it again and says so
         log.warning("could not start the compile helpers before the load", exc_info=True)
         return None
@@ -147,6 +146,8 @@ class JobProcess:
         met yet, and record the cost as a new worker session. A no-op when all is warm already.
         `helpers`: the compile helpers forked for this warm-up (`fork_compile_helpers`), handed to its
         first part; stopped if the load fails."""
+        from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
+
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
@@ -167,7 +168,7 @@ class JobProcess:
         warmup_ms, shapes = 0.0, []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
-            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
+            report = run_warmup(loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
             helpers = None
             warmup_ms += report.ms
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
@@ -178,7 +179,6 @@ class JobProcess:
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
         settle_heap()
-        write_bytecode()  # what this start compiled from source, for the next one (engine/compile_cache.py)
         warmup_ms += (time.perf_counter() - settling) * 1e3
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()
@@ -237,7 +237,11 @@ class JobProcess:
             request = PageRequest.of_job(claim.job_id, claim.image_path, claim.model, p)
             if prefetched is not None and prefetched.request != request:
                 prefetched = None
-        loaded = self.warm(job_warmup(model, p))  # warm already, unless the run changed its mind
+        loaded = self.loaded
+        if loaded is None or loaded.key != ModelKey.of_run(model, p):
+            # Warmed before the claim (`prepare_for`); a run that changed its mind since is loaded here
+            # and not warmed: the job runs cold and is stored with its reasons, the job path never warms.
+            loaded = self.warm(Warmup(ModelKey.of_run(model, p), ()))
 
         def prefetch_next() -> None:
             if upcoming is not None:

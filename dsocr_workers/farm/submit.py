@@ -20,11 +20,12 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
+from dsocr_workers.engine.variants import AUTO, check_name
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.broker import job_ids_in_broker
 from dsocr_workers.farm.celery_app import create_app
 from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
-from dsocr_workers.model.config import AUTO_ENGINE, DTYPES, ENGINE_CHOICES, get_mode
+from dsocr_workers.model.config import DTYPES, get_mode
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, check_schema, open_database
@@ -43,7 +44,7 @@ class RunOptions:
     prompt: str | None = None
     max_new_tokens: int | None = None
     ignore_eos: bool = False
-    engine: str = AUTO_ENGINE
+    engine: str = AUTO
     dtype: str | None = None
     repeats: int = 1
     seed: int = 0
@@ -54,8 +55,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         get_mode(self.mode)  # InputError naming the valid modes
-        if self.engine not in ENGINE_CHOICES:
-            raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
+        check_name(self.engine)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         if self.repeats < 1:

@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.variants import AUTO
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.config import MODES
 from dsocr_workers.store.db import Database
@@ -35,13 +36,13 @@ class ModelKey:
     """The settings that make one loaded model (a worker process holds one at a time)."""
 
     model: str
-    engine: str = "eager"
+    engine: str = AUTO
     dtype: str | None = None
     seed: int = 0
 
     @classmethod
     def of_run(cls, model: str, parameters: dict[str, Any]) -> ModelKey:
-        return cls(model, parameters.get("engine", "eager"), parameters.get("dtype"), parameters.get("seed", 0))
+        return cls(model, parameters.get("engine", AUTO), parameters.get("dtype"), parameters.get("seed", 0))
 
 
 # A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window); the vendor's default.
