@@ -62,7 +62,7 @@ def main() -> None:
 
 # Each module defines `register(group)`; they import heavy dependencies (torch, celery, sqlalchemy)
 # inside their commands so that `dsocr --help` stays fast.
-COMMAND_MODULES: tuple[str, ...] = ("commands_model", "commands_farm", "commands_report")
+COMMAND_MODULES: tuple[str, ...] = ("commands_model", "commands_farm", "commands_build", "commands_report")
 
 
 def _register() -> None:

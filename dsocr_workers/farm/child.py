@@ -165,12 +165,14 @@ class JobProcess:
                    for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
         if not missing and not load_ms:
             return loaded
-        warmup_ms, shapes = 0.0, []
+        warmup_ms, shapes, cold_start = 0.0, [], []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
             report = run_warmup(loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
             helpers = None
             warmup_ms += report.ms
+            if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
+                cold_start.append(report.artifacts)
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
                 log.warning("warm-up of %s stopped after %d passes still meeting: %s", ", ".join(modes),
                             report.passes, "; ".join(report.still_cold))  # fmt: skip
@@ -186,7 +188,7 @@ class JobProcess:
             id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
             host=socket.gethostname(), pid=os.getpid(),
             device=self.device, model=warmup.key.model, engine=loaded.session.engine,
-            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=", ".join(shapes),
+            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup="; ".join([", ".join(shapes), *cold_start]),
             started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
         )  # fmt: skip
         with self.db.transaction() as tx:

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.helper_process import compile_share
 from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 from dsocr_workers.engine.coldstart.plan import (
@@ -26,7 +27,6 @@ from dsocr_workers.engine.coldstart.plan import (
     helper_processes,
     share,
     vision_shapes,
-    warm_marker,
 )
 from dsocr_workers.engine.coldstart.warmup import plan_helpers
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
@@ -44,7 +44,7 @@ CPU_KERNELS = {**CPU_ENGINE.kernels(), "experts_implementation": "batched_mm"}  
 def cpu_plan(modes: list[str], source: str = "tiny", max_crops: int = 3) -> CompilePlan:
     """The plan `inductor_session()` makes for a warm-up of `modes` (8 tokens, the vendor's options)."""
     plan = compile_plan(source, torch.device("cpu"), torch.float32, CPU_KERNELS, CPU_ENGINE.compiled(), modes, 8,
-                        None, max_crops)  # fmt: skip
+                        None, max_crops, engine="fast")  # fmt: skip
     assert plan is not None
     return plan
 
@@ -71,20 +71,12 @@ def test_the_helper_count_setting():
         helper_processes({PROCESSES_ENV: "two"})
 
 
-def test_a_plan_survives_its_json_and_the_marker_names_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_a_plan_survives_its_json():
     plan = cpu_plan(["gundam"])
     task = HelperTask(plan, plan.shares(2)[-1])
     assert HelperTask.from_json(task.to_json()) == task
     windowed = CompilePlan(**{**plan.__dict__, "options": DecodeOptions(ngram_window=90, ngram_whitelist=(1, 2))})
     assert HelperTask.from_json(HelperTask(windowed, task.share).to_json()).plan == windowed
-    gundam = warm_marker(plan, PRESETS["tiny"])
-    assert gundam.parent == tmp_path / "dsocr-warm"
-    assert gundam == warm_marker(plan, PRESETS["tiny"])
-    assert gundam != warm_marker(plan, PRESETS["full"])
-    for changed in ({"modes": ("gundam", "tiny")}, {"dtype": "bfloat16"}, {"max_new_tokens": 9},
-                    {"options": DecodeOptions(no_repeat_ngram_size=0)}):  # fmt: skip
-        assert gundam != warm_marker(CompilePlan(**{**plan.__dict__, **changed}), PRESETS["tiny"])
 
 
 def inductor_session() -> DeepSeekOCRSession:
@@ -101,13 +93,13 @@ def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fast = inductor_session()
     monkeypatch.setenv(PROCESSES_ENV, "0")
-    plan, marker, why = plan_helpers(fast, ["tiny"], 8, 3, None)
-    assert plan == cpu_plan(["tiny"]) and marker is not None and why == f"{PROCESSES_ENV}=0"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("{}")
+    plan, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
+    assert plan == cpu_plan(["tiny"]) and found is not None and why == f"{PROCESSES_ENV}=0"
+    assert found.summary.startswith("no artifacts: none built for this plan (tiny, fast engine, float32, modes tiny")
+    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
     monkeypatch.delenv(PROCESSES_ENV)
-    _, _, why = plan_helpers(fast, ["tiny"], 8, 3, None)
-    assert why.startswith("the compile cache is warm for this warm-up")
+    _, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
+    assert why == f"prebuilt artifacts ({found.path})" and found.manifest is not None
     plan, _, why = plan_helpers(fast, ["gundam"], 8, 3, None)  # another plan
     assert why == "" and plan == cpu_plan(["gundam"])
     assert plan_helpers(fast, [], 8, 3, None) == (None, None, "no mode to warm")
@@ -145,8 +137,8 @@ engine, modes = FastEngine(FastCompile("inductor", cuda_graphs=False)), sys.argv
 kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 helpers = None  # spawned by the warm-up: a worker whose CUDA is initialised already
 if sys.argv[2] == "fork":
-    helpers = CompileHelpers.start(compile_plan("tiny", cpu, fp32, kernels, engine.compiled(), modes, 8, None, 3), 2,
-                                   fork=True)
+    plan = compile_plan("tiny", cpu, fp32, kernels, engine.compiled(), modes, 8, None, 3, engine="fast")
+    helpers = CompileHelpers.start(plan, 2, fork=True)
 use_compile_cache()  # after the fork, as `dsocr worker`'s child has it from its parent: the helpers set it too
 with torch.inference_mode():
     loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
@@ -188,9 +180,11 @@ def test_the_worker_loads_every_graph_its_helpers_compiled(how, mode, shares, tm
     assert list(report["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
                                          "decode helper", "pass 1", "pass 2"]  # fmt: skip
     assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
-    # The marker, and each share's lock and done file.
-    files = sorted(path.name for path in (cache / "dsocr-warm").iterdir())
+    # What it compiled is recorded for the next start: the manifest, beside each share's lock and done file.
+    assert report["artifacts"].startswith("no artifacts: none built for this plan")
+    files = sorted(path.name for path in (cache / "dsocr-artifacts").rglob("*") if path.is_file())
     assert len(files) == 1 + 2 * len(shares) and sum(name.endswith(".done") for name in files) == len(shares)
+    assert sum(name.endswith(".json") for name in files) == 1
 
 
 # A worker killed during its warm-up: it starts its helpers, then dies without waiting.
@@ -203,7 +197,7 @@ from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 engine = FastEngine(FastCompile("inductor", cuda_graphs=False))
 kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 plan = compile_plan("tiny", torch.device("cpu"), torch.float32, kernels, engine.compiled(),
-                    ["gundam", "tiny", "small", "base", "large"], 8, None, 9)
+                    ["gundam", "tiny", "small", "base", "large"], 8, None, 9, engine="fast")
 helpers = CompileHelpers.start(plan, 2, fork=sys.argv[1] == "fork")
 print(" ".join(str(helper.process.pid) for helper in helpers._running), flush=True)
 os._exit(0)
@@ -263,13 +257,12 @@ def test_a_share_lock_is_held_once_and_freed_by_release_or_death(tmp_path, subpr
 
 def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_path, monkeypatch):
     """A worker's other GPU forks helpers for the same plan: each waits for the lock of its share, held
-    by the first worker's helper, then takes that helper's done file as its answer; a completed warm-up's
-    marker answers at once."""
+    by the first worker's helper, then takes that helper's done file as its answer; the plan's manifest
+    answers at once."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     plan = cpu_plan(["tiny"])
     task = HelperTask(plan, CompileShare("decode"))
-    marker = warm_marker(plan, PRESETS["tiny"])
-    lock_path, done = ShareLock.paths(marker, task.share)
+    lock_path, done = ShareLock.paths(artifacts.lookup(plan, PRESETS["tiny"]).path, task.share)
     held = ShareLock.take(lock_path)  # the first worker's helper, compiling
     assert held is not None
 
@@ -281,7 +274,7 @@ def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_p
     began = time.monotonic()
     result = compile_share(task)
     assert (result.outcome, result.graphs) == ("shared", 0) and time.monotonic() - began >= 0.9
-    marker.write_text("{}")
+    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
     assert compile_share(HelperTask(plan, CompileShare("prefill"))).outcome == "warm"
 
 

@@ -106,6 +106,11 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     return _writes_to
 
 
+def bytecode_directory() -> Path | None:
+    """Where this process keeps bytecode (`use_bytecode_cache` chose it), or None: the installation's serves."""
+    return _writes_to
+
+
 def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
     """The build step's: the bytecode of `modules` (default: every module imported) written into the
     directory `use_bytecode_cache` chose, then the directory marked written (imports read from it from

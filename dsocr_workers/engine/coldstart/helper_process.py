@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import torch
 
+from dsocr_workers.engine.coldstart.artifacts import lookup
 from dsocr_workers.engine.coldstart.cache import use_compile_cache
 from dsocr_workers.engine.coldstart.passes import warm_language, warmup_pages
 from dsocr_workers.engine.coldstart.plan import (
@@ -30,7 +31,6 @@ from dsocr_workers.engine.coldstart.plan import (
     ShareLock,
     VisionShapes,
     exit_with_the_worker,
-    warm_marker,
 )
 from dsocr_workers.engine.regions import RegionalVision, configure_dynamo
 from dsocr_workers.engine.result import ModelSource
@@ -98,8 +98,8 @@ def compile_language(plan: CompilePlan, share: CompileShare, device: torch.devic
 
 
 def compile_share(task: HelperTask) -> HelperResult:
-    """The share's graphs, unless the plan's marker says a warm-up of it completed already or another
-    process's helper compiled this share (ShareLock)."""
+    """The share's graphs, unless the plan's manifest (artifacts.py) says they are built for this
+    environment already or another process's helper compiled this share (ShareLock)."""
     began = time.perf_counter()
     plan, share = task.plan, task.share
     # The worker's cache: a helper forked before the worker's session pointed torch at it has no
@@ -124,10 +124,10 @@ def compile_share(task: HelperTask) -> HelperResult:
         return HelperResult(share.label, outcome, stats["unique_graphs"], inductor["fxgraph_cache_hit"],
                             time.perf_counter() - began, peak)  # fmt: skip
 
-    marker = warm_marker(plan, model_config(plan.source))
-    if marker.exists():
+    found = lookup(plan, model_config(plan.source))
+    if found.manifest is not None:
         return result("warm")
-    lock_path, done = ShareLock.paths(marker, share)
+    lock_path, done = ShareLock.paths(found.path, share)
     lock = ShareLock.hold(lock_path)  # None after the timeout: a stuck holder; compile regardless
     try:
         if done.exists():

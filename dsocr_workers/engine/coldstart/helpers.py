@@ -50,6 +50,7 @@ from typing import IO, Protocol
 
 import torch
 
+from dsocr_workers.engine.coldstart.artifacts import listed_without_gpu
 from dsocr_workers.engine.coldstart.helper_process import run
 from dsocr_workers.engine.coldstart.plan import (
     HELPER_TIMEOUT_S,
@@ -65,6 +66,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import resolve_dtype
 from dsocr_workers.engine.variants import make_engine
 from dsocr_workers.engine.variants.base import Engine
+from dsocr_workers.model.checkpoint import model_config
 from dsocr_workers.model.config import PRESETS
 
 log = logging.getLogger(__name__)
@@ -235,8 +237,9 @@ def start_helpers(
     anything initialises CUDA or starts a thread in this process; hand them to `warm(helpers=...)`. They
     begin compiling at once, with the imports done, while this process loads its checkpoint. None where
     the engine compiles nothing, no helper is wanted (DSOCR_COMPILE_PROCESSES=0), or CUDA is initialised
-    here already (the warm-up then spawns them if the cache is cold). A helper that finds the compile
-    cache warm for this plan exits at once. `engine`: a registered name or an engine object, as
+    here already (the warm-up then spawns them if the cache is cold), or artifacts are listed for this
+    plan (artifacts.py: the warm-up checks them against this GPU once CUDA is up). A helper that finds
+    them exits at once. `engine`: a registered name or an engine object, as
     `DeepSeekOCRSession.from_local` takes it."""
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
@@ -245,8 +248,11 @@ def start_helpers(
     path = os.fspath(source)
     path = path if path in PRESETS else str(Path(path).resolve())  # as from_local names a checkpoint
     plan = compile_plan(path, resolved, resolve_dtype(dtype, resolved), variant.kernels(), variant.compiled(), modes,
-                        max_new_tokens, infer, max_crops)  # fmt: skip
+                        max_new_tokens, infer, max_crops, engine=variant.name)  # fmt: skip
     processes = helper_processes()
     if plan is None or processes == 0 or torch.cuda.is_initialized():
+        return None
+    if listed_without_gpu(plan, model_config(path)):
+        log.info("artifacts are listed for this warm-up; no compile helper forked (the warm-up checks the GPU)")
         return None
     return CompileHelpers.start(plan, processes, fork=True)

@@ -1,7 +1,7 @@
 """What a warm-up compiles, as data shared by the worker and its compile helpers: the plan (`CompilePlan`:
 the session's settings, the modes, the jobs' budget and decode options), its shares (`CompileShare`: a
-helper's part), the marker a completed warm-up leaves in the compile cache, and the lock by which one
-helper per host compiles a share (`ShareLock`). helpers.py starts the processes, helper_process.py is one.
+helper's part), and the lock by which one helper per host compiles a share (`ShareLock`); the manifest
+a completed warm-up leaves in the compile cache is artifacts.py's. helpers.py starts the processes, helper_process.py is one.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from typing import IO, Literal
 
 import torch
 
-import dsocr_workers
 from dsocr_workers import settings
 from dsocr_workers.engine.coldstart.cache import TORCH_CACHE_ENV
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
-from dsocr_workers.model.config import OCRConfig, get_mode
+from dsocr_workers.model.config import get_mode
 from dsocr_workers.model.preprocess import TILE_SIZE
 
 log = logging.getLogger(__name__)
@@ -91,9 +90,10 @@ def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) ->
 class CompilePlan:
     """One warm-up (coldstart/warmup.py `warm`) as its graphs depend on it: the session's settings, the
     modes, and the jobs' token budget and decode options (the decode step is compiled per cache bucket
-    and per n-gram ban). Helpers compile for it; its marker says a warm-up of it completed."""
+    and per n-gram ban). Helpers compile for it; its manifest (artifacts.py) says its graphs are in the cache."""
 
     source: str  # preset name or checkpoint directory: its architecture only
+    engine: str  # the engine's registry name
     device: str
     dtype: str  # "bfloat16", ...
     attn_implementation: str
@@ -157,7 +157,7 @@ class HelperResult:
     """A helper's report (its last line of standard output)."""
 
     share: str
-    # "compiled"; "warm" (the plan's marker was there); "shared" (another process's helper compiled
+    # "compiled"; "warm" (the plan's manifest was there); "shared" (another process's helper compiled
     # this share: its done file)
     outcome: str
     graphs: int  # compiled in the helper (dynamo's count)
@@ -185,27 +185,6 @@ def cache_root() -> Path:
     return Path(cache_dir())
 
 
-def _code_fingerprint() -> str:
-    digest = hashlib.sha256()
-    package = Path(dsocr_workers.__file__).parent
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def warm_marker(plan: CompilePlan, config: OCRConfig) -> Path:
-    """The file a completed warm-up of `plan` leaves in the compile cache. Initialises CUDA (the GPU's
-    name is part of it)."""
-    device = torch.device(plan.device)
-    # The GPU's index too: compiled graphs name it, so a cache warmed on cuda:0 is cold for cuda:1.
-    gpu = f"{torch.cuda.get_device_name(device)} as {device}" if device.type == "cuda" else "cpu"
-    fields = {**asdict(plan), "device": gpu, "config": repr(config), "torch": torch.__version__,
-              "code": _code_fingerprint()}  # fmt: skip
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return cache_root() / "dsocr-warm" / key
-
-
 def exit_with_the_worker(worker: int) -> None:
     """A helper outlives no worker: the kernel kills it when the process that started it (`worker`, its
     pid) dies (Linux's parent-death signal), and one whose worker died while it started exits now.
@@ -218,7 +197,7 @@ def exit_with_the_worker(worker: int) -> None:
 
 
 class ShareLock:
-    """One helper compiles a share on a host at a time: an flock on `<marker>.<share>.lock` in the shared
+    """One helper compiles a share on a host at a time: an flock on `<manifest>.<share>.lock` in the shared
     cache, and a `.done` file beside it once the share is compiled. The kernel releases the lock of a
     process that dies (and that process left no done file: the next one compiles)."""
 
@@ -226,9 +205,9 @@ class ShareLock:
         self._file = file  # None: no lock could be made (an unwritable cache); nothing is shared
 
     @staticmethod
-    def paths(marker: Path, share: CompileShare) -> tuple[Path, Path]:
+    def paths(manifest: Path, share: CompileShare) -> tuple[Path, Path]:
         key = hashlib.sha256(share.label.encode()).hexdigest()[:12]
-        return marker.with_name(f"{marker.name}.{key}.lock"), marker.with_name(f"{marker.name}.{key}.done")
+        return manifest.with_name(f"{manifest.name}.{key}.lock"), manifest.with_name(f"{manifest.name}.{key}.done")
 
     @classmethod
     def take(cls, path: Path) -> ShareLock | None:
@@ -265,7 +244,8 @@ class ShareLock:
 
 def compile_plan(
     source: str, device: torch.device, dtype: torch.dtype, kernels: dict[str, str], graphs: InductorGraphs | None,
-    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = 9,
+    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = 9, *,
+    engine: str,
 ) -> CompilePlan | None:  # fmt: skip
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
@@ -273,7 +253,7 @@ def compile_plan(
     if graphs is None or not modes:
         return None
     return CompilePlan(
-        source=source, device=str(device), dtype=str(dtype).removeprefix("torch."), **kernels,
+        source=source, engine=engine, device=str(device), dtype=str(dtype).removeprefix("torch."), **kernels,
         backend=graphs.backend, dynamic_tiles=graphs.dynamic_tiles, cuda_graphs=graphs.cuda_graphs,
         max_crops=max_crops, modes=tuple(modes), max_new_tokens=max_new_tokens, options=infer or DecodeOptions(),
     )  # fmt: skip

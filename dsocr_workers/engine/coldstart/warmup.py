@@ -6,21 +6,22 @@ Called once a process has opened its model (a worker child at its start and befo
 another model or mode, `dsocr precompile`): jobs then meet no compilation, no graph capture and no first
 use of a KV cache bucket, and the ones that still do are stored cold with the reason (the session's cold
 probes). Eager compiles nothing but runs every shape too: the allocator's pools grow to the largest page
-now. A compiled engine (`Engine.compiled()`) gets compile helpers (helpers.py): started before the load
-by the caller (`start_helpers`) or here, unless the compile cache is warm for this warm-up already.
+now. A compiled engine (`Engine.compiled()`) looks its plan's artifacts up first (artifacts.py): found
+for this environment, its graphs load from the compile cache and no helper compiles; otherwise it says
+why and compiles, with compile helpers (helpers.py) started before the load by the caller
+(`start_helpers`) or here, then records what it compiled for the next start.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import (
@@ -29,7 +30,6 @@ from dsocr_workers.engine.coldstart.plan import (
     PrecompileReport,
     compile_plan,
     helper_processes,
-    warm_marker,
 )
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -54,6 +54,9 @@ class WarmupReport:
     # The compile helpers (helpers.py), when they ran; `helpers_skipped` says why not.
     helpers: PrecompileReport | None = None
     helpers_skipped: str = ""
+    # What the start found (artifacts.py `Lookup.summary`): prebuilt artifacts, or why none were used and
+    # the graphs compiled here. Empty where the engine compiles nothing.
+    artifacts: str = ""
     # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
     # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
     # stages: their graphs traced and loaded from the cache, captured), "prefill helper", "prefill"
@@ -70,26 +73,26 @@ def session_plan(
     text = session.model.language_model.config
     kernels = {"attn_implementation": text._attn_implementation, "experts_implementation": text._experts_implementation}
     return compile_plan(session.source.name, session.device, session.dtype, kernels, session.variant.compiled(),
-                        modes, max_new_tokens, infer, max_crops)  # fmt: skip
+                        modes, max_new_tokens, infer, max_crops, engine=session.engine)  # fmt: skip
 
 
 def plan_helpers(
     session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int,
     infer: DecodeOptions | None,
-) -> tuple[CompilePlan | None, Path | None, str]:  # fmt: skip
-    """The compile plan of this warm-up (None when inductor compiles nothing for it), the marker to leave
-    once warm, and why no helper should start now (empty: they should)."""
+) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:  # fmt: skip
+    """The compile plan of this warm-up (None when inductor compiles nothing for it), its artifacts'
+    lookup, and why no helper should start now (empty: they should)."""
     plan = session_plan(session, modes, max_new_tokens, infer, max_crops)
     if plan is None:
         return None, None, "no mode to warm" if not modes else "nothing compiled by inductor"
-    marker = warm_marker(plan, session.loaded.config)
-    if marker.exists():
-        return plan, marker, f"the compile cache is warm for this warm-up ({marker})"
+    found = artifacts.lookup(plan, session.loaded.config)
+    if found.manifest is not None:
+        return plan, found, f"prebuilt artifacts ({found.path})"
     if helper_processes() == 0:
-        return plan, marker, f"{PROCESSES_ENV}=0"
+        return plan, found, f"{PROCESSES_ENV}=0"
     if session.jobs_run:
-        return plan, marker, "this session has compiled already"
-    return plan, marker, ""
+        return plan, found, "this session has compiled already"
+    return plan, found, ""
 
 
 def warm(
@@ -104,7 +107,10 @@ def warm(
     began = time.perf_counter()
     pages = warmup_pages(modes, max_crops)
     options = warm_options(infer)
-    plan, marker, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
+    plan, found, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
+    if plan is not None and found is not None:
+        say = log.info if found.manifest is not None else log.warning
+        say("warm-up of %s: %s", artifacts.describe(plan), found.summary)
     if helpers is not None:
         skipped = ""
         if helpers.plan != plan:  # their graphs may not be this warm-up's: what they miss compiles here
@@ -159,13 +165,10 @@ def warm(
         phase_ends(f"pass {passes}")
         if not still_cold:
             break
-    if marker is not None and not still_cold:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"modes": list(modes), "source": session.source.label}) + "\n")
-        except OSError as exc:  # the next start runs the helpers again, nothing worse
-            log.warning("could not mark the compile cache warm (%s): %s", marker, exc)
+    if plan is not None and found is not None and found.manifest is None and not still_cold:
+        # What this start compiled, for the next one (the manifest a build step leaves too).
+        artifacts.record(plan, session.loaded.config, "worker warm-up", (mark - began) / 1e3)
     return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
-                        precompiled, skipped, phases)  # fmt: skip
+                        precompiled, skipped, found.summary if found is not None else "", phases)  # fmt: skip
 
 
