@@ -71,6 +71,9 @@ def gpu_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
 
 
+Device = torch.device  # named outside `Environment`, whose field `torch` shadows the module in its body
+
+
 @dataclass(frozen=True)
 class Environment:
     """What, beside the plan, changes the code a plan compiles to."""
@@ -83,7 +86,7 @@ class Environment:
     code: str  # code_fingerprint()
 
     @classmethod
-    def here(cls, device: torch.device, gpu: str | None = None) -> Environment:
+    def here(cls, device: Device, gpu: str | None = None) -> Environment:
         """This process's; `gpu` given: without asking CUDA (a process that must not initialise it yet)."""
         return cls(gpu if gpu is not None else gpu_name(device), torch.__version__, _version("triton"),
                    _version("transformers"), dsocr_workers.__version__, code_fingerprint())  # fmt: skip

@@ -138,7 +138,7 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         if report.still_cold:
             raise FailuresError(f"the warm-up still met cold paths, nothing recorded: {'; '.join(report.still_cold)}")
         written = write_bytecode()
-        extra = ()
+        extra: tuple[artifacts.Artifact, ...] = ()
         if written is not None:
             progress(f"bytecode of {written} modules written into {bytecode_directory()}")
             extra = (artifacts.Artifact("python-bytecode", str(bytecode_directory())),)
