@@ -30,6 +30,11 @@ RUN python -m pip install -e '.[postgres,flower,report]' \
     && python -c "import torch, transformers, celery, sqlalchemy, psycopg, flower, matplotlib"
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
+# The bytecode of every installed module and of the project, written once here: the image sets
+# PYTHONDONTWRITEBYTECODE, and without bytecode each worker start compiled torch's and transformers'
+# sources again (~5 s of its imports on an H100 host, docs/benchmarks.md).
+RUN python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        /app/dsocr_workers
 
 # An unprivileged user; results go to the database. The one thing a container writes is the fast engine's
 # compile cache (DSOCR_COMPILE_CACHE_DIR), on a volume.
@@ -39,5 +44,13 @@ RUN useradd --create-home --uid 1000 dsocr \
     && mkdir -p /models /var/cache/dsocr/compile && chown dsocr /var/cache/dsocr/compile
 USER dsocr
 
-# One process per container; compose/Kubernetes pick the command (worker, db upgrade, submit, …).
+# The compiled graphs are built per GPU type, on a GPU, into DSOCR_COMPILE_CACHE_DIR: `dsocr precompile`
+# (a compose one-shot service and a Kubernetes init container run it before the workers). An image for one
+# GPU type may carry them instead, built where `docker build` has a GPU (e.g. BuildKit with a GPU
+# builder), then used read-only by every worker of that type:
+#   ENV DSOCR_COMPILE_CACHE_DIR=/var/cache/dsocr/compile
+#   RUN dsocr precompile --model full --modes gundam --max-new-tokens 2048 --gpus 0
+# A worker refuses artifacts built for another GPU, torch or code version, and compiles (it says why).
+
+# One process per container; compose/Kubernetes pick the command (worker, db upgrade, precompile, …).
 CMD ["dsocr", "worker", "--gpus", "all"]

@@ -7,15 +7,15 @@ Each measurement is a fresh process (`--child`), as a worker start is: it loads 
 with the fast engine in bf16 (by default the `full` preset, RANDOM WEIGHTS, saved once in the vendor layout
 before any start and not timed: a worker loads a checkpoint from disk, while generating the preset's 3.3 B
 random numbers on the host takes ~20 s that no real start has; its compile helpers forked after the imports,
-before the load, as a worker child forks them), runs `session.warmup(...)` over every shape of the modes (the
+before the load, as a worker child forks them), runs `warm(session, ...)` (engine/coldstart/warmup.py) over every shape of the modes (the
 worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
 path; all modes in one call, as a worker warms them, or one at a time with `--per-mode`), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
   A0. (`--without-helpers-too`) A with DSOCR_COMPILE_PROCESSES=0 in a cache of its own: the cold start
-     without the compile helpers (engine/precompile.py), side by side with A
+     without the compile helpers (engine/coldstart/helpers.py), side by side with A
   A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
   B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready); where the
-     installation ships no Python bytecode, also the bytecode A's start wrote once ready (as a worker
-     does, engine/compile_cache.py; A waits for its writer before it exits)
+     installation ships no Python bytecode, also the bytecode A wrote after its timed jobs (as the
+     build step `dsocr precompile` does, engine/coldstart/cache.py)
   C. static tile batch (a graph per tile count, the engine before), only the timed pages' shapes: the
      reference for "warm e2e must not regress" (skipped when the budget is short)
 "Ready" is the child's wall clock from launch to the end of its warm-up (python start, imports, load,
@@ -57,16 +57,20 @@ def child(args: argparse.Namespace) -> int:
     began = time.time()
     # As `dsocr worker` starts (cli/__init__.py): bytecode kept in the compile cache where the
     # installation ships none and may not write it.
-    from dsocr_workers.engine.compile_cache import use_bytecode_cache, write_bytecode
+    from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, use_compile_cache, write_bytecode
 
     bytecode = use_bytecode_cache()
+    use_compile_cache()
     import torch
 
     torch_imported = time.time()
     from benchmarks.bench_engine import synthetic_page
+    from dsocr_workers.engine.coldstart.helpers import start_helpers
+    from dsocr_workers.engine.coldstart.warmup import warm as warm_up
     from dsocr_workers.engine.generate import cache_bucket
     from dsocr_workers.engine.result import DecodeOptions
-    from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, start_compile_helpers
+    from dsocr_workers.engine.session import DeepSeekOCRSession
+    from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 
     imported = time.time()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -78,16 +82,15 @@ def child(args: argparse.Namespace) -> int:
     groups = [[mode] for mode in modes] if args.per_mode else [modes]
     # As a worker child starts: its compile helpers forked before the load, their imports done.
     fast_compile = FastCompile(dynamic_tiles=args.tiles == "dynamic")
-    helpers = start_compile_helpers(args.model, args.device, dtype, "fast", groups[0], args.tokens, options,
-                                    fast_compile=fast_compile) if groups else None  # fmt: skip
-    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine="fast",
-                                            fast_compile=fast_compile)  # fmt: skip
+    engine = FastEngine(fast_compile)
+    helpers = start_helpers(args.model, args.device, dtype, engine, groups[0], args.tokens, options) if groups else None
+    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine=engine)
     loaded = time.time()
     warm = {}
     compile_s = {}
     for group in groups:
         name = ",".join(group)
-        warm[name] = session.warmup(group, max_new_tokens=args.tokens, infer=options, helpers=helpers)
+        warm[name] = warm_up(session, group, max_new_tokens=args.tokens, infer=options, helpers=helpers)
         helpers = None
         compile_s[name] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
         # A progress line per warm-up: what the parent keeps if the start overruns its budget.
@@ -100,9 +103,6 @@ def child(args: argparse.Namespace) -> int:
     collecting = time.perf_counter()
     gc.collect()
     full_collect_s = time.perf_counter() - collecting
-    # As a worker does once ready (farm/job/process.py): the bytecode it compiled in memory, written for the
-    # next start by a niced background process while the timed jobs run.
-    bytecode_writer, writing = write_bytecode(), time.time()
     pages = []
     for width, height in PAGES:
         image = synthetic_page().resize((width, height))
@@ -118,12 +118,10 @@ def child(args: argparse.Namespace) -> int:
             "parts_ms": {part: statistics.median(r.timings.parts_ms[part] for r in timed) for part in timed[0].timings.parts_ms},
             "first_run_s": runs[0].timings.e2e_ms / 1e3, "timed_cold": sum(r.cold for r in timed),
         })  # fmt: skip
-    # The writer's wall time from ready, waited for: the next start measured must find the bytecode, as
-    # a restart would.
-    written_s: float | str | None = None
-    if bytecode_writer is not None:
-        code = bytecode_writer.wait()
-        written_s = time.time() - writing if code == 0 else f"exit code {code}"
+    # As the build step does (`dsocr precompile`): the bytecode of every module imported, for the next
+    # start measured.
+    writing = time.time()
+    written_s = time.time() - writing if write_bytecode() is not None else None
     print(json.dumps({
         "launched_to_imported_s": imported - began, "torch_import_s": torch_imported - began, "load_s": loaded - imported, "warmup_s": ready - loaded,
         "ready_unix": ready, "shapes": [shape for w in warm.values() for shape in w.shapes],
@@ -136,8 +134,8 @@ def child(args: argparse.Namespace) -> int:
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
         "compile_times_after_mode": compile_s,
         "compilations": compilations(torch),
-        "precompile": dataclasses.asdict(first.precompile) if first.precompile else None,
-        "precompile_skipped": first.precompile_skipped,
+        "precompile": dataclasses.asdict(first.helpers) if first.helpers else None,
+        "precompile_skipped": first.helpers_skipped,
         "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "bytecode_cache": str(bytecode) if bytecode else None,
         "bytecode_written_s": written_s,

@@ -55,6 +55,7 @@ from benchmarks.bench_engine import environment, sync, synthetic_page  # noqa: E
 from dsocr_workers.engine.generate import decode_one_token  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, ModelSource  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
+from dsocr_workers.engine.variants.fast import FastEngine  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_agreement  # noqa: E402
 from dsocr_workers.model.checkpoint import build_preset  # noqa: E402
 from dsocr_workers.model.fused import fuse_projections  # noqa: E402
@@ -77,16 +78,15 @@ def math_attention_step(*args: Any) -> torch.Tensor:
 
 def build_variant(name: str, model: str, device: str) -> DeepSeekOCRSession:
     if name.startswith("fast"):
-        session = DeepSeekOCRSession.from_local(model, device=device, dtype=torch.bfloat16, engine="fast")
-        if name == "fast_math":
-            session._decode_step = torch.compile(math_attention_step, mode="reduce-overhead", fullgraph=True)
-        return session
+        # fast_math: the fast engine compiling a decode step that forces the math attention backend.
+        engine = FastEngine(decode_function=math_attention_step) if name == "fast_math" else FastEngine()
+        return DeepSeekOCRSession.from_local(model, device=device, dtype=torch.bfloat16, engine=engine)
     loaded = build_preset(model, seed=0, device=torch.device(device), dtype=torch.bfloat16,
                           attn_implementation="sdpa", experts_implementation="grouped_mm")  # fmt: skip
     if name == "fused":
         fuse_projections(loaded.model.language_model)
     source = ModelSource("preset", model, random_weights=True, seed=0, fingerprint=loaded.fingerprint)
-    return DeepSeekOCRSession(loaded, source, torch.device(device), torch.bfloat16, "fast")
+    return DeepSeekOCRSession(loaded, source, torch.device(device), torch.bfloat16, FastEngine())
 
 
 def decode_ms_per_token(result: Any) -> float:

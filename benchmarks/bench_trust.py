@@ -11,7 +11,7 @@ gundam, 2x3 tiles), the `full` preset (RANDOM weights) in bf16, per engine (defa
      is the wider envelope of a BCa bootstrap (scipy.stats.bootstrap) and a t interval. Verdict:
      "<=2% shown" only if the upper bound is below 2%; ">2% shown" if the lower bound is above 2%;
      otherwise "unresolved (noise +-x%)" with x the interval's half-width.
-  3. EOS path cost. Pairs (random order) of: EOS forced at decode step N (DecodeOptions.force_eos_at_step,
+  3. EOS path cost. Pairs (random order) of: EOS forced at decode step N (the step hook `force_eos_at(N)`,
      max_new_tokens = the rest of the same KV-cache bucket, so EOS is what stops it) vs ignore_eos with
      max_new_tokens = N + 1 (the same N kept steps, no EOS check). Per arm: e2e, host wall, decode ms
      (kept steps), wasted steps and wasted_decode_ms, readback ms; the paired difference (forced - ignore)
@@ -113,12 +113,13 @@ def sync() -> None:
 
 def timed_job(
     session: Any, page: Path, args: argparse.Namespace, tokens: int, options: DecodeOptions,
-    clock: StageClock | None = None,
+    clock: StageClock | None = None, after_step: Any = None,
 ) -> tuple[Any, float]:
     """One job and its host wall ms between two synchronisations."""
     sync()
     start = time.perf_counter()
-    result = session.run_inference(page, mode=args.mode, max_new_tokens=tokens, infer=options, clock=clock)
+    result = session.run_inference(page, mode=args.mode, max_new_tokens=tokens, infer=options, clock=clock,
+                                   after_step=after_step)  # fmt: skip
     sync()
     return result, (time.perf_counter() - start) * 1e3
 
@@ -335,14 +336,15 @@ def job_metrics(result: Any, wall_ms: float) -> dict[str, Any]:
 
 def section_eos(session: Any, page: Path, args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
     from dsocr_workers.engine.generate import cache_bucket
+    from dsocr_workers.engine.session import force_eos_at
 
     n = args.eos_step
     prompt = session.prepare(page, None, args.mode, 9).prompt_tokens
     bucket = cache_bucket(prompt + n + 1, session.max_positions)
     eos_budget = args.eos_budget or (bucket - prompt)
-    forced = DecodeOptions(no_repeat_ngram_size=0, force_eos_at_step=n)
+    forced, eos_at_n = DecodeOptions(no_repeat_ngram_size=0), force_eos_at(n)
     arms = {
-        "forced_eos": lambda job: timed_job(session, page, args, eos_budget, forced),
+        "forced_eos": lambda job: timed_job(session, page, args, eos_budget, forced, after_step=eos_at_n),
         "ignore_eos": lambda job: timed_job(session, page, args, n + 1, PLAIN),
     }
     pairs, _ = run_pairs(arms, budget_s, args.min_eos_pairs, args.max_pairs, random.Random(SEED + 1), "eos")
@@ -379,7 +381,7 @@ def section_eos(session: Any, page: Path, args: argparse.Namespace, budget_s: fl
     out["relative_wall_cost"] = mean_ci(rel)
     if not honoured:
         out["note"] = ("the forced EOS did not stop every forced job at step N (engine without "
-                       "force_eos_at_step?): the comparison is not the EOS path")  # fmt: skip
+                       "the force_eos_at hook?): the comparison is not the EOS path")  # fmt: skip
     return out
 
 

@@ -77,7 +77,7 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
         # The prefill's stages one at a time, as `DeepSeekOCRSession.prefill` runs them (its vision
         # callables and compiled LM prefill: replayed CUDA graphs cannot be split by range afterwards).
-        vision, lm_prefill, inputs, profiled = session._vision, session.lm_prefill, job.inputs, job
+        vision, lm_prefill, inputs, profiled = session.runners.vision, session.lm_prefill, job.inputs, job
         sam = profile_stage("SAM", lambda: vision.sam(inputs.pixels), rows)
         profile_stage("CLIP", lambda: vision.clip(sam), rows)
         image = session.encode_image(inputs, clock)  # all of vision again, unprofiled: the LM's input

@@ -114,10 +114,12 @@ INSTRUMENTATION = Variable("DSOCR_INSTRUMENTATION", _switch("DSOCR_INSTRUMENTATI
                            "`0` turns NVTX ranges and stage timers off (overhead benchmarks)", "`1`")
 COMPILE_CACHE_DIR = Variable(
     "DSOCR_COMPILE_CACHE_DIR", _path, None,
-    "where the fast engine's compiled kernels persist (torch's inductor and Triton caches): a directory "
-    "per host that outlives the worker, so a restart loads instead of compiling. Where the Python "
-    "installation ships no bytecode and may not write it (`PYTHONDONTWRITEBYTECODE`, a read-only image), "
-    "also Python's bytecode (`python-bytecode/`). docker-compose.yml and the Kubernetes manifest mount one",
+    "where the fast engine's compiled kernels persist (torch's inductor and Triton caches) and what "
+    "`dsocr precompile` builds (`dsocr-artifacts/`: a manifest per plan and GPU type): a directory per host "
+    "that outlives the worker, so a start loads instead of compiling. Where the Python installation ships "
+    "no bytecode and may not write it (`PYTHONDONTWRITEBYTECODE`, a read-only image), also Python's "
+    "bytecode (`python-bytecode/`, written by `dsocr precompile`). docker-compose.yml and the Kubernetes "
+    "manifest mount one",
     "torch's default, in /tmp")  # fmt: skip
 
 
@@ -130,8 +132,8 @@ def _processes(raw: str) -> int:
 
 COMPILE_PROCESSES = Variable(
     "DSOCR_COMPILE_PROCESSES", _processes, 4,
-    "vision helper processes that compile the fast engine's graphs while a worker with a cold compile "
-    "cache loads its checkpoint, beside two that compile the language model's; each holds zeros for "
+    "vision helper processes that compile the fast engine's graphs while a worker with nothing built for "
+    "its plan (`dsocr precompile`) loads its checkpoint, or while `dsocr precompile` does, beside two that compile the language model's; each holds zeros for "
     "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
     "worker compiles everything itself", "`4`")  # fmt: skip
 

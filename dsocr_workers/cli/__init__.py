@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from dsocr_workers import __version__
-from dsocr_workers.engine.compile_cache import use_bytecode_cache
+from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, use_compile_cache
 from dsocr_workers.errors import DsocrError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,16 +51,25 @@ def exits_on_errors(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# The commands that load a model (and may compile): the ones the compile cache is for.
+OPENS_A_MODEL = ("worker", "run", "infer", "verify", "precompile")
+
+
 @click.group(help=f"Profile DeepSeek-OCR inference on one GPU or a rack of them.\n\n{EXIT_CODES_HELP}")
 @click.version_option(__version__, prog_name="dsocr")
-def main() -> None:
+@click.pass_context
+def main(context: click.Context) -> None:
     # Before any command imports torch: a worker's start without bytecode compiles every source again.
     use_bytecode_cache()
+    if context.invoked_subcommand in OPENS_A_MODEL:
+        # Where what torch compiles persists, for this process and the ones it starts
+        # (engine/coldstart/cache.py).
+        use_compile_cache()
 
 
 # Each module defines `register(group)`; they import heavy dependencies (torch, celery, sqlalchemy)
 # inside their commands so that `dsocr --help` stays fast.
-COMMAND_MODULES: tuple[str, ...] = ("commands_model", "commands_farm", "commands_report")
+COMMAND_MODULES: tuple[str, ...] = ("commands_model", "commands_farm", "commands_build", "commands_report")
 
 
 def _register() -> None:

@@ -10,7 +10,8 @@ import click
 from dsocr_workers import settings
 from dsocr_workers.cli import F, exits_on_errors, stdout_console
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.model.config import AUTO_ENGINE, DEFAULT_MODE, DTYPES, ENGINE_CHOICES, MODES
+from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -41,7 +42,7 @@ def run_options(command: F) -> F:
                      help="Search n-grams only in the last N generated tokens (vendor vLLM); default: all."),
         click.option("--repeats", type=int, default=1, show_default=True, help="Jobs per image."),
         click.option("--prompt", help="Prompt (default: the mode's document-to-markdown prompt)."),
-        click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO_ENGINE, show_default=True,
+        click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO, show_default=True,
                      help="auto: fast on a GPU, eager (the numerical reference) on a CPU."),
         click.option("--dtype", type=click.Choice(DTYPES),
                      help="Default: bfloat16 on GPU, float32 on CPU."),
@@ -110,7 +111,7 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
                    "open on the queues (gundam if none); none = warm each run's mode before its first job.")
 @click.option("--model", default="tiny", show_default=True,
               help="Model to warm at start when no run is open on the queues (then --engine, --dtype).")
-@click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO_ENGINE, show_default=True,
+@click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO, show_default=True,
               help="With --model: auto is fast on a GPU, eager on a CPU.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,

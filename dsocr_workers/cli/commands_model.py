@@ -11,8 +11,9 @@ import click
 
 from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
+from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
 from dsocr_workers.errors import FailuresError
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, ENGINES, MODES, PRESETS
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES, PRESETS
 from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
@@ -42,8 +43,9 @@ def model_options(func: Any) -> Any:
                 help="A vendor checkpoint directory, or a random-weight preset (tiny: CPU tests; full: real dims).",
             ),
             click.option("--device", default=None, metavar="cpu|cuda[:N]", help="Default: cuda if available, else cpu."),
-            click.option("--engine", type=click.Choice(ENGINES), default="eager", show_default=True,
-                         help="eager: plain PyTorch reference; fast: static cache + compiled decode (CUDA only)."),
+            click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO, show_default=True,
+                         help="eager: plain PyTorch reference; fast: static cache + compiled decode (CUDA "
+                              "only); auto: fast on CUDA, eager on a CPU."),
             click.option("--dtype", type=click.Choice(DTYPES), default=None,
                          help="Default: bfloat16 on CUDA, float32 on CPU."),
             click.option("--preset-seed", type=int, default=0, show_default=True, help="Seed of preset weights."),

@@ -29,9 +29,6 @@ class DecodeOptions:
     # Token ids the no-repeat ban never bans (the vendor vLLM path: (128821, 128822) = <td>, </td>).
     ngram_whitelist: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Benchmarks and tests: EOS is chosen as the token of decode step N (0 = the first token, from the
-    # prefill logits), whatever the logits say, so the EOS path can be timed at a known length.
-    force_eos_at_step: int | None = None
     # Stop once the output ends in a repetition loop (stop reason "repetition"); off, the loop runs to
     # the budget and is only found afterwards. Checked with the EOS watch's cadence, on tokens read back
     # asynchronously: nothing is added to the decode loop when off.

@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, result_document
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.variants import AUTO
 from dsocr_workers.model.config import DEFAULT_MODE
 from dsocr_workers.model.images import load_image
 from dsocr_workers.model.postprocess import parse_markup, write_outputs
@@ -36,7 +37,7 @@ class SessionOptions:
 
     model: str = "tiny"  # a vendor checkpoint directory, or a random-weight preset
     device: str | None = None  # None: cuda if available, else cpu
-    engine: str = "eager"
+    engine: str = AUTO
     dtype: str | None = None  # a torch dtype's name; None: bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # of preset weights
 

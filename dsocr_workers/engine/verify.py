@@ -89,7 +89,7 @@ def split_kv_growth(
     """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
     every step."""
     options = replace(options, ignore_eos=True)  # every step runs
-    clock = StageClock(session.device)
+    clock = session.new_clock()
     fills: list[int] = []
     with torch.inference_mode():
         job = session.start_job(session.prepare(image, None, mode, 9), options, steps + 1, clock)

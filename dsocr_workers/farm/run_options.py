@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.variants import AUTO, check_name
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import AUTO_ENGINE, DEFAULT_MODE, DTYPES, ENGINE_CHOICES, get_mode
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, get_mode
 
 # A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window).
 NGram = tuple[int, int | None]
@@ -21,7 +22,7 @@ class ModelKey:
     """The settings that make one loaded model (a worker process holds one at a time)."""
 
     model: str
-    engine: str = AUTO_ENGINE
+    engine: str = AUTO
     dtype: str | None = None
     seed: int = 0
 
@@ -35,7 +36,7 @@ class RunOptions:
     prompt: str | None = None
     max_new_tokens: int | None = None
     ignore_eos: bool = False
-    engine: str = AUTO_ENGINE
+    engine: str = AUTO
     dtype: str | None = None
     repeats: int = 1
     seed: int = 0
@@ -46,8 +47,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         get_mode(self.mode)  # InputError naming the valid modes
-        if self.engine not in ENGINE_CHOICES:
-            raise InputError(f"unknown engine {self.engine!r}; engines: {', '.join(ENGINE_CHOICES)}")
+        check_name(self.engine)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
         if self.repeats < 1:

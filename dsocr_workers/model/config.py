@@ -243,13 +243,9 @@ def get_mode(mode: str | ModeSpec) -> ModeSpec:
         raise InputError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}") from None
 
 
-# What a run may ask for (checked at submit, offered as CLI choices): the engine's names and the dtypes
-# it loads weights in (engine/session.py maps them to torch dtypes, with short aliases).
 # The vendor's default mode: what a run, a warm-up or `dsocr infer` uses when nothing says otherwise.
 DEFAULT_MODE = "gundam"
-ENGINES = ("eager", "fast")
-# `auto`, a run's default: the fast engine where the job runs on a GPU, eager (the reference) on a CPU.
-# Each result records the engine that ran.
-AUTO_ENGINE = "auto"
-ENGINE_CHOICES = (AUTO_ENGINE, *ENGINES)
+# What a run may ask for (checked at submit, offered as CLI choices): the dtypes the engine loads weights
+# in (engine/session.py maps them to torch dtypes, with short aliases). The engines' names are the
+# engine's registry (engine/variants/).
 DTYPES = ("bfloat16", "float16", "float32")

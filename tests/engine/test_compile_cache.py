@@ -1,6 +1,7 @@
-"""DSOCR_COMPILE_CACHE_DIR: a fast session points torch's compile cache there, and a second process
-finds what the first one compiled (inductor on the CPU, a small function: the mechanism, not the model);
-where the installation ships no Python bytecode and may not write it, the bytecode is kept there too."""
+"""DSOCR_COMPILE_CACHE_DIR (engine/coldstart/cache.py): a process points torch's compile cache there,
+and a second process finds what the first one compiled (inductor on the CPU, a small function: the
+mechanism, not the model); where the installation ships no Python bytecode and may not write it, the
+build step keeps the bytecode there too."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import py_compile
 import subprocess
 import sys
 
+import pytest
+
 from dsocr_workers import settings
-from dsocr_workers.engine.compile_cache import (
+from dsocr_workers.engine.coldstart.cache import (
     BYTECODE_DIR,
     BYTECODE_LOCK,
     BYTECODE_WRITTEN,
@@ -20,16 +23,12 @@ from dsocr_workers.engine.compile_cache import (
     use_compile_cache,
 )
 
-# A fast session on the CPU (decode step traced by aot_eager), then one inductor compilation.
+# A process as `dsocr` starts one (the cache chosen before anything compiles), then one inductor compilation.
 PROCESS = """
 import json, os, torch
-from dsocr_workers.engine.result import ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile
-from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.engine.coldstart.cache import use_compile_cache
 
-loaded = build_preset("tiny", device=torch.device("cpu"), dtype=torch.float32)
-DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), torch.device("cpu"),
-                   torch.float32, "fast", fast_compile=FastCompile("aot_eager", decode_only=True))
+use_compile_cache()
 step = torch.compile(lambda x: torch.sin(x) * 2 + 1)
 step(torch.randn(64))
 counters = torch._dynamo.utils.counters["inductor"]
@@ -70,22 +69,21 @@ def test_a_directory_that_cannot_be_made_is_a_warning_and_the_default(tmp_path, 
     assert f"{settings.COMPILE_CACHE_DIR.name}={blocker / 'cache'} cannot be created" in caplog.text
 
 
-# A process started as `dsocr` starts: the bytecode decision first, then the import it is about, then,
-# once "ready", the writer of what it compiled in memory (waited for here).
+# A process started as `dsocr` starts: the bytecode decision first, then the import it is about; with
+# "build" (argv[1]), the build step's writing then (twice: the second finds nothing new to write).
 BYTECODE_PROCESS = """
 import os, sys
-from dsocr_workers.engine.compile_cache import use_bytecode_cache, write_bytecode
+from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, write_bytecode
 print(use_bytecode_cache(probe="probe_module"))
 import probe_module
 print(os.environ.get("PYTHONPYCACHEPREFIX"), os.environ.get("PYTHONDONTWRITEBYTECODE"))
-writer = write_bytecode([probe_module])
-print(writer and writer.wait())
-print(write_bytecode([probe_module]))  # a later warm-up of the same process: nothing new to write
+if sys.argv[1:] == ["build"]:
+    print(write_bytecode([probe_module]), write_bytecode([probe_module]))
 """
 
 
-def run_bytecode_process(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", BYTECODE_PROCESS], env=env, capture_output=True, text=True,
+def run_bytecode_process(env: dict[str, str], *args: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", BYTECODE_PROCESS, *args], env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
@@ -93,10 +91,9 @@ def run_bytecode_process(env: dict[str, str]) -> list[str]:
 
 def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
     """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
-    compiled every source again, ~5 s of a worker's imports on the H100 host. The first start changes
-    nothing for its imports, then, once ready, has a writer process write what it compiled in memory
-    (unless another worker child's writer is at work); the next starts read it (and tell the processes
-    they start), with nothing left to write."""
+    compiled every source again, ~5 s of a worker's imports on the H100 host. Starts before a build
+    change nothing; the build writes what it imported (after another build's writer, under its lock);
+    the starts after it read it (and tell the processes they start)."""
     sources = tmp_path / "sources"
     sources.mkdir()
     (sources / "probe_module.py").write_text("VALUE = 1\n")
@@ -105,26 +102,31 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
            "PYTHONPATH": os.pathsep.join([str(sources), subprocess_env["PYTHONPATH"]])}  # fmt: skip
     env.pop("PYTHONPYCACHEPREFIX", None)
     bytecode = cache.resolve() / BYTECODE_DIR
-    # Another worker child's writer at work (it holds the lock): this one leaves the writing to it.
+    assert run_bytecode_process(env) == [str(bytecode), "None 1"]
+    assert not bytecode.exists() or not list(bytecode.rglob("*.pyc"))
+    # Another build's writer at work (it holds the lock): this one waits for it, then writes.
     bytecode.mkdir(parents=True)
     with open(bytecode / BYTECODE_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        assert run_bytecode_process(env) == [str(bytecode), "None 1", "0", "None"]
-    assert not list(bytecode.rglob("*.pyc")) and not (bytecode / BYTECODE_WRITTEN).exists()
-    assert run_bytecode_process(env) == [str(bytecode), "None 1", "0", "None"]
+        build = subprocess.Popen([sys.executable, "-c", BYTECODE_PROCESS, "build"], env=env, stdout=subprocess.PIPE,
+                                 text=True)  # fmt: skip
+        with pytest.raises(subprocess.TimeoutExpired):
+            build.wait(timeout=5)
+    out, _ = build.communicate(timeout=60)
+    assert build.returncode == 0 and out.strip().splitlines() == [str(bytecode), "None 1", "1 0"]
     written = list(bytecode.rglob("probe_module.*.pyc"))
     assert len(written) == 1 and (bytecode / BYTECODE_WRITTEN).exists()
     assert not (sources / "__pycache__").exists()
-    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1", "None", "None"]
-    # A process started by one that reads from there: its environment says so; it writes nothing.
-    assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1", "None", "None"]
-    # An edited source is written again.
+    assert run_bytecode_process(env) == [str(bytecode), f"{bytecode} 1"]
+    # A process started by one that reads from there: its environment says so.
+    assert run_bytecode_process({**env, "PYTHONPYCACHEPREFIX": str(bytecode)}) == ["None", f"{bytecode} 1"]
+    # An edited source is written again by the next build.
     (sources / "probe_module.py").write_text("VALUE = 2\n")
     os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 5,) * 2)
-    assert run_bytecode_process(env)[2] == "0"
+    assert run_bytecode_process(env, "build")[2] == "1 0"
     # Without the variable, Python's own behaviour: nothing read or written anywhere.
     del env[settings.COMPILE_CACHE_DIR.name]
-    assert run_bytecode_process(env) == ["None", "None 1", "None", "None"]
+    assert run_bytecode_process(env, "build") == ["None", "None 1", "None None"]
     assert not (sources / "__pycache__").exists()
 
 

@@ -9,9 +9,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from dsocr_workers.engine import generate
+from dsocr_workers.engine.coldstart.warmup import warm
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules
+from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
 from dsocr_workers.engine.stages import StageClock
+from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset, save_preset
@@ -78,7 +80,7 @@ def test_split_check_catches_an_off_by_one_position(session, monkeypatch):
         ).last_hidden_state
         return generate.choose_token(model.logits(hidden[:, -1]), ban, options)
 
-    monkeypatch.setattr(session, "_decode_step", off_by_one)
+    monkeypatch.setattr(session, "runners", replace(session.runners, decode_step=off_by_one))
     checks = run_checks(session, page(1000, 800), max_new_tokens=24)
     assert not checks[0].passed and "first divergence" in checks[0].detail
 
@@ -190,11 +192,12 @@ def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSes
     only in Triton's interpreter, which a compiled graph cannot trace (tests/model/test_fast_kernels.py
     checks them uncompiled here, compiled on a GPU)."""
     cpu, fp32 = torch.device("cpu"), torch.float32
-    kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
+    engine = FastEngine(FastCompile("aot_eager", decode_only))
+    kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
     with torch.inference_mode():
         loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
-        fast_modules(loaded.model)
-    return DeepSeekOCRSession(loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("aot_eager", decode_only))
+        engine.after_load(loaded.model)
+    return DeepSeekOCRSession(loaded, source, cpu, fp32, engine)
 
 
 def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
@@ -208,7 +211,7 @@ def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
     assert first.engine == "fast" and "compiled 1 new graph(s)" in first.cold_reasons
     # Compiled once, then replayed: the next job, with other stop options, compiles nothing; EOS is
     # found at the next check and the output trimmed there, as on the eager engine.
-    eos = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, infer=DecodeOptions(force_eos_at_step=5))
+    eos = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, after_step=force_eos_at(5))
     assert not eos.cold, eos.cold_reasons
     assert eos.token_ids == reference.token_ids[:5] + [EOS_TOKEN_ID] and eos.stop_reason == "eos"
     assert eos.wasted_steps == 3 and eos.kv_length == eos.prompt_tokens + 8
@@ -221,7 +224,7 @@ def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
     fast = fast_on_cpu(session.source)
     # Bans no other test compiles: dynamo keeps a compiled step per code object, across sessions.
     jobs, other = DecodeOptions(no_repeat_ngram_size=7, ignore_eos=True), DecodeOptions(no_repeat_ngram_size=9)
-    fast.warmup(["tiny"], max_new_tokens=8, infer=jobs)
+    warm(fast, ["tiny"], max_new_tokens=8, infer=jobs)
     job = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=jobs)
     assert not job.cold, job.cold_reasons
     unwarmed = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=other)
@@ -235,15 +238,17 @@ def test_one_compiled_decode_step_serves_every_cache_bucket(session):
     fast = fast_on_cpu(session.source)
     graphs = torch._dynamo.utils.counters["stats"]
     # A ban no other test compiles: dynamo keeps a compiled step per code object, across sessions.
-    options = DecodeOptions(no_repeat_ngram_size=5, force_eos_at_step=6)
-    first = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=options)
+    options, eos_at_6 = DecodeOptions(no_repeat_ngram_size=5), force_eos_at(6)
+    first = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=options, after_step=eos_at_6)
     assert "compiled 1 new graph(s)" in first.cold_reasons
     compiled = graphs["unique_graphs"]
     for max_new_tokens, capacity in ((1500, 2048), (3000, 4096), (6000, 8192)):
-        job = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options)
+        job = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options,
+                                 after_step=eos_at_6)
         assert job.cold_reasons == (f"first use of the {capacity}-position KV cache bucket",)
         assert graphs["unique_graphs"] == compiled
-        reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options)
+        reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options,
+                                          after_step=eos_at_6)
         assert job.token_ids == reference.token_ids == first.token_ids
 
 
@@ -290,8 +295,8 @@ def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
         with torch.inference_mode():  # as the session allocates and runs: a graph guards on it
             compiled, reference = (generate.DecodeBuffers.allocate(model, capacity, fast.device) for _ in range(2))
             # Into a cache another prompt filled, as a graph's replay after another job: from slot 0 again.
-            fast._prefill(model, torch.randn(1, length + 7, hidden), compiled.cache)
-            logits = fast._prefill(model, embeds.clone(), compiled.cache)
+            fast.runners.prefill(model, torch.randn(1, length + 7, hidden), compiled.cache)
+            logits = fast.runners.prefill(model, embeds.clone(), compiled.cache)
             expected = generate.prefill(model, embeds.clone(), reference.cache)
         assert graphs["unique_graphs"] - before == 2, f"prompt of {length} in a {capacity} bucket compiled again"
         torch.testing.assert_close(logits, expected)
@@ -359,7 +364,7 @@ def test_forced_eos_stops_at_the_next_check_and_counts_the_steps_past_it(session
     from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
 
     assert EOS_CHECK_INTERVAL == 8  # the expected steps below follow from it (CPU: each check is read at once)
-    result = session.run_inference(page(600, 480), max_new_tokens=40, infer=DecodeOptions(force_eos_at_step=eos_at))
+    result = session.run_inference(page(600, 480), max_new_tokens=40, after_step=force_eos_at(eos_at))
     assert result.stop_reason == "eos" and result.token_ids[-1] == EOS_TOKEN_ID
     assert len(result.token_ids) == eos_at + 1
     assert result.wasted_steps == steps_run - eos_at
@@ -372,7 +377,7 @@ def test_forced_eos_stops_at_the_next_check_and_counts_the_steps_past_it(session
 
 def test_ignore_eos_runs_the_budget_through_a_forced_eos(session):
     result = session.run_inference(page(600, 480), max_new_tokens=12,
-                                   infer=DecodeOptions(ignore_eos=True, force_eos_at_step=3))
+                                   infer=DecodeOptions(ignore_eos=True), after_step=force_eos_at(3))
     assert len(result.token_ids) == 12 and result.token_ids[3] == EOS_TOKEN_ID
     assert result.stop_reason == "max_new_tokens" and result.wasted_steps == 0
 
@@ -389,12 +394,12 @@ def test_cold_paths_are_flagged_and_warm_up_removes_them():
     assert bigger.cold_reasons == ("first use of the 2048-position KV cache bucket",)
 
     warmed = DeepSeekOCRSession.from_local("tiny")
-    report = warmed.warmup(["base", "gundam"], max_new_tokens=4, max_crops=3)
+    report = warm(warmed, ["base", "gundam"], max_new_tokens=4, max_crops=3)
     assert report.shapes == ["base", "gundam", "gundam:2x1", "gundam:3x1"] and report.ms > 0
     # Eager: no helpers, no language job; its parts add up to the warm-up.
     assert list(report.phases_ms) == ["prepare", *(f"pass {n}" for n in range(1, report.passes + 1))]
     assert sum(report.phases_ms.values()) == pytest.approx(report.ms)
-    assert warmed.warmup([]).shapes == []
+    assert warm(warmed, []).shapes == []
     for image in (page(600, 480), page(1000, 800)):  # base; gundam 2x1
         result = warmed.run_inference(image, mode="gundam" if image.width == 1000 else "base",
                                       max_new_tokens=4, max_crops=3)
@@ -458,7 +463,7 @@ def test_stop_on_repetition_changes_nothing_without_a_loop(session):
 
 def test_eos_wins_over_a_loop_and_is_not_searched(session):
     result = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=40,
-                                   infer=DecodeOptions(force_eos_at_step=3, stop_on_repetition=True))
+                                   infer=DecodeOptions(stop_on_repetition=True), after_step=force_eos_at(3))
     assert result.stop_reason == "eos" and result.loop is None
 
 
@@ -484,7 +489,7 @@ def test_cuda_watches_stop_a_loop_and_find_eos_without_stalling():
     assert stopped.timings.clock == "cuda_event" and stopped.loop is not None and stopped.loop.period == 1
 
     eos = cuda.run_inference(page(600, 480), mode="tiny", max_new_tokens=200,
-                             infer=DecodeOptions(force_eos_at_step=5))
+                             after_step=force_eos_at(5))
     assert eos.stop_reason == "eos" and len(eos.token_ids) == 6 and eos.token_ids[-1] == EOS_TOKEN_ID
     assert 0 < eos.wasted_steps <= (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL
 
@@ -524,7 +529,7 @@ def test_cuda_fast_engine_on_a_second_gpu_runs_there():
         fast = DeepSeekOCRSession.from_local("tiny", device="cuda:1", dtype="bfloat16", engine="fast")
         assert torch.cuda.current_device() == 1
         options = DecodeOptions(ignore_eos=True)
-        fast.warmup(["tiny"], max_new_tokens=8, infer=options)
+        warm(fast, ["tiny"], max_new_tokens=8, infer=options)
         result = fast.run_inference(page(600, 480), mode="tiny", max_new_tokens=8, infer=options)
         assert result.engine == "fast" and len(result.token_ids) == 8 and not result.cold, result.cold_reasons
         assert result.timings.prefill_ms > 0 and result.timings.decode_ms > 0
@@ -545,14 +550,14 @@ def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings()
             embeds = torch.randn(1, length, hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
             ours, reference = fast.buffers_for(capacity - 8), generate.DecodeBuffers.allocate(model, capacity, fast.device)
             ours.cache.reset()
-            logits = fast._prefill(model, embeds, ours.cache)
+            logits = fast.runners.prefill(model, embeds, ours.cache)
             torch.testing.assert_close(logits, generate.prefill(model, embeds, reference.cache), rtol=1e-4, atol=1e-4)
             for mine, theirs in zip(ours.cache.layers, reference.cache.layers, strict=True):
                 torch.testing.assert_close(mine.keys[:, :, :length], theirs.keys[:, :, :length], rtol=1e-4, atol=1e-4)
                 assert int(mine.cumulative_length) == length
     # 64, 128 in the 1024 cache, 128 in the 2048 one
-    assert fast._prefill_graphs is not None and fast._prefill_graphs.captured == 3
-    report = fast.warmup(["tiny", "gundam"], max_new_tokens=8, max_crops=4)
+    assert fast.runners.prefill_graphs is not None and fast.runners.prefill_graphs.captured == 3
+    report = warm(fast, ["tiny", "gundam"], max_new_tokens=8, max_crops=4)
     assert not report.still_cold, report.still_cold
     job = fast.run_inference(page(1280, 1280), mode="gundam", max_new_tokens=8, max_crops=4)  # a 2x2 grid
     assert job.crop_grid == (2, 2) and not job.cold, job.cold_reasons

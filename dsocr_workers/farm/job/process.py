@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.engine.compile_cache import write_bytecode
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
@@ -40,7 +39,7 @@ from dsocr_workers.store.models import Job, Run, Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
 
 if TYPE_CHECKING:
-    from dsocr_workers.engine.precompile import CompileHelpers
+    from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 
 log = logging.getLogger("dsocr.worker")
 
@@ -63,13 +62,13 @@ def ngram_options(ngram: NGram) -> DecodeOptions:
 def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
     """The compile helpers of the start-up warm-up's first part (its modes at its first token budget and
     n-gram ban: what `JobProcess.warm` warms first), forked before this child loads its model, opens its
-    ledger or starts a thread (engine/precompile.py): they compile while it loads. None where the
+    ledger or starts a thread (engine/coldstart/helpers.py): they compile while it loads. None where the
     engine compiles nothing or this child cannot fork them; its warm-up then decides for itself."""
-    from dsocr_workers.engine.session import start_compile_helpers
+    from dsocr_workers.engine.coldstart.helpers import start_helpers
 
     try:
-        return start_compile_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
-                                     warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
+        return start_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
+                             warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
     except Exception:  # a bad model or setting: the warm-up meets it again and says so
         log.warning("could not start the compile helpers before the load", exc_info=True)
         return None
@@ -128,6 +127,8 @@ class JobProcess:
         met yet, and record the cost as a new worker session. A no-op when all is warm already.
         `helpers`: the compile helpers forked for this warm-up (`fork_compile_helpers`), handed to its
         first part; stopped if the load fails."""
+        from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
+
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
@@ -145,12 +146,14 @@ class JobProcess:
                    for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
         if not missing and not load_ms:
             return loaded
-        warmup_ms, shapes = 0.0, []
+        warmup_ms, shapes, cold_start = 0.0, [], []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
-            report = loaded.session.warmup(modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
+            report = run_warmup(loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
             helpers = None
             warmup_ms += report.ms
+            if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
+                cold_start.append(report.artifacts)
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
                 log.warning("warm-up of %s stopped after %d passes still meeting: %s", ", ".join(modes),
                             report.passes, "; ".join(report.still_cold))  # fmt: skip
@@ -159,7 +162,6 @@ class JobProcess:
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
         settle_heap()
-        write_bytecode()  # what this start compiled from source, for the next one (engine/compile_cache.py)
         warmup_ms += (time.perf_counter() - settling) * 1e3
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()
@@ -167,7 +169,7 @@ class JobProcess:
             id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
             host=socket.gethostname(), pid=os.getpid(),
             device=self.device, model=warmup.key.model, engine=loaded.session.engine,
-            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=", ".join(shapes),
+            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup="; ".join([", ".join(shapes), *cold_start]),
             started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
         )  # fmt: skip
         with self.db.transaction() as tx:
@@ -218,7 +220,11 @@ class JobProcess:
             request = PageRequest.of_job(claim.job_id, claim.image_path, options)
             if prefetched is not None and prefetched.request != request:
                 prefetched = None
-        loaded = self.warm(job_warmup(options))  # warm already, unless the run changed its mind
+        loaded = self.loaded
+        if loaded is None or loaded.key != options.model_key:
+            # Warmed before the claim (`prepare_for`); a run that changed its mind since is loaded here
+            # and not warmed: the job runs cold and is stored with its reasons, the job path never warms.
+            loaded = self.warm(Warmup(options.model_key, ()))
 
         def prefetch_next() -> None:
             if upcoming is not None:

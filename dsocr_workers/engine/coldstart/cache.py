@@ -12,8 +12,10 @@ may not write it (PYTHONDONTWRITEBYTECODE, as many container images set, or a re
 torch's, transformers' and this package's sources again in every process. On the H100 host's image that
 was half of a worker's imports (10.4–10.9 s against 5.1–5.6 s with a bytecode cache) and half of its
 checkpoint load (4.7–5.3 s against 2.6–2.8 s: inductor's modules imported on first use). There the
-bytecode is kept beside the compiled kernels, in the same directory: a ready process writes what it
-compiled in memory (`write_bytecode`), and later starts read it (`use_bytecode_cache`).
+bytecode is kept beside the compiled kernels, in the same directory: the build step (`dsocr precompile`,
+coldstart/build.py) writes the bytecode of every module a worker imports (`write_bytecode`), and every
+start reads it (`use_bytecode_cache`). An image build covers its own sources with `python -m compileall`
+(the Dockerfile); this is for installations that ship none.
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ import fcntl
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -38,13 +38,11 @@ BYTECODE_PREFIX_ENV = "PYTHONPYCACHEPREFIX"
 BYTECODE_DIR = "python-bytecode"
 # Left by a writer that wrote every source it was given: imports may read from the directory.
 BYTECODE_WRITTEN = "written"
-# Held by the writer at work: the other worker children of a host, ready at the same time with the same
-# modules, leave the writing to it (an flock: released when its holder exits, however it exits).
+# Held by the writer at work: two builds on one host write one after the other (an flock: released when
+# its holder exits, however it exits).
 BYTECODE_LOCK = "writing.lock"
-# Where `write_bytecode` writes: set by `use_bytecode_cache` in this process or the one it was forked from.
+# Where `write_bytecode` writes: set by `use_bytecode_cache` in this process.
 _writes_to: Path | None = None
-# The sources this process handed to a writer: a later warm-up's call hands only what is new since.
-_handed: set[str] = set()
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +79,13 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
 def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, probe: str = "torch") -> Path | None:
     """Keep Python's bytecode in DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
     for `probe` (the largest import of a worker) and this process may not write it beside the sources:
-    `write_bytecode` writes there once the process is ready, and from the next start on, imports read
-    from there. The directory, or None where Python's own behaviour stands (bytecode present or writable,
+    the build step writes there (`write_bytecode`), and from then on, imports read from there. The directory, or None where Python's own behaviour stands (bytecode present or writable,
     no DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the heavy
-    imports; processes this one starts inherit the reading (the environment), those it forks the writing.
+    imports; processes this one starts inherit the reading (the environment).
 
-    Nothing changes for the first start, whose writer has not finished: reading from a directory Python
-    would also ignore the bytecode the system ships for the standard library (+5 s of a cold start's
-    imports on the GPU host), and writing as the imports go added 8–12 s there."""
+    Nothing changes before a build has written it: reading from a directory Python would also ignore
+    the bytecode the system ships for the standard library (+5 s of a cold start's imports on the GPU
+    host), and writing as the imports go added 8–12 s there."""
     global _writes_to
     raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
     if raw is None or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
@@ -109,28 +106,35 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     return _writes_to
 
 
-def write_bytecode(modules: list[ModuleType] | None = None) -> subprocess.Popen[bytes] | None:
-    """Once the process is ready (loaded and warm): the bytecode of the modules it imported (`modules`,
-    default all) written into the directory `use_bytecode_cache` chose, by a background process; every
-    module on a first start, those whose bytecode is missing or older than their source once imports
-    read from there; never twice the same source in one process. None when there is no such directory or
-    nothing to write."""
+def bytecode_directory() -> Path | None:
+    """Where this process keeps bytecode (`use_bytecode_cache` chose it), or None: the installation's serves."""
+    return _writes_to
+
+
+def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
+    """The build step's: the bytecode of `modules` (default: every module imported) written into the
+    directory `use_bytecode_cache` chose, then the directory marked written (imports read from it from
+    the next start on); only sources whose bytecode is missing or older, under the writers' lock. The
+    count written, or None where there is no such directory (the installation's bytecode serves)."""
     if _writes_to is None:
         return None
     sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
-               if source not in _handed]  # fmt: skip
-    if sys.pycache_prefix == str(_writes_to):
-        sources = [source for source in sources if _stale(source)]
-    if not sources:
-        return None
-    _handed.update(sources)
-    writer = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env={**os.environ, BYTECODE_PREFIX_ENV: str(_writes_to)})  # fmt: skip
-    # Fed and reaped by a thread: the list outgrows a pipe's buffer, and nothing here waits for it.
-    threading.Thread(target=writer.communicate, args=("\n".join(sources).encode(),), daemon=True,
-                     name="bytecode-writer").start()  # fmt: skip
-    log.info("writing the bytecode of %d modules into %s (pid %d)", len(sources), _writes_to, writer.pid)
-    return writer
+               if _stale(source, _writes_to)]  # fmt: skip
+    _writes_to.mkdir(parents=True, exist_ok=True)
+    before = sys.pycache_prefix
+    with open(_writes_to / BYTECODE_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sys.pycache_prefix = str(_writes_to)  # where compileall writes (cache_from_source reads it)
+        try:
+            # Every source tried, whichever fails: a list, not all()'s short circuit.
+            failed = [source for source in sources if not compileall.compile_file(source, quiet=2)]
+        finally:
+            sys.pycache_prefix = before
+        if failed:
+            log.warning("no bytecode for %d of %d sources (first: %s)", len(failed), len(sources), failed[0])
+        (_writes_to / BYTECODE_WRITTEN).touch()
+    log.info("wrote the bytecode of %d modules into %s", len(sources) - len(failed), _writes_to)
+    return len(sources) - len(failed)
 
 
 def _sources(modules: list[ModuleType]) -> list[str]:
@@ -138,33 +142,18 @@ def _sources(modules: list[ModuleType]) -> list[str]:
     return sorted({origin for origin in found if isinstance(origin, str) and origin.endswith(".py")})
 
 
-def _stale(source: str) -> bool:
+def _stale(source: str, prefix: Path) -> bool:
+    """No bytecode under `prefix` for `source`, or bytecode of another version of it: the source's
+    modification time in the header differs, as Python itself checks it on import."""
+    before = sys.pycache_prefix
+    sys.pycache_prefix = str(prefix)
     try:
-        written = os.stat(importlib.util.cache_from_source(source)).st_mtime
+        compiled = importlib.util.cache_from_source(source)
+    finally:
+        sys.pycache_prefix = before
+    try:
+        with open(compiled, "rb") as file:
+            header = file.read(16)
     except OSError:
         return os.path.isfile(source)
-    return written < os.stat(source).st_mtime
-
-
-def _write() -> int:
-    """The writer process (`python -m dsocr_workers.engine.compile_cache`, PYTHONPYCACHEPREFIX set, one
-    source per line on stdin): niced, so that it takes no core from the worker's jobs; compileall's
-    freshness check and atomic writes; the directory marked written once every source is. Exits at once
-    where another writer holds the lock."""
-    os.nice(10)
-    prefix = Path(sys.pycache_prefix or "")
-    prefix.mkdir(parents=True, exist_ok=True)
-    with open(prefix / BYTECODE_LOCK, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return 0
-        # Every source tried, whichever fails: a list, not all()'s short circuit.
-        if not all([compileall.compile_file(source, quiet=2) for source in sys.stdin.read().splitlines()]):
-            return 1
-        (prefix / BYTECODE_WRITTEN).touch()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_write() if sys.pycache_prefix else 2)
+    return int.from_bytes(header[8:12], "little") != int(os.stat(source).st_mtime) & 0xFFFFFFFF

@@ -1,4 +1,4 @@
-"""The warm-up's compile helpers (engine/precompile.py, engine/compile_helper.py): how a plan is shared
+"""The warm-up's compile helpers (engine/coldstart/helpers.py, helper_process.py): how a plan is shared
 out, that the worker then loads every graph they compiled (inductor on the CPU, the tiny preset), that a
 share is compiled once per host, and that no helper outlives its worker."""
 
@@ -14,39 +14,37 @@ import time
 import pytest
 import torch
 
-from dsocr_workers.engine.compile_helper import compile_share
-from dsocr_workers.engine.precompile import (
+from dsocr_workers.engine.coldstart import artifacts
+from dsocr_workers.engine.coldstart.helper_process import compile_share
+from dsocr_workers.engine.coldstart.helpers import CompileHelpers
+from dsocr_workers.engine.coldstart.plan import (
     PROCESSES_ENV,
-    CompileHelpers,
     CompilePlan,
     CompileShare,
     HelperTask,
     ShareLock,
+    compile_plan,
     helper_processes,
     share,
     vision_shapes,
-    warm_marker,
 )
+from dsocr_workers.engine.coldstart.warmup import plan_helpers
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
-from dsocr_workers.engine.session import (
-    DeepSeekOCRSession,
-    FastCompile,
-    compile_plan,
-    engine_kernels,
-    fast_modules,
-)
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset
 from dsocr_workers.model.config import PRESETS
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
-CPU_KERNELS = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}  # no Triton on a CPU
+CPU_ENGINE = FastEngine(FastCompile("inductor", cuda_graphs=False))
+CPU_KERNELS = {**CPU_ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
 
 
 def cpu_plan(modes: list[str], source: str = "tiny", max_crops: int = 3) -> CompilePlan:
     """The plan `inductor_session()` makes for a warm-up of `modes` (8 tokens, the vendor's options)."""
-    plan = compile_plan(source, torch.device("cpu"), torch.float32, CPU_KERNELS,
-                        FastCompile("inductor", cuda_graphs=False), modes, 8, None, max_crops)  # fmt: skip
+    plan = compile_plan(source, torch.device("cpu"), torch.float32, CPU_KERNELS, CPU_ENGINE.compiled(), modes, 8,
+                        None, max_crops, engine="fast")  # fmt: skip
     assert plan is not None
     return plan
 
@@ -73,52 +71,40 @@ def test_the_helper_count_setting():
         helper_processes({PROCESSES_ENV: "two"})
 
 
-def test_a_plan_survives_its_json_and_the_marker_names_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_a_plan_survives_its_json():
     plan = cpu_plan(["gundam"])
     task = HelperTask(plan, plan.shares(2)[-1])
     assert HelperTask.from_json(task.to_json()) == task
     windowed = CompilePlan(**{**plan.__dict__, "options": DecodeOptions(ngram_window=90, ngram_whitelist=(1, 2))})
     assert HelperTask.from_json(HelperTask(windowed, task.share).to_json()).plan == windowed
-    gundam = warm_marker(plan, PRESETS["tiny"])
-    assert gundam.parent == tmp_path / "dsocr-warm"
-    assert gundam == warm_marker(plan, PRESETS["tiny"])
-    assert gundam != warm_marker(plan, PRESETS["full"])
-    for changed in ({"modes": ("gundam", "tiny")}, {"dtype": "bfloat16"}, {"max_new_tokens": 9},
-                    {"options": DecodeOptions(no_repeat_ngram_size=0)}):  # fmt: skip
-        assert gundam != warm_marker(CompilePlan(**{**plan.__dict__, **changed}), PRESETS["tiny"])
 
 
 def inductor_session() -> DeepSeekOCRSession:
     """A fast session on the CPU with inductor (its compilations are what the cache holds); building it
     compiles nothing."""
     cpu, fp32 = torch.device("cpu"), torch.float32
-    kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
     with torch.inference_mode():
-        loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
-        fast_modules(loaded.model)
-    source = ModelSource("preset", "tiny", random_weights=True, seed=0)
-    return DeepSeekOCRSession(
-        loaded, source, cpu, fp32, "fast", fast_compile=FastCompile("inductor", cuda_graphs=False)
-    )
+        loaded = build_preset("tiny", device=cpu, dtype=fp32, **CPU_KERNELS)
+        CPU_ENGINE.after_load(loaded.model)
+    return DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, CPU_ENGINE)
 
 
 def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fast = inductor_session()
     monkeypatch.setenv(PROCESSES_ENV, "0")
-    plan, marker, why = fast._plan_helpers(["tiny"], 8, 3, None)
-    assert plan == cpu_plan(["tiny"]) and marker is not None and why == f"{PROCESSES_ENV}=0"
-    marker.parent.mkdir(parents=True)
-    marker.write_text("{}")
+    plan, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
+    assert plan == cpu_plan(["tiny"]) and found is not None and why == f"{PROCESSES_ENV}=0"
+    assert found.summary.startswith("no artifacts: none built for this plan (tiny, fast engine, float32, modes tiny")
+    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
     monkeypatch.delenv(PROCESSES_ENV)
-    _, _, why = fast._plan_helpers(["tiny"], 8, 3, None)
-    assert why.startswith("the compile cache is warm for this warm-up")
-    plan, _, why = fast._plan_helpers(["gundam"], 8, 3, None)  # another plan
+    _, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
+    assert why == f"prebuilt artifacts ({found.path})" and found.manifest is not None
+    plan, _, why = plan_helpers(fast, ["gundam"], 8, 3, None)  # another plan
     assert why == "" and plan == cpu_plan(["gundam"])
-    assert fast._plan_helpers([], 8, 3, None) == (None, None, "no mode to warm")
-    eager = DeepSeekOCRSession.from_local("tiny")
-    assert eager._plan_helpers(["tiny"], 8, 3, None) == (None, None, "nothing compiled by inductor")
+    assert plan_helpers(fast, [], 8, 3, None) == (None, None, "no mode to warm")
+    eager = DeepSeekOCRSession.from_local("tiny", engine="eager")
+    assert plan_helpers(eager, ["tiny"], 8, 3, None) == (None, None, "nothing compiled by inductor")
 
 
 def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, subprocess_env, caplog):
@@ -137,67 +123,81 @@ def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, sub
 # argv[1]).
 WORKER = """
 import dataclasses, json, sys, torch
-from dsocr_workers.engine.precompile import CompileHelpers
+from dsocr_workers.engine.coldstart.cache import use_compile_cache
+from dsocr_workers.engine.coldstart.helpers import CompileHelpers
+from dsocr_workers.engine.coldstart.plan import compile_plan
+from dsocr_workers.engine.coldstart.warmup import warm
 from dsocr_workers.engine.result import ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, compile_plan, engine_kernels, fast_modules
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.model.checkpoint import build_preset
 
 cpu, fp32 = torch.device("cpu"), torch.float32
-kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
-fast_compile, modes = FastCompile("inductor", cuda_graphs=False), sys.argv[1].split(",")
+engine, modes = FastEngine(FastCompile("inductor", cuda_graphs=False)), sys.argv[1].split(",")
+kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 helpers = None  # spawned by the warm-up: a worker whose CUDA is initialised already
 if sys.argv[2] == "fork":
-    helpers = CompileHelpers.start(compile_plan("tiny", cpu, fp32, kernels, fast_compile, modes, 8, None, 3), 2, fork=True)
+    plan = compile_plan("tiny", cpu, fp32, kernels, engine.compiled(), modes, 8, None, 3, engine="fast")
+    helpers = CompileHelpers.start(plan, 2, fork=True)
+use_compile_cache()  # after the fork, as `dsocr worker`'s child has it from its parent: the helpers set it too
 with torch.inference_mode():
     loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
-    fast_modules(loaded.model)
-fast = DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, "fast",
-                          fast_compile=fast_compile)
-report = fast.warmup(modes, max_new_tokens=8, max_crops=3, helpers=helpers)
+    engine.after_load(loaded.model)
+fast = DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, engine)
+report = warm(fast, modes, max_new_tokens=8, max_crops=3, helpers=helpers)
 counters = torch._dynamo.utils.counters
 print(json.dumps({"report": dataclasses.asdict(report), "graphs": counters["stats"]["unique_graphs"],
                   "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-@pytest.mark.parametrize("how", ["fork", "spawn"])
-def test_the_worker_loads_every_graph_its_helpers_compiled(how, tmp_path, subprocess_env):
-    """A fast warm-up of gundam with an empty cache (inductor on the CPU): its helpers, forked before
-    the model is built (or spawned by the warm-up), compile the decode step, the LM prefill's two kinds of layer, the global view
-    (SAM's two kinds of block and CLIP) and the tiles (SAM's two, their batch dynamic, and CLIP over
-    both view groups at once), while the worker builds its model. The worker then compiles nothing: it
-    finds every graph it traces in the cache. The cache is the one DSOCR_COMPILE_CACHE_DIR names, which
-    the worker's session points torch at only after the fork: helpers that did not do so themselves
-    filled torch's default cache instead, and the worker compiled all the vision graphs again."""
+GUNDAM_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
+                 ("tiles 640 px", "compiled", 3)]  # fmt: skip
+TINY_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 512 px", "compiled", 3)]
+
+
+@pytest.mark.parametrize(("how", "mode", "shares"), [("fork", "gundam", GUNDAM_SHARES), ("spawn", "tiny", TINY_SHARES)])
+def test_the_worker_loads_every_graph_its_helpers_compiled(how, mode, shares, tmp_path, subprocess_env):
+    """A fast warm-up with an empty cache (inductor on the CPU): its helpers, forked before the model is
+    built (or spawned by the warm-up), compile the decode step, the LM prefill's two kinds of layer, the
+    global view (SAM's two kinds of block and CLIP) and for gundam the tiles (SAM's two, their batch
+    dynamic, and CLIP over both view groups at once), while the worker builds its model. The worker then
+    compiles nothing: it finds every graph it traces in the cache. The cache is the one
+    DSOCR_COMPILE_CACHE_DIR names, which the worker points torch at only after the fork: helpers that did
+    not do so themselves filled torch's default cache instead, and the worker compiled all the vision
+    graphs again. (Spawned helpers differ only in how they start: the smaller tiny mode covers them.)"""
     cache = tmp_path / "cache"
-    worker = subprocess.run([sys.executable, "-c", WORKER, "gundam", how], capture_output=True, text=True,
+    worker = subprocess.run([sys.executable, "-c", WORKER, mode, how], capture_output=True, text=True,
                             timeout=900, env={**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)})  # fmt: skip
     assert worker.returncode == 0, worker.stderr[-3000:]
     found = json.loads(worker.stdout.strip().splitlines()[-1])
     report = found["report"]
-    assert report["precompile"]["how"] == f"{how}ed" and report["precompile"]["failures"] == []
+    assert report["helpers"]["how"] == f"{how}ed" and report["helpers"]["failures"] == []
     assert report["still_cold"] == []
-    assert sorted((r["share"], r["outcome"], r["graphs"]) for r in report["precompile"]["results"]) == [
-        ("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
-        ("tiles 640 px", "compiled", 3)]  # fmt: skip
-    assert (found["graphs"], found["hits"], found["misses"]) == (9, 9, 0)
+    assert sorted((r["share"], r["outcome"], r["graphs"]) for r in report["helpers"]["results"]) == shares
+    graphs = sum(count for _, _, count in shares)
+    assert (found["graphs"], found["hits"], found["misses"]) == (graphs, graphs, 0)
     assert list(report["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
                                          "decode helper", "pass 1", "pass 2"]  # fmt: skip
     assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
-    # The marker, and each share's lock and done file.
-    files = sorted(path.name for path in (cache / "dsocr-warm").iterdir())
-    assert len(files) == 9 and sum(name.endswith(".done") for name in files) == 4
+    # What it compiled is recorded for the next start: the manifest, beside each share's lock and done file.
+    assert report["artifacts"].startswith("no artifacts: none built for this plan")
+    files = sorted(path.name for path in (cache / "dsocr-artifacts").rglob("*") if path.is_file())
+    assert len(files) == 1 + 2 * len(shares) and sum(name.endswith(".done") for name in files) == len(shares)
+    assert sum(name.endswith(".json") for name in files) == 1
 
 
 # A worker killed during its warm-up: it starts its helpers, then dies without waiting.
 DYING_WORKER = """
 import os, sys, torch
-from dsocr_workers.engine.precompile import CompileHelpers
-from dsocr_workers.engine.session import FastCompile, compile_plan, engine_kernels
+from dsocr_workers.engine.coldstart.helpers import CompileHelpers
+from dsocr_workers.engine.coldstart.plan import compile_plan
+from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 
-kernels = {**engine_kernels("fast"), "experts_implementation": "batched_mm"}
-plan = compile_plan("tiny", torch.device("cpu"), torch.float32, kernels, FastCompile("inductor", cuda_graphs=False),
-                    ["gundam", "tiny", "small", "base", "large"], 8, None, 9)
+engine = FastEngine(FastCompile("inductor", cuda_graphs=False))
+kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
+plan = compile_plan("tiny", torch.device("cpu"), torch.float32, kernels, engine.compiled(),
+                    ["gundam", "tiny", "small", "base", "large"], 8, None, 9, engine="fast")
 helpers = CompileHelpers.start(plan, 2, fork=sys.argv[1] == "fork")
 print(" ".join(str(helper.process.pid) for helper in helpers._running), flush=True)
 os._exit(0)
@@ -240,8 +240,8 @@ def test_a_share_lock_is_held_once_and_freed_by_release_or_death(tmp_path, subpr
     assert second is not None and time.monotonic() - began >= 0.9
     second.release()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsocr_workers.engine.precompile import "
-         "ShareLock; lock = ShareLock.take(Path(sys.argv[1])); print(lock is not None, flush=True); time.sleep(600)", str(path)],
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from dsocr_workers.engine.coldstart.plan "
+         "import ShareLock; lock = ShareLock.take(Path(sys.argv[1])); print(lock is not None, flush=True); time.sleep(600)", str(path)],
         stdout=subprocess.PIPE, text=True, env=subprocess_env,
     )  # fmt: skip
     try:
@@ -257,13 +257,12 @@ def test_a_share_lock_is_held_once_and_freed_by_release_or_death(tmp_path, subpr
 
 def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_path, monkeypatch):
     """A worker's other GPU forks helpers for the same plan: each waits for the lock of its share, held
-    by the first worker's helper, then takes that helper's done file as its answer; a completed warm-up's
-    marker answers at once."""
+    by the first worker's helper, then takes that helper's done file as its answer; the plan's manifest
+    answers at once."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     plan = cpu_plan(["tiny"])
     task = HelperTask(plan, CompileShare("decode"))
-    marker = warm_marker(plan, PRESETS["tiny"])
-    lock_path, done = ShareLock.paths(marker, task.share)
+    lock_path, done = ShareLock.paths(artifacts.lookup(plan, PRESETS["tiny"]).path, task.share)
     held = ShareLock.take(lock_path)  # the first worker's helper, compiling
     assert held is not None
 
@@ -275,7 +274,7 @@ def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_p
     began = time.monotonic()
     result = compile_share(task)
     assert (result.outcome, result.graphs) == ("shared", 0) and time.monotonic() - began >= 0.9
-    marker.write_text("{}")
+    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
     assert compile_share(HelperTask(plan, CompileShare("prefill"))).outcome == "warm"
 
 

@@ -1,6 +1,6 @@
-"""A compile helper of the warm-up (engine/precompile.py):
+"""A compile helper of the warm-up (coldstart/helpers.py):
 
-    python -m dsocr_workers.engine.compile_helper '<HelperTask as JSON>'
+    python -m dsocr_workers.engine.coldstart.helper_process '<HelperTask as JSON>' WORKER_PID
 
 compiles its share of a warm-up's graphs into inductor's on-disk cache, as the worker's jobs will run
 them, and prints its report (`HelperResult`) as the last line of standard output. A vision share: the SAM
@@ -20,8 +20,10 @@ from dataclasses import asdict
 
 import torch
 
-from dsocr_workers.engine.compile_cache import use_compile_cache
-from dsocr_workers.engine.precompile import (
+from dsocr_workers.engine.coldstart.artifacts import lookup
+from dsocr_workers.engine.coldstart.cache import use_compile_cache
+from dsocr_workers.engine.coldstart.passes import warm_language, warmup_pages
+from dsocr_workers.engine.coldstart.plan import (
     CompilePlan,
     CompileShare,
     HelperResult,
@@ -29,21 +31,17 @@ from dsocr_workers.engine.precompile import (
     ShareLock,
     VisionShapes,
     exit_with_the_worker,
-    warm_marker,
 )
 from dsocr_workers.engine.regions import RegionalVision, configure_dynamo
 from dsocr_workers.engine.result import ModelSource
 from dsocr_workers.engine.session import (
     DeepSeekOCRSession,
-    FastCompile,
-    fast_modules,
-    fast_vision_modules,
     make_current,
     resolve_device,
     resolve_dtype,
     set_numerics,
-    warmup_pages,
 )
+from dsocr_workers.engine.variants.fast import FastCompile, FastEngine, fast_vision_modules
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config
 
@@ -90,18 +88,18 @@ def compile_language(plan: CompilePlan, share: CompileShare, device: torch.devic
     with torch.inference_mode():
         loaded = build_zeroed(plan.source, device=device, dtype=dtype, attn_implementation=plan.attn_implementation,
                               experts_implementation=plan.experts_implementation)  # fmt: skip
-        fast_modules(loaded.model)
     decode = share.kind == "decode"
-    fast_compile = FastCompile(plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles,
-                               cuda_graphs=plan.cuda_graphs)  # fmt: skip
-    session = DeepSeekOCRSession(loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, "fast",
-                                 fast_compile=fast_compile)  # fmt: skip
-    session.warm_language(plan.modes, plan.max_new_tokens, plan.max_crops, plan.options, decode=decode)
+    engine = FastEngine(FastCompile(plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles,
+                                    cuda_graphs=plan.cuda_graphs))  # fmt: skip
+    with torch.inference_mode():
+        engine.after_load(loaded.model)
+    session = DeepSeekOCRSession(loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, engine)
+    warm_language(session, plan.modes, plan.max_new_tokens, plan.max_crops, plan.options, decode=decode)
 
 
 def compile_share(task: HelperTask) -> HelperResult:
-    """The share's graphs, unless the plan's marker says a warm-up of it completed already or another
-    process's helper compiled this share (ShareLock)."""
+    """The share's graphs, unless the plan's manifest (artifacts.py) says they are built for this
+    environment already or another process's helper compiled this share (ShareLock)."""
     began = time.perf_counter()
     plan, share = task.plan, task.share
     # The worker's cache: a helper forked before the worker's session pointed torch at it has no
@@ -126,10 +124,10 @@ def compile_share(task: HelperTask) -> HelperResult:
         return HelperResult(share.label, outcome, stats["unique_graphs"], inductor["fxgraph_cache_hit"],
                             time.perf_counter() - began, peak)  # fmt: skip
 
-    marker = warm_marker(plan, model_config(plan.source))
-    if marker.exists():
+    found = lookup(plan, model_config(plan.source))
+    if found.manifest is not None:
         return result("warm")
-    lock_path, done = ShareLock.paths(marker, share)
+    lock_path, done = ShareLock.paths(found.path, share)
     lock = ShareLock.hold(lock_path)  # None after the timeout: a stuck holder; compile regardless
     try:
         if done.exists():
@@ -147,18 +145,19 @@ def compile_share(task: HelperTask) -> HelperResult:
             lock.release()
 
 
-def run(task: HelperTask) -> int:
-    """A helper's whole life, spawned (`main`) or forked (precompile.py): its report on standard output."""
-    exit_with_the_worker()
+def run(task: HelperTask, worker: int) -> int:
+    """A helper's whole life, spawned (`main`) or forked (helpers.py) by process `worker`: its report on
+    standard output."""
+    exit_with_the_worker(worker)
     print(json.dumps(asdict(compile_share(task))), flush=True)
     return 0
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) != 3 or not argv[2].isdigit():
         print(__doc__, file=sys.stderr)
         return 2
-    return run(HelperTask.from_json(argv[1]))
+    return run(HelperTask.from_json(argv[1]), int(argv[2]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""What a cold start finds ready: the artifacts built for a plan, the manifest that lists them, and the
+refusal of those built for something else.
+
+A manifest is written into the compile cache once a plan's graphs are compiled there (by `dsocr
+precompile`, coldstart/build.py, or by a worker's warm-up that came clean) and names everything that
+changes the compiled code:
+
+    <cache>/dsocr-artifacts/<plan key>/<environment key>.json
+
+The plan key (`plan_key`): the warm-up's plan (model source, device, dtype, kernels, what the engine
+compiles and how, modes, crops, token budget, decode options), the model's configuration and the
+engine. The environment (`Environment`): the GPU (name and compute capability), torch, Triton and
+transformers, this package's version and a fingerprint of its code. A worker looks its plan up at start
+(`lookup`): a manifest of its environment is used (its warm-up loads the graphs, no helper compiles);
+one of another environment is never used, and the reason says why ("built for NVIDIA H200 (sm_90),
+this is NVIDIA H100 80GB HBM3 (sm_90)"; "torch 2.10.0 vs 2.11.0"); no manifest at all says that too.
+
+Each manifest lists its artifacts by kind: "inductor-cache" (torch's FX graph, AOTAutograd and Triton
+caches under the same directory, keyed by torch itself), "python-bytecode" (cache.py). Other kinds
+(e.g. AOTInductor packages per shape bucket) are further entries with their own paths; `FORMAT` changes
+when an entry's meaning does, and a manifest of another format is refused like any mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+import dsocr_workers
+from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root
+from dsocr_workers.model.config import OCRConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFESTS = "dsocr-artifacts"
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """This package's sources: a change to any of them may change a compiled graph."""
+    digest = hashlib.sha256()
+    package = Path(dsocr_workers.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def gpu_name(device: torch.device) -> str:
+    """"NVIDIA H100 80GB HBM3 (sm_90)", or "cpu". Initialises CUDA."""
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+
+
+Device = torch.device  # named outside `Environment`, whose field `torch` shadows the module in its body
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What, beside the plan, changes the code a plan compiles to."""
+
+    gpu: str
+    torch: str
+    triton: str
+    transformers: str
+    project: str
+    code: str  # code_fingerprint()
+
+    @classmethod
+    def here(cls, device: Device, gpu: str | None = None) -> Environment:
+        """This process's; `gpu` given: without asking CUDA (a process that must not initialise it yet)."""
+        return cls(gpu if gpu is not None else gpu_name(device), torch.__version__, _version("triton"),
+                   _version("transformers"), dsocr_workers.__version__, code_fingerprint())  # fmt: skip
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def differences(self, here: Environment, *, gpu: bool = True) -> list[str]:
+        """Why artifacts built in `self` are not for `here`, one phrase per field that differs."""
+        found = []
+        for name in (f.name for f in fields(self)):
+            built, this = getattr(self, name), getattr(here, name)
+            if built == this or (name == "gpu" and not gpu):
+                continue
+            if name == "gpu":
+                found.append(f"built for {built}, this is {this}")
+            elif name == "code":
+                found.append("built by other code of this package (its sources changed)")
+            else:
+                found.append(f"{name} {built} vs {this}")
+        return found
+
+
+@dataclass(frozen=True)
+class Artifact:
+    kind: str  # "inductor-cache", "python-bytecode"; later e.g. "aoti-package"
+    path: str  # a directory or file
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    plan: dict
+    environment: Environment
+    artifacts: tuple[Artifact, ...]
+    built_by: str  # "dsocr precompile" or "worker warm-up"
+    built_at: str  # UTC, ISO 8601
+    seconds: float = 0.0  # what the build took
+    format: int = FORMAT
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest | None:
+        try:
+            data = json.loads(path.read_text())
+            return cls(data["plan"], Environment(**data["environment"]),
+                       tuple(Artifact(**entry) for entry in data["artifacts"]), data["built_by"], data["built_at"],
+                       data.get("seconds", 0.0), data.get("format", 0))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable artifact manifest %s (%s): ignored", path, exc)
+            return None
+
+    def kinds(self) -> set[str]:
+        return {artifact.kind for artifact in self.artifacts}
+
+
+def plan_fields(plan: CompilePlan, config: OCRConfig) -> dict:
+    return {**asdict(plan), "config": hashlib.sha256(repr(config).encode()).hexdigest()[:16]}
+
+
+def plan_key(plan: CompilePlan, config: OCRConfig) -> str:
+    return hashlib.sha256(json.dumps(plan_fields(plan, config), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def manifest_path(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
+    return cache_root() / MANIFESTS / plan_key(plan, config) / f"{environment.key}.json"
+
+
+def describe(plan: CompilePlan) -> str:
+    budget = f"{plan.max_new_tokens} tokens" if plan.max_new_tokens else "the model's positions"
+    return f"{plan.source}, {plan.engine} engine, {plan.dtype}, modes {','.join(plan.modes)}, {budget}"
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A plan's artifacts for this environment (`manifest`), or why there are none (`reason`)."""
+
+    manifest: Manifest | None
+    path: Path
+    reason: str = ""
+    refused: tuple[str, ...] = field(default=())  # manifests of this plan built elsewhere: their differences
+
+    @property
+    def summary(self) -> str:
+        """One line for the log and the worker session's record."""
+        if self.manifest is not None:
+            return f"prebuilt artifacts ({self.manifest.built_by}, {self.manifest.built_at}): {self.path}"
+        return f"no artifacts: {self.reason}; compiled at start"
+
+
+def lookup(plan: CompilePlan, config: OCRConfig, environment: Environment | None = None) -> Lookup:
+    """This plan's manifest for this environment (`Environment.here`, which initialises CUDA, unless
+    given), or why none is used: none built, or built elsewhere (each such manifest's differences)."""
+    here = environment or Environment.here(torch.device(plan.device))
+    path = manifest_path(plan, config, here)
+    if path.exists():
+        manifest = Manifest.read(path)
+        if manifest is not None and manifest.format == FORMAT and manifest.environment == here:
+            return Lookup(manifest, path)
+    refused = []
+    for other in sorted(path.parent.glob("*.json")):
+        manifest = Manifest.read(other)
+        if manifest is None:
+            continue
+        why = manifest.environment.differences(here)
+        if manifest.format != FORMAT:
+            why.insert(0, f"manifest format {manifest.format}, this reads {FORMAT}")
+        refused.append("; ".join(why) or "unreadable")
+    if refused:
+        return Lookup(None, path, f"artifacts refused ({refused[0]})", tuple(refused))
+    return Lookup(None, path, f"none built for this plan ({describe(plan)})")
+
+
+def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Environment | None = None) -> bool:
+    """Whether a manifest of this plan matches this process (or `environment`) in all but the GPU, asked
+    without initialising CUDA: a worker child about to fork its compile helpers skips them then, and its
+    warm-up checks the GPU once CUDA is up (and compiles, with spawned helpers, if it differs)."""
+    here = environment or Environment.here(torch.device(plan.device), gpu="")
+    folder = cache_root() / MANIFESTS / plan_key(plan, config)
+    for path in folder.glob("*.json"):
+        manifest = Manifest.read(path)
+        if manifest is not None and manifest.format == FORMAT and not manifest.environment.differences(here, gpu=False):
+            return True
+    return False
+
+
+def record(
+    plan: CompilePlan, config: OCRConfig, built_by: str, seconds: float, extra: tuple[Artifact, ...] = (),
+    environment: Environment | None = None,
+) -> Path | None:  # fmt: skip
+    """Write the manifest of `plan`'s artifacts for this environment (atomically: a reader sees the
+    old one or the new one); None when the cache cannot be written (the next start compiles again,
+    nothing worse)."""
+    here = environment or Environment.here(torch.device(plan.device))
+    path = manifest_path(plan, config, here)
+    artifacts = (Artifact("inductor-cache", str(cache_root()), "torch's FX graph, AOTAutograd and Triton caches"), *extra)
+    manifest = Manifest(plan_fields(plan, config), here, artifacts, built_by,
+                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), round(seconds, 1))  # fmt: skip
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        log.warning("could not write the artifact manifest %s: %s", path, exc)
+        return None
+    return path

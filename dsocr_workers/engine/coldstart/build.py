@@ -1,0 +1,148 @@
+"""The build step: everything a worker's cold start needs for one plan, made ahead of its start.
+
+    dsocr precompile --model full --engine fast --dtype bfloat16 --modes gundam --max-new-tokens 2048
+
+runs the worker's own warm-up once (its compile helpers compile the graphs into the compile cache in
+parallel, the warm-up traces and captures them as a worker will), writes the Python bytecode of every
+module it imported where the installation has none (cache.py), and leaves the plan's manifest
+(artifacts.py). A worker that then finds the manifest for its plan and its environment loads the graphs
+instead of compiling them, with no helper. Idempotent: a plan whose manifest is there for this
+environment, with every artifact this build would make, is "up to date" without loading the model; two
+builds of one plan on one host take turns (a lock), and the second finds the first's result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsocr_workers.engine.coldstart import artifacts
+from dsocr_workers.engine.coldstart.cache import bytecode_directory, use_compile_cache, write_bytecode
+from dsocr_workers.engine.coldstart.helpers import start_helpers
+from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root, compile_plan
+from dsocr_workers.engine.coldstart.warmup import WarmupReport, warm
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.session import DeepSeekOCRSession, resolve_dtype
+from dsocr_workers.engine.variants import AUTO, make_engine
+from dsocr_workers.engine.variants.base import Engine
+from dsocr_workers.errors import FailuresError
+from dsocr_workers.model.checkpoint import model_config
+from dsocr_workers.model.config import PRESETS, OCRConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """One plan to build, named as a worker's start-up warm-up names it (`dsocr worker --model --engine
+    --dtype --warmup --max-new-tokens`). `device`: where it is built, as the workers will see it
+    (cuda:0: every worker child sees its GPU as cuda:0)."""
+
+    model: str
+    engine: str | Engine = AUTO  # a registered name, or an engine object (as from_local takes it)
+    dtype: str | None = None
+    modes: tuple[str, ...] = ("gundam",)
+    max_new_tokens: int | None = None
+    options: DecodeOptions = DecodeOptions()
+    device: str = "cuda:0"
+    max_crops: int = 9
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    outcome: str  # "built", "up to date", "nothing to compile"
+    plan: CompilePlan | None
+    manifest: Path | None
+    seconds: float
+    warmup: WarmupReport | None = None
+    bytecode_modules: int | None = None  # written now; None: the installation's bytecode serves
+    notes: list[str] = field(default_factory=list)
+
+
+def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
+    device = torch.device(request.device)
+    engine, note = (request.engine, "") if isinstance(request.engine, Engine) else make_engine(request.engine, device.type)
+    source = request.model if request.model in PRESETS else str(Path(request.model).resolve())
+    plan = compile_plan(source, device, resolve_dtype(request.dtype, device), engine.kernels(), engine.compiled(),
+                        request.modes, request.max_new_tokens, request.options, request.max_crops,
+                        engine=engine.name)  # fmt: skip
+    return plan, engine.name, note
+
+
+def _wanted(found: artifacts.Lookup) -> bool:
+    """The manifest found holds every artifact this build makes."""
+    kinds = {"inductor-cache"} | ({"python-bytecode"} if bytecode_directory() is not None else set())
+    return found.manifest is not None and kinds <= found.manifest.kinds()
+
+
+@contextmanager
+def _build_lock(plan: CompilePlan, config: OCRConfig, progress: Callable[[str], None]) -> Iterator[None]:
+    path = cache_root() / artifacts.MANIFESTS / f"{artifacts.plan_key(plan, config)}.build.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress("another build of this plan is running on this host: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> BuildReport:
+    """Build `request`'s artifacts into the compile cache (DSOCR_COMPILE_CACHE_DIR), saying what it does
+    through `progress`. Raises FailuresError when the warm-up still met cold paths (nothing recorded)."""
+    began = time.perf_counter()
+    cache = use_compile_cache()
+    notes = []
+    if cache is None:
+        notes.append(f"DSOCR_COMPILE_CACHE_DIR is not set: artifacts go to torch's default cache ({cache_root()}), "
+                     "which a container or a reboot loses")  # fmt: skip
+    plan, engine_name, engine_note = _plan(request)
+    notes += [engine_note] if engine_note else []
+    for note in notes:
+        progress(f"note: {note}")
+    if plan is None:
+        written = write_bytecode()
+        progress(f"the {engine_name} engine compiles nothing ahead of jobs"
+                 + (f"; bytecode of {written} modules written" if written else ""))  # fmt: skip
+        return BuildReport("nothing to compile", None, None, time.perf_counter() - began, None, written, notes)
+    config = model_config(plan.source)
+    progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
+    with _build_lock(plan, config, progress):
+        helpers = None
+        if artifacts.listed_without_gpu(plan, config):
+            found = artifacts.lookup(plan, config)  # initialises CUDA: the GPU is part of the match
+            if _wanted(found):
+                progress(f"up to date: {found.path}")
+                return BuildReport("up to date", plan, found.path, time.perf_counter() - began, notes=notes)
+            progress(found.summary)
+        else:
+            progress("no artifacts for this plan here yet: compiling")
+            helpers = start_helpers(request.model, request.device, request.dtype, request.engine, request.modes,
+                                    request.max_new_tokens, request.options, request.max_crops)  # fmt: skip
+            if helpers is not None:
+                progress("compile helpers forked: they compile while the model loads")
+        progress(f"loading {request.model}")
+        session = DeepSeekOCRSession.from_local(request.model, device=request.device, dtype=request.dtype,
+                                                engine=request.engine)  # fmt: skip
+        progress(f"loaded in {time.perf_counter() - began:.1f} s; warming up {', '.join(request.modes)}")
+        report = warm(session, request.modes, request.max_new_tokens, request.max_crops, request.options, helpers)
+        progress(f"warm-up: {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, {report.passes} passes")
+        if report.still_cold:
+            raise FailuresError(f"the warm-up still met cold paths, nothing recorded: {'; '.join(report.still_cold)}")
+        written = write_bytecode()
+        extra: tuple[artifacts.Artifact, ...] = ()
+        if written is not None:
+            progress(f"bytecode of {written} modules written into {bytecode_directory()}")
+            extra = (artifacts.Artifact("python-bytecode", str(bytecode_directory())),)
+        seconds = time.perf_counter() - began
+        path = artifacts.record(plan, config, "dsocr precompile", seconds, extra)
+        progress(f"built in {seconds:.1f} s: {path}")
+    return BuildReport("built", plan, path, seconds, report, written, notes)

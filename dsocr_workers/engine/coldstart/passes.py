@@ -1,0 +1,100 @@
+"""A warm-up's pages and passes: the synthetic pages that reach every compiled shape of some modes, and one
+pass of jobs over them as the worker's warm-up runs it (`warm_pass`) or a language compile helper does
+(`warm_language`: the same pages without their images). Shared by warmup.py and helper_process.py, so
+that the helpers compile exactly the graphs the warm-up will trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from PIL import Image
+
+from dsocr_workers.engine.regions import PREFILL_BUCKET, padded_length
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
+from dsocr_workers.model import preprocess
+from dsocr_workers.model.config import get_mode
+
+# A warm-up's jobs end at this decode step: decode only has to be compiled and captured, in the bucket
+# jobs will use. Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
+# they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
+WARMUP_EOS_STEP = 2
+
+
+def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
+    """Synthetic pages that reach every compiled vision shape of `modes`: one page per fixed mode;
+    for crop modes one page without tiles and one per tile count (a `n x 1` strip of 640-px tiles)."""
+    pages = []
+    for name in modes:
+        mode = get_mode(name)
+        if not mode.crop_mode:
+            pages.append((name, Image.new("RGB", (mode.image_size, mode.image_size), "white")))
+            continue
+        side = preprocess.TILE_SIZE
+        pages.append((name, Image.new("RGB", (side, side), "white")))
+        pages.extend((name, Image.new("RGB", (side * n, side), "white")) for n in range(2, max_crops + 1))
+    return pages
+
+
+def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
+    """A warm-up's decode options: the jobs' (`infer`) with the EOS watch on (a job that ignores EOS runs
+    the same compiled step, without it), so that the forced EOS ends decode early."""
+    return replace(infer or DecodeOptions(), ignore_eos=False)
+
+
+def warm_language(
+    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = 9,
+    infer: DecodeOptions | None = None, decode: bool = True,
+) -> None:  # fmt: skip
+    """One warm-up pass over the pages of `modes` without their images: the language model's graphs as
+    `warm` meets them (the LM prefill's layers and captures; the decode step per cache bucket), in the
+    same order. `decode=False`: the prefills only. What the language compile helpers run
+    (helper_process.py): one the prefill, one the decode step of a session that compiles only that."""
+    with torch.inference_mode():
+        prepared = [(name, session.prepare(image, None, name, max_crops)) for name, image in warmup_pages(modes, max_crops)]
+    warm_pass(session, prepared, max_new_tokens, warm_options(infer), max_crops, images=False, decode=decode)
+
+
+def warm_pass(
+    session: DeepSeekOCRSession, prepared: list[tuple[str, preprocess.PreparedPage]], max_new_tokens: int | None,
+    options: DecodeOptions, max_crops: int, images: bool = True, decode: bool = True,
+) -> tuple[list[str], list[str], tuple[int, int]]:  # fmt: skip
+    """Every prepared page's job once (without its image, or its decode, when asked), then the prefill
+    captures: the shapes met, the cold paths met, and the prompt lengths whose prefill is captured."""
+    shapes: list[str] = []
+    still_cold: list[str] = []
+    shortest, longest = session.max_positions, 0
+    end_early = force_eos_at(WARMUP_EOS_STEP)
+    for name, page in prepared:
+        page = page if images else replace(page, injects_image=False)
+        cols, rows = page.crop_grid
+        shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
+        shapes += [shape] if shape not in shapes else []
+        if decode:
+            result = session.run_on_device(page, max_new_tokens, options, return_text=False, after_step=end_early).finish()
+            still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+        else:
+            with torch.inference_mode():
+                clock = session.new_clock()
+                session.prefill(session.start_job(page, options, max_new_tokens, clock), clock)
+        shortest = min(shortest, page.prompt_tokens)
+        text = page.prompt_tokens - page.image_tokens
+        longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
+    capture_prefills(session, shortest, longest, max_new_tokens)
+    session.synchronize()
+    return shapes, still_cold, (shortest, longest)
+
+
+def capture_prefills(session: DeepSeekOCRSession, shortest: int, longest: int, max_new_tokens: int | None) -> None:
+    """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in the
+    cache bucket a prompt of that length will use. A grid's prompt length depends on its rows (a newline
+    per row of tiles), not only on the tile count the warm-up's pages meet: every length between, not
+    only theirs."""
+    for padded in range(padded_length(shortest, session.max_positions), longest + PREFILL_BUCKET, PREFILL_BUCKET):
+        # The bucket's shortest and longest prompts: their cache buckets may differ.
+        for length in {max(shortest, padded - PREFILL_BUCKET + 1), min(longest, padded)}:
+            if not session.capture_prefill(length, max_new_tokens):
+                return

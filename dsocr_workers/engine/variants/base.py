@@ -1,0 +1,84 @@
+"""The interface every engine implements (variants/__init__.py registers them by name).
+
+An engine decides four things and nothing else; the session (engine/session.py) loads the model with
+them and runs a job's steps through the runners, whichever engine made them:
+- `kernels()`: the attention and routed-expert implementations the model is loaded with;
+- `after_load(model)`: module swaps once the weights are in (checkpoints keep the vendor's layout);
+- `runners(model, device)`: the callables of a job's vision stages, LM prefill and decode step;
+- `compiled()`: what it compiles with inductor ahead of jobs (None: nothing), so that the cold start
+  (engine/coldstart/) can compile, share and key those graphs without knowing the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.regions import GraphedPrefill
+    from dsocr_workers.model.modeling import DeepSeekOCR
+
+
+@dataclass(frozen=True)
+class Vision:
+    """The vision stages over a page's view groups (the global view, then the tiles if any): plain
+    methods (eager), compiled block by block (fast), replayed as CUDA graphs (fast on CUDA)."""
+
+    sam: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    clip: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def per_group(cls, model: DeepSeekOCR) -> Vision:
+        """The model's own methods, one call per view group."""
+        sam, clip = model.encode_sam, model.encode_clip
+        return cls(lambda groups: [sam(g) for g in groups], lambda features: [clip(f) for f in features],
+                   model.project)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Runners:
+    """What a job's steps call: `prefill(model, embeds, cache) -> logits` (engine/generate.py prefill's
+    signature) and `decode_step(model, cache, ban, options)` (decode_one_token's). `prefill_graphs`:
+    where the LM prefill is replayed as a CUDA graph per padded prompt length, the graphs a warm-up
+    captures ahead of jobs."""
+
+    vision: Vision
+    prefill: Callable[..., torch.Tensor]
+    decode_step: Callable[..., torch.Tensor]
+    prefill_graphs: GraphedPrefill | None = None
+
+
+@dataclass(frozen=True)
+class InductorGraphs:
+    """What an engine compiles with inductor, as the cold start must compile it too (the helpers, the
+    build step) and key its artifacts by: the backend and the settings its graphs depend on."""
+
+    backend: str
+    dynamic_tiles: bool
+    cuda_graphs: bool
+
+
+class Engine:
+    """One way of running the model. `name` is its registry name (recorded with every result);
+    `needs_cuda`, when not empty, why it cannot run on a CPU (it runs the CPU fallback there)."""
+
+    name: ClassVar[str]
+    needs_cuda: ClassVar[str] = ""
+
+    def kernels(self) -> dict[str, str]:
+        """`attn_implementation` and `experts_implementation` for loading the model."""
+        raise NotImplementedError
+
+    def after_load(self, model: DeepSeekOCR) -> None:
+        """Module swaps once the weights are loaded; none by default."""
+
+    def runners(self, model: DeepSeekOCR, device: torch.device) -> Runners:
+        raise NotImplementedError
+
+    def compiled(self) -> InductorGraphs | None:
+        """What this engine compiles with inductor ahead of jobs; None: nothing."""
+        return None

@@ -1,0 +1,106 @@
+"""The fast engine: SDPA, fused q/k/v and gate/up projections, Triton GEMVs over the selected experts at
+decode (grouped GEMMs for a prompt), vision encoders compiled block by block, a compiled LM prefill and a
+compiled decode step replayed as a CUDA graph. On a CPU the registry runs eager instead and says so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsocr_workers.engine.generate import decode_one_token, prefill
+from dsocr_workers.engine.regions import (
+    GraphedPrefill,
+    GraphedVision,
+    RegionalPrefill,
+    RegionalVision,
+    configure_dynamo,
+)
+from dsocr_workers.engine.variants.base import Engine, InductorGraphs, Runners, Vision
+from dsocr_workers.model.fused import fuse_projections
+from dsocr_workers.model.sam_attention import fold_relative_positions
+from dsocr_workers.model.sam_mlp import fuse_gelu_into_lin1
+from dsocr_workers.model.sam_patches import embed_patches_by_matmul
+
+if TYPE_CHECKING:
+    from dsocr_workers.model.modeling import DeepSeekOCR
+
+
+@dataclass(frozen=True)
+class FastCompile:
+    """What the fast engine compiles, and with which backend. The defaults are the engine: inductor
+    compiles the vision encoders, the LM prefill and the decode step, which it replays as a CUDA graph.
+    A CPU test traces the decode step alone (`decode_only`) with a backend that generates no code
+    ("aot_eager"): the same single graph, while inductor's build of the rest takes minutes on a CPU."""
+
+    backend: str = "inductor"
+    decode_only: bool = False
+    # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
+    # as before (benchmarks/bench_coldstart.py compares the two).
+    dynamic_tiles: bool = True
+    # On CUDA, vision replayed as a CUDA graph per page shape and the LM prefill per padded prompt length
+    # (engine/regions.py GraphedVision, GraphedPrefill); False: the compiled blocks called one by one.
+    cuda_graphs: bool = True
+
+    @property
+    def decode_mode(self) -> str | None:
+        return "reduce-overhead" if self.backend == "inductor" else None
+
+
+def fast_vision_modules(model: DeepSeekOCR) -> None:
+    """SAM's swaps: relative positions as query/key channels (`model.sam_attention`), the MLP's GELU in
+    the first GEMM (`model.sam_mlp`) and the patch embedding as a GEMM (`model.sam_patches`). Also what
+    a vision compile helper builds (engine/coldstart/helper_process.py)."""
+    fold_relative_positions(model.sam)
+    fuse_gelu_into_lin1(model.sam)
+    embed_patches_by_matmul(model.sam)
+
+
+@dataclass(frozen=True)
+class FastEngine(Engine):
+    """`compile`: what is compiled and how. `decode_function`: the decode step it compiles (a benchmark
+    may give another with decode_one_token's signature, e.g. one forcing an attention backend)."""
+
+    compile: FastCompile = FastCompile()
+    decode_function: Callable[..., torch.Tensor] = field(default=decode_one_token)
+
+    name = "fast"
+    needs_cuda = "compiled CUDA-graph decode"
+
+    def kernels(self) -> dict[str, str]:
+        # Imported here: Triton comes with CUDA builds of torch, and only this engine needs it.
+        from dsocr_workers.model.selected_experts import SELECTED_EXPERTS
+
+        return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
+
+    def after_load(self, model: DeepSeekOCR) -> None:
+        """Fused decoder projections (`model.fused`), then SAM's swaps (`fast_vision_modules`)."""
+        fuse_projections(model.language_model)
+        fast_vision_modules(model)
+
+    def runners(self, model: DeepSeekOCR, device: torch.device) -> Runners:
+        """Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
+        block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
+        projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms eager
+        and 0.48 ms compiled (docs/benchmarks.md). LM prefill: compiled layer by layer, one graph per kind
+        of layer, dynamic in the prompt length. Decode: one graph per cache bucket (fullgraph: a break
+        would be a host round trip per token), replayed as a CUDA graph."""
+        configure_dynamo()
+        settings = self.compile
+        decode = torch.compile(self.decode_function, backend=settings.backend, mode=settings.decode_mode,
+                               fullgraph=True)  # fmt: skip
+        if settings.decode_only:
+            return Runners(Vision.per_group(model), prefill, decode)
+        regions = RegionalVision(model, settings.backend, settings.dynamic_tiles)
+        if device.type == "cuda" and settings.cuda_graphs:
+            graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(settings.backend))
+            return Runners(Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs)
+        return Runners(Vision(regions.encode_sam, regions.encode_clip, model.project),
+                       RegionalPrefill(settings.backend), decode)  # fmt: skip
+
+    def compiled(self) -> InductorGraphs | None:
+        if self.compile.decode_only or self.compile.backend != "inductor":
+            return None
+        return InductorGraphs(self.compile.backend, self.compile.dynamic_tiles, self.compile.cuda_graphs)
