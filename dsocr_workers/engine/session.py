@@ -184,6 +184,18 @@ class _ColdProbe:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """A job started on the device (`DeepSeekOCRSession.start_on_device`), not yet finished there."""
+
+    page: preprocess.PreparedPage
+    job: Job
+    clock: StageClock
+    before: _ColdProbe
+    resident: int  # bytes allocated on the device once the job was set up
+    return_text: bool
+
+
+@dataclass(frozen=True)
 class DeviceRun:
     """A job whose device part is done (`DeepSeekOCRSession.run_on_device`): its tokens are on the host.
     `finish()` is the host's part (decoding and parsing the text, the timings resolved from the job's
@@ -480,7 +492,6 @@ class DeepSeekOCRSession:
         job_id: str | None = None,
         return_text: bool = True,
         on_decode_progress: Callable[[int, int], None] | None = None,
-        after_prefill: Callable[[], None] | None = None,
         after_step: StepHook | None = None,
     ) -> DeviceRun:
         """`run_inference` from setup on, for a page prepared already: the job's part on the device, up
@@ -489,36 +500,48 @@ class DeepSeekOCRSession:
         device runs the next job. `clock` holds its `preprocess` stage where that was timed
         (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the time it waited since
         is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start at setup.
-        `after_prefill()` is called once the prefill and the first token are queued on the device: the
-        place for host work that must not delay the job's start on the device but may share its time
-        there (the farm starts preparing the next page, and waits for the job's claim). `after_step(job,
-        step)`: after the first token (step 0) and each decode step, for the warm-up, checks and
-        benchmarks (`force_eos_at`); jobs have none."""
-        options = infer or DecodeOptions()
-        clock = clock or self.new_clock(job_id)
+        `after_step(job, step)`: after the first token (step 0) and each decode step, for the warm-up,
+        checks and benchmarks (`force_eos_at`); jobs have none. The same three steps a caller with work
+        of its own between prefill and decode (the farm) calls itself: `start_on_device`, `prefill`
+        and `decode`, `finish_on_device`."""
+        running = self.start_on_device(page, max_new_tokens, infer, clock or self.new_clock(job_id), return_text)
+        with torch.inference_mode():
+            self.prefill(running.job, running.clock)
+            if after_step is not None:
+                after_step(running.job, 0)
+            each_step = None if after_step is None else (lambda steps: after_step(running.job, steps))
+            self.decode(running.job, running.clock, after_step=each_step, on_progress=on_decode_progress)
+        return self.finish_on_device(running)
+
+    def start_on_device(
+        self, page: preprocess.PreparedPage, max_new_tokens: int | None, infer: DecodeOptions | None,
+        clock: StageClock, return_text: bool = True,
+    ) -> RunningJob:  # fmt: skip
+        """A job's setup on the device (`start_job`), with what its end compares against: the counters
+        that tell a cold path, this job's peak memory (the statistics reset here). Then `prefill` and
+        `decode` under `torch.inference_mode()`, and `finish_on_device`."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
         before = self._cold_probe()
         self._new_buckets.clear()
         with torch.inference_mode():
-            job = self.start_job(page, options, max_new_tokens, clock)
-            resident = torch.cuda.memory_allocated(self.device) if cuda else 0
-            self.prefill(job, clock)
-            if after_step is not None:
-                after_step(job, 0)
-            if after_prefill is not None:
-                after_prefill()
-            each_step = None if after_step is None else (lambda steps: after_step(job, steps))
-            self.decode(job, clock, after_step=each_step, on_progress=on_decode_progress)
-            generated, stop_reason = self.read_output(job, clock)
-            memory = None
-            if cuda:
-                peak = torch.cuda.max_memory_allocated(self.device)
-                memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
+            job = self.start_job(page, infer or DecodeOptions(), max_new_tokens, clock)
+        resident = torch.cuda.memory_allocated(self.device) if cuda else 0
+        return RunningJob(page, job, clock, before, resident, return_text)
+
+    def finish_on_device(self, running: RunningJob) -> DeviceRun:
+        """The output read back (waits for the device), the job's peak memory and its cold paths."""
+        job = running.job
+        with torch.inference_mode():
+            generated, stop_reason = self.read_output(job, running.clock)
+        memory = None
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - running.resident)
         self.jobs_run += 1
-        return DeviceRun(self, page, job, clock, generated, stop_reason, memory, self._cold_reasons(before),
-                         return_text)  # fmt: skip
+        return DeviceRun(self, running.page, job, running.clock, generated, stop_reason, memory,
+                         self._cold_reasons(running.before), running.return_text)  # fmt: skip
 
     def capture_prefill(self, length: int, max_new_tokens: int | None) -> bool:
         """Capture the LM prefill graph of a `length`-token prompt in the cache bucket its job will use,

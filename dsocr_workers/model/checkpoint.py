@@ -270,7 +270,7 @@ def build_vision_only(
 ) -> DeepSeekOCR:
     """The model with zeros for the weights of its vision encoders and projector, on `device` as
     `_materialize` leaves them (every tensor in `dtype`), and its language model left on the meta device
-    (no memory). Enough to compile the vision graphs (engine/precompile.py): a graph depends on the
+    (no memory). Enough to compile the vision graphs (engine/coldstart/helpers.py): a graph depends on the
     weights' shapes, dtypes and devices, never their values. Zeros, not uninitialised memory: an index
     read from a buffer stays in range."""
     with torch.device("meta"):
@@ -291,7 +291,7 @@ def build_zeroed(
 ) -> LoadedModel:
     """The whole model of a preset or checkpoint directory with zeros for every weight, as a load leaves
     it (`_materialize`), and its tokenizer; no weight is read. What the language compile helper compiles
-    the LM prefill and the decode step on (engine/precompile.py): a graph depends on the weights' shapes,
+    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights' shapes,
     dtypes and devices, never their values."""
     config = model_config(source)
     with torch.device("meta"):

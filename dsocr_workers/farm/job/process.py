@@ -209,6 +209,8 @@ class JobProcess:
         the device at once, from what the prefetch read of its job (a run's settings and a job's image
         never change), and waits for its claim once its prefill is queued: a refused claim (Refused)
         drops the prefill, and nothing of it is recorded."""
+        import torch  # the worker's parent imports this module and never torch
+
         prefetched = self.prefetcher.take_job(claiming.job_id)
         early = (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
                  and self.loaded is not None and self.loaded.key == prefetched.request.model)  # fmt: skip
@@ -230,12 +232,6 @@ class JobProcess:
             if upcoming is not None:
                 self.prefetcher.start(upcoming, loaded.key, loaded.session)
 
-        def claimed_then_prefetch_next() -> None:
-            try:
-                claiming.result()  # before the first decode step: the decode runs under the job's lease
-            finally:
-                prefetch_next()  # refused or not, the next page is prepared meanwhile
-
         try:
             prepared = prefetched.page() if prefetched is not None else loaded.session.prepare_job(
                 str(claim.image_path), request.prompt, request.mode, job_id=claim.job_id
@@ -243,16 +239,24 @@ class JobProcess:
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        # The next page once this job's prefill is queued: the thread's start must not hold the GIL
-        # between this job's claim and its start on the device (the device's idle time between jobs).
-        # The device's part only: the host's part (the text, the timings) is done where the result row
-        # is built, on a Celery child's results thread while the device runs the next job.
-        on_device = loaded.session.run_on_device(
-            prepared.page, options.max_new_tokens, options.decode_options, clock=prepared.clock,
-            after_prefill=claimed_then_prefetch_next if early else prefetch_next,
-        )  # fmt: skip
-        return Ran(on_device, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None,
-                   device=self.device)  # fmt: skip
+        # The device's part only, step by step: the host's part (the text, the timings) is done where the
+        # result row is built, on a Celery child's results thread while the device runs the next job.
+        session = loaded.session
+        running = session.start_on_device(prepared.page, options.max_new_tokens, options.decode_options,
+                                          prepared.clock)  # fmt: skip
+        with torch.inference_mode():
+            session.prefill(running.job, running.clock)
+            # Once the prefill is queued, the next page's preparation starts: its thread's start must not
+            # hold the GIL between this job's claim and its start on the device. A job started before its
+            # claim was written waits for it here, before its first decode step (the decode runs under
+            # the job's lease); refused or not, the next page is prepared meanwhile.
+            try:
+                claiming.result()
+            finally:
+                prefetch_next()
+            session.decode(running.job, running.clock)
+        return Ran(session.finish_on_device(running), loaded.worker_id, loaded.worker_session_id,
+                   prefetched=prefetched is not None, device=self.device)  # fmt: skip
 
     def next_on_queues(self, session: Session) -> ledger.WaitingJob | None:
         """A Celery child's upcoming job: a guess (ledger.next_waiting_job), since its parent hands it
