@@ -146,14 +146,18 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def _fingerprint(directory: Path, files: list[Path]) -> str:
     """Cheap content fingerprint: config.json, every safetensors header, and 1 MiB samples from the
-    start, middle and end of each file (hashing 6.7 GB would add seconds to every worker start)."""
+    start, middle and end of each file's data (hashing 6.7 GB would add seconds to every worker start). A
+    header is hashed with its keys sorted: safetensors writes the metadata in a hash map's order, which
+    changes from one write of the same tensors to the next."""
     digest = hashlib.sha256((directory / "config.json").read_bytes())
     for path in files:
         size = path.stat().st_size
         with path.open("rb") as handle:
             header_len = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(header_len))
-            for offset in (0, size // 2, max(0, size - (1 << 20))):
+            header = json.loads(handle.read(header_len))  # safetensors has read it already (load_checkpoint)
+            digest.update(json.dumps(header, sort_keys=True).encode())
+            data = 8 + header_len  # the samples leave the header's bytes out, for the same reason
+            for offset in (data, (data + size) // 2, max(data, size - (1 << 20))):
                 handle.seek(offset)
                 digest.update(handle.read(1 << 20))
     return "sha256:" + digest.hexdigest()[:16]
