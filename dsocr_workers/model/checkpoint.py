@@ -12,7 +12,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -445,14 +445,19 @@ def _fill_random_(flat: torch.Tensor, table: torch.Tensor, seed: int, key: str) 
 
 
 def preset_state(
-    config: OCRConfig, seed: int, *, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.bfloat16
+    config: OCRConfig,
+    seed: int,
+    *,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.bfloat16,
+    keys: Sequence[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Seeded random weights, tensor by tensor in state-dict order, made on `device` in `dtype` (the
-    recipe above the presets). The values are bfloat16's whatever `dtype` (the vendor's storage dtype:
-    a saved preset reloads bit-identically), and the same on every device."""
+    """Seeded random weights, tensor by tensor in state-dict order (or `keys`, in their order), made on
+    `device` in `dtype` (the recipe above the presets). The values are bfloat16's whatever `dtype` (the
+    vendor's storage dtype: a saved preset reloads bit-identically), and the same on every device."""
     with torch.device("meta"):
         shapes = {key: tuple(t.shape) for key, t in DeepSeekOCR(config).state_dict().items()}
-    stds = {key: _init_std(key, shape) for key, shape in shapes.items()}
+    stds = {key: _init_std(key, shapes[key]) for key in (shapes if keys is None else keys)}
     scales = sorted({std for std in stds.values() if std is not None})
     # Every table at once: a handful of operations, not a handful per tensor.
     tables = (_normal_quantiles() * torch.tensor(scales, dtype=torch.float64)[:, None]).to(torch.bfloat16)

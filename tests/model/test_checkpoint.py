@@ -123,6 +123,14 @@ def test_the_same_seed_gives_the_same_weights_and_another_seed_others():
 
 
 def test_a_tensors_weights_do_not_depend_on_the_tensors_made_before_it():
+    in_order = dict(preset_state(PRESETS["tiny"], seed=5))
+    backwards = dict(preset_state(PRESETS["tiny"], seed=5, keys=list(reversed(in_order))))
+    assert [key for key in in_order if not torch.equal(in_order[key], backwards[key])] == []
+    alone = dict(preset_state(PRESETS["tiny"], seed=5, keys=["lm_head.weight", "sam.pos_embed"]))
+    assert all(torch.equal(alone[key], in_order[key]) for key in alone)
+
+
+def test_a_tensors_weights_do_not_depend_on_the_other_tensors_of_the_model():
     # A SAM of two blocks instead of four: every tensor after SAM in the state dict (CLIP, projector,
     # the language model) comes at another place in the sequence, and keeps its values.
     tiny = PRESETS["tiny"]
