@@ -372,6 +372,7 @@ def _materialize(
 # fresh host, as an autoscaled one always is, still pays the generation and 6.7 GB of writes, behind a
 # lock between the workers of a host).
 PRESET_WEIGHTS = "hash16-v1"  # the recipe above, in every preset's fingerprint: change it when the values change
+_CPU = torch.device("cpu")
 _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
 
 
@@ -448,7 +449,7 @@ def preset_state(
     config: OCRConfig,
     seed: int,
     *,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = _CPU,
     dtype: torch.dtype = torch.bfloat16,
     keys: Sequence[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
