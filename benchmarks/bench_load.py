@@ -105,6 +105,7 @@ def main() -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())  # as a session resolves it
     dtype = getattr(torch, args.dtype)
     scratch = Path(tempfile.mkdtemp(prefix="bench-load-", dir=args.scratch))
     try:

@@ -359,12 +359,13 @@ def _materialize(
 # at the midpoints of 16-bit steps times the tensor's standard deviation (`_init_std`), rounded to
 # bfloat16 (the vendor's storage dtype) and to the target dtype on the CPU. On the device run only
 # 32-bit integer operations and a gather from the table, all exact: torch's int32 multiply and add wrap
-# around (two's complement) on the CPU and on CUDA, which is arithmetic mod 2³² (tests/model checks the
-# CPU against an int64 computation that cannot overflow; benchmarks/bench_load.py checks a GPU against
-# the CPU). So the same seed gives bit-identical weights on the CPU and on any GPU, whatever the order
-# the tensors are made in. So a preset is named by its name and seed alone (the fingerprint holds
-# the recipe's version, not a device), `save_preset` on one machine writes what another builds in
-# memory, and the CPU tests pin what a GPU builds. On an H100 the full preset takes well under a second.
+# around (two's complement) on the CPU and on CUDA, which is arithmetic mod 2³² (tests/model checks
+# the hash against Python's integers, on CUDA too where there is one; benchmarks/bench_load.py checks a
+# GPU's preset against the CPU's). The same seed thus gives bit-identical weights on the CPU and on any
+# GPU, whatever the order the tensors are made in: a preset is named by its name and seed alone (the
+# fingerprint holds the recipe's version, not a device), `save_preset` on one machine writes what
+# another builds in memory, and the CPU tests pin what a GPU builds. On the GPU this is ~20 int32
+# passes over 1.7 G words and a gather, memory-bound work (benchmarks/bench_load.py times it).
 #
 # Not chosen: a torch.Generator per tensor on the device (CUDA's Philox streams depend on the GPU's SM
 # count and torch's launch policy, so the same seed would name different weights on different GPUs and
@@ -495,21 +496,19 @@ def build_preset(
     return LoadedModel(model, OCRTokenizer.build_preset(), config, preset_fingerprint(name, seed), name, seed)
 
 
-def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device | None = None) -> Path:
+def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device = _CPU) -> Path:
     """Write a preset as a checkpoint directory in the vendor layout (config.json, one safetensors
     file + index, tokenizer files); it then loads through `load_checkpoint` like a real one, to the
-    same values `build_preset` makes on any device. The weights are made on `device` (default: the
-    GPU where there is one, else the CPU), which changes how long it takes, not what is written."""
+    same values `build_preset` makes on any device. The weights are made on `device`: a GPU is faster
+    and writes the same bytes (the CPU by default: no CUDA context behind a caller's back)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     config = PRESETS[name]
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = dict(preset_state(config, seed, device=device))
     vendor = {key: tensor.contiguous().cpu() for key, tensor in to_vendor_state(state).items()}
-    del state
+    del state  # on a GPU: the device's copy goes before the file is written
     save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"})
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in vendor.values())},
