@@ -8,12 +8,15 @@ get transformers' names (spec §11); CLIP, projector and the two learned vectors
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -107,29 +110,6 @@ def to_vendor_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return vendor
 
 
-def to_our_state(vendor: dict[str, torch.Tensor], config: OCRConfig) -> dict[str, torch.Tensor]:
-    """The vendor layout → our state dict (experts stacked as transformers' fused tensors). Empties
-    `vendor` as it goes: each layer's expert tensors are freed once stacked, so the copy never holds two
-    whole models (on a GPU, where a checkpoint is read to)."""
-    ours: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    while vendor:
-        key, tensor = vendor.popitem()
-        match = _VENDOR_EXPERT.fullmatch(key)
-        if match is None:
-            ours[_rename_to_ours(key)] = tensor
-        else:
-            layer, expert, kind = match.groups()
-            experts.setdefault((int(layer), kind), {})[int(expert)] = tensor
-    for layer in sorted({layer for layer, _ in experts}):
-        count = config.text.n_routed_experts
-        gate, up, down = (experts.pop((layer, kind)) for kind in ("gate", "up", "down"))
-        prefix = f"language_model.layers.{layer}.mlp.experts"
-        ours[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]]) for e in range(count)])
-        ours[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(count)])
-    return ours
-
-
 def expected_vendor_shapes(config: OCRConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = DeepSeekOCR(config)
@@ -141,7 +121,7 @@ class LoadedModel:
     model: DeepSeekOCR
     tokenizer: OCRTokenizer
     config: OCRConfig
-    fingerprint: str  # presets: "preset:<name>:seed<N>"; checkpoints: a hash of config + tensor headers/samples
+    fingerprint: str  # presets: `preset_fingerprint`; checkpoints: a hash of config + tensor headers/samples
     preset: str | None = None  # set for presets, also when loaded from a `save_preset` directory
     seed: int | None = None
 
@@ -166,14 +146,18 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def _fingerprint(directory: Path, files: list[Path]) -> str:
     """Cheap content fingerprint: config.json, every safetensors header, and 1 MiB samples from the
-    start, middle and end of each file (hashing 6.7 GB would add seconds to every worker start)."""
+    start, middle and end of each file's data (hashing 6.7 GB would add seconds to every worker start). A
+    header is hashed with its keys sorted: safetensors writes the metadata in a hash map's order, which
+    changes from one write of the same tensors to the next."""
     digest = hashlib.sha256((directory / "config.json").read_bytes())
     for path in files:
         size = path.stat().st_size
         with path.open("rb") as handle:
             header_len = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(header_len))
-            for offset in (0, size // 2, max(0, size - (1 << 20))):
+            header = json.loads(handle.read(header_len))  # safetensors has read it already (load_checkpoint)
+            digest.update(json.dumps(header, sort_keys=True).encode())
+            data = 8 + header_len  # the samples leave the header's bytes out, for the same reason
+            for offset in (data, (data + size) // 2, max(data, size - (1 << 20))):
                 handle.seek(offset)
                 digest.update(handle.read(1 << 20))
     return "sha256:" + digest.hexdigest()[:16]
@@ -212,35 +196,63 @@ def load_checkpoint(
     experts_implementation: str = "eager",
 ) -> LoadedModel:
     """Load a vendor-layout checkpoint directory offline. Validates every tensor name and shape from the
-    safetensors headers before reading any data."""
+    safetensors headers before reading any data, then streams the tensors onto `device` (`_read_state`)."""
     directory = Path(directory)
     config = _read_config(directory)
     tokenizer = OCRTokenizer.from_dir(directory)
     files = _safetensors_files(directory)
-
-    found: dict[str, tuple[int, ...]] = {}
-    metadata: dict[str, str] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
+    with ExitStack() as opened:
+        handles: dict[str, Any] = {}  # vendor key → the open file that holds it
+        found: dict[str, tuple[int, ...]] = {}
+        metadata: dict[str, str] = {}
+        for path in files:
+            try:
+                handle = opened.enter_context(safe_open(str(path), framework="pt", device=str(device)))
                 metadata.update(handle.metadata() or {})
                 for key in handle.keys():
+                    handles[key] = handle
                     found[key] = tuple(handle.get_slice(key).get_shape())
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-    _validate(found, expected_vendor_shapes(config), directory)
-
-    # Read straight onto the device: stacking the routed experts (to_our_state) copies ~6 GB for the full
-    # model, ~4 of the ~5 s a load took on the 2-core development machine's CPU; on a GPU it is a device
-    # copy.
-    vendor: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():
-                vendor[key] = handle.get_tensor(key)
-    model = _materialize(config, to_our_state(vendor, config), device, dtype, attn_implementation, experts_implementation)
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+        _validate(found, expected_vendor_shapes(config), directory)
+        state = _read_state(handles, config, device, dtype)
+    model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
     preset, seed = _preset_tag(metadata.get(PRESET_METADATA_KEY))
     return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
+
+
+def _read_state(handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our state dict, read tensor by tensor from open safetensors files (vendor key → handle, opened
+    with `device=`): each tensor goes from the file's memory map onto the device and is converted to
+    `dtype` there, so what the process holds at any time is the model built so far plus the one tensor
+    in flight, never a second copy of the model (a bf16 file loaded in float32 on a GPU held both, 20 GB
+    for the full model; on the CPU a tensor already in `dtype` stays the file's mapped memory). The
+    routed experts are copied into transformers' fused tensors (`_OUR_EXPERTS`), allocated once per
+    layer on the device; the caller has validated the names and shapes, so every slice gets written."""
+    count = config.text.n_routed_experts
+    state: dict[str, torch.Tensor] = {}
+
+    def stacked(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in state:
+            state[name] = torch.empty(shape, device=device, dtype=dtype)
+        return state[name]
+
+    for key, handle in handles.items():
+        tensor = handle.get_tensor(key)
+        match = _VENDOR_EXPERT.fullmatch(key)
+        if match is None:
+            state[_rename_to_ours(key)] = tensor.to(dtype)
+            continue
+        layer, expert, kind = match.groups()
+        prefix = f"language_model.layers.{layer}.mlp.experts"
+        if kind == "down":
+            stacked(f"{prefix}.down_proj", (count, *tensor.shape))[int(expert)].copy_(tensor)
+        else:  # gate rows first, then up (transformers' gate_up_proj)
+            rows = tensor.shape[0]
+            fused = stacked(f"{prefix}.gate_up_proj", (count, 2 * rows, tensor.shape[1]))
+            start = 0 if kind == "gate" else rows
+            fused[int(expert), start:start + rows].copy_(tensor)
+    return state
 
 
 def _read_config(directory: Path) -> OCRConfig:
@@ -334,6 +346,36 @@ def _materialize(
 
 
 # --- presets -----------------------------------------------------------------------------------
+#
+# How the random weights are made. They were drawn on the CPU in float32 from one torch.Generator
+# walked through the tensors in order: 24-30 s for the full model's 3.3 B weights in a farm child, where
+# loading the same weights from a checkpoint takes ~2 s (issue 29). Now each weight is a pure function
+# of (seed, tensor name, position), computed on the device the model is built on:
+#
+#   value[i] = table_std[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
+#
+# with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements of a tensor, j = i − ⌈n/2⌉ and
+# its low 16 bits for the rest (one hash, two weights), and table_std the 65,536 quantiles of N(0, 1)
+# at the midpoints of 16-bit steps times the tensor's standard deviation (`_init_std`), rounded to
+# bfloat16 (the vendor's storage dtype) and to the target dtype on the CPU. On the device run only
+# 32-bit integer operations and a gather from the table, all exact: torch's int32 multiply and add wrap
+# around (two's complement) on the CPU and on CUDA, which is arithmetic mod 2³² (tests/model checks
+# the hash against Python's integers, on CUDA too where there is one; benchmarks/bench_load.py checks a
+# GPU's preset against the CPU's). The same seed thus gives bit-identical weights on the CPU and on any
+# GPU, whatever the order the tensors are made in: a preset is named by its name and seed alone (the
+# fingerprint holds the recipe's version, not a device), `save_preset` on one machine writes what
+# another builds in memory, and the CPU tests pin what a GPU builds. On the GPU this is ~20 int32
+# passes over 1.7 G words and a gather, memory-bound work (benchmarks/bench_load.py times it).
+#
+# Not chosen: a torch.Generator per tensor on the device (CUDA's Philox streams depend on the GPU's SM
+# count and torch's launch policy, so the same seed would name different weights on different GPUs and
+# the fingerprint would carry both), and a checkpoint written once per host into a cache directory (a
+# fresh host, as an autoscaled one always is, still pays the generation and 6.7 GB of writes, behind a
+# lock between the workers of a host).
+PRESET_WEIGHTS = "hash16-v1"  # the recipe above, in every preset's fingerprint: change it when the values change
+_CPU = torch.device("cpu")
+_COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
+
 
 def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
     """Standard deviation of the preset's random init for one tensor; None = constant (norms).
@@ -361,19 +403,79 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
     return fan_in ** -0.5
 
 
-def preset_state(config: OCRConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Seeded random weights, tensor by tensor in state-dict order, generated on the CPU in float32
-    and rounded to bfloat16 (the vendor's storage dtype) so a saved preset reloads bit-identically."""
+@functools.cache
+def _normal_quantiles() -> torch.Tensor:
+    """N(0, 1)'s quantiles at the 65,536 midpoints (k + ½)/65,536 in float64, always on the CPU: indexed
+    by 16 uniform bits they sample the normal distribution (by its inverse CDF), cut at ±4.2σ."""
+    return torch.special.ndtri((torch.arange(1 << 16, dtype=torch.float64) + 0.5) / (1 << 16))
+
+
+def _int32(bits: int) -> int:
+    """A 32-bit pattern as the int32 that holds it."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def _shift_right_(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+    """The logical right shift of int32 bit patterns into `out` (torch shifts a signed type arithmetically)."""
+    torch.bitwise_right_shift(x, shift, out=out)
+    return out.bitwise_and_((1 << (32 - shift)) - 1)
+
+
+def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' `lowbias32` in place on int32 bit patterns: a bijection of the 32-bit words whose
+    output bits each flip with probability ~½ when any input bit does."""
+    x.bitwise_xor_(_shift_right_(x, 16, scratch)).mul_(_int32(0x7FEB352D))
+    x.bitwise_xor_(_shift_right_(x, 15, scratch)).mul_(_int32(0x846CA68B))
+    return x.bitwise_xor_(_shift_right_(x, 16, scratch))
+
+
+def _fill_random_(flat: torch.Tensor, table: torch.Tensor, seed: int, key: str) -> None:
+    """Write tensor `key`'s weights of preset seed `seed` into `flat` (1-D, contiguous, on its device),
+    as the comment above the presets says: `table` holds the tensor's 65,536 possible values."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    multiplier = _int32(int.from_bytes(digest[:4], "little") | 1)  # odd: j ↦ a·j + b is a bijection mod 2³²
+    offset = _int32(int.from_bytes(digest[4:8], "little"))
+    half = (flat.numel() + 1) // 2
+    for start in range(0, half, _COUNTERS_PER_STEP):
+        stop = min(start + _COUNTERS_PER_STEP, half)
+        x = torch.arange(start, stop, dtype=torch.int32, device=flat.device)
+        scratch = torch.empty_like(x)
+        _hash32_(x.mul_(multiplier).add_(offset), scratch)
+        torch.index_select(table, 0, _shift_right_(x, 16, scratch), out=flat[start:stop])
+        second = flat[half + start:half + stop]  # one element shorter at the very end when n is odd
+        torch.index_select(table, 0, x[:second.numel()].bitwise_and_(0xFFFF), out=second)
+
+
+def preset_state(
+    config: OCRConfig,
+    seed: int,
+    *,
+    device: torch.device = _CPU,
+    dtype: torch.dtype = torch.bfloat16,
+    keys: Sequence[str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights, tensor by tensor in state-dict order (or `keys`, in their order), made on
+    `device` in `dtype` (the recipe above the presets). The values are bfloat16's whatever `dtype` (the
+    vendor's storage dtype: a saved preset reloads bit-identically), and the same on every device."""
     with torch.device("meta"):
         shapes = {key: tuple(t.shape) for key, t in DeepSeekOCR(config).state_dict().items()}
-    generator = torch.Generator().manual_seed(seed)
-    for key, shape in shapes.items():
-        std = _init_std(key, shape)
+    stds = {key: _init_std(key, shapes[key]) for key in (shapes if keys is None else keys)}
+    scales = sorted({std for std in stds.values() if std is not None})
+    # Every table at once: a handful of operations, not a handful per tensor.
+    tables = (_normal_quantiles() * torch.tensor(scales, dtype=torch.float64)[:, None]).to(torch.bfloat16)
+    tables = tables.to(dtype).to(device)
+    for key, std in stds.items():
         if std is None:
-            tensor = torch.ones(shape) if key.endswith("weight") else torch.zeros(shape)
-        else:
-            tensor = torch.empty(shape).normal_(0.0, std, generator=generator)
-        yield key, tensor.to(torch.bfloat16)
+            make = torch.ones if key.endswith("weight") else torch.zeros
+            yield key, make(shapes[key], device=device, dtype=dtype)
+            continue
+        tensor = torch.empty(shapes[key], device=device, dtype=dtype)
+        _fill_random_(tensor.view(-1), tables[scales.index(std)], seed, key)
+        yield key, tensor
+
+
+def preset_fingerprint(name: str, seed: int) -> str:
+    return f"preset:{name}:seed{seed}:{PRESET_WEIGHTS}"
 
 
 def build_preset(
@@ -385,23 +487,28 @@ def build_preset(
     attn_implementation: str = "eager",
     experts_implementation: str = "eager",
 ) -> LoadedModel:
+    """A preset's model with its seeded random weights made on `device` (no host copy, no checkpoint)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     config = PRESETS[name]
-    state = dict(preset_state(config, seed))
+    state = dict(preset_state(config, seed, device=device, dtype=dtype))
     model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
-    return LoadedModel(model, OCRTokenizer.build_preset(), config, f"preset:{name}:seed{seed}", name, seed)
+    return LoadedModel(model, OCRTokenizer.build_preset(), config, preset_fingerprint(name, seed), name, seed)
 
 
-def save_preset(name: str, directory: str | Path, *, seed: int = 0) -> Path:
+def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device = _CPU) -> Path:
     """Write a preset as a checkpoint directory in the vendor layout (config.json, one safetensors
-    file + index, tokenizer files); it then loads through `load_checkpoint` like a real one."""
+    file + index, tokenizer files); it then loads through `load_checkpoint` like a real one, to the
+    same values `build_preset` makes on any device. The weights are made on `device`: a GPU is faster
+    and writes the same bytes (the CPU by default: no CUDA context behind a caller's back)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     config = PRESETS[name]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vendor = {key: tensor.contiguous() for key, tensor in to_vendor_state(dict(preset_state(config, seed))).items()}
+    state = dict(preset_state(config, seed, device=device))
+    vendor = {key: tensor.contiguous().cpu() for key, tensor in to_vendor_state(state).items()}
+    del state  # on a GPU: the device's copy goes before the file is written
     save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"})
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in vendor.values())},
