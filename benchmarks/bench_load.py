@@ -104,8 +104,8 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # as a session resolves it (set_device wants an index)
         torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())  # as a session resolves it
     dtype = getattr(torch, args.dtype)
     scratch = Path(tempfile.mkdtemp(prefix="bench-load-", dir=args.scratch))
     try:

@@ -110,25 +110,25 @@ def open_session(preset: str, device_name: str) -> Any:
     import torch
 
     from dsocr_workers.engine.result import ModelSource
-    from dsocr_workers.engine.session import DeepSeekOCRSession, FastCompile, engine_kernels, fast_modules
+    from dsocr_workers.engine.session import DeepSeekOCRSession
+    from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
     from dsocr_workers.model.checkpoint import build_preset
 
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    engine = FastEngine(FastCompile(backend=backend, decode_only=True))
     with torch.inference_mode():
-        loaded = build_preset(preset, seed=0, device=device, dtype=dtype, **engine_kernels("fast"))
-    fast_modules(loaded.model)
+        loaded = build_preset(preset, seed=0, device=device, dtype=dtype, **engine.kernels())
+    engine.after_load(loaded.model)
     if device.type != "cuda":
         # The CPU check only: the Triton GEMVs cannot be traced on a CPU (Triton's interpreter reads the
         # fake tensors' data); transformers' batched GEMMs stand in.
         loaded.model.language_model.config._experts_implementation = "batched_mm"
     source = ModelSource("preset", preset, random_weights=True, seed=0, fingerprint=loaded.fingerprint)
-    backend = "inductor" if device.type == "cuda" else "aot_eager"
-    return DeepSeekOCRSession(
-        loaded, source, device, dtype, "fast", "", FastCompile(backend=backend, decode_only=True)
-    )
+    return DeepSeekOCRSession(loaded, source, device, dtype, engine)
 
 
 # SAM's blocks call this project operator (a cuBLASLt epilogue, not a Triton kernel AOTInductor compiles in).
@@ -307,7 +307,7 @@ def section_decode(args: argparse.Namespace) -> None:
     job = new_job()
     buffers = job.buffers
     record["cache_capacity"] = int(buffers.tokens.shape[0])
-    compiled = session._decode_step  # the engine's step: torch.compile(decode_one_token, reduce-overhead)
+    compiled = session.runners.decode_step  # the engine's step: torch.compile(decode_one_token, reduce-overhead)
 
     def compiled_step() -> None:
         compiled(model, buffers.cache, job.ban, options)
@@ -886,7 +886,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
     from dsocr_workers.engine.generate import DecodeBuffers, decode_one_token
     from dsocr_workers.engine.regions import capture_graph, configure_dynamo
     from dsocr_workers.engine.result import DecodeOptions
-    from dsocr_workers.engine.session import engine_kernels, fast_modules
+    from dsocr_workers.engine.variants.fast import FastEngine
     from dsocr_workers.model.config import PRESETS
     from dsocr_workers.model.modeling import DeepSeekOCR
 
@@ -897,7 +897,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
     config = PRESETS[args.preset]
     with torch.inference_mode():
         with torch.device("meta"):
-            model = DeepSeekOCR(config, **engine_kernels("fast"))
+            model = DeepSeekOCR(config, **FastEngine().kernels())
         state = {name: fill(torch, tensor_spec(tensor) | {"dtype": "bfloat16"}, device)
                  for name, tensor in model.state_dict().items()}  # fmt: skip
         model.load_state_dict(state, strict=True, assign=True)
@@ -906,7 +906,7 @@ def fresh_compile(args: argparse.Namespace) -> None:
                 config=model.language_model.config
             )
         model = model.eval().requires_grad_(False)
-    fast_modules(model)
+    FastEngine().after_load(model)
     torch.cuda.synchronize()
     record["model_on_device_s"] = round(time.perf_counter() - began, 3)
     configure_dynamo()
