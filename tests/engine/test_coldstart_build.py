@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -98,20 +99,20 @@ class CpuFast(FastEngine):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 
 engine = CpuFast(FastCompile("inductor", cuda_graphs=False))
-request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3)
+request = BuildRequest("tiny", engine, modes=("gundam",), max_new_tokens=8, device="cpu", max_crops=3)
 report = build(request, progress=lambda line: print(line, file=sys.stderr))
-found = {"outcome": report.outcome, "manifest": str(report.manifest)}
-if report.warmup is not None:
-    found["helpers"] = dataclasses.asdict(report.warmup.helpers) if report.warmup.helpers else None
-    found["still_cold"] = report.warmup.still_cold
+found = {"outcome": report.outcome, "manifest": str(report.manifest),
+         "warmup": dataclasses.asdict(report.warmup) if report.warmup else None}
 if sys.argv[1] == "worker":
     session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
-    warmed = warm(session, ["tiny"], max_new_tokens=8, max_crops=3)
-    counters = torch._dynamo.utils.counters["inductor"]
-    found.update(helpers=warmed.helpers, skipped=warmed.helpers_skipped, artifacts=warmed.artifacts,
-                 still_cold=warmed.still_cold, hits=counters["fxgraph_cache_hit"], misses=counters["fxgraph_cache_miss"])
+    found["warmup"] = dataclasses.asdict(warm(session, ["gundam"], max_new_tokens=8, max_crops=3))
+counters = torch._dynamo.utils.counters
+found.update(graphs=counters["stats"]["unique_graphs"], hits=counters["inductor"]["fxgraph_cache_hit"],
+             misses=counters["inductor"]["fxgraph_cache_miss"])
 print(json.dumps(found))
 """
+GUNDAM_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
+                 ("tiles 640 px", "compiled", 3)]  # fmt: skip
 
 
 def run_build(how: str, env: dict[str, str]) -> dict:
@@ -120,18 +121,33 @@ def run_build(how: str, env: dict[str, str]) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
 
 
-def test_a_build_is_done_once_and_a_worker_then_loads_it_without_helpers(tmp_path, subprocess_env):
-    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(tmp_path / "cache")}
+def test_a_build_compiles_in_helpers_once_and_a_worker_then_loads_every_graph(tmp_path, subprocess_env):
+    """`dsocr precompile` of a gundam plan with an empty cache (inductor on the CPU): its helpers, forked
+    before the model is built, compile the decode step, the LM prefill's two kinds of layer, the global
+    view (SAM's two kinds of block and CLIP) and the tiles (SAM's two, their batch dynamic, and CLIP over
+    both view groups at once), while the build loads the model; its warm-up then compiles nothing (every
+    graph it traces is in the cache). Built again: up to date, without loading anything. A worker's
+    warm-up of the same plan then starts no helper and finds every graph."""
+    cache = tmp_path / "cache"
+    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)}
     built = run_build("build", env)
-    assert built["outcome"] == "built" and built["still_cold"] == []
-    assert built["helpers"]["how"] == "forked" and built["helpers"]["failures"] == []
-    assert sorted(r["outcome"] for r in built["helpers"]["results"]) == ["compiled"] * 3
-    assert "no artifacts for this plan here yet: compiling" in built["log"]
+    assert built["outcome"] == "built" and "no artifacts for this plan here yet: compiling" in built["log"]
+    warmup = built["warmup"]
+    assert warmup["helpers"]["how"] == "forked" and warmup["helpers"]["failures"] == [], warmup["helpers"]
+    assert sorted((r["share"], r["outcome"], r["graphs"]) for r in warmup["helpers"]["results"]) == GUNDAM_SHARES
+    assert warmup["still_cold"] == [] and warmup["artifacts"].startswith("no artifacts: none built for this plan")
+    assert (built["graphs"], built["hits"], built["misses"]) == (9, 9, 0)
+    assert list(warmup["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
+                                         "decode helper", "pass 1", "pass 2"]  # fmt: skip
+    assert sum(warmup["phases_ms"].values()) == pytest.approx(warmup["ms"])
     manifest = json.loads(Path(built["manifest"]).read_text())
     assert manifest["built_by"] == "dsocr precompile" and manifest["environment"]["gpu"] == "cpu"
-    # Again: up to date, without loading anything; then a worker's warm-up finds it.
+    # The manifest, beside each share's lock and done file (and the build's lock).
+    files = sorted(path.name for path in (cache / artifacts.MANIFESTS).rglob("*") if path.is_file())
+    assert sum(name.endswith(".json") for name in files) == 1 and sum(name.endswith(".done") for name in files) == 4
     worker = run_build("worker", env)
     assert worker["outcome"] == "up to date" and worker["manifest"] == built["manifest"]
-    assert worker["helpers"] is None and worker["skipped"] == f"prebuilt artifacts ({built['manifest']})"
-    assert worker["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ")
-    assert worker["still_cold"] == [] and worker["misses"] == 0 and worker["hits"] > 0
+    warmup = worker["warmup"]
+    assert warmup["helpers"] is None and warmup["helpers_skipped"] == f"prebuilt artifacts ({built['manifest']})"
+    assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
+    assert (worker["graphs"], worker["hits"], worker["misses"]) == (9, 9, 0)

@@ -1,10 +1,10 @@
 """The warm-up's compile helpers (engine/coldstart/helpers.py, helper_process.py): how a plan is shared
-out, that the worker then loads every graph they compiled (inductor on the CPU, the tiny preset), that a
-share is compiled once per host, and that no helper outlives its worker."""
+out, when helpers start, that a share is compiled once per host, and that no helper outlives its worker.
+That a worker then loads every graph its helpers compiled is the build's test
+(tests/engine/test_coldstart_build.py: `dsocr precompile` forks them and runs the worker's warm-up)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -116,75 +116,6 @@ def test_a_failed_helper_is_a_warning_with_its_reason(tmp_path, monkeypatch, sub
     assert report.results == () and report.how == "spawned"
     assert report.failures == ("decode step: exit code 1", "LM prefill: exit code 1", "global 512 px: exit code 1")
     assert "no-checkpoint: not a checkpoint directory" in caplog.text
-
-
-# A worker child's start, in a fresh process: the compile helpers forked after the imports (argv[2]
-# "fork"; "spawn": started by the warm-up), then `inductor_session()`'s model built and warmed (modes in
-# argv[1]).
-WORKER = """
-import dataclasses, json, sys, torch
-from dsocr_workers.engine.coldstart.cache import use_compile_cache
-from dsocr_workers.engine.coldstart.helpers import CompileHelpers
-from dsocr_workers.engine.coldstart.plan import compile_plan
-from dsocr_workers.engine.coldstart.warmup import warm
-from dsocr_workers.engine.result import ModelSource
-from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
-from dsocr_workers.model.checkpoint import build_preset
-
-cpu, fp32 = torch.device("cpu"), torch.float32
-engine, modes = FastEngine(FastCompile("inductor", cuda_graphs=False)), sys.argv[1].split(",")
-kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
-helpers = None  # spawned by the warm-up: a worker whose CUDA is initialised already
-if sys.argv[2] == "fork":
-    plan = compile_plan("tiny", cpu, fp32, kernels, engine.compiled(), modes, 8, None, 3, engine="fast")
-    helpers = CompileHelpers.start(plan, 2, fork=True)
-use_compile_cache()  # after the fork, as `dsocr worker`'s child has it from its parent: the helpers set it too
-with torch.inference_mode():
-    loaded = build_preset("tiny", device=cpu, dtype=fp32, **kernels)
-    engine.after_load(loaded.model)
-fast = DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, engine)
-report = warm(fast, modes, max_new_tokens=8, max_crops=3, helpers=helpers)
-counters = torch._dynamo.utils.counters
-print(json.dumps({"report": dataclasses.asdict(report), "graphs": counters["stats"]["unique_graphs"],
-                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
-"""
-
-
-GUNDAM_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
-                 ("tiles 640 px", "compiled", 3)]  # fmt: skip
-TINY_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 512 px", "compiled", 3)]
-
-
-@pytest.mark.parametrize(("how", "mode", "shares"), [("fork", "gundam", GUNDAM_SHARES), ("spawn", "tiny", TINY_SHARES)])
-def test_the_worker_loads_every_graph_its_helpers_compiled(how, mode, shares, tmp_path, subprocess_env):
-    """A fast warm-up with an empty cache (inductor on the CPU): its helpers, forked before the model is
-    built (or spawned by the warm-up), compile the decode step, the LM prefill's two kinds of layer, the
-    global view (SAM's two kinds of block and CLIP) and for gundam the tiles (SAM's two, their batch
-    dynamic, and CLIP over both view groups at once), while the worker builds its model. The worker then
-    compiles nothing: it finds every graph it traces in the cache. The cache is the one
-    DSOCR_COMPILE_CACHE_DIR names, which the worker points torch at only after the fork: helpers that did
-    not do so themselves filled torch's default cache instead, and the worker compiled all the vision
-    graphs again. (Spawned helpers differ only in how they start: the smaller tiny mode covers them.)"""
-    cache = tmp_path / "cache"
-    worker = subprocess.run([sys.executable, "-c", WORKER, mode, how], capture_output=True, text=True,
-                            timeout=900, env={**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)})  # fmt: skip
-    assert worker.returncode == 0, worker.stderr[-3000:]
-    found = json.loads(worker.stdout.strip().splitlines()[-1])
-    report = found["report"]
-    assert report["helpers"]["how"] == f"{how}ed" and report["helpers"]["failures"] == []
-    assert report["still_cold"] == []
-    assert sorted((r["share"], r["outcome"], r["graphs"]) for r in report["helpers"]["results"]) == shares
-    graphs = sum(count for _, _, count in shares)
-    assert (found["graphs"], found["hits"], found["misses"]) == (graphs, graphs, 0)
-    assert list(report["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
-                                         "decode helper", "pass 1", "pass 2"]  # fmt: skip
-    assert sum(report["phases_ms"].values()) == pytest.approx(report["ms"])
-    # What it compiled is recorded for the next start: the manifest, beside each share's lock and done file.
-    assert report["artifacts"].startswith("no artifacts: none built for this plan")
-    files = sorted(path.name for path in (cache / "dsocr-artifacts").rglob("*") if path.is_file())
-    assert len(files) == 1 + 2 * len(shares) and sum(name.endswith(".done") for name in files) == len(shares)
-    assert sum(name.endswith(".json") for name in files) == 1
 
 
 # A worker killed during its warm-up: it starts its helpers, then dies without waiting.
