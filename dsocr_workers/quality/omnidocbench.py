@@ -80,24 +80,30 @@ def _anno_id(value: Any) -> int | str | None:
     return value if isinstance(value, int | str) else None
 
 
-def _truncated_groups(relations: Any) -> list[set[int | str]]:
-    """anno_ids joined by "truncated" relations, as groups (a block split in three is one group)."""
-    groups: list[set[int | str]] = []
+def _truncated_groups(relations: Any) -> list[list[int | str]]:
+    """anno_ids joined by "truncated" relations, as the evaluator groups them: a relation touching an
+    existing group adds both its ends to every group it touches, so a block split in three parts
+    (a-b, b-c) makes the group [a, b, b, c] and its middle part is read twice. The quirk is in every
+    published number, so it is kept."""
+    groups: list[list[int | str]] = []
     for relation in relations if isinstance(relations, list) else []:
         if not isinstance(relation, dict) or relation.get("relation_type") != "truncated":
             continue
         source, target = _anno_id(relation.get("source_anno_id")), _anno_id(relation.get("target_anno_id"))
         if source is None or target is None:
             continue
-        pair = {source, target}
-        touching = [group for group in groups if group & pair]
-        merged = pair.union(*touching)
-        groups = [group for group in groups if not group & pair] + [merged]
+        touched = [group for group in groups if source in group or target in group]
+        for group in touched:
+            group += [source, target]
+        if not touched:
+            groups.append([source, target])
     return groups
 
 
 def page_reference(page: Any, where: str) -> PageReference:
-    """One annotation entry as a PageReference; InputError (naming `where`) when it is malformed."""
+    """One annotation entry as a PageReference; InputError (naming `where`) when it is malformed.
+    Blocks keep the annotation's order, empty ones included (the evaluator counts them when it looks
+    blocks up by index); truncated parts are joined into one block placed after all others."""
     if not isinstance(page, dict):
         raise InputError(f"{where}: expected an object with page_info and layout_dets")
     info = page.get("page_info")
@@ -117,36 +123,29 @@ def page_reference(page: Any, where: str) -> PageReference:
         content = block.get(field)
         if content is not None and not isinstance(content, str):
             raise InputError(f"{where} ({image}): layout_dets[{k}].{field} is not a string")
-        if content:
-            kept.append(block)
+        kept.append(block)
     extra = page.get("extra")
     groups = _truncated_groups(extra.get("relation") if isinstance(extra, dict) else None)
-    grouped = {anno: i for i, group in enumerate(groups) for anno in group}
-    parts: dict[int, list[dict[str, Any]]] = {}
-    result: list[tuple[int, ReferenceBlock | None]] = []  # (group or -1, block), in annotation order
-    for block in kept:
-        anno = _anno_id(block.get("anno_id"))
-        group = grouped.get(anno, -1) if anno is not None and block["category_type"] in _TEXT else -1
-        if group == -1:
-            result.append((-1, _block(block)))
-        elif group not in parts:
-            parts[group] = [block]
-            result.append((group, None))  # filled in below, at the place of its first part
-        else:
-            parts[group].append(block)
-    return PageReference(image, tuple(block or _joined(parts[group]) for group, block in result))
+    in_groups = {anno for group in groups for anno in group}
+    by_anno = {_anno_id(b.get("anno_id")): b for b in kept if _anno_id(b.get("anno_id")) in in_groups}
+    result = [_block(b) for b in kept if _anno_id(b.get("anno_id")) not in in_groups]
+    for group in groups:
+        parts = [by_anno[anno] for anno in group if anno in by_anno]
+        if parts:
+            result.append(_joined(parts))
+    return PageReference(image, tuple(result))
 
 
 def _block(block: dict[str, Any]) -> ReferenceBlock:
     category = block["category_type"]
-    return ReferenceBlock(category, block[_CONTENT_FIELD[category]], _order(block.get("order")))
+    return ReferenceBlock(category, block.get(_CONTENT_FIELD[category]) or "", _order(block.get("order")))
 
 
 def _joined(blocks: list[dict[str, Any]]) -> ReferenceBlock:
     """Truncated parts as one block: texts joined in reading order, category and order of the first."""
-    ordered = sorted(blocks, key=lambda b: (_order(b.get("order")) is None, _order(b.get("order")) or 0))
+    ordered = sorted(blocks, key=lambda b: _order(b.get("order")) or 0)
     first = _block(ordered[0])
-    return ReferenceBlock(first.category, "".join(b["text"] for b in ordered), first.order)
+    return ReferenceBlock(first.category, "".join(_block(b).content for b in ordered), first.order)
 
 
 def load_annotation(path: str | os.PathLike) -> dict[str, PageReference]:

@@ -1,0 +1,51 @@
+"""quality/scoring.py against the official OmniDocBench end-to-end evaluator (quick_match): on every
+page of every prediction set in tests/quality/data/omnidocbench/ (the public demo predictions and sets
+derived from the ground truth), each figure within 0.005 of the evaluator's stored output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsocr_workers.quality.omnidocbench import load_annotation, prediction_filename
+from dsocr_workers.quality.scoring import PageScores, score_page
+from tests.quality.omnidocbench_sets import SETS, write_set
+
+DATA = Path(__file__).parent / "data" / "omnidocbench"
+OFFICIAL = json.loads((DATA / "official.json").read_text(encoding="utf-8"))
+TOLERANCE = 0.005
+
+
+def _mean(values: list[float] | None) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, PageScores]]:
+    references = load_annotation(DATA / "ground_truth.json")
+    pages = json.loads((DATA / "ground_truth.json").read_text(encoding="utf-8"))
+    out: dict[str, dict[str, PageScores]] = {}
+    for name in SETS:
+        directory = tmp_path_factory.mktemp(name)
+        write_set(name, pages, directory)
+        out[name] = {image: score_page((directory / prediction_filename(image)).read_text(encoding="utf-8"), ref)
+                     for image, ref in references.items()}  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("prediction_set", SETS)
+def test_every_page_agrees_with_the_official_evaluator(scored, prediction_set: str) -> None:
+    official = OFFICIAL[prediction_set]["pages"]
+    disagreements = []
+    for image, ours in scored[prediction_set].items():
+        theirs = official.get(image, {})
+        expected = {"text": theirs.get("text"), "formula": theirs.get("formula"), "table": theirs.get("table"),
+                    "reading_order": theirs.get("reading_order"), "table_teds": _mean(theirs.get("teds")),
+                    "table_teds_structure": _mean(theirs.get("teds_structure"))}  # fmt: skip
+        for metric, value in expected.items():
+            got = getattr(ours, metric)
+            if (got is None) != (value is None) or (got is not None and abs(got - value) > TOLERANCE):
+                disagreements.append(f"{image} {metric}: ours {got}, official {value}")
+    assert not disagreements, "\n".join(disagreements)
