@@ -115,7 +115,9 @@ def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[f
 
 def match_page(markdown: str, reference: PageReference) -> PageMatch:
     blocks = md.split_markdown(markdown)
-    mixed = [b for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE)]
+    # Grouped by category, categories in the order they first occur: the order ties in position keep.
+    categories = list(dict.fromkeys(b.category for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE)))
+    mixed = [b for category in categories for b in blocks if b.category == category]
 
     table_pairs: list[EditPair] = []
     reference_tables = sorted((b for b in reference.blocks if b.category == TABLE_CATEGORY),
