@@ -263,7 +263,9 @@ def _norm_lines(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
 
 
 def _array_joined(lines: list[str]) -> str:
-    return "\\begin{array}{l} " + " \\\\ ".join("{" + line.strip("$$").strip("\n") + "}" for line in lines) \
+    """Several formulas matched as one, written as the evaluator writes them: a one-column array."""
+    # (the evaluator's strip("$$") strips any run of "$", as strip("$") does)
+    return "\\begin{array}{l} " + " \\\\ ".join("{" + line.strip("$").strip("\n") + "}" for line in lines) \
         + " \\end{array}"
 
 
