@@ -16,6 +16,7 @@ every published end-to-end number went through them:
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ TEXT_CATEGORIES = ("text_block", "title", "code_txt", "code_txt_caption", "refer
 IGNORED = ("figure_caption", "figure_footnote", "table_caption", "table_footnote", "code_algorithm",
            "code_algorithm_caption", "header", "footer", "page_footnote", "page_number", "equation_caption")  # fmt: skip
 FORMULA_CATEGORY = "equation_isolated"
+# The evaluator gives quick_match 30 s a page, then matches the page one-to-one instead
+# (`one_to_one_match`); a long repetition loop can take that long.
+QUICK_MATCH_TIME_LIMIT_S = 30.0
+
+
+class OutOfTime(Exception):
+    """quick_match ran past its time limit."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +207,8 @@ def _chosen_runs(runs: list[list[int]], costs: list[float]) -> list[list[int]]:
     return chosen
 
 
-def _merge_truncated(cost: np.ndarray, gts: list[str], preds: list[str]) -> tuple[np.ndarray, list[Any]]:
+def _merge_truncated(cost: np.ndarray, gts: list[str], preds: list[str], deadline: float) -> tuple[
+        np.ndarray, list[Any]]:  # fmt: skip
     """Runs of neighbouring predictions joined where they read as one reference block: the new cost
     matrix and, per column, a prediction index or a run (list) of them."""
     close = np.argwhere(cost < 0.25)
@@ -210,6 +219,8 @@ def _merge_truncated(cost: np.ndarray, gts: list[str], preds: list[str]) -> tupl
     for g in (i for i in range(cost.shape[0]) if i not in masked_gt):
         candidates, distances = [], []
         for p in free_preds:
+            if time.monotonic() > deadline:
+                raise OutOfTime
             step, merged = 1, [preds[p]]
             while p + step not in masked_pred and p + step < len(preds):
                 merged.append(preds[p + step])
@@ -269,9 +280,11 @@ def _array_joined(lines: list[str]) -> str:
         + " \\end{array}"
 
 
-def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]) -> list[MatchedEntry]:
+def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock],
+                time_limit_s: float = QUICK_MATCH_TIME_LIMIT_S) -> list[MatchedEntry]:  # fmt: skip
     """The evaluator's match list for one page's mixed text and formula blocks (entries it never fills
-    in are left out)."""
+    in are left out); OutOfTime past `time_limit_s`."""
+    deadline = time.monotonic() + time_limit_s
     gt_items = split_reference_arrays(gt_items)
     pred_items = split_predicted_arrays(sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position)))
     gt_raw, gt_norm, gt_cats, pred_raw, pred_norm = _norm_lines(gt_items, pred_items)
@@ -299,7 +312,7 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
     gt_item_at = [gt_items[i] for i in kept_gt]
     pred_item_at = [pred_items[j] for j in kept_pred]
 
-    cost, columns = _merge_truncated(_distances(gts, preds), gts, preds)
+    cost, columns = _merge_truncated(_distances(gts, preds), gts, preds, deadline)
     rows, cols = linear_sum_assignment(cost)
     row_list = list(rows)
     matches: dict[int, list[int]] = {}
@@ -401,6 +414,28 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
             pred_position=pred_item_at[pred_idx[0]].position if has_pred else None,
         ))  # fmt: skip
         k += 1
+    return entries
+
+
+def one_to_one_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]) -> list[MatchedEntry]:
+    """The evaluator's fallback when quick_match runs out of time (its `match_gt2pred_simple`): the
+    Hungarian method on normalised edit distance, one prediction per reference block. Its quirks: items
+    read at the filtered lines' indices, and the first prediction (index 0) taken for "none" when its
+    kind and position are looked up."""
+    gt_raw, gt_norm, gt_cats, pred_raw, pred_norm = _norm_lines(gt_items, pred_items)
+    if not gt_norm:
+        return []
+    pairs, _ = simple_match(gt_norm, pred_norm)
+    entries = []
+    for i, j in pairs:
+        truthy = bool(j)  # index 0 reads as "no prediction" there
+        entries.append(MatchedEntry(
+            category=gt_cats[i], gt=gt_raw[i], norm_gt=gt_norm[i],
+            pred=pred_raw[j] if j is not None else "", norm_pred=pred_norm[j] if j is not None else "",
+            pred_kind=pred_items[j].kind if truthy and j is not None else "",
+            gt_orders=[_order(gt_items[i])],
+            pred_position=pred_items[j].position if truthy and j is not None else None,
+        ))  # fmt: skip
     return entries
 
 

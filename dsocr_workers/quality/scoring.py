@@ -10,7 +10,8 @@ agreement is tested page by page against the evaluator's stored outputs
    A page with more LaTeX than HTML tables scores its tables as missing (the evaluator converts LaTeX
    tables with LaTeXML, which is not reproduced).
 3. Text and display formulas of the reference, in reading order, matched in one pool against the
-   predicted text and formula blocks by `quick_match` (quality/matching.py). Pairs whose reference is
+   predicted text and formula blocks by `quick_match` (quality/matching.py; past 30 s, as in the
+   evaluator, one-to-one instead). Pairs whose reference is
    page furniture or a caption are matched and left out; predictions matched to no reference are left
    out; a reference formula answered by a text block is scored as text (its LaTeX as Unicode).
 4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)) over its pairs (the
@@ -33,7 +34,9 @@ from dsocr_workers.quality.matching import (
     IGNORED,
     TEXT_CATEGORIES,
     MatchedEntry,
+    OutOfTime,
     ReferenceItem,
+    one_to_one_match,
     quick_match,
     simple_match,
 )
@@ -139,7 +142,10 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
     items = [ReferenceItem(b.category, b.content, b.order) for category in _MIXED
              for b in reference.blocks if b.category == category]  # fmt: skip
     items.sort(key=lambda item: item.order or 0)
-    entries = quick_match(items, mixed)
+    try:
+        entries = quick_match(items, mixed)
+    except OutOfTime:
+        entries = one_to_one_match(items, mixed)
     text_entries = [e for e in entries if e.category in TEXT_CATEGORIES]
     formula_entries = [e for e in entries if e.category == FORMULA_CATEGORY]
     text_pairs = [_pair(e) for e in text_entries]

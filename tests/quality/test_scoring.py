@@ -161,3 +161,18 @@ def test_any_markdown_scores_between_zero_and_one(markdown, ref_text):
     for value in (scores.text, scores.formula, scores.table, scores.reading_order,
                   scores.table_teds, scores.table_teds_structure):  # fmt: skip
         assert value is None or 0.0 <= value <= 1.0
+
+
+def test_past_its_time_limit_quick_match_gives_way_to_a_one_to_one_match():
+    from dsocr_workers.quality.markdown import split_markdown as split
+    from dsocr_workers.quality.matching import OutOfTime, ReferenceItem, one_to_one_match, quick_match
+
+    items = [ReferenceItem("text_block", "alpha beta gamma", 1), ReferenceItem("text_block", "delta epsilon", 2)]
+    blocks = split("alpha beta\n\ngamma\n\nsomething else entirely")
+    with pytest.raises(OutOfTime):
+        quick_match(items, blocks, time_limit_s=0)
+    entries = one_to_one_match(items, blocks)
+    assert [(e.norm_gt, e.norm_pred) for e in entries] == [("alphabetagamma", "alphabeta"),
+                                                          ("deltaepsilon", "somethingelseentirely")]  # fmt: skip
+    # The evaluator's fallback reads prediction 0 as "none" when it looks up its position.
+    assert [e.pred_position for e in entries][0] is None
