@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ class PageReference:
 
     image: str  # the file name in `page_info.image_path`
     blocks: tuple[ReferenceBlock, ...]
+    # `page_info.page_attribute`'s single-valued attributes (data_source, language, layout, …): the
+    # groups OmniDocBench breaks its figures down by.
+    attributes: Mapping[str, str] = field(default_factory=dict)
 
     def of(self, categories: Iterable[str]) -> list[ReferenceBlock]:
         wanted = set(categories)
@@ -58,11 +61,13 @@ class PageReference:
 
     def to_json(self) -> dict[str, Any]:
         """The form stored with each job (jobs.reference)."""
-        return {"image": self.image, "blocks": [[b.category, b.content, b.order] for b in self.blocks]}
+        return {"image": self.image, "blocks": [[b.category, b.content, b.order] for b in self.blocks],
+                "attributes": dict(self.attributes)}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PageReference:
-        return cls(data["image"], tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"]))
+        blocks = tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"])
+        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # none stored before issue 32
 
 
 def prediction_filename(image: str) -> str:
@@ -117,12 +122,12 @@ def page_reference(page: Any, where: str) -> PageReference:
     for k, block in enumerate(blocks):
         if not isinstance(block, dict) or not isinstance(block.get("category_type"), str):
             raise InputError(f"{where} ({image}): layout_dets[{k}] has no category_type")
-        field = _CONTENT_FIELD.get(block["category_type"])
-        if field is None:
+        content_field = _CONTENT_FIELD.get(block["category_type"])
+        if content_field is None:
             continue  # figures, masks, abandoned regions: nothing to read
-        content = block.get(field)
+        content = block.get(content_field)
         if content is not None and not isinstance(content, str):
-            raise InputError(f"{where} ({image}): layout_dets[{k}].{field} is not a string")
+            raise InputError(f"{where} ({image}): layout_dets[{k}].{content_field} is not a string")
         kept.append(block)
     extra = page.get("extra")
     groups = _truncated_groups(extra.get("relation") if isinstance(extra, dict) else None)
@@ -133,7 +138,9 @@ def page_reference(page: Any, where: str) -> PageReference:
         parts = [by_anno[anno] for anno in group if anno in by_anno]
         if parts:
             result.append(_joined(parts))
-    return PageReference(image, tuple(result))
+    attributes = info.get("page_attribute") if isinstance(info, dict) else None
+    scalar = {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    return PageReference(image, tuple(result), scalar)
 
 
 def _block(block: dict[str, Any]) -> ReferenceBlock:

@@ -243,3 +243,6 @@ class Result(TimingColumns, Base):
     formula_edit: Mapped[float | None] = mapped_column(Float)
     table_edit: Mapped[float | None] = mapped_column(Float)
     reading_order_edit: Mapped[float | None] = mapped_column(Float)
+    # Table TEDS (higher is better), the page's tables averaged; `_structure`: cells without content.
+    table_teds: Mapped[float | None] = mapped_column(Float)
+    table_teds_structure: Mapped[float | None] = mapped_column(Float)
