@@ -49,3 +49,20 @@ def test_every_page_agrees_with_the_official_evaluator(scored, prediction_set: s
             if (got is None) != (value is None) or (got is not None and abs(got - value) > TOLERANCE):
                 disagreements.append(f"{image} {metric}: ours {got}, official {value}")
     assert not disagreements, "\n".join(disagreements)
+
+
+@pytest.mark.parametrize("prediction_set", SETS)
+def test_overall_figures_agree_with_the_official_evaluator(scored, prediction_set: str) -> None:
+    """The leaderboard's figures: edit distances averaged over the pages that have the category (the
+    evaluator's ALL_page_avg, what `dsocr report` prints as OmniDocBench figures); TEDS over all tables."""
+    overall = OFFICIAL[prediction_set]["overall"]
+    pages = scored[prediction_set].values()
+    for metric, element in [("text", "text_block"), ("formula", "display_formula"), ("table", "table"),
+                            ("reading_order", "reading_order")]:  # fmt: skip
+        values = [getattr(p, metric) for p in pages if getattr(p, metric) is not None]
+        assert sum(values) / len(values) == pytest.approx(overall[element]["Edit_dist"]["ALL_page_avg"], abs=1e-3)
+    # Per table (the evaluator's `all`): a page's mean weighted by its number of tables.
+    tables = {image: len(v["teds"]) for image, v in OFFICIAL[prediction_set]["pages"].items() if "teds" in v}
+    for metric, key in [("table_teds", "TEDS"), ("table_teds_structure", "TEDS_structure_only")]:
+        per_table = [getattr(scored[prediction_set][image], metric) for image, n in tables.items() for _ in range(n)]
+        assert sum(per_table) / len(per_table) == pytest.approx(overall["table"][key]["all"], abs=1e-3)
