@@ -8,9 +8,8 @@ every published end-to-end number went through them:
 - reference page furniture and captions (IGNORED) take out of the pool every prediction within 0.25
   of one of them, before the real matching;
 - a pair further apart than 0.7 is undone, its reference then re-attached to any prediction that
-  contains it (substring distance under 0.4);
-- an unmatched inline-formula prediction is deleted from the list being walked, so the entry after it
-  is never filled in and the evaluator scores it nowhere.
+  contains it (substring distance under 0.4); predictions left over after that are paired with the
+  references left over, or else dropped.
 """
 
 from __future__ import annotations
@@ -387,18 +386,12 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
     merged += [([g], [""]) for g in range(len(gts)) if g not in seen_gt]
 
     entries: list[MatchedEntry] = []
-    k = 0
-    while k < len(merged):
-        group, pred_key = merged[k]
+    for group, pred_key in merged:
+        if group == [""]:
+            continue  # predictions with no reference: scored nowhere (the list's last entry, if any)
         pred_idx = pred_key if isinstance(pred_key, list) else [pred_key]
         has_pred = pred_idx != [""]
         pred_kind = pred_item_at[pred_idx[0]].kind if has_pred else ""
-        if group == [""]:
-            if pred_kind == INLINE_FORMULA:
-                k += 2  # removed while the list is walked: the next entry is skipped, never filled in
-                continue
-            k += 1
-            continue  # a prediction with no reference: scored nowhere
         categories = [gt_cats[kept_gt[g]] for g in group]
         category = Counter(categories).most_common(1)[0][0]
         raw_gt = [gt_raw[kept_gt[g]] for g in group]
@@ -413,7 +406,6 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
             gt_orders=[_order(gt_item_at[g]) for g in group],
             pred_position=pred_item_at[pred_idx[0]].position if has_pred else None,
         ))  # fmt: skip
-        k += 1
     return entries
 
 

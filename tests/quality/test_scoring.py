@@ -54,6 +54,9 @@ def test_pipe_tables_get_colspan_and_rowspan_on_every_cell():
     table = next(b for b in blocks if b.fine == PIPE_TABLE)
     assert table.content.count('colspan="1" rowspan="1"') == 4
     assert '<table border="1" >' in table.content
+    # The evaluator drops every converted line that looks like a `|---|` rule: any cell with a colon.
+    (table,) = [b for b in split_markdown("Intro\n\n| a | b: c |\n|---|---|\n| 1 | 2 |\n") if b.fine == PIPE_TABLE]
+    assert "b: c" not in table.content and table.content.count("<td") == 3
 
 
 def test_tabular_extraction_takes_one_character_past_its_end():
@@ -176,3 +179,12 @@ def test_past_its_time_limit_quick_match_gives_way_to_a_one_to_one_match():
                                                           ("deltaepsilon", "somethingelseentirely")]  # fmt: skip
     # The evaluator's fallback reads prediction 0 as "none" when it looks up its position.
     assert [e.pred_position for e in entries][0] is None
+
+
+def test_a_block_that_normalises_to_nothing_shifts_the_items_read_after_it():
+    page = reference(("equation_isolated", "\\[a+b\\]", 1))
+    assert score_page("$$a+b$$", page).formula == 0.0
+    # "***" leaves the lines (nothing left of it) but not the items: the formula's line is read with
+    # the item of "***", a text block, so the evaluator scores the formula as text ("a+b" against "ab").
+    scores = score_page("***\n\n$$a+b$$", page)
+    assert scores.formula is None and scores.text == pytest.approx(1 / 3)
