@@ -162,3 +162,33 @@ def test_omnidocbench_figures_are_page_averages_by_page_group(database, tmp_path
     assert rows["data_source: book"]["text edit"] == pytest.approx(0.1) and rows["data_source: book"]["pages"] == 2
     assert rows["data_source: newspaper"]["text edit"] == pytest.approx(0.5)
     assert rows["data_source: newspaper"]["table TEDS"] is None
+
+
+def test_report_figures_and_export_round_trip_with_the_official_evaluator(database, tmp_path, make_png,
+                                                                          monkeypatch):
+    """A run whose pages wrote OmniDocBench's demo predictions: the report's OmniDocBench figures equal
+    the official evaluator's on those files (tests/quality/data/omnidocbench/official.json), and
+    `dsocr export` writes exactly the files the evaluator was run on."""
+    from pathlib import Path
+
+    from dsocr_workers.report.export import export_predictions
+
+    data = Path(__file__).parents[1] / "quality" / "data" / "omnidocbench"
+    official = json.loads((data / "official.json").read_text(encoding="utf-8"))["demo"]
+    predictions = {p.stem: p.read_text(encoding="utf-8") for p in (data / "predictions" / "demo").iterdir()}
+    images = [page["page_info"]["image_path"] for page in json.loads((data / "ground_truth.json").read_text())]
+    run = make_run(database, tmp_path, make_png, {(image, 0): Page(1.0, predictions[Path(image).stem])
+                                                  for image in images}, data / "ground_truth.json")  # fmt: skip
+    document = report_json(database, ["--run", run], monkeypatch)
+    title = next(t for t in document["tables"] if t.startswith("OmniDocBench figures"))
+    figures = by(document["tables"][title], "page group")["all pages"]
+    overall = official["overall"]
+    for label, element in [("text edit", "text_block"), ("formula edit", "display_formula"),
+                           ("table edit", "table"), ("reading order edit", "reading_order")]:  # fmt: skip
+        assert figures[label] == pytest.approx(overall[element]["Edit_dist"]["ALL_page_avg"], abs=1e-6), label
+    page_teds = [sum(p["teds"]) / len(p["teds"]) for p in official["pages"].values() if "teds" in p]
+    assert figures["table TEDS"] == pytest.approx(sum(page_teds) / len(page_teds), abs=1e-6)
+
+    written = export_predictions(database.url, run, tmp_path / "export")
+    assert written.without_result == 0
+    assert {p.stem: p.read_text(encoding="utf-8") for p in written.files} == predictions
