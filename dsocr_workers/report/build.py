@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -272,30 +273,56 @@ def page_averages(data: RunData, metric: Metric) -> dict[tuple[str, str], float]
     return {key: sum(v) / len(v) for key, v in values.items() if v}
 
 
-def _omnidocbench_figures(data: RunData) -> Table:
+def _has_attribute(attributes: dict[str, dict[str, str]], name: str, value: str, image: str) -> bool:
+    return attributes[image].get(name) == value
+
+
+def omnidocbench_figures(data: RunData) -> dict[tuple[str, str], tuple[int, list[float | None]]]:
     """The figures OmniDocBench's leaderboard prints, aggregated as it aggregates them: each page's
     figure (its repeats averaged), then the mean over the pages that have the category (the
-    evaluator's `ALL_page_avg` for edit distances, its page-level TEDS); by page attribute below."""
+    evaluator's `ALL_page_avg` for edit distances, its page-level TEDS). By (mode, page group): the
+    number of pages and one value per ACCURACY metric; groups are "all pages" and each value of the
+    page attributes in PAGE_GROUPS the annotation gives."""
     attributes = {j.image: (j.reference or {}).get("attributes") or {} for j in data.jobs}
-    averages = {metric.label: page_averages(data, metric) for metric in ACCURACY}
-    modes = list(dict.fromkeys(r.mode for r in in_job_order(data)))
+    averages = [page_averages(data, metric) for metric in ACCURACY]
     groups: list[tuple[str, Callable[[str], bool]]] = [("all pages", lambda image: True)]
     for name in PAGE_GROUPS:
         for value in sorted({a[name] for a in attributes.values() if name in a}):
-            groups.append((f"{name}: {value}", lambda image, n=name, v=value: attributes[image].get(n) == v))
+            groups.append((f"{name}: {value}", partial(_has_attribute, attributes, name, value)))
     jobs = {j.id: j for j in data.jobs}
-    rows: list[list[Any]] = []
-    for mode in modes:
+    figures: dict[tuple[str, str], tuple[int, list[float | None]]] = {}
+    for mode in dict.fromkeys(r.mode for r in in_job_order(data)):
         images = {jobs[r.job_id].image for r in in_job_order(data) if r.mode == mode}
         for label, member in groups:
-            cells = []
-            for metric in ACCURACY:
-                page_values = [v for (m, image), v in averages[metric.label].items() if m == mode and member(image)]
-                cells.append(sum(page_values) / len(page_values) if page_values else None)
-            rows.append([mode, label, sum(member(image) for image in images), *cells])
+            cells: list[float | None] = []
+            for by_page in averages:
+                values = [v for (m, image), v in by_page.items() if m == mode and member(image)]
+                cells.append(sum(values) / len(values) if values else None)
+            figures[(mode, label)] = (sum(member(image) for image in images), cells)
+    return figures
+
+
+FIGURES_TITLE = "OmniDocBench figures, page averages as its leaderboard aggregates them"
+
+
+def _omnidocbench_figures(data: RunData) -> Table:
+    rows = [[mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()]
     columns = ["mode", "page group", "pages", *(m.label for m in ACCURACY)]
-    title = f"OmniDocBench figures, page averages as its leaderboard aggregates them ({ACCURACY_READING})"
-    return Table(title, columns, rows, _accuracy_note(data))
+    return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(data))
+
+
+def _omnidocbench_figure_pairs(a: RunData, b: RunData) -> Table:
+    """Each run's OmniDocBench figures side by side (each over its own pages; the paired differences
+    are in "Paired accuracy")."""
+    figures_a, figures_b = omnidocbench_figures(a), omnidocbench_figures(b)
+    rows = []
+    for key in dict.fromkeys([*figures_a, *figures_b]):
+        pages_a, cells_a = figures_a.get(key, (0, [None] * len(ACCURACY)))
+        pages_b, cells_b = figures_b.get(key, (0, [None] * len(ACCURACY)))
+        for metric, value_a, value_b in zip(ACCURACY, cells_a, cells_b, strict=True):
+            rows.append([*key, metric.label, pages_a, value_a, pages_b, value_b])
+    columns = ["mode", "page group", "metric", "A pages", "A", "B pages", "B"]
+    return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(a, b))
 
 
 def _stop_reasons(data: RunData) -> Table:
@@ -469,6 +496,7 @@ def comparison_report(
     all_a, all_b = _by_image(a, list(a.results.values())), _by_image(b, list(b.results.values()))
     if scored(a) and scored(b):
         report.tables.append(_paired_accuracy(all_a, all_b, _accuracy_note(a, b)))
+        report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:

@@ -128,6 +128,10 @@ def test_vs_gives_paired_accuracy_differences_with_an_interval(database, tmp_pat
 
     text = by(report_json(database, ["--run", a, "--vs", same], monkeypatch)["tables"][title], "metric")["text edit"]
     assert text["B-A_ci_low"] <= 0 <= text["B-A_ci_high"] and text["verdict"] == "no significant difference"
+    figures = next(rows for t, rows in document["tables"].items() if t.startswith("OmniDocBench figures"))
+    text = by(figures, "page group", "metric")[("all pages", "text edit")]
+    assert (text["A pages"], text["B pages"]) == (10, 10)
+    assert (text["A"], text["B"]) == (pytest.approx(0.09, abs=1e-6), pytest.approx(0.31, abs=1e-6))
     per_image = report_json(database, ["--run", a, "--vs", worse, "--per-image"], monkeypatch)["tables"]["Per image"]
     assert by(per_image, "image")["p2.png"]["B text edit"] == 0.5
 
