@@ -11,12 +11,16 @@
 from __future__ import annotations
 
 import html
+import logging
 import re
 import unicodedata
 from functools import lru_cache
 
 from bs4 import BeautifulSoup
 from pylatexenc.latex2text import LatexNodes2Text
+
+# pylatexenc warns on every malformed formula it reads (model output has many): not the worker's news.
+logging.getLogger("pylatexenc").setLevel(logging.ERROR)
 
 _INLINE = re.compile(r"\$(.*?)\$|\\\((.*?)\\\)")
 _ESCAPES = re.compile(r"\\([\\_&%^])")

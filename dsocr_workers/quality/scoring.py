@@ -154,7 +154,11 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
         if entry.pred_kind in _FORMULA_KINDS:
             formula_pairs.append(_pair(entry))
         else:  # a formula answered by text: scored as text, its LaTeX read as Unicode
-            unicode = latex_to_unicode(entry.gt)
+            try:
+                unicode = latex_to_unicode(entry.gt)
+            except Exception:  # noqa: BLE001 - pylatexenc fails on some LaTeX (an empty matrix); the
+                unicode = entry.gt  # evaluator then stops altogether: here the LaTeX is scored as written
+
             text_pairs.append(EditPair(clean_text(unicode) or unicode, entry.norm_pred or entry.pred))
     return PageMatch(text_pairs, formula_pairs, table_pairs, _reading_order(text_entries))
 

@@ -188,3 +188,10 @@ def test_a_block_that_normalises_to_nothing_shifts_the_items_read_after_it():
     # the item of "***", a text block, so the evaluator scores the formula as text ("a+b" against "ab").
     scores = score_page("***\n\n$$a+b$$", page)
     assert scores.formula is None and scores.text == pytest.approx(1 / 3)
+
+
+def test_latex_pylatexenc_cannot_read_is_scored_as_written():
+    # An array pylatexenc fails on (the evaluator stops there), matched to a text block: no exception.
+    page = reference(("equation_isolated", "\\begin{array}{l} a \\\\ b \\end{array}", 0), ("text_block", "alpha $x^2$", None))
+    scores = score_page("alpha beta", page)
+    assert scores.text is not None and 0.0 < scores.text <= 1.0
