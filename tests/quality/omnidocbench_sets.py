@@ -1,15 +1,19 @@
 """The prediction sets the agreement tests score (tests/quality/data/omnidocbench/README.md): the public
-demo predictions, stored, and sets derived here from the ground truth, each exercising one matching or
+demo predictions and sets derived here from the ground truth, each exercising one matching or
 normalisation path of the official evaluator. Derived sets are made at test time (seeded, so always the
-same files); the official evaluator's outputs for all of them are stored.
+same files); the official evaluator's outputs for all of them are committed, while OmniDocBench's own
+files (its demo ground truth, slimmed, and its demo predictions) live in the shared data folder,
+`shared/data/omnidocbench-demo/` beside the checkout (OMNIDOCBENCH_DEMO_DIR elsewhere).
 
-usage: python -m tests.quality.omnidocbench_sets DEMO_DIR OUT_DIR
-  (DEMO_DIR: OmniDocBench's demo_data/): refreshes the slimmed ground truth and the demo predictions
-  under data/omnidocbench/ and writes every set to OUT_DIR/<set>/ for the evaluator."""
+usage: python -m tests.quality.omnidocbench_sets DEMO_DATA_DIR OUT_DIR
+  (DEMO_DATA_DIR: OmniDocBench's demo_data/): writes OUT_DIR/ground_truth.json (slimmed),
+  OUT_DIR/predictions/demo/ (the shared folder's contents) and every set to OUT_DIR/sets/<set>/ for
+  the evaluator."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -19,6 +23,8 @@ from pathlib import Path
 from lxml import html as lxml_html
 
 DATA = Path(__file__).parent / "data" / "omnidocbench"
+DEMO = Path(os.environ.get("OMNIDOCBENCH_DEMO_DIR")
+            or Path(__file__).resolve().parents[3] / "shared" / "data" / "omnidocbench-demo")  # fmt: skip
 SCORED = ("text_block", "title", "code_txt", "code_txt_caption", "reference", "equation_caption",
           "figure_caption", "figure_footnote", "table_caption", "table_footnote", "code_algorithm",
           "code_algorithm_caption", "header", "footer", "page_footnote", "page_number")  # fmt: skip
@@ -141,10 +147,10 @@ DERIVED = {"echo": lambda b, r: echo(b), "split_merged": split_merged, "inline_m
 SETS = ("demo", *DERIVED)
 
 
-def write_set(name: str, pages: list[dict], directory: Path) -> None:
+def write_set(name: str, pages: list[dict], directory: Path, demo: Path = DEMO) -> None:
     """One prediction set's markdown files (`<image stem>.md`) into `directory`."""
     if name == "demo":
-        shutil.copytree(DATA / "predictions" / "demo", directory, dirs_exist_ok=True)
+        shutil.copytree(demo / "predictions" / "demo", directory, dirs_exist_ok=True)
         return
     directory.mkdir(parents=True, exist_ok=True)
     for page in pages:
@@ -153,14 +159,14 @@ def write_set(name: str, pages: list[dict], directory: Path) -> None:
         (directory / f"{stem}.md").write_text(DERIVED[name](reference_blocks(page), rng), encoding="utf-8")
 
 
-def main(demo: Path, out: Path) -> None:
-    pages = json.loads((demo / "omnidocbench_demo" / "OmniDocBench_demo.json").read_text(encoding="utf-8"))
+def main(demo_data: Path, out: Path) -> None:
+    pages = json.loads((demo_data / "omnidocbench_demo" / "OmniDocBench_demo.json").read_text(encoding="utf-8"))
     slimmed = [slim(p) for p in pages]
-    (DATA / "ground_truth.json").write_text(json.dumps(slimmed, ensure_ascii=False, indent=0), encoding="utf-8")
-    shutil.rmtree(DATA / "predictions" / "demo", ignore_errors=True)
-    shutil.copytree(demo / "end2end", DATA / "predictions" / "demo")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ground_truth.json").write_text(json.dumps(slimmed, ensure_ascii=False, indent=0), encoding="utf-8")
+    shutil.copytree(demo_data / "end2end", out / "predictions" / "demo", dirs_exist_ok=True)
     for name in SETS:
-        write_set(name, slimmed, out / name)
+        write_set(name, slimmed, out / "sets" / name, demo=out)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
 """quality/scoring.py against the official OmniDocBench end-to-end evaluator (quick_match): on every
-page of every prediction set in tests/quality/data/omnidocbench/ (the public demo predictions and sets
-derived from the ground truth), each figure within 0.005 of the evaluator's stored output."""
+page of every prediction set (OmniDocBench's demo predictions and sets derived from its demo ground
+truth, tests/quality/omnidocbench_sets.py), each figure within 0.005 of the evaluator's stored output
+(tests/quality/data/omnidocbench/official.json)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import pytest
 
 from dsocr_workers.quality.omnidocbench import load_annotation, prediction_filename
 from dsocr_workers.quality.scoring import PageScores, score_page
-from tests.quality.omnidocbench_sets import SETS, write_set
+from tests.quality.omnidocbench_sets import DATA, DEMO, SETS, write_set
 
-DATA = Path(__file__).parent / "data" / "omnidocbench"
 OFFICIAL = json.loads((DATA / "official.json").read_text(encoding="utf-8"))
+if not (DEMO / "ground_truth.json").exists():
+    pytest.skip(f"OmniDocBench's demo data is not in {DEMO} (shared/data/omnidocbench-demo; see "
+                "tests/quality/data/omnidocbench/README.md)", allow_module_level=True)  # fmt: skip
 TOLERANCE = 0.005
 
 
@@ -24,8 +25,8 @@ def _mean(values: list[float] | None) -> float | None:
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, PageScores]]:
-    references = load_annotation(DATA / "ground_truth.json")
-    pages = json.loads((DATA / "ground_truth.json").read_text(encoding="utf-8"))
+    references = load_annotation(DEMO / "ground_truth.json")
+    pages = json.loads((DEMO / "ground_truth.json").read_text(encoding="utf-8"))
     out: dict[str, dict[str, PageScores]] = {}
     for name in SETS:
         directory = tmp_path_factory.mktemp(name)
