@@ -6,6 +6,7 @@ truth, tests/quality/omnidocbench_sets.py), each figure within 0.005 of the eval
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from dsocr_workers.quality.omnidocbench import load_annotation, prediction_filename

@@ -176,7 +176,8 @@ def test_report_figures_and_export_round_trip_with_the_official_evaluator(databa
     from pathlib import Path
 
     from dsocr_workers.report.export import export_predictions
-    from tests.quality.omnidocbench_sets import DATA, DEMO as demo
+    from tests.quality.omnidocbench_sets import DATA
+    from tests.quality.omnidocbench_sets import DEMO as demo
 
     if not (demo / "ground_truth.json").exists():
         pytest.skip(f"OmniDocBench's demo data is not in {demo} (see tests/quality/data/omnidocbench/README.md)")
