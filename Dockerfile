@@ -21,8 +21,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# The project as a source tree (editable install): `dsocr db upgrade` finds migrations/ beside the
-# package, as in a checkout. Copied in two steps so that code edits do not reinstall dependencies.
+# The project as a source tree (editable install); the migrations ship inside the package
+# (dsocr_workers/migrations/). Copied in two steps so that code edits do not reinstall dependencies.
 RUN python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY dsocr_workers/__init__.py dsocr_workers/__init__.py

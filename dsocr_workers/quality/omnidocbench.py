@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ class PageReference:
 
     image: str  # the file name in `page_info.image_path`
     blocks: tuple[ReferenceBlock, ...]
+    # `page_info.page_attribute`'s single-valued attributes (data_source, language, layout, …): the
+    # groups OmniDocBench breaks its figures down by.
+    attributes: Mapping[str, str] = field(default_factory=dict)
 
     def of(self, categories: Iterable[str]) -> list[ReferenceBlock]:
         wanted = set(categories)
@@ -58,11 +61,13 @@ class PageReference:
 
     def to_json(self) -> dict[str, Any]:
         """The form stored with each job (jobs.reference)."""
-        return {"image": self.image, "blocks": [[b.category, b.content, b.order] for b in self.blocks]}
+        return {"image": self.image, "blocks": [[b.category, b.content, b.order] for b in self.blocks],
+                "attributes": dict(self.attributes)}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PageReference:
-        return cls(data["image"], tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"]))
+        blocks = tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"])
+        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # none stored before issue 32
 
 
 def prediction_filename(image: str) -> str:
@@ -80,24 +85,30 @@ def _anno_id(value: Any) -> int | str | None:
     return value if isinstance(value, int | str) else None
 
 
-def _truncated_groups(relations: Any) -> list[set[int | str]]:
-    """anno_ids joined by "truncated" relations, as groups (a block split in three is one group)."""
-    groups: list[set[int | str]] = []
+def _truncated_groups(relations: Any) -> list[list[int | str]]:
+    """anno_ids joined by "truncated" relations, as the evaluator groups them: a relation touching an
+    existing group adds both its ends to every group it touches, so a block split in three parts
+    (a-b, b-c) makes the group [a, b, b, c] and its middle part is read twice. The quirk is in every
+    published number, so it is kept."""
+    groups: list[list[int | str]] = []
     for relation in relations if isinstance(relations, list) else []:
         if not isinstance(relation, dict) or relation.get("relation_type") != "truncated":
             continue
         source, target = _anno_id(relation.get("source_anno_id")), _anno_id(relation.get("target_anno_id"))
         if source is None or target is None:
             continue
-        pair = {source, target}
-        touching = [group for group in groups if group & pair]
-        merged = pair.union(*touching)
-        groups = [group for group in groups if not group & pair] + [merged]
+        touched = [group for group in groups if source in group or target in group]
+        for group in touched:
+            group += [source, target]
+        if not touched:
+            groups.append([source, target])
     return groups
 
 
 def page_reference(page: Any, where: str) -> PageReference:
-    """One annotation entry as a PageReference; InputError (naming `where`) when it is malformed."""
+    """One annotation entry as a PageReference; InputError (naming `where`) when it is malformed.
+    Blocks keep the annotation's order, empty ones included (the evaluator counts them when it looks
+    blocks up by index); truncated parts are joined into one block placed after all others."""
     if not isinstance(page, dict):
         raise InputError(f"{where}: expected an object with page_info and layout_dets")
     info = page.get("page_info")
@@ -111,42 +122,37 @@ def page_reference(page: Any, where: str) -> PageReference:
     for k, block in enumerate(blocks):
         if not isinstance(block, dict) or not isinstance(block.get("category_type"), str):
             raise InputError(f"{where} ({image}): layout_dets[{k}] has no category_type")
-        field = _CONTENT_FIELD.get(block["category_type"])
-        if field is None:
+        content_field = _CONTENT_FIELD.get(block["category_type"])
+        if content_field is None:
             continue  # figures, masks, abandoned regions: nothing to read
-        content = block.get(field)
+        content = block.get(content_field)
         if content is not None and not isinstance(content, str):
-            raise InputError(f"{where} ({image}): layout_dets[{k}].{field} is not a string")
-        if content:
-            kept.append(block)
+            raise InputError(f"{where} ({image}): layout_dets[{k}].{content_field} is not a string")
+        kept.append(block)
     extra = page.get("extra")
     groups = _truncated_groups(extra.get("relation") if isinstance(extra, dict) else None)
-    grouped = {anno: i for i, group in enumerate(groups) for anno in group}
-    parts: dict[int, list[dict[str, Any]]] = {}
-    result: list[tuple[int, ReferenceBlock | None]] = []  # (group or -1, block), in annotation order
-    for block in kept:
-        anno = _anno_id(block.get("anno_id"))
-        group = grouped.get(anno, -1) if anno is not None and block["category_type"] in _TEXT else -1
-        if group == -1:
-            result.append((-1, _block(block)))
-        elif group not in parts:
-            parts[group] = [block]
-            result.append((group, None))  # filled in below, at the place of its first part
-        else:
-            parts[group].append(block)
-    return PageReference(image, tuple(block or _joined(parts[group]) for group, block in result))
+    in_groups = {anno for group in groups for anno in group}
+    by_anno = {_anno_id(b.get("anno_id")): b for b in kept if _anno_id(b.get("anno_id")) in in_groups}
+    result = [_block(b) for b in kept if _anno_id(b.get("anno_id")) not in in_groups]
+    for group in groups:
+        parts = [by_anno[anno] for anno in group if anno in by_anno]
+        if parts:
+            result.append(_joined(parts))
+    attributes = info.get("page_attribute") if isinstance(info, dict) else None
+    scalar = {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    return PageReference(image, tuple(result), scalar)
 
 
 def _block(block: dict[str, Any]) -> ReferenceBlock:
     category = block["category_type"]
-    return ReferenceBlock(category, block[_CONTENT_FIELD[category]], _order(block.get("order")))
+    return ReferenceBlock(category, block.get(_CONTENT_FIELD[category]) or "", _order(block.get("order")))
 
 
 def _joined(blocks: list[dict[str, Any]]) -> ReferenceBlock:
     """Truncated parts as one block: texts joined in reading order, category and order of the first."""
-    ordered = sorted(blocks, key=lambda b: (_order(b.get("order")) is None, _order(b.get("order")) or 0))
+    ordered = sorted(blocks, key=lambda b: _order(b.get("order")) or 0)
     first = _block(ordered[0])
-    return ReferenceBlock(first.category, "".join(b["text"] for b in ordered), first.order)
+    return ReferenceBlock(first.category, "".join(_block(b).content for b in ordered), first.order)
 
 
 def load_annotation(path: str | os.PathLike) -> dict[str, PageReference]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,7 @@ class Report:
 class Metric:
     label: str
     values: Callable[[Result], list[float]]  # one job's values: one, none (not measured) or its decode steps
+    higher_is_better: bool = False  # TEDS; edit distances and times read better lower
 
 
 def _column(name: str, scale: float = 1.0) -> Callable[[Result], list[float]]:
@@ -101,13 +103,19 @@ MEMORY = [
     Metric("  KV cache MiB", _column("kv_cache_bytes", 1 / MIB)),
     Metric("  activation peak MiB", _column("activation_peak_bytes", 1 / MIB)),
 ]
-# Normalised edit distance to the ground truth per OmniDocBench category (quality/scoring.py).
+# Against the ground truth as OmniDocBench's end-to-end evaluator scores a page (quality/scoring.py):
+# normalised edit distances per category and table TEDS.
 ACCURACY = [
     Metric("text edit", _column("text_edit")),
     Metric("formula edit", _column("formula_edit")),
     Metric("table edit", _column("table_edit")),
+    Metric("table TEDS", _column("table_teds"), higher_is_better=True),
+    Metric("table TEDS structure", _column("table_teds_structure"), higher_is_better=True),
     Metric("reading order edit", _column("reading_order_edit")),
 ]
+ACCURACY_READING = "edit distances: lower is better; TEDS: higher is better"
+# OmniDocBench's page attributes its figures are broken down by, where the annotation has them.
+PAGE_GROUPS = ("data_source", "language", "layout")
 # Beside accuracy, per mode: what it cost.
 SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
 
@@ -218,6 +226,7 @@ def single_report(
     report.tables.append(Table("Latency and output", columns, rows))
     if scored(data):
         report.tables.append(_accuracy_by_mode(data, results))
+        report.tables.append(_omnidocbench_figures(data))
     report.tables.append(_stop_reasons(data))
     report.tables.append(_accounting(results))
     if facts["cold results"]:
@@ -250,8 +259,70 @@ def _accuracy_by_mode(data: RunData, measured_results: list[Result]) -> Table:
             s = summarize(metric, [r for r in measured_results if r.mode == mode])
             rows.append([mode, metric.label, s.jobs, s.mean, s.p50, s.p90])
     columns = ["mode", "metric", "jobs", "mean", "p50", "p90"]
-    title = "Accuracy and latency per mode (normalised edit distance to the ground truth: lower is better)"
+    title = f"Accuracy and latency per mode (against the ground truth; {ACCURACY_READING})"
     return Table(title, columns, rows, _accuracy_note(data))
+
+
+def page_averages(data: RunData, metric: Metric) -> dict[tuple[str, str], float]:
+    """Per (mode, image): the metric averaged over the image's results (its repeats); images whose
+    results have no value (nothing of the category on the page) are absent."""
+    jobs = {j.id: j for j in data.jobs}
+    values: dict[tuple[str, str], list[float]] = {}
+    for result in in_job_order(data):
+        values.setdefault((result.mode, jobs[result.job_id].image), []).extend(metric.values(result))
+    return {key: sum(v) / len(v) for key, v in values.items() if v}
+
+
+def _has_attribute(attributes: dict[str, dict[str, str]], name: str, value: str, image: str) -> bool:
+    return attributes[image].get(name) == value
+
+
+def omnidocbench_figures(data: RunData) -> dict[tuple[str, str], tuple[int, list[float | None]]]:
+    """The figures OmniDocBench's leaderboard prints, aggregated as it aggregates them: each page's
+    figure (its repeats averaged), then the mean over the pages that have the category (the
+    evaluator's `ALL_page_avg` for edit distances, its page-level TEDS). By (mode, page group): the
+    number of pages and one value per ACCURACY metric; groups are "all pages" and each value of the
+    page attributes in PAGE_GROUPS the annotation gives."""
+    attributes = {j.image: (j.reference or {}).get("attributes") or {} for j in data.jobs}
+    averages = [page_averages(data, metric) for metric in ACCURACY]
+    groups: list[tuple[str, Callable[[str], bool]]] = [("all pages", lambda image: True)]
+    for name in PAGE_GROUPS:
+        for value in sorted({a[name] for a in attributes.values() if name in a}):
+            groups.append((f"{name}: {value}", partial(_has_attribute, attributes, name, value)))
+    jobs = {j.id: j for j in data.jobs}
+    figures: dict[tuple[str, str], tuple[int, list[float | None]]] = {}
+    for mode in dict.fromkeys(r.mode for r in in_job_order(data)):
+        images = {jobs[r.job_id].image for r in in_job_order(data) if r.mode == mode}
+        for label, member in groups:
+            cells: list[float | None] = []
+            for by_page in averages:
+                values = [v for (m, image), v in by_page.items() if m == mode and member(image)]
+                cells.append(sum(values) / len(values) if values else None)
+            figures[(mode, label)] = (sum(member(image) for image in images), cells)
+    return figures
+
+
+FIGURES_TITLE = "OmniDocBench figures, page averages as its leaderboard aggregates them"
+
+
+def _omnidocbench_figures(data: RunData) -> Table:
+    rows = [[mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()]
+    columns = ["mode", "page group", "pages", *(m.label for m in ACCURACY)]
+    return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(data))
+
+
+def _omnidocbench_figure_pairs(a: RunData, b: RunData) -> Table:
+    """Each run's OmniDocBench figures side by side (each over its own pages; the paired differences
+    are in "Paired accuracy")."""
+    figures_a, figures_b = omnidocbench_figures(a), omnidocbench_figures(b)
+    rows = []
+    for key in dict.fromkeys([*figures_a, *figures_b]):
+        pages_a, cells_a = figures_a.get(key, (0, [None] * len(ACCURACY)))
+        pages_b, cells_b = figures_b.get(key, (0, [None] * len(ACCURACY)))
+        for metric, value_a, value_b in zip(ACCURACY, cells_a, cells_b, strict=True):
+            rows.append([*key, metric.label, pages_a, value_a, pages_b, value_b])
+    columns = ["mode", "page group", "metric", "A pages", "A", "B pages", "B"]
+    return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(a, b))
 
 
 def _stop_reasons(data: RunData) -> Table:
@@ -371,7 +442,7 @@ def _per_image(data: RunData) -> Table:
     job_columns = ["image", "repeat", "job id", "state", "attempts"]
     columns = [*job_columns, "worker", "device", *(m.label.strip() for m in PER_IMAGE), "tokens", "wasted steps",
                "ms/token p50", "peak MiB", "boxes", "cold", "text edit", "formula edit", "table edit",
-               "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
+               "table TEDS", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
     rows = []
     for j in data.jobs:
         r = data.results.get(j.id)
@@ -380,7 +451,8 @@ def _per_image(data: RunData) -> Table:
         result_cells = [
             lane_key(data, r), r.device, *(next(iter(m.values(r)), None) for m in PER_IMAGE), r.decode_tokens,
             r.wasted_steps, r.decode_ms_per_token_p50, None if peak is None else peak / MIB, r.box_count,
-            r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.reading_order_edit,
+            r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.table_teds,
+            r.reading_order_edit,
             _loop_cell(r), r.stop_reason,
         ] if r else [None] * (len(columns) - len(job_columns) - 1) + [j.last_error_class]  # fmt: skip
         rows.append([j.image, j.repeat, j.id, j.state, j.attempts, *result_cells])
@@ -424,6 +496,7 @@ def comparison_report(
     all_a, all_b = _by_image(a, list(a.results.values())), _by_image(b, list(b.results.values()))
     if scored(a) and scored(b):
         report.tables.append(_paired_accuracy(all_a, all_b, _accuracy_note(a, b)))
+        report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
@@ -431,16 +504,17 @@ def comparison_report(
     return report
 
 
-def difference_verdict(difference: Estimate) -> str:
-    """What a B − A difference of edit distances says, plainly (lower reads better)."""
+def difference_verdict(difference: Estimate, higher_is_better: bool = False) -> str:
+    """What a B − A difference of an accuracy figure says, plainly (edit distances read better lower,
+    TEDS higher)."""
     if difference.value is None:
         return "–"
     if difference.low is None or difference.high is None:
         return "no interval (n<2)" if difference.n < 2 else "no interval (no spread)"
     if difference.high < 0:
-        return "B lower: reads better"
+        return "B lower: reads worse" if higher_is_better else "B lower: reads better"
     if difference.low > 0:
-        return "B higher: reads worse"
+        return "B higher: reads better" if higher_is_better else "B higher: reads worse"
     return NO_DIFFERENCE
 
 
@@ -456,9 +530,10 @@ def _paired_accuracy(
         values_b = [metric.values(rb)[0] for _, rb in pairs]
         difference = paired_difference(values_b, values_a)
         rows.append([metric.label, len(pairs), Summary.from_values(values_a).mean,
-                     Summary.from_values(values_b).mean, difference, difference_verdict(difference)])  # fmt: skip
+                     Summary.from_values(values_b).mean, difference,
+                     difference_verdict(difference, metric.higher_is_better)])  # fmt: skip
     columns = ["metric", "pairs", "A mean", "B mean", "B-A", "verdict"]
-    return Table("Paired accuracy (normalised edit distance: lower is better)", columns, rows, note)
+    return Table(f"Paired accuracy ({ACCURACY_READING})", columns, rows, note)
 
 
 def _stop_reason_pairs(a: RunData, b: RunData) -> Table:

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.settings import redacted
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"  # package data: ships in the wheel
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # libpq's TCP keepalive, probing after 30 s of silence, every 5 s, 3 times (libpq leaves the timing to the
 # OS: first probe after 2 h on Linux). A query whose reply the server gave up delivering — it retransmitted

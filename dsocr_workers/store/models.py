@@ -1,7 +1,7 @@
 """The ledger's tables: runs, their jobs, one result per job, and the environments that produced them.
 
 Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
-Alembic owns the schema (`migrations/`); a change here needs a new migration.
+Alembic owns the schema (`dsocr_workers/migrations/`); a change here needs a new migration.
 """
 
 from __future__ import annotations
@@ -243,3 +243,6 @@ class Result(TimingColumns, Base):
     formula_edit: Mapped[float | None] = mapped_column(Float)
     table_edit: Mapped[float | None] = mapped_column(Float)
     reading_order_edit: Mapped[float | None] = mapped_column(Float)
+    # Table TEDS (higher is better), the page's tables averaged; `_structure`: cells without content.
+    table_teds: Mapped[float | None] = mapped_column(Float)
+    table_teds_structure: Mapped[float | None] = mapped_column(Float)

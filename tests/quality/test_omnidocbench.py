@@ -46,8 +46,9 @@ def test_truncated_blocks_are_joined_in_reading_order(write_omnidocbench):
         truncated={"p.png": [(2, 0)]},
     )  # fmt: skip
     page = load_annotation(path)["p.png"]
+    # Joined parts go after every other block, as the evaluator appends them to their category's list.
     assert [(b.category, b.content, b.order) for b in page.blocks] == [
-        ("text_block", "A sentence that continues here.", 2), ("title", "T", 1), ("text_block", "Other", 4),
+        ("title", "T", 1), ("text_block", "Other", 4), ("text_block", "A sentence that continues here.", 2),
     ]  # fmt: skip
     assert score_page("# T\n\nA sentence that continues here.\n\nOther", page).text == 0.0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 
 import pytest
 from fakes import Page, make_run
@@ -34,7 +35,7 @@ def test_accuracy_per_mode_beside_latency_with_the_random_weights_label(database
              ("p3.png", 0): Page(1.4, wrong(2)), ("p4.png", 0): Page(1.6, wrong(5))}  # fmt: skip
     run = make_run(database, tmp_path, make_png, pages, ground_truth([image for image, _ in pages]))
     document = report_json(database, ["--run", run, "--per-image"], monkeypatch)
-    title = "Accuracy and latency per mode (normalised edit distance to the ground truth: lower is better)"
+    title = "Accuracy and latency per mode (against the ground truth; edit distances: lower is better; TEDS: higher is better)"
     rows = by(document["tables"][title], "mode", "metric")
     text = rows[("tiny", "text edit")]
     assert text["jobs"] == 4 and text["mean"] == pytest.approx((0 + 0.1 + 0.2 + 0.5) / 4)
@@ -116,7 +117,7 @@ def test_vs_gives_paired_accuracy_differences_with_an_interval(database, tmp_pat
     worse = make_run(database, tmp_path / "b", make_png, noisy_accuracy_pages([3, 2, 5, 3, 2, 3, 4, 2, 3, 4]), truth)
     same = make_run(database, tmp_path / "c", make_png, noisy_accuracy_pages([0, 1, 1, 2, 1, 1, 1, 0, 1, 1]), truth)
     document = report_json(database, ["--run", a, "--vs", worse], monkeypatch)
-    title = "Paired accuracy (normalised edit distance: lower is better)"
+    title = "Paired accuracy (edit distances: lower is better; TEDS: higher is better)"
     text = by(document["tables"][title], "metric")["text edit"]
     assert text["pairs"] == 10 and text["A mean"] == pytest.approx(0.09) and text["B mean"] == pytest.approx(0.31)
     assert text["B-A"] == pytest.approx(0.22) and 0 < text["B-A_ci_low"] < 0.22 < text["B-A_ci_high"]
@@ -127,5 +128,74 @@ def test_vs_gives_paired_accuracy_differences_with_an_interval(database, tmp_pat
 
     text = by(report_json(database, ["--run", a, "--vs", same], monkeypatch)["tables"][title], "metric")["text edit"]
     assert text["B-A_ci_low"] <= 0 <= text["B-A_ci_high"] and text["verdict"] == "no significant difference"
+    figures = next(rows for t, rows in document["tables"].items() if t.startswith("OmniDocBench figures"))
+    text = by(figures, "page group", "metric")[("all pages", "text edit")]
+    assert (text["A pages"], text["B pages"]) == (10, 10)
+    assert (text["A"], text["B"]) == (pytest.approx(0.09, abs=1e-6), pytest.approx(0.31, abs=1e-6))
     per_image = report_json(database, ["--run", a, "--vs", worse, "--per-image"], monkeypatch)["tables"]["Per image"]
     assert by(per_image, "image")["p2.png"]["B text edit"] == 0.5
+
+
+TABLE = "<table><tr><td>1</td><td>2</td></tr></table>"
+
+
+def test_omnidocbench_figures_are_page_averages_by_page_group(database, tmp_path, make_png, write_omnidocbench,
+                                                             monkeypatch):
+    truth = write_omnidocbench({"p1.png": [("text_block", REFERENCE_TEXT, 1), ("table", TABLE, 2)],
+                                "p2.png": [("text_block", REFERENCE_TEXT, 1)],
+                                "p3.png": [("text_block", REFERENCE_TEXT, 1)]})  # fmt: skip
+    pages = json.loads(truth.read_text())
+    for page, source in zip(pages, ["book", "book", "newspaper"], strict=True):
+        page["page_info"]["page_attribute"] = {"data_source": source, "language": "english",
+                                               "special_issue": ["fuzzy_scan"]}  # fmt: skip
+    truth.write_text(json.dumps(pages))
+    # Two repeats a page; p1 writes its table in the first only (TEDS 1, then 0: the page's TEDS is 0.5).
+    run = make_run(database, tmp_path, make_png, {
+        ("p1.png", 0): Page(1.0, wrong(0) + "\n\n" + TABLE), ("p1.png", 1): Page(1.0, wrong(2)),
+        ("p2.png", 0): Page(1.0, wrong(1)), ("p2.png", 1): Page(1.0, wrong(1)),
+        ("p3.png", 0): Page(1.0, wrong(4)), ("p3.png", 1): Page(1.0, wrong(6)),
+    }, truth)  # fmt: skip
+    document = report_json(database, ["--run", run], monkeypatch)
+    title = next(t for t in document["tables"] if t.startswith("OmniDocBench figures"))
+    rows = by(document["tables"][title], "page group")
+    assert list(rows) == ["all pages", "data_source: book", "data_source: newspaper", "language: english"]
+    everything = rows["all pages"]
+    assert everything["pages"] == 3 and everything["text edit"] == pytest.approx((0.1 + 0.1 + 0.5) / 3, abs=1e-6)  # (shown rounded)
+    assert everything["table TEDS"] == pytest.approx(0.5) and everything["table TEDS structure"] == pytest.approx(0.5)
+    assert everything["formula edit"] is None  # no page has a formula
+    assert rows["data_source: book"]["text edit"] == pytest.approx(0.1) and rows["data_source: book"]["pages"] == 2
+    assert rows["data_source: newspaper"]["text edit"] == pytest.approx(0.5)
+    assert rows["data_source: newspaper"]["table TEDS"] is None
+
+
+def test_report_figures_and_export_round_trip_with_the_official_evaluator(database, tmp_path, make_png,
+                                                                          monkeypatch):
+    """A run whose pages wrote OmniDocBench's demo predictions: the report's OmniDocBench figures equal
+    the official evaluator's on those files (tests/quality/data/omnidocbench/official.json), and
+    `dsocr export` writes exactly the files the evaluator was run on."""
+    from pathlib import Path
+
+    from dsocr_workers.report.export import export_predictions
+    from tests.quality.omnidocbench_sets import DATA
+    from tests.quality.omnidocbench_sets import DEMO as demo
+
+    if not (demo / "ground_truth.json").exists():
+        pytest.skip(f"OmniDocBench's demo data is not in {demo} (see tests/quality/data/omnidocbench/README.md)")
+    official = json.loads((DATA / "official.json").read_text(encoding="utf-8"))["demo"]
+    predictions = {p.stem: p.read_text(encoding="utf-8") for p in (demo / "predictions" / "demo").iterdir()}
+    images = [page["page_info"]["image_path"] for page in json.loads((demo / "ground_truth.json").read_text())]
+    run = make_run(database, tmp_path, make_png, {(image, 0): Page(1.0, predictions[Path(image).stem])
+                                                  for image in images}, demo / "ground_truth.json")  # fmt: skip
+    document = report_json(database, ["--run", run], monkeypatch)
+    title = next(t for t in document["tables"] if t.startswith("OmniDocBench figures"))
+    figures = by(document["tables"][title], "page group")["all pages"]
+    overall = official["overall"]
+    for label, element in [("text edit", "text_block"), ("formula edit", "display_formula"),
+                           ("table edit", "table"), ("reading order edit", "reading_order")]:  # fmt: skip
+        assert figures[label] == pytest.approx(overall[element]["Edit_dist"]["ALL_page_avg"], abs=1e-6), label
+    page_teds = [sum(p["teds"]) / len(p["teds"]) for p in official["pages"].values() if "teds" in p]
+    assert figures["table TEDS"] == pytest.approx(sum(page_teds) / len(page_teds), abs=1e-6)
+
+    written = export_predictions(database.url, run, tmp_path / "export")
+    assert written.without_result == 0
+    assert {p.stem: p.read_text(encoding="utf-8") for p in written.files} == predictions

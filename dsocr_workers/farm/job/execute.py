@@ -163,12 +163,13 @@ def _record_failure(
 
 
 def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | None]:
-    """The job's edit distances to its reference (quality/scoring.py), on the markdown the model's
-    markup renders to (its `result.mmd`); all None without a reference."""
+    """The job's edit distances and table TEDS to its reference (quality/scoring.py), on the markdown
+    the model's markup renders to (its `result.mmd`); all None without a reference."""
     scores = (PageScores(None, None, None, None) if reference is None
               else score_page(render_mmd(markup), PageReference.from_json(reference)))  # fmt: skip
     return {"text_edit": scores.text, "formula_edit": scores.formula, "table_edit": scores.table,
-            "reading_order_edit": scores.reading_order}  # fmt: skip
+            "reading_order_edit": scores.reading_order, "table_teds": scores.table_teds,
+            "table_teds_structure": scores.table_teds_structure}  # fmt: skip
 
 
 def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
