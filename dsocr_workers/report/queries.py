@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import open_ledger
 from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, Worker, WorkerSession
 from dsocr_workers.store.runs import resolve_run
 
@@ -58,7 +58,7 @@ class RunSummary:
 
 def list_runs(database_url: str, limit: int = 20) -> list[RunSummary]:
     """The newest `limit` runs with their job counts (`dsocr runs`)."""
-    with open_database(database_url).transaction() as session:
+    with open_ledger(database_url).transaction() as session:
         runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
         counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
         if runs:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
-from dsocr_workers.store.db import check_schema, open_database
+from dsocr_workers.store.db import open_ledger
 
 # How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
 # which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
@@ -55,9 +55,8 @@ def check_ledger(
 ) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
-    db = open_database(settings.database_url)
+    db = open_ledger(settings.database_url)
     try:
-        check_schema(db)
         plan = plan_warmup(db, queues, warmup, fallback, fallback_budget)
     finally:
         db.dispose()
