@@ -30,12 +30,18 @@ from dsocr_workers.report.throughput import (
     wall_clock_s,
 )
 from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
-from dsocr_workers.store.models import Result
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, Result
 
 RANDOM_WEIGHTS_WARNING = (
     "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text, boxes and accuracy "
     "are meaningless"
 )
+NEVER_SENT_WARNING = (
+    "NOT SENT: {pending} of {jobs} jobs of run {run} were never sent to the broker ({pending} pending: its "
+    "submit could not reach it); run `dsocr reconcile --run {run}` once it is reachable, then a worker on "
+    "queue {queue} takes them"
+)
+NO_RESULT_WARNING = "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
 NO_DIFFERENCE = "no significant difference"
 MIB = 2**20
 
@@ -190,6 +196,21 @@ def _warnings(*runs: RunData) -> list[str]:
     ]
 
 
+def _progress_warnings(*runs: RunData) -> list[str]:
+    """What a report of a run that has not run says first: jobs a submit left unsent, or no result yet.
+    (`dsocr run`'s own jobs are pending until it claims them: never sent, by design.)"""
+    warnings = []
+    for d in runs:
+        pending = sum(j.state == "pending" for j in d.jobs)
+        open_jobs = sum(j.state in ("pending", "queued", "running") for j in d.jobs)
+        if pending and d.run.queue != IN_PROCESS_QUEUE:
+            warnings.append(NEVER_SENT_WARNING.format(pending=pending, jobs=len(d.jobs), run=d.run.id,
+                                                      queue=d.run.queue))  # fmt: skip
+        elif open_jobs and not d.results:
+            warnings.append(NO_RESULT_WARNING.format(open=open_jobs, jobs=len(d.jobs), run=d.run.id))
+    return warnings
+
+
 def _accuracy_note(*runs: RunData) -> str | None:
     """Accuracy tables carry the random-weights warning of their runs: scores of noise mean nothing."""
     return " ".join(_warnings(*runs)) or None
@@ -204,7 +225,7 @@ def single_report(
     data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
 ) -> Report:
     results = measured(data, include_cold, exclude_loops)
-    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _warnings(data))
+    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data))
     facts = run_facts(data, include_cold, exclude_loops)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
@@ -398,7 +419,7 @@ def comparison_report(
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
     steady state."""
-    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _warnings(a, b))
+    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b))
     facts_a, facts_b = run_facts(a, include_cold, exclude_loops), run_facts(b, include_cold, exclude_loops)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
     throughput_a, throughput_b = _throughput(a, include_cold), _throughput(b, include_cold)

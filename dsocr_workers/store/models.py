@@ -17,6 +17,9 @@ from dsocr_workers.stages import TIMINGS
 
 JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
 FINAL_STATES: tuple[str, ...] = ("done", "failed", "poisoned")
+# The queue `dsocr run` records its runs under by default: no worker reads it, and its jobs are never sent
+# to a broker (the report tells them from jobs a failed submit left pending).
+IN_PROCESS_QUEUE = "in-process"
 
 # Job ids are uuid5 of (run, image, repeat) in this namespace: the same job always has the same id.
 JOB_ID_NAMESPACE = uuid.UUID("6f0c7c1e-4a8e-5f43-9a57-2d1f0b7e9c31")
