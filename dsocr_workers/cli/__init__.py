@@ -45,6 +45,14 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def terminal_width() -> int | None:
+    """The terminal's width where stdout is one; None where it is piped or redirected (then a report's
+    tables are as wide as their content, report/render.py)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 1 internal error; 2 input error (bad file list, image, option, setting, checkpoint); "
     "3 transient error (database or broker unavailable); 4 failures (jobs of `run` failed or were "

@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from dsocr_workers import settings
-from dsocr_workers.cli import LEDGER_AND_BROKER_HELP, F, counted, exits_on_errors, stdout_console
+from dsocr_workers.cli import (
+    LEDGER_AND_BROKER_HELP,
+    F,
+    counted,
+    exits_on_errors,
+    stdout_console,
+    terminal_width,
+)
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.config import AUTO_ENGINE, DEFAULT_MODE, DTYPES, ENGINE_CHOICES, MODES, TextDims
 
@@ -198,7 +205,8 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
             settings, local,
             on_final=lambda outcome: progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]),
         )  # fmt: skip
-    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt)), nl=False)
+    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt, width=terminal_width())),
+               nl=False)  # fmt: skip
     raise_for_failures(local, finals)
 
 

@@ -10,6 +10,7 @@ what a page reads does not depend on warm-up, and a loop is exactly what accurac
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class Report:
     title: str
     warnings: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
+    terms: list[tuple[str, str]] = field(default_factory=list)  # (term, meaning): the legend under the tables
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,29 @@ ACCURACY = [
 ]
 # Beside accuracy, per mode: what it cost.
 SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
+
+
+# The report's own terms, beside the stage registry's figures (whose meanings the registry states).
+FARM_TERMS = [
+    ("value [low, high]", "the statistic with its 95% confidence interval over jobs ([n<2]: one job, [–]: no spread)"),
+    ("TTFT from claim", "from the job's claim (its lease taken) to its first token: TTFT plus the farm's time "
+                        "before the device starts"),
+    ("cold", "a job that met a compilation, a new cache bucket, …: out of the statistics unless --include-cold"),
+    ("pages/s (steady state)", "per worker process 1 / mean service time (from when it was free for the job "
+                               "to its finish: loading, warm-up and waiting for work left out), summed over processes"),
+    ("device idle between jobs", "from one job's readback to the next one's setup on the same device, while the "
+                                 "next job was waiting"),
+    ("device share of a job between jobs", "device time / service time over the jobs that followed another: 1.0 "
+                                           "means the device never waited for the farm"),
+    ("attempts", "claims of a job: more than 1 when a worker died holding it, or an attempt failed and was retried"),
+]  # fmt: skip
+
+
+def glossary() -> list[tuple[str, str]]:
+    """The legend of a report: every figure the latency and accounting tables show, as the stage registry
+    says what it is, then the report's own terms."""
+    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS])
+    return [(t.label, t.doc) for t in timings] + FARM_TERMS
 
 
 def in_job_order(data: RunData) -> list[Result]:
@@ -255,6 +280,7 @@ def single_report(
         report.tables.append(Table("Failures", columns, failures))
     if per_image:
         report.tables.append(_per_image(data))
+    report.terms = glossary()
     return report
 
 
@@ -320,6 +346,26 @@ def _cold(data: RunData, include_cold: bool) -> Table:
     return Table("Cold results", ["reason", "jobs", "in statistics"], rows)
 
 
+# One shape a worker session warmed, as farm/job/process.py writes them: "gundam:2x3 (256 tokens)".
+_WARMED_SHAPE = re.compile(r"\s*([^,(]+?)\s*\(([^)]*)\)")
+
+
+def warmup_summary(warmup: str) -> str:
+    """A worker session's warm-up for a table cell: its shapes counted per mode and token budget
+    ("gundam: 25 shapes, base (256 tokens)"), where the ledger lists each crop grid (about twenty for
+    gundam, which made the cell a column of lines)."""
+    shapes = _WARMED_SHAPE.findall(warmup)
+    if not shapes:
+        return warmup
+    by_budget: dict[str, Counter[str]] = defaultdict(Counter)
+    for shape, budget in shapes:
+        by_budget[budget][shape.partition(":")[0]] += 1
+    return "; ".join(
+        ", ".join(mode if n == 1 else f"{mode}: {n} shapes" for mode, n in modes.items()) + f" ({budget})"
+        for budget, modes in by_budget.items()
+    )
+
+
 def _sessions(data: RunData, include_cold: bool) -> Table:
     """One row per worker process (a lane: one device), with what loading and warming its model(s) cost
     (its worker sessions); results older than sessions are grouped by worker fingerprint."""
@@ -342,7 +388,7 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 len(sessions),
                 sum(s.load_ms or 0 for s in sessions) / 1000 if sessions else None,
                 sum(s.warmup_ms or 0 for s in sessions) / 1000 if sessions else None,
-                "; ".join(s.warmup for s in sessions if s.warmup) or None,
+                "; ".join(warmup_summary(s.warmup) for s in sessions if s.warmup) or None,
                 len(results),
                 sum(r.cold for r in results),
                 rate_sum([times.get(key, [])]),
@@ -449,6 +495,7 @@ def comparison_report(
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
+    report.terms = glossary()
     return report
 
 
