@@ -5,15 +5,12 @@ stretch after a long warm-up still shows its rate over several bins, not one."""
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
 from browser import chromium_path, drawn_like, layout, screenshot
 from fakes import Page, add_session, make_run, set_times
-from PIL import Image
 from test_html import embedded_pngs, report
 
 from dsocr_workers.store.models import Result, job_id_for
@@ -53,9 +50,6 @@ def page_of_a_real_looking_run(database, tmp_path, make_png, monkeypatch):
     pngs = dict(zip([image.alt for image in seen.images], embedded_pngs(out.read_text(encoding="utf-8")), strict=True))
     for image in seen.images:  # what the checks below read is what the browser shows
         assert image.complete and drawn_like(shot, image, pngs[image.alt]) < 2.0, image.alt
-    if keep := os.environ.get("DSOCR_TEST_KEEP_PLOTS"):  # to look at them
-        for alt, png in pngs.items():
-            Image.fromarray(png.astype(np.uint8)).save(Path(keep) / f"{alt.split()[0]}.png")
     return out.read_text(encoding="utf-8"), pngs
 
 
