@@ -14,6 +14,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,9 @@ from dsocr_workers.report.throughput import (
     throughput_ratio,
     wall_clock_s,
 )
+from dsocr_workers.settings import LEASE_SECONDS, read
 from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
-from dsocr_workers.store.models import IN_PROCESS_QUEUE, Result
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, JobAttempt, Result, WorkerProcess, utcnow
 
 RANDOM_WEIGHTS_WARNING = (
     "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text, boxes and accuracy "
@@ -133,6 +135,9 @@ FARM_TERMS = [
     ("device share of a job between jobs", "device time / service time over the jobs that followed another: 1.0 "
                                            "means the device never waited for the farm"),
     ("attempts", "claims of a job: more than 1 when a worker died holding it, or an attempt failed and was retried"),
+    ("process", "a worker process: live, stopped (shut down cleanly) or DEAD (stopped beating without stopping: "
+                "killed, frozen or cut off; its jobs went to the live ones)"),
+    ("attempts lost", "claims of the run's jobs by that process that did not end in its result"),
 ]  # fmt: skip
 
 
@@ -196,6 +201,8 @@ def run_facts(data: RunData, include_cold: bool, exclude_loops: bool = False) ->
         "failed": counts.get("failed", 0),
         "poisoned": counts.get("poisoned", 0),
         "not finished": sum(counts.get(s, 0) for s in ("pending", "queued", "running")),
+        "attempts": sum(j.attempts for j in data.jobs),
+        "jobs retried (attempts > 1)": sum(j.attempts > 1 for j in data.jobs),
         "results": len(data.results),
         "cold results": cold,
         "results in a repetition loop": loops,
@@ -398,10 +405,50 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 device_busy_share(data, key),
             ]
         )
+    for process in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
+        rows.append([process.host, process.pid, process.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
+    owners = {_lane_of(p): p for p in data.processes.values()}
+    lost = Counter(_lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes)
+    for row in rows:
+        lane = f"{row[0]}:{row[1]}:{row[2]}"
+        process = owners.get(lane)
+        row += [process_state(process) if process else None, lost.get(lane, 0)]
     columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
                "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms",
-               "device share of a job between jobs"]  # fmt: skip
+               "device share of a job between jobs", "process", "attempts lost"]  # fmt: skip
     return Table("Worker processes", columns, rows)
+
+
+def _lane_of(process: WorkerProcess) -> str:
+    return f"{process.host}:{process.pid}:{process.device}"
+
+
+def _lost_attempts(data: RunData) -> list[JobAttempt]:
+    """Claims of the run's jobs that did not end in their holder's result: the holder died, its lease
+    ran out, it was killed at the time limit, or the attempt failed and the job was tried again."""
+    final = {r.job_id: r.attempt for r in data.results.values()}
+    jobs = {j.id: j for j in data.jobs}
+    return [a for a in data.attempts
+            if final.get(a.job_id) != a.attempt and not (jobs[a.job_id].state == "running" and a.attempt == jobs[a.job_id].attempts)]  # fmt: skip
+
+
+def _holders_without_results(data: RunData, lanes: set[str]) -> list[WorkerProcess]:
+    """Worker processes that claimed a job of the run but have no result in it (their jobs were taken
+    over: a killed worker), in the order of their first claim."""
+    owners = dict.fromkeys(a.owner for a in data.attempts)
+    held = [data.processes[o] for o in owners if o in data.processes]
+    return [p for p in held if _lane_of(p) not in lanes]
+
+
+def process_state(process: WorkerProcess, now: datetime | None = None) -> str:
+    """live, stopped (a clean shutdown), or dead: it stopped beating without stopping (killed, frozen or
+    cut off), its leases then ran out and live workers took its jobs."""
+    if process.stopped_at is not None:
+        return "stopped"
+    silent = ((now or utcnow()) - process.heartbeat_at).total_seconds()
+    if silent < read(LEASE_SECONDS):
+        return "live"
+    return f"DEAD (last beat {process.heartbeat_at.isoformat(sep=' ', timespec='seconds')})"
 
 
 def _environment(data: RunData) -> Table:

@@ -85,6 +85,21 @@ class Job(Base):
     reference: Mapped[dict[str, Any] | None]
 
 
+class JobAttempt(Base):
+    """One claim of a job: which worker process (its lease owner name) took it, when. A job taken over
+    from a dead process has a row per holder, so a report can name every process that held a job of a
+    run, not only the one whose result it kept."""
+
+    __tablename__ = "job_attempts"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int]
+    owner: Mapped[str] = mapped_column(String(200))  # a worker_processes id (host:pid:nonce)
+    claimed_at: Mapped[datetime]
+
+
 class Worker(Base):
     """One environment fingerprint: the same host, device, software and model give the same id."""
 
