@@ -405,8 +405,8 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 device_busy_share(data, key),
             ]
         )
-    for process in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
-        rows.append([process.host, process.pid, process.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
+    for holder in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
+        rows.append([holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
     owners = {_lane_of(p): p for p in data.processes.values()}
     lost = Counter(_lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes)
     for row in rows:
