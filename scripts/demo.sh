@@ -14,7 +14,8 @@ export DSOCR_DATABASE_URL=sqlite:///./dsocr.db
 unset DSOCR_BROKER_URL
 
 "$PY" -m dsocr_workers db upgrade
-# Random weights never choose EOS, so without a cap every page would decode up to the model's 8192
-# positions (~7,000 tokens, ~25 s a page on two CPU cores); 512 keeps the demo under a minute. Later
-# arguments win: `bash scripts/demo.sh --max-new-tokens 8192` lifts it.
+# Random weights never choose EOS, so without a cap every page would decode up to the model's 8,192
+# positions (the README's "Two commands to start" has the measured cost); 512 tokens a page keeps the
+# demo to about two minutes on a 2-core machine, most of it the warm-up (the README has the measurement).
+# Later arguments win: `bash scripts/demo.sh --max-new-tokens 8192` lifts it.
 "$PY" -m dsocr_workers run datasets/samples/samples.txt --name demo --tag source=demo.sh --max-new-tokens 512 "$@"

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import click
 
-from dsocr_workers import __version__
+from dsocr_workers import __version__, settings
 from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, use_compile_cache
 from dsocr_workers.errors import DsocrError
 
@@ -29,6 +29,29 @@ def stdout_console(stderr: bool = False) -> Any:
 
     stream = sys.stderr if stderr else sys.stdout
     return Console(stderr=stderr, width=None if stream.isatty() else PIPED_WIDTH)
+
+def settings_help(*variables: settings.Variable) -> str:
+    """Where a command's settings come from, each variable with its meaning and default as the registry
+    (settings.py) states them; click keeps the lines as they are (\\b)."""
+    lines = [f"  {v.name} (default {v.shown_default.strip('`')}): {v.doc}" for v in variables]
+    return "\b\nSettings from the environment (all of them: the README's Configuration):\n" + "\n".join(lines)
+
+
+LEDGER_AND_BROKER_HELP = settings_help(settings.DATABASE_URL, settings.BROKER_URL)
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 job`, `3 jobs`."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def terminal_width() -> int | None:
+    """The terminal's width where stdout is one; None where it is piped or redirected (then a report's
+    tables are as wide as their content, report/render.py)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 1 internal error; 2 input error (bad file list, image, option, setting, checkpoint); "
@@ -55,7 +78,8 @@ def exits_on_errors(command: F) -> F:
 OPENS_A_MODEL = ("worker", "run", "infer", "verify", "precompile")
 
 
-@click.group(help=f"Profile DeepSeek-OCR inference on one GPU or a rack of them.\n\n{EXIT_CODES_HELP}")
+@click.group(help=f"Profile DeepSeek-OCR inference on one GPU or a rack of them.\n\n{LEDGER_AND_BROKER_HELP}\n\n"
+                 f"{EXIT_CODES_HELP}")
 @click.version_option(__version__, prog_name="dsocr")
 @click.pass_context
 def main(context: click.Context) -> None:

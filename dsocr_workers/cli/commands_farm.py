@@ -8,10 +8,19 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from dsocr_workers import settings
-from dsocr_workers.cli import F, exits_on_errors, stdout_console
+from dsocr_workers.cli import (
+    LEDGER_AND_BROKER_HELP,
+    F,
+    counted,
+    exits_on_errors,
+    stdout_console,
+    terminal_width,
+)
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES, TextDims
+
+LOGLEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # Celery's --loglevel
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -31,7 +40,10 @@ def run_options(command: F) -> F:
                      help="Preset (tiny, full: RANDOM weights) or a checkpoint directory."),
         click.option("--mode", type=click.Choice(tuple(MODES)), default=DEFAULT_MODE, show_default=True,
                      help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles)."),
-        click.option("--max-new-tokens", type=int, help="Decode at most this many tokens."),
+        click.option("--max-new-tokens", type=int,
+                     help="Decode at most this many tokens. Default: no cap, until EOS or the model's position "
+                     f"ceiling ({TextDims.max_position_embeddings:,}); random weights (the presets) seldom emit "
+                     "EOS and decode to that ceiling."),
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
         click.option("--stop-on-repetition", is_flag=True,
                      help="End a decode once its output ends in a repetition loop (stop reason: repetition)."),
@@ -76,7 +88,7 @@ def warn(text: str) -> None:
     click.echo(text, err=True)
 
 
-@click.command()
+@click.command(epilog=LEDGER_AND_BROKER_HELP)
 @click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
 @run_options
 @click.option("--queue", help="Queue to send the jobs to (default: DSOCR_QUEUE or dsocr).")
@@ -88,10 +100,10 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 
     submission = submit_run(
         Settings.from_env(), run_request(filelist, kw), queue=queue, on_bad_lines=warn,
-        on_recorded=lambda run: click.echo(f"run {run.run_id}: {len(run.job_ids)} jobs recorded"),
+        on_recorded=lambda run: click.echo(f"run {run.run_id}: {counted(len(run.job_ids), 'job')} recorded"),
     )  # fmt: skip
     run = submission.run
-    click.echo(f"run {run.run_id}: {submission.enqueued} jobs enqueued on {run.queue}")
+    click.echo(f"run {run.run_id}: {counted(submission.enqueued, 'job')} enqueued on {run.queue}")
     click.echo("next:")
     click.echo(f"  dsocr worker --queue {run.queue}")
     click.echo(f"  dsocr status --run {run.run_id} --watch")
@@ -99,13 +111,13 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     click.echo(run.run_id)
 
 
-@click.command()
+@click.command(epilog=LEDGER_AND_BROKER_HELP)
 @click.option("--gpus", default="auto", show_default=True,
               help="auto (every GPU, else the CPU), all (every GPU), GPU indices like 0,1, or cpu.")
 @click.option("--queue", "queues", multiple=True, help="Queue(s) to consume (default: DSOCR_QUEUE or dsocr).")
 @click.option("--concurrency-per-device", type=int, default=1, show_default=True,
               help="Children per device (1 for profiling; more only for tests on CPU).")  # fmt: skip
-@click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--loglevel", type=click.Choice(LOGLEVELS, case_sensitive=False), default="INFO", show_default=True)
 @click.option("--warmup", default="auto", show_default=True,
               help="Modes to load and warm before the first job (e.g. gundam,base): auto = those of the runs "
                    "open on the queues (gundam if none); none = warm each run's mode before its first job.")
@@ -184,7 +196,7 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
 
     settings = Settings.from_env()
     local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
-    click.echo(f"run {local.run.run_id}: {len(local.run.job_ids)} jobs on {local.device}", err=True)
+    click.echo(f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.fields[last]}"), console=stdout_console(stderr=True),
@@ -194,7 +206,8 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
             settings, local,
             on_final=lambda outcome: progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]),
         )  # fmt: skip
-    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt)), nl=False)
+    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt, width=terminal_width())),
+               nl=False)  # fmt: skip
     raise_for_failures(local, finals)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsocr_workers.cli import exits_on_errors
+from dsocr_workers.cli import exits_on_errors, terminal_width
 
 
 @click.command()
@@ -30,7 +30,9 @@ from dsocr_workers.cli import exits_on_errors
 @click.option("--out", type=click.Path(path_type=Path),
               help="Write here instead of stdout; with --format csv and no --table, a folder: one file per table.")
 @click.option("--table", help="Only this table (its title, e.g. 'Per image'); csv holds one table.")
-@click.option("--width", type=int, help="Table width in characters (format table).")
+@click.option("--width", type=int,
+              help="Table width in characters (format table); default: the terminal's, or, piped or written to a "
+                   "file, as wide as each table's content.")
 @click.option(
     "--html",
     "html_path",
@@ -64,7 +66,8 @@ def report(
     from dsocr_workers.settings import Settings
 
     request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
-                            exclude_loops=exclude_loops, fmt=fmt, table=table, width=width, out=out, html=html_path)  # fmt: skip
+                            exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
+                            width=width or (terminal_width() if out is None else None))  # fmt: skip
     text = write_report(Settings.from_env().database_url, request, on_written=wrote)
     if text is not None:
         click.echo(text, nl=False)

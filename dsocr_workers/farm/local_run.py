@@ -24,9 +24,8 @@ from dsocr_workers.farm.submit import RunRequest, SubmittedRun, prepare_run
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, check_schema, open_database, upgrade
-from dsocr_workers.store.models import Job
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, Job
 
-IN_PROCESS_QUEUE = "in-process"  # the queue `dsocr run` records its runs under by default (no worker reads it)
 FAILURES_NAMED = 10  # failed jobs the error names one by one; the rest are counted
 
 
@@ -45,9 +44,12 @@ def record_local_run(
     """Check the list and record the run for one device (`gpus`: cpu or one GPU index). `queue` names a
     worker queue to record it under, so that its workers take over the jobs this process leaves behind
     if it dies; None: `IN_PROCESS_QUEUE`, which no worker reads."""
+    several = InputError("dsocr run uses one device; start `dsocr worker` for several")
+    if "," in gpus.strip(", "):  # said before whether those GPUs are here (parse_devices)
+        raise several
     devices = parse_devices(gpus)
-    if len(devices) != 1:
-        raise InputError("dsocr run uses one device; start `dsocr worker` for several")
+    if len(devices) != 1:  # auto or all on a host with several GPUs
+        raise several
     prepared = prepare_run(request, on_bad_lines)
     db = open_database(settings.database_url)
     if db.is_sqlite:

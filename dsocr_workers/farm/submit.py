@@ -27,7 +27,7 @@ from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
-from dsocr_workers.store.db import Database, check_schema, open_database
+from dsocr_workers.store.db import Database, open_ledger
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 from dsocr_workers.store.runs import resolve_run
 
@@ -206,8 +206,7 @@ def submit_run(
     queue), then enqueue them. `on_recorded` hears of the run before the broker is tried: if it fails,
     the run is in the ledger and `dsocr reconcile` sends its jobs."""
     prepared = prepare_run(request, on_bad_lines)
-    db = open_database(settings.database_url)
-    check_schema(db)
+    db = open_ledger(settings.database_url)
     run = prepared.record(db, queue or settings.queue)
     on_recorded(run)
     return Submission(run, enqueue(db, create_app(settings), [(job_id, run.queue) for job_id in run.job_ids]))
@@ -256,8 +255,7 @@ def reconcile_and_enqueue(
 def reconcile_run(settings: Settings, run_ref: str | None) -> tuple[ledger.ReconcilePlan, int]:
     """`dsocr reconcile`: `reconcile_and_enqueue` on the ledger of `settings`, for the run named by
     `run_ref` (id, unique prefix or latest; None: every run)."""
-    db = open_database(settings.database_url)
-    check_schema(db)
+    db = open_ledger(settings.database_url)
     run_id = None
     if run_ref:
         with db.transaction() as session:

@@ -10,9 +10,11 @@ what a page reads does not depend on warm-up, and a loop is exactly what accurac
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -30,13 +32,20 @@ from dsocr_workers.report.throughput import (
     throughput_ratio,
     wall_clock_s,
 )
+from dsocr_workers.settings import LEASE_SECONDS, read
 from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
-from dsocr_workers.store.models import Result
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, JobAttempt, Result, WorkerProcess, utcnow
 
 RANDOM_WEIGHTS_WARNING = (
     "RANDOM WEIGHTS: run {run} used the preset {model}; timings are real, the text, boxes and accuracy "
     "are meaningless"
 )
+NEVER_SENT_WARNING = (
+    "NOT SENT: {pending} of {jobs} jobs of run {run} were never sent to the broker ({pending} pending: its "
+    "submit could not reach it); run `dsocr reconcile --run {run}` once it is reachable, then a worker on "
+    "queue {queue} takes them"
+)
+NO_RESULT_WARNING = "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
 NO_DIFFERENCE = "no significant difference"
 MIB = 2**20
 
@@ -54,6 +63,7 @@ class Report:
     title: str
     warnings: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
+    terms: list[tuple[str, str]] = field(default_factory=list)  # (term, meaning): the legend under the tables
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,32 @@ PAGE_GROUPS = ("data_source", "language", "layout")
 SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
 
 
+# The report's own terms, beside the stage registry's figures (whose meanings the registry states).
+FARM_TERMS = [
+    ("value [low, high]", "the statistic with its 95% confidence interval over jobs ([n<2]: one job, [–]: no spread)"),
+    ("TTFT from claim", "from the job's claim (its lease taken) to its first token: TTFT plus the farm's time "
+                        "before the device starts"),
+    ("cold", "a job that met a compilation, a new cache bucket, …: out of the statistics unless --include-cold"),
+    ("pages/s (steady state)", "per worker process 1 / mean service time (from when it was free for the job "
+                               "to its finish: loading, warm-up and waiting for work left out), summed over processes"),
+    ("device idle between jobs", "from one job's readback to the next one's setup on the same device, while the "
+                                 "next job was waiting"),
+    ("device share of a job between jobs", "device time / service time over the jobs that followed another: 1.0 "
+                                           "means the device never waited for the farm"),
+    ("attempts", "claims of a job: more than 1 when a worker died holding it, or an attempt failed and was retried"),
+    ("process", "a worker process: live, stopped (shut down cleanly) or DEAD (stopped beating without stopping: "
+                "killed, frozen or cut off; its jobs went to the live ones)"),
+    ("attempts lost", "claims of the run's jobs by that process that did not end in its result"),
+]  # fmt: skip
+
+
+def glossary() -> list[tuple[str, str]]:
+    """The legend of a report: every figure the latency and accounting tables show, as the stage registry
+    says what it is, then the report's own terms."""
+    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS])
+    return [(t.label, t.doc) for t in timings] + FARM_TERMS
+
+
 def in_job_order(data: RunData) -> list[Result]:
     results = (data.results.get(j.id) for j in data.jobs)
     return [r for r in results if r is not None]
@@ -173,6 +209,8 @@ def run_facts(data: RunData, include_cold: bool, exclude_loops: bool = False) ->
         "failed": counts.get("failed", 0),
         "poisoned": counts.get("poisoned", 0),
         "not finished": sum(counts.get(s, 0) for s in ("pending", "queued", "running")),
+        "attempts": sum(j.attempts for j in data.jobs),
+        "jobs retried (attempts > 1)": sum(j.attempts > 1 for j in data.jobs),
         "results": len(data.results),
         "cold results": cold,
         "results in a repetition loop": loops,
@@ -198,6 +236,21 @@ def _warnings(*runs: RunData) -> list[str]:
     ]
 
 
+def _progress_warnings(*runs: RunData) -> list[str]:
+    """What a report of a run that has not run says first: jobs a submit left unsent, or no result yet.
+    (`dsocr run`'s own jobs are pending until it claims them: never sent, by design.)"""
+    warnings = []
+    for d in runs:
+        pending = sum(j.state == "pending" for j in d.jobs)
+        open_jobs = sum(j.state in ("pending", "queued", "running") for j in d.jobs)
+        if pending and d.run.queue != IN_PROCESS_QUEUE:
+            warnings.append(NEVER_SENT_WARNING.format(pending=pending, jobs=len(d.jobs), run=d.run.id,
+                                                      queue=d.run.queue))  # fmt: skip
+        elif open_jobs and not d.results:
+            warnings.append(NO_RESULT_WARNING.format(open=open_jobs, jobs=len(d.jobs), run=d.run.id))
+    return warnings
+
+
 def _accuracy_note(*runs: RunData) -> str | None:
     """Accuracy tables carry the random-weights warning of their runs: scores of noise mean nothing."""
     return " ".join(_warnings(*runs)) or None
@@ -212,7 +265,7 @@ def single_report(
     data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
 ) -> Report:
     results = measured(data, include_cold, exclude_loops)
-    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _warnings(data))
+    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data))
     facts = run_facts(data, include_cold, exclude_loops)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
@@ -243,6 +296,7 @@ def single_report(
         report.tables.append(Table("Failures", columns, failures))
     if per_image:
         report.tables.append(_per_image(data))
+    report.terms = glossary()
     return report
 
 
@@ -370,6 +424,26 @@ def _cold(data: RunData, include_cold: bool) -> Table:
     return Table("Cold results", ["reason", "jobs", "in statistics"], rows)
 
 
+# One shape a worker session warmed, as farm/job/process.py writes them: "gundam:2x3 (256 tokens)".
+_WARMED_SHAPE = re.compile(r"\s*([^,(]+?)\s*\(([^)]*)\)")
+
+
+def warmup_summary(warmup: str) -> str:
+    """A worker session's warm-up for a table cell: its shapes counted per mode and token budget
+    ("gundam: 25 shapes, base (256 tokens)"), where the ledger lists each crop grid (about twenty for
+    gundam, which made the cell a column of lines)."""
+    shapes = _WARMED_SHAPE.findall(warmup)
+    if not shapes:
+        return warmup
+    by_budget: dict[str, Counter[str]] = defaultdict(Counter)
+    for shape, budget in shapes:
+        by_budget[budget][shape.partition(":")[0]] += 1
+    return "; ".join(
+        ", ".join(mode if n == 1 else f"{mode}: {n} shapes" for mode, n in modes.items()) + f" ({budget})"
+        for budget, modes in by_budget.items()
+    )
+
+
 def _sessions(data: RunData, include_cold: bool) -> Table:
     """One row per worker process (a lane: one device), with what loading and warming its model(s) cost
     (its worker sessions); results older than sessions are grouped by worker fingerprint."""
@@ -392,7 +466,7 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 len(sessions),
                 sum(s.load_ms or 0 for s in sessions) / 1000 if sessions else None,
                 sum(s.warmup_ms or 0 for s in sessions) / 1000 if sessions else None,
-                "; ".join(s.warmup for s in sessions if s.warmup) or None,
+                "; ".join(warmup_summary(s.warmup) for s in sessions if s.warmup) or None,
                 len(results),
                 sum(r.cold for r in results),
                 rate_sum([times.get(key, [])]),
@@ -402,10 +476,50 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
                 device_busy_share(data, key),
             ]
         )
+    for holder in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
+        rows.append([holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
+    owners = {_lane_of(p): p for p in data.processes.values()}
+    lost = Counter(_lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes)
+    for row in rows:
+        lane = f"{row[0]}:{row[1]}:{row[2]}"
+        process = owners.get(lane)
+        row += [process_state(process) if process else None, lost.get(lane, 0)]
     columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
                "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms",
-               "device share of a job between jobs"]  # fmt: skip
+               "device share of a job between jobs", "process", "attempts lost"]  # fmt: skip
     return Table("Worker processes", columns, rows)
+
+
+def _lane_of(process: WorkerProcess) -> str:
+    return f"{process.host}:{process.pid}:{process.device}"
+
+
+def _lost_attempts(data: RunData) -> list[JobAttempt]:
+    """Claims of the run's jobs that did not end in their holder's result: the holder died, its lease
+    ran out, it was killed at the time limit, or the attempt failed and the job was tried again."""
+    final = {r.job_id: r.attempt for r in data.results.values()}
+    jobs = {j.id: j for j in data.jobs}
+    return [a for a in data.attempts
+            if final.get(a.job_id) != a.attempt and not (jobs[a.job_id].state == "running" and a.attempt == jobs[a.job_id].attempts)]  # fmt: skip
+
+
+def _holders_without_results(data: RunData, lanes: set[str]) -> list[WorkerProcess]:
+    """Worker processes that claimed a job of the run but have no result in it (their jobs were taken
+    over: a killed worker), in the order of their first claim."""
+    owners = dict.fromkeys(a.owner for a in data.attempts)
+    held = [data.processes[o] for o in owners if o in data.processes]
+    return [p for p in held if _lane_of(p) not in lanes]
+
+
+def process_state(process: WorkerProcess, now: datetime | None = None) -> str:
+    """live, stopped (a clean shutdown), or dead: it stopped beating without stopping (killed, frozen or
+    cut off), its leases then ran out and live workers took its jobs."""
+    if process.stopped_at is not None:
+        return "stopped"
+    silent = ((now or utcnow()) - process.heartbeat_at).total_seconds()
+    if silent < read(LEASE_SECONDS):
+        return "live"
+    return f"DEAD (last beat {process.heartbeat_at.isoformat(sep=' ', timespec='seconds')})"
 
 
 def _environment(data: RunData) -> Table:
@@ -470,7 +584,7 @@ def comparison_report(
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
     steady state."""
-    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _warnings(a, b))
+    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b))
     facts_a, facts_b = run_facts(a, include_cold, exclude_loops), run_facts(b, include_cold, exclude_loops)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
     throughput_a, throughput_b = _throughput(a, include_cold), _throughput(b, include_cold)
@@ -501,6 +615,7 @@ def comparison_report(
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
+    report.terms = glossary()
     return report
 
 

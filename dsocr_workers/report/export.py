@@ -10,7 +10,7 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import write_predictions
 from dsocr_workers.report.queries import load_run
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import open_ledger
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class PredictionsWritten:
 def export_predictions(database_url: str, run_ref: str, directory: Path, repeat: int = 0) -> PredictionsWritten:
     """Write every page of the run (`run_ref`: id, unique prefix or latest) that has a result in repeat
     `repeat` to `directory`/<image name without extension>.md."""
-    with open_database(database_url).transaction() as session:
+    with open_ledger(database_url).transaction() as session:
         data = load_run(session, run_ref)
     if not any(j.repeat == repeat for j in data.jobs):
         raise InputError(f"run {data.run.id} has no repeat {repeat}")

@@ -65,7 +65,8 @@ def _table(table: Table) -> str:
 
 def html_report(report: Report, sides: Sequence[Side], *, include_cold: bool) -> str:
     """The page of `report` (built from `sides`' runs by report/build.py) with the plots of those runs."""
-    plots = all_plots(sides, include_cold)
+    # Without a single result every plot would be empty axes, scaled to nothing: none is drawn.
+    plots = all_plots(sides, include_cold) if any(side.data.results for side in sides) else []
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     cold = "cold results included (--include-cold)" if include_cold else "cold results left out of statistics"
     links = " ".join(
@@ -79,6 +80,7 @@ def html_report(report: Report, sides: Sequence[Side], *, include_cold: bool) ->
         f'<p class="meta">Generated {generated} by dsocr report; {cold}.</p>',
         f"<nav>{links}</nav>",
         *(_figure(p) for p in plots),
+        *([] if plots else ['<p class="meta">No plots: no job of this report has a result yet.</p>']),
         '<h2 id="tables">Tables</h2>',
         *(_table(t) for t in report.tables),
         "</body></html>\n",

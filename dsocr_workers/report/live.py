@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import open_ledger
 from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, WorkerProcess, WorkerSession, utcnow
 from dsocr_workers.store.runs import resolve_run
 
@@ -120,7 +120,7 @@ def follow_progress(
 ) -> Iterator[RunProgress]:
     """The progress of the run named by `run_ref` (id, unique prefix or latest) now; with `interval_s`,
     again every `interval_s` seconds until every job of it is final (`dsocr status [--watch]`)."""
-    db = open_database(database_url)
+    db = open_ledger(database_url)
     while True:
         with db.transaction() as session:
             progress = run_progress(session, resolve_run(session, run_ref), lease_s)

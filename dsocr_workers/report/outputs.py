@@ -11,7 +11,7 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.report.build import comparison_report, single_report
 from dsocr_workers.report.queries import load_run
 from dsocr_workers.report.render import only_table, render, write_csv_tables
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import open_ledger
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def write_report(
         except ModuleNotFoundError as exc:
             package = (exc.name or "matplotlib").partition(".")[0]
             raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
-    with open_database(database_url).transaction() as session:
+    with open_ledger(database_url).transaction() as session:
         a = load_run(session, request.run)
         b = load_run(session, request.vs) if request.vs else None
         if b is not None:

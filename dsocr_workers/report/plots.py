@@ -41,6 +41,10 @@ MAX_LABELLED_JOBS = 40
 MAX_SCATTER_POINTS = 40_000
 SEED = 0
 MAX_TIME_BINS = 200  # throughput over time: bins from the submit to the last page
+MAX_LABEL_CHARS = 24  # a per-image bar's label: the start and end of a longer name
+# The decode plot's y-axis reaches this percentile of the steps (then a margin): one slow step (a
+# collection, a preemption: 358 ms among ~7.5 ms ones) no longer flattens every other point on the axis.
+DECODE_Y_PERCENTILE = 99.5
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,12 @@ def _seconds(data: RunData, at: datetime) -> float:
 
 
 def _job_label(image: str, repeat: int, repeats: int) -> str:
+    """A bar's label: the image's file name, its middle cut where it is long (OmniDocBench's names run to
+    ~80 characters: slanted at full length they overlapped and ran off the figure)."""
     name = image.rsplit("/", 1)[-1]
+    if len(name) > MAX_LABEL_CHARS:
+        keep = MAX_LABEL_CHARS - 1
+        name = f"{name[: keep - keep // 2]}…{name[-(keep // 2) :]}"
     return f"{name} #{repeat}" if repeats > 1 else name
 
 
@@ -177,6 +186,7 @@ def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
     figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     ax = figure.subplots()
     rng = np.random.default_rng(SEED)
+    every_step: list[np.ndarray] = []
     for side, color in zip(sides, RUN_COLORS, strict=False):
         positions, times = [], []
         for r in measured(side.data, include_cold):
@@ -186,6 +196,7 @@ def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
         if not positions:
             continue
         x, y = np.concatenate(positions), np.concatenate(times)
+        every_step.append(y)
         shown = (
             rng.choice(x.size, MAX_SCATTER_POINTS, replace=False)
             if x.size > MAX_SCATTER_POINTS
@@ -200,13 +211,25 @@ def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
     ax.set_xlabel("KV length (positions attended: prompt + tokens fed back)")
     ax.set_ylabel("decode ms/token")
     ax.set_ylim(bottom=0)
+    clipped = ""
+    if every_step:
+        steps = np.concatenate(every_step)
+        top = float(np.percentile(steps, DECODE_Y_PERCENTILE)) * 1.15
+        above = steps[steps > top]
+        if above.size:
+            ax.set_ylim(0, top)
+            clipped = (f" The y-axis stops at {top:.3g} ms (p{DECODE_Y_PERCENTILE:g} of the steps + 15%): "
+                       f"{above.size} step{'s' if above.size > 1 else ''} above it, up to {above.max():.4g} ms, "
+                       "are off the plot.")  # fmt: skip
+            ax.text(0.99, 0.98, f"{above.size} step(s) above, max {above.max():.4g} ms", transform=ax.transAxes,
+                    ha="right", va="top", fontsize=8, color="#b00000")  # fmt: skip
     ax.grid(alpha=0.3)
     _legend_or_nothing(ax, "no measured decode steps", fontsize=8, loc="upper left")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
         "Every kept decode step (points) against the cache length it attended over, and the median per "
         f"position bin (line); a growing KV cache shows as a rising line. At most {MAX_SCATTER_POINTS:,} "
-        "points per run are drawn; the median uses every step. Cold results follow the statistics."
+        f"points per run are drawn; the median uses every step. Cold results follow the statistics.{clipped}"
     )
     return Plot(title, caption, _png(figure))
 
@@ -274,14 +297,19 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
         # from the last page to the submit: a long load then reads as empty bins, not as one wide bin
         # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
-        busy_bins = int(np.clip(finished.size // 2, 1, 60))
+        # At least three bins where there are pages for them: a short run's two or three pages in one bin
+        # made a single block of the whole run.
+        busy_bins = max(1, int(np.clip(finished.size // 2, min(3, finished.size - 1), 60)))
         width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
         bins = max(1, int(np.ceil(finished[-1] / width)))
         edges = np.maximum(finished[-1] - width * np.arange(bins, -1, -1), 0.0)
         counts, _ = np.histogram(finished, edges)
-        rate_ax.stairs(
-            counts / np.diff(edges), edges, color=color, linewidth=1.5, label=f"{side.name}: pages/s"
-        )
+        # Bars, each bin outlined: at a steady rate the bins are of one height, and an outline alone
+        # read as one bin for the whole run.
+        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", facecolor=color,
+                    alpha=0.3, edgecolor="none")  # fmt: skip
+        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", fill=False,
+                    edgecolor=color, linewidth=1.2, label=f"{side.name}: pages/s per bin")  # fmt: skip
         steady = steady_state_throughput(data, include_cold).value
         if steady is not None:
             rate_ax.axhline(steady, color=color, linestyle="--", linewidth=1,
@@ -302,8 +330,8 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         rate_ax.text(0.5, 0.5, "no finished pages", transform=rate_ax.transAxes, ha="center", color="#666666")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
-        "Pages finished per time bin (solid), pages done so far (dotted, right axis) and the steady-state "
-        "rate of the report (dashed): loading and warm-up show as the delay before the first page."
+        "Pages finished per time bin (bars, each bin outlined), pages done so far (dotted, right axis) and the "
+        "steady-state rate of the report (dashed): loading and warm-up show as the delay before the first page."
     )
     return Plot(title, caption, _png(figure))
 

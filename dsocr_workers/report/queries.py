@@ -9,8 +9,17 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, Worker, WorkerSession
+from dsocr_workers.store.db import open_ledger
+from dsocr_workers.store.models import (
+    FINAL_STATES,
+    Job,
+    JobAttempt,
+    Result,
+    Run,
+    Worker,
+    WorkerProcess,
+    WorkerSession,
+)
 from dsocr_workers.store.runs import resolve_run
 
 
@@ -24,6 +33,9 @@ class RunData:
     # By worker session: when its jobs of other runs finished (since this run was created), so that a
     # lane's time on another run is never counted as this run's (report/throughput.py).
     elsewhere: dict[str, list[datetime]] = field(default_factory=dict)
+    # Every claim of the run's jobs (none before schema 0007), and the worker processes that made them.
+    attempts: list[JobAttempt] = field(default_factory=list)
+    processes: dict[str, WorkerProcess] = field(default_factory=dict)  # by id (the lease owner name)
 
 
 def load_run(session: Session, ref: str) -> RunData:
@@ -43,7 +55,10 @@ def load_run(session: Session, ref: str) -> RunData:
     ):  # fmt: skip
         if session_id is not None and finished is not None:
             elsewhere.setdefault(session_id, []).append(finished)
-    return RunData(run, jobs, results, workers, sessions, elsewhere)
+    attempts = list(session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id)))
+    owners = {a.owner for a in attempts} | {s.worker_process_id for s in sessions.values() if s.worker_process_id}
+    processes = {p.id: p for p in session.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
+    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes)
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ class RunSummary:
 
 def list_runs(database_url: str, limit: int = 20) -> list[RunSummary]:
     """The newest `limit` runs with their job counts (`dsocr runs`)."""
-    with open_database(database_url).transaction() as session:
+    with open_ledger(database_url).transaction() as session:
         runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
         counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
         if runs:

@@ -61,7 +61,7 @@ def only_table(report: Report, title: str) -> Report:
     chosen = [t for t in report.tables if t.title.casefold() == title.casefold()]
     if not chosen:
         raise InputError(f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}")
-    return replace(report, tables=chosen)
+    return replace(report, tables=chosen, terms=[])  # one table, for a script: no legend
 
 
 def table_file_name(title: str) -> str:
@@ -80,17 +80,31 @@ def write_csv_tables(report: Report, directory: Path) -> list[Path]:
     return written
 
 
+# Without a width (output piped, redirected or written to a file) a table is as wide as its content: no
+# line is cut to a guessed terminal width, and none is padded out to one.
+NATURAL_WIDTH = 10_000
+
+
 def render_table(report: Report, *, width: int | None = None, color: bool = False) -> str:
+    """Terminal tables at most `width` characters wide (a terminal's width), else as wide as their content.
+    A table that does not fit in `width` is printed whole, as wide as its content: folded into narrow
+    columns, intervals broke over lines and headers mid-word. The legend of the report's terms closes it."""
     from rich import box
     from rich.console import Console
+    from rich.measure import Measurement
     from rich.panel import Panel
     from rich.table import Table as RichTable
     from rich.text import Text
 
-    console = Console(file=io.StringIO(), width=width or 160, force_terminal=color, no_color=not color)
-    console.print(f"[bold]{report.title}[/bold]")
+    out = io.StringIO()
+
+    def console(at_least: int = 0) -> Console:
+        return Console(file=out, width=max(width or NATURAL_WIDTH, at_least), force_terminal=color, no_color=not color)
+
+    wide = console(NATURAL_WIDTH)
+    console().print(f"[bold]{report.title}[/bold]")
     for warning in report.warnings:
-        console.print(Panel(warning, style="bold red", title="WARNING"))
+        console().print(Panel(warning, style="bold red", title="WARNING", expand=False))
     for section in report.tables:
         table = RichTable(title=section.title, box=box.SIMPLE_HEAD, title_justify="left")
         for i, column in enumerate(section.columns):
@@ -102,8 +116,15 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
             table.add_row(*(Text(cell_text(v)) for v in row))  # Text: "[n<2]" is not console markup
         if section.note:
             table.caption = Text(section.note, style="bold red")
-        console.print(table)
-    return console.file.getvalue()  # type: ignore[attr-defined]
+        console(Measurement.get(wide, wide.options, table).maximum).print(table)
+    if report.terms:
+        legend = RichTable(title="Terms", box=None, title_justify="left", show_header=False)
+        legend.add_column("term", no_wrap=True, style="bold")
+        legend.add_column("meaning", overflow="fold")
+        for term, meaning in report.terms:
+            legend.add_row(Text(term), Text(meaning))
+        console().print(legend)
+    return "".join(line.rstrip() + "\n" for line in out.getvalue().splitlines())
 
 
 def _number(value: Any) -> Any:
@@ -152,7 +173,8 @@ def render_json(report: Report) -> str:
         columns, rows = _expanded(table)
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
     notes = {table.title: table.note for table in report.tables if table.note}
-    document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes}
+    document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes,
+                "terms": dict(report.terms)}  # fmt: skip
     return json.dumps(document, indent=2, default=str) + "\n"
 
 
@@ -169,4 +191,6 @@ def render_markdown(report: Report) -> str:
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(section.columns) - 1)) + "|")
         lines += ["| " + " | ".join(escape(v) for v in row) + " |" for row in section.rows]
         lines.append("")
+    if report.terms:
+        lines += ["## Terms", ""] + [f"- **{term}**: {meaning}" for term, meaning in report.terms] + [""]
     return "\n".join(lines)

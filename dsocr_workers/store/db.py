@@ -69,6 +69,8 @@ class Database:
         self.engine.dispose()
 
 
+# `dsocr run` makes the embedded default's ledger itself; a server's is made by `dsocr db upgrade` only.
+_FIRST_STEP_SQLITE = "run `dsocr run` or `dsocr db upgrade` first"
 SUPPORTED_URLS = "sqlite:///PATH (the embedded default) or postgresql+psycopg://USER@HOST[:PORT]/DB"
 
 
@@ -92,7 +94,9 @@ def parse_database_url(url: str) -> URL:
 
 
 def open_database(url: str) -> Database:
-    """A new engine for `url`. Call it in the process that uses it (after fork, never before)."""
+    """A new engine for `url`, creating an SQLite file (and its folder) on first use: for what makes a
+    ledger (`dsocr db upgrade`, `dsocr run`). Call it in the process that uses it (after fork, never
+    before); a command that needs a ledger to exist opens it with `open_ledger`."""
     parsed = parse_database_url(url)
     keepalive = {name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query}  # the URL's win
     options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": keepalive}
@@ -107,6 +111,25 @@ def open_database(url: str) -> Database:
     return Database(
         url=url, engine=engine, sessions=sessionmaker(engine, expire_on_commit=False), pid=os.getpid()
     )
+
+
+def open_ledger(url: str) -> Database:
+    """The ledger at `url` as it stands, for the commands that read it or add to it (`report`, `runs`,
+    `status`, `export`, `submit`, `reconcile`, `worker`): refused with one line (an input error) where
+    there is none yet or its schema is not this code's. Creates nothing: opening a missing SQLite file
+    would leave an empty one (and its folders) behind."""
+    parsed = parse_database_url(url)
+    database = parsed.database or ""
+    a_file = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")
+    if a_file and not Path(database).expanduser().is_file():
+        raise SchemaError(f"no dsocr database at {redacted(url)}; {_FIRST_STEP_SQLITE}")
+    db = open_database(url)
+    try:
+        check_schema(db)
+    except BaseException:
+        db.dispose()
+        raise
+    return db
 
 
 _process_databases: dict[str, Database] = {}
@@ -187,7 +210,8 @@ def check_schema(db: Database) -> None:
         return
     where = redacted(db.url)
     if current is None:
-        raise SchemaError(f"the database {where} has no dsocr schema; run `dsocr db upgrade` first")
+        first_step = _FIRST_STEP_SQLITE if db.is_sqlite else "run `dsocr db upgrade` first"
+        raise SchemaError(f"no dsocr database at {where} (no dsocr schema in it); {first_step}")
     raise SchemaError(
         f"the database {where} is at schema revision {current}, this version of dsocr needs {head}; "
         "run `dsocr db upgrade` (with the newest dsocr) before starting workers"

@@ -20,10 +20,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, func, select, true, update
+from sqlalchemy import CursorResult, func, insert, select, true, update
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, utcnow
+from dsocr_workers.store.models import FINAL_STATES, Job, JobAttempt, Result, Run, utcnow
 from dsocr_workers.store.upsert import upsert
 
 MAX_ERROR_MESSAGE = 4000
@@ -157,6 +157,10 @@ def claim_job(
             return claim_job(session, job_id, owner, lease_s=lease_s, max_attempts=max_attempts, is_dead=is_dead,
                              now=now, again=False)  # fmt: skip
         return Refusal(job_id, "claimed concurrently by another worker", None)
+    if not continuing:  # who held it, kept past a takeover (the job's row names only its latest holder)
+        session.execute(
+            insert(JobAttempt).values(job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now)
+        )
     return Claim(
         job_id=job_id,
         run_id=job.run_id,

@@ -17,6 +17,9 @@ from dsocr_workers.stages import TIMINGS
 
 JobState = Literal["pending", "queued", "running", "done", "failed", "poisoned"]
 FINAL_STATES: tuple[str, ...] = ("done", "failed", "poisoned")
+# The queue `dsocr run` records its runs under by default: no worker reads it, and its jobs are never sent
+# to a broker (the report tells them from jobs a failed submit left pending).
+IN_PROCESS_QUEUE = "in-process"
 
 # Job ids are uuid5 of (run, image, repeat) in this namespace: the same job always has the same id.
 JOB_ID_NAMESPACE = uuid.UUID("6f0c7c1e-4a8e-5f43-9a57-2d1f0b7e9c31")
@@ -80,6 +83,21 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     # The page's ground truth (quality.omnidocbench.PageReference.to_json), when the run has one.
     reference: Mapped[dict[str, Any] | None]
+
+
+class JobAttempt(Base):
+    """One claim of a job: which worker process (its lease owner name) took it, when. A job taken over
+    from a dead process has a row per holder, so a report can name every process that held a job of a
+    run, not only the one whose result it kept."""
+
+    __tablename__ = "job_attempts"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int]
+    owner: Mapped[str] = mapped_column(String(200))  # a worker_processes id (host:pid:nonce)
+    claimed_at: Mapped[datetime]
 
 
 class Worker(Base):

@@ -13,7 +13,6 @@ from dsocr_workers.errors import FailuresError, InputError
 from dsocr_workers.farm.job.execute import Outcome
 from dsocr_workers.farm.local_run import (
     FAILURES_NAMED,
-    IN_PROCESS_QUEUE,
     raise_for_failures,
     record_local_run,
     work_local_run,
@@ -21,7 +20,7 @@ from dsocr_workers.farm.local_run import (
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import RunRequest, prepare_run
 from dsocr_workers.settings import Settings
-from dsocr_workers.store.models import Job, Result, Run
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, Job, Result, Run
 
 
 @pytest.fixture

@@ -315,14 +315,6 @@ def test_piped_output_keeps_whole_lines(pages, tmp_path, subprocess_env, broker_
     assert any(run_id in line and name in line for line in listed.stdout.splitlines()), listed.stdout
 
 
-def test_gpus_auto_falls_back_to_the_cpu_without_a_gpu():
-    from dsocr_workers.farm.devices import count_gpus, parse_devices
-
-    count = count_gpus()
-    assert parse_devices("auto") == ([f"cuda:{i}" for i in range(count)] if count else ["cpu"])
-    assert parse_devices("0,1") == ["cuda:0", "cuda:1"]
-
-
 def test_a_child_sees_only_its_own_gpu():
     """Every child runs on its cuda:0, so that one compile cache serves all of them (a compiled graph
     names its device's index); the ledger keeps the worker's own name for the GPU (JobProcess.device)."""

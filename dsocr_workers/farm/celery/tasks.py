@@ -23,10 +23,10 @@ from celery.signals import worker_process_init, worker_process_shutdown
 from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
-from dsocr_workers.errors import TransientError
+from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.celery.messages import RUN_JOB, job_labels, send_job_messages
-from dsocr_workers.farm.celery.worker import handed_spec
-from dsocr_workers.farm.devices import see_only_this_gpu
+from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
+from dsocr_workers.farm.devices import open_device, see_only_this_gpu
 from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.process import (
     JobProcess,
@@ -66,6 +66,12 @@ def _open_child(**_: object) -> None:
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
     # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
     helpers = fork_compile_helpers(plan, runs_on) if plan is not None else None
+    try:
+        open_device(runs_on)
+    except InputError as exc:  # a child that cannot run a job takes none: the worker stops, saying why
+        if helpers is not None:
+            helpers.stop()
+        refuse_to_work(f"child {index} on {device}: {exc}")
     _process = JobProcess.open(
         settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads, runs_on=runs_on
     )

@@ -9,19 +9,29 @@ environment.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import signal
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import RawArray
+from typing import Any, NoReturn
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
-from dsocr_workers.store.db import check_schema, open_database
+from dsocr_workers.store.db import open_ledger
 
 # How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
 # which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
 WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
+REFUSAL_BYTES = 2048
+EXIT_REFUSED = 2  # a child's exit status when it cannot work (billiard logs it)
+
+log = logging.getLogger("dsocr.worker")
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,9 @@ class WorkerSpec:
     slots: tuple[str, ...]
     queues: tuple[str, ...]
     warmup: Warmup | None
+    # Where a child that cannot work says why (`refuse_to_work`): memory shared with the parent, which
+    # reads it once Celery has stopped.
+    refusal: Any = field(default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False)
 
     def device_of(self, index: int) -> str:
         """The device of pool index `index` (a replacement child gets the index of the one it replaces)."""
@@ -50,14 +63,23 @@ def handed_spec() -> WorkerSpec:
     return _handed
 
 
+def refuse_to_work(reason: str) -> NoReturn:
+    """In a child that cannot run jobs (its device does not open): record why for the parent, ask the
+    parent to stop (a warm shutdown: the other children finish their jobs), and exit before this child
+    takes a message. `dsocr worker` then exits with an input error (2) saying `reason` (start_worker)."""
+    handed_spec().refusal.value = reason.encode()[: REFUSAL_BYTES - 1]
+    log.error("%s; stopping the worker", reason)
+    os.kill(os.getppid(), signal.SIGTERM)
+    os._exit(EXIT_REFUSED)
+
+
 def check_ledger(
     settings: Settings, queues: list[str], warmup: str, fallback: ModelKey, fallback_budget: int | None
 ) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
-    db = open_database(settings.database_url)
+    db = open_ledger(settings.database_url)
     try:
-        check_schema(db)
         plan = plan_warmup(db, queues, warmup, fallback, fallback_budget)
     finally:
         db.dispose()
@@ -109,3 +131,5 @@ def start_worker(
             f"--loglevel={loglevel}",
         ]
     )
+    if refused := _handed.refusal.value.decode(errors="replace"):
+        raise InputError(refused)

@@ -1,0 +1,80 @@
+"""A command that needs a ledger (`report`, `runs`, `status`, `export`, `submit`, `reconcile`) run where
+there is none: one line, exit 2, and nothing created — neither the default ./dsocr.db nor the folders
+of a DSOCR_DATABASE_URL that names a missing one."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from dsocr_workers.cli import main
+from dsocr_workers.store.db import SchemaError, open_database, open_ledger
+
+COMMANDS = {
+    "report": ["report", "--run", "latest"],
+    "runs": ["runs"],
+    "status": ["status", "--run", "latest"],
+    "export": ["export", "--run", "latest", "--omnidocbench", "predictions"],
+    "reconcile": ["reconcile"],
+}
+
+
+def invoke(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    result = CliRunner().invoke(main, args, env=env)
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_fresh_directory_gets_no_database(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, output = invoke(COMMANDS[command], {"DSOCR_DATABASE_URL": ""})  # unset: the default ./dsocr.db
+    assert code == 2, output
+    assert output.strip().splitlines() == [
+        "error: no dsocr database at sqlite:///./dsocr.db; run `dsocr run` or `dsocr db upgrade` first"
+    ]
+    assert list(tmp_path.iterdir()) == []  # no dsocr.db, no predictions/ folder
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_missing_folder_is_not_created(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
+    code, output = invoke(COMMANDS[command], {"DSOCR_DATABASE_URL": url})
+    assert code == 2, output
+    assert output.strip() == f"error: no dsocr database at {url}; run `dsocr run` or `dsocr db upgrade` first"
+    assert not (tmp_path / "no").exists()
+
+
+def test_submit_to_a_missing_ledger_creates_nothing(tmp_path, monkeypatch, make_png):
+    image = make_png("p.png", folder=tmp_path / "pages")
+    filelist = tmp_path / "pages" / "list.txt"
+    filelist.write_text(f"{image.name}\n")
+    monkeypatch.chdir(tmp_path)
+    code, output = invoke(["submit", str(filelist)], {"DSOCR_DATABASE_URL": ""})
+    assert code == 2, output
+    assert "no dsocr database at sqlite:///./dsocr.db" in output
+    assert not (tmp_path / "dsocr.db").exists()
+
+
+def test_empty_file_is_refused_as_no_ledger(tmp_path):
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    db = open_database(url)
+    with db.engine.connect():  # an empty file, as an earlier version's read-only commands left behind
+        pass
+    db.dispose()
+    with pytest.raises(SchemaError, match=r"no dsocr database at .*empty\.db \(no dsocr schema in it\); "
+                                          r"run `dsocr run` or `dsocr db upgrade` first"):  # fmt: skip
+        open_ledger(url)
+
+
+def test_existing_ledger_opens(sqlite_url):
+    db = open_ledger(sqlite_url)
+    try:
+        assert db.is_sqlite
+    finally:
+        db.dispose()
+
+
+def test_runs_reads_an_existing_ledger(sqlite_url):
+    code, output = invoke(["runs"], {"DSOCR_DATABASE_URL": sqlite_url})
+    assert code == 0 and "no dsocr database" not in output, output
