@@ -100,4 +100,5 @@ def open_device(device: str) -> None:
             torch.cuda.set_device(resolved)  # the session makes it current too: no context on another GPU
         torch.empty(1, device=resolved)
     except Exception as exc:  # torch says why in its own words: an invalid ordinal, a busy GPU, …
-        raise InputError(f"{device} does not open in this process: {exc}") from exc
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # CUDA's advice follows it
+        raise InputError(f"{device} does not open in this process: {first_line}") from exc
