@@ -37,9 +37,8 @@ def precompile(model: str, engine: str, dtype: str | None, modes: str, max_new_t
     service or a Kubernetes Job before the workers start (deploy/README.md)."""
     from dsocr_workers.engine.coldstart.build import BuildRequest, build
     from dsocr_workers.errors import InputError
-    from dsocr_workers.farm.child import see_only_this_gpu
-    from dsocr_workers.farm.warm import DEFAULT_WARMUP_MODES, parse_modes
-    from dsocr_workers.farm.worker import parse_devices
+    from dsocr_workers.farm.devices import parse_devices, see_only_this_gpu
+    from dsocr_workers.farm.job.warm import DEFAULT_WARMUP_MODES, parse_modes
 
     chosen = parse_modes(modes)
     if chosen == ():

@@ -26,7 +26,7 @@ version, the GPU, the model's architecture, the modes, the jobs' budget and deco
 package's code); a helper that finds it compiles nothing, and a warm-up that finds it starts no helper.
 Each share is compiled once per host: a helper holds its share's lock while compiling and leaves a done
 file; another process's helper of the same share waits for the lock and takes the done file as its
-answer (a worker's other GPUs, which see their GPU as cuda:0 too: farm/child.py). A helper dies with the
+answer (a worker's other GPUs, which see their GPU as cuda:0 too: farm/devices.py). A helper dies with the
 process that started it (`exit_with_the_worker`): a forked helper knows its parent's pid, a spawned one is
 given it on its command line.
 """
