@@ -123,11 +123,13 @@ class Worker:
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=30)
 
-    def stop(self, timeout: float = 40) -> None:
+    def begin_stop(self) -> None:
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)  # warm shutdown
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=timeout)
+
+    def finish_stop(self, deadline: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
             os.killpg(self.pid, signal.SIGKILL)
         if self.popen.poll() is None:
@@ -209,9 +211,14 @@ class Farm:
         self.workers.append(worker)
         return worker
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 40) -> None:
+        """Warm shutdown of every worker at once (each takes seconds: one after the other, a farm of
+        three spent most of a scenario's teardown waiting), then `kill -9` of whatever is left."""
         for worker in self.workers:
-            worker.stop()
+            worker.begin_stop()
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.finish_stop(deadline)
 
     def logs(self) -> str:
         return "".join(w.log.read_text(errors="replace") for w in self.workers if w.log.exists())
