@@ -9,7 +9,8 @@ queue, so parallel runs on one machine never see each other's rows or messages.
 - `make_png`: writes small PNG pages with Pillow.
 - `write_omnidocbench`: writes a hand-made annotation file in OmniDocBench's JSON layout.
 
-Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`.
+Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`. The long folders are
+collected first (LONG_FIRST), for pytest-xdist's sake.
 """
 
 from __future__ import annotations
@@ -36,7 +37,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# The folders whose tests wait on worker processes, leases, outages and compilation: tens of seconds
+# each. pytest-xdist (scripts/test.sh runs the suite with `-n`) hands tests out in collection order,
+# so these go first; one of them started last would leave the other xdist workers idle at the end.
+LONG_FIRST = ("reliability", "engine", "farm")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each folder keeps its own order
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="long scenario: run with --run-slow")

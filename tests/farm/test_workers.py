@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from accounting import typical_host_gap_is_small
 from sqlalchemy import func, select
 
 from dsocr_workers.farm.celery.app import create_app
@@ -128,10 +129,10 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
             assert r.worker_session_id in ready and ready[r.worker_session_id] <= r.created_at
             parts = (r.preprocess_ms + r.setup_ms + r.prefill_ms + r.first_token_ms + r.decode_ms
                      + r.wasted_decode_ms + r.readback_ms + r.postprocess_ms + r.host_gap_ms)
-            assert parts == pytest.approx(r.e2e_ms, abs=1e-3)
-            # The gap is host glue between stages, plus whatever the OS preempts there: on a loaded 2-core
-            # CI machine running two workers, a few milliseconds (4.2 of 187 ms seen).
-            assert 0 <= r.host_gap_ms <= max(20.0, 0.1 * r.e2e_ms)
+            assert parts == pytest.approx(r.e2e_ms, abs=1e-3) and r.host_gap_ms >= 0
+        # The gap is host glue between stages, plus whatever the OS preempts there: on a loaded 2-core
+        # CI machine running two workers, a few milliseconds (4.2 of 187 ms seen).
+        assert typical_host_gap_is_small(results)
     finally:
         for worker in workers:
             worker.send_signal(signal.SIGTERM)  # warm shutdown
@@ -196,8 +197,9 @@ def test_a_worker_with_jobs_queued_prefetches_the_next_page(pages, postgres_url,
         parts = (r.preprocess_ms + r.setup_ms + r.prefill_ms + r.first_token_ms + r.decode_ms
                  + r.wasted_decode_ms + r.readback_ms + r.postprocess_ms + r.host_gap_ms)  # fmt: skip
         assert parts == pytest.approx(r.e2e_ms, abs=1e-3) and r.preprocess_ms > 0 and r.page_wait_ms >= 0
-        assert 0 <= r.host_gap_ms <= max(20.0, 0.1 * r.e2e_ms)
+        assert r.host_gap_ms >= 0
         assert 0 < r.ttft_from_device_start_ms < r.ttft_from_claim_ms
+    assert typical_host_gap_is_small([r for _, r in ran])
     for (_, before), (_, after) in zip(ran, ran[1:], strict=False):
         assert before.device_finished_at <= after.device_started_at
 
@@ -210,10 +212,13 @@ def test_a_worker_with_jobs_queued_prefetches_the_next_page(pages, postgres_url,
     assert process["prefetched"] == len(PAGES) - 1 and process["device idle between jobs p50 ms"] > 0
 
 
-def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, subprocess_env):
+def test_dsocr_run_on_sqlite_creates_the_schema_records_its_queue_and_reports(pages, tmp_path, subprocess_env):
+    """What one `dsocr run` on SQLite records and prints (one run: its subprocess loading the model is
+    the costly part): the schema, every result, the run's queue, its process's beats and clean stop."""
     url = f"sqlite:///{tmp_path / 'embedded.db'}"
     env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
-    done = dsocr("run", str(pages), "--max-new-tokens", "4", "--mode", "tiny", "--format", "json", env=env)
+    done = dsocr("run", str(pages), "--max-new-tokens", "4", "--mode", "tiny", "--queue", "bench-q", "--format", "json",
+                 env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     document = json.loads(done.stdout)
     facts = {row["field"]: row["value"] for row in document["tables"]["Run"]}
@@ -224,22 +229,15 @@ def test_dsocr_run_on_sqlite_creates_the_schema_and_reports(pages, tmp_path, sub
     db = open_database(url)
     with db.transaction() as session:
         assert session.scalar(select(func.count()).select_from(Result)) == len(PAGES)
-    db.dispose()
-
-
-def test_dsocr_run_records_its_queue_and_modes_are_choices(pages, tmp_path, subprocess_env):
-    url = f"sqlite:///{tmp_path / 'queued.db'}"
-    env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
-    done = dsocr("run", str(pages), "--max-new-tokens", "2", "--mode", "tiny", "--queue", "bench-q", "--format", "json",
-                 env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    db = open_database(url)
-    with db.transaction() as session:
         assert session.scalars(select(Run.queue)).all() == ["bench-q"]
         # This process beat on that queue while it ran, and recorded its clean stop.
         (process,) = session.scalars(select(WorkerProcess)).all()
         assert process.queues == "bench-q" and process.stopped_at is not None
     db.dispose()
+
+
+def test_dsocr_run_modes_are_choices(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'refused.db'}"}
     refused = dsocr("run", str(pages), "--mode", "huge", env=env, timeout=60)
     assert refused.returncode == 2 and "'huge' is not one of 'tiny', 'small', 'base', 'large', 'gundam'" in refused.stderr
 

@@ -42,7 +42,7 @@ import redis
 from faulty_dsocr import NO_FAULTS, Faults
 from sqlalchemy import func, select
 
-from dsocr_workers.store.db import open_database
+from dsocr_workers.store.db import Database, open_database
 from dsocr_workers.store.models import Job, Result, WorkerProcess, WorkerSession, utcnow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,11 +123,13 @@ class Worker:
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=30)
 
-    def stop(self, timeout: float = 40) -> None:
+    def begin_stop(self) -> None:
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)  # warm shutdown
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=timeout)
+
+    def finish_stop(self, deadline: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
             os.killpg(self.pid, signal.SIGKILL)
         if self.popen.poll() is None:
@@ -144,6 +146,9 @@ class Farm:
     broker_url: str
     faults: Faults = NO_FAULTS  # jobs its workers crash or hang on (faulty_dsocr.py)
     workers: list[Worker] = field(default_factory=list)
+    # One engine for every read of the checks: the polls run several times a second, and a fresh engine
+    # (and PostgreSQL backend) for each cost more CPU than the scenario's jobs on a 2-core machine.
+    _ledger: Database | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -209,31 +214,37 @@ class Farm:
         self.workers.append(worker)
         return worker
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 40) -> None:
+        """Warm shutdown of every worker at once (each takes seconds: one after the other, a farm of
+        three spent most of a scenario's teardown waiting), then `kill -9` of whatever is left."""
         for worker in self.workers:
-            worker.stop()
+            worker.begin_stop()
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.finish_stop(deadline)
+        if self._ledger is not None:
+            self._ledger.dispose()
+            self._ledger = None
 
     def logs(self) -> str:
         return "".join(w.log.read_text(errors="replace") for w in self.workers if w.log.exists())
 
     # --- ledger and broker --------------------------------------------------------------------------------
 
+    def ledger(self) -> Database:
+        """The ledger as the checks read it (`database_url`, never through a scenario's proxy)."""
+        if self._ledger is None:
+            self._ledger = open_database(self.database_url)
+        return self._ledger
+
     def jobs(self, run_id: str) -> list[Any]:
-        db = open_database(self.database_url)
-        try:
-            with db.transaction() as session:
-                return list(session.execute(select(Job).where(Job.run_id == run_id)).scalars())
-        finally:
-            db.dispose()
+        with self.ledger().transaction() as session:
+            return list(session.execute(select(Job).where(Job.run_id == run_id)).scalars())
 
     def processes(self) -> list[WorkerProcess]:
         """Every `worker_processes` row (the heartbeats)."""
-        db = open_database(self.database_url)
-        try:
-            with db.transaction() as session:
-                return list(session.execute(select(WorkerProcess)).scalars())
-        finally:
-            db.dispose()
+        with self.ledger().transaction() as session:
+            return list(session.execute(select(WorkerProcess)).scalars())
 
     def counts(self, run_id: str) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -271,20 +282,16 @@ class Farm:
 
     def wait_for_ready_workers(self, count: int, timeout: float) -> None:
         """Until `count` worker children on this farm's queue have loaded and warmed their model."""
-        db = open_database(self.database_url)
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                with db.transaction() as session:
-                    ready = session.scalar(
-                        select(func.count()).select_from(WorkerSession).join(WorkerProcess)
-                        .where(WorkerProcess.queues == self.queue, WorkerSession.ready_at.is_not(None))
-                    )  # fmt: skip
-                if ready >= count:
-                    return
-                time.sleep(0.2)
-        finally:
-            db.dispose()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.ledger().transaction() as session:
+                ready = session.scalar(
+                    select(func.count()).select_from(WorkerSession).join(WorkerProcess)
+                    .where(WorkerProcess.queues == self.queue, WorkerSession.ready_at.is_not(None))
+                )  # fmt: skip
+            if ready >= count:
+                return
+            time.sleep(0.2)
         raise AssertionError(f"{count} workers not ready after {timeout:.0f} s\n{self.logs()[-3000:]}")
 
     def redis(self) -> redis.Redis:
@@ -350,12 +357,8 @@ def check_invariants(
     whose message a killed worker took with it, left unacknowledged in Redis until the visibility timeout
     (an hour by default): the queue is drained but for those."""
     jobs = farm.jobs(run_id)
-    db = open_database(farm.database_url)
-    try:
-        with db.transaction() as session:
-            result_jobs = list(session.scalars(select(Result.job_id).where(Result.run_id == run_id)))
-    finally:
-        db.dispose()
+    with farm.ledger().transaction() as session:
+        result_jobs = list(session.scalars(select(Result.job_id).where(Result.run_id == run_id)))
     assert jobs, f"run {run_id} has no jobs"
 
     # 1. Every job is in a final state.

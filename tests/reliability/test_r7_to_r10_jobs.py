@@ -176,16 +176,17 @@ def test_r10_redelivery_while_running(new_farm, tmp_path):
     whether the case happens (it did once: a flaky test).
 
     The refused copy comes back when the holder's lease would run out: a 24 s lease (twelve heartbeats)
-    instead of the suite's 40 s keeps that wait short. The job decodes ~10 s on the 2-core development
-    machine, its lease renewed every 2 s throughout (watched in the ledger); CI, about twice as slow on a
-    bad day, attempted it 3 times, near the suite's 30 s hard limit (27 s soft). The limits are not this
-    scenario: 300 s here."""
+    instead of the suite's 40 s keeps that wait short. The job decodes ~5 s on the 2-core development
+    machine (1,000 tokens; the copy is refused within a second of its start), its lease renewed every 2 s
+    throughout (watched in the ledger); with 2,000 tokens CI, about twice as slow on a bad day, attempted
+    it 3 times, near the suite's 30 s hard limit (27 s soft). The limits are not this scenario: 300 s
+    here."""
     farm = new_farm(DSOCR_LEASE_SECONDS="24", DSOCR_HARD_TIME_LIMIT="300")
     # Started before any run is open: told the mode to warm (auto would warm gundam, ~40 s for two workers).
     workers = [farm.start_worker("--warmup", "tiny") for _ in range(2)]
     farm.wait_for_ready_workers(len(workers), timeout=120)
     listing = make_pages(tmp_path / "pages", 1)
-    run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "2000", "--ignore-eos")
+    run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "1000", "--ignore-eos")
     job = farm.wait_for_state(run_id, "running", timeout=60)[0]
     app = create_app(Settings.from_env(farm.env))
     app.send_task(RUN_JOB, args=[job.id], queue=farm.queue, task_id=job.id)  # the idle worker takes it
