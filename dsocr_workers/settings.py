@@ -203,7 +203,10 @@ class Settings:
     heartbeat_s: int = 10
     max_attempts: int = 3
     retry_backoff_max_s: int = 60
-    visibility_timeout_override_s: int | None = None
+    # Redis redelivers an unacknowledged message after this long; it must outlast any job (acks_late)
+    # or a long job is delivered twice while it still runs (the claim then refuses the copy). Default
+    # (`from_env`): max(3600, 2 x lease); shorter gets a dead worker's message back sooner.
+    visibility_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
         check_queue_name(self.queue)
@@ -221,7 +224,7 @@ class Settings:
                 f"DSOCR_LEASE_SECONDS ({self.lease_s}) must be at least 3 x DSOCR_HEARTBEAT_SECONDS "
                 f"({self.heartbeat_s}), e.g. 60 with 10"
             )
-        if self.visibility_timeout_override_s is not None and self.visibility_timeout_override_s < 1:
+        if self.visibility_timeout_s < 1:
             raise InputError("DSOCR_VISIBILITY_TIMEOUT must be at least 1")
 
     @property
@@ -230,21 +233,13 @@ class Settings:
         # finds it expired at most one interval later.
         return self.lease_s + self.heartbeat_s
 
-    @property
-    def visibility_timeout_s(self) -> int:
-        # Redis redelivers an unacknowledged message after this long; it must outlast any job (acks_late)
-        # or a long job would be delivered twice while it still runs (the claim then refuses the copy).
-        # The override exists for tests and for farms that want a dead worker's message back sooner
-        # than an hour; below the hard time limit it causes such duplicate deliveries on purpose.
-        if self.visibility_timeout_override_s is not None:
-            return self.visibility_timeout_override_s
-        return max(3600, 2 * self.lease_s)
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         hard = read(HARD_TIME_LIMIT, environ)
         # The soft limit leaves a tenth of the hard one to record the timeout before the kill.
         soft = read(SOFT_TIME_LIMIT, environ)
+        lease = read(LEASE_SECONDS, environ)
+        visibility = read(VISIBILITY_TIMEOUT, environ)
         return cls(
             database_url=read(DATABASE_URL, environ),
             broker_url=read(BROKER_URL, environ),
@@ -252,11 +247,11 @@ class Settings:
             queue=read(QUEUE, environ),
             soft_time_limit_s=max(1, hard - max(1, hard // 10)) if soft is None else soft,
             hard_time_limit_s=hard,
-            lease_s=read(LEASE_SECONDS, environ),
+            lease_s=lease,
             heartbeat_s=read(HEARTBEAT_SECONDS, environ),
             max_attempts=read(MAX_ATTEMPTS, environ),
             retry_backoff_max_s=read(RETRY_BACKOFF_MAX, environ),
-            visibility_timeout_override_s=read(VISIBILITY_TIMEOUT, environ),
+            visibility_timeout_s=max(3600, 2 * lease) if visibility is None else visibility,
         )
 
 

@@ -19,7 +19,7 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 # The import name of each distribution the extras add (only the extras: `dsocr run` must not need them).
-EXTRA_MODULES = {"psycopg": "psycopg", "matplotlib": "matplotlib", "flower": "flower", "pytest": "pytest",
+EXTRA_MODULES = {"psycopg": "psycopg", "matplotlib": "matplotlib", "flower": "flower", "pytest": "pytest", "pytest-xdist": "xdist",
                  "pytest-timeout": "pytest_timeout", "hypothesis": "hypothesis", "ruff": "ruff", "mypy": "mypy"}  # fmt: skip
 # `dsocr run` with every extra's modules made unimportable, as in an install without extras.
 # `dsocr run` with every extra's modules unimportable, as in an install without extras (a None entry in

@@ -73,10 +73,13 @@ LEASE_S, HEARTBEAT_S = 15, 3
 def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
     # A short lease and heartbeat, and a visibility timeout that returns the dead workers' unacknowledged
     # messages within the test (refused as already done, and acknowledged). Nobody runs `dsocr reconcile`.
+    # The visibility timeout is 4 x the lease: a live worker's sweep (lease + heartbeat after the last
+    # beat) must come first, or the redelivered message takes the job (WorkerLost, not LeaseExpired);
+    # at 2 x, a CI machine running three test processes let the redelivery win once.
     # The hard limit stays the harness's 30 s: the lease no longer has to outlast it (heartbeats renew it),
     # and a 1 s job can take several on a loaded 2-core machine.
     farm = new_farm(
-        DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S), DSOCR_VISIBILITY_TIMEOUT="30",
+        DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S), DSOCR_VISIBILITY_TIMEOUT=str(4 * LEASE_S),
     )  # fmt: skip
     listing = make_pages(tmp_path / "pages", jobs)
     run_id = farm.submit(listing, *SECOND_JOB)
