@@ -11,6 +11,7 @@ them and runs a job's steps through the runners, whichever engine made them:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -62,22 +63,23 @@ class InductorGraphs:
     cuda_graphs: bool
 
 
-class Engine:
+class Engine(ABC):
     """One way of running the model. `name` is its registry name (recorded with every result);
     `needs_cuda`, when not empty, why it cannot run on a CPU (it runs the CPU fallback there)."""
 
     name: ClassVar[str]
     needs_cuda: ClassVar[str] = ""
 
+    @abstractmethod
     def kernels(self) -> dict[str, str]:
         """`attn_implementation` and `experts_implementation` for loading the model."""
-        raise NotImplementedError
 
-    def after_load(self, model: DeepSeekOCR) -> None:
+    def after_load(self, model: DeepSeekOCR) -> None:  # noqa: B027 (a hook: most engines swap nothing)
         """Module swaps once the weights are loaded; none by default."""
 
+    @abstractmethod
     def runners(self, model: DeepSeekOCR, device: torch.device) -> Runners:
-        raise NotImplementedError
+        """The callables a job's steps run: vision, LM prefill, decode step (and prefill graphs)."""
 
     def compiled(self) -> InductorGraphs | None:
         """What this engine compiles with inductor ahead of jobs; None: nothing."""
