@@ -141,11 +141,28 @@ CPU_THREADS = Variable("OMP_NUM_THREADS", _optional_integer("OMP_NUM_THREADS"), 
                        "CPU threads per CPU worker child; set it when several CPU workers share a host",
                        "cores ÷ CPU children")
 
+# Other programs' variables the package reads (and, where it says so, sets for a process it starts).
+VISIBLE_GPUS = Variable(
+    "CUDA_VISIBLE_DEVICES", _optional_text, None,
+    "CUDA's: the GPUs this host's worker may use (`--gpus` indices count within them); a worker child is "
+    "given its own GPU as its only visible one", "every GPU")  # fmt: skip
+TORCH_CACHE_DIR = Variable(
+    "TORCHINDUCTOR_CACHE_DIR", _path, None,
+    "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model", "under /tmp")
+TORCH_COMPILE_THREADS = Variable(
+    "TORCHINDUCTOR_COMPILE_THREADS", _optional_integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
+    "torch's compile threads; a forked compile helper takes it again from the environment", "torch's choice")
+BYTECODE_PREFIX = Variable(
+    "PYTHONPYCACHEPREFIX", _path, None,
+    "Python's: where bytecode is kept; set to DSOCR_COMPILE_CACHE_DIR/python-bytecode where the "
+    "installation ships none and may not write it", "beside the sources")
+
 # In the README's order (its configuration table is `markdown_table()`, checked by a test).
 VARIABLES: tuple[Variable, ...] = (
     DATABASE_URL, BROKER_URL, BROKER_KEY_PREFIX, QUEUE, MAX_ATTEMPTS, HARD_TIME_LIMIT, SOFT_TIME_LIMIT,
     LEASE_SECONDS, HEARTBEAT_SECONDS, RETRY_BACKOFF_MAX, MODEL, VISIBILITY_TIMEOUT, INSTRUMENTATION,
-    COMPILE_CACHE_DIR, COMPILE_PROCESSES, FLOWER_BASIC_AUTH, GIT_SHA, CPU_THREADS,
+    COMPILE_CACHE_DIR, COMPILE_PROCESSES, FLOWER_BASIC_AUTH, GIT_SHA, CPU_THREADS, VISIBLE_GPUS,
+    TORCH_CACHE_DIR, TORCH_COMPILE_THREADS, BYTECODE_PREFIX,
 )  # fmt: skip
 
 

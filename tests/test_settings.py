@@ -31,6 +31,15 @@ def test_every_variable_the_package_names_is_registered() -> None:
     assert {name: files for name, files in named.items() if name not in registered} == {}
 
 
+def test_every_variable_the_package_reads_by_name_is_registered() -> None:
+    """Other programs' variables too (CUDA's, torch's, Python's): a literal name read from, or set in,
+    the environment anywhere in the package."""
+    registered = {v.name for v in settings.VARIABLES}
+    pattern = re.compile(r"""(?:environ|getenv)(?:\.get)?[\[(]\s*["']([A-Z][A-Z0-9_]+)["']""")
+    named = {name for path in PACKAGE.rglob("*.py") for name in pattern.findall(path.read_text(encoding="utf-8"))}
+    assert named and named - registered == set()
+
+
 def test_read_parses_and_defaults() -> None:
     assert settings.read(settings.MAX_ATTEMPTS, {}) == 3
     assert settings.read(settings.MAX_ATTEMPTS, {"DSOCR_MAX_ATTEMPTS": ""}) == 3

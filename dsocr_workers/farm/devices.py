@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Mapping
 
 from dsocr_workers.errors import InputError
+from dsocr_workers.settings import VISIBLE_GPUS, read
 
 
 def count_gpus(environ: Mapping[str, str] = os.environ) -> int:
@@ -26,7 +27,7 @@ def count_gpus(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def _visible_entries(environ: Mapping[str, str]) -> list[str]:
-    return [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return [entry.strip() for entry in (read(VISIBLE_GPUS, environ) or "").split(",") if entry.strip()]
 
 
 def parse_devices(gpus: str, environ: Mapping[str, str] = os.environ) -> list[str]:

@@ -32,9 +32,9 @@ from types import ModuleType
 from dsocr_workers import settings
 
 # torch's own variable: inductor's cache root, with Triton's kernel cache beneath it.
-TORCH_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TORCH_CACHE_ENV = settings.TORCH_CACHE_DIR.name
 # Python's: where bytecode is read and written instead of each source's __pycache__.
-BYTECODE_PREFIX_ENV = "PYTHONPYCACHEPREFIX"
+BYTECODE_PREFIX_ENV = settings.BYTECODE_PREFIX.name
 BYTECODE_DIR = "python-bytecode"
 # Left by a writer that wrote every source it was given: imports may read from the directory.
 BYTECODE_WRITTEN = "written"
@@ -69,7 +69,7 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
     raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
     if raw is None:
         return None
-    default = environ.get(TORCH_CACHE_ENV, "under /tmp")
+    default = settings.read(settings.TORCH_CACHE_DIR, environ) or "under /tmp"
     directory = _cache_directory(raw, f"compiled kernels stay in torch's default cache ({default})")
     if directory is not None:
         environ[TORCH_CACHE_ENV] = str(directory)
@@ -88,7 +88,7 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
     host), and writing as the imports go added 8–12 s there."""
     global _writes_to
     raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
-    if raw is None or environ.get(BYTECODE_PREFIX_ENV) or sys.pycache_prefix:
+    if raw is None or settings.read(settings.BYTECODE_PREFIX, environ) or sys.pycache_prefix:
         return None
     spec = importlib.util.find_spec(probe)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):

@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import torch
 
+from dsocr_workers import settings
 from dsocr_workers.engine.coldstart.artifacts import lookup
 from dsocr_workers.engine.coldstart.cache import use_compile_cache
 from dsocr_workers.engine.coldstart.passes import warm_language, warmup_pages
@@ -106,9 +107,9 @@ def compile_share(task: HelperTask) -> HelperResult:
     # TORCHINDUCTOR_CACHE_DIR yet, and filled torch's default cache instead (an H100: every vision graph
     # compiled again by the worker).
     use_compile_cache()
-    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
-    if threads.isdigit():  # a forked helper imported inductor's settings with the worker's count
-        torch._inductor.config.compile_threads = int(threads)
+    threads = settings.read(settings.TORCH_COMPILE_THREADS)
+    if threads is not None:  # a forked helper imported inductor's settings with the worker's count
+        torch._inductor.config.compile_threads = threads
     device = resolve_device(plan.device)
     make_current(device)
     dtype = resolve_dtype(plan.dtype, device)

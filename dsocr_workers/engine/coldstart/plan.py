@@ -23,7 +23,6 @@ from typing import IO, Literal
 import torch
 
 from dsocr_workers import settings
-from dsocr_workers.engine.coldstart.cache import TORCH_CACHE_ENV
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
 from dsocr_workers.model.config import get_mode
@@ -177,9 +176,9 @@ class PrecompileReport:
 
 def cache_root() -> Path:
     """inductor's cache directory, as this process (and its helpers) use it."""
-    explicit = os.environ.get(TORCH_CACHE_ENV)
-    if explicit:
-        return Path(explicit)
+    explicit = settings.read(settings.TORCH_CACHE_DIR)
+    if explicit is not None:
+        return explicit
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir())
