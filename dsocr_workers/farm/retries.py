@@ -13,35 +13,33 @@ Input errors are final and never retried (errors.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_never, wait_exponential
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_never,
+    stop_when_event_set,
+    wait_exponential,
+)
 from tenacity.stop import stop_base
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.settings import Settings
 
 
-class stop_when(stop_base):  # noqa: N801 (named as tenacity names its stop conditions)
-    """Stop once `condition()` holds."""
-
-    def __init__(self, condition: Callable[[], bool]) -> None:
-        self.condition = condition
-
-    def __call__(self, retry_state: object) -> bool:
-        return self.condition()
-
-
 def ledger_retrying(
-    *, attempts: int | None = None, until: Callable[[], bool] | None = None, sleep: Callable[[float], None] | None = None
+    *, attempts: int | None = None, until: threading.Event | None = None, sleep: Callable[[float], None] | None = None
 ) -> Retrying:
-    """Calls again after a TransientError, `attempts` tries in all (None: no limit) or until `until()`
-    says to stop; the last error is raised. `sleep`: how to wait (e.g. an event's wait, cut short when
+    """Calls again after a TransientError, `attempts` tries in all (None: no limit) or until the event
+    `until` is set; the last error is raised. `sleep`: how to wait (e.g. an event's wait, cut short when
     the caller closes)."""
     stop: stop_base = stop_never if attempts is None else stop_after_attempt(attempts)
     if until is not None:
-        stop = stop | stop_when(until)
+        stop = stop | stop_when_event_set(until)
     return Retrying(
         retry=retry_if_exception_type(TransientError),
         wait=wait_exponential(multiplier=2, max=30),

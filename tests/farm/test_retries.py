@@ -3,6 +3,8 @@ else is; a job's next delivery backs off within the configured ceiling."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from dsocr_workers.errors import InputError, TransientError
@@ -24,15 +26,16 @@ def test_ledger_outages_are_retried_then_the_last_error_raised() -> None:
 
 
 def test_a_closing_caller_stops_retrying_and_other_errors_are_not_retried() -> None:
-    closing: list[bool] = []
+    closing, calls_before_close = threading.Event(), []
 
     def down_then_closed() -> None:
-        closing.append(True)
+        calls_before_close.append(1)
+        closing.set()
         raise TransientError("database down")
 
     with pytest.raises(TransientError):
-        ledger_retrying(until=lambda: bool(closing), sleep=lambda _: None)(down_then_closed)
-    assert closing == [True]
+        ledger_retrying(until=closing, sleep=lambda _: None)(down_then_closed)
+    assert calls_before_close == [1]
     calls: list[int] = []
 
     def bad_input() -> None:

@@ -110,7 +110,7 @@ class LedgerThreads:
     def _retrying(self, write: Callable[[Session], T]) -> T | None:
         """`write` in a transaction, tried again through ledger outages until this closes; None when
         given up (closing in an outage, or another error: the job is swept once this process is gone)."""
-        retrying = ledger_retrying(until=self._closing.is_set, sleep=self._pause)
+        retrying = ledger_retrying(until=self._closing, sleep=self._pause)
         try:
             for attempt in retrying:
                 with attempt, self._db.transaction() as session:
