@@ -52,10 +52,6 @@ def _integer(name: str) -> Callable[[str], int]:
     return parse
 
 
-def _optional_integer(name: str) -> Callable[[str], int | None]:
-    return _integer(name)
-
-
 def _switch(name: str) -> Callable[[str], bool]:
     def parse(raw: str) -> bool:
         if raw not in ("0", "1"):
@@ -69,26 +65,18 @@ def _path(raw: str) -> Path | None:
     return Path(raw).expanduser()
 
 
-def _text(raw: str) -> str:
-    return raw
-
-
-def _optional_text(raw: str) -> str | None:
-    return raw
-
-
-DATABASE_URL = Variable("DSOCR_DATABASE_URL", _text, DEFAULT_DATABASE_URL,
+DATABASE_URL = Variable("DSOCR_DATABASE_URL", str, DEFAULT_DATABASE_URL,
                         "SQLAlchemy URL of the ledger", f"`{DEFAULT_DATABASE_URL}`")
-BROKER_URL = Variable("DSOCR_BROKER_URL", _text, DEFAULT_BROKER_URL,
+BROKER_URL = Variable("DSOCR_BROKER_URL", str, DEFAULT_BROKER_URL,
                       "Celery broker (Redis)", f"`{DEFAULT_BROKER_URL}`")
-BROKER_KEY_PREFIX = Variable("DSOCR_BROKER_KEY_PREFIX", _text, "",
+BROKER_KEY_PREFIX = Variable("DSOCR_BROKER_KEY_PREFIX", str, "",
                              "prefix of every Redis key the farm uses", "none")
-QUEUE = Variable("DSOCR_QUEUE", _text, "dsocr", "queue jobs are sent to and read from", "`dsocr`")
+QUEUE = Variable("DSOCR_QUEUE", str, "dsocr", "queue jobs are sent to and read from", "`dsocr`")
 MAX_ATTEMPTS = Variable("DSOCR_MAX_ATTEMPTS", _integer("DSOCR_MAX_ATTEMPTS"), 3,
                         "attempts before a job is poisoned", "`3`")
 HARD_TIME_LIMIT = Variable("DSOCR_HARD_TIME_LIMIT", _integer("DSOCR_HARD_TIME_LIMIT"), 600,
                            "seconds before a job's process is killed", "`600`")
-SOFT_TIME_LIMIT = Variable("DSOCR_SOFT_TIME_LIMIT", _optional_integer("DSOCR_SOFT_TIME_LIMIT"), None,
+SOFT_TIME_LIMIT = Variable("DSOCR_SOFT_TIME_LIMIT", _integer("DSOCR_SOFT_TIME_LIMIT"), None,
                            "seconds before a job is asked to stop", "hard − 10 %")
 LEASE_SECONDS = Variable(
     "DSOCR_LEASE_SECONDS", _integer("DSOCR_LEASE_SECONDS"), 60,
@@ -101,13 +89,13 @@ HEARTBEAT_SECONDS = Variable(
 RETRY_BACKOFF_MAX = Variable("DSOCR_RETRY_BACKOFF_MAX", _integer("DSOCR_RETRY_BACKOFF_MAX"), 60,
                              "ceiling of the retry backoff, seconds", "`60`")
 VISIBILITY_TIMEOUT = Variable(
-    "DSOCR_VISIBILITY_TIMEOUT", _optional_integer("DSOCR_VISIBILITY_TIMEOUT"), None,
+    "DSOCR_VISIBILITY_TIMEOUT", _integer("DSOCR_VISIBILITY_TIMEOUT"), None,
     "seconds before Redis redelivers an unacknowledged job (below the job length, running jobs are "
     "delivered twice: safe, the claim refuses the copy, but wasteful)", "max(3600, 2 × lease)")  # fmt: skip
-MODEL = Variable("DSOCR_MODEL", _text, "tiny", "default `--model` of `dsocr infer` / `dsocr verify`", "`tiny`")
-FLOWER_BASIC_AUTH = Variable("DSOCR_FLOWER_BASIC_AUTH", _text, "",
+MODEL = Variable("DSOCR_MODEL", str, "tiny", "default `--model` of `dsocr infer` / `dsocr verify`", "`tiny`")
+FLOWER_BASIC_AUTH = Variable("DSOCR_FLOWER_BASIC_AUTH", str, "",
                              "`USER:PASSWORD` that `dsocr flower` asks for", "none")
-GIT_SHA = Variable("DSOCR_GIT_SHA", _optional_text, None,
+GIT_SHA = Variable("DSOCR_GIT_SHA", str, None,
                    "the commit recorded in results where there is no git checkout (set by image builds)",
                    "the checkout's commit")
 INSTRUMENTATION = Variable("DSOCR_INSTRUMENTATION", _switch("DSOCR_INSTRUMENTATION"), True,
@@ -137,20 +125,20 @@ COMPILE_PROCESSES = Variable(
     "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
     "worker compiles everything itself", "`4`")  # fmt: skip
 
-CPU_THREADS = Variable("OMP_NUM_THREADS", _optional_integer("OMP_NUM_THREADS"), None,
+CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
                        "CPU threads per CPU worker child; set it when several CPU workers share a host",
                        "cores ÷ CPU children")
 
 # Other programs' variables the package reads (and, where it says so, sets for a process it starts).
 VISIBLE_GPUS = Variable(
-    "CUDA_VISIBLE_DEVICES", _optional_text, None,
+    "CUDA_VISIBLE_DEVICES", str, None,
     "CUDA's: the GPUs this host's worker may use (`--gpus` indices count within them); a worker child is "
     "given its own GPU as its only visible one", "every GPU")  # fmt: skip
 TORCH_CACHE_DIR = Variable(
     "TORCHINDUCTOR_CACHE_DIR", _path, None,
     "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model", "under /tmp")
 TORCH_COMPILE_THREADS = Variable(
-    "TORCHINDUCTOR_COMPILE_THREADS", _optional_integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
+    "TORCHINDUCTOR_COMPILE_THREADS", _integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
     "torch's compile threads; a forked compile helper takes it again from the environment", "torch's choice")
 BYTECODE_PREFIX = Variable(
     "PYTHONPYCACHEPREFIX", _path, None,
