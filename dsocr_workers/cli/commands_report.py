@@ -20,6 +20,11 @@ from dsocr_workers.cli import exits_on_errors, terminal_width
     help="Put cold results (compilation, new cache bucket, …) back into the statistics and throughput.",
 )
 @click.option(
+    "--include-profiled",
+    is_flag=True,
+    help="Put profiled results (submit --profile: run under torch.profiler) back into the latency statistics.",
+)
+@click.option(
     "--exclude-loops",
     is_flag=True,
     help="Leave results whose output ends in a repetition loop out of the latency statistics.",
@@ -47,6 +52,7 @@ def report(
     vs_ref: str | None,
     per_image: bool,
     include_cold: bool,
+    include_profiled: bool,
     exclude_loops: bool,
     fmt: str,
     out: Path | None,
@@ -57,16 +63,17 @@ def report(
     """Latency (TTFT, prefill, vision stages, decode ms/token, e2e and the parts that add up to it) as mean
     and p50 / p90 / p99 with 95% confidence intervals, per-job memory, steady-state and wall-clock
     throughput, worker sessions, outputs and the environment of a run; with ground truth, accuracy per
-    mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops. Cold results
-    are left out of the latency statistics unless --include-cold, looping ones only with
-    --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
+    mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops; for runs
+    submitted with --profile, the kernels per stage, the device's busy and idle time per stage and
+    what the profiler cost. Cold results are left out of the latency statistics unless --include-cold,
+    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
     from dsocr_workers.report.outputs import ReportRequest, write_report
     from dsocr_workers.settings import Settings
 
     request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
-                            exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
+                            include_profiled=include_profiled, exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
                             width=width or (terminal_width() if out is None else None))  # fmt: skip
     text = write_report(Settings.from_env().database_url, request, on_written=wrote)
     if text is not None:
