@@ -1,5 +1,6 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--table NAME]
-[--out FILE|DIR] [--html FILE]` and `dsocr export --run ID --omnidocbench DIR`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--include-profiled] [--exclude-loops]
+[--format …] [--table NAME] [--out FILE|DIR] [--html FILE]`, `dsocr export --run ID --omnidocbench DIR` and
+`dsocr trace --job ID | --run ID --image NAME`."""
 
 from __future__ import annotations
 
@@ -103,6 +104,29 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
                   if export.without_result else ""))  # fmt: skip
 
 
+@click.command()
+@click.option("--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them).")
+@click.option("--run", "run_ref", help="Or the run (id, prefix or latest) with --image.")
+@click.option("--image", help="With --run: the image, as the file list names it or its file name.")
+@click.option("--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.")
+@exits_on_errors
+def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None) -> None:
+    """Write a profiled job's torch.profiler trace (runs submitted with --profile N) as Chrome trace JSON:
+    open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in the browser) or
+    chrome://tracing. The stages are the ranges dsocr::prefill, dsocr::vision/sam, ..., and the sampled
+    decode steps dsocr::decode step N."""
+    from dsocr_workers.report.trace import TraceRequest, write_trace
+    from dsocr_workers.settings import Settings
+
+    written = write_trace(Settings.from_env().database_url,
+                          TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out))  # fmt: skip
+    click.echo(f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
+               f"({written.bytes:,} bytes)")  # fmt: skip
+
+
 def register(group: click.Group) -> None:
     group.add_command(report)
     group.add_command(export)
+    group.add_command(trace)
