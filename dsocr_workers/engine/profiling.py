@@ -104,6 +104,8 @@ class JobProfiler:
                 yield
             finally:
                 if name == DECODE:
+                    if self._step is not None:  # each step that ran closed its range at the next mark: this one never ran
+                        self.steps.pop()
                     self._close_step()
                     self._collect(True)
 
@@ -153,7 +155,8 @@ def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[in
             name = event.name.removeprefix(RANGE_PREFIX)
             # The decode's row is its sampled steps' (the decode's own range spans the unsampled ones too).
             if name.startswith(STEP_RANGE):
-                ranges[DECODE].append(event)
+                if int(name.removeprefix(STEP_RANGE)) in steps:  # not the range opened for a step that never ran
+                    ranges[DECODE].append(event)
             elif name != DECODE:
                 ranges[name].append(event)
     launched: dict[int, list[Any]] = defaultdict(list)  # device activities by the operator that launched them
