@@ -55,6 +55,13 @@ class StageKernels:
     span_ms: float
     kernels: list[KernelTime] = field(default_factory=list)  # by total, longest first; the tail as OTHER
 
+    @classmethod
+    def mean(cls, rows: list[StageKernels]) -> StageKernels:
+        """One stage's figures averaged over jobs (what the cross-check judges over several), no kernels."""
+        n = max(len(rows), 1)
+        return cls(rows[0].stage if rows else "", *(sum(getattr(r, f) for r in rows) / n
+                                                    for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")))  # fmt: skip
+
     @property
     def idle_ms(self) -> float:
         """The stage's time the device spent on no kernel (never negative: clocks differ by microseconds)."""

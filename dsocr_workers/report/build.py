@@ -296,7 +296,8 @@ def single_report(
     if data.profiles:
         from dsocr_workers.report import kernels  # builds on this module's tables
 
-        report.tables += [kernels.kernel_table(data), kernels.busy_table(data), kernels.overhead_table(data, include_cold)]
+        report.tables += [kernels.kernel_table(data, include_cold), kernels.busy_table(data, include_cold),
+                          kernels.overhead_table(data, include_cold)]  # fmt: skip
     report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
     failures = [
@@ -630,7 +631,7 @@ def comparison_report(
     if a.profiles and b.profiles:
         from dsocr_workers.report import kernels  # builds on this module's tables
 
-        report.tables.append(kernels.kernel_pairs_table(a, b))
+        report.tables.append(kernels.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))

@@ -41,19 +41,17 @@ class StageRuns:
     def per_job(self, figure: Callable[[StageKernels], float]) -> Summary:
         return Summary.from_values([figure(s) for s in self.jobs])
 
-    def total(self) -> StageKernels:
-        """The stage's figures summed over its jobs (the cross-check judges the sums)."""
-        return StageKernels(self.stage, *(sum(getattr(s, f) for s in self.jobs)
-                                          for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")))  # fmt: skip
 
 
-def profiled(data: RunData) -> list[tuple[str, KernelSummary]]:
-    """(job id, summary) of the run's profiled jobs, in job order."""
-    return [(j.id, data.profiles[j.id]) for j in data.jobs if j.id in data.profiles]
+def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, KernelSummary]]:
+    """(job id, summary) of the run's profiled jobs, in job order: warm ones unless `include_cold` (a cold
+    job's kernels hold its compilation, its first use of a cache bucket, ...)."""
+    return [(j.id, data.profiles[j.id]) for j in data.jobs
+            if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)]  # fmt: skip
 
 
 def activity_of(data: RunData) -> Activity | None:
-    kinds = {summary.activity for _, summary in profiled(data)}
+    kinds = {summary.activity for _, summary in profiled(data, include_cold=True)}
     return kinds.pop() if len(kinds) == 1 else None
 
 
@@ -78,8 +76,8 @@ def _what(data: RunData) -> str:
     return WHAT[activity] if activity else "CUDA kernels and CPU operators: the run's jobs ran on both"
 
 
-def kernel_table(data: RunData) -> Table:
-    jobs = profiled(data)
+def kernel_table(data: RunData, include_cold: bool = False) -> Table:
+    jobs = profiled(data, include_cold)
     rows: list[list[Any]] = []
     for stage in by_stage([s for _, s in jobs]).values():
         clock_ms = sum(s.event_ms for s in stage.jobs)
@@ -91,25 +89,26 @@ def kernel_table(data: RunData) -> Table:
                 stage.stage, name, calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
                 total_ms * 1e3 / calls if calls else None, 100 * total_ms / clock_ms if clock_ms else None,
             ])  # fmt: skip
-    note = (f"{len(jobs)} profiled job(s); a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
+    cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
+    note = (f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
             "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
             "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto.")  # fmt: skip
     columns = ["stage", "kernel", "calls/job", "ms/job", "mean µs/call", "share of stage %"]
     return Table(TITLE, columns, rows, note)
 
 
-def busy_table(data: RunData) -> Table:
+def busy_table(data: RunData, include_cold: bool = False) -> Table:
     """Per stage: its clock, the kernels' sum, busy (their union) and idle time, and the cross-check."""
     activity = activity_of(data) or "cuda"
     rows: list[list[Any]] = []
-    for stage in by_stage([s for _, s in profiled(data)]).values():
-        total = stage.total()
+    for stage in by_stage([s for _, s in profiled(data, include_cold)]).values():
+        mean = StageKernels.mean(stage.jobs)
         rows.append([
             stage.stage, len(stage.jobs), stage.per_job(lambda s: s.event_ms).mean,
             stage.per_job(lambda s: s.kernel_ms).mean, stage.per_job(lambda s: s.busy_ms).mean,
             stage.per_job(lambda s: s.idle_ms).mean,
-            100 * total.busy_ms / total.event_ms if total.event_ms else None,
-            total.kernel_ms / total.event_ms if total.event_ms else None, total.crosscheck(activity),
+            100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
+            mean.kernel_ms / mean.event_ms if mean.event_ms else None, mean.crosscheck(activity),
         ])  # fmt: skip
     idle = "the GPU waiting for the host" if activity == "cuda" else "Python between the operators"
     note = (f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
@@ -152,10 +151,10 @@ def change(ratio: Any) -> str:
     return {"B lower": "faster in B", "B higher": "slower in B"}.get(said, said)
 
 
-def kernel_pairs_table(a: RunData, b: RunData) -> Table:
+def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Table:
     """Per stage and kernel, its time per job in A and in B over the pages profiled in both, B/A with the
     interval of a paired bootstrap; kernels of one run only are named so."""
-    pages_a, pages_b = _by_page(a), _by_page(b)
+    pages_a, pages_b = _by_page(a, include_cold), _by_page(b, include_cold)
     pages = sorted(pages_a.keys() & pages_b.keys())
     stages_a = by_stage([s for p in pages for s in pages_a[p]])
     stages_b = by_stage([s for p in pages for s in pages_b[p]])
@@ -177,10 +176,10 @@ def kernel_pairs_table(a: RunData, b: RunData) -> Table:
     return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)
 
 
-def _by_page(data: RunData) -> dict[str, list[KernelSummary]]:
+def _by_page(data: RunData, include_cold: bool) -> dict[str, list[KernelSummary]]:
     images = {j.id: j.image for j in data.jobs}
     pages: dict[str, list[KernelSummary]] = defaultdict(list)
-    for job_id, summary in profiled(data):
+    for job_id, summary in profiled(data, include_cold):
         pages[images[job_id]].append(summary)
     return pages
 

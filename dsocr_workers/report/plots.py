@@ -350,13 +350,13 @@ def _short(name: str, limit: int) -> str:
     return f"{name[: keep - keep // 2]}…{name[-(keep // 2):]}"
 
 
-def kernel_breakdown(sides: Sequence[Side]) -> Plot:
+def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
     """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernels.py)."""
     from dsocr_workers.kernels import OTHER
     from dsocr_workers.report.kernels import by_stage, profiled
 
     title = "Kernels per stage (profiled jobs)"
-    stages = [by_stage([s for _, s in profiled(side.data)]) for side in sides]
+    stages = [by_stage([s for _, s in profiled(side.data, include_cold)]) for side in sides]
     names = list(dict.fromkeys(name for per_side in stages for name in per_side))
     columns = 2 if len(names) > 1 else 1
     rows = -(-len(names) // columns)
@@ -386,7 +386,7 @@ def kernel_breakdown(sides: Sequence[Side]) -> Plot:
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("ms per profiled job", fontsize=8)
-        ax.set_title(f"{name} — " + "; ".join(heading), loc="left", fontsize=9)
+        ax.set_title(f"{name}\n" + "; ".join(heading), loc="left", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
     for ax in axes[len(names):]:
         ax.set_visible(False)
@@ -397,8 +397,8 @@ def kernel_breakdown(sides: Sequence[Side]) -> Plot:
     caption = (
         f"Per stage, its {KERNELS_PER_PANEL} longest kernels (CUDA kernels on a GPU, CPU operators' self time on a "
         "CPU), the rest summed, and its idle time (the stage's clock time less the union of its kernels), in ms "
-        "per profiled job; the heading gives the stage's clock time and how busy the device was. decode: the "
-        "sampled steps only."
+        "per profiled job (warm ones, as the statistics); the heading gives the stage's clock time and how busy "
+        "the device was. decode: the sampled steps only."
     )
     return Plot(title, caption, _png(figure))
 
@@ -412,5 +412,5 @@ def all_plots(sides: Sequence[Side], include_cold: bool, include_profiled: bool 
         throughput_over_time(sides, include_cold),
     ]
     if any(side.data.profiles for side in sides):
-        plots.append(kernel_breakdown(sides))
+        plots.append(kernel_breakdown(sides, include_cold))
     return plots
