@@ -63,6 +63,10 @@ def run_options(command: F) -> F:
         click.option("--skip-invalid", is_flag=True, help="Leave bad lines out instead of refusing the list."),
         click.option("--ground-truth", type=click.Path(dir_okay=False, path_type=Path),
                      help="OmniDocBench annotation file (OmniDocBench.json): score each page against it."),
+        click.option("--profile", "profile_every", type=click.IntRange(min=1), metavar="N",
+                     help="Run every N-th job (file-list order; N = --repeats: one repeat of each page) under "
+                     "torch.profiler: its trace (`dsocr trace`) and kernels per stage (the report) are stored "
+                     "with it; profiled jobs are left out of latency statistics unless --include-profiled."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -78,7 +82,7 @@ def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
         model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
         ignore_eos=kw["ignore_eos"], engine=kw["engine"], dtype=kw["dtype"], repeats=kw["repeats"], seed=kw["seed"],
         stop_on_repetition=kw["stop_on_repetition"], no_repeat_ngram_size=kw["no_repeat_ngram_size"],
-        ngram_window=kw["ngram_window"],
+        ngram_window=kw["ngram_window"], profile_every=kw["profile_every"],
     )  # fmt: skip
     return RunRequest(filelist, options, root=kw["root"], name=kw["name"], tags=kw["tags"],
                       ground_truth=kw["ground_truth"], skip_invalid=kw["skip_invalid"])  # fmt: skip

@@ -1,5 +1,6 @@
-"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--exclude-loops] [--format …] [--table NAME]
-[--out FILE|DIR] [--html FILE]` and `dsocr export --run ID --omnidocbench DIR`."""
+"""`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--include-profiled] [--exclude-loops]
+[--format …] [--table NAME] [--out FILE|DIR] [--html FILE]`, `dsocr export --run ID --omnidocbench DIR` and
+`dsocr trace --job ID | --run ID --image NAME`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from dsocr_workers.cli import exits_on_errors, terminal_width
     "--include-cold",
     is_flag=True,
     help="Put cold results (compilation, new cache bucket, …) back into the statistics and throughput.",
+)
+@click.option(
+    "--include-profiled",
+    is_flag=True,
+    help="Put profiled results (submit --profile: run under torch.profiler) back into the latency statistics.",
 )
 @click.option(
     "--exclude-loops",
@@ -47,6 +53,7 @@ def report(
     vs_ref: str | None,
     per_image: bool,
     include_cold: bool,
+    include_profiled: bool,
     exclude_loops: bool,
     fmt: str,
     out: Path | None,
@@ -57,16 +64,17 @@ def report(
     """Latency (TTFT, prefill, vision stages, decode ms/token, e2e and the parts that add up to it) as mean
     and p50 / p90 / p99 with 95% confidence intervals, per-job memory, steady-state and wall-clock
     throughput, worker sessions, outputs and the environment of a run; with ground truth, accuracy per
-    mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops. Cold results
-    are left out of the latency statistics unless --include-cold, looping ones only with
-    --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
+    mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops; for runs
+    submitted with --profile, the kernels per stage, the device's busy and idle time per stage and
+    what the profiler cost. Cold results are left out of the latency statistics unless --include-cold,
+    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
     from dsocr_workers.report.outputs import ReportRequest, write_report
     from dsocr_workers.settings import Settings
 
     request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
-                            exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
+                            include_profiled=include_profiled, exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
                             width=width or (terminal_width() if out is None else None))  # fmt: skip
     text = write_report(Settings.from_env().database_url, request, on_written=wrote)
     if text is not None:
@@ -96,6 +104,29 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
                   if export.without_result else ""))  # fmt: skip
 
 
+@click.command()
+@click.option("--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them).")
+@click.option("--run", "run_ref", help="Or the run (id, prefix or latest) with --image.")
+@click.option("--image", help="With --run: the image, as the file list names it or its file name.")
+@click.option("--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.")
+@exits_on_errors
+def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None) -> None:
+    """Write a profiled job's torch.profiler trace (runs submitted with --profile N) as Chrome trace JSON:
+    open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in the browser) or
+    chrome://tracing. The stages are the ranges dsocr::prefill, dsocr::vision/sam, ..., and the sampled
+    decode steps dsocr::decode step N."""
+    from dsocr_workers.report.trace import TraceRequest, write_trace
+    from dsocr_workers.settings import Settings
+
+    written = write_trace(Settings.from_env().database_url,
+                          TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out))  # fmt: skip
+    click.echo(f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
+               f"({written.bytes:,} bytes)")  # fmt: skip
+
+
 def register(group: click.Group) -> None:
     group.add_command(report)
     group.add_command(export)
+    group.add_command(trace)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsocr_workers.engine.loops import RepetitionLoop
 from dsocr_workers.stages import StageTimings
+
+if TYPE_CHECKING:  # the profiler's types import torch; a result's reader may not have it
+    from dsocr_workers.engine.profiling import JobProfile
 
 # "repetition": stopped early by `stop_on_repetition` once the output ended in a loop (engine/loops.py).
 StopReason = Literal["eos", "max_new_tokens", "max_positions", "repetition"]
@@ -111,6 +114,8 @@ class InferenceResult:
     # The repetition loop the output ends in, looked for unless decoding stopped at EOS.
     loop: RepetitionLoop | None = None
     device_span: DeviceSpan | None = None  # None when timing is off (`session.instrumented`)
+    # A profiled job's trace and kernels per stage (engine/profiling.py); None for every other job.
+    profile: JobProfile | None = None
 
     @property
     def cold(self) -> bool:

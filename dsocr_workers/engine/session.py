@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from dsocr_workers.engine.generate import (
     choose_token,
 )
 from dsocr_workers.engine.loops import find_loop
+from dsocr_workers.engine.profiling import JobProfiler
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -194,6 +196,16 @@ class RunningJob:
     resident: int  # bytes allocated on the device once the job was set up
     return_text: bool
 
+    @contextmanager
+    def stopping_profiler_on_error(self) -> Iterator[None]:
+        """A profiled job that fails stops its profiler: the process's next job may be profiled too."""
+        try:
+            yield
+        except BaseException:
+            if self.clock.profiler is not None:
+                self.clock.profiler.stop()
+            raise
+
 
 @dataclass(frozen=True)
 class DeviceRun:
@@ -219,6 +231,7 @@ class DeviceRun:
         clock.finish()
         # Analysis, not inference: outside the stages, so it is no part of the job's timings.
         loop = None if self.stop_reason == "eos" else find_loop(generated)
+        profile = clock.profiler.collect(clock) if clock.profiler is not None else None
         return InferenceResult(
             text=text,
             token_ids=generated,
@@ -242,6 +255,7 @@ class DeviceRun:
             cold_reasons=self.cold_reasons,
             loop=loop,
             device_span=clock.device_span(),
+            profile=profile,
         )
 
 
@@ -493,6 +507,7 @@ class DeepSeekOCRSession:
         return_text: bool = True,
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,
+        profiler: JobProfiler | None = None,
     ) -> DeviceRun:
         """`run_inference` from setup on, for a page prepared already: the job's part on the device, up
         to its output read back (and what must be read before the device's next job: its peak memory,
@@ -501,11 +516,12 @@ class DeepSeekOCRSession:
         (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the time it waited since
         is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start at setup.
         `after_step(job, step)`: after the first token (step 0) and each decode step, for the warm-up,
-        checks and benchmarks (`force_eos_at`); jobs have none. The same three steps a caller with work
-        of its own between prefill and decode (the farm) calls itself: `start_on_device`, `prefill`
-        and `decode`, `finish_on_device`."""
-        running = self.start_on_device(page, max_new_tokens, infer, clock or self.new_clock(job_id), return_text)
-        with torch.inference_mode():
+        checks and benchmarks (`force_eos_at`); jobs have none. `profiler`: profile this job
+        (`start_on_device`). The same three steps a caller with work of its own between prefill and decode
+        (the farm) calls itself: `start_on_device`, `prefill` and `decode`, `finish_on_device`."""
+        running = self.start_on_device(page, max_new_tokens, infer, clock or self.new_clock(job_id), return_text,
+                                       profiler)  # fmt: skip
+        with running.stopping_profiler_on_error(), torch.inference_mode():
             self.prefill(running.job, running.clock)
             if after_step is not None:
                 after_step(running.job, 0)
@@ -515,26 +531,38 @@ class DeepSeekOCRSession:
 
     def start_on_device(
         self, page: preprocess.PreparedPage, max_new_tokens: int | None, infer: DecodeOptions | None,
-        clock: StageClock, return_text: bool = True,
+        clock: StageClock, return_text: bool = True, profiler: JobProfiler | None = None,
     ) -> RunningJob:  # fmt: skip
         """A job's setup on the device (`start_job`), with what its end compares against: the counters
         that tell a cold path, this job's peak memory (the statistics reset here). Then `prefill` and
-        `decode` under `torch.inference_mode()`, and `finish_on_device`."""
+        `decode` under `torch.inference_mode()`, and `finish_on_device`. `profiler`: the job runs under
+        it (engine/profiling.py), from here to its output read back; its trace and kernels come with the
+        result. A caller that stops early (an error) stops it: `RunningJob.stopping_profiler_on_error`."""
         cuda = self.device.type == "cuda"
+        if profiler is not None:
+            clock.profiler = profiler
+            profiler.start()
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
         before = self._cold_probe()
         self._new_buckets.clear()
-        with torch.inference_mode():
-            job = self.start_job(page, infer or DecodeOptions(), max_new_tokens, clock)
+        try:
+            with torch.inference_mode():
+                job = self.start_job(page, infer or DecodeOptions(), max_new_tokens, clock)
+        except BaseException:
+            if profiler is not None:
+                profiler.stop()
+            raise
         resident = torch.cuda.memory_allocated(self.device) if cuda else 0
         return RunningJob(page, job, clock, before, resident, return_text)
 
     def finish_on_device(self, running: RunningJob) -> DeviceRun:
         """The output read back (waits for the device), the job's peak memory and its cold paths."""
         job = running.job
-        with torch.inference_mode():
+        with running.stopping_profiler_on_error(), torch.inference_mode():
             generated, stop_reason = self.read_output(job, running.clock)
+        if running.clock.profiler is not None:
+            running.clock.profiler.stop()
         memory = None
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)

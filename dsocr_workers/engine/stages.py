@@ -42,14 +42,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import nvtx
 import torch
 
 from dsocr_workers.engine.result import DeviceSpan
 from dsocr_workers.stages import HOST_STAGES, JOB_PARTS, STAGES, TIMINGS, VISION_STAGES, StageTimings
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.profiling import JobProfiler
 
 NVTX_DOMAIN = "dsocr"
 
@@ -129,6 +133,9 @@ class StageClock:
         self._step_ms: list[float] = []
         self._ttft_from_device_start_ms = 0.0
         self._device_span: DeviceSpan | None = None
+        # A profiled job's profiler (engine/profiling.py): its ranges open around the stages, outside the
+        # clock's own marks, and the step marks choose the decode steps it records. Set by the session.
+        self.profiler: JobProfiler | None = None
 
     # ---- marks -----------------------------------------------------------------------------------
 
@@ -157,6 +164,11 @@ class StageClock:
             raise RuntimeError("StageClock.stage() must sit outside compiled regions")
         if self._resolved is not None:
             raise RuntimeError("StageClock.finish() was already called")
+        with self.profiler.stage(name) if self.profiler is not None else nullcontext(), self._marked(name):
+            yield
+
+    @contextmanager
+    def _marked(self, name: str) -> Iterator[None]:
         index = len(self.entries)
         entry = _Entry(name, self._open[-1] if self._open else None)
         self.entries.append(entry)
@@ -181,15 +193,14 @@ class StageClock:
     def mark_step(self) -> None:
         """A decode step boundary. Records one preallocated CUDA event (no sync, no allocation
         unless more than `step_capacity` boundaries are marked), or reads perf_counter on the CPU."""
-        if not self.timing_enabled:
-            self._n_steps += 1
-            return
-        if self.cuda:
+        if self.timing_enabled and self.cuda:
             if self._n_steps == len(self._step_events):
                 self._step_events.append(torch.cuda.Event(enable_timing=True))
             self._step_events[self._n_steps].record(torch.cuda.current_stream(self.device))
-        else:
+        elif self.timing_enabled:
             self._step_host.append(time.perf_counter())
+        if self.profiler is not None:
+            self.profiler.step(self._n_steps)  # the step this boundary begins
         self._n_steps += 1
 
     # ---- results ---------------------------------------------------------------------------------

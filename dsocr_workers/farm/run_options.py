@@ -44,6 +44,9 @@ class RunOptions:
     # The no-repeat n-gram ban: the vendor's HF default, or off (0), or windowed as in its vLLM path.
     no_repeat_ngram_size: int = DecodeOptions.no_repeat_ngram_size
     ngram_window: int | None = None
+    # Kernel-level profiles (engine/profiling.py): every N-th job of the run, in file-list order (line,
+    # then repeat), runs under torch.profiler; None: none.
+    profile_every: int | None = None
 
     def __post_init__(self) -> None:
         get_mode(self.mode)  # InputError naming the valid modes
@@ -58,6 +61,14 @@ class RunOptions:
             raise InputError("--no-repeat-ngram-size must be 0 (off) or more")
         if self.ngram_window is not None and self.ngram_window < 1:
             raise InputError("--ngram-window must be at least 1")
+        if self.profile_every is not None and self.profile_every < 1:
+            raise InputError("--profile must be at least 1 (every N-th job)")
+
+    def profiles(self, ordinal: int) -> bool:
+        """Whether the run's `ordinal`-th job (from 1, in file-list order) is profiled: the N-th, 2N-th,
+        ... so that a run's first job, the one most likely to meet a cold path, is profiled only at N = 1,
+        and with N = --repeats, one repeat of each page (its last)."""
+        return self.profile_every is not None and ordinal % self.profile_every == 0
 
     @property
     def parameters(self) -> dict[str, Any]:

@@ -118,6 +118,8 @@ def record_run(
         for image in filelist.images
         for repeat in range(options.repeats)
     ]
+    for ordinal, job in enumerate(jobs, start=1):  # file-list order: the N-th, 2N-th, ... job is profiled
+        job["profile"] = options.profiles(ordinal)
     with db.transaction() as session:
         session.add(
             Run(

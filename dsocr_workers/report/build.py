@@ -136,6 +136,8 @@ FARM_TERMS = [
     ("TTFT from claim", "from the job's claim (its lease taken) to its first token: TTFT plus the farm's time "
                         "before the device starts"),
     ("cold", "a job that met a compilation, a new cache bucket, …: out of the statistics unless --include-cold"),
+    ("profiled", "a job run under torch.profiler (submit --profile N): its trace and kernels per stage are stored; "
+                 "out of the statistics unless --include-profiled, and of steady-state throughput"),
     ("pages/s (steady state)", "per worker process 1 / mean service time (from when it was free for the job "
                                "to its finish: loading, warm-up and waiting for work left out), summed over processes"),
     ("device idle between jobs", "from one job's readback to the next one's setup on the same device, while the "
@@ -165,12 +167,15 @@ def looping(result: Result) -> bool:
     return result.loop_start is not None
 
 
-def measured(data: RunData, include_cold: bool, exclude_loops: bool = False) -> list[Result]:
+def measured(
+    data: RunData, include_cold: bool, exclude_loops: bool = False, include_profiled: bool = False
+) -> list[Result]:
     """The results latency statistics are computed over, in job order: warm ones unless `include_cold`,
-    looping ones too unless `exclude_loops`."""
+    unprofiled ones unless `include_profiled` (torch.profiler's cost is in a profiled job's times), looping
+    ones too unless `exclude_loops`."""
     return [
         r for r in in_job_order(data)
-        if (include_cold or not r.cold) and not (exclude_loops and looping(r))
+        if (include_cold or not r.cold) and (include_profiled or not r.profiled) and not (exclude_loops and looping(r))
     ]  # fmt: skip
 
 
@@ -191,7 +196,9 @@ def verdict(ratio: Estimate) -> str:
     return NO_DIFFERENCE
 
 
-def run_facts(data: RunData, include_cold: bool, exclude_loops: bool = False) -> dict[str, Any]:
+def run_facts(
+    data: RunData, include_cold: bool, exclude_loops: bool = False, include_profiled: bool = False
+) -> dict[str, Any]:
     counts = Counter(j.state for j in data.jobs)
     cold = sum(r.cold for r in data.results.values())
     loops = sum(looping(r) for r in data.results.values())
@@ -214,7 +221,8 @@ def run_facts(data: RunData, include_cold: bool, exclude_loops: bool = False) ->
         "results": len(data.results),
         "cold results": cold,
         "results in a repetition loop": loops,
-        "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops)),
+        "profiled results": sum(r.profiled for r in data.results.values()),
+        "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops, include_profiled)),
     }
 
 
@@ -262,11 +270,12 @@ def scored(data: RunData) -> bool:
 
 
 def single_report(
-    data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
-) -> Report:
-    results = measured(data, include_cold, exclude_loops)
+    data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False,
+    include_profiled: bool = False,
+) -> Report:  # fmt: skip
+    results = measured(data, include_cold, exclude_loops, include_profiled)
     report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data))
-    facts = run_facts(data, include_cold, exclude_loops)
+    facts = run_facts(data, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
     report.tables.append(Table("Throughput", ["measure", "value"], [[k, v] for k, v in throughput.items()]))
@@ -284,6 +293,11 @@ def single_report(
     report.tables.append(_accounting(results))
     if facts["cold results"]:
         report.tables.append(_cold(data, include_cold))
+    if data.profiles:
+        from dsocr_workers.report import kernels  # builds on this module's tables
+
+        report.tables += [kernels.kernel_table(data, include_cold), kernels.busy_table(data, include_cold),
+                          kernels.overhead_table(data, include_cold)]  # fmt: skip
     report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
     failures = [
@@ -579,13 +593,15 @@ def _by_image(data: RunData, results: list[Result]) -> dict[tuple[str, int], Res
 
 
 def comparison_report(
-    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False
-) -> Report:
+    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False,
+    include_profiled: bool = False,
+) -> Report:  # fmt: skip
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
     steady state."""
     report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b))
-    facts_a, facts_b = run_facts(a, include_cold, exclude_loops), run_facts(b, include_cold, exclude_loops)
+    facts_a = run_facts(a, include_cold, exclude_loops, include_profiled)
+    facts_b = run_facts(b, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
     throughput_a, throughput_b = _throughput(a, include_cold), _throughput(b, include_cold)
     rows = [[k, throughput_a[k], throughput_b[k], None, None] for k in throughput_a]
@@ -593,7 +609,7 @@ def comparison_report(
     rows[0][3:] = [ratio, verdict(ratio)]  # only the steady state is compared: wall clock includes loading
     report.tables.append(Table("Throughput", ["measure", "A", "B", "B/A", "verdict"], rows))
 
-    by_a, by_b = (_by_image(d, measured(d, include_cold, exclude_loops)) for d in (a, b))
+    by_a, by_b = (_by_image(d, measured(d, include_cold, exclude_loops, include_profiled)) for d in (a, b))
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
@@ -612,6 +628,10 @@ def comparison_report(
         report.tables.append(_paired_accuracy(all_a, all_b, _accuracy_note(a, b)))
         report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
+    if a.profiles and b.profiles:
+        from dsocr_workers.report import kernels  # builds on this module's tables
+
+        report.tables.append(kernels.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))

@@ -22,6 +22,7 @@ class ReportRequest:
     vs: str | None = None  # B: compared with A, side by side and paired per image
     per_image: bool = False
     include_cold: bool = False  # cold results back into the statistics and throughput
+    include_profiled: bool = False  # profiled results (submit --profile) back into the latency statistics
     exclude_loops: bool = False  # looping results out of the latency statistics
     fmt: str = "table"  # report/render.py FORMATS
     table: str | None = None  # only this table, by title
@@ -47,13 +48,16 @@ def write_report(
         b = load_run(session, request.vs) if request.vs else None
         if b is not None:
             document = comparison_report(a, b, per_image=request.per_image, include_cold=request.include_cold,
-                                         exclude_loops=request.exclude_loops)  # fmt: skip
+                                         exclude_loops=request.exclude_loops,
+                                         include_profiled=request.include_profiled)  # fmt: skip
         else:
             document = single_report(a, per_image=request.per_image, include_cold=request.include_cold,
-                                     exclude_loops=request.exclude_loops)  # fmt: skip
+                                     exclude_loops=request.exclude_loops,
+                                     include_profiled=request.include_profiled)  # fmt: skip
     if request.html is not None:
         sides = sides_of(a, b) if b is not None else sides_of(a)
-        request.html.write_text(html_report(document, sides, include_cold=request.include_cold), encoding="utf-8")
+        page = html_report(document, sides, include_cold=request.include_cold, include_profiled=request.include_profiled)
+        request.html.write_text(page, encoding="utf-8")
         on_written(request.html)
     if request.table is not None:
         document = only_table(document, request.table)

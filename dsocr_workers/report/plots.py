@@ -157,13 +157,14 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
     return Plot(title, caption, _png(figure))
 
 
-def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
+def latency_distributions(sides: Sequence[Side], include_cold: bool, include_profiled: bool = False) -> Plot:
     title = "Latency distributions (CDF)"
     figure = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
     axes = figure.subplots(1, len(CDF_METRICS))
     for ax, metric in zip(axes, CDF_METRICS, strict=True):
         for side, color in zip(sides, RUN_COLORS, strict=False):
-            values = [v for r in measured(side.data, include_cold) for v in metric.values(r)]
+            values = [v for r in measured(side.data, include_cold, include_profiled=include_profiled)
+                      for v in metric.values(r)]  # fmt: skip
             if values:
                 ax.ecdf(values, color=color, label=f"{side.name} (n={len(values)})")
         ax.set_xlabel(metric.label)
@@ -181,7 +182,7 @@ def latency_distributions(sides: Sequence[Side], include_cold: bool) -> Plot:
     return Plot(title, caption, _png(figure))
 
 
-def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
+def decode_steps(sides: Sequence[Side], include_cold: bool, include_profiled: bool = False) -> Plot:
     title = "Decode ms/token against position (KV growth)"
     figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     ax = figure.subplots()
@@ -189,7 +190,7 @@ def decode_steps(sides: Sequence[Side], include_cold: bool) -> Plot:
     every_step: list[np.ndarray] = []
     for side, color in zip(sides, RUN_COLORS, strict=False):
         positions, times = [], []
-        for r in measured(side.data, include_cold):
+        for r in measured(side.data, include_cold, include_profiled=include_profiled):
             # Step i feeds token i back at position prompt + i: it attends over prompt + i + 1 positions.
             positions.append(r.prompt_tokens + 1 + np.arange(len(r.decode_step_ms)))
             times.append(np.asarray(r.decode_step_ms, dtype=float))
@@ -336,11 +337,80 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
     return Plot(title, caption, _png(figure))
 
 
-def all_plots(sides: Sequence[Side], include_cold: bool) -> list[Plot]:
-    return [
+KERNELS_PER_PANEL = 6  # the longest kernels of a stage drawn, the rest summed
+MAX_KERNEL_CHARS = 48
+IDLE_COLOR = "#c7c7c7"
+
+
+def _short(name: str, limit: int) -> str:
+    """A long name cut in its middle (templated kernel names run to hundreds of characters)."""
+    if len(name) <= limit:
+        return name
+    keep = limit - 1
+    return f"{name[: keep - keep // 2]}…{name[-(keep // 2):]}"
+
+
+def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
+    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernels.py)."""
+    from dsocr_workers.kernels import OTHER
+    from dsocr_workers.report.kernels import by_stage, profiled
+
+    title = "Kernels per stage (profiled jobs)"
+    stages = [by_stage([s for _, s in profiled(side.data, include_cold)]) for side in sides]
+    names = list(dict.fromkeys(name for per_side in stages for name in per_side))
+    columns = 2 if len(names) > 1 else 1
+    rows = -(-len(names) // columns)
+    figure = Figure(figsize=(WIDTH_IN, 0.8 + rows * (1.0 + 0.32 * (KERNELS_PER_PANEL + 2) * len(sides))),
+                    layout="constrained")  # fmt: skip
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    height = 0.8 / len(sides)
+    for ax, name in zip(axes, names, strict=False):
+        per_side = [per.get(name) for per in stages]
+        means = [{k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {} for stage in per_side]
+        ranked = sorted({k for m in means for k in m}, key=lambda k: -max(m.get(k, 0.0) for m in means))
+        shown = [k for k in ranked if k != OTHER][:KERNELS_PER_PANEL]
+        labels = [*(_short(k, MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
+        y = np.arange(len(labels))
+        heading = []
+        for i, (side, stage, mean) in enumerate(zip(sides, per_side, means, strict=True)):
+            if stage is None:
+                continue
+            jobs = len(stage.jobs)
+            idle = sum(s.idle_ms for s in stage.jobs) / jobs
+            clock = sum(s.event_ms for s in stage.jobs) / jobs
+            values = [*(mean.get(k, 0.0) for k in shown), sum(v for k, v in mean.items() if k not in shown), idle]
+            colors = [RUN_COLORS[i]] * (len(values) - 1) + [IDLE_COLOR]
+            ax.barh(y + (i - (len(sides) - 1) / 2) * height, values, height=height, color=colors,
+                    edgecolor=RUN_COLORS[i], linewidth=0.8, label=side.name)  # fmt: skip
+            heading.append(f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%")
+        ax.set_yticks(y, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per profiled job", fontsize=8)
+        ax.set_title(f"{name}\n" + "; ".join(heading), loc="left", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    legend = [Patch(color=color, label=side.name) for side, color in zip(sides, RUN_COLORS, strict=False)]
+    legend.append(Patch(facecolor=IDLE_COLOR, label="idle (clock − busy)"))
+    figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        f"Per stage, its {KERNELS_PER_PANEL} longest kernels (CUDA kernels on a GPU, CPU operators' self time on a "
+        "CPU), the rest summed, and its idle time (the stage's clock time less the union of its kernels), in ms "
+        "per profiled job (warm ones, as the statistics); the heading gives the stage's clock time and how busy "
+        "the device was. decode: the sampled steps only."
+    )
+    return Plot(title, caption, _png(figure))
+
+
+def all_plots(sides: Sequence[Side], include_cold: bool, include_profiled: bool = False) -> list[Plot]:
+    plots = [
         stage_breakdown(sides),
-        latency_distributions(sides, include_cold),
-        decode_steps(sides, include_cold),
+        latency_distributions(sides, include_cold, include_profiled),
+        decode_steps(sides, include_cold, include_profiled),
         worker_timeline(sides),
         throughput_over_time(sides, include_cold),
     ]
+    if any(side.data.profiles for side in sides):
+        plots.append(kernel_breakdown(sides, include_cold))
+    return plots

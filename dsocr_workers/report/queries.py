@@ -9,11 +9,13 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.store.db import open_ledger
 from dsocr_workers.store.models import (
     FINAL_STATES,
     Job,
     JobAttempt,
+    JobProfile,
     Result,
     Run,
     Worker,
@@ -36,6 +38,8 @@ class RunData:
     # Every claim of the run's jobs (none before schema 0007), and the worker processes that made them.
     attempts: list[JobAttempt] = field(default_factory=list)
     processes: dict[str, WorkerProcess] = field(default_factory=dict)  # by id (the lease owner name)
+    # The profiled jobs' kernels per stage, by job id (their traces stay in the ledger: `dsocr trace`).
+    profiles: dict[str, KernelSummary] = field(default_factory=dict)
 
 
 def load_run(session: Session, ref: str) -> RunData:
@@ -58,7 +62,13 @@ def load_run(session: Session, ref: str) -> RunData:
     attempts = list(session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id)))
     owners = {a.owner for a in attempts} | {s.worker_process_id for s in sessions.values() if s.worker_process_id}
     processes = {p.id: p for p in session.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
-    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes)
+    profiles = {
+        job_id: KernelSummary.from_json(summary)
+        for job_id, summary in session.execute(
+            select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
+        )
+    }
+    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ and the lane's work for other runs never count, while the farm's own time betwee
 that held work (the result written, the message delivered, the next claim) does: measured on an H200
 with 0.15-s jobs, counting from the claim instead made the rate 5% higher than the jobs' real pace.
 A lane's rate is 1 / mean(d) over its warm jobs (a cold job still occupies the worker, so it still ends
-the previous interval, but its own d is left out unless `include_cold`); the run's rate is the sum of
+the previous interval, but its own d is left out unless `include_cold`; a profiled job's always is); the run's rate is the sum of
 its lanes' rates, since lanes run side by side on different devices. The 95% interval resamples each
 lane's service times independently (report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
 fingerprint instead, without a `ready_at`.
@@ -106,10 +106,16 @@ def services(data: RunData) -> dict[str, list[Service]]:
     return lanes
 
 
+def steady(result: Result, include_cold: bool) -> bool:
+    """Whether a job's own times count in the steady state: warm unless `include_cold`, and never a
+    profiled job (torch.profiler's cost is in its times; issue 33)."""
+    return (include_cold or not result.cold) and not result.profiled
+
+
 def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
     """Per lane, the service times (seconds) of its finished jobs, as defined above."""
     return {
-        key: [(s.finished - s.began).total_seconds() for s in lane if include_cold or not s.result.cold]
+        key: [(s.finished - s.began).total_seconds() for s in lane if steady(s.result, include_cold)]
         for key, lane in services(data).items()
     }
 
@@ -151,7 +157,7 @@ def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, l
     spans: dict[str, list[float]] = defaultdict(list)
     for r in data.results.values():
         started, finished = r.device_started_at, r.device_finished_at
-        if started is not None and finished is not None and (include_cold or not r.cold):
+        if started is not None and finished is not None and steady(r, include_cold):
             spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
     return dict(spans)
 
@@ -165,7 +171,7 @@ def device_busy_share(data: RunData, lane: str | None = None) -> Estimate:
             continue
         for before, s in zip(lane_services, lane_services[1:], strict=False):
             r = s.result
-            if (r.cold or r.device_started_at is None or r.device_finished_at is None or s.began != before.finished
+            if (not steady(r, False) or r.device_started_at is None or r.device_finished_at is None or s.began != before.finished
                     or r.worker_session_id != before.result.worker_session_id):  # fmt: skip
                 continue
             device_s.append([(r.device_finished_at - r.device_started_at).total_seconds()])

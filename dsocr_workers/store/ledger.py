@@ -23,11 +23,14 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, func, insert, select, true, update
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.models import FINAL_STATES, Job, JobAttempt, Result, Run, utcnow
+from dsocr_workers.store.models import FINAL_STATES, Job, JobAttempt, JobProfile, Result, Run, utcnow
 from dsocr_workers.store.upsert import upsert
 
 MAX_ERROR_MESSAGE = 4000
 WAITING_STATES = ("pending", "queued")  # waiting for a worker: not running, not final
+# A profiled job's result carries its `job_profiles` row (less its ids) under this key: `complete_job`
+# writes both in one transaction.
+PROFILE = "profile"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Claim:
     model: str
     parameters: dict[str, Any]
     reference: dict[str, Any] | None = None  # the page's ground truth (jobs.reference), if any
+    profile: bool = False  # run it under torch.profiler (jobs.profile)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def claim_job(
     # flushing it at commit) is host time between one job's end and the next one's start on the device.
     job = session.execute(
         select(Job.state, Job.lease_owner, Job.lease_expires_at, Job.attempts, Job.image, Job.repeat,
-               Job.reference, Run.id.label("run_id"), Run.root, Run.model, Run.parameters)
+               Job.reference, Job.profile, Run.id.label("run_id"), Run.root, Run.model, Run.parameters)
         .join(Run, Job.run_id == Run.id)
         .where(Job.id == job_id)
     ).one_or_none()  # fmt: skip
@@ -173,6 +177,7 @@ def claim_job(
         model=job.model,
         parameters=dict(job.parameters),
         reference=job.reference,
+        profile=job.profile,
     )
 
 
@@ -181,8 +186,8 @@ def _held(claim: Claim) -> Any:
 
 
 def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: datetime | None = None) -> bool:
-    """Mark the job done and upsert its result, both or neither. False (nothing written) when the claim's
-    lease was lost to another worker."""
+    """Mark the job done and upsert its result (and a profiled job's profile, `PROFILE`), all or none.
+    False (nothing written) when the claim's lease was lost to another worker."""
     changed = session.execute(
         update(Job)
         .where(_held(claim))
@@ -190,7 +195,11 @@ def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: da
     )
     if _rowcount(changed) != 1:
         return False
-    upsert(session, Result, {**result, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+    columns = dict(result)
+    profile = columns.pop(PROFILE, None)
+    upsert(session, Result, {**columns, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+    if profile is not None:
+        upsert(session, JobProfile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     return True
 
 
@@ -422,14 +431,15 @@ class WaitingJob:
     image_path: Path
     model: str
     parameters: dict[str, Any]
+    profile: bool = False  # run it under torch.profiler (jobs.profile)
 
 
 def _waiting(row: Any) -> WaitingJob:
-    return WaitingJob(row.id, Path(row.root) / row.image, row.model, dict(row.parameters))
+    return WaitingJob(row.id, Path(row.root) / row.image, row.model, dict(row.parameters), row.profile)
 
 
 def _waiting_columns() -> Any:
-    return select(Job.id, Job.image, Run.root, Run.model, Run.parameters).join(Run, Job.run_id == Run.id)
+    return select(Job.id, Job.image, Job.profile, Run.root, Run.model, Run.parameters).join(Run, Job.run_id == Run.id)
 
 
 def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:

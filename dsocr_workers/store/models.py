@@ -10,7 +10,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, String, Text, false
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, LargeBinary, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from dsocr_workers.stages import TIMINGS
@@ -83,6 +83,9 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     # The page's ground truth (quality.omnidocbench.PageReference.to_json), when the run has one.
     reference: Mapped[dict[str, Any] | None]
+    # Run under torch.profiler (submit's `--profile N`: every N-th job of the run in file-list order); its
+    # trace and kernels go to `job_profiles`.
+    profile: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
 class JobAttempt(Base):
@@ -237,6 +240,9 @@ class Result(TimingColumns, Base):
     # real but not steady state; reports leave it out of statistics unless asked.
     cold: Mapped[bool] = mapped_column(default=False, server_default=false())
     cold_reason: Mapped[str | None] = mapped_column(Text)
+    # Run under torch.profiler (its trace and kernels: `job_profiles`): its timings hold the profiler's
+    # cost, so reports leave it out of the latency statistics unless asked, like a cold one.
+    profiled: Mapped[bool] = mapped_column(default=False, server_default=false())
 
     engine: Mapped[str] = mapped_column(String(16))
     device: Mapped[str] = mapped_column(String(32))
@@ -264,3 +270,21 @@ class Result(TimingColumns, Base):
     # Table TEDS (higher is better), the page's tables averaged; `_structure`: cells without content.
     table_teds: Mapped[float | None] = mapped_column(Float)
     table_teds_structure: Mapped[float | None] = mapped_column(Float)
+
+
+class JobProfile(Base):
+    """A profiled job's kernel-level profile (issue 33): its torch.profiler trace, gzip-compressed Chrome
+    trace JSON (`dsocr trace` writes it out for Perfetto), and its kernels per stage (dsocr_workers/
+    kernels.py `KernelSummary`, what the report aggregates). Beside its result, not in it: the result row
+    stays small, and a report reads the summaries without the traces. Written in the result's
+    transaction; in the ledger, so every host reaches it."""
+
+    __tablename__ = "job_profiles"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    activity: Mapped[str] = mapped_column(String(16))  # what a kernel is: cuda (GPU activities) or cpu (ops)
+    trace_gz: Mapped[bytes] = mapped_column(LargeBinary)
+    trace_bytes: Mapped[int] = mapped_column(BigInteger)  # uncompressed
+    summary: Mapped[dict[str, Any]]

@@ -27,3 +27,12 @@ def test_an_older_run_keeps_the_defaults_and_unknown_keys_are_left_out() -> None
 def test_a_stored_option_is_checked_again() -> None:
     with pytest.raises(InputError, match="unknown engine"):
         RunOptions.from_parameters("tiny", {"engine": "warp"})
+
+
+def test_every_nth_job_is_profiled_and_a_bad_n_is_refused() -> None:
+    options = RunOptions(profile_every=3)
+    assert [n for n in range(1, 10) if options.profiles(n)] == [3, 6, 9]
+    assert not any(RunOptions().profiles(n) for n in range(1, 10))
+    assert RunOptions.from_parameters("tiny", options.parameters).profile_every == 3
+    with pytest.raises(InputError, match="--profile must be at least 1"):
+        RunOptions(profile_every=0)

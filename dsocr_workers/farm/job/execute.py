@@ -223,6 +223,7 @@ def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any
         "vision_calls": result.vision_calls,
         "cold": result.cold,
         "cold_reason": "; ".join(result.cold_reasons) or None,
+        "profiled": result.profile is not None,
         "engine": result.engine,
         "device": ran.device or result.device,
         "dtype": result.dtype,
@@ -237,4 +238,15 @@ def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any
         "loop_period": loop.period if loop else None,
         "loop_wasted_steps": loop.wasted_steps if loop else None,
         **accuracy_columns(result.text, claim.reference),
+        **profile_columns(result),
     }
+
+
+def profile_columns(result: InferenceResult) -> dict[str, Any]:
+    """A profiled job's trace and kernel summary, as its `job_profiles` row (under ledger.PROFILE: written
+    with the result, in its transaction); nothing for any other job."""
+    profile = result.profile
+    if profile is None:
+        return {}
+    return {ledger.PROFILE: {"activity": profile.summary.activity, "trace_gz": profile.trace_gz,
+                             "trace_bytes": profile.trace_bytes, "summary": profile.summary.to_json()}}  # fmt: skip

@@ -211,14 +211,18 @@ class JobProcess:
         drops the prefill, and nothing of it is recorded."""
         import torch  # the worker's parent imports this module and never torch
 
+        from dsocr_workers.engine.profiling import JobProfiler
+
         prefetched = self.prefetcher.take_job(claiming.job_id)
         early = (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
                  and self.loaded is not None and self.loaded.key == prefetched.request.model)  # fmt: skip
         if prefetched is not None and early:
             options = RunOptions.from_parameters(prefetched.job.model, prefetched.job.parameters)
+            profile = prefetched.job.profile
         else:
             claim = claiming.result()
             options = RunOptions.from_parameters(claim.model, claim.parameters)
+            profile = claim.profile
             request = PageRequest.of_job(claim.job_id, claim.image_path, options)
             if prefetched is not None and prefetched.request != request:
                 prefetched = None
@@ -242,9 +246,12 @@ class JobProcess:
         # The device's part only, step by step: the host's part (the text, the timings) is done where the
         # result row is built, on a Celery child's results thread while the device runs the next job.
         session = loaded.session
+        # A profiled job (submit's --profile) runs under torch.profiler from its setup to its readback; the
+        # trace and the kernels per stage are made with its result, off the device's path.
+        profiler = JobProfiler(session.device) if profile else None
         running = session.start_on_device(prepared.page, options.max_new_tokens, options.decode_options,
-                                          prepared.clock)  # fmt: skip
-        with torch.inference_mode():
+                                          prepared.clock, profiler=profiler)  # fmt: skip
+        with running.stopping_profiler_on_error(), torch.inference_mode():
             session.prefill(running.job, running.clock)
             # Once the prefill is queued, the next page's preparation starts: its thread's start must not
             # hold the GIL between this job's claim and its start on the device. A job started before its

@@ -1,0 +1,228 @@
+"""Kernel-level profiles of one job (issue 33): torch.profiler around the job's device part, each stage a
+profiler range, the decode sampled.
+
+Who profiles which job is the caller's business (the farm: every N-th job of a run, farm/job/process.py;
+a benchmark: benchmarks/bench_profile.py): it hands a `JobProfiler` to
+`DeepSeekOCRSession.start_on_device`, which starts it before the job's setup and stops it once the
+output is read back. In between, the job's clock (engine/stages.py) opens a `record_function` range
+named `dsocr::<stage>` around every stage (around its NVTX range and clock marks), and the decode loop's step marks
+toggle the collection: only the sampled steps (`DecodeSample`: the first few and a few at later cache
+lengths) are recorded, each as a range `dsocr::decode step <n>`, so that a trace of an 8,000-step job
+stays a few megabytes. The farm's own work (the claim, the next page's preparation) runs on other
+threads, or outside the ranges.
+
+Once the job's clock is finished, `JobProfiler.collect` turns the profile into a `JobProfile`: the
+Chrome trace (gzip; Perfetto and chrome://tracing open it) and the kernel summary
+(dsocr_workers/kernels.py), computed from torch.profiler's own event list — each range's operator tree
+(`FunctionEvent.cpu_children`) and, on a GPU, the device activities linked to those operators by the
+profiler's correlation ids. Nothing parses the trace file. This is host work: the farm does it on its
+results thread, while the device runs the next job.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from dsocr_workers.kernels import DECODE, OTHER, Activity, KernelSummary, KernelTime, StageKernels
+from dsocr_workers.stages import HOST_STAGES
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.stages import StageClock
+
+RANGE_PREFIX = "dsocr::"
+STEP_RANGE = f"{DECODE} step "  # + the step's index: `dsocr::decode step 17`
+TOP_KERNELS = 30  # per stage in the summary; the rest are summed as one row
+MAX_NAME = 300  # characters of a kernel's name kept in the summary (templated names run to thousands)
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    """Which decode steps a profiled job records: the first `first`, then `width` steps from each of
+    `later` (positions after the prompt): the cache grows, and a step's kernels with it."""
+
+    first: int = 8
+    later: tuple[int, ...] = (64, 256, 1024, 4096)
+    width: int = 2
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and (step < self.first or any(at <= step < at + self.width for at in self.later))
+
+
+@dataclass(frozen=True)
+class JobProfile:
+    """What a profiled job leaves: its trace (Chrome trace JSON, gzip) and its kernels per stage."""
+
+    trace_gz: bytes
+    trace_bytes: int  # uncompressed
+    summary: KernelSummary
+
+
+class JobProfiler:
+    """torch.profiler over one job's device part; `StageClock` calls `stage` and `step`."""
+
+    def __init__(self, device: torch.device, sample: DecodeSample | None = None) -> None:
+        self.activity: Activity = "cuda" if device.type == "cuda" else "cpu"
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.activity == "cuda" else [])
+        self.sample = sample or DecodeSample()
+        self.steps: list[int] = []  # the decode steps recorded
+        self._profile = profile(activities=self.activities, record_shapes=False, with_stack=False,
+                                profile_memory=False)  # fmt: skip
+        self._step: record_function | None = None
+        self._collecting = True
+        self._running = False
+
+    def start(self) -> None:
+        self._profile.start()
+        self._running = True
+
+    def stop(self) -> None:
+        if self._running:
+            self._close_step()
+            self._profile.stop()
+            self._running = False
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """A stage's range (host stages are no device work: not ranged). The decode stage's exit closes its
+        last step's range and resumes the collection, so that the decode's own range ends in the trace."""
+        if not self._running or name in HOST_STAGES:
+            yield
+            return
+        with record_function(RANGE_PREFIX + name):
+            try:
+                yield
+            finally:
+                if name == DECODE:
+                    if self._step is not None:  # each step that ran closed its range at the next mark: this one never ran
+                        self.steps.pop()
+                    self._close_step()
+                    self._collect(True)
+
+    def step(self, index: int) -> None:
+        """Decode step `index` is next: record it (a range of its own) if it is sampled, else pause."""
+        if not self._running:
+            return
+        self._close_step()
+        sampled = index in self.sample
+        self._collect(sampled)
+        if sampled:
+            self._step = record_function(f"{RANGE_PREFIX}{STEP_RANGE}{index}")
+            self._step.__enter__()
+            self.steps.append(index)
+
+    def _close_step(self) -> None:
+        if self._step is not None:
+            self._step.__exit__(None, None, None)
+            self._step = None
+
+    def _collect(self, on: bool) -> None:
+        if on != self._collecting:
+            self._profile.toggle_collection_dynamic(on, self.activities)
+            self._collecting = on
+
+    def collect(self, clock: StageClock) -> JobProfile:
+        """The trace and the kernel summary, once `clock` is finished (its stage times are the summary's
+        `event_ms`). Host work: call it off the device's path."""
+        self.stop()
+        handle, path = tempfile.mkstemp(suffix=".json", prefix="dsocr-trace-")
+        os.close(handle)
+        try:
+            self._profile.export_chrome_trace(path)
+            with open(path, "rb") as raw:
+                trace = raw.read()
+        finally:
+            os.unlink(path)
+        summary = summarize(self._profile.events(), clock, self.activity, self.steps)
+        return JobProfile(gzip.compress(trace, compresslevel=6), len(trace), summary)
+
+
+def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[int]) -> KernelSummary:
+    """Kernels per stage from torch.profiler's event list (see the module docstring)."""
+    ranges: dict[str, list[Any]] = defaultdict(list)
+    for event in events:
+        if event.device_type == DeviceType.CPU and event.name.startswith(RANGE_PREFIX):
+            name = event.name.removeprefix(RANGE_PREFIX)
+            # The decode's row is its sampled steps' (the decode's own range spans the unsampled ones too).
+            if name.startswith(STEP_RANGE):
+                if int(name.removeprefix(STEP_RANGE)) in steps:  # not the range opened for a step that never ran
+                    ranges[DECODE].append(event)
+            elif name != DECODE:
+                ranges[name].append(event)
+    launched: dict[int, list[Any]] = defaultdict(list)  # device activities by the operator that launched them
+    for event in events:
+        linked = getattr(event, "linked_correlation_id", None)
+        if event.device_type == DeviceType.CUDA and linked:
+            launched[linked].append(event)
+    step_ms = clock.step_ms() if clock.timing_enabled else []
+    stages = []
+    for name, entries in ranges.items():
+        if name == DECODE:
+            event_ms = sum(step_ms[i] for i in steps if i < len(step_ms))
+        else:
+            event_ms = clock.ms(name) if clock.timing_enabled else 0.0
+        work: list[tuple[str, float]] = []
+        busy_us = span_us = 0.0
+        for entry in entries:  # one range each (the decode: one per sampled step): busy and span add up
+            operators = list(_tree(entry))
+            if activity == "cuda" and launched:
+                device = [d for op in operators for d in launched.get(op.id, ())]
+                work += [(d.name, d.time_range.end - d.time_range.start) for d in device]
+                busy, span = _busy_and_span([(d.time_range.start, d.time_range.end) for d in device])
+            elif activity == "cuda":  # a torch whose event list does not link activities: each op's kernels
+                kernels = [(k.name, k.duration) for op in operators for k in op.kernels]
+                work += kernels
+                busy = span = sum(duration for _, duration in kernels)  # no intervals: the sum for both
+            else:  # one thread: the operators' self times never overlap, and they are its busy time
+                ops = [op for op in operators if not op.name.startswith(RANGE_PREFIX)]
+                work += [(op.name, op.self_cpu_time_total) for op in ops]
+                busy = sum(op.self_cpu_time_total for op in ops)
+                span = _busy_and_span([(op.time_range.start, op.time_range.end) for op in ops])[1]
+            busy_us += busy
+            span_us += span
+        stages.append(_stage(name, event_ms, work, busy_us, span_us))
+    return KernelSummary(activity, stages, list(steps))
+
+
+def _tree(event: Any) -> Iterator[Any]:
+    yield event
+    for child in event.cpu_children:
+        yield from _tree(child)
+
+
+def _stage(name: str, event_ms: float, work: list[tuple[str, float]], busy_us: float, span_us: float) -> StageKernels:
+    """One stage's row from its (kernel, duration us) list, its busy time and its span."""
+    calls: dict[str, int] = defaultdict(int)
+    totals: dict[str, float] = defaultdict(float)
+    for kernel, duration in work:
+        calls[kernel[:MAX_NAME]] += 1
+        totals[kernel[:MAX_NAME]] += duration
+    ranked = sorted(totals, key=lambda k: -totals[k])
+    kernels = [KernelTime(k, calls[k], totals[k]) for k in ranked[:TOP_KERNELS]]
+    if len(ranked) > TOP_KERNELS:
+        rest = ranked[TOP_KERNELS:]
+        kernels.append(KernelTime(OTHER, sum(calls[k] for k in rest), sum(totals[k] for k in rest)))
+    return StageKernels(name, event_ms, sum(totals.values()) / 1e3, busy_us / 1e3, span_us / 1e3, kernels)
+
+
+def _busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """The time covered by at least one interval (kernels on two streams at once count once), and from
+    the first start to the last end; (0, 0) for none."""
+    if not intervals:
+        return 0.0, 0.0
+    covered, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered, reached - min(start for start, _ in intervals)

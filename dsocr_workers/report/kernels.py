@@ -1,0 +1,202 @@
+"""The report's kernel tables (issue 33): a run's profiled jobs, their kernels per stage aggregated, how busy
+the device was inside each stage, the cross-check of the summed kernel time against the stage's clock,
+what the profiler cost, and, with --vs, which kernels got faster or slower.
+
+Each profiled job's summary (dsocr_workers/kernels.py, stored in `job_profiles.summary`) lists its top
+kernels per stage and the rest as one row; a stage's figures here are means per profiled job, with the
+interval over those jobs (report/stats.py), so a kernel that ran in some jobs only counts 0 in the others.
+The decode's row is the sampled steps' (engine/profiling.py DecodeSample), not the whole decode.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsocr_workers.kernels import Activity, KernelSummary, StageKernels
+from dsocr_workers.report.build import E2E, Table, in_job_order, verdict
+from dsocr_workers.report.queries import RunData
+from dsocr_workers.report.stats import Summary, paired_ratios
+
+KERNEL_ROWS = 8  # kernels shown per stage, the longest first
+TITLE = "Kernels per stage"
+BUSY_TITLE = "Device busy and idle per stage"
+OVERHEAD_TITLE = "Profiler overhead"
+PAIRS_TITLE = "Kernels per stage, B vs A"
+WHAT = {"cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock", "cpu": "CPU operators, their self time"}
+
+
+@dataclass
+class StageRuns:
+    """One stage over a run's profiled jobs: each job's row (in job order), and each kernel's total µs
+    per job (0 where a job did not list it)."""
+
+    stage: str
+    jobs: list[StageKernels] = field(default_factory=list)
+    kernel_us: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def per_job(self, figure: Callable[[StageKernels], float]) -> Summary:
+        return Summary.from_values([figure(s) for s in self.jobs])
+
+
+
+def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, KernelSummary]]:
+    """(job id, summary) of the run's profiled jobs, in job order: warm ones unless `include_cold` (a cold
+    job's kernels hold its compilation, its first use of a cache bucket, ...)."""
+    return [(j.id, data.profiles[j.id]) for j in data.jobs
+            if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)]  # fmt: skip
+
+
+def activity_of(data: RunData) -> Activity | None:
+    kinds = {summary.activity for _, summary in profiled(data, include_cold=True)}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def by_stage(summaries: list[KernelSummary]) -> dict[str, StageRuns]:
+    """The stages in the order the jobs ran them, each over the jobs that had it."""
+    stages: dict[str, StageRuns] = {}
+    for summary in summaries:
+        for row in summary.stages:
+            stage = stages.setdefault(row.stage, StageRuns(row.stage))
+            listed = {k.name: k for k in row.kernels}
+            for name in listed.keys() - stage.kernel_us.keys():  # a kernel first seen here: 0 in the jobs before
+                stage.kernel_us[name] = [0.0] * len(stage.jobs)
+            for name, values in stage.kernel_us.items():
+                values.append(listed[name].total_us if name in listed else 0.0)
+                stage.calls[name] += listed[name].calls if name in listed else 0
+            stage.jobs.append(row)
+    return stages
+
+
+def _what(data: RunData) -> str:
+    activity = activity_of(data)
+    return WHAT[activity] if activity else "CUDA kernels and CPU operators: the run's jobs ran on both"
+
+
+def kernel_table(data: RunData, include_cold: bool = False) -> Table:
+    jobs = profiled(data, include_cold)
+    rows: list[list[Any]] = []
+    for stage in by_stage([s for _, s in jobs]).values():
+        clock_ms = sum(s.event_ms for s in stage.jobs)
+        ranked = sorted(stage.kernel_us, key=lambda k: -sum(stage.kernel_us[k]))[:KERNEL_ROWS]
+        for name in ranked:
+            total_ms = sum(stage.kernel_us[name]) / 1e3
+            calls = stage.calls[name]
+            rows.append([
+                stage.stage, name, calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
+                total_ms * 1e3 / calls if calls else None, 100 * total_ms / clock_ms if clock_ms else None,
+            ])  # fmt: skip
+    cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
+    note = (f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
+            "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
+            "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto.")  # fmt: skip
+    columns = ["stage", "kernel", "calls/job", "ms/job", "mean µs/call", "share of stage %"]
+    return Table(TITLE, columns, rows, note)
+
+
+def busy_table(data: RunData, include_cold: bool = False) -> Table:
+    """Per stage: its clock, the kernels' sum, busy (their union) and idle time, and the cross-check."""
+    activity = activity_of(data) or "cuda"
+    rows: list[list[Any]] = []
+    for stage in by_stage([s for _, s in profiled(data, include_cold)]).values():
+        mean = StageKernels.mean(stage.jobs)
+        rows.append([
+            stage.stage, len(stage.jobs), stage.per_job(lambda s: s.event_ms).mean,
+            stage.per_job(lambda s: s.kernel_ms).mean, stage.per_job(lambda s: s.busy_ms).mean,
+            stage.per_job(lambda s: s.idle_ms).mean,
+            100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
+            mean.kernel_ms / mean.event_ms if mean.event_ms else None, mean.crosscheck(activity),
+        ])  # fmt: skip
+    idle = "the GPU waiting for the host" if activity == "cuda" else "Python between the operators"
+    note = (f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
+            f"kernels ms: the sum of its kernels; busy: their union; idle = clock - busy ({idle}). Cross-check: "
+            "the kernels' sum within 5% of the clock (PASS), or the gap is idle time between kernels whose span "
+            "matches the clock (explained); stages under 1 ms are not judged.")  # fmt: skip
+    columns = ["stage", "jobs", "clock ms", "kernels ms", "busy ms", "idle ms", "busy %", "kernels / clock",
+               "cross-check"]  # fmt: skip
+    return Table(BUSY_TITLE, columns, rows, note)
+
+
+def overhead_table(data: RunData, include_cold: bool) -> Table:
+    """What profiling cost: end-to-end of a page's profiled jobs over its unprofiled ones (warm unless
+    `include_cold`), paired by page."""
+    results = [r for r in in_job_order(data) if include_cold or not r.cold]
+    images = {j.id: j.image for j in data.jobs}
+    profiled_e2e: dict[str, list[float]] = defaultdict(list)
+    plain_e2e: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        value = E2E.of(r)
+        if value is not None:
+            (profiled_e2e if r.profiled else plain_e2e)[images[r.job_id]].append(value)
+    pages = sorted(profiled_e2e.keys() & plain_e2e.keys())
+    ratio = paired_ratios([profiled_e2e[p] for p in pages], [plain_e2e[p] for p in pages]).mean
+    rows: list[list[Any]] = [
+        ["profiled jobs", sum(r.profiled for r in data.results.values())],
+        ["pages with profiled and unprofiled jobs", len(pages)],
+        ["e2e ms, profiled", Summary.from_values([v for p in pages for v in profiled_e2e[p]]).mean],
+        ["e2e ms, not profiled", Summary.from_values([v for p in pages for v in plain_e2e[p]]).mean],
+        ["e2e profiled / not profiled", ratio],
+    ]
+    note = ("profiled jobs run under torch.profiler: their timings hold its cost, so they are left out of the "
+            "latency statistics unless --include-profiled, and always out of steady-state throughput")  # fmt: skip
+    return Table(OVERHEAD_TITLE, ["measure", "value"], rows, note)
+
+
+def change(ratio: Any) -> str:
+    """A kernel's B/A in plain words: faster (B lower), slower (B higher), or no significant difference."""
+    said = verdict(ratio)
+    return {"B lower": "faster in B", "B higher": "slower in B"}.get(said, said)
+
+
+def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Table:
+    """Per stage and kernel, its time per job in A and in B over the pages profiled in both, B/A with the
+    interval of a paired bootstrap; kernels of one run only are named so."""
+    pages_a, pages_b = _by_page(a, include_cold), _by_page(b, include_cold)
+    pages = sorted(pages_a.keys() & pages_b.keys())
+    stages_a = by_stage([s for p in pages for s in pages_a[p]])
+    stages_b = by_stage([s for p in pages for s in pages_b[p]])
+    rows: list[list[Any]] = []
+    for name in dict.fromkeys([*stages_a, *stages_b]):
+        in_a, in_b = stages_a.get(name), stages_b.get(name)
+        kernels = dict.fromkeys([*(in_a.kernel_us if in_a else {}), *(in_b.kernel_us if in_b else {})])
+        mean_ms = {k: (_mean_ms(in_a, k), _mean_ms(in_b, k)) for k in kernels}
+        ranked = sorted(kernels, key=lambda k: -max(v or 0.0 for v in mean_ms[k]))[:KERNEL_ROWS]
+        for kernel in ranked:
+            ms_a, ms_b = mean_ms[kernel]
+            if not ms_a or not ms_b:
+                rows.append([name, kernel, ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
+                continue
+            ratio = paired_ratios(_page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)).mean
+            rows.append([name, kernel, ms_a, ms_b, ratio, change(ratio)])
+    note = (f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
+            "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only.")  # fmt: skip
+    return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)
+
+
+def _by_page(data: RunData, include_cold: bool) -> dict[str, list[KernelSummary]]:
+    images = {j.id: j.image for j in data.jobs}
+    pages: dict[str, list[KernelSummary]] = defaultdict(list)
+    for job_id, summary in profiled(data, include_cold):
+        pages[images[job_id]].append(summary)
+    return pages
+
+
+def _mean_ms(stage: StageRuns | None, kernel: str) -> float | None:
+    values = stage.kernel_us.get(kernel) if stage is not None else None
+    return sum(values) / len(values) / 1e3 if values else None
+
+
+def _page_values(by_page: dict[str, list[KernelSummary]], pages: list[str], stage: str, kernel: str) -> list[list[float]]:
+    """Per page, the kernel's ms in each of its profiled jobs (0 where a job's stage did not list it)."""
+    out = []
+    for page in pages:
+        values = []
+        for summary in by_page[page]:
+            row = summary.stage(stage)
+            if row is not None:
+                values.append(next((k.total_us / 1e3 for k in row.kernels if k.name == kernel), 0.0))
+        out.append(values)
+    return out

@@ -1,0 +1,81 @@
+"""A job under torch.profiler (engine/profiling.py) on the CPU: the stages as ranges, the decode sampled,
+the trace and the kernels per stage, and a failed job that stops its profiler."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from dsocr_workers.engine.profiling import DecodeSample, JobProfiler
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.kernels import KernelSummary
+
+PLAIN = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def session() -> DeepSeekOCRSession:
+    return DeepSeekOCRSession.from_local("tiny")
+
+
+def profiled_job(session: DeepSeekOCRSession, tokens: int, sample: DecodeSample):
+    page = Image.new("RGB", (640, 480), "white")
+    prepared = session.prepare_job(page, mode="tiny")
+    run = session.run_on_device(prepared.page, tokens, PLAIN, clock=prepared.clock,
+                                profiler=JobProfiler(session.device, sample))  # fmt: skip
+    return run.finish()
+
+
+def test_a_profiled_job_has_its_stages_as_ranges_and_only_its_sampled_decode_steps(session):
+    sample = DecodeSample(first=3, later=(10,), width=2)
+    result = profiled_job(session, 16, sample)  # 15 decode steps: 0..14
+    profile = result.profile
+    assert profile is not None
+    assert profile.summary.decode_steps == [0, 1, 2, 10, 11]
+
+    trace = json.loads(gzip.decompress(profile.trace_gz))
+    assert len(gzip.decompress(profile.trace_gz)) == profile.trace_bytes
+    ranges = [e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("dsocr::")]
+    for stage in ("setup", "prefill", "vision/sam", "vision/clip", "vision/projector", "lm_prefill", "first_token",
+                  "decode", "readback"):  # fmt: skip
+        assert f"dsocr::{stage}" in ranges
+    steps = sorted(int(r.rsplit(" ", 1)[1]) for r in ranges if r.startswith("dsocr::decode step "))
+    # The steps between the samples were not recorded: no range, and no operator of theirs.
+    assert steps[:5] == [0, 1, 2, 10, 11] and all(s in (0, 1, 2, 10, 11, 15) for s in steps)
+
+    summary = KernelSummary.from_json(json.loads(json.dumps(profile.summary.to_json())))
+    assert summary == profile.summary and summary.activity == "cpu"
+    stages = {s.stage: s for s in summary.stages}
+    assert list(stages)[:3] == ["setup", "prefill", "vision/sam"] and "decode" in stages
+    decode = stages["decode"]
+    step_ms = result.timings.decode_step_ms
+    # The decode's clock time is the sampled steps' own: its kernels fit inside it.
+    assert decode.event_ms == pytest.approx(sum(step_ms[i] for i in summary.decode_steps))
+    assert 0 < decode.kernel_ms <= decode.event_ms and decode.span_ms <= decode.event_ms
+    assert any(k.name == "aten::mm" and k.calls >= 5 for k in decode.kernels)
+    # Nested stages: the prefill holds the vision's and the LM prefill's operators.
+    assert stages["prefill"].kernel_ms >= stages["vision/sam"].kernel_ms + stages["lm_prefill"].kernel_ms - 1e-6
+    for stage in stages.values():
+        assert stage.busy_ms <= stage.event_ms * 1.01 + 0.01, stage
+        assert stage.crosscheck("cpu") != "FAIL (no kernel attributed)"
+
+
+def test_a_job_that_fails_stops_its_profiler_and_the_next_one_can_be_profiled(session):
+    page = session.prepare(Image.new("RGB", (640, 480), "white"), None, "tiny", 9)
+    profiler = JobProfiler(session.device)
+    running = session.start_on_device(page, 8, PLAIN, session.new_clock(), profiler=profiler)
+    with pytest.raises(RuntimeError, match="boom"), running.stopping_profiler_on_error(), torch.inference_mode():
+        session.prefill(running.job, running.clock)
+        raise RuntimeError("boom")
+    assert torch.autograd.profiler._is_profiler_enabled is False  # noqa: SLF001 (torch's own flag)
+    assert profiled_job(session, 4, DecodeSample()).profile is not None
+
+
+def test_the_decode_sample_is_the_first_steps_and_a_few_at_later_positions():
+    sample = DecodeSample()
+    assert [s for s in range(5000) if s in sample] == [*range(8), 64, 65, 256, 257, 1024, 1025, 4096, 4097]

@@ -1,0 +1,120 @@
+"""Kernel-level profiles through the farm (issue 33): `dsocr submit --profile N`, a real Celery worker
+process on Redis + PostgreSQL runs every N-th job under torch.profiler and stores its trace and kernels
+with it; other processes read them back (`dsocr trace`, `dsocr report`)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from test_workers import dsocr, wait_until_final
+
+from dsocr_workers.kernels import KernelSummary
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, JobProfile, Result
+
+PAGES = {"p1.png": (320, 420), "p2.png": (640, 480)}
+
+
+@pytest.fixture
+def pages(tmp_path, make_png) -> Path:
+    folder = tmp_path / "pages"
+    for name, size in PAGES.items():
+        make_png(name, size, folder=folder)
+    listing = folder / "pages.txt"
+    listing.write_text("\n".join(PAGES) + "\n")
+    return listing
+
+
+def report_tables(env: dict[str, str], *args: str) -> dict[str, list[dict]]:
+    done = dsocr("report", *args, "--format", "json", env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["tables"]
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_process(
+    pages, postgres_url, broker_env, subprocess_env, tmp_path
+):
+    queue = broker_env["DSOCR_QUEUE"] + "-profile"
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue}
+    runs = []
+    for tokens in ("6", "10"):  # A and B: --vs compares their kernels
+        submitted = dsocr("submit", str(pages), "--mode", "tiny", "--max-new-tokens", tokens, "--repeats", "2",
+                          "--profile", "2", env=env)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        runs.append(submitted.stdout.strip().splitlines()[-1])
+    a, b = runs
+
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            for run in runs:
+                assert wait_until_final(postgres_url, run, timeout=240) == {"done": 2 * len(PAGES)}
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        jobs = session.execute(select(Job.id, Job.image, Job.repeat, Job.profile).where(Job.run_id == a)).all()
+        profiled = dict(session.execute(select(Result.job_id, Result.profiled).where(Result.run_id == a)).all())
+        profiles = {p.job_id: (p.activity, p.trace_bytes, KernelSummary.from_json(p.summary))
+                    for p in session.scalars(select(JobProfile).where(JobProfile.run_id == a))}  # fmt: skip
+    db.dispose()
+    # Every 2nd job in file-list order: with 2 repeats, repeat 1 of each page; flagged on job and result.
+    chosen = {job_id for job_id, _, repeat, profile in jobs if profile}
+    assert chosen == {job_id for job_id, _, repeat, _ in jobs if repeat == 1}
+    assert {job_id for job_id, flag in profiled.items() if flag} == chosen == set(profiles)
+    for activity, trace_bytes, summary in profiles.values():
+        assert activity == "cpu" and trace_bytes > 0
+        assert summary.decode_steps == [0, 1, 2, 3, 4]  # 6 tokens: the first from the prefill, 5 steps
+        assert [s.stage for s in summary.stages][:3] == ["setup", "prefill", "vision/sam"]
+        assert summary.stage("lm_prefill").kernels and summary.stage("decode").kernel_ms > 0
+
+    # Another process reads a trace back, by job id and by run and image.
+    job_id = sorted(chosen)[0]
+    by_id = tmp_path / "by-id.json.gz"
+    done = dsocr("trace", "--job", job_id[:13], "--out", str(by_id), env=env)
+    assert done.returncode == 0, done.stderr
+    events = json.loads(gzip.decompress(by_id.read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"dsocr::prefill", "dsocr::vision/sam", "dsocr::lm_prefill", "dsocr::decode step 0"} <= names
+    plain = tmp_path / "p2.json"
+    done = dsocr("trace", "--run", a, "--image", "p2.png", "--out", str(plain), env=env)
+    assert done.returncode == 0 and "repeat 1" in done.stdout, done.stderr
+    assert "dsocr::decode step 4" in {e.get("name") for e in json.loads(plain.read_text())["traceEvents"]}
+    done = dsocr("trace", "--run", a, "--image", "p2.png", "--repeat", "0", env=env)
+    assert done.returncode == 2 and "has no profile" in done.stderr
+
+    # The report: profiled jobs out of the latency statistics unless asked, their kernels per stage.
+    tables = report_tables(env, "--run", a)
+    facts = {row["field"]: row["value"] for row in tables["Run"]}
+    assert facts["profiled results"] == 2 and facts["left out of statistics"] == 2
+    latency = {row["metric"]: row for row in tables["Latency and output"]}
+    assert latency["end-to-end ms"]["jobs"] == 2
+    with_profiled = report_tables(env, "--run", a, "--include-profiled")
+    assert {row["metric"]: row for row in with_profiled["Latency and output"]}["end-to-end ms"]["jobs"] == 4
+    kernels = tables["Kernels per stage"]
+    assert {"setup", "prefill", "vision/sam", "lm_prefill", "decode"} <= {row["stage"] for row in kernels}
+    assert all(row["calls/job"] > 0 and 0 <= row["share of stage %"] <= 100 for row in kernels)
+    busy = {row["stage"]: row for row in tables["Device busy and idle per stage"]}
+    assert busy["decode"]["jobs"] == 2
+    assert busy["decode"]["busy ms"] <= busy["decode"]["clock ms"]
+    assert busy["prefill"]["cross-check"].startswith(("PASS", "explained"))
+    overhead = {row["measure"]: row for row in tables["Profiler overhead"]}
+    assert overhead["profiled jobs"]["value"] == 2 and overhead["e2e profiled / not profiled"]["value"] > 0
+
+    compared = report_tables(env, "--run", a, "--vs", b)["Kernels per stage, B vs A"]
+    decode = [row for row in compared if row["stage"] == "decode"]
+    assert decode and all(row["A ms/job"] > 0 and row["B ms/job"] > 0 for row in decode)
+    # B samples 8 decode steps to A's 5: its sampled decode is longer.
+    assert {row["kernel"]: row for row in decode}["aten::mm"]["B/A"] > 1
