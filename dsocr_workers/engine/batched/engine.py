@@ -140,8 +140,10 @@ class BatchedEngine:
 
     def __init__(
         self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions | None = None,
-        compiled: bool | None = None, cuda_graphs: bool | None = None,
+        compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
     ) -> None:  # fmt: skip
+        """`compiled`: the decode step through torch.compile (`backend`); None: on CUDA with the fast
+        engine. `cuda_graphs`: replayed as a CUDA graph per bucket; None: on CUDA."""
         options = options or DecodeOptions()
         validate_options(options)
         if options.seed is not None:
@@ -163,7 +165,8 @@ class BatchedEngine:
             self.cache = SlotCache.allocate(model, plan.slots, plan.capacity, self.device)
             self.state = SlotState.allocate(plan.slots, plan.capacity, self.device, options)
         self.buckets = buckets_for(plan.slots)
-        self.runner = StepRunner(model, self.cache, self.state, options, self.buckets, compiled, cuda_graphs)
+        self.runner = StepRunner(model, self.cache, self.state, options, self.buckets, compiled=compiled,
+                                 cuda_graphs=cuda_graphs, backend=backend)
         self.steps: list[StepRecord] = []  # every step read back, in order
         self._slots: dict[int, _Sequence] = {}  # slot -> the page decoding there
         self._free = list(range(plan.slots))  # kept sorted: a page takes the lowest
@@ -191,7 +194,7 @@ class BatchedEngine:
     def create(
         cls, session: DeepSeekOCRSession, max_batch: int, max_prompt_tokens: int, max_new_tokens: int,
         options: DecodeOptions | None = None, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-        compiled: bool | None = None, cuda_graphs: bool | None = None,
+        compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
     ) -> BatchedEngine:  # fmt: skip
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
@@ -204,7 +207,7 @@ class BatchedEngine:
             free = driver_free + torch.cuda.memory_reserved(session.device) - torch.cuda.memory_allocated(session.device)
         plan = plan_kv(max_batch, max_prompt_tokens, max_new_tokens, SlotCache.bytes_per_position(session.model),
                        free, reserve_bytes, session.max_positions)  # fmt: skip
-        return cls(session, plan, options, compiled, cuda_graphs)
+        return cls(session, plan, options, compiled, cuda_graphs, backend)
 
     # --- the API --------------------------------------------------------------------------------------
 
@@ -336,7 +339,8 @@ class BatchedEngine:
 
     def _release(self, slot: int) -> None:
         self._slots.pop(slot, None)
-        self.state.release(slot)
+        with torch.inference_mode():  # the state's tensors are inference tensors
+            self.state.release(slot)
         self._free.append(slot)
         self._free.sort()
 

@@ -46,7 +46,8 @@ class StepRunner:
     state: SlotState
     options: DecodeOptions
     buckets: tuple[int, ...]
-    compiled: bool = False  # the step through torch.compile (inductor), one graph dynamic in n
+    compiled: bool = False  # the step through torch.compile, one graph dynamic in n
+    backend: str = "inductor"  # torch.compile's (a CPU test traces with "aot_eager")
     cuda_graphs: bool = False
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
@@ -54,7 +55,7 @@ class StepRunner:
 
     def __post_init__(self) -> None:
         # fullgraph: a graph break would be a host round trip inside every step.
-        self._step = torch.compile(decode_slots, fullgraph=True) if self.compiled else decode_slots
+        self._step = torch.compile(decode_slots, fullgraph=True, backend=self.backend) if self.compiled else decode_slots
         if self.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()
 
