@@ -102,16 +102,17 @@ def weight_bytes(session: DeepSeekOCRSession) -> dict[str, Any]:
 
 
 def step_bound(weights: dict[str, Any], occupancy: float, bucket: float, capacity: int, per_position: int,
-               peak_bytes_per_s: float) -> dict[str, float]:  # fmt: skip
-    """The bytes one decode step of `occupancy` pages reads and the time the bandwidth allows for it."""
+               peak_bytes_per_s: float | None) -> dict[str, float | None]:  # fmt: skip
+    """The bytes one decode step of `occupancy` pages reads and the time the bandwidth allows for it
+    (None where the peak bandwidth is unknown: a CPU, an unlisted GPU without --peak-tbps)."""
     e, k = weights["experts"], weights["experts_per_token"]
     touched = e * (1 - (1 - k / e) ** occupancy)
     weights_read = (weights["fixed_bytes"] + weights["moe_layers"] * touched * weights["expert_bytes"]
                     + occupancy * weights["embedding_row_bytes"])  # fmt: skip
     kv_read = bucket * capacity * per_position
-    bound_ms = (weights_read + kv_read) / peak_bytes_per_s * 1e3
+    bound_ms = None if peak_bytes_per_s is None else (weights_read + kv_read) / peak_bytes_per_s * 1e3
     return {"experts_touched_per_layer": touched, "weights_read_gb": weights_read / 1e9, "kv_read_gb": kv_read / 1e9,
-            "bound_step_ms": bound_ms, "bound_tokens_per_s": occupancy / bound_ms * 1e3}  # fmt: skip
+            "bound_step_ms": bound_ms, "bound_tokens_per_s": None if bound_ms is None else occupancy / bound_ms * 1e3}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], t
 
 
 def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurrency: int, requests: int,
-          tokens: int, weights: dict[str, Any], peak: float) -> tuple[dict[str, Any], list[BatchedOutput]]:  # fmt: skip
+          tokens: int, weights: dict[str, Any], peak: float | None) -> tuple[dict[str, Any], list[BatchedOutput]]:  # fmt: skip
     """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
     asked = [PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens) for i in range(requests)]
     first_step = len(engine.steps)
@@ -187,7 +188,7 @@ def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurre
     report = {"concurrency": concurrency, "requests": requests, "wall_s": wall, **summary.__dict__,
               "decode_tokens_per_s": occupancy / step_ms * 1e3, "mean_decode_step_ms": step_ms,
               "mean_occupancy": occupancy, "mean_bucket": bucket, **bound,
-              "bound_share": bound["bound_step_ms"] / step_ms,
+              "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
               "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
               "per_page": [{"request": o.request_id, "ttft_ms": o.metrics.ttft_ms, "tpot_ms": o.metrics.tpot_ms,
                             "e2e_ms": o.metrics.e2e_ms, "queue_wait_ms": o.metrics.queue_wait_ms,
@@ -243,17 +244,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {row['concurrency']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
             f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
-            f"{fmt(row['bound_step_ms'])} | {fmt(100 * row['bound_share'], 0)}% | {fmt(100 * (1 - row['decode_share']), 1)}% |")
+            f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |")
     ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
     if ran:
         best = max(ran, key=lambda row: row["output_tokens_per_s"])
         lines += ["", f"Best: concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
                   f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
-                  f"{100 * best['bound_share']:.0f}% of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
+                  f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
                   f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
                   f"Bound at that point: {best['weights_read_gb']:.2f} GB of weights "
                   f"({best['experts_touched_per_layer']:.1f} experts per MoE layer) + {best['kv_read_gb']:.2f} GB of KV "
-                  f"per step over {report.get('peak_tbps')} TB/s = {best['bound_step_ms']:.2f} ms for "
+                  f"per step over {report.get('peak_tbps')} TB/s = {fmt(best['bound_step_ms'])} ms for "
                   f"{best['mean_occupancy']:.1f} pages"]  # fmt: skip
     if "agreement" in report:
         a = report["agreement"]
@@ -263,6 +264,10 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("left_out"):
         lines += ["", "Pages left out:", "```", *report["left_out"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def percent(share: float | None, digits: int = 0) -> str:
+    return "-" if share is None else f"{100 * share:.{digits}f}%"
 
 
 def write(report: dict[str, Any], out: Path | None) -> None:
@@ -322,7 +327,7 @@ def main() -> int:
     # A short round to settle the batched path (the allocator, the first joins) before timing.
     engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], 4)
     write(report, args.out)
-    peak = (peak_tbps or 1.0) * 1e12
+    peak = None if peak_tbps is None else peak_tbps * 1e12
     last: tuple[int, list[BatchedOutput]] | None = None
     for concurrency in levels:
         if concurrency > engine.plan.slots:

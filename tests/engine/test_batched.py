@@ -8,7 +8,14 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from dsocr_workers.engine.batched import BatchedEngine, NoFreeSlot, PageRefused, PageRequest, ServingSummary, plan_kv
+from dsocr_workers.engine.batched import (
+    BatchedEngine,
+    NoFreeSlot,
+    PageRefused,
+    PageRequest,
+    ServingSummary,
+    plan_kv,
+)
 from dsocr_workers.engine.batched import engine as batched_engine
 from dsocr_workers.engine.batched.runner import buckets_for
 from dsocr_workers.engine.batched.slots import ban_repeated_ngrams_rows
@@ -246,3 +253,23 @@ def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
                                      prompt_length[r] if window is not None else 0)  # fmt: skip
         torch.testing.assert_close(batched[r:r + 1], single, rtol=0, atol=0)
     assert torch.isinf(batched).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")
+def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
+    """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
+    and replayed as a CUDA graph per bucket; the routed experts' GEMVs up to 21 pages, the grouped GEMMs
+    above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
+    batch-1 greedy tokens in float32, and its steps are timed with CUDA events."""
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    options = DecodeOptions(ignore_eos=True)
+    prepared = [fast.prepare(page(w, h), None, mode, 9) for w, h, mode, _ in PAGES]
+    expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
+    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options)
+    assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32
+    many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
+    outputs = engine.run(many, 32)
+    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(48)}
+    assert {s.bucket for s in engine.steps if s.kind == "decode"} >= {2, 32}
+    assert all(s.ms > 0 for s in engine.steps)
+    assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)

@@ -263,7 +263,7 @@ class BatchedEngine:
         finished. Returns the outputs in finishing order."""
         if concurrency < 1:
             raise InputError(f"concurrency must be at least 1, got {concurrency}")
-        queue, outputs = deque(requests), []
+        queue, outputs = deque(requests), list[BatchedOutput]()
         while queue or self.busy:
             while queue and self.in_flight < concurrency:
                 self.submit(queue.popleft())
@@ -288,6 +288,7 @@ class BatchedEngine:
         return budget, ceiling
 
     def _admit(self, request: PageRequest, budget: int, ceiling: int) -> int:
+        self._ring_room()
         slot = self._free.pop(0)
         page, session, model = request.page, self.session, self.session.model
         assert request.arrival_s is not None
@@ -323,6 +324,7 @@ class BatchedEngine:
         return sorted((slot, s) for slot, s in self._slots.items() if not s.done and s.launched < s.budget - 1)
 
     def _launch_decode(self) -> None:
+        self._ring_room()
         occupants = self._decoding()
         if not occupants:
             return
@@ -337,6 +339,11 @@ class BatchedEngine:
                 if sequence.launched == sequence.budget - 1:  # its last step: the slot is free after it
                     self._release(slot)
 
+    def _ring_room(self) -> None:
+        """Before a step is launched (and before its pages are chosen: reading back may finish pages and
+        free their slots): the ring row its tokens go to must have been read."""
+        self._collect(wait_beyond=self._ring.shape[0] - 1)
+
     def _release(self, slot: int) -> None:
         self._slots.pop(slot, None)
         with torch.inference_mode():  # the state's tensors are inference tensors
@@ -348,8 +355,7 @@ class BatchedEngine:
         self, kind: StepKind, occupants: list[tuple[int, _Sequence]], bucket: int, chosen: torch.Tensor,
         start: torch.cuda.Event | float, end: torch.cuda.Event | float,
     ) -> _Launch:  # fmt: skip
-        if self.cuda:  # the ring row this step's tokens go to must have been read
-            self._collect(wait_beyond=self._ring.shape[0] - 1)
+        assert len(self._pending) < self._ring.shape[0], "_ring_room() before a step is launched"
         launch = _Launch(self._step_index, kind, occupants, bucket, self._ring_next, start, end)
         self._step_index += 1
         if self.cuda:

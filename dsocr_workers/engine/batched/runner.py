@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ from dsocr_workers.engine.batched.slots import SlotCache, SlotState, decode_slot
 from dsocr_workers.engine.regions import capture_graph
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.modeling import DeepSeekOCR
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE
 
 
 def buckets_for(slots: int) -> tuple[int, ...]:
@@ -51,7 +55,7 @@ class StepRunner:
     cuda_graphs: bool = False
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
-    _pool: object = field(init=False, default=None)
+    _pool: _POOL_HANDLE | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # fullgraph: a graph break would be a host round trip inside every step.
@@ -76,6 +80,7 @@ class StepRunner:
             return
         for n in self.buckets:
             if n not in self._graphs:
+                assert self._pool is not None
                 graph, (out,) = capture_graph(lambda n=n: [self._eager(n)], self._pool)  # type: ignore[misc]
                 self._graphs[n] = (graph, out)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import select_token
@@ -142,9 +143,11 @@ class SlotCache:
 
     def load_prompt(self, slot: int, prefilled: StaticCache, length: int) -> None:
         """A prompt's keys and values, as a batch-1 prefill left them in `prefilled`, into `slot`."""
-        for keys, values, layer in zip(self.keys, self.values, prefilled.layers, strict=True):
-            keys[slot, :, :length].copy_(layer.keys[0, :, :length])  # type: ignore[index]
-            values[slot, :, :length].copy_(layer.values[0, :, :length])  # type: ignore[index]
+        layers: list[StaticLayer] = prefilled.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
+        for keys, values, layer in zip(self.keys, self.values, layers, strict=True):
+            assert layer.keys is not None and layer.values is not None
+            keys[slot, :, :length].copy_(layer.keys[0, :, :length])
+            values[slot, :, :length].copy_(layer.values[0, :, :length])
 
 
 class _StepCache:
