@@ -11,7 +11,7 @@ One process, one device:
      e2e, TTFT, TPOT;
   3. start the batched engine: its KV cache sized from the token budget and the free memory (the plan
      is reported), its decode step compiled and captured as a CUDA graph per batch bucket (timed);
-  4. per concurrency level (1, 2, 4, …, 64 by default, those above the slots that fit are skipped):
+  4. per concurrency level (1, 2, 4, …, 128 by default, those above the slots that fit are skipped):
      max(2 x level, `--min-requests`) requests cycling over the pages, at most `level` in flight (a
      closed loop, as `vllm bench serve --max-concurrency`), `--tokens` each, EOS ignored. Reported:
      request throughput, output tokens/s, TTFT / TPOT / ITL / e2e (mean, p50, p90, p99), the decode
@@ -287,11 +287,12 @@ def main() -> int:
     parser.add_argument("--mode", default="gundam")
     parser.add_argument("--max-crops", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=1024, help="output tokens per page (EOS ignored)")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
     parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
+    parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--peak-tbps", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no level past this many seconds")
@@ -318,9 +319,11 @@ def main() -> int:
     start = time.perf_counter()
     engine = BatchedEngine.create(session, max(levels), max(p.prompt_tokens for _, p in pages), args.tokens,
                                   options, reserve_bytes=int(args.reserve_gib * 2**30),
-                                  compiled=None if not args.eager_step else False)  # fmt: skip
+                                  compiled=False if args.eager_step else None,
+                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
     sync()
     setup.update(compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
+                 step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
                  kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)
     weights = weight_bytes(session)
     setup["weights"] = weights

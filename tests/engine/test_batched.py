@@ -102,6 +102,39 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(session, prepared
     assert any(index > first_decode for index in prefill_at)
 
 
+def test_a_pages_logits_in_a_batch_are_its_logits_alone(session, prepared, monkeypatch):
+    """Closer than the greedy tokens: every step's logits of both pages, in slots a page used before
+    (stale keys and values past each page's length, which the mask must hide), equal the batch-1 path's
+    to float32 rounding."""
+    options, budget = DecodeOptions(ignore_eos=True), 6
+    recorded: list[torch.Tensor] = []
+    logits = session.model.logits
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        recorded.append(logits(hidden).clone())
+        return recorded[-1]
+
+    monkeypatch.setattr(session.model, "logits", record)
+    pair = [prepared[0], prepared[3]]
+    single = []
+    for one in pair:
+        recorded.clear()
+        session.run_on_device(one, budget, options).finish()
+        single.append(torch.cat(recorded))  # [budget, V]: the prefill's, then each decode step's
+    engine = engine_for(session, prepared, 2, options)
+    engine.run([PageRequest("dirty", prepared[2], 30), PageRequest("dirty2", prepared[5], 30)], 2)
+    recorded.clear()
+    for index, one in enumerate(pair):
+        engine.add(PageRequest(str(index), one, budget))
+    while engine.busy:
+        engine.step()
+    prefills, steps = recorded[:2], recorded[2:]
+    assert len(steps) == budget - 1 and all(step.shape[0] == 2 for step in steps)
+    for row in range(2):
+        batched = torch.cat([prefills[row], *(step[row : row + 1] for step in steps)])
+        torch.testing.assert_close(batched, single[row], rtol=1e-5, atol=1e-5)
+
+
 def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
     """`add` at chosen steps: the farm's way in. A page joins mid-flight of others, into the slot a
     finished page freed, and still decodes its own tokens."""
