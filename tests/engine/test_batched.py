@@ -306,3 +306,27 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
     assert {s.bucket for s in engine.steps if s.kind == "decode"} >= {2, 32}
     assert all(s.ms > 0 for s in engine.steps)
     assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
+
+
+def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):
+    """One page's prefill raising (here: its vision) leaves the engine as it was: the slot free again,
+    the pages already in flight decode on, and the same page joins later."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 2, options)
+    assert engine.add(requests(prepared)[0]) == 0
+    engine.step()
+
+    def broken(*args, **kwargs):
+        raise InputError("vision failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session, "encode_image", broken)
+        with pytest.raises(InputError, match="vision failed"):
+            engine.add(requests(prepared)[2])
+    assert engine.free_slots == 1 and engine.in_flight == 1
+    assert engine.add(requests(prepared)[2]) == 1
+    outputs = []
+    while engine.busy:
+        outputs.extend(engine.step().finished)
+    assert by_request(outputs) == {0: expected[0], 2: expected[2]}

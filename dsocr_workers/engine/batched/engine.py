@@ -288,31 +288,37 @@ class BatchedEngine:
         return budget, ceiling
 
     def _admit(self, request: PageRequest, budget: int, ceiling: int) -> int:
+        """The page's prefill into the lowest free slot. A prefill that fails gives the slot back (and
+        raises): the other pages go on."""
         self._ring_room()
         slot = self._free.pop(0)
         page, session, model = request.page, self.session, self.session.model
         assert request.arrival_s is not None
         sequence = _Sequence(request, slot, budget, ceiling, SequenceMetrics(request.arrival_s, time.perf_counter()))
+        prompt = page.prompt_tokens
+        try:
+            with torch.inference_mode(), self._range("batched/prefill"):
+                start = self._mark()
+                inputs = session.upload(page)
+                image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
+                vision_end = self._mark()
+                scratch = session.buffers_for(prompt + budget).cache
+                scratch.reset()
+                embeds = model.embed(inputs.input_ids).unsqueeze(0)
+                if image is not None:
+                    embeds[0].index_copy_(0, inputs.image_positions, image.to(embeds.dtype))
+                logits = session.runners.prefill(model, embeds, scratch)
+                self.cache.load_prompt(slot, scratch, prompt)
+                self.state.start(slot, inputs.input_ids)
+                chosen = choose_tokens(logits, self.state.row(slot), self.options, self.state.whitelist)
+                end = self._mark()
+        except BaseException:
+            self._release(slot)
+            raise
         self._slots[slot] = sequence
         self._unfinished += 1
-        prompt = page.prompt_tokens
-        with torch.inference_mode(), self._range("batched/prefill"):
-            start = self._mark()
-            inputs = session.upload(page)
-            image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
-            vision_end = self._mark()
-            scratch = session.buffers_for(prompt + budget).cache
-            scratch.reset()
-            embeds = model.embed(inputs.input_ids).unsqueeze(0)
-            if image is not None:
-                embeds[0].index_copy_(0, inputs.image_positions, image.to(embeds.dtype))
-            logits = session.runners.prefill(model, embeds, scratch)
-            self.cache.load_prompt(slot, scratch, prompt)
-            self.state.start(slot, inputs.input_ids)
-            chosen = choose_tokens(logits, self.state.row(slot), self.options, self.state.whitelist)
-            end = self._mark()
-            launch = self._launched("prefill", [(0, sequence)], 1, chosen, start, end)
-            launch.vision_end, launch.prompt_tokens = vision_end, prompt
+        launch = self._launched("prefill", [(0, sequence)], 1, chosen, start, end)
+        launch.vision_end, launch.prompt_tokens = vision_end, prompt
         if budget == 1:
             self._release(slot)
         return slot
