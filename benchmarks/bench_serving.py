@@ -1,0 +1,360 @@
+"""Batched serving on one GPU (issue 34 items 1, 3, 4): the batched engine's throughput and latency
+over a sweep of concurrency levels, beside the batch-1 path in the same process.
+
+One process, one device:
+  1. load the model (`full` preset, random weights, bf16 on CUDA; the fast engine) and preprocess the
+     pages (default: the 7 synthetic samples and OmniDocBench's 18 demo pages, gundam); a listed page
+     that is missing is reported and left out;
+  2. warm the batch-1 path on every page (its vision graph per page shape, its LM prefill graph per
+     prompt length: the batched engine's prefills reuse both), then time the batch-1 path on
+     `--batch1-pages` pages of `--tokens` tokens each (EOS ignored): output tokens/s over the pages'
+     e2e, TTFT, TPOT;
+  3. start the batched engine: its KV cache sized from the token budget and the free memory (the plan
+     is reported), its decode step compiled and captured as a CUDA graph per batch bucket (timed);
+  4. per concurrency level (1, 2, 4, …, 128 by default, those above the slots that fit are skipped):
+     max(2 x level, `--min-requests`) requests cycling over the pages, at most `level` in flight (a
+     closed loop, as `vllm bench serve --max-concurrency`), `--tokens` each, EOS ignored. Reported:
+     request throughput, output tokens/s, TTFT / TPOT / ITL / e2e (mean, p50, p90, p99), the decode
+     steps' occupancy and time, the prefill share of the device's step time, and the bandwidth bound of
+     a decode step at that occupancy (weights read + KV read, over the GPU's peak memory bandwidth:
+     `--peak-tbps`, by default from the GPU's name) with the measured step's share of it;
+  5. bf16 agreement: for each page the batch-1 path ran, the batched engine's tokens of that page at
+     the highest level that ran (equal, or the first step where they differ).
+Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
+(`--budget-s`: no new level starts past it) still reports what it measured.
+
+The bandwidth arithmetic (per decode step of b pages):
+  weights = every language-model weight a step reads once whatever b (attention, the dense first
+  layer's MLP, the shared experts, the routers, the final norm, the LM head; the embedding table: b rows)
+  + the routed experts the step touches: per MoE layer E x (1 - (1 - k/E)^b) experts of 3 x hidden x
+  moe_intermediate weights each (k of E picked per token, routing taken as uniform: the random weights'
+  routing is close to it, a trained router's is not);
+  KV = b_bucket x capacity x bytes per position: the step attends over each slot's whole capacity (a
+  mask stops each page at its length), so that is what it reads, not the pages' lengths.
+
+    python benchmarks/bench_serving.py --out $OUT --budget-s 330                      # one H100 / H200
+    python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
+        --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --out /tmp/serving  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_engine import environment, fmt  # noqa: E402
+from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
+from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
+from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
+from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
+from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
+from dsocr_workers.model.preprocess import PreparedPage  # noqa: E402
+
+DEFAULT_PAGES = ("datasets/samples/samples.txt", "datasets/omnidocbench/subsets/demo-18.txt")
+# Peak memory bandwidth by GPU name (the vendors' figures: H100 SXM5 HBM3, H200 HBM3e, A100 80GB).
+PEAK_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+TARGET_TOKENS_PER_S = 10_000
+TARGET_TPOT_P50_MS = 10.0
+TARGET_BOUND_SHARE = 0.6
+SECONDS_PER_DAY = 86_400
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------
+# bandwidth arithmetic
+
+
+def weight_bytes(session: DeepSeekOCRSession) -> dict[str, Any]:
+    """What a decode step reads of the language model: the weights read whatever the batch, and one
+    routed expert's bytes with the experts per layer (E) and per token (k)."""
+    model = session.model
+    language_model = model.language_model
+    text = model.config.text
+    experts_params, fixed = 0, 0
+    for name, parameter in language_model.named_parameters():
+        size = parameter.numel() * parameter.element_size()
+        if ".experts." in name:
+            experts_params += size
+        elif name.startswith("embed_tokens"):
+            continue  # b rows of it per step: counted per page
+        else:
+            fixed += size
+    fixed += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    moe_layers = text.num_hidden_layers - text.first_k_dense_replace
+    expert_bytes = experts_params // max(moe_layers * text.n_routed_experts, 1)
+    return {"fixed_bytes": fixed, "expert_bytes": expert_bytes, "moe_layers": moe_layers,
+            "experts": text.n_routed_experts, "experts_per_token": text.num_experts_per_tok,
+            "embedding_row_bytes": text.hidden_size * model.lm_head.weight.element_size()}  # fmt: skip
+
+
+def step_bound(weights: dict[str, Any], occupancy: float, bucket: float, capacity: int, per_position: int,
+               peak_bytes_per_s: float | None) -> dict[str, float | None]:  # fmt: skip
+    """The bytes one decode step of `occupancy` pages reads and the time the bandwidth allows for it
+    (None where the peak bandwidth is unknown: a CPU, an unlisted GPU without --peak-tbps)."""
+    e, k = weights["experts"], weights["experts_per_token"]
+    touched = e * (1 - (1 - k / e) ** occupancy)
+    weights_read = (weights["fixed_bytes"] + weights["moe_layers"] * touched * weights["expert_bytes"]
+                    + occupancy * weights["embedding_row_bytes"])  # fmt: skip
+    kv_read = bucket * capacity * per_position
+    bound_ms = None if peak_bytes_per_s is None else (weights_read + kv_read) / peak_bytes_per_s * 1e3
+    return {"experts_touched_per_layer": touched, "weights_read_gb": weights_read / 1e9, "kv_read_gb": kv_read / 1e9,
+            "bound_step_ms": bound_ms, "bound_tokens_per_s": None if bound_ms is None else occupancy / bound_ms * 1e3}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parts
+
+
+def load_pages(session: DeepSeekOCRSession, lists: list[str], mode: str, max_crops: int) -> tuple[list, list[str]]:
+    """(name, prepared page) for every readable page of the lists, and what was left out."""
+    pages, left_out = [], []
+    for listed in lists:
+        filelist = read_filelist(REPO / listed if not Path(listed).is_absolute() else listed)
+        if filelist.bad:
+            left_out.append(filelist.describe_bad())
+        for image in filelist.images:
+            with torch.inference_mode():
+                pages.append((image.image, session.prepare(image.path, None, mode, max_crops)))
+    if not pages:
+        raise SystemExit(f"no readable page in {', '.join(lists)}:\n" + "\n".join(left_out))
+    return pages, left_out
+
+
+def warm_batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int,
+                options: DecodeOptions) -> float:  # fmt: skip
+    """Every page once through the batch-1 path with the timed jobs' cache bucket and decode step
+    (EOS forced early): vision per page shape, the LM prefill per prompt length, the decode step."""
+    start = time.perf_counter()
+    stop_early = DecodeOptions(**{**options.__dict__, "ignore_eos": False})
+    for _, page in pages:
+        session.run_on_device(page, tokens, stop_early, after_step=force_eos_at(2)).finish()
+    sync()
+    return time.perf_counter() - start
+
+
+def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int,
+           options: DecodeOptions) -> tuple[dict[str, Any], dict[str, list[int]]]:  # fmt: skip
+    """The batch-1 path on `pages`, one after another: output tokens/s over the sum of e2e, TTFT, TPOT."""
+    results: list[InferenceResult] = []
+    sync()
+    start = time.perf_counter()
+    for _, page in pages:
+        results.append(session.run_on_device(page, tokens, options).finish())
+    sync()
+    wall = time.perf_counter() - start
+    produced = sum(len(r.token_ids) for r in results)
+    tpot = [r.timings.decode_ms / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
+    steps = [ms for r in results for ms in r.timings.decode_step_ms]
+    summary = {
+        "pages": len(results), "output_tokens": produced, "wall_s": wall, "output_tokens_per_s": produced / wall,
+        "request_throughput": len(results) / wall, "ttft_ms": percentiles([r.timings.ttft_ms for r in results]),
+        "tpot_ms": percentiles(tpot), "itl_ms": percentiles(steps),
+        "e2e_ms": percentiles([r.timings.e2e_ms for r in results]),
+    }  # fmt: skip
+    return summary, {name: r.token_ids for (name, _), r in zip(pages, results, strict=True)}
+
+
+def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurrency: int, requests: int,
+          tokens: int, weights: dict[str, Any], peak: float | None) -> tuple[dict[str, Any], list[BatchedOutput]]:  # fmt: skip
+    """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
+    asked = [PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens) for i in range(requests)]
+    first_step = len(engine.steps)
+    sync()
+    start = time.perf_counter()
+    outputs = engine.run(asked, concurrency)
+    sync()
+    wall = time.perf_counter() - start
+    steps = engine.steps[first_step:]
+    summary = ServingSummary.of([o.metrics for o in outputs], steps)
+    decode = [s for s in steps if s.kind == "decode"]
+    occupancy = sum(s.occupancy for s in decode) / len(decode)
+    bucket = sum(s.bucket for s in decode) / len(decode)
+    step_ms = sum(s.ms for s in decode) / len(decode)
+    bound = step_bound(weights, occupancy, bucket, engine.plan.capacity, engine.plan.bytes_per_position, peak)
+    report = {"concurrency": concurrency, "requests": requests, "wall_s": wall, **summary.__dict__,
+              "decode_tokens_per_s": occupancy / step_ms * 1e3, "mean_decode_step_ms": step_ms,
+              "mean_occupancy": occupancy, "mean_bucket": bucket, **bound,
+              "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
+              "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
+              "per_page": [{"request": o.request_id, "ttft_ms": o.metrics.ttft_ms, "tpot_ms": o.metrics.tpot_ms,
+                            "e2e_ms": o.metrics.e2e_ms, "queue_wait_ms": o.metrics.queue_wait_ms,
+                            "mean_occupancy": o.metrics.mean_occupancy, "tokens": len(o.token_ids)}
+                           for o in outputs]}  # fmt: skip
+    return report, outputs
+
+
+def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict[str, Any]:
+    """Per page the batch-1 path ran: the batched engine's tokens equal, or where they first differ."""
+    pages: dict[str, Any] = {}
+    for output in batched:
+        name = output.request_id.split(":", 1)[1]
+        if name in alone and name not in pages:
+            mine, theirs = output.token_ids, alone[name]
+            differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
+            pages[name] = {"equal": mine == theirs, "first_difference": differ, "tokens": len(theirs)}
+    return {"pages": pages, "equal": sum(p["equal"] for p in pages.values()), "compared": len(pages)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, setup = report["environment"], report.get("setup", {})
+    lines = [f"# Batched serving, {env.get('gpu', 'CPU')} ({env['date']})", "",
+             f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
+             f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
+             f"{setup.get('tokens')} output tokens each (EOS ignored)", ""]  # fmt: skip
+    if "plan" in setup:
+        lines += [f"KV plan: {setup['plan']}", ""]
+    if "compile_and_capture_s" in setup:
+        lines += [f"Batched decode step compiled and captured ({setup.get('buckets')}): "
+                  f"{setup['compile_and_capture_s']:.1f} s; batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
+    header = ("| concurrency | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
+              "ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | of bound | prefill share |")
+    lines += [header, "|" + "---|" * 12]
+
+    def triple(stats: dict[str, Any]) -> str:
+        return " / ".join(fmt(stats.get(f"p{q}"), 1) for q in (50, 90, 99))
+
+    base = report.get("batch1")
+    if base and "output_tokens_per_s" in base:
+        lines.append(f"| batch-1 path | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
+                     f"{fmt(base['request_throughput'], 3)} | {triple(base['ttft_ms'])} | {triple(base['tpot_ms'])} | "
+                     f"{triple(base['itl_ms'])} | 1 | - | - | - | - |")  # fmt: skip
+    for row in report["levels"]:
+        if "error" in row or "skipped" in row:
+            lines.append(f"| {row['concurrency']} | {row.get('error') or row.get('skipped')} |")
+            continue
+        lines.append(
+            f"| {row['concurrency']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
+            f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
+            f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
+            f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |")
+    ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
+    if ran:
+        best = max(ran, key=lambda row: row["output_tokens_per_s"])
+        lines += ["", f"Best: concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
+                  f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
+                  f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
+                  f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
+                  f"Bound at that point: {best['weights_read_gb']:.2f} GB of weights "
+                  f"({best['experts_touched_per_layer']:.1f} experts per MoE layer) + {best['kv_read_gb']:.2f} GB of KV "
+                  f"per step over {report.get('peak_tbps')} TB/s = {fmt(best['bound_step_ms'])} ms for "
+                  f"{best['mean_occupancy']:.1f} pages"]  # fmt: skip
+    if "agreement" in report:
+        a = report["agreement"]
+        lines += ["", f"Batched vs batch-1 greedy tokens ({report['dtype']}, concurrency {a.get('concurrency')}): "
+                  f"{a['equal']} of {a['compared']} pages equal; first differences at "
+                  f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}"]  # fmt: skip
+    if report.get("left_out"):
+        lines += ["", "Pages left out:", "```", *report["left_out"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def percent(share: float | None, digits: int = 0) -> str:
+    return "-" if share is None else f"{100 * share:.{digits}f}%"
+
+
+def write(report: dict[str, Any], out: Path | None) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "serving.md").write_text(markdown(report))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--pages", action="append", help=f"file lists (default: {', '.join(DEFAULT_PAGES)})")
+    parser.add_argument("--mode", default="gundam")
+    parser.add_argument("--max-crops", type=int, default=9)
+    parser.add_argument("--tokens", type=int, default=1024, help="output tokens per page (EOS ignored)")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--batch1-pages", type=int, default=6)
+    parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
+    parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
+    parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
+    parser.add_argument("--reserve-gib", type=float, default=4.0)
+    parser.add_argument("--peak-tbps", type=float, default=None)
+    parser.add_argument("--budget-s", type=float, default=330.0, help="start no level past this many seconds")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    began = time.perf_counter()
+    levels = sorted({int(c) for c in args.concurrency.split(",")})
+    options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
+    env = environment()
+    peak_tbps = args.peak_tbps or next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
+    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=args.dtype,
+                                            engine="fast" if args.device.startswith("cuda") else "eager")  # fmt: skip
+    report: dict[str, Any] = {"environment": env, "model": session.source.label, "engine": session.engine,
+                              "dtype": str(session.dtype).removeprefix("torch."), "peak_tbps": peak_tbps,
+                              "options": options.__dict__, "levels": [], "setup": {}}  # fmt: skip
+    pages, report["left_out"] = load_pages(session, args.pages or list(DEFAULT_PAGES), args.mode, args.max_crops)
+    setup = report["setup"]
+    setup.update(pages=len(pages), mode=args.mode, tokens=args.tokens,
+                 prompt_tokens=percentiles([p.prompt_tokens for _, p in pages]))
+    setup["batch1_warmup_s"] = warm_batch1(session, pages, args.tokens, options)
+    write(report, args.out)
+    report["batch1"], alone = batch1(session, pages[: args.batch1_pages], args.tokens, options)
+    write(report, args.out)
+    start = time.perf_counter()
+    engine = BatchedEngine.create(session, max(levels), max(p.prompt_tokens for _, p in pages), args.tokens,
+                                  options, reserve_bytes=int(args.reserve_gib * 2**30),
+                                  compiled=False if args.eager_step else None,
+                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
+    sync()
+    setup.update(compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
+                 step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
+                 kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)
+    weights = weight_bytes(session)
+    setup["weights"] = weights
+    # A short round to settle the batched path (the allocator, the first joins) before timing.
+    engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], 4)
+    write(report, args.out)
+    peak = None if peak_tbps is None else peak_tbps * 1e12
+    last: tuple[int, list[BatchedOutput]] | None = None
+    for concurrency in levels:
+        if concurrency > engine.plan.slots:
+            report["levels"].append({"concurrency": concurrency, "skipped": f"only {engine.plan.slots} slots fit"})
+            continue
+        if time.perf_counter() - began > args.budget_s:
+            report["levels"].append({"concurrency": concurrency, "skipped": f"past --budget-s {args.budget_s:.0f}"})
+            continue
+        try:
+            row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
+                                 weights, peak)  # fmt: skip
+            report["levels"].append(row)
+            last = (concurrency, outputs)
+        except Exception:  # a level that fails is recorded; the others still run
+            report["levels"].append({"concurrency": concurrency, "error": traceback.format_exc(limit=4)})
+        print(f"concurrency {concurrency}: done at {time.perf_counter() - began:.0f} s", flush=True)
+        write(report, args.out)
+    if last is not None:
+        report["agreement"] = {"concurrency": last[0], **agreement(last[1], alone)}
+    report["wall_s"] = time.perf_counter() - began
+    write(report, args.out)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

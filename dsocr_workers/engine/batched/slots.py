@@ -1,0 +1,209 @@
+"""The batched engine's device state and its decode step: B sequences in slots of one static KV cache.
+
+Each layer's keys and values are one [slots, heads, capacity, head_dim] tensor; slot `s` holds one page's
+positions 0..length[s]-1. A page joins by its own prefill (the session's, into a scratch cache, then its
+prompt's keys and values copied into the slot: `SlotCache.load_prompt`); `decode_slots` then feeds every
+slot of a batch bucket its last token at its own position, writes each slot's new key and value at that
+position and attends with a mask that stops each slot at its own length. Slots of the bucket that hold
+no page compute a throwaway row: their length stays 1 (`SlotState.release`), so they write position 0 of
+their own free slot and nothing else.
+
+The token buffer per slot (prompt, then output) feeds back the last token and is what the no-repeat
+n-gram ban searches (`ban_repeated_ngrams_rows`: `engine.sampling.ban_repeated_ngrams` with a row per
+slot; a test holds the two equal row by row). Everything the step reads and writes is a device tensor at
+a fixed address and its shapes depend only on the bucket, so the step can be compiled (dynamic in the
+bucket) and captured as a CUDA graph per bucket (engine/batched/graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.sampling import select_token
+from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+
+
+def ban_repeated_ngrams_rows(
+    logits: Tensor, tokens: Tensor, length: Tensor, n: int, window: int | None = None,
+    whitelist: Tensor | None = None, search_from: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """`ban_repeated_ngrams` for R rows at once: logits [R, V], tokens [R, C], length [R] (int64),
+    search_from [R] or None (0). Row r bans exactly what `ban_repeated_ngrams(logits[r:r+1], tokens[r],
+    length[r], ...)` bans."""
+    if n <= 0:
+        return logits
+    rows, vocab = logits.shape
+    device = tokens.device
+    windows = tokens.unfold(1, n, 1)  # [R, C - n + 1, n]: every n-gram start of every row
+    starts = torch.arange(windows.shape[1], device=device).unsqueeze(0)
+    suffix_at = (length.unsqueeze(1) - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0)
+    suffix = tokens.gather(1, suffix_at)  # [R, n - 1]: what the next token would complete
+    valid = starts <= (length - n).unsqueeze(1)
+    if search_from is not None:
+        valid &= starts >= search_from.unsqueeze(1)
+    if window is not None:
+        valid &= starts >= (length - window).unsqueeze(1)
+    hit = valid & (windows[:, :, : n - 1] == suffix.unsqueeze(1)).all(dim=-1)
+    # Misses write to a spare column past the vocabulary, so every write is a True.
+    banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    banned.scatter_(1, torch.where(hit, windows[:, :, n - 1], vocab), True)
+    if whitelist is not None:
+        banned.index_fill_(1, whitelist, False)
+    return logits.masked_fill(banned[:, :vocab], float("-inf"))
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """Rows of `SlotState` (the first n slots: a bucket; or one slot: a prefill's first token). Views:
+    writes land in the state."""
+
+    tokens: Tensor  # [n, C] int64
+    length: Tensor  # [n] int64
+    prompt_length: Tensor  # [n] int64
+    active: Tensor  # [n] int64: 1 where a page decodes, 0 in a free slot (its length does not move)
+
+
+@dataclass
+class SlotState:
+    """Per-slot decode state on the device, updated in place."""
+
+    tokens: Tensor  # [S, C] int64: prompt then output
+    length: Tensor  # [S] int64: tokens written
+    prompt_length: Tensor  # [S] int64
+    active: Tensor  # [S] int64
+    whitelist: Tensor | None  # the n-gram ban's never-banned ids
+
+    @classmethod
+    def allocate(cls, slots: int, capacity: int, device: torch.device, options: DecodeOptions) -> SlotState:
+        whitelist = None
+        if options.ngram_whitelist:
+            whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=device)
+        state = cls(torch.zeros(slots, capacity, dtype=torch.int64, device=device),
+                    torch.ones(slots, dtype=torch.int64, device=device),
+                    torch.ones(slots, dtype=torch.int64, device=device),
+                    torch.zeros(slots, dtype=torch.int64, device=device), whitelist)  # fmt: skip
+        if device.type == "cuda":  # graph inputs updated in place: replayable only at fixed addresses
+            for tensor in (state.tokens, state.length, state.prompt_length, state.active):
+                torch._dynamo.mark_static_address(tensor)
+        return state
+
+    def rows(self, count: int) -> SlotRows:
+        return SlotRows(self.tokens[:count], self.length[:count], self.prompt_length[:count], self.active[:count])
+
+    def row(self, slot: int) -> SlotRows:
+        pick = slice(slot, slot + 1)
+        return SlotRows(self.tokens[pick], self.length[pick], self.prompt_length[pick], self.active[pick])
+
+    def start(self, slot: int, prompt_ids: Tensor) -> None:
+        """A page's prompt into `slot` (no sync): the slot decodes from the next step on."""
+        count = prompt_ids.numel()
+        self.tokens[slot, :count].copy_(prompt_ids, non_blocking=True)
+        self.length[slot].fill_(count)
+        self.prompt_length[slot].fill_(count)
+        self.active[slot].fill_(1)
+
+    def release(self, slot: int) -> None:
+        """`slot` holds no page from the next step on: length 1, so its throwaway row feeds token 0 at
+        position 0 and writes nothing past it."""
+        self.active[slot].fill_(0)
+        self.length[slot].fill_(1)
+        self.prompt_length[slot].fill_(1)
+
+
+@dataclass
+class SlotCache:
+    """Every layer's keys and values for all slots: [S, heads, capacity, head_dim] each."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @classmethod
+    def allocate(cls, model: DeepSeekOCR, slots: int, capacity: int, device: torch.device) -> SlotCache:
+        text, dtype = model.config.text, model.lm_head.weight.dtype
+        shape = (slots, text.num_key_value_heads, capacity, text.head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        if device.type == "cuda":
+            for tensor in (*keys, *values):
+                torch._dynamo.mark_static_address(tensor)
+        return cls(keys, values)
+
+    @staticmethod
+    def bytes_per_position(model: DeepSeekOCR) -> int:
+        """Keys and values of one position in every layer."""
+        text = model.config.text
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.lm_head.weight.dtype.itemsize
+
+    def load_prompt(self, slot: int, prefilled: StaticCache, length: int) -> None:
+        """A prompt's keys and values, as a batch-1 prefill left them in `prefilled`, into `slot`."""
+        layers: list[StaticLayer] = prefilled.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
+        for keys, values, layer in zip(self.keys, self.values, layers, strict=True):
+            assert layer.keys is not None and layer.values is not None
+            keys[slot, :, :length].copy_(layer.keys[0, :, :length])
+            values[slot, :, :length].copy_(layer.values[0, :, :length])
+
+
+class _StepCache:
+    """What a decoder layer's attention calls `cache.update(key, value, layer_idx)` on during a batched
+    step: each row's key and value written at its own position, the bucket's keys and values returned."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: Tensor) -> None:
+        self.keys, self.values, self.positions = keys, values, positions
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.positions] = key[:, :, 0]
+        values[self.rows, :, self.positions] = value[:, :, 0]
+        return keys, values
+
+
+def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtype: torch.dtype) -> Tensor:
+    """[n, 1, 1, capacity]: each row sees its positions 0..length-1 (the one being written included). A
+    boolean mask for SDPA, an additive one for the eager attention (transformers' masks for each)."""
+    visible = (torch.arange(capacity, device=length.device).unsqueeze(0) < length.unsqueeze(1))[:, None, None, :]
+    if attn_implementation == "eager":
+        return torch.zeros(visible.shape, dtype=dtype, device=length.device).masked_fill(
+            ~visible, torch.finfo(dtype).min)  # fmt: skip
+    return visible
+
+
+def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitelist: Tensor | None) -> Tensor:
+    """Ban repeated n-grams per row, pick each row's token, append it where the row is active. [n] int64."""
+    search_from = rows.prompt_length if options.ngram_window is not None else None
+    banned = ban_repeated_ngrams_rows(logits, rows.tokens, rows.length, options.no_repeat_ngram_size,
+                                      options.ngram_window, whitelist, search_from)  # fmt: skip
+    chosen = select_token(banned, options).reshape(-1)
+    # A free slot's length is 1: its write lands at index 1 of its own row and is never read.
+    rows.tokens.scatter_(1, rows.length.unsqueeze(1), chosen.unsqueeze(1))
+    rows.length.add_(rows.active)
+    return chosen
+
+
+def decode_slots(
+    model: DeepSeekOCR, keys: list[Tensor], values: list[Tensor], rows: SlotRows, options: DecodeOptions,
+    whitelist: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
+    one (`choose_tokens`). `keys`/`values`: the bucket's slots of every layer. Returns the tokens, [n]."""
+    language_model = model.language_model
+    positions = rows.length - 1
+    fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
+    hidden = model.embed(fed)
+    position_ids = positions.unsqueeze(1)
+    position_embeddings = language_model.rotary_emb(hidden, position_ids)
+    config = language_model.config
+    mask = attention_mask(rows.length, keys[0].shape[2], config._attn_implementation, hidden.dtype)
+    cache = _StepCache(keys, values, positions)
+    for layer in language_model.layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                       position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache})  # fmt: skip
+    logits = model.logits(language_model.norm(hidden[:, -1]))
+    return choose_tokens(logits, rows, options, whitelist)

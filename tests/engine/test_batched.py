@@ -1,0 +1,332 @@
+"""The batched engine (engine/batched/) on the tiny preset in float32 on the CPU: a page's greedy tokens in
+a batch are its tokens alone, whichever pages share its steps and whenever it joins; pages leave at EOS,
+their budget or a loop; the KV plan and the refusal of a page that cannot fit; the serving metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from dsocr_workers.engine.batched import (
+    BatchedEngine,
+    NoFreeSlot,
+    PageRefused,
+    PageRequest,
+    ServingSummary,
+    plan_kv,
+)
+from dsocr_workers.engine.batched import engine as batched_engine
+from dsocr_workers.engine.batched.runner import buckets_for
+from dsocr_workers.engine.batched.slots import ban_repeated_ngrams_rows
+from dsocr_workers.engine.result import DecodeOptions, InferenceResult
+from dsocr_workers.engine.sampling import ban_repeated_ngrams
+from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.errors import InputError
+from tests.engine.test_session import fast_on_cpu, looping_head
+
+# (width, height, mode, max_new_tokens): prompts of 73 to ~500 tokens, budgets that end at other steps.
+PAGES = [(600, 480, "tiny", 24), (1000, 800, "small", 9), (1280, 640, "gundam", 30), (800, 600, "base", 17),
+         (640, 1280, "gundam", 5), (900, 700, "tiny", 21)]  # fmt: skip
+
+
+def page(width: int, height: int) -> Image.Image:
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    for row in range(height // 60):
+        draw.text((40, 20 + row * 60), f"Row {row}: the quick brown fox {width}", fill="black")
+    return image
+
+
+@pytest.fixture(scope="module")
+def session() -> DeepSeekOCRSession:
+    return DeepSeekOCRSession.from_local("tiny")
+
+
+@pytest.fixture(scope="module")
+def prepared(session):
+    return [session.prepare(page(w, h), None, mode, 9) for w, h, mode, _ in PAGES]
+
+
+_ALONE: dict[DecodeOptions, list[InferenceResult]] = {}
+
+
+def alone_results(session: DeepSeekOCRSession, options: DecodeOptions) -> list[InferenceResult]:
+    """Each page through the batch-1 path (once per options: the module's session never changes)."""
+    if options not in _ALONE:
+        _ALONE[options] = [session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
+                           for w, h, mode, tokens in PAGES]  # fmt: skip
+    return _ALONE[options]
+
+
+def alone(session: DeepSeekOCRSession, options: DecodeOptions) -> list[list[int]]:
+    return [result.token_ids for result in alone_results(session, options)]
+
+
+def requests(prepared) -> list[PageRequest]:
+    return [PageRequest(str(i), p, PAGES[i][3]) for i, p in enumerate(prepared)]
+
+
+def engine_for(session, prepared, max_batch: int, options: DecodeOptions, **kwargs) -> BatchedEngine:
+    return BatchedEngine.create(session, max_batch, max(p.prompt_tokens for p in prepared),
+                                max(t for *_, t in PAGES), options, **kwargs)  # fmt: skip
+
+
+def by_request(outputs) -> dict[int, list[int]]:
+    return {int(o.request_id): o.token_ids for o in outputs}
+
+
+OPTIONS = [
+    pytest.param(DecodeOptions(ignore_eos=True), id="vendor-ban"),
+    pytest.param(DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7)), id="windowed-ban"),
+    pytest.param(DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True), id="no-ban-loop-stop"),
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(session, prepared, options, concurrency):
+    """Six pages of four modes and six budgets through 3 slots at a concurrency of 2 or 4: pages join
+    whenever one leaves (at other steps, into other slots, beside other pages) and each one's tokens
+    are the batch-1 path's, stop reason included."""
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 3, options)
+    outputs = engine.run(requests(prepared), concurrency)
+    assert by_request(outputs) == dict(enumerate(expected))
+    references = alone_results(session, options)
+    assert {int(o.request_id): o.stop_reason for o in outputs} == {i: r.stop_reason for i, r in enumerate(references)}
+    assert not engine.busy and engine.free_slots == 3
+    # Joined at different steps: not every page was admitted by the first decode step.
+    prefill_at = sorted(s.index for s in engine.steps if s.kind == "prefill")
+    first_decode = min(s.index for s in engine.steps if s.kind == "decode")
+    assert any(index > first_decode for index in prefill_at)
+
+
+def test_a_pages_logits_in_a_batch_are_its_logits_alone(session, prepared, monkeypatch):
+    """Closer than the greedy tokens: every step's logits of both pages, in slots a page used before
+    (stale keys and values past each page's length, which the mask must hide), equal the batch-1 path's
+    to float32 rounding."""
+    options, budget = DecodeOptions(ignore_eos=True), 6
+    recorded: list[torch.Tensor] = []
+    logits = session.model.logits
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        recorded.append(logits(hidden).clone())
+        return recorded[-1]
+
+    monkeypatch.setattr(session.model, "logits", record)
+    pair = [prepared[0], prepared[3]]
+    single = []
+    for one in pair:
+        recorded.clear()
+        session.run_on_device(one, budget, options).finish()
+        single.append(torch.cat(recorded))  # [budget, V]: the prefill's, then each decode step's
+    engine = engine_for(session, prepared, 2, options)
+    engine.run([PageRequest("dirty", prepared[2], 30), PageRequest("dirty2", prepared[5], 30)], 2)
+    recorded.clear()
+    for index, one in enumerate(pair):
+        engine.add(PageRequest(str(index), one, budget))
+    while engine.busy:
+        engine.step()
+    prefills, steps = recorded[:2], recorded[2:]
+    assert len(steps) == budget - 1 and all(step.shape[0] == 2 for step in steps)
+    for row in range(2):
+        batched = torch.cat([prefills[row], *(step[row : row + 1] for step in steps)])
+        torch.testing.assert_close(batched, single[row], rtol=1e-5, atol=1e-5)
+
+
+def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
+    """`add` at chosen steps: the farm's way in. A page joins mid-flight of others, into the slot a
+    finished page freed, and still decodes its own tokens."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 3, options)
+    pending = requests(prepared)
+    assert engine.add(pending[0]) == 0 and engine.add(pending[1]) == 1
+    outputs, steps, joined = [], 0, []
+    joins = [(3, pending[2]), (6, pending[3]), (11, pending[4]), (12, pending[5])]  # (not before step, page)
+    while engine.busy or joins:
+        while joins and joins[0][0] <= steps and engine.free_slots:
+            joined.append((steps, engine.add(joins.pop(0)[1])))
+        outputs.extend(engine.step().finished)
+        steps += 1
+    assert by_request(outputs) == dict(enumerate(expected))
+    assert joined == [(3, 2), (8, 1), (23, 0), (24, 1)]  # into the slots pages 1, 0 and 3 left
+    with pytest.raises(NoFreeSlot):
+        for request in requests(prepared)[:4]:
+            engine.add(request)
+
+
+def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepared):
+    """SDPA with a boolean mask over the slots, the fused projections and grouped experts (transformers'
+    batched GEMMs on a CPU), eager and compiled (aot_eager: dynamo traces the batched step in one graph,
+    dynamic in the bucket)."""
+    fast = fast_on_cpu(session.source)
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    graphs = torch._dynamo.utils.counters["stats"]
+    for compiled in (False, True):
+        before = graphs["unique_graphs"]
+        engine = engine_for(fast, prepared, 4, options, compiled=compiled, backend="aot_eager")
+        first = engine.run(requests(prepared)[:1], 1)  # bucket 1
+        assert by_request(first) == {0: expected[0]}
+        assert by_request(engine.run(requests(prepared), 4)) == dict(enumerate(expected))
+        used = {s.bucket for s in engine.steps if s.kind == "decode"}
+        assert used == {1, 2, 4}, used
+        # Bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one.
+        assert graphs["unique_graphs"] - before == (2 if compiled else 0)
+
+
+def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
+    """A page leaves at EOS (trimmed there), its slot taken by the next page; the others are unaffected.
+    EOS here is a token the random weights do produce mid-page (the batched engine's EOS id patched)."""
+    options = DecodeOptions()
+    expected = alone(session, DecodeOptions(ignore_eos=True))
+    stop = expected[0][6]  # page 0's 7th token
+    monkeypatch.setattr(batched_engine, "EOS_TOKEN_ID", stop)
+    engine = engine_for(session, prepared, 2, options)
+    outputs = {int(o.request_id): o for o in engine.run(requests(prepared), 2)}
+    for index, tokens in enumerate(expected):
+        if stop in tokens:
+            cut = tokens.index(stop) + 1
+            assert outputs[index].token_ids == tokens[:cut] and outputs[index].stop_reason == "eos"
+        else:
+            assert outputs[index].token_ids == tokens and outputs[index].stop_reason == "max_new_tokens"
+    assert outputs[0].stop_reason == "eos" and len(outputs[0].token_ids) == 7
+
+
+def test_a_loop_stops_every_page_at_the_batch1_step(session, prepared):
+    original = session.model.lm_head
+    session.model.lm_head = looping_head(session, 4242)
+    try:
+        options = DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True)
+        single = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=100, infer=options)
+        engine = BatchedEngine.create(session, 3, max(p.prompt_tokens for p in prepared), 100, options)
+        outputs = engine.run([PageRequest(str(i), p, 100) for i, p in enumerate(prepared)], 3)
+    finally:
+        session.model.lm_head = original
+    assert single.stop_reason == "repetition"
+    assert all(o.stop_reason == "repetition" and o.token_ids == single.token_ids for o in outputs)
+
+
+def test_metrics_per_page_and_per_step(session, prepared):
+    options = DecodeOptions(ignore_eos=True)
+    engine = engine_for(session, prepared, 3, options)
+    outputs = engine.run(requests(prepared), 3)
+    prefills = [s for s in engine.steps if s.kind == "prefill"]
+    decodes = [s for s in engine.steps if s.kind == "decode"]
+    assert len(prefills) == len(PAGES) and all(s.occupancy == 1 and s.prompt_tokens > 0 for s in prefills)
+    assert all(1 <= s.occupancy <= s.bucket <= 3 for s in decodes)
+    assert [s.index for s in engine.steps] == sorted(s.index for s in engine.steps)
+    assert sum(s.occupancy for s in decodes) == sum(len(o.token_ids) - 1 for o in outputs)
+    for output in outputs:
+        m = output.metrics
+        assert len(m.token_s) == len(output.token_ids) == PAGES[int(output.request_id)][3]
+        assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
+        assert all(a <= b for a, b in zip(m.token_s, m.token_s[1:], strict=False))
+        assert len(m.itl_ms) == len(m.token_s) - 1 and m.ttft_ms >= m.prefill_ms > 0
+        assert m.tpot_ms == pytest.approx(sum(m.itl_ms) / len(m.itl_ms))
+        assert m.decode_steps == len(output.token_ids) - 1 and 1 <= m.mean_occupancy <= 3
+        assert output.wasted_steps == 0
+    summary = ServingSummary.of([o.metrics for o in outputs], engine.steps)
+    assert summary.pages == len(PAGES) and summary.output_tokens == sum(t for *_, t in PAGES)
+    assert summary.prefill_steps == len(PAGES) and summary.decode_steps == len(decodes)
+    assert 0 < summary.decode_share < 1 and summary.itl_ms["p50"] is not None
+    assert summary.ttft_ms["p50"] <= summary.ttft_ms["p99"]
+
+
+def test_the_kv_plan_follows_the_budget_and_the_free_memory():
+    per_position = 61_440  # the full preset in bf16: 2 x 12 layers x 10 heads x 128 x 2 bytes
+    asked = plan_kv(64, 1250, 1024, per_position, free_bytes=None)
+    assert (asked.slots, asked.capacity, asked.limited_by) == (64, 2304, "max_batch")
+    assert asked.kv_bytes == 64 * 2304 * per_position
+    short = plan_kv(64, 1250, 1024, per_position, free_bytes=12 * 2**30, reserve_bytes=4 * 2**30)
+    assert short.limited_by == "memory" and short.slots == (8 * 2**30) // (2304 * per_position) == 60
+    assert "60 slots x 2304 positions" in short.describe() and "limited by memory" in short.describe()
+    with pytest.raises(InputError, match="not one batched slot fits"):
+        plan_kv(8, 1250, 1024, per_position, free_bytes=4 * 2**30 + 2**20, reserve_bytes=4 * 2**30)
+    with pytest.raises(InputError, match="max_batch"):
+        plan_kv(0, 10, 10, per_position, None)
+
+
+def test_a_page_that_cannot_fit_is_refused_with_its_reason(session, prepared):
+    engine = BatchedEngine.create(session, 2, prepared[0].prompt_tokens, 16, DecodeOptions())
+    with pytest.raises(PageRefused, match=r"needs \d+ KV positions .* a slot of the batched engine holds"):
+        engine.submit(PageRequest("big", prepared[2]))  # a gundam prompt in slots sized for a tiny-mode one
+    with pytest.raises(PageRefused):
+        engine.add(PageRequest("long", prepared[0], max_new_tokens=engine.plan.capacity))
+    assert not engine.busy and engine.free_slots == 2  # nothing was taken by the refused pages
+    assert isinstance(PageRefused("x"), InputError)  # final for the farm: never retried
+
+
+def test_buckets_and_bad_arguments(session, prepared):
+    assert buckets_for(1) == (1,) and buckets_for(6) == (1, 2, 4, 6) and buckets_for(64)[-2:] == (32, 64)
+    engine = engine_for(session, prepared, 2, DecodeOptions())
+    with pytest.raises(InputError, match="concurrency"):
+        engine.run([], 0)
+    with pytest.raises(InputError, match="CUDA graphs need a CUDA device"):
+        engine_for(session, prepared, 2, DecodeOptions(), cuda_graphs=True)
+    with pytest.raises(InputError, match="temperature"):
+        engine_for(session, prepared, 2, DecodeOptions(temperature=-1))
+
+
+@pytest.mark.parametrize(("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)])
+def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
+    generator = torch.Generator().manual_seed(n)
+    rows, capacity, vocab = 5, 40, 12
+    tokens = torch.randint(0, 3, (rows, capacity), generator=generator)  # few ids: many repeats
+    length = torch.tensor([1, 7, 19, 33, 40])
+    prompt_length = torch.tensor([1, 3, 10, 20, 12])
+    logits = torch.randn(rows, vocab, generator=generator)
+    allowed = None if whitelist is None else torch.tensor(whitelist)
+    search_from = prompt_length if window is not None else None
+    batched = ban_repeated_ngrams_rows(logits, tokens, length, n, window, allowed, search_from)
+    for r in range(rows):
+        single = ban_repeated_ngrams(logits[r:r + 1], tokens[r], length[r], n, window, allowed,
+                                     prompt_length[r] if window is not None else 0)  # fmt: skip
+        torch.testing.assert_close(batched[r:r + 1], single, rtol=0, atol=0)
+    assert torch.isinf(batched).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")
+def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
+    """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
+    and replayed as a CUDA graph per bucket; the routed experts' GEMVs up to 21 pages, the grouped GEMMs
+    above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
+    batch-1 greedy tokens in float32, and its steps are timed with CUDA events."""
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    options = DecodeOptions(ignore_eos=True)
+    prepared = [fast.prepare(page(w, h), None, mode, 9) for w, h, mode, _ in PAGES]
+    expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
+    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options)
+    assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32
+    many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
+    outputs = engine.run(many, 32)
+    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(48)}
+    assert {s.bucket for s in engine.steps if s.kind == "decode"} >= {2, 32}
+    assert all(s.ms > 0 for s in engine.steps)
+    assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
+
+
+def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):
+    """One page's prefill raising (here: its vision) leaves the engine as it was: the slot free again,
+    the pages already in flight decode on, and the same page joins later."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 2, options)
+    assert engine.add(requests(prepared)[0]) == 0
+    engine.step()
+
+    def broken(*args, **kwargs):
+        raise InputError("vision failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session, "encode_image", broken)
+        with pytest.raises(InputError, match="vision failed"):
+            engine.add(requests(prepared)[2])
+    assert engine.free_slots == 1 and engine.in_flight == 1
+    assert engine.add(requests(prepared)[2]) == 1
+    outputs = []
+    while engine.busy:
+        outputs.extend(engine.step().finished)
+    assert by_request(outputs) == {0: expected[0], 2: expected[2]}
