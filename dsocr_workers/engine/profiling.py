@@ -13,9 +13,10 @@ threads, or outside the ranges.
 
 Once the job's clock is finished, `JobProfiler.collect` turns the profile into a `JobProfile`: the
 Chrome trace (gzip; Perfetto and chrome://tracing open it) and the kernel summary
-(dsocr_workers/kernels.py), computed from torch.profiler's own event list — each range's operator tree
-(`FunctionEvent.cpu_children`) and, on a GPU, the device activities linked to those operators by the
-profiler's correlation ids. Nothing parses the trace file. This is host work: the farm does it on its
+(dsocr_workers/kernels.py), computed from torch.profiler's own event list — on a GPU, the device
+activities whose launch (the runtime call with the same correlation id) happened inside the range, so a
+replayed CUDA graph's kernels count for the stage that replayed it; on the CPU, each range's operator tree
+(`FunctionEvent.cpu_children`). Nothing parses the trace file. This is host work: the farm does it on its
 results thread, while the device runs the next job.
 """
 
@@ -159,11 +160,7 @@ def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[in
                     ranges[DECODE].append(event)
             elif name != DECODE:
                 ranges[name].append(event)
-    launched: dict[int, list[Any]] = defaultdict(list)  # device activities by the operator that launched them
-    for event in events:
-        linked = getattr(event, "linked_correlation_id", None)
-        if event.device_type == DeviceType.CUDA and linked:
-            launched[linked].append(event)
+    launches = _device_work_by_launch(events) if activity == "cuda" else []
     step_ms = clock.step_ms() if clock.timing_enabled else []
     stages = []
     for name, entries in ranges.items():
@@ -174,17 +171,15 @@ def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[in
         work: list[tuple[str, float]] = []
         busy_us = span_us = 0.0
         for entry in entries:  # one range each (the decode: one per sampled step): busy and span add up
-            operators = list(_tree(entry))
-            if activity == "cuda" and launched:
-                device = [d for op in operators for d in launched.get(op.id, ())]
+            if activity == "cuda":
+                # The device work launched while the range was open on the host (a replayed CUDA graph's
+                # kernels included: they are linked to the graph's launch, not to an operator).
+                start, end = entry.time_range.start, entry.time_range.end
+                device = [kernel for launched_at, kernel in launches if start <= launched_at <= end]
                 work += [(d.name, d.time_range.end - d.time_range.start) for d in device]
                 busy, span = _busy_and_span([(d.time_range.start, d.time_range.end) for d in device])
-            elif activity == "cuda":  # a torch whose event list does not link activities: each op's kernels
-                kernels = [(k.name, k.duration) for op in operators for k in op.kernels]
-                work += kernels
-                busy = span = sum(duration for _, duration in kernels)  # no intervals: the sum for both
             else:  # one thread: the operators' self times never overlap, and they are its busy time
-                ops = [op for op in operators if not op.name.startswith(RANGE_PREFIX)]
+                ops = [op for op in _tree(entry) if not op.name.startswith(RANGE_PREFIX)]
                 work += [(op.name, op.self_cpu_time_total) for op in ops]
                 busy = sum(op.self_cpu_time_total for op in ops)
                 span = _busy_and_span([(op.time_range.start, op.time_range.end) for op in ops])[1]
@@ -192,6 +187,20 @@ def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[in
             span_us += span
         stages.append(_stage(name, event_ms, work, busy_us, span_us))
     return KernelSummary(activity, stages, list(steps))
+
+
+def _device_work_by_launch(events: Any) -> list[tuple[float, Any]]:
+    """Every device activity (kernel, copy, set) with the host time of the runtime call that launched it.
+
+    The profiler gives a device activity the correlation id of its launch (`cudaLaunchKernel`,
+    `cuLaunchKernel` for Triton, `cudaGraphLaunch` for every kernel of a replayed graph, `cudaMemcpyAsync`)
+    as its `id`, and that runtime call is a host event with the same id. Attributing by the launch's host
+    time puts a graph's kernels in the range that replayed it, which the operator tree cannot: a replay is
+    no operator. The ranges' own device-side copies (`gpu_user_annotation`) are left out."""
+    launched_at = {e.id: e.time_range.start for e in events
+                   if e.device_type == DeviceType.CPU and e.name.startswith("cu") and "::" not in e.name}  # fmt: skip
+    return [(launched_at[e.id], e) for e in events
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE_PREFIX) and e.id in launched_at]  # fmt: skip
 
 
 def _tree(event: Any) -> Iterator[Any]:

@@ -79,3 +79,30 @@ def test_a_job_that_fails_stops_its_profiler_and_the_next_one_can_be_profiled(se
 def test_the_decode_sample_is_the_first_steps_and_a_few_at_later_positions():
     sample = DecodeSample()
     assert [s for s in range(5000) if s in sample] == [*range(8), 64, 65, 256, 257, 1024, 1025, 4096, 4097]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a replayed graph's kernels")
+def test_a_replayed_cuda_graphs_kernels_count_for_the_range_that_replayed_it():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dsocr_workers.engine.profiling import _device_work_by_launch
+
+    x = torch.randn(512, 512, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        (x @ x).relu()  # warm the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        (x @ x).relu()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("dsocr::vision/sam"):
+            graph.replay()
+        (x + 1).sum()  # launched outside the range
+        torch.cuda.synchronize()
+    events = prof.events()
+    (sam,) = [e for e in events if e.name == "dsocr::vision/sam" and e.device_type.name == "CPU"]
+    inside = [k.name for at, k in _device_work_by_launch(events) if sam.time_range.start <= at <= sam.time_range.end]
+    # The graph's two kernels (a GEMM and the ReLU), linked to cudaGraphLaunch rather than to an operator.
+    assert len(inside) == 2 and any("gemm" in n.lower() or "xmma" in n.lower() for n in inside), inside
