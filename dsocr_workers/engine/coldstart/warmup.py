@@ -192,6 +192,7 @@ def warm(
         phase_ends(f"pass {passes}")
         if not still_cold:
             break
+    log.info("warm-up: %.2f s (%s)", mark - began, ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()))
     return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
                         precompiled, skipped, found.summary if found is not None else "",
                         len(regions.packages) if regions else 0, tuple(regions.missed) if regions else (),
