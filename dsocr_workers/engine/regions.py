@@ -93,6 +93,8 @@ class Compiler(Protocol):
 
     # The decode step it makes still needs a CUDA graph around it (dynamo's reduce-overhead has one).
     decode_needs_graph: bool
+    # Its regions may be captured in CUDA graphs (the recorder's run eager code, which a capture refuses).
+    capturable: bool
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]: ...
 
@@ -106,6 +108,7 @@ class TorchCompiler:
 
     backend: str
     decode_needs_graph: bool = False
+    capturable: bool = True
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         compiled: Callable[..., Any] | None = None

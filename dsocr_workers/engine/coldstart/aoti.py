@@ -272,6 +272,7 @@ class Recorder:
     dynamic_tiles: bool = True
     calls: dict[str, RecordedCall] = field(default_factory=dict)
     decode_needs_graph: bool = False
+    capturable: bool = False
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
@@ -344,6 +345,7 @@ class PackagedRegions:
     dynamic_tiles: bool = True
     missed: list[str] = field(default_factory=list)
     decode_needs_graph: bool = True
+    capturable: bool = True
 
     @classmethod
     def load(cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True

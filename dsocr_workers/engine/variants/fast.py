@@ -93,7 +93,7 @@ class FastEngine(Engine):
         settings = self.compile
         compiler = compiler or TorchCompiler(settings.backend)
         decode = compiler.region("decode_step", self.decode_function, mode=settings.decode_mode, fullgraph=True)
-        graphs = device.type == "cuda" and settings.cuda_graphs
+        graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
         if settings.decode_only:
