@@ -330,9 +330,12 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
 
 
 def load_package(path: Path, device: torch.device) -> Any:
-    """The package's runner, from its C++ loader (no host ISA check: the module docstring says why)."""
+    """The package's runner, from its C++ loader (no host ISA check: the module docstring says why).
+    Single-threaded: the runner pool's own stream synchronisation is refused inside a CUDA graph
+    capture ("operation not permitted when stream is capturing", an H100), and a session runs one
+    region at a time anyway."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
 
 
 @dataclass
