@@ -103,7 +103,7 @@ INSTRUMENTATION = Variable("DSOCR_INSTRUMENTATION", _switch("DSOCR_INSTRUMENTATI
 COMPILE_CACHE_DIR = Variable(
     "DSOCR_COMPILE_CACHE_DIR", _path, None,
     "where the fast engine's compiled kernels persist (torch's inductor and Triton caches) and what "
-    "`dsocr precompile` builds (`dsocr-artifacts/`: a manifest per plan and GPU type): a directory per host "
+    "`dsocr precompile` builds (`dsocr-artifacts/`: AOTInductor packages and a manifest per plan and GPU type): a directory per host "
     "that outlives the worker, so a start loads instead of compiling. Where the Python installation ships "
     "no bytecode and may not write it (`PYTHONDONTWRITEBYTECODE`, a read-only image), also Python's "
     "bytecode (`python-bytecode/`, written by `dsocr precompile`). docker-compose.yml and the Kubernetes "
@@ -121,7 +121,7 @@ def _processes(raw: str) -> int:
 COMPILE_PROCESSES = Variable(
     "DSOCR_COMPILE_PROCESSES", _processes, 4,
     "vision helper processes that compile the fast engine's graphs while a worker with nothing built for "
-    "its plan (`dsocr precompile`) loads its checkpoint, or while `dsocr precompile` does, beside two that compile the language model's; each holds zeros for "
+    "its plan (`dsocr precompile`) loads its checkpoint, beside two that compile the language model's; each holds zeros for "
     "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
     "worker compiles everything itself", "`4`")  # fmt: skip
 

@@ -26,12 +26,14 @@ from dsocr_workers.model.config import DTYPES
                    "worker child sees its own); GPUs of another type need a build of their own. cpu: on the CPU.")  # fmt: skip
 @exits_on_errors
 def precompile(model: str, engine: str, dtype: str | None, modes: str, max_new_tokens: int | None, gpus: str) -> None:
-    """Build what a worker's start needs for this plan into DSOCR_COMPILE_CACHE_DIR: the compiled graphs
-    (the worker's own warm-up, run once, its compile helpers in parallel), Python bytecode where the
-    installation has none, and a manifest keyed by the GPU type, the versions of torch, Triton,
-    transformers and this package, the model's configuration and the plan. A worker that finds the
-    manifest for its plan and GPU loads instead of compiling; one that finds none, or one built for
-    another GPU or version, compiles as before and says why (its log, its worker session's warm-up).
+    """Build what a worker's start needs for this plan into DSOCR_COMPILE_CACHE_DIR: every region the fast
+    engine compiles as an AOTInductor package (checked by the worker's warm-up run on them), Python
+    bytecode where the installation has none, and a manifest keyed by the GPU type, the versions of
+    torch, Triton, transformers and this package, the model's configuration and the plan. A worker that
+    finds the manifest for its plan and GPU loads the packages, no dynamo; one that finds none, or one
+    built for another GPU or version, compiles as before and says why (its log, its worker session's
+    warm-up). AOTInductor compiles with the C++ compiler CXX names (CXX=/usr/bin/g++ on the lent GPU
+    image).
 
     Idempotent: "up to date" when the manifest is there. Run it as an image build step, a compose one-shot
     service or a Kubernetes Job before the workers start (deploy/README.md)."""

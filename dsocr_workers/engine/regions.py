@@ -30,13 +30,14 @@ Capturing costs milliseconds once the blocks are compiled, so a new crop grid co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from dsocr_workers.engine.sampling import step_key
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 from dsocr_workers.model.vision import ClipLayer
 
@@ -80,28 +81,67 @@ def configure_dynamo() -> None:
     # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`;
     # 31 s of a cold start on an H200 went to that second attempt).
     torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
+
+
+class Compiler(Protocol):
+    """What makes the fast engine's regions (a SAM or CLIP block, an LM layer, the decode step) fast:
+    dynamo (`TorchCompiler`, compiling at the first call), AOTInductor packages built ahead and loaded at
+    start (engine/coldstart/aoti.py), or, in the build step, a recorder of the calls to build them from.
+    `name` is the region's kind ("sam_block", "clip_block", "clip_block_views", "lm_layer",
+    "decode_step"); `options` are torch.compile's for it."""
+
+    # The decode step it makes still needs a CUDA graph around it (dynamo's reduce-overhead has one).
+    decode_needs_graph: bool
+    # Its regions may be captured in CUDA graphs (the recorder's run eager code, which a capture refuses).
+    capturable: bool
+
+    def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]: ...
+
+    def mark_dynamic(self, tensor: torch.Tensor, dim: int) -> None: ...
+
+
+@dataclass
+class TorchCompiler:
+    """torch.compile with `backend`, each region compiled at its first call (so that making the engine's
+    runners imports and configures nothing of dynamo until a region runs)."""
+
+    backend: str
+    decode_needs_graph: bool = False
+    capturable: bool = True
+
+    def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        compiled: Callable[..., Any] | None = None
+
+        def call(*args: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                configure_dynamo()
+                compiled = torch.compile(function, backend=self.backend, **options)
+            return compiled(*args)
+
+        return call
+
+    def mark_dynamic(self, tensor: torch.Tensor, dim: int) -> None:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class RegionalVision:
-    """`encode_sam` and `encode_clip` of `model` with each block compiled (`backend`), equal in function
+    """`encode_sam` and `encode_clip` of `model` with each block made by `compiler`, equal in function
     to the model's own methods. `dynamic_tiles=False`: a graph per tile count (the engine before)."""
 
-    def __init__(self, model: DeepSeekOCR, backend: str, dynamic_tiles: bool = True) -> None:
+    def __init__(self, model: DeepSeekOCR, compiler: Compiler, dynamic_tiles: bool = True) -> None:
         self.model = model
+        self.compiler = compiler
         self.dynamic_tiles = dynamic_tiles
         self._positions: dict[tuple[int, int], torch.Tensor] = {}  # SAM's position table per patch grid
-        self._sam_block = self._compile(_sam_block, backend)
-        self._clip_block = self._compile(_clip_block, backend)
-        self._clip_block_views = self._compile(_clip_block_views, backend)
-
-    @staticmethod
-    def _compile(block: Callable, backend: str) -> Callable:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
-        return torch.compile(block, dynamic=False, backend=backend)
+        self._sam_block = compiler.region("sam_block", _sam_block, dynamic=False)
+        self._clip_block = compiler.region("clip_block", _clip_block, dynamic=False)
+        self._clip_block_views = compiler.region("clip_block_views", _clip_block_views, dynamic=False)
 
     def _mark(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dynamic_tiles and hidden.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(hidden, 0)
+            self.compiler.mark_dynamic(hidden, 0)
         return hidden
 
     def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -150,7 +190,7 @@ def padded_length(length: int, capacity: int) -> int:
 
 
 class RegionalPrefill:
-    """`generate.prefill` with each decoder layer compiled (`backend`), over the prompt padded to
+    """`generate.prefill` with each decoder layer made by `compiler`, over the prompt padded to
     `padded_length`: the same logits, the same cache for the prompt's positions and the same fill count.
 
     The padding (zero embeddings after the prompt) changes nothing the prompt's positions compute: the
@@ -162,8 +202,9 @@ class RegionalPrefill:
     The layers need the fast engine's fused attention (`model.fused`), which writes a cache layer handed
     to it without reading its layer index."""
 
-    def __init__(self, backend: str) -> None:
-        self._layer = torch.compile(_lm_layer, backend=backend)
+    def __init__(self, compiler: Compiler) -> None:
+        self.compiler = compiler
+        self._layer = compiler.region("lm_layer", _lm_layer)
 
     def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """`generate.prefill`'s contract: the last position's logits [1, V]."""
@@ -184,14 +225,14 @@ class RegionalPrefill:
         # would be compiled again at the second length), and only there: `dynamic=True` also made the
         # hidden size a symbol, which a prompt of that many positions then shared and pinned.
         for table in position_embeddings:
-            torch._dynamo.maybe_mark_dynamic(table, 1)
+            self.compiler.mark_dynamic(table, 1)
         # A prefill fills the cache from slot 0 whatever it held: a graph's replay follows a job that
         # left the count at its own end, and `update` writes at the count.
         for cache_layer in cache_layers:
             cache_layer.cumulative_length.zero_()
         hidden = embeds
         for layer, cache_layer in zip(language_model.layers, cache_layers, strict=True):
-            torch._dynamo.maybe_mark_dynamic(hidden, 1)
+            self.compiler.mark_dynamic(hidden, 1)
             hidden = self._layer(layer, hidden, position_embeddings, cache_layer)
         for cache_layer in cache_layers:  # filled up to the prompt: the next token goes to its slot
             cache_layer.cumulative_length.copy_(length)
@@ -328,3 +369,42 @@ class GraphedVision:
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    token: torch.Tensor
+
+
+@dataclass
+class GraphedDecode:
+    """A decode step that is not a CUDA graph itself (an AOTInductor runner: engine/coldstart/aoti.py)
+    replayed as one per cache bucket and n-gram state, as dynamo's reduce-overhead mode replays its own.
+
+    The capture calls the step once uncaptured first, which writes a token and advances the decode
+    state; the state's counters (the token count, the cache layers' fill counts) are put back after it,
+    so that the replay that follows makes that step again, in the same slots: a job's first step on a
+    new bucket gives the tokens any other step gives."""
+
+    step: Callable[..., torch.Tensor]
+    _pool: Any = field(default_factory=lambda: torch.cuda.graph_pool_handle())
+    _graphs: dict[tuple, _DecodeGraph] = field(default_factory=dict)
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, model: DeepSeekOCR, cache: StaticCache, ban: Any, options: Any) -> torch.Tensor:
+        key = (id(cache), id(ban), step_key(options))
+        found = self._graphs.get(key)
+        if found is None:
+            counters = [ban.length, *(t for layer in cache.layers for t in vars(layer).values()
+                                      if isinstance(t, torch.Tensor) and t.dim() == 0)]  # fmt: skip
+            saved = [counter.clone() for counter in counters]
+            graph, (token,) = capture_graph(lambda: [self.step(model, cache, ban, options)], self._pool)
+            for counter, value in zip(counters, saved, strict=True):
+                counter.copy_(value)
+            found = self._graphs[key] = _DecodeGraph(graph, token)
+        found.graph.replay()
+        return found.token

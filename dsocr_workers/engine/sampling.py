@@ -96,6 +96,13 @@ class NGramBan:
         self.length.add_(1)
 
 
+def step_key(options: DecodeOptions) -> tuple:
+    """The options a decode step's code depends on (how a token is chosen, the n-gram ban): a compiled or
+    graphed step serves every job whose key is the same, whatever its EOS, seed or repetition settings."""
+    return (options.temperature, options.top_p, options.top_k, options.no_repeat_ngram_size, options.ngram_window,
+            options.ngram_whitelist)  # fmt: skip
+
+
 def validate_options(options: DecodeOptions) -> None:
     """Reject options that cannot be honoured; host-side, once per job."""
     if options.temperature < 0:

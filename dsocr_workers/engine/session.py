@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from dsocr_workers.engine.generate import (
 )
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
+from dsocr_workers.engine.regions import Compiler
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import StageClock
@@ -182,6 +184,7 @@ class _ColdProbe:
 
     graphs: int
     prefill_graphs: int
+    decode_graphs: int
     reserved_bytes: int
 
 
@@ -338,6 +341,11 @@ class DeepSeekOCRSession:
     @property
     def max_positions(self) -> int:
         return self.loaded.config.text.max_position_embeddings
+
+    def use_compiler(self, compiler: Compiler) -> None:
+        """Run the engine's compiled regions through `compiler` from now on (AOTInductor packages loaded by
+        the cold start, engine/coldstart/): new runners, so graphs captured before are dropped."""
+        self.runners = self.variant.runners(self.model, self.device, compiler)
 
     def buffers_for(self, needed: int) -> DecodeBuffers:
         """The static decode state (KV cache, token buffer) of the bucket that holds `needed` positions."""
@@ -600,7 +608,11 @@ class DeepSeekOCRSession:
         reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         graphs = self.runners.prefill_graphs
         prefill_graphs = graphs.captured if graphs is not None else 0
-        return _ColdProbe(torch._dynamo.utils.counters["stats"]["unique_graphs"], prefill_graphs, reserved)
+        decode_graphs = getattr(self.runners.decode_step, "captured", 0)  # GraphedDecode's
+        # dynamo's count where dynamo is imported: a session that loaded its regions never imports it.
+        dynamo = sys.modules.get("torch._dynamo.utils")
+        compiled = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
+        return _ColdProbe(compiled, prefill_graphs, decode_graphs, reserved)
 
     def _cold_reasons(self, before: _ColdProbe) -> tuple[str, ...]:
         """Why this job met a cold path, if it did: read from counters, never from timings."""
@@ -613,6 +625,8 @@ class DeepSeekOCRSession:
             reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
         if after.prefill_graphs > before.prefill_graphs:
             reasons.append("captured the LM prefill graph of a new prompt length")
+        if after.decode_graphs > before.decode_graphs:
+            reasons.append("captured the decode step's graph for a new cache bucket or decode options")
         if after.reserved_bytes > before.reserved_bytes:
             grown = (after.reserved_bytes - before.reserved_bytes) / 2**20
             reasons.append(f"the CUDA allocator reserved {grown:.0f} MiB more")

@@ -1,17 +1,18 @@
-"""The build step and its artifacts (engine/coldstart/build.py, artifacts.py): a manifest keyed by all
-that changes compiled code, refused with its reason when built elsewhere; `dsocr precompile` builds a
-plan once (inductor on the CPU, the tiny preset), says "up to date" after, and a worker's warm-up then
-loads every graph from it without a compile helper."""
+"""The build step and its artifacts (engine/coldstart/build.py, artifacts.py, aoti.py): a manifest keyed by
+all that changes compiled code, refused with its reason when built elsewhere; `dsocr precompile` builds a
+plan's AOTInductor packages once (on the CPU, the tiny preset), says "up to date" after, and a worker's
+warm-up in a fresh process then loads them, compiles nothing and decodes the tokens the compiled path
+decodes."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -55,10 +56,14 @@ def test_artifacts_built_elsewhere_are_refused_with_the_reason(tmp_path, monkeyp
     assert none.manifest is None
     assert none.summary == ("no artifacts: none built for this plan (tiny, fast engine, bfloat16, modes tiny, 8 tokens); "
                             "compiled at start")  # fmt: skip
-    written = artifacts.record(plan(), config, "dsocr precompile", 12.3, environment=on_h200)
-    assert written is not None and written.parent.parent == tmp_path / artifacts.MANIFESTS
+    package = artifacts.Artifact("aoti-package", str(tmp_path / "decode_step.pt2"), '{"region": "decode_step"}')
+    written = artifacts.manifest_path(plan(), config, on_h200)
+    artifacts.write(artifacts.manifest(plan(), config, (package,), 12.3, on_h200), written)
+    assert written.parent.parent == tmp_path / artifacts.MANIFESTS
     found = artifacts.lookup(plan(), config, on_h200)
-    assert found.manifest is not None and found.path == written and found.manifest.kinds() == {"inductor-cache"}
+    assert found.manifest is not None and found.path == written and found.manifest.kinds() == {"aoti-package"}
+    assert found.manifest.packages() == {'{"region": "decode_step"}': tmp_path / "decode_step.pt2"}
+    assert found.manifest.compiler.split(":")[0] in ("c++", *filter(None, [os.environ.get("CXX")]))
     assert found.summary.startswith(f"prebuilt artifacts (dsocr precompile, {found.manifest.built_at}): ")
     assert artifacts.lookup(plan(), config, on_h100).reason == f"artifacts refused (built for {H200}, this is {H100})"
     newer = replace(on_h200, torch="9.9.9", code="0123")
@@ -85,12 +90,19 @@ def test_precompile_of_an_engine_that_compiles_nothing_says_so(tmp_path):
     assert bad.exit_code == 2 and "--modes none: nothing to build" in bad.output
 
 
-# `dsocr precompile` as a CPU build runs it (argv[1] "build"), or a worker's start after it ("worker"):
-# the fast engine with inductor, without CUDA graphs and with transformers' expert GEMMs (no Triton here).
+# `dsocr precompile` as a CPU build runs it (argv[1] "build"), or a worker's start after it ("worker"): the fast
+# engine without CUDA graphs and with transformers' expert GEMMs (no Triton here); the worker also decodes
+# a page with the packages and with dynamo's compiled regions, and looks the plan up as a worker built
+# for another torch would ("refused": run after the manifest was edited).
 BUILD = """
 import dataclasses, json, sys, torch
+from PIL import Image
+from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.build import BuildRequest, build
-from dsocr_workers.engine.coldstart.warmup import warm
+from dsocr_workers.engine.coldstart.cache import use_compile_cache
+from dsocr_workers.engine.coldstart.warmup import session_plan, warm
+from dsocr_workers.engine.regions import TorchCompiler
+from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 
@@ -99,20 +111,27 @@ class CpuFast(FastEngine):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 
 engine = CpuFast(FastCompile("inductor", cuda_graphs=False))
-request = BuildRequest("tiny", engine, modes=("gundam",), max_new_tokens=8, device="cpu", max_crops=3)
+request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3)
+found = {}
+if sys.argv[1] == "refused":
+    use_compile_cache()  # as the CLI does before a worker starts
+    session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
+    plan = session_plan(session, ["tiny"], 8, None, 3)
+    print(json.dumps({"summary": artifacts.lookup(plan, session.loaded.config).summary}))
+    sys.exit(0)
 report = build(request, progress=lambda line: print(line, file=sys.stderr))
-found = {"outcome": report.outcome, "manifest": str(report.manifest),
-         "warmup": dataclasses.asdict(report.warmup) if report.warmup else None}
+found = {"outcome": report.outcome, "manifest": str(report.manifest), "packages": sorted(report.packages)}
 if sys.argv[1] == "worker":
     session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
-    found["warmup"] = dataclasses.asdict(warm(session, ["gundam"], max_new_tokens=8, max_crops=3))
-counters = torch._dynamo.utils.counters
-found.update(graphs=counters["stats"]["unique_graphs"], hits=counters["inductor"]["fxgraph_cache_hit"],
-             misses=counters["inductor"]["fxgraph_cache_miss"])
+    found["warmup"] = dataclasses.asdict(warm(session, ["tiny"], max_new_tokens=8, max_crops=3))
+    found["dynamo"] = "torch._dynamo.utils" in sys.modules and torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    page, options = Image.new("RGB", (512, 512), "white"), DecodeOptions(ignore_eos=True)
+    found["tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
+    session.use_compiler(TorchCompiler("inductor"))
+    found["compiled_tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
 print(json.dumps(found))
 """
-GUNDAM_SHARES = [("LM prefill", "compiled", 2), ("decode step", "compiled", 1), ("global 1024 px", "compiled", 3),
-                 ("tiles 640 px", "compiled", 3)]  # fmt: skip
+TINY_REGIONS = ["clip_block", "decode_step", "lm_layer", "lm_layer", "sam_block", "sam_block"]
 
 
 def run_build(how: str, env: dict[str, str]) -> dict:
@@ -121,33 +140,28 @@ def run_build(how: str, env: dict[str, str]) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
 
 
-def test_a_build_compiles_in_helpers_once_and_a_worker_then_loads_every_graph(tmp_path, subprocess_env):
-    """`dsocr precompile` of a gundam plan with an empty cache (inductor on the CPU): its helpers, forked
-    before the model is built, compile the decode step, the LM prefill's two kinds of layer, the global
-    view (SAM's two kinds of block and CLIP) and the tiles (SAM's two, their batch dynamic, and CLIP over
-    both view groups at once), while the build loads the model; its warm-up then compiles nothing (every
-    graph it traces is in the cache). Built again: up to date, without loading anything. A worker's
-    warm-up of the same plan then starts no helper and finds every graph."""
+def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_compiled(tmp_path, subprocess_env):
+    """`dsocr precompile` of a tiny-mode plan (the CPU, inductor's C++): the warm-up's pages recorded, one
+    AOTInductor package per region kind and shape (SAM's two block kinds, CLIP's, the LM's dense and MoE
+    layers, the decode step), checked by the warm-up on them, then the manifest. Built again: up to date,
+    nothing loaded. A worker's warm-up in a fresh process loads the packages (dynamo compiles nothing)
+    and decodes the same greedy tokens as dynamo's compiled regions. A manifest built by another torch is
+    refused, saying so."""
     cache = tmp_path / "cache"
-    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)}
+    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache), "DSOCR_COMPILE_PROCESSES": "0"}
     built = run_build("build", env)
-    assert built["outcome"] == "built" and "no artifacts for this plan here yet: compiling" in built["log"]
-    warmup = built["warmup"]
-    assert warmup["helpers"]["how"] == "forked" and warmup["helpers"]["failures"] == [], warmup["helpers"]
-    assert sorted((r["share"], r["outcome"], r["graphs"]) for r in warmup["helpers"]["results"]) == GUNDAM_SHARES
-    assert warmup["still_cold"] == [] and warmup["artifacts"].startswith("no artifacts: none built for this plan")
-    assert (built["graphs"], built["hits"], built["misses"]) == (9, 9, 0)
-    assert list(warmup["phases_ms"]) == ["prepare", "vision helpers", "vision", "prefill helper", "prefill",
-                                         "decode helper", "pass 1", "pass 2"]  # fmt: skip
-    assert sum(warmup["phases_ms"].values()) == pytest.approx(warmup["ms"])
+    assert built["outcome"] == "built" and "checked: the warm-up on the packages" in built["log"], built["log"][-2000:]
+    assert sorted(name.split("-")[0] for name in built["packages"]) == TINY_REGIONS
     manifest = json.loads(Path(built["manifest"]).read_text())
     assert manifest["built_by"] == "dsocr precompile" and manifest["environment"]["gpu"] == "cpu"
-    # The manifest, beside each share's lock and done file (and the build's lock).
-    files = sorted(path.name for path in (cache / artifacts.MANIFESTS).rglob("*") if path.is_file())
-    assert sum(name.endswith(".json") for name in files) == 1 and sum(name.endswith(".done") for name in files) == 4
+    assert sorted(a["kind"] for a in manifest["artifacts"] if a["kind"] == "aoti-package") == ["aoti-package"] * 6
     worker = run_build("worker", env)
     assert worker["outcome"] == "up to date" and worker["manifest"] == built["manifest"]
     warmup = worker["warmup"]
-    assert warmup["helpers"] is None and warmup["helpers_skipped"] == f"prebuilt artifacts ({built['manifest']})"
     assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
-    assert (worker["graphs"], worker["hits"], worker["misses"]) == (9, 9, 0)
+    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (6, [], False)
+    assert list(warmup["phases_ms"])[:2] == ["load packages", "prepare"]
+    assert worker["tokens"] == worker["compiled_tokens"] and len(worker["tokens"]) == 16
+    Path(built["manifest"]).write_text(json.dumps({**manifest, "environment": {**manifest["environment"], "torch": "0.0"}}))
+    refused = run_build("refused", env)
+    assert refused["summary"].startswith(f"no artifacts: artifacts refused (torch 0.0 vs {torch.__version__}")

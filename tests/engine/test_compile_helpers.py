@@ -89,6 +89,12 @@ def inductor_session() -> DeepSeekOCRSession:
     return DeepSeekOCRSession(loaded, ModelSource("preset", "tiny", random_weights=True, seed=0), cpu, fp32, CPU_ENGINE)
 
 
+def write_manifest(plan: CompilePlan) -> None:
+    """A manifest for `plan` in this environment, as `dsocr precompile` leaves one (its packages aside)."""
+    here = artifacts.Environment.here(torch.device(plan.device))
+    artifacts.write(artifacts.manifest(plan, PRESETS["tiny"], (), 0.0, here), artifacts.manifest_path(plan, PRESETS["tiny"], here))
+
+
 def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fast = inductor_session()
@@ -96,7 +102,7 @@ def test_a_warm_cache_or_no_processes_start_no_helper(tmp_path, monkeypatch):
     plan, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
     assert plan == cpu_plan(["tiny"]) and found is not None and why == f"{PROCESSES_ENV}=0"
     assert found.summary.startswith("no artifacts: none built for this plan (tiny, fast engine, float32, modes tiny")
-    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
+    write_manifest(plan)
     monkeypatch.delenv(PROCESSES_ENV)
     _, found, why = plan_helpers(fast, ["tiny"], 8, 3, None)
     assert why == f"prebuilt artifacts ({found.path})" and found.manifest is not None
@@ -205,7 +211,7 @@ def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_p
     began = time.monotonic()
     result = compile_share(task)
     assert (result.outcome, result.graphs) == ("shared", 0) and time.monotonic() - began >= 0.9
-    artifacts.record(plan, PRESETS["tiny"], "a test", 0.0)
+    write_manifest(plan)
     assert compile_share(HelperTask(plan, CompileShare("prefill"))).outcome == "warm"
 
 

@@ -1,24 +1,26 @@
 """What a cold start finds ready: the artifacts built for a plan, the manifest that lists them, and the
 refusal of those built for something else.
 
-A manifest is written into the compile cache once a plan's graphs are compiled there (by `dsocr
-precompile`, coldstart/build.py, or by a worker's warm-up that came clean) and names everything that
-changes the compiled code:
+`dsocr precompile` (coldstart/build.py) builds a plan's regions as AOTInductor packages (coldstart/aoti.py)
+and then writes the manifest that lists them, in the compile cache (DSOCR_COMPILE_CACHE_DIR):
 
-    <cache>/dsocr-artifacts/<plan key>/<environment key>.json
+    <cache>/dsocr-artifacts/<plan key>/<environment key>.json      the manifest
+    <cache>/dsocr-artifacts/<plan key>/<environment key>/*.pt2     its packages
 
 The plan key (`plan_key`): the warm-up's plan (model source, device, dtype, kernels, what the engine
 compiles and how, modes, crops, token budget, decode options), the model's configuration and the
 engine. The environment (`Environment`): the GPU (name and compute capability), torch, Triton and
 transformers, this package's version and a fingerprint of its code. A worker looks its plan up at start
-(`lookup`): a manifest of its environment is used (its warm-up loads the graphs, no helper compiles);
+(`lookup`): a manifest of its environment is used (its warm-up loads the packages, nothing compiles);
 one of another environment is never used, and the reason says why ("built for NVIDIA H200 (sm_90),
 this is NVIDIA H100 80GB HBM3 (sm_90)"; "torch 2.10.0 vs 2.11.0"); no manifest at all says that too.
+The manifest also names the C++ compiler that built the packages (`compiler`): recorded, not matched,
+since a worker compiles nothing; a compiler that builds packages which do not load (the GPU image's
+/opt/gcc: every package's loader segfaulted) fails the build's own check, before any manifest exists.
 
-Each manifest lists its artifacts by kind: "inductor-cache" (torch's FX graph, AOTAutograd and Triton
-caches under the same directory, keyed by torch itself), "python-bytecode" (cache.py). Other kinds
-(e.g. AOTInductor packages per shape bucket) are further entries with their own paths; `FORMAT` changes
-when an entry's meaning does, and a manifest of another format is refused like any mismatch.
+Each manifest lists its artifacts by kind: "aoti-package" (one per region and shape; its note is the
+region's key, coldstart/aoti.py `region_key`), "python-bytecode" (cache.py). `FORMAT` changes when an
+entry's meaning does, and a manifest of another format is refused like any mismatch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -41,7 +44,7 @@ from dsocr_workers.model.config import OCRConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 MANIFESTS = "dsocr-artifacts"
 
 
@@ -111,11 +114,21 @@ class Environment:
         return found
 
 
+def compiler_version() -> str:
+    """The C++ compiler AOTInductor builds with here (`CXX`, else `c++`): its path and version line."""
+    cxx = os.environ.get("CXX") or "c++"
+    try:
+        line = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        line = "version unknown"
+    return f"{cxx}: {line}"
+
+
 @dataclass(frozen=True)
 class Artifact:
-    kind: str  # "inductor-cache", "python-bytecode"; later e.g. "aoti-package"
+    kind: str  # "aoti-package", "python-bytecode"
     path: str  # a directory or file
-    note: str = ""
+    note: str = ""  # an aoti-package's region key
 
 
 @dataclass(frozen=True)
@@ -123,9 +136,10 @@ class Manifest:
     plan: dict
     environment: Environment
     artifacts: tuple[Artifact, ...]
-    built_by: str  # "dsocr precompile" or "worker warm-up"
+    built_by: str  # "dsocr precompile"
     built_at: str  # UTC, ISO 8601
     seconds: float = 0.0  # what the build took
+    compiler: str = ""  # what compiled the packages (`compiler_version`): recorded, not matched
     format: int = FORMAT
 
     @classmethod
@@ -134,13 +148,17 @@ class Manifest:
             data = json.loads(path.read_text())
             return cls(data["plan"], Environment(**data["environment"]),
                        tuple(Artifact(**entry) for entry in data["artifacts"]), data["built_by"], data["built_at"],
-                       data.get("seconds", 0.0), data.get("format", 0))  # fmt: skip
+                       data.get("seconds", 0.0), data.get("compiler", ""), data.get("format", 0))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable artifact manifest %s (%s): ignored", path, exc)
             return None
 
     def kinds(self) -> set[str]:
         return {artifact.kind for artifact in self.artifacts}
+
+    def packages(self) -> dict[str, Path]:
+        """The AOTInductor packages, by region key."""
+        return {artifact.note: Path(artifact.path) for artifact in self.artifacts if artifact.kind == "aoti-package"}
 
 
 def plan_fields(plan: CompilePlan, config: OCRConfig) -> dict:
@@ -153,6 +171,11 @@ def plan_key(plan: CompilePlan, config: OCRConfig) -> str:
 
 def manifest_path(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
     return cache_root() / MANIFESTS / plan_key(plan, config) / f"{environment.key}.json"
+
+
+def packages_folder(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
+    """Where the build puts the plan's packages for `environment`, beside its manifest."""
+    return manifest_path(plan, config, environment).with_suffix("")
 
 
 def describe(plan: CompilePlan) -> str:
@@ -213,24 +236,18 @@ def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Enviro
     return False
 
 
-def record(
-    plan: CompilePlan, config: OCRConfig, built_by: str, seconds: float, extra: tuple[Artifact, ...] = (),
-    environment: Environment | None = None,
-) -> Path | None:  # fmt: skip
-    """Write the manifest of `plan`'s artifacts for this environment (atomically: a reader sees the
-    old one or the new one); None when the cache cannot be written (the next start compiles again,
-    nothing worse)."""
-    here = environment or Environment.here(torch.device(plan.device))
-    path = manifest_path(plan, config, here)
-    artifacts = (Artifact("inductor-cache", str(cache_root()), "torch's FX graph, AOTAutograd and Triton caches"), *extra)
-    manifest = Manifest(plan_fields(plan, config), here, artifacts, built_by,
-                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), round(seconds, 1))  # fmt: skip
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
-        partial.replace(path)
-    except OSError as exc:
-        log.warning("could not write the artifact manifest %s: %s", path, exc)
-        return None
-    return path
+def manifest(
+    plan: CompilePlan, config: OCRConfig, built: tuple[Artifact, ...], seconds: float, environment: Environment,
+    built_by: str = "dsocr precompile",
+) -> Manifest:  # fmt: skip
+    """The manifest of `plan`'s artifacts `built` in `environment`, by the compiler here."""
+    return Manifest(plan_fields(plan, config), environment, built, built_by,
+                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), round(seconds, 1), compiler_version())  # fmt: skip
+
+
+def write(manifest: Manifest, path: Path) -> None:
+    """Write `manifest` at `path` atomically: a reader sees the old one or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+    partial.replace(path)

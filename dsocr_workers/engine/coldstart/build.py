@@ -1,14 +1,20 @@
 """The build step: everything a worker's cold start needs for one plan, made ahead of its start.
 
-    dsocr precompile --model full --engine fast --dtype bfloat16 --modes gundam --max-new-tokens 2048
+    CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 --modes gundam --max-new-tokens 2048
 
-runs the worker's own warm-up once (its compile helpers compile the graphs into the compile cache in
-parallel, the warm-up traces and captures them as a worker will), writes the Python bytecode of every
-module it imported where the installation has none (cache.py), and leaves the plan's manifest
-(artifacts.py). A worker that then finds the manifest for its plan and its environment loads the graphs
-instead of compiling them, with no helper. Idempotent: a plan whose manifest is there for this
-environment, with every artifact this build would make, is "up to date" without loading the model; two
-builds of one plan on one host take turns (a lock), and the second finds the first's result.
+loads the model as a worker will, runs the warm-up's pages once with a recorder in place of dynamo
+(aoti.py `Recorder`: every region kind and shape the worker's jobs meet), builds each as an AOTInductor
+package (aoti.py `build_package`), then checks them as a worker's start uses them: the warm-up itself,
+on the packages, must come clean. Only then the plan's manifest (artifacts.py) is written, beside the
+packages, with the Python bytecode of every module it imported where the installation has none
+(cache.py). A worker that then finds the manifest for its plan and its environment loads the packages
+and captures its graphs, with no dynamo. Idempotent: a plan whose manifest is there for this environment,
+with every artifact this build would make, is "up to date" without loading the model; two builds of one
+plan on one host take turns (a lock), and the second finds the first's result.
+
+CXX: AOTInductor compiles each package's wrapper with the C++ compiler `CXX` names (else `c++`); on the
+lent GPU image /opt/gcc's built packages that segfault at load, /usr/bin/g++'s load (benchmarks/results/
+aoti-2026-11-26-summary.md). The check above runs them in this process before any manifest exists.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from dsocr_workers.engine.coldstart import artifacts
+from dsocr_workers.engine.coldstart.aoti import Limits, Recorder, build_package, package_name
 from dsocr_workers.engine.coldstart.cache import bytecode_directory, use_compile_cache, write_bytecode
-from dsocr_workers.engine.coldstart.helpers import start_helpers
+from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root, compile_plan
 from dsocr_workers.engine.coldstart.warmup import WarmupReport, warm
 from dsocr_workers.engine.result import DecodeOptions
@@ -64,6 +71,7 @@ class BuildReport:
     warmup: WarmupReport | None = None
     bytecode_modules: int | None = None  # written now; None: the installation's bytecode serves
     notes: list[str] = field(default_factory=list)
+    packages: dict[str, float] = field(default_factory=dict)  # package file name → seconds to build it
 
 
 def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
@@ -78,7 +86,7 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
 
 def _wanted(found: artifacts.Lookup) -> bool:
     """The manifest found holds every artifact this build makes."""
-    kinds = {"inductor-cache"} | ({"python-bytecode"} if bytecode_directory() is not None else set())
+    kinds = {"aoti-package"} | ({"python-bytecode"} if bytecode_directory() is not None else set())
     return found.manifest is not None and kinds <= found.manifest.kinds()
 
 
@@ -116,33 +124,53 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
     config = model_config(plan.source)
     progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
     with _build_lock(plan, config, progress):
-        helpers = None
         if artifacts.listed_without_gpu(plan, config):
             found = artifacts.lookup(plan, config)  # initialises CUDA: the GPU is part of the match
             if _wanted(found):
                 progress(f"up to date: {found.path}")
                 return BuildReport("up to date", plan, found.path, time.perf_counter() - began, notes=notes)
             progress(found.summary)
-        else:
-            progress("no artifacts for this plan here yet: compiling")
-            helpers = start_helpers(request.model, request.device, request.dtype, request.engine, request.modes,
-                                    request.max_new_tokens, request.options, request.max_crops)  # fmt: skip
-            if helpers is not None:
-                progress("compile helpers forked: they compile while the model loads")
         progress(f"loading {request.model}")
         session = DeepSeekOCRSession.from_local(request.model, device=request.device, dtype=request.dtype,
                                                 engine=request.engine)  # fmt: skip
-        progress(f"loaded in {time.perf_counter() - began:.1f} s; warming up {', '.join(request.modes)}")
-        report = warm(session, request.modes, request.max_new_tokens, request.max_crops, request.options, helpers)
-        progress(f"warm-up: {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, {report.passes} passes")
-        if report.still_cold:
-            raise FailuresError(f"the warm-up still met cold paths, nothing recorded: {'; '.join(report.still_cold)}")
+        recorder = Recorder(plan.dynamic_tiles)
+        session.use_compiler(recorder)
+        with torch.inference_mode():
+            pages = [(name, session.prepare(image, None, name, request.max_crops))
+                     for name, image in warmup_pages(request.modes, request.max_crops)]  # fmt: skip
+        warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), request.max_crops)
+        progress(f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
+                 f"for {', '.join(request.modes)}")  # fmt: skip
+        here = artifacts.Environment.here(session.device)
+        folder = artifacts.packages_folder(plan, config, here)
+        limits = Limits(request.max_crops, session.max_positions)
+        built, seconds_each = [], {}
+        for number, (key, call) in enumerate(recorder.calls.items(), 1):
+            started = time.perf_counter()
+            path = build_package(call, limits, plan.dynamic_tiles, folder / package_name(key))
+            seconds_each[path.name] = round(time.perf_counter() - started, 1)
+            built.append(artifacts.Artifact("aoti-package", str(path), key))
+            progress(f"package {number}/{len(recorder.calls)}: {key} in {seconds_each[path.name]} s")
+        del recorder, pages  # the recorded calls hold copies of their inputs
+        manifest = artifacts.manifest(plan, config, tuple(built), time.perf_counter() - began, here)
+        path = artifacts.manifest_path(plan, config, here)
+        # The worker's own start on these packages, before any worker may find them.
+        report = warm(session, request.modes, request.max_new_tokens, request.max_crops, request.options,
+                      found=artifacts.Lookup(manifest, path))  # fmt: skip
+        progress(f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, "
+                 f"{report.passes} passes")  # fmt: skip
+        if report.still_cold or report.packages_missed:
+            raise FailuresError("the warm-up on the packages still met cold paths, nothing recorded: "
+                                + "; ".join([*report.still_cold, *report.packages_missed]))  # fmt: skip
         written = write_bytecode()
-        extra: tuple[artifacts.Artifact, ...] = ()
         if written is not None:
             progress(f"bytecode of {written} modules written into {bytecode_directory()}")
-            extra = (artifacts.Artifact("python-bytecode", str(bytecode_directory())),)
+            built.append(artifacts.Artifact("python-bytecode", str(bytecode_directory())))
         seconds = time.perf_counter() - began
-        path = artifacts.record(plan, config, "dsocr precompile", seconds, extra)
+        manifest = replace(manifest, artifacts=tuple(built), seconds=round(seconds, 1))
+        try:
+            artifacts.write(manifest, path)
+        except OSError as exc:
+            raise FailuresError(f"could not write the artifact manifest {path}: {exc}") from exc
         progress(f"built in {seconds:.1f} s: {path}")
-    return BuildReport("built", plan, path, seconds, report, written, notes)
+    return BuildReport("built", plan, path, seconds, report, written, notes, seconds_each)

@@ -33,7 +33,7 @@ from dsocr_workers.engine.coldstart.plan import (
     VisionShapes,
     exit_with_the_worker,
 )
-from dsocr_workers.engine.regions import RegionalVision, configure_dynamo
+from dsocr_workers.engine.regions import RegionalVision, TorchCompiler, configure_dynamo
 from dsocr_workers.engine.result import ModelSource
 from dsocr_workers.engine.session import (
     DeepSeekOCRSession,
@@ -69,7 +69,7 @@ def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device,
     model = build_vision_only(model_config(plan.source), device=device, dtype=dtype,
                               attn_implementation=plan.attn_implementation)  # fmt: skip
     fast_vision_modules(model)
-    regions = RegionalVision(model, plan.backend, plan.dynamic_tiles)
+    regions = RegionalVision(model, TorchCompiler(plan.backend), plan.dynamic_tiles)
     with torch.inference_mode():  # as jobs run: a compiled block guards on it
         for shapes in share.shapes:
             for whole, pixels in _pixel_groups(shapes, plan.max_crops, device, dtype):

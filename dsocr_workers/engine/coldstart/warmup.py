@@ -7,9 +7,10 @@ another model or mode, `dsocr precompile`): jobs then meet no compilation, no gr
 use of a KV cache bucket, and the ones that still do are stored cold with the reason (the session's cold
 probes). Eager compiles nothing but runs every shape too: the allocator's pools grow to the largest page
 now. A compiled engine (`Engine.compiled()`) looks its plan's artifacts up first (artifacts.py): found
-for this environment, its graphs load from the compile cache and no helper compiles; otherwise it says
-why and compiles, with compile helpers (helpers.py) started before the load by the caller
-(`start_helpers`) or here, then records what it compiled for the next start.
+for this environment, its regions run the AOTInductor packages built for them (aoti.py), loaded here
+with no dynamo, and the passes only capture their CUDA graphs; otherwise it says why and compiles with
+dynamo, with compile helpers (helpers.py) started before the load by the caller (`start_helpers`) or
+here.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dsocr_workers.engine.coldstart import artifacts
+from dsocr_workers.engine.coldstart.aoti import PackagedRegions
 from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import (
@@ -31,6 +33,7 @@ from dsocr_workers.engine.coldstart.plan import (
     compile_plan,
     helper_processes,
 )
+from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 
@@ -56,7 +59,11 @@ class WarmupReport:
     # What the start found (artifacts.py `Lookup.summary`): prebuilt artifacts, or why none were used and
     # the graphs compiled here. Empty where the engine compiles nothing.
     artifacts: str = ""
-    # Where `ms` went, in order; the parts add up to it: "prepare" (the pages' preprocessing, once for
+    # AOTInductor packages loaded (prebuilt artifacts), and the regions none was built for (dynamo's).
+    packages: int = 0
+    packages_missed: tuple[str, ...] = ()
+    # Where `ms` went, in order; the parts add up to it: "load packages" (prebuilt artifacts: the
+    # AOTInductor packages opened), "prepare" (the pages' preprocessing, once for
     # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
     # stages: their graphs traced and loaded from the cache, captured), "prefill helper", "prefill"
     # (each page's LM prefill and the prefill captures, likewise), "decode helper"; then "pass 1",
@@ -94,19 +101,41 @@ def plan_helpers(
     return plan, found, ""
 
 
+def use_packages(session: DeepSeekOCRSession, plan: CompilePlan, manifest: artifacts.Manifest) -> PackagedRegions:
+    """The session's regions run `manifest`'s packages from now on; a region none was built for compiles
+    with dynamo (and says so)."""
+    regions = PackagedRegions.load(manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles)
+    session.use_compiler(regions)
+    return regions
+
+
 def warm(
     session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9,
-    infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None,
+    infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None, found: artifacts.Lookup | None = None,
 ) -> WarmupReport:  # fmt: skip
     """Run every shape `modes` can produce on `session` until warm (`max_new_tokens` sizes the cache
     buckets, as jobs will). `infer`: the jobs' decode options (default: the vendor's), since the compiled
     decode step is specialised on how tokens are chosen (the n-gram ban's size and window, sampling or
     greedy). `helpers`: compile helpers started for this warm-up before the model was loaded
-    (`start_helpers`); otherwise a compiled engine's warm-up with a cold cache starts them now."""
+    (`start_helpers`); otherwise a compiled engine's warm-up with a cold cache starts them now. `found`:
+    the artifacts to use instead of looking them up (the build step checks its packages so before it
+    writes their manifest)."""
     began = time.perf_counter()
     pages = warmup_pages(modes, max_crops)
     options = warm_options(infer)
-    plan, found, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
+    plan, looked_up, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
+    found = found or looked_up
+    phases: dict[str, float] = {}
+    regions = None
+    if plan is not None and found is not None and found.manifest is not None:
+        try:
+            regions = use_packages(session, plan, found.manifest)
+            skipped = f"prebuilt artifacts ({found.path})"
+        except Exception as exc:  # a package that does not open: compiled as without artifacts
+            log.exception("the prebuilt artifacts %s do not load", found.path)
+            found = replace(found, manifest=None, reason=f"artifacts unusable ({type(exc).__name__}: {exc})")
+            skipped = "" if helper_processes() else f"{PROCESSES_ENV}=0"
+        phases["load packages"] = (time.perf_counter() - began) * 1e3
     if plan is not None and found is not None:
         say = log.info if found.manifest is not None else log.warning
         say("warm-up of %s: %s", artifacts.describe(plan), found.summary)
@@ -116,8 +145,7 @@ def warm(
             log.warning("compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan)
     elif plan is not None and not skipped:
         helpers = CompileHelpers.start(plan, helper_processes())
-    phases: dict[str, float] = {}
-    mark = began
+    mark = began + sum(phases.values()) / 1e3
 
     def phase_ends(name: str) -> None:
         nonlocal mark
@@ -164,10 +192,10 @@ def warm(
         phase_ends(f"pass {passes}")
         if not still_cold:
             break
-    if plan is not None and found is not None and found.manifest is None and not still_cold:
-        # What this start compiled, for the next one (the manifest a build step leaves too).
-        artifacts.record(plan, session.loaded.config, "worker warm-up", (mark - began) / 1e3)
+    log.info("warm-up: %.2f s (%s)", mark - began, ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()))
     return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
-                        precompiled, skipped, found.summary if found is not None else "", phases)  # fmt: skip
+                        precompiled, skipped, found.summary if found is not None else "",
+                        len(regions.packages) if regions else 0, tuple(regions.missed) if regions else (),
+                        phases)  # fmt: skip
 
 

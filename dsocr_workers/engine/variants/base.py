@@ -4,7 +4,7 @@ An engine decides four things and nothing else; the session (engine/session.py) 
 them and runs a job's steps through the runners, whichever engine made them:
 - `kernels()`: the attention and routed-expert implementations the model is loaded with;
 - `after_load(model)`: module swaps once the weights are in (checkpoints keep the vendor's layout);
-- `runners(model, device)`: the callables of a job's vision stages, LM prefill and decode step;
+- `runners(model, device, compiler)`: the callables of a job's vision stages, LM prefill and decode step;
 - `compiled()`: what it compiles with inductor ahead of jobs (None: nothing), so that the cold start
   (engine/coldstart/) can compile, share and key those graphs without knowing the engine.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from dsocr_workers.engine.regions import GraphedPrefill
+    from dsocr_workers.engine.regions import Compiler, GraphedPrefill
     from dsocr_workers.model.modeling import DeepSeekOCR
 
 
@@ -78,8 +78,11 @@ class Engine(ABC):
         """Module swaps once the weights are loaded; none by default."""
 
     @abstractmethod
-    def runners(self, model: DeepSeekOCR, device: torch.device) -> Runners:
-        """The callables a job's steps run: vision, LM prefill, decode step (and prefill graphs)."""
+    def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
+        """The callables a job's steps run: vision, LM prefill, decode step (and prefill graphs).
+        `compiler`: what makes the engine's compiled regions instead of its own (engine/regions.py
+        `Compiler`: AOTInductor packages loaded at start, the build step's recorder); ignored by an
+        engine that compiles nothing."""
 
     def compiled(self) -> InductorGraphs | None:
         """What this engine compiles with inductor ahead of jobs; None: nothing."""

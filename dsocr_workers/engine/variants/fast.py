@@ -12,11 +12,13 @@ import torch
 
 from dsocr_workers.engine.generate import decode_one_token, prefill
 from dsocr_workers.engine.regions import (
+    Compiler,
+    GraphedDecode,
     GraphedPrefill,
     GraphedVision,
     RegionalPrefill,
     RegionalVision,
-    configure_dynamo,
+    TorchCompiler,
 )
 from dsocr_workers.engine.variants.base import Engine, InductorGraphs, Runners, Vision
 from dsocr_workers.model.fused import fuse_projections
@@ -80,25 +82,28 @@ class FastEngine(Engine):
         fuse_projections(model.language_model)
         fast_vision_modules(model)
 
-    def runners(self, model: DeepSeekOCR, device: torch.device) -> Runners:
+    def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
         """Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
         block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
         projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms eager
         and 0.48 ms compiled (docs/benchmarks.md). LM prefill: compiled layer by layer, one graph per kind
         of layer, dynamic in the prompt length. Decode: one graph per cache bucket (fullgraph: a break
-        would be a host round trip per token), replayed as a CUDA graph."""
-        configure_dynamo()
+        would be a host round trip per token), replayed as a CUDA graph. `compiler`: what makes those
+        regions, dynamo by default; AOTInductor packages built ahead (engine/coldstart/aoti.py)."""
         settings = self.compile
-        decode = torch.compile(self.decode_function, backend=settings.backend, mode=settings.decode_mode,
-                               fullgraph=True)  # fmt: skip
+        compiler = compiler or TorchCompiler(settings.backend)
+        decode = compiler.region("decode_step", self.decode_function, mode=settings.decode_mode, fullgraph=True)
+        graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
+        if graphs and compiler.decode_needs_graph:
+            decode = GraphedDecode(decode)
         if settings.decode_only:
             return Runners(Vision.per_group(model), prefill, decode)
-        regions = RegionalVision(model, settings.backend, settings.dynamic_tiles)
-        if device.type == "cuda" and settings.cuda_graphs:
-            graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(settings.backend))
+        regions = RegionalVision(model, compiler, settings.dynamic_tiles)
+        if graphs:
+            graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(compiler))
             return Runners(Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs)
         return Runners(Vision(regions.encode_sam, regions.encode_clip, model.project),
-                       RegionalPrefill(settings.backend), decode)  # fmt: skip
+                       RegionalPrefill(compiler), decode)  # fmt: skip
 
     def compiled(self) -> InductorGraphs | None:
         if self.compile.decode_only or self.compile.backend != "inductor":

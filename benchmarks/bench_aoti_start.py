@@ -1,0 +1,151 @@
+"""A worker's start from prebuilt AOTInductor packages (issue 29): `dsocr precompile`, then `dsocr worker`
+launch → ready, on one GPU.
+
+1. `dsocr precompile --model M --engine fast --modes MODES --max-new-tokens N --gpus 0` into a fresh
+   DSOCR_COMPILE_CACHE_DIR (CXX=/usr/bin/g++ on the lent GPU image: its /opt/gcc builds packages that
+   segfault at load); its wall time and progress lines;
+2. `--starts` times `dsocr worker --gpus 0 --warmup MODES --model M --engine fast --max-new-tokens N` (its
+   own redis-server and SQLite ledger): launch → Celery's "ready" line → the child's "warm" line, and the
+   child's worker session (load s, warm-up s, what was warmed and from which artifacts);
+3. `--without-artifacts`: one more start with an empty cache (dynamo compiles, as without a build).
+
+    source benchmarks/device_env.sh && CXX=/usr/bin/g++ python3 benchmarks/bench_aoti_start.py --out $OUT
+
+JSON + markdown into --out (aoti-start-<UTC>.{json,md}); the logs beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], timeout_s: float) -> dict[str, Any]:
+    """One `dsocr worker` start: seconds from launch to Celery's ready line and to the child's warm line."""
+    log_path = folder / f"{name}.log"
+    began = time.perf_counter()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([*DSOCR, "worker", "--gpus", "0", "--queue", name, *worker_args], env=env, cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    marks: dict[str, Any] = {}
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline and proc.poll() is None and "child_warm_s" not in marks:
+        text = log_path.read_text(errors="replace")
+        now = round(time.perf_counter() - began, 2)
+        if "ready." in text:
+            marks.setdefault("celery_ready_s", now)
+        if re.search(r"child 0 \(pid \d+\) on", text):
+            marks.setdefault("child_opened_s", now)
+        if re.search(r"child 0: .* warm \(", text):
+            marks.setdefault("child_warm_s", now)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    marks["log"] = log_path.name
+    return marks
+
+
+def sessions(db: Path) -> list[dict[str, Any]]:
+    with sqlite3.connect(db) as connection:
+        connection.row_factory = sqlite3.Row
+        rows = connection.execute("select started_at, ready_at, load_ms, warmup_ms, warmup from worker_sessions "
+                                  "order by started_at").fetchall()  # fmt: skip
+    return [dict(row) for row in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--modes", default="gundam")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--starts", type=int, default=2)
+    parser.add_argument("--without-artifacts", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=240)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip().splitlines()[:1] or ["no GPU"]  # fmt: skip
+    import torch
+
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu[0], "torch": torch.__version__,
+                              "CXX": os.environ.get("CXX", "")}  # fmt: skip
+    plan = ["--model", args.model, "--engine", "fast", "--max-new-tokens", str(args.max_new_tokens)]
+    redis_bin = shutil.which("redis-server")
+    assert redis_bin, "no redis-server: carry .redis"
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        cache = folder / "compile-cache"
+        port = 6390
+        redis = subprocess.Popen([redis_bin, "--port", str(port), "--save", "", "--appendonly", "no"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        db = folder / "ledger.db"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DSOCR_COMPILE_CACHE_DIR": str(cache),
+               "DSOCR_BROKER_URL": f"redis://127.0.0.1:{port}/0", "DSOCR_DATABASE_URL": f"sqlite:///{db}"}  # fmt: skip
+        try:
+            subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+            began = time.perf_counter()
+            built = subprocess.run([*DSOCR, "precompile", *plan, "--modes", args.modes, "--gpus", "0"], env=env,
+                                   cwd=REPO, capture_output=True, text=True, timeout=480)  # fmt: skip
+            report["precompile"] = {"rc": built.returncode, "wall_s": round(time.perf_counter() - began, 1),
+                                    "stdout": built.stdout[-2000:]}  # fmt: skip
+            (out / "precompile.log").write_text(built.stdout + built.stderr)
+            log(f"precompile: rc {built.returncode} in {report['precompile']['wall_s']} s")
+            worker = [*plan, "--warmup", args.modes]
+            report["starts"] = []
+            for index in range(args.starts if built.returncode == 0 else 0):
+                report["starts"].append(start(env, folder, f"start{index}", worker, args.timeout_s))
+                log(f"start {index}: {report['starts'][-1]}")
+            if args.without_artifacts:
+                cold = {**env, "DSOCR_COMPILE_CACHE_DIR": str(folder / "empty-cache")}
+                report["without_artifacts"] = start(cold, folder, "cold", worker, args.timeout_s)
+                log(f"without artifacts: {report['without_artifacts']}")
+            report["worker_sessions"] = sessions(db)
+        finally:
+            redis.terminate()
+            redis.wait()
+            for path in folder.glob("*.log"):
+                shutil.copy(path, out / path.name)
+            stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime())
+            (out / f"aoti-start-{stamp}.json").write_text(json.dumps(report, indent=2, default=str))
+    lines = [f"# Worker start from AOTInductor packages ({report['gpu']}, torch {report['torch']})", "",
+             f"`{report['command']}`", "", f"precompile: {report.get('precompile', {}).get('wall_s')} s", "",
+             "| start | Celery ready s | child opened s | child warm s |", "| --- | --- | --- | --- |"]  # fmt: skip
+    for index, row in enumerate(report.get("starts", [])):
+        lines.append(f"| {index} | {row.get('celery_ready_s')} | {row.get('child_opened_s')} | {row.get('child_warm_s')} |")
+    if "without_artifacts" in report:
+        row = report["without_artifacts"]
+        lines.append(f"| no artifacts | {row.get('celery_ready_s')} | {row.get('child_opened_s')} | {row.get('child_warm_s')} |")
+    lines += ["", "worker sessions: load s, warm-up s, warmed", ""]
+    lines += [f"- {(r['load_ms'] or 0) / 1e3:.2f} s, {(r['warmup_ms'] or 0) / 1e3:.2f} s, {r['warmup']}"
+              for r in report.get("worker_sessions", [])]  # fmt: skip
+    (out / "aoti-start.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The floor of a worker's start (issue 29): what importing costs before any model is loaded.
+
+Fresh processes, each timed from launch to exit (`python -X importtime -c "import ..."`), for the import
+sets a worker's processes need: the interpreter alone, torch, a farm child's (Celery tasks + the
+engine: session, fast engine, cold start), the parent's (CLI + Celery app), and torch with inductor. Each set in two bytecode states:
+
+- `image`: the installation as it is (the GPU image ships torch without writable bytecode: every
+  process compiles its sources again);
+- `prefix`: after `python -m compileall` of the same packages into PYTHONPYCACHEPREFIX (what `dsocr
+  precompile`, or an image build step, can write once), every process reading from it.
+
+Then `dsocr worker --gpus 0 --warmup none` (its own redis-server and SQLite ledger) from launch to
+Celery's "ready" and to its child's first log line, in both states: Celery's own start, no model.
+
+    source benchmarks/device_env.sh && python3 benchmarks/probe_import_floor.py --out $OUT
+
+JSON and markdown into --out (import-floor-<UTC>.{json,md}); `--repeats` runs of each (median, min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
+
+IMPORT_SETS = {
+    "interpreter": "pass",
+    "torch": "import torch",
+    "farm child": ("import dsocr_workers.farm.celery.tasks, dsocr_workers.engine.session, "
+                   "dsocr_workers.engine.variants.fast, dsocr_workers.engine.coldstart.warmup"),
+    "farm parent": "import dsocr_workers.cli, dsocr_workers.farm.celery.app, celery.bin.worker",
+    # AOTInductor's C++ loader is torch._C's; inductor's Python (its package wrapper) costs this on top.
+    "torch._inductor": "import torch, torch._inductor.config, torch._inductor.codecache",
+}
+PACKAGES = ["torch", "transformers", "triton", "celery", "kombu", "billiard", "sqlalchemy", "PIL", "numpy",
+            "tokenizers", "safetensors", "huggingface_hub", "click", "rich", "alembic", "redis", "jinja2",
+            "sympy", "networkx", "filelock", "fsspec", "dsocr_workers", "scipy", "regex", "yaml", "packaging",
+            "tqdm", "typing_extensions", "nvtx", "vine", "amqp", "dateutil", "tenacity", "greenlet", "mpmath"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def package_dirs() -> list[str]:
+    """Where the packages a worker imports live (each package's folder), plus the standard library's."""
+    import importlib.util
+
+    found = []
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            found.extend(spec.submodule_search_locations)
+        elif spec is not None and spec.origin:
+            found.append(spec.origin)
+    import sysconfig
+
+    found.append(sysconfig.get_paths()["stdlib"])
+    return sorted(set(found))
+
+
+def bytecode_state() -> dict[str, Any]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec else ""
+    return {
+        "python": sys.version.split()[0],
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+        "dont_write_bytecode": sys.flags.dont_write_bytecode,
+        "torch_source": origin,
+        "torch_pyc_present": bool(origin) and os.path.exists(importlib.util.cache_from_source(origin)),
+        "torch_dir_writable": bool(origin) and os.access(os.path.dirname(origin), os.W_OK),
+        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "?"),
+        "cores": os.cpu_count(),
+    }
+
+
+def timed_import(code: str, env: dict[str, str]) -> tuple[float, str]:
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)  # fmt: skip
+    wall = time.perf_counter() - began
+    if done.returncode != 0:
+        raise RuntimeError(f"{code!r} failed: {done.stderr[-2000:]}")
+    return wall, done.stderr
+
+
+def top_modules(importtime: str, count: int = 15) -> dict[str, list[tuple[str, float]]]:
+    """The top-level imports by cumulative seconds and the modules by self seconds."""
+    rows = []
+    for line in importtime.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if match:
+            rows.append((match.group(4), int(match.group(1)) / 1e6, int(match.group(2)) / 1e6, len(match.group(3))))
+    if not rows:
+        return {}
+    depth = min(r[3] for r in rows)
+    cumulative = sorted(((name, round(c, 3)) for name, _, c, d in rows if d == depth), key=lambda r: -r[1])
+    own = sorted(((name, round(s, 3)) for name, s, _, _ in rows), key=lambda r: -r[1])
+    return {"top_level_cumulative_s": cumulative[:count], "self_s": own[:count],
+            "sum_self_s": round(sum(r[1] for r in rows), 3)}  # fmt: skip
+
+
+def measure_imports(env: dict[str, str], repeats: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, code in IMPORT_SETS.items():
+        walls, last = [], ""
+        for _ in range(repeats):
+            wall, last = timed_import(code, env)
+            walls.append(round(wall, 3))
+        results[name] = {"wall_s": walls, "median_s": round(statistics.median(walls), 3), "min_s": min(walls),
+                         **top_modules(last)}  # fmt: skip
+        log(f"  {name}: {walls}")
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def worker_start(env: dict[str, str], folder: Path, repeats: int) -> dict[str, Any]:
+    """`dsocr worker --gpus 0 --warmup none`: launch → Celery's ready line and the child's first line."""
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        return {"skipped": "no redis-server (carry .redis)"}
+    port = free_port()
+    redis = subprocess.Popen([redis_bin, "--port", str(port), "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(0.5)
+    db = folder / "ledger.db"
+    env = {**env, "DSOCR_BROKER_URL": f"redis://127.0.0.1:{port}/0", "DSOCR_DATABASE_URL": f"sqlite:///{db}"}
+    try:
+        subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+        runs = []
+        for index in range(repeats):
+            log_path = folder / f"worker-{index}.log"
+            began = time.perf_counter()
+            with open(log_path, "w") as out:
+                proc = subprocess.Popen([*DSOCR, "worker", "--gpus", "0", "--warmup", "none", "--queue", f"floor{index}"],
+                                        env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            marks: dict[str, float] = {}
+            deadline = time.perf_counter() + 120
+            while time.perf_counter() < deadline and proc.poll() is None and len(marks) < 2:
+                text = log_path.read_text(errors="replace")
+                now = round(time.perf_counter() - began, 3)
+                if "ready." in text:
+                    marks.setdefault("celery_ready_s", now)
+                if re.search(r"child 0 \(pid \d+\) on", text):
+                    marks.setdefault("child_opened_s", now)
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            runs.append({**marks, "log_tail": log_path.read_text(errors="replace")[-1500:] if len(marks) < 2 else ""})
+            log(f"  worker start {index}: {marks}")
+        return {"runs": runs}
+    finally:
+        redis.terminate()
+        redis.wait()
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["# Import floor of a worker's start", "", f"`{report['command']}`", "",
+             f"{report['gpu']}; {json.dumps(report['bytecode'])}", "",
+             f"compileall into PYTHONPYCACHEPREFIX: {report['compileall_s']} s", "",
+             "| import set | image: median (min) s | prefix: median (min) s |", "| --- | --- | --- |"]  # fmt: skip
+    for name in IMPORT_SETS:
+        image, prefix = report["image"]["imports"][name], report["prefix"]["imports"][name]
+        lines.append(f"| {name} | {image['median_s']} ({image['min_s']}) | {prefix['median_s']} ({prefix['min_s']}) |")
+    lines += ["", "| worker start (--warmup none) | image | prefix |", "| --- | --- | --- |"]
+    for key in ("celery_ready_s", "child_opened_s"):
+        cells = []
+        for state in ("image", "prefix"):
+            runs = report[state]["worker"].get("runs", [])
+            cells.append(", ".join(str(r.get(key, "-")) for r in runs) or report[state]["worker"].get("skipped", "-"))
+        lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
+    child = report["prefix"]["imports"]["farm child"]
+    lines += ["", "farm child (prefix), top-level imports by cumulative s: "
+              + ", ".join(f"{n} {s}" for n, s in child.get("top_level_cumulative_s", [])), ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worker-repeats", type=int, default=2)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip().splitlines()[:1] or ["no GPU"]  # fmt: skip
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu[0], "bytecode": bytecode_state()}
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base_env.pop("PYTHONPYCACHEPREFIX", None)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        log("image's bytecode")
+        report["image"] = {"imports": measure_imports(base_env, args.repeats),
+                           "worker": worker_start(base_env, folder, args.worker_repeats)}  # fmt: skip
+        prefix = folder / "pyc"
+        prefix_env = {**base_env, "PYTHONPYCACHEPREFIX": str(prefix)}
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *package_dirs()], env=prefix_env,
+                       capture_output=True, timeout=600)  # fmt: skip
+        report["compileall_s"] = round(time.perf_counter() - began, 1)
+        log(f"compileall: {report['compileall_s']} s")
+        report["prefix"] = {"imports": measure_imports(prefix_env, args.repeats),
+                            "worker": worker_start(prefix_env, folder, args.worker_repeats)}  # fmt: skip
+    stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime())
+    tag = re.sub(r"[^a-z0-9]+", "-", report["gpu"].lower()).strip("-")[:20]
+    (out / f"import-floor-{stamp}-{tag}.json").write_text(json.dumps(report, indent=2))
+    (out / f"import-floor-{stamp}-{tag}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The fast engine's regions as AOTInductor packages: built ahead of time (`dsocr precompile`), loaded at a
+worker's start with no dynamo, no tracing and no compiler.
+
+A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM block (windowed or
+global) or a CLIP block per view size, CLIP over a page's two view groups at once, an LM prefill layer
+(dense or MoE) and the decode step. Building:
+
+1. `Recorder` stands in for dynamo while the warm-up's pages run eagerly once: each region kind and
+   shape met (its `key`) is kept with its first call's arguments;
+2. `build_package` exports each (torch.export, non-strict) with the call's state as inputs (hidden
+   states; an LM layer's cache layer; the decode step's token buffer, counters and every cache layer)
+   and its weights as inputs too, so one package serves every layer of a kind and holds no weights; the
+   dimensions jobs vary are dynamic (the tile count, the padded prompt length, the cache bucket); then
+   compiles it into a .pt2 (`aoti_compile_and_package`).
+
+Loading (`PackagedRegions`): each package is opened with its C++ loader directly. `aoti_load_package`
+would first compare the package's CPU vector ISA with this host's, which inductor finds by compiling and
+running test programs: 25–40 s of a fresh process on the GPU hosts (benchmarks/results/aoti-2026-11-26-
+summary.md), for packages that run no CPU kernel there; the artifact key (artifacts.py: GPU, torch,
+Triton, project code) is the check that matters. A call flattens its arguments the way the build did
+and runs the package in place: the KV cache, token buffer and counters it writes are the caller's.
+A shape nothing was built for falls back to dynamo for that region (the job then reads "compiled").
+
+What the packages call outside themselves: SAM's `dsocr::linear_gelu_tanh` (model/sam_mlp.py, registered
+when the model's modules are imported); the Triton operators are compiled in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
+from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
+from dsocr_workers.engine.sampling import step_key
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The ranges of a plan's dynamic dimensions: tiles per page, positions of the model."""
+
+    max_crops: int
+    max_positions: int
+
+
+def _tensor_slots(owner: object) -> list[str]:
+    """The tensor attributes of a cache layer or an n-gram state, in a fixed order."""
+    return [name for name, value in sorted(vars(owner).items()) if isinstance(value, Tensor)]
+
+
+@contextmanager
+def _swapped(slots: list[tuple[object, str]], tensors: list[Tensor]) -> Iterator[None]:
+    saved = [getattr(owner, name) for owner, name in slots]
+    try:
+        for (owner, name), tensor in zip(slots, tensors, strict=True):
+            setattr(owner, name, tensor)
+        yield
+    finally:
+        for (owner, name), tensor in zip(slots, saved, strict=True):
+            setattr(owner, name, tensor)
+
+
+def _shape(tensor: Tensor) -> list[int]:
+    return list(tensor.shape[1:])
+
+
+class _Region:
+    """How one kind of region's call is flattened into a package's inputs and back."""
+
+    name: str
+    prefixes: tuple[str, ...] = ()  # the weights: the module's tensors under these names (empty: all)
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        raise NotImplementedError
+
+    def state(self, args: tuple) -> list[Tensor]:
+        raise NotImplementedError
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        """`args` with `state` in the place of the call's own tensors."""
+        raise NotImplementedError
+        yield args
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        raise NotImplementedError
+
+    @staticmethod
+    def flatten(out: Any) -> tuple[Tensor, ...]:
+        return (out,)
+
+    @staticmethod
+    def unflatten(flat: list[Tensor]) -> Any:
+        return flat[0]
+
+
+def _tiles(batch: int, dynamic_tiles: bool) -> int | str:
+    return "tiles" if dynamic_tiles and batch > 1 else batch
+
+
+def _tile_dim(limits: Limits) -> Any:
+    return torch.export.Dim("tiles", min=2, max=max(limits.max_crops, 3))
+
+
+class _Block(_Region):
+    """A SAM or CLIP block: `function(layer, hidden)`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        layer, hidden = args
+        kind = ("windowed" if getattr(layer, "window_size", 0) > 0 else "global") if self.name == "sam_block" else ""
+        return {"kind": kind, "views": [[_tiles(hidden.shape[0], dynamic_tiles), *_shape(hidden)]]}
+
+    def state(self, args: tuple) -> list[Tensor]:
+        return [args[1]]
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        yield args[0], state[0]
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        return [{0: _tile_dim(limits)} if _tiles(args[1].shape[0], dynamic_tiles) == "tiles" else None]
+
+
+class _ClipViews(_Region):
+    """CLIP over a page's view groups at once: `function(layer, groups)`."""
+
+    name = "clip_block_views"
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        return {"views": [[_tiles(group.shape[0], dynamic_tiles), *_shape(group)] for group in args[1]]}
+
+    def state(self, args: tuple) -> list[Tensor]:
+        return list(args[1])
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        yield args[0], list(state)
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        tiles = _tile_dim(limits)
+        return [{0: tiles} if _tiles(group.shape[0], dynamic_tiles) == "tiles" else None for group in args[1]]
+
+    @staticmethod
+    def flatten(out: Any) -> tuple[Tensor, ...]:
+        return tuple(out)
+
+    @staticmethod
+    def unflatten(flat: list[Tensor]) -> Any:
+        return list(flat)
+
+
+def _positions_dim(limits: Limits) -> Any:
+    return PREFILL_BUCKET * torch.export.Dim("blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2))
+
+
+def _capacity_dim(limits: Limits) -> Any:
+    return torch.export.Dim("capacity", min=min(MIN_CACHE_BUCKET, limits.max_positions), max=limits.max_positions)
+
+
+class _LmLayer(_Region):
+    """An LM prefill layer: `function(layer, hidden, (cos, sin), cache_layer)`, writing the cache layer."""
+
+    name = "lm_layer"
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        return {"kind": type(args[0].mlp).__name__}
+
+    def state(self, args: tuple) -> list[Tensor]:
+        _, hidden, (cos, sin), cache_layer = args
+        return [hidden, cos, sin, *(getattr(cache_layer, name) for name in _tensor_slots(cache_layer))]
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        layer, _, _, cache_layer = args
+        with _swapped([(cache_layer, name) for name in _tensor_slots(cache_layer)], state[3:]):
+            yield layer, state[0], (state[1], state[2]), cache_layer
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        positions, capacity = _positions_dim(limits), _capacity_dim(limits)
+        cache = [{2: capacity} if tensor.dim() >= 3 else None for tensor in self.state(args)[3:]]
+        return [{1: positions}, {1: positions}, {1: positions}, *cache]
+
+
+class _DecodeStep(_Region):
+    """The decode step: `function(model, cache, ban, options)`, writing the token buffer, its counters and
+    the cache; the options are the package's (a package per `step_key`)."""
+
+    name = "decode_step"
+    prefixes = ("language_model.", "lm_head.")
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        return {"options": list(step_key(args[3]))}
+
+    @staticmethod
+    def _slots(args: tuple) -> list[tuple[object, str]]:
+        _, cache, ban, _ = args
+        slots: list[tuple[object, str]] = [(ban, name) for name in ("tokens", "length", "prompt_length", "whitelist")
+                                           if getattr(ban, name) is not None]  # fmt: skip
+        return slots + [(layer, name) for layer in cache.layers for name in _tensor_slots(layer)]
+
+    def state(self, args: tuple) -> list[Tensor]:
+        return [getattr(owner, name) for owner, name in self._slots(args)]
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        with _swapped(self._slots(args), state):
+            yield args
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        capacity = _capacity_dim(limits)
+        dims: list[dict | None] = []
+        for (owner, name), tensor in zip(self._slots(args), self.state(args), strict=True):
+            if name == "tokens":
+                dims.append({0: capacity})
+            else:
+                dims.append({2: capacity} if tensor.dim() >= 3 and owner is not args[2] else None)
+        return dims
+
+
+REGIONS: dict[str, _Region] = {region.name: region for region in
+                               (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())}  # fmt: skip
+
+
+def region_key(name: str, args: tuple, dtype: torch.dtype, dynamic_tiles: bool) -> str:
+    """The package a call of region `name` needs, as text: the same in the build and at load."""
+    key = {"region": name, "dtype": str(dtype).removeprefix("torch."), **REGIONS[name].key(args, dynamic_tiles)}
+    return json.dumps(key, sort_keys=True)
+
+
+def weights_of(name: str, args: tuple) -> list[tuple[str, Tensor]]:
+    """The region's weights, named, in the order its package takes them: the parameters, then the buffers
+    of its module (the layer; for the decode step the language model and its head)."""
+    module, prefixes = args[0], REGIONS[name].prefixes
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(n, t) for n, t in named if not prefixes or n.startswith(prefixes)]
+
+
+def _dtype_of(args: tuple) -> torch.dtype:
+    return next(args[0].parameters()).dtype
+
+
+# --- building ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordedCall:
+    name: str
+    function: Callable[..., Any]
+    args: tuple  # the first call's arguments (its modules, cache and n-gram objects)
+    state: list[Tensor]  # its tensors as they were before the call, copied
+
+
+@dataclass
+class Recorder:
+    """A `Compiler` for the build step: runs every region eagerly and keeps the first call of each key."""
+
+    dynamic_tiles: bool = True
+    calls: dict[str, RecordedCall] = field(default_factory=dict)
+    decode_needs_graph: bool = False
+    capturable: bool = False
+
+    def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            key = region_key(name, args, _dtype_of(args), self.dynamic_tiles)
+            if key not in self.calls:
+                with torch.inference_mode(False):  # plain tensors: export traces them under no_grad
+                    state = [tensor.clone() for tensor in REGIONS[name].state(args)]
+                self.calls[key] = RecordedCall(name, function, args, state)
+            return function(*args)
+
+        return call
+
+    def mark_dynamic(self, tensor: Tensor, dim: int) -> None:
+        pass
+
+
+class _Exported(torch.nn.Module):
+    """A recorded call as a module of its tensors: `forward(*state, *weights)`, the weights swapped into
+    the call's module for the call (the module itself is not this one's state: nothing else is lifted)."""
+
+    def __init__(self, call: RecordedCall, names: list[str]) -> None:
+        super().__init__()
+        self.call, self.names, self.count = call, names, len(call.state)
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        region, call = REGIONS[self.call.name], self.call
+        state, weights = list(inputs[: self.count]), inputs[self.count :]
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with (_reparametrize_module(call.args[0], dict(zip(self.names, weights, strict=True))),
+              region.holding(call.args, state) as args):  # fmt: skip
+            return region.flatten(call.function(*args))
+
+
+def package_name(key: str) -> str:
+    region = json.loads(key)["region"]
+    return f"{region}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt2"
+
+
+def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path: Path) -> Path:
+    """Export the recorded call and compile it into the package `path`."""
+    named = weights_of(call.name, call.args)
+    with torch.no_grad():
+        weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
+        state = [tensor.clone() for tensor in call.state]
+        dynamic = REGIONS[call.name].dynamic(call.args, limits, dynamic_tiles) + [None] * len(weights)
+        exported = torch.export.export(_Exported(call, [name for name, _ in named]), tuple(state + weights),
+                                       dynamic_shapes=(tuple(dynamic),), strict=False)  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+    return path
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+
+def load_package(path: Path, device: torch.device) -> Any:
+    """The package's runner, from its C++ loader (no host ISA check: the module docstring says why).
+    Single-threaded: the runner pool's own stream synchronisation is refused inside a CUDA graph
+    capture ("operation not permitted when stream is capturing", an H100), and a session runs one
+    region at a time anyway."""
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
+
+
+@dataclass
+class PackagedRegions:
+    """A `Compiler` whose regions run the packages built for them (`packages`: key → loaded runner);
+    a key without a package runs through `fallback` (dynamo) and is named in `missed`."""
+
+    packages: dict[str, Any]
+    fallback: Compiler
+    dynamic_tiles: bool = True
+    missed: list[str] = field(default_factory=list)
+    decode_needs_graph: bool = True
+    capturable: bool = True
+
+    @classmethod
+    def load(cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
+             ) -> PackagedRegions:  # fmt: skip
+        return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, dynamic_tiles)
+
+    def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        region = REGIONS[name]
+        weights: dict[int, list[Tensor]] = {}  # per module: its weights in the package's order
+        compiled: Callable[..., Any] | None = None
+
+        def call(*args: Any) -> Any:
+            nonlocal compiled
+            key = region_key(name, args, _dtype_of(args), self.dynamic_tiles)
+            runner = self.packages.get(key)
+            if runner is None:
+                if key not in self.missed:
+                    log.warning("no AOTInductor package for %s: compiled with dynamo", key)
+                    self.missed.append(key)
+                compiled = compiled or self.fallback.region(name, function, **options)
+                return compiled(*args)
+            found = weights.get(id(args[0]))
+            if found is None:
+                found = weights[id(args[0])] = [tensor for _, tensor in weights_of(name, args)]
+            return region.unflatten(runner.boxed_run([*region.state(args), *found]))
+
+        return call
+
+    def mark_dynamic(self, tensor: Tensor, dim: int) -> None:
+        pass
