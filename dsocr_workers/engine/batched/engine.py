@@ -187,7 +187,8 @@ class BatchedEngine:
         self._anchor_s = 0.0
         self._anchor: torch.cuda.Event | None = None
         if cuda_graphs:
-            self.runner.capture_all()
+            with torch.inference_mode():  # as every step runs: no autograd graph to trace (the expert ops have none)
+                self.runner.capture_all()
         self._set_anchor()
 
     @classmethod
