@@ -13,8 +13,9 @@ from datetime import datetime
 
 import pytest
 from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record, seconds_since
+from sqlalchemy import select
 
-from dsocr_workers.store.models import utcnow
+from dsocr_workers.store.models import JobAttempt, utcnow
 
 
 def child_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
@@ -168,3 +169,59 @@ def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path
     record("R3 kill -9 of a whole worker at the default lease and heartbeat", workers=2, lost=0,
            duplicated=tally.duplicates, requeued_after_kill_s=round((job.queued_at - at).total_seconds(), 1),
            done_after_kill_s=round(done_after, 1), tally=tally)  # fmt: skip
+
+
+def test_r3_a_killed_workers_messages_come_back_at_once_and_first(new_farm, tmp_path):
+    """Issue 31 item 2: a whole worker killed mid-job (its lane's parent and child), at the default
+    visibility timeout of an hour. Its lane held two messages, unacknowledged: the job it ran and the job it
+    had fetched for its child next (reserved in the ledger). Once a live worker's sweep finds the lease and
+    the reservation run out, both messages go back to the head of the queue: each is taken before the jobs
+    still queued then (at most the one message the live lane had fetched already goes before them), and
+    Redis holds no stale copy afterwards. Before, the sweep sent a new message for the running job to the
+    back of the queue, and the dead worker's own copy waited out the hour."""
+    lease_s = 8
+    farm = new_farm(DSOCR_LEASE_SECONDS=str(lease_s), DSOCR_HEARTBEAT_SECONDS="1")
+    listing = make_pages(tmp_path / "pages", 24)
+    run_id = farm.submit(listing, *SECOND_JOB)
+    victim = farm.start_worker()
+    farm.start_worker()  # the survivor, whose sweep brings the victim's jobs back
+    killed: dict[str, datetime] = {}  # the job running at the kill -> when
+    reserved: set[str] = set()  # the job the victim's lane had fetched for its child next
+
+    def kill_the_victim(current) -> None:
+        if killed or sum(j.state == "done" for j in current) < 2:  # both warm and working first
+            return
+        for job in current:
+            pid = owner_pid(job.lease_owner)
+            fetched = {j.id for j in current if j.reserved_by is not None and j.reserved_by == job.lease_owner}
+            if job.state == "running" and pid in victim.child_pids() and fetched and seconds_since(job.started_at) < 0.8:
+                victim.kill_all()
+                killed[job.id] = utcnow()
+                reserved.update(fetched)
+                return
+
+    farm.wait_until_final(run_id, timeout=240, tick=kill_the_victim, poll=0.1)
+    assert killed and reserved, "the victim was never caught running one job with the next one fetched"
+    # No stale copy of either message is left for the visibility timeout: drained, nothing abandoned.
+    tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=20)
+    assert tally.done == tally.jobs == tally.results == 24
+    ((running, at),) = killed.items()
+    (fetched,) = reserved
+    jobs = {j.id: j for j in farm.jobs(run_id)}
+    assert (jobs[running].attempts, jobs[running].last_error_class) == (2, "LeaseExpired")
+    assert jobs[fetched].attempts == 1  # never claimed before: it lost nothing, only its reservation
+    with farm.ledger().transaction() as session:
+        claims = session.execute(
+            select(JobAttempt.job_id, JobAttempt.claimed_at).where(JobAttempt.run_id == run_id)
+        ).all()  # fmt: skip
+    requeued_at = jobs[running].queued_at
+    retaken_at = max(claimed for job_id, claimed in claims if job_id == running)
+    fetched_at = next(claimed for job_id, claimed in claims if job_id == fetched)
+    # Back first: between the sweep and each one's claim, only the other one and the message the survivor's
+    # lane had fetched before the sweep.
+    for back_at in (retaken_at, fetched_at):
+        between = {job_id for job_id, claimed in claims if requeued_at < claimed < back_at} - {running, fetched}
+        assert len(between) <= 1, (back_at, sorted(claimed for _, claimed in claims))
+    assert any(claimed > max(retaken_at, fetched_at) for _, claimed in claims)  # newer work was still queued
+    record("R3 kill -9 of a whole worker: its messages back at once and first", workers=2, lease_s=lease_s,
+           requeued_after_kill_s=round((requeued_at - at).total_seconds(), 1), tally=tally)  # fmt: skip
