@@ -76,7 +76,7 @@ def _open_child(**_: object) -> None:
     except InputError as exc:  # a child that cannot run a job takes none: the worker stops, saying why
         if helpers is not None:
             helpers.stop()
-        refuse_to_work(f"child of lane {spec.lane} on {device}: {exc}")
+        refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
         settings, device, queues=queues, sweep=Sweep(queues, bring_back), cpu_threads=threads, runs_on=runs_on
     )
