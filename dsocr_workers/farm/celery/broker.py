@@ -9,9 +9,9 @@ head; `take_back_messages` does the same for the messages of a dead worker, foun
 An acknowledgement that fails because Redis is gone still releases the message in the worker.
 
 Stock kombu (5.7) acknowledges in two steps: remove the message from Redis's `unacked` index, then from
-the channel's own delivered set. When Redis is down the first step raises and the second never runs; with
-prefetch 1 the channel then believes it still holds a message, never polls Redis again, never notices the
-dead connection, and the worker sits idle for good after Redis comes back (found by the reliability
+the channel's own delivered set. When Redis is down the first step raises and the second never runs; the
+channel then believes it still holds the message, and once that fills its prefetch (1 message when this
+was found, 2 now) it never polls Redis again, never notices the dead connection, and the worker sits idle for good after Redis comes back (found by the reliability
 suite, scenario R4). Releasing the message locally is safe: if Redis lost it there is nothing left to
 remove; if Redis kept it (a blip), it is redelivered after the visibility timeout and the ledger's claim
 refuses the copy. The error is still raised, so Celery logs it as before.

@@ -7,8 +7,10 @@ comes in one `WorkerSpec`, set in its lane before the pool starts and inherited 
 (replacements too: billiard forks them from the same parent), never through the environment.
 
 Why a Celery worker per device rather than one parent with a child per device: a lane fetches one
-message beyond the one its child runs (prefetch multiplier 2, concurrency 1), and with one child that
-message is the child's next job, for sure. The parent tells its child which one (`NextMessage`, shared
+message beyond the one its child runs (prefetch multiplier 2, concurrency 1; farm/celery/app.py), and
+with one child that message is the child's next job, for sure. Both stay in Redis's unacknowledged set
+until done: a lane that dies holds them until its child's lease and reservation run out and a live
+worker's sweep puts them back (farm/liveness.py). The parent tells its child which one (`NextMessage`, shared
 memory), and the child prepares that job's page while its current job has the device
 (farm/job/prefetch.py). One parent with several children hands a fetched message to whichever child
 frees first, so no child can know its next job; guessing it from the ledger was wrong often enough on
@@ -207,10 +209,6 @@ def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
             "--pool=prefork",
             "--concurrency=1",
             f"--queues={','.join(spec.queues)}",
-            # The running job's message and the next one (`NextMessage`); acks_late keeps both in Redis's
-            # unacknowledged set until done: a lane that dies holds them until its child's lease or
-            # reservation runs out and a live worker's sweep puts them back (farm/liveness.py).
-            "--prefetch-multiplier=2",
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
             "--without-gossip",
             "--without-mingle",
