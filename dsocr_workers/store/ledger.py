@@ -319,7 +319,7 @@ def renew_leases(session: Session, owner: str, lease_s: float, now: datetime | N
     now = now or utcnow()
     until = now + timedelta(seconds=lease_s)
     held = (Job.state == "running") & (Job.lease_owner == owner)
-    session.execute(update(Job).where(Job.reserved_by == owner).values(reserved_until=until))
+    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES)).values(reserved_until=until))
     return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
 
 
@@ -479,19 +479,19 @@ def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
     return None if row is None else _waiting(row)
 
 
-def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None) -> WaitingJob | None:
+def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None) -> None:
     """Reserve `job_id` for `owner` (its worker fetched the job's message for it to run next) until
-    `lease_s` from now, giving up any other reservation of `owner`; returns the job as `waiting_job`
-    reads it (None: it is not waiting, nor claimed by `owner` already)."""
+    `lease_s` from now, if it is waiting. A process may hold several (a message fetched while the one
+    before it is not claimed yet); the ones on jobs no longer waiting (claimed by another: a duplicate
+    delivery) are given up here."""
     now = now or utcnow()
-    session.execute(update(Job).where(Job.reserved_by == owner, Job.id != job_id).values(**UNRESERVED))
+    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED))
     session.execute(
         update(Job).where(Job.id == job_id, Job.state.in_(WAITING_STATES))
         .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
     )  # fmt: skip
-    return waiting_job(session, job_id, owner)
 
 
-def drop_reservation(session: Session, owner: str) -> None:
-    """`owner` stops cleanly: the message of the job it reserved goes back to the broker with its worker."""
+def drop_reservations(session: Session, owner: str) -> None:
+    """`owner` stops cleanly: the messages of the jobs it reserved go back to the broker with its worker."""
     session.execute(update(Job).where(Job.reserved_by == owner).values(**UNRESERVED))

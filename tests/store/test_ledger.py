@@ -336,27 +336,24 @@ def test_reconcile_expires_leases_and_lists_open_jobs(database: Database):
 
 
 def test_a_reservation_names_the_next_job_holds_nothing_back_and_a_sweep_takes_it_from_the_dead(database: Database):
-    _, ids = make_run(database, images=3)
+    _, ids = make_run(database, images=4)
 
     def reserved() -> dict[str, str | None]:
         return {job_id: job(database, job_id).reserved_by for job_id in ids}
 
-    with database.transaction() as session:
-        waiting = ledger.reserve_job(session, ids[0], "h:1:me", lease_s=60)
-    assert waiting == ledger.WaitingJob(ids[0], Path("/data/img0.png"), "tiny", {"mode": "gundam"})
-    with database.transaction() as session:  # one reservation per process: the next one replaces it
-        assert ledger.reserve_job(session, ids[1], "h:1:me", lease_s=60).job_id == ids[1]
-        assert ledger.reserve_job(session, ids[2], "h:2:dead", lease_s=60).job_id == ids[2]
-    assert reserved() == {ids[0]: None, ids[1]: "h:1:me", ids[2]: "h:2:dead"}
-    # A claim by another process ignores the reservation and clears it; nobody can reserve a running job.
+    with database.transaction() as session:  # a process may hold several: fetched before the last is claimed
+        for job_id, owner in zip(ids, ("h:1:me", "h:1:me", "h:2:dead", "h:3:other"), strict=True):
+            ledger.reserve_job(session, job_id, owner, lease_s=60)
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: "h:1:me", ids[2]: "h:2:dead", ids[3]: "h:3:other"}
+    # A claim by another process ignores the reservation and clears it; a running job is not reserved.
     claim(database, ids[1], "h:3:other")
+    claim(database, ids[3], "h:3:other")
     with database.transaction() as session:
-        assert ledger.reserve_job(session, ids[1], "h:1:me", lease_s=60) is None
-    assert reserved()[ids[1]] is None and job(database, ids[1]).state == "running"
+        ledger.reserve_job(session, ids[1], "h:1:me", lease_s=60)
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: None, ids[2]: "h:2:dead", ids[3]: None}
     # Only a reservation whose process stopped beating runs out: the sweep hands its job back, once.
     after_lease = utcnow() + timedelta(seconds=61)
     with database.transaction() as session:
-        ledger.reserve_job(session, ids[0], "h:1:me", lease_s=60)
         ledger.renew_leases(session, "h:1:me", 60, now=after_lease)
         ledger.renew_leases(session, "h:3:other", 60, now=after_lease)
     with database.transaction() as session:
@@ -365,12 +362,14 @@ def test_a_reservation_names_the_next_job_holds_nothing_back_and_a_sweep_takes_i
         second = ledger.expire_leases(session, max_attempts=CAP, now=after_lease, queues=["q"])
     assert first == ledger.ExpiredLeases([], [], [(ids[2], "q")]) and first.to_bring_back == [(ids[2], "q")]
     assert second == ledger.ExpiredLeases([], [])
-    assert reserved() == {ids[0]: "h:1:me", ids[1]: None, ids[2]: None}
-    assert job(database, ids[2]).state == "queued"  # untouched otherwise
-    with database.transaction() as session:  # a clean stop gives its reservation up
-        ledger.drop_reservation(session, "h:1:me")
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: None, ids[2]: None, ids[3]: None}
+    assert (job(database, ids[2]).state, job(database, ids[2]).attempts) == ("queued", 0)  # nothing else changed
+    with database.transaction() as session:  # a clean stop gives its reservations up
+        ledger.drop_reservations(session, "h:1:me")
         assert ledger.waiting_job(session, ids[1], "h:1:me") is None  # another's
         assert ledger.waiting_job(session, ids[1], "h:3:other").job_id == ids[1]  # claimed by the reader
+        waiting = ledger.waiting_job(session, ids[0], "h:1:me")
+    assert waiting == ledger.WaitingJob(ids[0], Path("/data/img0.png"), "tiny", {"mode": "gundam"})
     assert reserved() == dict.fromkeys(ids)
 
 

@@ -7,8 +7,8 @@ compile cache for all of them.
 
 The lane's parent tells its child which job it has fetched for it next (`NextMessage`): it lists each
 message it receives (`task_received`) until the child starts it or the message is acknowledged or given
-back (`JobRequest`). The child reserves that job in the ledger and prepares its page while its current
-job runs.
+back (`JobRequest`). A thread of the child reserves that job in the ledger as soon as it shows, and the
+prefetch thread prepares its page while the current job runs.
 
 A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
 the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from functools import partial
 
 from billiard.process import current_process
@@ -47,6 +48,7 @@ from dsocr_workers.store.db import open_database
 log = logging.getLogger("dsocr.worker")
 
 _process: JobProcess | None = None
+_stopping = threading.Event()  # ends the child's thread that reserves its next jobs
 
 
 @worker_process_init.connect
@@ -80,6 +82,8 @@ def _open_child(**_: object) -> None:
     _process = JobProcess.open(
         settings, device, queues=queues, sweep=Sweep(queues, bring_back), cpu_threads=threads, runs_on=runs_on
     )
+    threading.Thread(target=spec.next_message.follow, args=(_process.reserve, _stopping), daemon=True,
+                     name="dsocr-next-message").start()  # fmt: skip
     seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
     log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
     if plan is not None:
@@ -95,6 +99,7 @@ def _open_child(**_: object) -> None:
 
 @worker_process_shutdown.connect
 def _close_child(**_: object) -> None:
+    _stopping.set()
     if _process is not None:
         _process.close()
 
@@ -183,11 +188,10 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
 
     def upcoming(session: Session) -> ledger.WaitingJob | None:
-        # On the prefetch thread, while this job runs: the job the lane fetched for this child next.
+        # On the prefetch thread, while this job runs: the job the lane fetched for this child next
+        # (reserved already by the child's `NextMessage.follow` thread).
         next_job = next_message.after(job_id)
-        return None if next_job is None else ledger.reserve_job(
-            session, next_job, process.owner, lease_s=process.settings.lease_s
-        )  # fmt: skip
+        return None if next_job is None else ledger.waiting_job(session, next_job, process.owner)
 
     infer = partial(process.infer, upcoming=upcoming)
     try:

@@ -30,10 +30,11 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import RawArray
@@ -67,13 +68,17 @@ class NextMessage:
 
     The parent (Celery's consumer) lists, in order, the job messages it has received and its child has
     not started: with one child and Celery's fair scheduling they go to it in that order. It writes the
-    first to memory shared with the child; the child, running a job, reads the one that is not that job.
-    A message held back for a retry's countdown (an ETA) is left out: it runs when due, in between, and
-    the page prepared for the listed job is then not used (a page of host work lost, nothing else). The
-    child only reads (no lock: a child killed mid-read must not leave one held). A read that meets a
-    write halfway gets an id no job has, which the reservation finds no job for."""
+    first to memory shared with the child and signals a semaphore. In the child, one thread reserves each
+    job shown in the ledger as soon as it shows (`follow`: milliseconds after its message came in, so
+    that a lane killed with it loses it only to a sweep, not to the visibility timeout), and the
+    prefetch thread, while a job runs, takes the one that is not that job (`after`). A message held back
+    for a retry's countdown (an ETA) is left out: it runs when due, in between, and the page prepared
+    for the listed job is then not used (a page of host work lost, nothing else). The child only reads
+    the memory (no lock: a child killed mid-read must not leave one held); a read that meets a write
+    halfway gets an id no job has, which the ledger finds no job for."""
 
     slot: Any = field(default_factory=lambda: RawArray(ctypes.c_char, JOB_ID_BYTES), repr=False)
+    changed: Any = field(default_factory=lambda: multiprocessing.get_context("fork").Semaphore(0), repr=False)
     _listed: deque[str] = field(default_factory=deque, repr=False)  # the parent's own, not shared
 
     def fetched(self, job_id: str) -> None:
@@ -87,11 +92,26 @@ class NextMessage:
             self._listed.remove(job_id)
             self._show()
 
+    def follow(self, reserve: Callable[[str], None], stopping: threading.Event) -> None:
+        """In the child, on a thread of its own until `stopping`: `reserve(job_id)` for each job shown,
+        once (tried again every second while it fails: a ledger outage)."""
+        reserved = ""
+        while not stopping.is_set():
+            self.changed.acquire(timeout=1.0)  # blocks without the GIL: no cost to the running job
+            shown = self._read()
+            if shown and shown != reserved:
+                try:
+                    reserve(shown)
+                except Exception:
+                    log.warning("could not reserve job %s, fetched next", shown, exc_info=True)
+                else:
+                    reserved = shown
+
     def after(self, job_id: str, wait_s: float = NEXT_MESSAGE_WAIT_S) -> str | None:
         """In the child running `job_id`: the job it runs next, if its lane has fetched one within `wait_s`."""
         deadline = time.monotonic() + wait_s
         while True:
-            shown = bytes(self.slot.value).decode(errors="replace")
+            shown = self._read()
             if shown and shown != job_id:
                 return shown
             if time.monotonic() >= deadline:
@@ -100,6 +120,10 @@ class NextMessage:
 
     def _show(self) -> None:
         self.slot.value = (self._listed[0] if self._listed else "").encode()[: JOB_ID_BYTES - 1]
+        self.changed.release()
+
+    def _read(self) -> str:
+        return bytes(self.slot.value).decode(errors="replace")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ thread prepares the page of the job this process runs next:
 
 - Which job: `Upcoming` reads it from the ledger, in the thread's own transaction. `dsocr run` knows
   its line (`ledger.waiting_job`); a Celery child is told by its lane's parent which message it has
-  fetched for it next (farm/celery/worker.py `NextMessage`) and reserves that job
-  (`ledger.reserve_job`: so that a sweep brings the message back if the lane dies with it).
+  fetched for it next (farm/celery/worker.py `NextMessage`), which another thread of the child has
+  reserved (`ledger.reserve_job`: so that a sweep brings the message back if the lane dies with it).
 - Nothing is claimed or leased: the page is kept for its job id, and a job takes it only if it is
   its own (same job, image, prompt, mode and model); any other job drops it (a retry whose countdown
   ended in between), costing one page of host work. A process that dies loses a page, never a job.

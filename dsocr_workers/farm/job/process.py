@@ -116,9 +116,9 @@ class JobProcess:
     def close(self) -> None:
         self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
-        try:  # a clean stop: the reserved job's message goes back with this process's worker (kombu restores it)
+        try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
             with self.db.transaction() as tx:
-                ledger.drop_reservation(tx, self.owner)
+                ledger.drop_reservations(tx, self.owner)
         except Exception:  # the ledger is down: the reservation runs out and a sweep brings the job back
             log.warning("could not drop the reservation of %s", self.owner, exc_info=True)
         self.heartbeat.stop()
@@ -190,6 +190,11 @@ class JobProcess:
         with self.db.transaction() as tx:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
         return LoadedSession(key, session, fingerprint["id"], worker_session_id="")
+
+    def reserve(self, job_id: str) -> None:
+        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py `reserve_job`)."""
+        with self.db.transaction() as tx:
+            ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
 
     def prepare_for(self, job_id: str) -> None:
         """Before the claim: load and warm what this job's run needs, so the job does not pay for it.
