@@ -5,6 +5,8 @@ in Redis's unacknowledged set for the visibility timeout."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import redis
 
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.redis
 
 
 def test_a_message_given_back_goes_to_the_head_of_its_queue(broker_env):
-    queue, prefix = broker_env["DSOCR_QUEUE"], broker_env["DSOCR_BROKER_KEY_PREFIX"]
+    tag = uuid.uuid4().hex[:8]  # the session's prefix is shared: keys of this test's own
+    queue, prefix = f"{broker_env['DSOCR_QUEUE']}-{tag}", f"{broker_env['DSOCR_BROKER_KEY_PREFIX']}{tag}:"
     app = create_app(Settings(broker_url=broker_env["DSOCR_BROKER_URL"], broker_key_prefix=prefix, queue=queue))
     send_job_messages(app, [(job_id, queue) for job_id in ("a", "b", "c", "d")], [], {})
     client = redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"])
