@@ -1,6 +1,6 @@
 """Celery's own time between two tasks of one prefork child (issue 10 item 3): a bare task that sleeps
 100 ms, run back to back from a full queue by one child with the farm's settings (`acks_late`, prefork,
-concurrency 1), with Celery's prefetch multiplier 1 (the farm's) and 2. The gap is one task's end to the
+concurrency 1), with Celery's prefetch multiplier 1 (the farm's until issue 31) and 2 (the farm's since). The gap is one task's end to the
 next one's start, both stamped in the child: the child reporting back, the parent acknowledging the
 message and fetching the next one, and handing it to the child. Nothing of dsocr_workers runs here, so
 this is the floor under the farm's own time between jobs on the host it runs on.

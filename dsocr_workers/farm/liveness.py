@@ -5,15 +5,16 @@ Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
 1. renews the lease of every job this process holds and stamps its `worker_processes` row, so a job
    whose worker lives never loses its lease however long it runs (the hard time limit ends a stuck one);
 2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
-   killed with its parent, frozen, cut off from the database — is set back to `queued` and its message
-   sent again, or poisoned at the attempt cap. A dead worker's job is back in its queue at most
-   lease + heartbeat (70 s by default) after the holder's last beat: no `dsocr reconcile` typed, no
-   beat process to deploy. The message is sent inside the sweep's transaction: a broker error rolls the
-   change back for the next sweep; a commit that fails after the send leaves a message whose claim sees
-   an expired lease and takes the job as a new attempt, as it would anyway.
-
-The dead holder's own message still sits in Redis's unacknowledged set; it comes back after the
-visibility timeout and its claim is refused (done, or held by the new owner): at most one result.
+   killed with its parent, frozen, cut off from the database — is set back to `queued`, or poisoned at
+   the attempt cap; every waiting job whose reservation expired (its reserver's lane fetched it to run
+   next, then stopped beating) loses it. The messages the dead worker held go back to the head of their
+   queues (`bring_back_job_messages`: taken out of Redis's unacknowledged set, where they would otherwise
+   wait out the visibility timeout, an hour by default), so such a job is taken before any job queued
+   since. A dead worker's job is back in its queue at most lease + heartbeat (70 s by default) after the
+   holder's last beat: no `dsocr reconcile` typed, no beat process to deploy. The messages are put back
+   inside the sweep's transaction: a broker error rolls the change back for the next sweep; a commit
+   that fails after it leaves a message whose claim sees an expired lease (or a stale reservation, which
+   a claim ignores) and takes the job, as it would anyway.
 
 A beat is one short transaction; the thread holds the GIL only for that, a few milliseconds every ten
 seconds, next to jobs that the engine times with CUDA events.
@@ -40,7 +41,8 @@ from dsocr_workers.store.upsert import upsert
 
 log = logging.getLogger("dsocr.worker")
 
-# Sends one message per (job id, queue), or raises; called inside the sweep's transaction, with its session.
+# Puts the message of each (job id, queue) back in its queue, or raises; called inside the sweep's
+# transaction, with its session.
 Publish = Callable[[Session, list[tuple[str, str]]], None]
 
 
@@ -57,6 +59,7 @@ class Beat:
     renewed: int  # leases of this process's jobs extended
     requeued: list[tuple[str, str]]  # (job id, queue) taken back from a dead holder and sent again
     poisoned: list[str]  # the same at the attempt cap
+    unreserved: list[tuple[str, str]]  # (job id, queue) fetched by a dead worker to run next, sent again
 
 
 class Heartbeat:
@@ -82,19 +85,21 @@ class Heartbeat:
             renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now)
         self.registered = True
         if self.sweep is None:
-            return Beat(renewed, [], [])
+            return Beat(renewed, [], [], [])
         with self.db.transaction() as session:
             expired = ledger.expire_leases(
                 session, max_attempts=self.settings.max_attempts, now=now, queues=self.sweep.queues,
                 spare_owner=self.owner,
             )  # fmt: skip
-            if expired.requeued:
-                self.sweep.publish(session, expired.requeued)  # raises: rolled back, the next sweep tries again
+            if expired.to_bring_back:
+                self.sweep.publish(session, expired.to_bring_back)  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
+        for job_id, queue in expired.unreserved:
+            log.warning("job %s: the worker that fetched it stopped beating; back on %s", job_id, queue)
         for job_id in expired.poisoned:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
-        return Beat(renewed, expired.requeued, expired.poisoned)
+        return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved)
 
     def start(self) -> None:
         """Beat once now (registering this process), then every heartbeat interval until `stop`."""

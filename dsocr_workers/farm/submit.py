@@ -22,7 +22,7 @@ from dsocr_workers.engine.result import ModelSource
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.celery.app import create_app
 from dsocr_workers.farm.celery.broker import job_ids_in_broker
-from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
+from dsocr_workers.farm.celery.messages import bring_back_job_messages, job_labels, send_job_messages
 from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name, redacted
@@ -238,10 +238,11 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
 def reconcile_and_enqueue(
     db: Database, app: Any, settings: Settings, *, run_id: str | None = None
 ) -> tuple[ledger.ReconcilePlan, int]:
-    """Expire stale leases, then send a message for every open job that Redis holds none for. A job whose
-    message waits in its queue gets no duplicate, nor does one delivered to a worker (prefetched, or in a
-    retry's countdown) unless its lease just expired: then its holder is gone, and its message would only
-    come back after the visibility timeout."""
+    """Expire stale leases and reservations, then send a message for every open job that Redis holds
+    none for. A job whose message waits in its queue gets no duplicate, nor does one delivered to a worker
+    (prefetched, or in a retry's countdown) unless its lease or reservation just expired: then its holder
+    is gone, and its message, which would only come back after the visibility timeout, is put back at the
+    head of its queue (or sent again where it is gone). Returns the plan and the messages sent or put back."""
     with db.transaction() as session:
         plan = ledger.reconcile(session, max_attempts=settings.max_attempts, run_id=run_id)
     try:
@@ -250,8 +251,18 @@ def reconcile_and_enqueue(
         )
     except (redis.RedisError, ValueError, KeyError, IndexError) as exc:
         raise TransientError(f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}") from exc
-    held = waiting | (delivered - plan.expired_ids)
-    return plan, enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])
+    abandoned = [(job_id, queue) for job_id, queue in plan.requeue if job_id in plan.expired_ids and job_id not in waiting]
+    if abandoned:
+        from kombu.exceptions import OperationalError
+
+        try:
+            with db.transaction() as session:
+                bring_back_job_messages(app, session, abandoned)
+        except (OperationalError, OSError, redis.RedisError) as exc:
+            raise TransientError(f"broker unavailable while putting back {len(abandoned)} messages: {exc}") from exc
+    held = waiting | delivered | plan.expired_ids
+    sent = enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])
+    return plan, len(abandoned) + sent
 
 
 def reconcile_run(settings: Settings, run_ref: str | None) -> tuple[ledger.ReconcilePlan, int]:

@@ -9,13 +9,19 @@ reconcile. Each function runs inside the caller's transaction (`Database.transac
 
 Every change to a running job is guarded by its lease owner, so a worker that lost its lease (it was
 too slow, or its job was taken over) can never write a result or a state over the new owner's.
+
+A waiting job may also be reserved (`reserve_job`): the process whose worker fetched its message to run
+next names itself on it while it prepares the page, until `reserved_until` (renewed by its heartbeat
+with its leases). A reservation holds nothing back: a claim ignores it and clears it. It is there for
+the sweep (`expire_leases`): a reservation that ran out names a job whose message sits with a dead
+worker, to be brought back to its queue at once rather than after the broker's visibility timeout.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -31,6 +37,7 @@ WAITING_STATES = ("pending", "queued")  # waiting for a worker: not running, not
 # A profiled job's result carries its `job_profiles` row (less its ids) under this key: `complete_job`
 # writes both in one transaction.
 PROFILE = "profile"
+UNRESERVED: dict[str, Any] = {"reserved_by": None, "reserved_until": None}
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,7 @@ def claim_job(
         session.execute(
             update(Job)
             .where(unchanged)
-            .values(state="poisoned", lease_owner=None, lease_expires_at=None, finished_at=now, **lost)
+            .values(state="poisoned", lease_owner=None, lease_expires_at=None, finished_at=now, **UNRESERVED, **lost)
         )
         return Refusal(job_id, f"poisoned after {job.attempts} attempts", "poisoned")
 
@@ -150,6 +157,7 @@ def claim_job(
             lease_owner=owner,
             lease_expires_at=lease_expires_at,
             started_at=now,
+            **UNRESERVED,
             **lost,
         )
     )
@@ -315,18 +323,26 @@ def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None =
 
 
 def renew_leases(session: Session, owner: str, lease_s: float, now: datetime | None = None) -> int:
-    """Extend every lease `owner` holds to `lease_s` from now (its heartbeat). Returns how many."""
+    """Extend every lease `owner` holds, and its reservation, to `lease_s` from now (its heartbeat).
+    Returns how many leases."""
     now = now or utcnow()
+    until = now + timedelta(seconds=lease_s)
     held = (Job.state == "running") & (Job.lease_owner == owner)
-    return _rowcount(
-        session.execute(update(Job).where(held).values(lease_expires_at=now + timedelta(seconds=lease_s)))
-    )
+    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES)).values(reserved_until=until))
+    return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
 
 
 @dataclass(frozen=True)
 class ExpiredLeases:
     requeued: list[tuple[str, str]]  # (job id, queue): its holder stopped renewing; queued again here
     poisoned: list[str]  # the same at the attempt cap: poisoned instead
+    # (job id, queue): waiting, its reservation ran out: its message sits with a worker that stopped beating
+    unreserved: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def to_bring_back(self) -> list[tuple[str, str]]:
+        """The jobs whose messages a dead worker holds: every one to be put back in its queue."""
+        return self.requeued + self.unreserved
 
 
 def expire_leases(
@@ -340,9 +356,9 @@ def expire_leases(
 ) -> ExpiredLeases:
     """Take back every running job whose lease expired (in one run, or in runs on `queues`): `queued`
     again for a new attempt, or `poisoned` at the attempt cap. `spare_owner`'s own jobs are left alone
-    (a live process sweeping must not take its own job). Each job is changed under a guard on what was
-    read, so of several processes sweeping at once exactly one reports each job: the one that sends its
-    message."""
+    (a live process sweeping must not take its own job). Waiting jobs whose reservation expired lose it
+    (`unreserved`). Each job is changed under a guard on what was read, so of several processes sweeping
+    at once exactly one reports each job: the one that sends its message."""
     now = now or utcnow()
     stale = (Job.state == "running") & (Job.lease_expires_at <= now)
     if run_id is not None:
@@ -377,7 +393,27 @@ def expire_leases(
             poisoned.append(job_id)
         else:
             requeued.append((job_id, queue))
-    return ExpiredLeases(requeued, poisoned)
+    return ExpiredLeases(requeued, poisoned, _expire_reservations(session, now, run_id, queues, spare_owner))
+
+
+def _expire_reservations(
+    session: Session, now: datetime, run_id: str | None, queues: Iterable[str] | None, spare_owner: str | None
+) -> list[tuple[str, str]]:
+    stale = Job.state.in_(WAITING_STATES) & (Job.reserved_until <= now)
+    if run_id is not None:
+        stale &= Job.run_id == run_id
+    if queues is not None:
+        stale &= Run.queue.in_(list(queues))
+    if spare_owner is not None:
+        stale &= Job.reserved_by != spare_owner
+    rows = session.execute(select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)).all()
+    unreserved = []
+    for job_id, owner, queue in rows:
+        unchanged = ((Job.id == job_id) & Job.state.in_(WAITING_STATES) & (Job.reserved_by == owner)
+                     & (Job.reserved_until <= now))  # fmt: skip
+        if _rowcount(session.execute(update(Job).where(unchanged).values(**UNRESERVED))) == 1:
+            unreserved.append((job_id, queue))
+    return unreserved
 
 
 @dataclass(frozen=True)
@@ -386,7 +422,8 @@ class ReconcilePlan:
     expired: int  # running jobs whose lease had expired: queued again, or poisoned at the cap
     poisoned: int  # of those, the ones poisoned
     running: int  # jobs still running under a live lease (left alone)
-    expired_ids: frozenset[str] = frozenset()  # the expired jobs queued again (their holder is gone)
+    # the expired jobs queued again and those whose reservation expired: a dead worker holds their messages
+    expired_ids: frozenset[str] = frozenset()
 
 
 def reconcile(
@@ -410,7 +447,7 @@ def reconcile(
         len(expired.requeued) + len(expired.poisoned),
         len(expired.poisoned),
         running,
-        frozenset(job_id for job_id, _ in expired.requeued),
+        frozenset(job_id for job_id, _ in expired.to_bring_back),
     )
 
 
@@ -452,24 +489,19 @@ def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
     return None if row is None else _waiting(row)
 
 
-def next_waiting_job(session: Session, queues: Iterable[str], owner: str) -> WaitingJob | None:
-    """A guess at the job `owner` will be delivered next from `queues`, for a prefetch. A queue hands out
-    its messages in the order they were sent (runs in the order they were queued, a run's jobs by line
-    and repeat, a job sent again at the back) to whichever process frees first. Jobs of one run take
-    about the same time, so the processes free in the order their jobs started: the waiting job after
-    one per job of another process that started before `owner`'s (every other running job when `owner`
-    runs none). Two processes guessing "the head" would prepare the same page and one of them would be
-    wrong on every turn (measured on two H200s: 59 of 84 pages prefetched, device idle p90 64 ms).
-    Two counts and one read of the waiting jobs (both by index), sorted; a wrong guess costs a page
-    prepared for nothing."""
-    on_queues = Run.queue.in_(list(queues))
-    mine = session.scalar(select(func.min(Job.started_at)).where(Job.state == "running", Job.lease_owner == owner))
-    busy = session.scalar(
-        select(func.count()).select_from(Job).join(Run, Job.run_id == Run.id)
-        .where(on_queues, Job.state == "running", Job.lease_owner != owner, *([Job.started_at < mine] if mine else []))
+def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None) -> None:
+    """Reserve `job_id` for `owner` (its worker fetched the job's message for it to run next) until
+    `lease_s` from now, if it is waiting. A process may hold several (a message fetched while the one
+    before it is not claimed yet); the ones on jobs no longer waiting (claimed by another: a duplicate
+    delivery) are given up here."""
+    now = now or utcnow()
+    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED))
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.state.in_(WAITING_STATES))
+        .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
     )  # fmt: skip
-    sent_order = (func.coalesce(Job.queued_at, Job.created_at), Job.run_id, Job.line, Job.repeat)
-    row = session.execute(
-        _waiting_columns().where(on_queues, Job.state.in_(WAITING_STATES)).order_by(*sent_order).offset(busy).limit(1)
-    ).one_or_none()
-    return None if row is None else _waiting(row)
+
+
+def drop_reservations(session: Session, owner: str) -> None:
+    """`owner` stops cleanly: the messages of the jobs it reserved go back to the broker with its worker."""
+    session.execute(update(Job).where(Job.reserved_by == owner).values(**UNRESERVED))

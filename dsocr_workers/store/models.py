@@ -64,6 +64,8 @@ class Job(Base):
         # Every heartbeat renews its owner's leases and looks for expired ones (farm/liveness.py).
         Index("ix_jobs_lease_owner", "lease_owner"),
         Index("ix_jobs_state_lease_expires", "state", "lease_expires_at"),
+        # Every heartbeat renews its owner's reservation too.
+        Index("ix_jobs_reserved_by", "reserved_by"),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)  # job_id_for(run, image, repeat)
@@ -75,6 +77,11 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[datetime | None]
+    # A waiting job a worker process fetched from the broker to run next and prepares the page of
+    # (farm/job/prefetch.py), until `reserved_until` (renewed by its heartbeat). Nothing else: a claim
+    # ignores it and clears it; a sweep brings the job's message back once it expires.
+    reserved_by: Mapped[str | None] = mapped_column(String(200))
+    reserved_until: Mapped[datetime | None]
     last_error_class: Mapped[str | None] = mapped_column(String(200))
     last_error_message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -212,6 +212,51 @@ def test_a_worker_with_jobs_queued_prefetches_the_next_page(pages, postgres_url,
     assert process["prefetched"] == len(PAGES) - 1 and process["device idle between jobs p50 ms"] > 0
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres_url, broker_env, subprocess_env,
+                                                                 tmp_path):  # fmt: skip
+    """Two CPU lanes (`--concurrency-per-device 2`) on one queue, pages whose crop grids make their jobs
+    take different times: each child is told which job its lane fetched for it next, so every job after a
+    child's first ran on a page its own child prepared while the previous job ran (a guess at the next
+    message, as before, missed whenever the jobs ended in another order than they started)."""
+    queue = broker_env["DSOCR_QUEUE"] + "-lanes"
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue,
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    submitted = dsocr("submit", str(pages), "--max-new-tokens", "16", "--ignore-eos", "--mode", "gundam",
+                      "--repeats", "3", env=env)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", "--concurrency-per-device", "2",
+             "--loglevel", "INFO"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": 3 * len(PAGES)}
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=90)
+    assert worker.returncode == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        ran = session.execute(
+            select(WorkerSession.worker_process_id, Job.started_at, Result.prefetched, Result.page_wait_ms)
+            .join(Result, Result.job_id == Job.id).join(WorkerSession, WorkerSession.id == Result.worker_session_id)
+            .where(Job.run_id == run_id).order_by(Job.started_at)
+        ).all()  # fmt: skip
+        reserved = session.scalars(select(Job.id).where(Job.run_id == run_id, Job.reserved_by.is_not(None))).all()
+    db.dispose()
+    by_process: dict[str, list[bool]] = {}
+    for process, _, prefetched, page_wait_ms in ran:
+        by_process.setdefault(process, []).append(prefetched)
+        assert page_wait_ms is not None and page_wait_ms >= 0
+    assert len(by_process) == 2, by_process  # both lanes worked
+    assert all(flags == [False] + [True] * (len(flags) - 1) for flags in by_process.values()), by_process
+    assert reserved == []  # every reservation ended with its claim
+
+
 def test_dsocr_run_on_sqlite_creates_the_schema_records_its_queue_and_reports(pages, tmp_path, subprocess_env):
     """What one `dsocr run` on SQLite records and prints (one run: its subprocess loading the model is
     the costly part): the schema, every result, the run's queue, its process's beats and clean stop."""

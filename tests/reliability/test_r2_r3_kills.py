@@ -1,7 +1,9 @@
 """R2: `kill -9` of a worker's child mid-job, many times in one run — the killed jobs finish on a later
-attempt (Celery's reject_on_worker_lost puts the message back; the claim sees the dead lease owner).
-R3: `kill -9` of whole workers (parent and child) — nothing puts their message back: the surviving
-workers' heartbeats find the dead holder's lease expired and requeue its job, within lease + heartbeat
+attempt (Celery's reject_on_worker_lost puts the message back, at the head of the queue; the claim sees
+the dead lease owner).
+R3: `kill -9` of whole workers (parent and child) — Celery puts nothing back: the surviving workers'
+heartbeats find the dead holder's lease (and the reservation of the job its lane had fetched next)
+expired and put the dead worker's messages back at the head of the queue, within lease + heartbeat
 seconds of its last beat, with nothing typed (farm/liveness.py)."""
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from datetime import datetime
 
 import pytest
 from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record, seconds_since
+from sqlalchemy import select
 
-from dsocr_workers.store.models import utcnow
+from dsocr_workers.store.models import JobAttempt, utcnow
 
 
 def child_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
@@ -71,16 +74,11 @@ LEASE_S, HEARTBEAT_S = 15, 3
 
 
 def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> None:
-    # A short lease and heartbeat, and a visibility timeout that returns the dead workers' unacknowledged
-    # messages within the test (refused as already done, and acknowledged). Nobody runs `dsocr reconcile`.
-    # The visibility timeout is 4 x the lease: a live worker's sweep (lease + heartbeat after the last
-    # beat) must come first, or the redelivered message takes the job (WorkerLost, not LeaseExpired);
-    # at 2 x, a CI machine running three test processes let the redelivery win once.
+    # A short lease and heartbeat; the visibility timeout stays the default hour: the sweep that takes a
+    # dead worker's jobs back puts its messages back too. Nobody runs `dsocr reconcile`.
     # The hard limit stays the harness's 30 s: the lease no longer has to outlast it (heartbeats renew it),
     # and a 1 s job can take several on a loaded 2-core machine.
-    farm = new_farm(
-        DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S), DSOCR_VISIBILITY_TIMEOUT=str(4 * LEASE_S),
-    )  # fmt: skip
+    farm = new_farm(DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S))
     listing = make_pages(tmp_path / "pages", jobs)
     run_id = farm.submit(listing, *SECOND_JOB)
     workers = [farm.start_worker() for _ in range(3)]
@@ -156,7 +154,7 @@ def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path
 
     farm.wait_until_final(run_id, timeout=240, tick=kill_one, poll=0.2)
     (job_id, at), = killed.items()
-    tally = check_invariants(farm, run_id, max_attempts=3, abandoned=frozenset(killed))
+    tally = check_invariants(farm, run_id, max_attempts=3)  # the killed worker's messages were put back, none left
     job = {j.id: j for j in farm.jobs(run_id)}[job_id]
     done_after = (job.finished_at - at).total_seconds()
     assert (job.state, job.attempts, job.last_error_class) == ("done", 2, "LeaseExpired")
@@ -168,3 +166,59 @@ def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path
     record("R3 kill -9 of a whole worker at the default lease and heartbeat", workers=2, lost=0,
            duplicated=tally.duplicates, requeued_after_kill_s=round((job.queued_at - at).total_seconds(), 1),
            done_after_kill_s=round(done_after, 1), tally=tally)  # fmt: skip
+
+
+def test_r3_a_killed_workers_messages_come_back_at_once_and_first(new_farm, tmp_path):
+    """Issue 31 item 2: a whole worker killed mid-job (its lane's parent and child), at the default
+    visibility timeout of an hour. Its lane held two messages, unacknowledged: the job it ran and the job it
+    had fetched for its child next (reserved in the ledger). Once a live worker's sweep finds the lease and
+    the reservation run out, both messages go back to the head of the queue: each is taken before the jobs
+    still queued then (at most the one message the live lane had fetched already goes before them), and
+    Redis holds no stale copy afterwards. Before, the sweep sent a new message for the running job to the
+    back of the queue, and the dead worker's own copy waited out the hour."""
+    lease_s = 8
+    farm = new_farm(DSOCR_LEASE_SECONDS=str(lease_s), DSOCR_HEARTBEAT_SECONDS="1")
+    listing = make_pages(tmp_path / "pages", 24)
+    run_id = farm.submit(listing, *SECOND_JOB)
+    victim = farm.start_worker()
+    farm.start_worker()  # the survivor, whose sweep brings the victim's jobs back
+    killed: dict[str, datetime] = {}  # the job running at the kill -> when
+    reserved: set[str] = set()  # the job the victim's lane had fetched for its child next
+
+    def kill_the_victim(current) -> None:
+        if killed or sum(j.state == "done" for j in current) < 2:  # both warm and working first
+            return
+        for job in current:
+            pid = owner_pid(job.lease_owner)
+            fetched = {j.id for j in current if j.reserved_by is not None and j.reserved_by == job.lease_owner}
+            if job.state == "running" and pid in victim.child_pids() and fetched and seconds_since(job.started_at) < 0.8:
+                victim.kill_all()
+                killed[job.id] = utcnow()
+                reserved.update(fetched)
+                return
+
+    farm.wait_until_final(run_id, timeout=240, tick=kill_the_victim, poll=0.1)
+    assert killed and reserved, "the victim was never caught running one job with the next one fetched"
+    # No stale copy of either message is left for the visibility timeout: drained, nothing abandoned.
+    tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=20)
+    assert tally.done == tally.jobs == tally.results == 24
+    ((running, at),) = killed.items()
+    (fetched,) = reserved
+    jobs = {j.id: j for j in farm.jobs(run_id)}
+    assert (jobs[running].attempts, jobs[running].last_error_class) == (2, "LeaseExpired")
+    assert jobs[fetched].attempts == 1  # never claimed before: it lost nothing, only its reservation
+    with farm.ledger().transaction() as session:
+        claims = session.execute(
+            select(JobAttempt.job_id, JobAttempt.claimed_at).where(JobAttempt.run_id == run_id)
+        ).all()  # fmt: skip
+    requeued_at = jobs[running].queued_at
+    retaken_at = max(claimed for job_id, claimed in claims if job_id == running)
+    fetched_at = next(claimed for job_id, claimed in claims if job_id == fetched)
+    # Back first: between the sweep and each one's claim, only the other one and the message the survivor's
+    # lane had fetched before the sweep.
+    for back_at in (retaken_at, fetched_at):
+        between = {job_id for job_id, claimed in claims if requeued_at < claimed < back_at} - {running, fetched}
+        assert len(between) <= 1, (back_at, sorted(claimed for _, claimed in claims))
+    assert any(claimed > max(retaken_at, fetched_at) for _, claimed in claims)  # newer work was still queued
+    record("R3 kill -9 of a whole worker: its messages back at once and first", workers=2, lease_s=lease_s,
+           requeued_after_kill_s=round((requeued_at - at).total_seconds(), 1), tally=tally)  # fmt: skip

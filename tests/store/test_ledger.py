@@ -335,32 +335,42 @@ def test_reconcile_expires_leases_and_lists_open_jobs(database: Database):
     assert other_run
 
 
-def test_the_next_waiting_job_is_guessed_in_message_order_and_read_without_a_claim(database: Database):
-    _, first = make_run(database, images=3)
-    _, second = make_run(database, images=1)
+def test_a_reservation_names_the_next_job_holds_nothing_back_and_a_sweep_takes_it_from_the_dead(database: Database):
+    _, ids = make_run(database, images=4)
 
-    def guess(owner: str, queues: tuple[str, ...] = ("q",)) -> str | None:
-        with database.transaction() as session:
-            waiting = ledger.next_waiting_job(session, queues, owner)
-        return None if waiting is None else waiting.job_id
+    def reserved() -> dict[str, str | None]:
+        return {job_id: job(database, job_id).reserved_by for job_id in ids}
 
-    assert guess("h:1:me") == first[0] and guess("h:1:me", ("elsewhere",)) is None
-    mine = claim(database, first[0], "h:1:me")  # running here: not waiting, and not ahead of this process
-    assert guess("h:1:me") == first[1]
-    claim(database, first[1], "h:2:other")  # started after this process's job: it likely frees later
-    # Each process guesses its own turn: the one that started first the head, the other the next job
-    # (both guessing the head, one of them was wrong on every turn).
-    assert (guess("h:1:me"), guess("h:2:other")) == (first[2], second[0])
-    assert guess("h:3:new") is None  # two busy, two waiting: both likely go before a third process's turn
-    with database.transaction() as session:  # sent again: at the back of the line
-        assert ledger.fail_job(session, mine, RuntimeError("boom"), final=False, max_attempts=CAP) == "queued"
-    assert guess("h:2:other") == first[2] and guess("h:3:new") == second[0]
+    with database.transaction() as session:  # a process may hold several: fetched before the last is claimed
+        for job_id, owner in zip(ids, ("h:1:me", "h:1:me", "h:2:dead", "h:3:other"), strict=True):
+            ledger.reserve_job(session, job_id, owner, lease_s=60)
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: "h:1:me", ids[2]: "h:2:dead", ids[3]: "h:3:other"}
+    # A claim by another process ignores the reservation and clears it; a running job is not reserved.
+    claim(database, ids[1], "h:3:other")
+    claim(database, ids[3], "h:3:other")
     with database.transaction() as session:
-        assert ledger.waiting_job(session, first[1], "h:1:me") is None  # another's
-        assert ledger.waiting_job(session, first[1], "h:2:other").job_id == first[1]  # claimed by the reader
-        waiting = ledger.waiting_job(session, first[0], "h:1:me")
-    assert waiting == ledger.WaitingJob(first[0], Path("/data/img0.png"), "tiny", {"mode": "gundam"})
-    assert (job(database, first[2]).state, job(database, first[2]).attempts) == ("queued", 0)  # only read
+        ledger.reserve_job(session, ids[1], "h:1:me", lease_s=60)
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: None, ids[2]: "h:2:dead", ids[3]: None}
+    # Only a reservation whose process stopped beating runs out: the sweep hands its job back, once.
+    after_lease = utcnow() + timedelta(seconds=61)
+    with database.transaction() as session:
+        ledger.renew_leases(session, "h:1:me", 60, now=after_lease)
+        ledger.renew_leases(session, "h:3:other", 60, now=after_lease)
+    with database.transaction() as session:
+        first = ledger.expire_leases(session, max_attempts=CAP, now=after_lease, queues=["q"])
+    with database.transaction() as session:
+        second = ledger.expire_leases(session, max_attempts=CAP, now=after_lease, queues=["q"])
+    assert first == ledger.ExpiredLeases([], [], [(ids[2], "q")]) and first.to_bring_back == [(ids[2], "q")]
+    assert second == ledger.ExpiredLeases([], [])
+    assert reserved() == {ids[0]: "h:1:me", ids[1]: None, ids[2]: None, ids[3]: None}
+    assert (job(database, ids[2]).state, job(database, ids[2]).attempts) == ("queued", 0)  # nothing else changed
+    with database.transaction() as session:  # a clean stop gives its reservations up
+        ledger.drop_reservations(session, "h:1:me")
+        assert ledger.waiting_job(session, ids[1], "h:1:me") is None  # another's
+        assert ledger.waiting_job(session, ids[1], "h:3:other").job_id == ids[1]  # claimed by the reader
+        waiting = ledger.waiting_job(session, ids[0], "h:1:me")
+    assert waiting == ledger.WaitingJob(ids[0], Path("/data/img0.png"), "tiny", {"mode": "gundam"})
+    assert reserved() == dict.fromkeys(ids)
 
 
 def _claim_everything(url: str, job_ids: list[str], worker_id: str) -> int:

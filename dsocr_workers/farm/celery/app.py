@@ -2,8 +2,9 @@
 ledger holds everything else, so losing the broker loses no work (`dsocr reconcile`).
 
 Delivery is at-least-once: a message is acknowledged only after its task returns (`acks_late`), a
-child killed mid-job puts its message back (`reject_on_worker_lost`), and each child holds at most one
-message (prefetch 1). The ledger's claim makes the results exactly-once.
+child killed mid-job puts its message back (`reject_on_worker_lost`), and a worker, which has one child
+(farm/celery/worker.py), holds two messages at most: its child's job and the next one (prefetch 2). The
+ledger's claim makes the results exactly-once.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
         task_ignore_result=True,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
+        # The running job's message and the next one, which the worker's one child prepares meanwhile
+        # (farm/celery/worker.py `NextMessage`).
+        worker_prefetch_multiplier=2,
         task_default_queue=settings.queue,
         task_soft_time_limit=settings.soft_time_limit_s,
         task_time_limit=settings.hard_time_limit_s,

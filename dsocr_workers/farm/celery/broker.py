@@ -1,10 +1,17 @@
-"""kombu's Redis transport with one fix: an acknowledgement that fails because Redis is gone still
-releases the message in the worker.
+"""kombu's Redis transport with two changes, and the farm's reads of what Redis holds.
+
+A message given back goes to the head of its queue, where it was taken from: stock kombu puts a message
+rejected with `requeue` (Celery's `reject_on_worker_lost`: the child running it was killed) at the back,
+behind every job queued since (issue 31: a killed job came back after the 6 jobs sent after it).
+kombu's own restores (a warm shutdown's prefetched message, the visibility timeout's) already go to the
+head; `take_back_messages` does the same for the messages of a dead worker, found by the ledger's sweep.
+
+An acknowledgement that fails because Redis is gone still releases the message in the worker.
 
 Stock kombu (5.7) acknowledges in two steps: remove the message from Redis's `unacked` index, then from
-the channel's own delivered set. When Redis is down the first step raises and the second never runs; with
-prefetch 1 the channel then believes it still holds a message, never polls Redis again, never notices the
-dead connection, and the worker sits idle for good after Redis comes back (found by the reliability
+the channel's own delivered set. When Redis is down the first step raises and the second never runs; the
+channel then believes it still holds the message, and once that fills its prefetch (1 message when this
+was found, 2 now) it never polls Redis again, never notices the dead connection, and the worker sits idle for good after Redis comes back (found by the reliability
 suite, scenario R4). Releasing the message locally is safe: if Redis lost it there is nothing left to
 remove; if Redis kept it (a blip), it is redelivered after the visibility timeout and the ledger's claim
 refuses the copy. The error is still raised, so Celery logs it as before.
@@ -33,10 +40,34 @@ class QoS(kombu_redis.QoS):
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         try:
-            super().reject(delivery_tag, requeue=requeue)
+            if requeue:  # stock kombu: restore_by_tag(leftmost=True), the back of the queue
+                self.restore_by_tag(delivery_tag, leftmost=False)
+                VirtualQoS.ack(self, delivery_tag)
+            else:
+                super().reject(delivery_tag, requeue=False)
         except Exception:
             VirtualQoS.ack(self, delivery_tag)
             raise
+
+    def take_back(self, delivery_tag: str) -> bool:
+        """Move the unacknowledged message `delivery_tag` (another consumer's) to the head of its queue,
+        as kombu's visibility timeout would, in one Redis transaction; False when it is no longer
+        unacknowledged (its consumer acknowledged it, or another restore took it first)."""
+        taken = False
+
+        def transaction(pipe: Any) -> None:
+            nonlocal taken
+            raw = pipe.hget(self.unacked_key, delivery_tag)
+            pipe.multi()
+            self._remove_from_indices(delivery_tag, pipe)
+            taken = bool(raw)
+            if raw:
+                payload, exchange, routing_key = json.loads(raw)
+                self.channel._do_restore_message(payload, exchange, routing_key, pipe, False)
+
+        with self.channel.conn_or_acquire() as client:
+            client.transaction(transaction, self.unacked_key)
+        return taken
 
 
 class Channel(kombu_redis.Channel):
@@ -45,6 +76,21 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def take_back_messages(app: Any, job_ids: Iterable[str]) -> set[str]:
+    """Put the unacknowledged messages of these jobs (held by a worker the ledger found dead: its lease or
+    reservation ran out) back at the head of their queues, instead of leaving them to the visibility
+    timeout (an hour by default); returns the job ids whose message was taken back. Task ids are job ids."""
+    wanted = set(job_ids)
+    if not wanted:
+        return set()
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        client = channel.client  # kombu prefixes the keys of the commands it uses itself, not HGETALL's
+        held = client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
+        tags = {tag: json.loads(raw)[0]["headers"]["id"] for tag, raw in held.items()}
+        return {job_id for tag, job_id in tags.items() if job_id in wanted and channel.qos.take_back(tag)}
 
 
 def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -> tuple[set[str], set[str]]:

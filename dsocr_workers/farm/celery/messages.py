@@ -1,7 +1,8 @@
 """The farm's one kind of message: a job id, sent to its queue as the task `RUN_JOB` (JSON, nothing
 else; the ledger holds the rest), labelled for monitors with the job's run, image and repeat. Sent by
-`dsocr submit` / `dsocr reconcile` (farm/submit.py), by a sweep that takes back a dead worker's jobs and
-by the parent of a child killed at the hard time limit (farm/celery/tasks.py)."""
+`dsocr submit` / `dsocr reconcile` (farm/submit.py) and by the parent of a child killed at the hard time
+limit (farm/celery/tasks.py); a sweep that takes back a dead worker's jobs puts the worker's own
+messages back (`bring_back_job_messages`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dsocr_workers.farm.celery.broker import take_back_messages
 from dsocr_workers.store.models import Job
 
 RUN_JOB = "dsocr.run_job"
@@ -43,3 +45,14 @@ def send_job_messages(
                 producer=producer,
             )  # fmt: skip
             sent.append(job_id)
+
+
+def bring_back_job_messages(app: Any, session: Session, jobs: list[tuple[str, str]]) -> None:
+    """Jobs (job id, queue) taken back from a worker that stopped beating (its lease or its reservation ran
+    out, store/ledger.py): the messages it held, unacknowledged, go back to the head of their queues, taken
+    before any job queued since, and no stale copy waits out the visibility timeout. A job whose message is
+    no longer held (acknowledged: its task had returned, its result was not yet written) gets a new one, at
+    the back. Raises the broker's error. `session`: the caller's transaction (the labels of new messages)."""
+    taken = take_back_messages(app, [job_id for job_id, _ in jobs])
+    if missing := [(job_id, queue) for job_id, queue in jobs if job_id not in taken]:
+        send_job_messages(app, missing, [], job_labels(session, [job_id for job_id, _ in missing]))

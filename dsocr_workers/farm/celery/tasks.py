@@ -1,9 +1,14 @@
 """The Celery task: a job id in, `execute_job`, and the retry it asks for. Thin on purpose.
 
-Each prefork child takes its device from its pool index (the `WorkerSpec` handed down by `dsocr worker`),
-so the parent never touches CUDA; a replacement child gets the index, and the device, of the one it
-replaces. A child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those
-of cuda:0, one compile cache for all of them.
+Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`
+(farm/celery/worker.py), so the parent never touches CUDA; a replacement child gets the same device. A
+child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those of cuda:0, one
+compile cache for all of them.
+
+The lane's parent tells its child which job it has fetched for it next (`NextMessage`): it lists each
+message it receives (`task_received`) until the child starts it or the message is acknowledged or given
+back (`JobRequest`). A thread of the child reserves that job in the ledger as soon as it shows, and the
+prefetch thread prepares its page while the current job runs.
 
 A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
 the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
@@ -15,16 +20,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from functools import partial
 
 from billiard.process import current_process
 from celery import shared_task
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import task_received, worker_process_init, worker_process_shutdown
 from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.celery.messages import RUN_JOB, job_labels, send_job_messages
+from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
 from dsocr_workers.farm.job.execute import execute_job
@@ -42,6 +48,7 @@ from dsocr_workers.store.db import open_database
 log = logging.getLogger("dsocr.worker")
 
 _process: JobProcess | None = None
+_stopping = threading.Event()  # ends the child's thread that reserves its next jobs
 
 
 @worker_process_init.connect
@@ -49,7 +56,7 @@ def _open_child(**_: object) -> None:
     global _process
     spec = handed_spec()
     index = getattr(current_process(), "index", 0) or 0
-    device = spec.device_of(index)
+    device = spec.device
     # Each child gets its share of the host's cores for torch's CPU threads (preprocessing, CPU decode):
     # with every child spinning a thread per core, N children oversubscribe the host N-fold, and on a
     # 2-GPU host the eager engine's host-bound decode ran 13% slower per token at K = 2 than at K = 1.
@@ -59,9 +66,9 @@ def _open_child(**_: object) -> None:
         threads = max(1, chosen)
     queues, settings, plan = spec.queues, spec.settings, spec.warmup
 
-    def send_again(session: Session, jobs: list[tuple[str, str]]) -> None:
-        # Jobs taken back from a dead worker, labelled for monitors as at submit (farm/submit.py).
-        send_job_messages(run_job.app, jobs, [], job_labels(session, [job_id for job_id, _ in jobs]))
+    def bring_back(session: Session, jobs: list[tuple[str, str]]) -> None:
+        # Jobs taken back from a dead worker: its messages, back at the head of their queues.
+        bring_back_job_messages(run_job.app, session, jobs)
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
     # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
@@ -71,10 +78,12 @@ def _open_child(**_: object) -> None:
     except InputError as exc:  # a child that cannot run a job takes none: the worker stops, saying why
         if helpers is not None:
             helpers.stop()
-        refuse_to_work(f"child {index} on {device}: {exc}")
+        refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
-        settings, device, queues=queues, sweep=Sweep(queues, send_again), cpu_threads=threads, runs_on=runs_on
+        settings, device, queues=queues, sweep=Sweep(queues, bring_back), cpu_threads=threads, runs_on=runs_on
     )
+    threading.Thread(target=spec.next_message.follow, args=(_process.reserve, _stopping), daemon=True,
+                     name="dsocr-next-message").start()  # fmt: skip
     seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
     log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
     if plan is not None:
@@ -90,12 +99,32 @@ def _open_child(**_: object) -> None:
 
 @worker_process_shutdown.connect
 def _close_child(**_: object) -> None:
+    _stopping.set()
     if _process is not None:
         _process.close()
 
 
+@task_received.connect
+def _fetched(request: Request, **_: object) -> None:
+    # In the lane's parent. A retry held for its countdown is not next: it runs when due (NextMessage).
+    if request.name == RUN_JOB and request.eta is None:
+        handed_spec().next_message.fetched(request.id)
+
+
 class JobRequest(Request):
-    """A job's request as the worker's parent process sees it."""
+    """A job's request as the lane's parent process sees it."""
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        handed_spec().next_message.gone(self.id)
+        super().on_accepted(pid, time_accepted)
+
+    def acknowledge(self) -> None:
+        handed_spec().next_message.gone(self.id)
+        super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        handed_spec().next_message.gone(self.id)
+        super().reject(requeue)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         # Called in the parent before billiard kills the child, so the child's lease is still its own.
@@ -155,18 +184,25 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
         raise RuntimeError("dsocr.run_job runs only in a `dsocr worker` child")
     # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
-    _process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
-    # The next message is not this child's to see: the page prefetched while this job runs is a guess's.
-    infer = partial(_process.infer, upcoming=_process.next_on_queues)
+    process, next_message = _process, handed_spec().next_message
+    process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
+
+    def upcoming(session: Session) -> ledger.WaitingJob | None:
+        # On the prefetch thread, while this job runs: the job the lane fetched for this child next
+        # (reserved already by the child's `NextMessage.follow` thread).
+        next_job = next_message.after(job_id)
+        return None if next_job is None else ledger.waiting_job(session, next_job, process.owner)
+
+    infer = partial(process.infer, upcoming=upcoming)
     try:
         # The claim and the result are written on the child's ledger threads: the job starts on the device
         # while its claim is written, and its result is written while the parent hands over the next message.
         outcome = execute_job(
-            _process.db, job_id, owner=_process.owner, settings=_process.settings, infer=infer,
-            ledger_threads=_process.ledger_threads,
+            process.db, job_id, owner=process.owner, settings=process.settings, infer=infer,
+            ledger_threads=process.ledger_threads,
         )  # fmt: skip
     except TransientError as exc:
-        delay = job_retry_in_s(self.request.retries, _process.settings)
+        delay = job_retry_in_s(self.request.retries, process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)
         raise self.retry(countdown=delay, exc=exc, kwargsrepr=label) from exc
     log.info("job %s: %s %s", job_id, outcome.status, outcome.detail)

@@ -1,23 +1,46 @@
-"""Starting `dsocr worker`: Celery prefork, one child per device slot.
+"""Starting `dsocr worker`: one Celery worker per device slot (a lane), each a prefork parent with one
+child.
 
-The parent process never imports torch or touches CUDA (GPUs are counted with `nvidia-smi`,
-farm/devices.py); each child opens its own device, ledger connection and model after fork. What a child
-needs to know comes in one `WorkerSpec`, set in the parent before the pool starts and inherited by every
-child it forks (replacements too: billiard forks them from the same parent), never through the
-environment.
+The parents never import torch or touch CUDA (GPUs are counted with `nvidia-smi`, farm/devices.py);
+each child opens its own device, ledger connection and model after fork. What a child needs to know
+comes in one `WorkerSpec`, set in its lane before the pool starts and inherited by the child it forks
+(replacements too: billiard forks them from the same parent), never through the environment.
+
+Why a Celery worker per device rather than one parent with a child per device: a lane fetches one
+message beyond the one its child runs (prefetch multiplier 2, concurrency 1; farm/celery/app.py), and
+with one child that message is the child's next job, for sure. Both stay in Redis's unacknowledged set
+until done: a lane that dies holds them until its child's lease and reservation run out and a live
+worker's sweep puts them back (farm/liveness.py). The parent tells its child which one (`NextMessage`, shared
+memory), and the child prepares that job's page while its current job has the device
+(farm/job/prefetch.py). One parent with several children hands a fetched message to whichever child
+frees first, so no child can know its next job; guessing it from the ledger was wrong often enough on
+real pages (2 x H100, issue 31: 59 of 72 pages prepared ahead, device idle p90 129 ms).
+
+With one slot the worker is its lane (this process runs Celery). With several, this process forks one
+lane per slot and waits: it passes SIGTERM and SIGQUIT on to every lane (SIGINT as SIGTERM: a terminal's
+Ctrl-C also reaches the lanes themselves, and a second SIGINT would be Celery's cold shutdown), and when
+one lane ends, it stops the others. A lane dies with this process (the parent-death signal, as a Celery
+child with its lane).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
+import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import RawArray
 from typing import Any, NoReturn
+
+from celery.platforms import set_pdeathsig
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
@@ -30,27 +53,103 @@ WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
 REFUSAL_BYTES = 2048
 EXIT_REFUSED = 2  # a child's exit status when it cannot work (billiard logs it)
+JOB_ID_BYTES = 64  # room for a job id (36 characters) in `NextMessage`
+# How long a child's prefetch thread waits for its lane's next message to show: the lane fetches it within
+# milliseconds of handing over the current one, when the queue has one.
+NEXT_MESSAGE_WAIT_S = 0.5
+NEXT_MESSAGE_POLL_S = 0.002
 
 log = logging.getLogger("dsocr.worker")
 
 
 @dataclass(frozen=True)
+class NextMessage:
+    """The job a lane has fetched for its child to run next, as the lane's parent tells the child.
+
+    The parent (Celery's consumer) lists, in order, the job messages it has received and its child has
+    not started: with one child and Celery's fair scheduling they go to it in that order. It writes the
+    first to memory shared with the child and signals a semaphore. In the child, one thread reserves each
+    job shown in the ledger as soon as it shows (`follow`: milliseconds after its message came in, so
+    that a lane killed with it loses it only to a sweep, not to the visibility timeout), and the
+    prefetch thread, while a job runs, takes the one that is not that job (`after`). A message held back
+    for a retry's countdown (an ETA) is left out: it runs when due, in between, and the page prepared
+    for the listed job is then not used (a page of host work lost, nothing else). The child only reads
+    the memory (no lock: a child killed mid-read must not leave one held); a read that meets a write
+    halfway gets an id no job has, which the ledger finds no job for."""
+
+    slot: Any = field(default_factory=lambda: RawArray(ctypes.c_char, JOB_ID_BYTES), repr=False)
+    changed: Any = field(default_factory=lambda: multiprocessing.get_context("fork").Semaphore(0), repr=False)
+    _listed: deque[str] = field(default_factory=deque, repr=False)  # the parent's own, not shared
+
+    def fetched(self, job_id: str) -> None:
+        """In the parent: a job's message came in, to run after those listed."""
+        self._listed.append(job_id)
+        self._show()
+
+    def gone(self, job_id: str) -> None:
+        """In the parent: the child started the job, or its message was acknowledged or given back."""
+        if job_id in self._listed:
+            self._listed.remove(job_id)
+            self._show()
+
+    def follow(self, reserve: Callable[[str], None], stopping: threading.Event) -> None:
+        """In the child, on a thread of its own until `stopping`: `reserve(job_id)` for each job shown,
+        once (tried again every second while it fails: a ledger outage)."""
+        reserved = ""
+        while not stopping.is_set():
+            self.changed.acquire(timeout=1.0)  # blocks without the GIL: no cost to the running job
+            shown = self._read()
+            if shown and shown != reserved:
+                try:
+                    reserve(shown)
+                except Exception:
+                    log.warning("could not reserve job %s, fetched next", shown, exc_info=True)
+                else:
+                    reserved = shown
+
+    def after(self, job_id: str, wait_s: float = NEXT_MESSAGE_WAIT_S) -> str | None:
+        """In the child running `job_id`: the job it runs next, if its lane has fetched one within `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            shown = self._read()
+            if shown and shown != job_id:
+                return shown
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(NEXT_MESSAGE_POLL_S)
+
+    def _show(self) -> None:
+        self.slot.value = (self._listed[0] if self._listed else "").encode()[: JOB_ID_BYTES - 1]
+        self.changed.release()
+
+    def _read(self) -> str:
+        return bytes(self.slot.value).decode(errors="replace")
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
-    """What `dsocr worker` hands each of its children: the settings it read, one device per pool index
-    (a device repeats with --concurrency-per-device), the queues it consumes (the ones its children
-    sweep) and the start-up warm-up (None: `--warmup none`)."""
+    """What `dsocr worker` hands the child of each lane: the settings it read, the worker's device slots
+    (a device repeats with --concurrency-per-device) and the lane's index among them, the queues it
+    consumes (the ones its children sweep) and the start-up warm-up (None: `--warmup none`)."""
 
     settings: Settings
     slots: tuple[str, ...]
+    lane: int
     queues: tuple[str, ...]
     warmup: Warmup | None
-    # Where a child that cannot work says why (`refuse_to_work`): memory shared with the parent, which
-    # reads it once Celery has stopped.
+    # Where a child that cannot work says why (`refuse_to_work`): memory shared with its lane and this
+    # process, read once Celery has stopped.
     refusal: Any = field(default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False)
+    next_message: NextMessage = field(default_factory=NextMessage, compare=False, repr=False)
 
-    def device_of(self, index: int) -> str:
-        """The device of pool index `index` (a replacement child gets the index of the one it replaces)."""
-        return self.slots[index % len(self.slots)]
+    @property
+    def device(self) -> str:
+        """The lane's device (a replacement child gets it too)."""
+        return self.slots[self.lane]
+
+    @property
+    def refused(self) -> str:
+        return bytes(self.refusal.value).decode(errors="replace")
 
 
 _handed: WorkerSpec | None = None
@@ -64,9 +163,10 @@ def handed_spec() -> WorkerSpec:
 
 
 def refuse_to_work(reason: str) -> NoReturn:
-    """In a child that cannot run jobs (its device does not open): record why for the parent, ask the
-    parent to stop (a warm shutdown: the other children finish their jobs), and exit before this child
-    takes a message. `dsocr worker` then exits with an input error (2) saying `reason` (start_worker)."""
+    """In a child that cannot run jobs (its device does not open): record why for `dsocr worker`, ask its
+    lane to stop (a warm shutdown; the other lanes are stopped too and finish their jobs), and exit before
+    this child takes a message. `dsocr worker` then exits with an input error (2) saying `reason`
+    (start_worker)."""
     handed_spec().refusal.value = reason.encode()[: REFUSAL_BYTES - 1]
     log.error("%s; stopping the worker", reason)
     os.kill(os.getppid(), signal.SIGTERM)
@@ -98,8 +198,8 @@ def start_worker(
     fallback_budget: int | None = None,
     events: bool = False,
 ) -> None:
-    """Run a Celery worker until it is shut down (SIGTERM: warm shutdown, the current jobs finish).
-    Each child loads and warms a model before it takes a message: `warmup` names the modes (or
+    """Run a Celery worker per device slot until shut down (SIGTERM: warm shutdown, the current jobs
+    finish). Each child loads and warms a model before it takes a message: `warmup` names the modes (or
     `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is,
     warmed for jobs of `fallback_budget` new tokens (None: the model's positions). `events`: visible in
     Flower (task events, event heartbeats, inspection; farm/celery/app.py)."""
@@ -107,22 +207,33 @@ def start_worker(
         raise InputError("--concurrency-per-device must be at least 1")
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
-    global _handed
     slots = tuple(device for device in devices for _ in range(concurrency_per_device))
-    _handed = WorkerSpec(settings, slots, tuple(queue_names), plan)
+    specs = [WorkerSpec(settings, slots, lane, tuple(queue_names), plan) for lane in range(len(slots))]
+    if len(specs) == 1:
+        run_lane(specs[0], loglevel, events)
+    else:
+        failed = supervise_lanes(specs, loglevel, events)
+        if failed and not any(spec.refused for spec in specs):
+            raise RuntimeError(f"dsocr worker stopped: {failed}")
+    if refused := "; ".join(spec.refused for spec in specs if spec.refused):
+        raise InputError(refused)
 
+
+def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
+    """One lane in this process: a Celery prefork worker with one child for `spec.device`."""
+    global _handed
+    _handed = spec
     from dsocr_workers.farm.celery.app import create_app
 
-    app = create_app(settings, events=events)
+    app = create_app(spec.settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
     app.worker_main(
         [
             "worker",
             "--pool=prefork",
-            f"--concurrency={len(slots)}",
-            f"--queues={','.join(queue_names)}",
-            "--prefetch-multiplier=1",
-            f"--hostname=dsocr-{uuid.uuid4().hex[:6]}@%h",
+            "--concurrency=1",
+            f"--queues={','.join(spec.queues)}",
+            f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
             "--without-gossip",
             "--without-mingle",
             # Celery's event heartbeats (not the ledger's, farm/liveness.py) tell a monitor that the
@@ -131,5 +242,41 @@ def start_worker(
             f"--loglevel={loglevel}",
         ]
     )
-    if refused := _handed.refusal.value.decode(errors="replace"):
-        raise InputError(refused)
+
+
+def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> None:
+    set_pdeathsig("SIGKILL")  # dies with `dsocr worker`, even killed (its own child dies with it likewise)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)  # Celery installs its own
+    run_lane(spec, loglevel, events)
+
+
+def supervise_lanes(specs: list[WorkerSpec], loglevel: str, events: bool) -> str:
+    """Fork a lane per spec and wait for all of them; returns how the first lane to end on its own ended,
+    if it failed ("" when every lane stopped cleanly or was asked to)."""
+    context = multiprocessing.get_context("fork")
+    lanes = [context.Process(target=_lane_process, args=(spec, loglevel, events), name=f"dsocr-lane-{spec.lane}")
+             for spec in specs]  # fmt: skip
+    stopping: list[int] = []
+
+    def pass_on(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        for lane in lanes:
+            if lane.pid is not None and lane.exitcode is None:
+                os.kill(lane.pid, signal.SIGQUIT if signum == signal.SIGQUIT else signal.SIGTERM)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, pass_on)
+    for lane in lanes:
+        lane.start()
+    failed = ""
+    while running := [lane for lane in lanes if lane.exitcode is None]:
+        wait([lane.sentinel for lane in running])
+        ended = [(lane, spec) for lane, spec in zip(lanes, specs, strict=True) if lane in running and lane.exitcode is not None]
+        if ended and not stopping:  # a lane ended by itself: the worker stops, saying why
+            lane, spec = ended[0]
+            if lane.exitcode:
+                failed = f"the lane of {spec.device} exited with status {lane.exitcode}"
+                log.error("%s; stopping the other lanes", failed)
+            pass_on(signal.SIGTERM, None)
+    return failed

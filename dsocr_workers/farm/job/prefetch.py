@@ -3,14 +3,15 @@
 A job process (farm/job/process.py) runs one job at a time, and a job begins with host work: reading the
 image, EXIF, tiling, normalising to bytes, the prompt's tokens (`model.preprocess.prepare_page`, about
 100 ms for a gundam page) before the device has anything to do. So while a job runs, one background
-thread prepares the page of the job this process will most likely run next:
+thread prepares the page of the job this process runs next:
 
 - Which job: `Upcoming` reads it from the ledger, in the thread's own transaction. `dsocr run` knows
-  its line (`ledger.waiting_job`); a Celery child cannot see the message its parent will hand it next,
-  so it guesses (`ledger.next_waiting_job`).
+  its line (`ledger.waiting_job`); a Celery child is told by its lane's parent which message it has
+  fetched for it next (farm/celery/worker.py `NextMessage`), which another thread of the child has
+  reserved (`ledger.reserve_job`: so that a sweep brings the message back if the lane dies with it).
 - Nothing is claimed or leased: the page is kept for its job id, and a job takes it only if it is
-  its own (same job, image, prompt, mode and model); any other job drops it, so a wrong guess costs
-  one page of host work. A process that dies loses a page, never a job.
+  its own (same job, image, prompt, mode and model); any other job drops it (a retry whose countdown
+  ended in between), costing one page of host work. A process that dies loses a page, never a job.
 - Timing: the page's `preprocess` stage is timed on the job's own clock where it ran, on this thread
   (engine `prepare_job`); the job records that it was prefetched, and the time its page then waited
   (`page_wait_ms`) stays outside its e2e.
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsocr.worker")
 
-# Reads, in the caller's transaction, the job whose page to prepare next; None: no guess.
+# Reads, in the caller's transaction, the job whose page to prepare next; None: none known.
 Upcoming = Callable[[Session], WaitingJob | None]
 
 

@@ -4,7 +4,7 @@ It owns one device, one ledger connection (opened in this process, after fork) a
 kept while consecutive jobs ask for the same model settings (model, dtype, engine, seed). The model is
 loaded and warmed before a job is claimed (farm/job/warm.py), and each time that happens a
 `worker_sessions` row records what it cost; the jobs run afterwards point at that row. While a job has
-the device, the page of the job likely to come next is prepared on a thread (farm/job/prefetch.py); a
+the device, the page of the job that comes next is prepared on a thread (farm/job/prefetch.py); a
 Celery child's claims and results are written on another, off the path between two jobs
 (farm/job/ledger_threads.py).
 """
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm.job.execute import Claiming, Ran
@@ -91,7 +90,6 @@ class JobProcess:
     db: Database
     heartbeat: Heartbeat
     owner: str
-    queues: tuple[str, ...]
     prefetcher: Prefetcher
     ledger_threads: LedgerThreads
     runs_on: str = ""  # the device in this process (see_only_this_gpu); `device` where empty
@@ -112,12 +110,17 @@ class JobProcess:
         db, owner = database_for(settings.database_url), process_owner()
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
-        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner, queues=queues,
+        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner,
                    prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db), runs_on=runs_on or device)  # fmt: skip
 
     def close(self) -> None:
         self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
+        try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
+            with self.db.transaction() as tx:
+                ledger.drop_reservations(tx, self.owner)
+        except Exception:  # the ledger is down: the reservation runs out and a sweep brings the job back
+            log.warning("could not drop the reservation of %s", self.owner, exc_info=True)
         self.heartbeat.stop()
         self.db.dispose()
         gc.unfreeze()
@@ -188,6 +191,11 @@ class JobProcess:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
         return LoadedSession(key, session, fingerprint["id"], worker_session_id="")
 
+    def reserve(self, job_id: str) -> None:
+        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py `reserve_job`)."""
+        with self.db.transaction() as tx:
+            ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
+
     def prepare_for(self, job_id: str) -> None:
         """Before the claim: load and warm what this job's run needs, so the job does not pay for it.
         A job that is gone or unknown is left to the claim to refuse. The run of a job whose page was
@@ -204,7 +212,7 @@ class JobProcess:
 
     def infer(self, claiming: Claiming, upcoming: Upcoming | None = None) -> Ran:
         """Run a job once its claim is written: on the page prefetched for it, if there is one, else on a
-        page prepared here. `upcoming` names the job likely to come next, whose page is prepared while
+        page prepared here. `upcoming` names the job that comes next, whose page is prepared while
         this one runs. A prefetched job whose claim is still under way (farm/job/ledger_threads.py) starts on
         the device at once, from what the prefetch read of its job (a run's settings and a job's image
         never change), and waits for its claim once its prefill is queued: a refused claim (Refused)
@@ -264,11 +272,6 @@ class JobProcess:
             session.decode(running.job, running.clock)
         return Ran(session.finish_on_device(running), loaded.worker_id, loaded.worker_session_id,
                    prefetched=prefetched is not None, device=self.device)  # fmt: skip
-
-    def next_on_queues(self, session: Session) -> ledger.WaitingJob | None:
-        """A Celery child's upcoming job: a guess (ledger.next_waiting_job), since its parent hands it
-        one message at a time, unseen until then."""
-        return ledger.next_waiting_job(session, self.queues, self.owner)
 
 
 def job_warmup(options: RunOptions) -> Warmup:
