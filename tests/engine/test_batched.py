@@ -303,7 +303,9 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
     many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
     outputs = engine.run(many, 32)
     assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(48)}
-    assert {s.bucket for s in engine.steps if s.kind == "decode"} >= {2, 32}
+    # The pages join one prefill at a time: the batch passes through several buckets up to the largest.
+    decode_buckets = {s.bucket for s in engine.steps if s.kind == "decode"}
+    assert 32 in decode_buckets and len(decode_buckets) >= 3, decode_buckets
     assert all(s.ms > 0 for s in engine.steps)
     assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
 
