@@ -180,7 +180,8 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
 @click.command()
 @click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
 @run_options
-@click.option("--gpus", default="cpu", show_default=True, help="cpu or one GPU index.")
+@click.option("--gpus", default="auto", show_default=True,
+              help="auto (the first GPU, else the CPU), one GPU index, or cpu.")
 @click.option("--queue", default=None,
               help="Queue name to record the run under (default: in-process). Name a worker queue to let "
                    "its workers take over the jobs this process leaves behind if it dies.")

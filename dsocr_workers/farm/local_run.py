@@ -41,14 +41,17 @@ class LocalRun:
 def record_local_run(
     settings: Settings, request: RunRequest, *, gpus: str, queue: str | None, on_bad_lines: Callable[[str], None]
 ) -> LocalRun:
-    """Check the list and record the run for one device (`gpus`: cpu or one GPU index). `queue` names a
+    """Check the list and record the run for one device (`gpus`: auto — the first GPU, else the CPU —,
+    cpu or one GPU index). `queue` names a
     worker queue to record it under, so that its workers take over the jobs this process leaves behind
     if it dies; None: `IN_PROCESS_QUEUE`, which no worker reads."""
     several = InputError("dsocr run uses one device; start `dsocr worker` for several")
     if "," in gpus.strip(", "):  # said before whether those GPUs are here (parse_devices)
         raise several
     devices = parse_devices(gpus)
-    if len(devices) != 1:  # auto or all on a host with several GPUs
+    if gpus.strip().lower() == "auto":  # a GPU machine profiles its GPU, as `dsocr infer` does
+        devices = devices[:1]
+    if len(devices) != 1:  # all on a host with several GPUs
         raise several
     prepared = prepare_run(request, on_bad_lines)
     db = open_database(settings.database_url)
