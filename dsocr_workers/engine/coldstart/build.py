@@ -35,8 +35,9 @@ from dsocr_workers.engine.coldstart.cache import bytecode_directory, use_compile
 from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root, compile_plan
 from dsocr_workers.engine.coldstart.warmup import WarmupReport, warm
+from dsocr_workers.engine.device import resolve_dtype
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.session import DeepSeekOCRSession, resolve_dtype
+from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.errors import FailuresError

@@ -33,15 +33,10 @@ from dsocr_workers.engine.coldstart.plan import (
     VisionShapes,
     exit_with_the_worker,
 )
+from dsocr_workers.engine.device import make_current, resolve_device, resolve_dtype, set_numerics
 from dsocr_workers.engine.regions import RegionalVision, TorchCompiler, configure_dynamo
 from dsocr_workers.engine.result import ModelSource
-from dsocr_workers.engine.session import (
-    DeepSeekOCRSession,
-    make_current,
-    resolve_device,
-    resolve_dtype,
-    set_numerics,
-)
+from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine, fast_vision_modules
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config

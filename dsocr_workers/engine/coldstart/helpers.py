@@ -62,8 +62,8 @@ from dsocr_workers.engine.coldstart.plan import (
     compile_plan,
     helper_processes,
 )
+from dsocr_workers.engine.device import resolve_dtype
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.session import resolve_dtype
 from dsocr_workers.engine.variants import make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.model.checkpoint import model_config
