@@ -107,3 +107,21 @@ def test_a_replayed_cuda_graphs_kernels_count_for_the_range_that_replayed_it():
     # The graph's two kernels (a GEMM and the ReLU), linked to cudaGraphLaunch rather than to an operator.
     assert len(inside) >= 2 and any("gemm" in n.lower() or "xmma" in n.lower() for n in inside), inside
     assert not any("reduce" in n for n in inside), inside  # the sum outside the range is not its
+
+
+@pytest.mark.parametrize(
+    ("event_ms", "kernel_ms", "span_ms", "verdict"),
+    [
+        (9.089, 8.537, 9.051, "explained: GPU idle between kernels"),  # SAM on an H100 (docs/benchmarks.md)
+        (13.528, 9.929, 11.167, "explained: GPU idle 3.6 ms (1.24 between kernels, 2.36 waiting on the host)"),
+        (9.230, 0.018, 0.018, "FAIL"),  # SAM's replayed graph attributed to no stage: must not pass as idle
+        (2.815, 1.064, 2.335, "FAIL"),  # setup: the page's copies wait on the host for most of it
+        (4.0, 3.9, 3.95, "PASS"),
+    ],
+)
+def test_the_gpu_crosscheck_explains_idle_time_only_while_the_kernels_fill_the_stage(event_ms, kernel_ms, span_ms,
+                                                                                       verdict):  # fmt: skip
+    from dsocr_workers.kernels import StageKernels
+
+    stage = StageKernels("vision/sam", event_ms, kernel_ms, kernel_ms, span_ms)
+    assert stage.crosscheck("cuda").startswith(verdict)
