@@ -144,13 +144,17 @@ BYTECODE_PREFIX = Variable(
     "PYTHONPYCACHEPREFIX", _path, None,
     "Python's: where bytecode is kept; set to DSOCR_COMPILE_CACHE_DIR/python-bytecode where the "
     "installation ships none and may not write it", "beside the sources")
+CXX = Variable(
+    "CXX", str, None,
+    "the C++ compiler `dsocr precompile` builds AOTInductor packages with (recorded in the manifest); "
+    "/usr/bin/g++ on the lent GPU image, whose /opt/gcc builds packages that crash at load", "c++")
 
 # In the README's order (its configuration table is `markdown_table()`, checked by a test).
 VARIABLES: tuple[Variable, ...] = (
     DATABASE_URL, BROKER_URL, BROKER_KEY_PREFIX, QUEUE, MAX_ATTEMPTS, HARD_TIME_LIMIT, SOFT_TIME_LIMIT,
     LEASE_SECONDS, HEARTBEAT_SECONDS, RETRY_BACKOFF_MAX, MODEL, VISIBILITY_TIMEOUT, INSTRUMENTATION,
     COMPILE_CACHE_DIR, COMPILE_PROCESSES, FLOWER_BASIC_AUTH, GIT_SHA, CPU_THREADS, VISIBLE_GPUS,
-    TORCH_CACHE_DIR, TORCH_COMPILE_THREADS, BYTECODE_PREFIX,
+    TORCH_CACHE_DIR, TORCH_COMPILE_THREADS, BYTECODE_PREFIX, CXX,
 )  # fmt: skip
 
 

@@ -41,6 +41,7 @@ import torch
 import dsocr_workers
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root
 from dsocr_workers.model.config import OCRConfig
+from dsocr_workers.settings import CXX, read
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Environment:
 
 def compiler_version() -> str:
     """The C++ compiler AOTInductor builds with here (`CXX`, else `c++`): its path and version line."""
-    cxx = os.environ.get("CXX") or "c++"
+    cxx = read(CXX) or "c++"
     try:
         line = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
