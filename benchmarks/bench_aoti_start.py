@@ -38,8 +38,16 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], timeout_s: float) -> dict[str, Any]:
-    """One `dsocr worker` start: seconds from launch to Celery's ready line and to the child's warm line."""
+# What a worker's log says as it starts, in order: the mark each line sets (seconds after launch).
+START_MARKS = {"celery_ready_s": r"ready\.", "child_opened_s": r"child 0 \(pid \d+\) on",
+               "child_warm_s": r"child 0: .* warm \("}  # fmt: skip
+
+
+def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], timeout_s: float,
+          until: str = "child_warm_s") -> dict[str, Any]:  # fmt: skip
+    """One `dsocr worker --gpus 0` start (queue `name`): seconds from launch to each of START_MARKS up to
+    `until` (Celery's ready line, the child's first line, its warm line); then the worker is stopped.
+    benchmarks/probe_import_floor.py times a start with no model up to the child's first line."""
     log_path = folder / f"{name}.log"
     began = time.perf_counter()
     with open(log_path, "w") as out:
@@ -47,15 +55,12 @@ def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], 
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     marks: dict[str, Any] = {}
     deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline and proc.poll() is None and "child_warm_s" not in marks:
+    while time.perf_counter() < deadline and proc.poll() is None and until not in marks:
         text = log_path.read_text(errors="replace")
-        now = round(time.perf_counter() - began, 2)
-        if "ready." in text:
-            marks.setdefault("celery_ready_s", now)
-        if re.search(r"child 0 \(pid \d+\) on", text):
-            marks.setdefault("child_opened_s", now)
-        if re.search(r"child 0: .* warm \(", text):
-            marks.setdefault("child_warm_s", now)
+        now = round(time.perf_counter() - began, 3)
+        for mark, pattern in START_MARKS.items():
+            if re.search(pattern, text):
+                marks.setdefault(mark, now)
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     try:

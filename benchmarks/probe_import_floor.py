@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -35,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
+sys.path.insert(0, str(REPO))
+from benchmarks.bench_aoti_start import DSOCR, start  # noqa: E402
 
 IMPORT_SETS = {
     "interpreter": "pass",
@@ -151,28 +151,8 @@ def worker_start(env: dict[str, str], folder: Path, repeats: int) -> dict[str, A
         subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
         runs = []
         for index in range(repeats):
-            log_path = folder / f"worker-{index}.log"
-            began = time.perf_counter()
-            with open(log_path, "w") as out:
-                proc = subprocess.Popen([*DSOCR, "worker", "--gpus", "0", "--warmup", "none", "--queue", f"floor{index}"],
-                                        env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-            marks: dict[str, float] = {}
-            deadline = time.perf_counter() + 120
-            while time.perf_counter() < deadline and proc.poll() is None and len(marks) < 2:
-                text = log_path.read_text(errors="replace")
-                now = round(time.perf_counter() - began, 3)
-                if "ready." in text:
-                    marks.setdefault("celery_ready_s", now)
-                if re.search(r"child 0 \(pid \d+\) on", text):
-                    marks.setdefault("child_opened_s", now)
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            runs.append({**marks, "log_tail": log_path.read_text(errors="replace")[-1500:] if len(marks) < 2 else ""})
+            marks = start(env, folder, f"floor{index}", ["--warmup", "none"], 120, until="child_opened_s")
+            runs.append(marks)
             log(f"  worker start {index}: {marks}")
         return {"runs": runs}
     finally:

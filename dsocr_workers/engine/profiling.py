@@ -29,17 +29,26 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from dsocr_workers.engine.result import JobProfile
 from dsocr_workers.kernels import DECODE, OTHER, Activity, KernelSummary, KernelTime, StageKernels
 from dsocr_workers.stages import HOST_STAGES
 
-if TYPE_CHECKING:
-    from dsocr_workers.engine.stages import StageClock
+
+class StageTimes(Protocol):
+    """What the summary reads of a finished job clock (engine/stages.py `StageClock`, which opens this
+    module's ranges: a protocol, not an import of it)."""
+
+    timing_enabled: bool
+
+    def ms(self, name: str) -> float: ...
+
+    def step_ms(self) -> list[float]: ...
 
 RANGE_PREFIX = "dsocr::"
 STEP_RANGE = f"{DECODE} step "  # + the step's index: `dsocr::decode step 17`
@@ -58,15 +67,6 @@ class DecodeSample:
 
     def __contains__(self, step: object) -> bool:
         return isinstance(step, int) and (step < self.first or any(at <= step < at + self.width for at in self.later))
-
-
-@dataclass(frozen=True)
-class JobProfile:
-    """What a profiled job leaves: its trace (Chrome trace JSON, gzip) and its kernels per stage."""
-
-    trace_gz: bytes
-    trace_bytes: int  # uncompressed
-    summary: KernelSummary
 
 
 class JobProfiler:
@@ -132,7 +132,7 @@ class JobProfiler:
             self._profile.toggle_collection_dynamic(on, self.activities)
             self._collecting = on
 
-    def collect(self, clock: StageClock) -> JobProfile:
+    def collect(self, clock: StageTimes) -> JobProfile:
         """The trace and the kernel summary, once `clock` is finished (its stage times are the summary's
         `event_ms`). Host work: call it off the device's path."""
         self.stop()
@@ -148,7 +148,7 @@ class JobProfiler:
         return JobProfile(gzip.compress(trace, compresslevel=6), len(trace), summary)
 
 
-def summarize(events: Any, clock: StageClock, activity: Activity, steps: list[int]) -> KernelSummary:
+def summarize(events: Any, clock: StageTimes, activity: Activity, steps: list[int]) -> KernelSummary:
     """Kernels per stage from torch.profiler's event list (see the module docstring)."""
     ranges: dict[str, list[Any]] = defaultdict(list)
     for event in events:

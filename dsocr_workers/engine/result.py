@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from dsocr_workers.engine.loops import RepetitionLoop
+from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.stages import StageTimings
-
-if TYPE_CHECKING:  # the profiler's types import torch; a result's reader may not have it
-    from dsocr_workers.engine.profiling import JobProfile
 
 # "repetition": stopped early by `stop_on_repetition` once the output ended in a loop (engine/loops.py).
 StopReason = Literal["eos", "max_new_tokens", "max_positions", "repetition"]
 STOP_REASONS: tuple[StopReason, ...] = ("eos", "max_new_tokens", "max_positions", "repetition")
+
+
+@dataclass(frozen=True)
+class JobProfile:
+    """What a profiled job leaves: its trace (Chrome trace JSON, gzip) and its kernels per stage."""
+
+    trace_gz: bytes
+    trace_bytes: int  # uncompressed
+    summary: KernelSummary
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 
 from dsocr_workers.engine.result import STOP_REASONS
+from dsocr_workers.report import kernels
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
+from dsocr_workers.report.tables import NO_DIFFERENCE, Table, in_job_order, verdict
 from dsocr_workers.report.throughput import (
     device_busy_share,
     device_idle_ms,
@@ -46,16 +48,7 @@ NEVER_SENT_WARNING = (
     "queue {queue} takes them"
 )
 NO_RESULT_WARNING = "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
-NO_DIFFERENCE = "no significant difference"
 MIB = 2**20
-
-
-@dataclass
-class Table:
-    title: str
-    columns: list[str]
-    rows: list[list[Any]]  # cells: str, int, float, None, or an Estimate (value with its interval)
-    note: str | None = None  # what the figures mean (or do not), printed with the table
 
 
 @dataclass
@@ -158,11 +151,6 @@ def glossary() -> list[tuple[str, str]]:
     return [(t.label, t.doc) for t in timings] + FARM_TERMS
 
 
-def in_job_order(data: RunData) -> list[Result]:
-    results = (data.results.get(j.id) for j in data.jobs)
-    return [r for r in results if r is not None]
-
-
 def looping(result: Result) -> bool:
     return result.loop_start is not None
 
@@ -181,19 +169,6 @@ def measured(
 
 def summarize(metric: Metric, results: list[Result]) -> Summary:
     return Summary.from_jobs([metric.values(r) for r in results])
-
-
-def verdict(ratio: Estimate) -> str:
-    """What a B/A ratio says, plainly."""
-    if ratio.value is None:
-        return "–"
-    if ratio.low is None or ratio.high is None:
-        return "no interval (n<2)" if ratio.n < 2 else "no interval (no spread)"
-    if ratio.low > 1:
-        return "B higher"
-    if ratio.high < 1:
-        return "B lower"
-    return NO_DIFFERENCE
 
 
 def run_facts(
@@ -294,7 +269,6 @@ def single_report(
     if facts["cold results"]:
         report.tables.append(_cold(data, include_cold))
     if data.profiles:
-        from dsocr_workers.report import kernels  # builds on this module's tables
 
         report.tables += [kernels.kernel_table(data, include_cold), kernels.busy_table(data, include_cold),
                           kernels.overhead_table(data, include_cold)]  # fmt: skip
@@ -629,7 +603,6 @@ def comparison_report(
         report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
     if a.profiles and b.profiles:
-        from dsocr_workers.report import kernels  # builds on this module's tables
 
         report.tables.append(kernels.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))

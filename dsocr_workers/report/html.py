@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
 
-from dsocr_workers.report.build import Report, Table
+from dsocr_workers.report.build import Report
 from dsocr_workers.report.plots import Plot, Side, all_plots
 from dsocr_workers.report.render import cell_text
 from dsocr_workers.report.stats import Estimate
+from dsocr_workers.report.tables import Table
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1240px;

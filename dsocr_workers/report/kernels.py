@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsocr_workers.kernels import Activity, KernelSummary, StageKernels
-from dsocr_workers.report.build import E2E, Table, in_job_order, verdict
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Summary, paired_ratios
+from dsocr_workers.report.tables import Table, in_job_order, verdict
+from dsocr_workers.stages import BY_COLUMN
+
+E2E = BY_COLUMN["e2e_ms"]
 
 KERNEL_ROWS = 8  # kernels shown per stage, the longest first
 TITLE = "Kernels per stage"

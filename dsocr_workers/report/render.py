@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.report.build import Report, Table
+from dsocr_workers.report.build import Report
 from dsocr_workers.report.stats import Estimate
+from dsocr_workers.report.tables import Table
 
 FORMATS = ("table", "csv", "json", "md")
 
