@@ -152,8 +152,7 @@ def run_in_batch(process: JobProcess, job_id: str, options: RunOptions, more_com
         later = None if claimed.retry_after_s is None else claimed.retry_after_s + 1
         return Outcome(job_id, "refused", claimed.reason, later)
     try:
-        batch = process.batch_for(options)
-        batch.add(claimed, claimed_s)
+        process.batch_for(options).add(claimed, claimed_s)
     except Exception as exc:  # a bad page or a batch that cannot hold it: this job fails, the batch goes on
         outcome = job_failed(process.db, claimed, exc, process.settings)
     else:
