@@ -99,3 +99,10 @@ def test_concurrency_is_checked_and_stored():
         RunOptions(concurrency=0)
     with pytest.raises(Exception, match="--profile runs jobs on the batch-1 path"):
         RunOptions(concurrency=2, profile_every=1)
+
+
+def test_dsocr_run_refuses_a_concurrency_above_1(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'refused.db'}"}
+    refused = dsocr("run", str(pages), "--mode", "tiny", "--concurrency", "2", env=env, timeout=60)
+    assert refused.returncode == 2 and "--concurrency above 1 needs workers (`dsocr submit`)" in refused.stderr
+    assert not (tmp_path / "refused.db").exists()  # refused before anything is recorded

@@ -215,6 +215,8 @@ class JobProcess:
             if self.batch is not None and not self.batch.serves(options):
                 self.end_batch()
             self.warm(job_warmup(options))
+            if options.concurrency > 1:  # its slots (and on a GPU its graphs per bucket) before the claim too
+                self.batch_for(options)
             return options
         except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
