@@ -209,18 +209,21 @@ class JobProcess:
             if run is None:
                 with self.db.transaction() as tx:
                     run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
-            if run is None:
-                return None
-            options = RunOptions.from_parameters(run.model, run.parameters)
+            options = None if run is None else RunOptions.from_parameters(run.model, run.parameters)
+        except Exception:  # a ledger outage, a run's bad options: the job's own path meets it again and records it
+            log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
+            return None
+        if options is None:
+            return None
+        try:
             if self.batch is not None and not self.batch.serves(options):
                 self.end_batch()
             self.warm(job_warmup(options))
             if options.concurrency > 1:  # its slots (and on a GPU its graphs per bucket) before the claim too
                 self.batch_for(options)
-            return options
-        except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
+        except Exception:  # a bad model or mode, a KV cache that cannot fit: the job's own path meets it again
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
-            return None
+        return options
 
     def batch_for(self, options: RunOptions) -> BatchedJobs:
         """The batched engine for jobs of a run with `options` (concurrency above 1), started on its model."""
