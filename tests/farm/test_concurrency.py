@@ -75,7 +75,7 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         parameters = session.execute(select(Run.parameters).where(Run.id == run_ids[3])).scalar_one()
         rows = session.execute(
             select(Job.run_id, Job.image, Job.repeat, Job.attempts, Job.started_at, Job.finished_at,
-                   Result.token_ids, Result.stop_reason, Result.decode_tokens)
+                   Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50)
             .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(run_ids.values()))
         ).all()  # fmt: skip
     db.dispose()
@@ -87,6 +87,8 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         for repeat in range(REPEATS):
             batched, alone = tokens[run_ids[3], image, repeat], tokens[run_ids[1], image, repeat]
             assert len(alone) == 6 and batched == alone, (image, repeat)
+    for row in rows:  # a batched job's per-token times are the gaps between its tokens (its inter-token latency)
+        assert len(row.decode_step_ms) == 5 and row.decode_ms_per_token_p50 > 0, row
     spans = {run_id: [(row.started_at, row.finished_at) for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
     assert most_at_once(spans[run_ids[3]]) >= 2  # claimed before others of its run were finished
     assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time
