@@ -67,6 +67,9 @@ def run_options(command: F) -> F:
                      help="Run every N-th job (file-list order; N = --repeats: one repeat of each page) under "
                      "torch.profiler: its trace (`dsocr trace`) and kernels per stage (the report) are stored "
                      "with it; profiled jobs are left out of latency statistics unless --include-profiled."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Jobs of the run each worker GPU keeps in flight, decoded together by the batched "
+                     "engine; 1: one at a time (the batch-1 path). Workers only (`dsocr submit`)."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -83,6 +86,7 @@ def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
         ignore_eos=kw["ignore_eos"], engine=kw["engine"], dtype=kw["dtype"], repeats=kw["repeats"], seed=kw["seed"],
         stop_on_repetition=kw["stop_on_repetition"], no_repeat_ngram_size=kw["no_repeat_ngram_size"],
         ngram_window=kw["ngram_window"], profile_every=kw["profile_every"],
+        concurrency=kw["concurrency"],
     )  # fmt: skip
     return RunRequest(filelist, options, root=kw["root"], name=kw["name"], tags=kw["tags"],
                       ground_truth=kw["ground_truth"], skip_invalid=kw["skip_invalid"])  # fmt: skip

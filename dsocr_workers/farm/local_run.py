@@ -46,6 +46,8 @@ def record_local_run(
     worker queue to record it under, so that its workers take over the jobs this process leaves behind
     if it dies; None: `IN_PROCESS_QUEUE`, which no worker reads."""
     several = InputError("dsocr run uses one device; start `dsocr worker` for several")
+    if request.options.concurrency > 1:
+        raise InputError("dsocr run runs one job at a time; --concurrency above 1 needs workers (`dsocr submit`)")
     if "," in gpus.strip(", "):  # said before whether those GPUs are here (parse_devices)
         raise several
     devices = parse_devices(gpus)

@@ -47,6 +47,9 @@ class RunOptions:
     # Kernel-level profiles (engine/profiling.py): every N-th job of the run, in file-list order (line,
     # then repeat), runs under torch.profiler; None: none.
     profile_every: int | None = None
+    # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
+    # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
         get_mode(self.mode)  # InputError naming the valid modes
@@ -63,6 +66,10 @@ class RunOptions:
             raise InputError("--ngram-window must be at least 1")
         if self.profile_every is not None and self.profile_every < 1:
             raise InputError("--profile must be at least 1 (every N-th job)")
+        if self.concurrency < 1:
+            raise InputError("--concurrency must be at least 1")
+        if self.concurrency > 1 and self.profile_every is not None:
+            raise InputError("--profile runs jobs on the batch-1 path: not with --concurrency above 1")
 
     def profiles(self, ordinal: int) -> bool:
         """Whether the run's `ordinal`-th job (from 1, in file-list order) is profiled: the N-th, 2N-th,

@@ -33,6 +33,7 @@ from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
+from dsocr_workers.farm.job.batched import run_in_batch
 from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.process import (
     JobProcess,
@@ -185,7 +186,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     process, next_message = _process, handed_spec().next_message
-    process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
+    options = process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
 
     def upcoming(session: Session) -> ledger.WaitingJob | None:
         # On the prefetch thread, while this job runs: the job the lane fetched for this child next
@@ -195,12 +196,18 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
 
     infer = partial(process.infer, upcoming=upcoming)
     try:
-        # The claim and the result are written on the child's ledger threads: the job starts on the device
-        # while its claim is written, and its result is written while the parent hands over the next message.
-        outcome = execute_job(
-            process.db, job_id, owner=process.owner, settings=process.settings, infer=infer,
-            ledger_threads=process.ledger_threads,
-        )  # fmt: skip
+        if options is not None and options.concurrency > 1:
+            # Its result is written when the batched engine finishes it (farm/job/batched.py); the engine
+            # runs to the end when the lane has no next message for this child.
+            outcome = run_in_batch(process, job_id, options, more_coming=next_message.after(job_id) is not None)
+        else:
+            process.end_batch()  # a batch left in flight (its run's next job unreadable) finishes first
+            # The claim and the result are written on the child's ledger threads: the job starts on the device
+            # while its claim is written, and its result is written while the parent hands over the next message.
+            outcome = execute_job(
+                process.db, job_id, owner=process.owner, settings=process.settings, infer=infer,
+                ledger_threads=process.ledger_threads,
+            )  # fmt: skip
     except TransientError as exc:
         delay = job_retry_in_s(self.request.retries, process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

@@ -37,7 +37,8 @@ from dsocr_workers.store.models import utcnow
 if TYPE_CHECKING:  # the engine's session imports torch: the farm's parent process does not need it
     from dsocr_workers.engine.session import DeviceRun
 
-Status = Literal["done", "completing", "failed", "queued", "poisoned", "refused", "released", "lost"]
+# "decoding": handed to the batched engine (farm/job/batched.py), its result written when it finishes.
+Status = Literal["done", "completing", "decoding", "failed", "queued", "poisoned", "refused", "released", "lost"]
 # Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
 BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 
@@ -119,14 +120,7 @@ def execute_job(
             claim = claiming.result()
         except Refused as refused:
             return _refused(refused.refusal)
-        if isinstance(exc, InputError):
-            return _record_failure(db, claim, exc, final=True, settings=settings)
-        if isinstance(exc, TransientError):
-            with db.transaction() as session:
-                ledger.release_job(session, claim, exc)
-            return Outcome(job_id, "released", str(exc), job_retry_in_s(claim.attempt, settings))
-        # A model bug, CUDA OOM, a soft time limit: counts an attempt.
-        return _record_failure(db, claim, exc, final=False, settings=settings)
+        return job_failed(db, claim, exc, settings)
 
     try:
         claim = claiming.result()  # JobProcess.infer waited for it before the job's first decode step
@@ -148,6 +142,19 @@ def execute_job(
 def _refused(refusal: ledger.Refusal) -> Outcome:
     later = None if refusal.retry_after_s is None else refusal.retry_after_s + 1
     return Outcome(refusal.job_id, "refused", refusal.reason, later)
+
+
+def job_failed(db: Database, claim: ledger.Claim, exc: Exception, settings: Settings) -> Outcome:
+    """A claimed job whose inference raised `exc`, recorded: an InputError is final, a TransientError
+    releases the job (tried again later), anything else (a model bug, CUDA OOM, a soft time limit)
+    counts an attempt."""
+    if isinstance(exc, InputError):
+        return _record_failure(db, claim, exc, final=True, settings=settings)
+    if isinstance(exc, TransientError):
+        with db.transaction() as session:
+            ledger.release_job(session, claim, exc)
+        return Outcome(claim.job_id, "released", str(exc), job_retry_in_s(claim.attempt, settings))
+    return _record_failure(db, claim, exc, final=False, settings=settings)
 
 
 def _record_failure(

@@ -39,6 +39,7 @@ from dsocr_workers.store.upsert import upsert
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.coldstart.helpers import CompileHelpers
+    from dsocr_workers.farm.job.batched import BatchedJobs
 
 log = logging.getLogger("dsocr.worker")
 
@@ -94,6 +95,7 @@ class JobProcess:
     ledger_threads: LedgerThreads
     runs_on: str = ""  # the device in this process (see_only_this_gpu); `device` where empty
     loaded: LoadedSession | None = None
+    batch: BatchedJobs | None = None  # jobs of a run with concurrency above 1 in flight (farm/job/batched.py)
 
     @classmethod
     def open(
@@ -114,6 +116,7 @@ class JobProcess:
                    prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db), runs_on=runs_on or device)  # fmt: skip
 
     def close(self) -> None:
+        self.end_batch()  # its jobs finish and their results are written before the threads stop
         self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
         try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
@@ -196,19 +199,50 @@ class JobProcess:
         with self.db.transaction() as tx:
             ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
 
-    def prepare_for(self, job_id: str) -> None:
-        """Before the claim: load and warm what this job's run needs, so the job does not pay for it.
-        A job that is gone or unknown is left to the claim to refuse. The run of a job whose page was
-        prefetched was read with it: no ledger round trip between two jobs for it."""
+    def prepare_for(self, job_id: str) -> RunOptions | None:
+        """Before the claim: load and warm what this job's run needs, so the job does not pay for it;
+        jobs in flight in a batch its run cannot join finish first. Returns the run's options; None for
+        a job that is gone or unknown (left to the claim to refuse) or whose run could not be read. The
+        run of a job whose page was prefetched was read with it: no ledger round trip between two jobs."""
         try:
             run: Any = self.prefetcher.job(job_id)  # a WaitingJob or a row: both have .model, .parameters
             if run is None:
                 with self.db.transaction() as tx:
                     run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
-            if run is not None:
-                self.warm(job_warmup(RunOptions.from_parameters(run.model, run.parameters)))
-        except Exception:  # a bad model or mode, a ledger outage: the job's own path meets it again and records it
+            options = None if run is None else RunOptions.from_parameters(run.model, run.parameters)
+        except Exception:  # a ledger outage, a run's bad options: the job's own path meets it again and records it
+            log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
+            return None
+        if options is None:
+            return None
+        try:
+            if self.batch is not None and not self.batch.serves(options):
+                self.end_batch()
+            self.warm(job_warmup(options))
+            if options.concurrency > 1:  # its slots (and on a GPU its graphs per bucket) before the claim too
+                self.batch_for(options)
+        except Exception:  # a bad model or mode, a KV cache that cannot fit: the job's own path meets it again
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
+        return options
+
+    def batch_for(self, options: RunOptions) -> BatchedJobs:
+        """The batched engine for jobs of a run with `options` (concurrency above 1), started on its model."""
+        from dsocr_workers.farm.job.batched import BatchedJobs
+
+        if self.batch is not None and self.batch.serves(options):
+            return self.batch
+        self.end_batch()
+        loaded = self.loaded
+        if loaded is None or loaded.key != options.model_key:
+            loaded = self.warm(Warmup(options.model_key, ()))
+        self.batch = BatchedJobs(self, loaded, options)
+        return self.batch
+
+    def end_batch(self) -> None:
+        """Finish the jobs in flight in the batched engine, if any, and drop it."""
+        if self.batch is not None:
+            self.batch.drain()
+            self.batch = None
 
     def infer(self, claiming: Claiming, upcoming: Upcoming | None = None) -> Ran:
         """Run a job once its claim is written: on the page prefetched for it, if there is one, else on a

@@ -1,0 +1,166 @@
+"""Jobs of a run with `--concurrency N` above 1, in a Celery child: up to N of them in flight on the
+batched engine (engine/batched/), decoding together on the child's loaded model.
+
+The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease), prepares its
+page and hands it to the engine, steps the engine while N jobs are in flight, and returns; the lane then
+hands the child its next message, which joins the batch. The task steps the engine to the end once its
+lane has no next message (`NextMessage.after`), before a job of another run or setting, and when the
+child stops. Every step runs on the task's thread, which alone touches the device. A job's result is
+written when the engine finishes it, on the child's results thread under the job's lease (as a batch-1
+job's, farm/job/ledger_threads.py); its message was acknowledged when its task returned, as a batch-1
+job's is before its result is written: the ledger is the truth. The heartbeat renews the lease of every
+job in flight (they are all this process's); a child killed with jobs in flight leaves them running
+under a lease that a live worker's sweep takes back (farm/liveness.py), with their messages.
+
+What a job records: the engine's tokens and stop reason, its preprocess and postprocess stages, and its
+decode steps' times as the gaps between its tokens (the inter-token latency, the `decode_ms_per_token_*`
+columns); the prefill and decode stages are the batch's, not one job's, and stay empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+from dsocr_workers.engine.result import InferenceResult
+from dsocr_workers.farm.job.execute import Outcome, Ran, job_failed, result_row
+from dsocr_workers.farm.owners import owner_is_dead
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.model import postprocess
+from dsocr_workers.store import ledger
+from dsocr_workers.store.models import utcnow
+
+if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
+    from dsocr_workers.engine.batched import BatchedOutput
+    from dsocr_workers.engine.session import PreparedJob
+    from dsocr_workers.farm.job.process import JobProcess, LoadedSession
+
+log = logging.getLogger("dsocr.worker")
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A claimed job in the engine."""
+
+    claim: ledger.Claim
+    claimed_s: float  # perf_counter when its claim started
+    prepared: PreparedJob
+
+
+class BatchedJobs:
+    """The batched engine of one run's settings in a job process, and the jobs it holds."""
+
+    def __init__(self, process: JobProcess, loaded: LoadedSession, options: RunOptions) -> None:
+        from dsocr_workers.engine.batched import BatchedEngine
+
+        session = loaded.session
+        self.process, self.loaded, self.options = process, loaded, options
+        budget = options.max_new_tokens or session.max_positions
+        self.engine = BatchedEngine.create(
+            session, max_batch=options.concurrency, max_prompt_tokens=max(session.max_positions - budget, 1),
+            max_new_tokens=budget, options=options.decode_options,
+            # The eager engine's routed experts read counts back to the host: no CUDA graphs there.
+            cuda_graphs=None if session.engine == "fast" else False,
+        )  # fmt: skip
+        self.jobs: dict[str, InFlight] = {}
+        log.info("batched engine for %s: %s", options.model, self.engine.plan.describe())
+
+    def serves(self, options: RunOptions) -> bool:
+        """Whether a job of a run with `options` can join this batch."""
+        return options == self.options
+
+    def add(self, claim: ledger.Claim, claimed_s: float) -> None:
+        """Prepare the job's page and queue it; it joins at the next step with a free slot."""
+        from dsocr_workers.engine.batched import PageRequest
+
+        options = self.options
+        prepared = self.loaded.session.prepare_job(str(claim.image_path), options.prompt, options.mode, job_id=claim.job_id)
+        self.engine.submit(PageRequest(claim.job_id, prepared.page, options.max_new_tokens))
+        self.jobs[claim.job_id] = InFlight(claim, claimed_s, prepared)
+        log.info("job %s: in the batch, %d in flight", claim.job_id, len(self.jobs))
+
+    def step_while_full(self) -> None:
+        """Step until fewer than the run's concurrency are in flight: room for the next job."""
+        while len(self.jobs) >= self.options.concurrency:
+            self.step()
+
+    def drain(self) -> None:
+        """Step until every job in flight is finished (and its result handed to the results thread)."""
+        while self.jobs:
+            self.step()
+
+    def step(self) -> None:
+        """One engine step; each finished job's result is written. A step that raises fails every job
+        in flight (each counts an attempt, as a batch-1 job's failure) and drops this batch."""
+        try:
+            events = self.engine.step()
+        except Exception as exc:
+            log.exception("the batched engine failed with %d jobs in flight", len(self.jobs))
+            for job in self.jobs.values():
+                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
+                log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
+            self.jobs.clear()
+            self.process.batch = None
+            return
+        for output in events.finished:
+            self._finished(self.jobs.pop(output.request_id), output)
+
+    def _finished(self, job: InFlight, output: BatchedOutput) -> None:
+        loaded = self.loaded
+        ran = Ran(self._result(job.prepared, output), loaded.worker_id, loaded.worker_session_id,
+                  device=self.process.device)  # fmt: skip
+        self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow())
+        log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
+                 len(output.token_ids), output.stop_reason, _mean_occupancy(output))  # fmt: skip
+
+    def _result(self, prepared: PreparedJob, output: BatchedOutput) -> InferenceResult:
+        session, page, clock = self.loaded.session, prepared.page, prepared.clock
+        with clock.stage("postprocess"):
+            text = session.decode_text(output.token_ids)
+            parsed = postprocess.parse_markup(text, *page.original.size)
+        clock.finish()
+        token_s = output.metrics.token_s
+        gaps_ms = [(b - a) * 1e3 for a, b in zip(token_s, token_s[1:], strict=False)]
+        return InferenceResult(
+            text=text, token_ids=output.token_ids, stop_reason=output.stop_reason, prompt_tokens=output.prompt_tokens,
+            image_tokens=output.image_tokens, crop_grid=output.crop_grid, mode=output.mode,
+            image_size=page.original.size, timings=replace(clock.stage_timings(kept_steps=0), decode_step_ms=gaps_ms),
+            boxes=postprocess.boxes_json(parsed), skipped_spans=parsed.skipped_spans, memory=None,
+            engine=session.engine, device=str(session.device), dtype=str(session.dtype).removeprefix("torch."),
+            model=session.source, kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
+            wasted_steps=output.wasted_steps,
+        )  # fmt: skip
+
+
+def _mean_occupancy(output: BatchedOutput) -> float:
+    metrics = output.metrics
+    return metrics.occupancy_sum / metrics.decode_steps if metrics.decode_steps else 1.0
+
+
+def run_in_batch(process: JobProcess, job_id: str, options: RunOptions, more_coming: bool) -> Outcome:
+    """The task of a job of a run with concurrency above 1: claim it, hand it to the process's batched
+    engine, step while the batch is full; to the end when `more_coming` is False (the lane has no next
+    message). Returns "decoding" for a job handed over: its result is written when the engine finishes it."""
+    claimed_s = time.perf_counter()
+    with process.db.transaction() as tx:
+        claimed = ledger.claim_job(tx, job_id, process.owner, lease_s=process.settings.lease_s,
+                                   max_attempts=process.settings.max_attempts, is_dead=owner_is_dead)  # fmt: skip
+    if isinstance(claimed, ledger.Refusal):
+        later = None if claimed.retry_after_s is None else claimed.retry_after_s + 1
+        return Outcome(job_id, "refused", claimed.reason, later)
+    try:
+        process.batch_for(options).add(claimed, claimed_s)
+    except Exception as exc:  # a bad page or a batch that cannot hold it: this job fails, the batch goes on
+        outcome = job_failed(process.db, claimed, exc, process.settings)
+    else:
+        outcome = Outcome(job_id, "decoding")
+    batch = process.batch
+    if batch is not None:
+        batch.step_while_full()
+        if not more_coming:
+            batch.drain()
+    return outcome
+

@@ -1,0 +1,110 @@
+"""`dsocr submit --concurrency N`: a worker keeps up to N of the run's jobs in flight on the batched
+engine (farm/job/batched.py); every job is claimed and finished once, with its batch-1 tokens."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from test_workers import dsocr, wait_until_final
+
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job, Result, Run
+
+PAGES = {"a.png": (320, 420), "b.png": (640, 480), "c.png": (400, 900)}
+REPEATS = 2
+
+
+@pytest.fixture
+def pages(tmp_path, make_png) -> Path:
+    folder = tmp_path / "pages"
+    for name, size in PAGES.items():
+        make_png(name, size, folder=folder)
+    listing = folder / "pages.txt"
+    listing.write_text("\n".join(PAGES) + "\n")
+    return listing
+
+
+def most_at_once(spans: list[tuple[object, object]]) -> int:
+    """The most intervals (start, end) open at one instant."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    open_now = most = 0
+    for _, change in edges:
+        open_now += change
+        most = max(most, open_now)
+    return most
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
+    pages, postgres_url, broker_env, subprocess_env, tmp_path
+):  # fmt: skip
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url}
+    common = ("--mode", "tiny", "--max-new-tokens", "6", "--repeats", str(REPEATS))
+    run_ids = {}
+    for concurrency in (3, 1):  # the batched run first: the batch-1 run's jobs come after it drained
+        submitted = dsocr("submit", str(pages), *common, "--concurrency", str(concurrency),
+                          "--name", f"c{concurrency}", env=env)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        run_ids[concurrency] = submitted.stdout.strip().splitlines()[-1]
+    jobs = len(PAGES) * REPEATS
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", "--loglevel", "INFO"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            for run_id in run_ids.values():
+                assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": jobs}
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+    text = log_path.read_text()
+    assert worker.returncode == 0, text[-3000:]
+    assert "in the batch, 3 in flight" in text and "decoded in the batch" in text
+
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        parameters = session.execute(select(Run.parameters).where(Run.id == run_ids[3])).scalar_one()
+        rows = session.execute(
+            select(Job.run_id, Job.image, Job.repeat, Job.attempts, Job.started_at, Job.finished_at,
+                   Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50)
+            .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(run_ids.values()))
+        ).all()  # fmt: skip
+    db.dispose()
+    assert RunOptions.from_parameters("tiny", parameters).concurrency == 3
+    # One result per job (results are keyed by job and attempt: a job finished twice would show twice).
+    assert len(rows) == 2 * jobs and all(row.attempts == 1 for row in rows)
+    tokens = {(row.run_id, row.image, row.repeat): row.token_ids for row in rows}
+    for image in PAGES:
+        for repeat in range(REPEATS):
+            batched, alone = tokens[run_ids[3], image, repeat], tokens[run_ids[1], image, repeat]
+            assert len(alone) == 6 and batched == alone, (image, repeat)
+    for row in rows:  # a batched job's per-token times are the gaps between its tokens (its inter-token latency)
+        assert len(row.decode_step_ms) == 5 and row.decode_ms_per_token_p50 > 0, row
+    spans = {run_id: [(row.started_at, row.finished_at) for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
+    assert most_at_once(spans[run_ids[3]]) >= 2  # claimed before others of its run were finished
+    assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time
+
+
+def test_concurrency_is_checked_and_stored():
+    assert RunOptions().concurrency == 1 and RunOptions(concurrency=4).parameters["concurrency"] == 4
+    assert RunOptions.from_parameters("tiny", {}).concurrency == 1  # a run recorded before the option
+    with pytest.raises(Exception, match="--concurrency must be at least 1"):
+        RunOptions(concurrency=0)
+    with pytest.raises(Exception, match="--profile runs jobs on the batch-1 path"):
+        RunOptions(concurrency=2, profile_every=1)
+
+
+def test_dsocr_run_refuses_a_concurrency_above_1(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'refused.db'}"}
+    refused = dsocr("run", str(pages), "--mode", "tiny", "--concurrency", "2", env=env, timeout=60)
+    assert refused.returncode == 2 and "--concurrency above 1 needs workers (`dsocr submit`)" in refused.stderr
+    assert not (tmp_path / "refused.db").exists()  # refused before anything is recorded

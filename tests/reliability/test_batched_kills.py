@@ -1,0 +1,41 @@
+"""A run at `--concurrency 3` (farm/job/batched.py): `kill -9` of the whole worker while several of the
+run's jobs are in flight in its batched engine. Their messages were acknowledged when their tasks
+returned; the ledger brings them back: a live worker's sweep finds their leases expired and puts them
+back on the queue (farm/liveness.py), and it finishes every job, none twice."""
+
+from __future__ import annotations
+
+from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record
+
+LEASE_S, HEARTBEAT_S = 15, 3
+
+
+def test_a_batched_worker_killed_with_jobs_in_flight_loses_none(new_farm, tmp_path):
+    farm = new_farm(DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S))
+    jobs = 9
+    listing = make_pages(tmp_path / "pages", jobs)
+    run_id = farm.submit(listing, *SECOND_JOB, "--concurrency", "3")
+    first = farm.start_worker()
+    in_flight: list[str] = []  # the jobs running in the killed worker's child when it was killed
+
+    def kill_with_jobs_in_flight(current) -> None:
+        if in_flight:
+            return
+        children = first.child_pids()
+        held = [job.id for job in current if job.state == "running" and owner_pid(job.lease_owner) in children]
+        if len(held) >= 2:
+            first.kill_all()
+            in_flight.extend(held)
+            farm.start_worker()
+
+    wall = farm.wait_until_final(run_id, timeout=240, tick=kill_with_jobs_in_flight, poll=0.1)
+    tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
+    assert len(in_flight) >= 2
+    by_id = {job.id: job for job in farm.jobs(run_id)}
+    for job_id in in_flight:
+        job = by_id[job_id]
+        assert job.state == "done" and job.attempts == 2, (job.image, job.state, job.attempts)
+        assert job.last_error_class == "LeaseExpired", job.last_error_message
+    assert tally.done == jobs and tally.results == jobs and tally.duplicates == 0
+    record("kill -9 of a batched worker (concurrency 3)", workers=2, in_flight_at_kill=len(in_flight),
+           lost=jobs - tally.done, duplicated=tally.duplicates, wall_s=round(wall, 1), tally=tally)  # fmt: skip
