@@ -23,22 +23,39 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dsocr_workers.engine.result import InferenceResult
 from dsocr_workers.farm.job.execute import Outcome, Ran, job_failed, result_row
+from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.loaded import LoadedSession
 from dsocr_workers.farm.owners import owner_is_dead
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.model import postprocess
+from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
+from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
     from dsocr_workers.engine.batched import BatchedOutput
     from dsocr_workers.engine.session import PreparedJob
-    from dsocr_workers.farm.job.process import JobProcess, LoadedSession
 
 log = logging.getLogger("dsocr.worker")
+
+
+class JobHost(Protocol):
+    """What the batched jobs use of their job process (farm/job/process.py `JobProcess`, which holds them:
+    a protocol, not an import of it)."""
+
+    db: Database
+    settings: Settings
+    owner: str
+    device: str
+    ledger_threads: LedgerThreads
+    batch: BatchedJobs | None
+
+    def batch_for(self, options: RunOptions) -> BatchedJobs: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +70,7 @@ class InFlight:
 class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
-    def __init__(self, process: JobProcess, loaded: LoadedSession, options: RunOptions) -> None:
+    def __init__(self, process: JobHost, loaded: LoadedSession, options: RunOptions) -> None:
         from dsocr_workers.engine.batched import BatchedEngine
 
         session = loaded.session
@@ -140,7 +157,7 @@ def _mean_occupancy(output: BatchedOutput) -> float:
     return metrics.occupancy_sum / metrics.decode_steps if metrics.decode_steps else 1.0
 
 
-def run_in_batch(process: JobProcess, job_id: str, options: RunOptions, more_coming: bool) -> Outcome:
+def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming: bool) -> Outcome:
     """The task of a job of a run with concurrency above 1: claim it, hand it to the process's batched
     engine, step while the batch is full; to the end when `more_coming` is False (the lane has no next
     message). Returns "decoding" for a job handed over: its result is written when the engine finishes it."""

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -26,6 +26,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.loaded import LoadedSession
 from dsocr_workers.farm.job.prefetch import PageRequest, Prefetcher, Upcoming
 from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
@@ -42,15 +43,6 @@ if TYPE_CHECKING:
     from dsocr_workers.farm.job.batched import BatchedJobs
 
 log = logging.getLogger("dsocr.worker")
-
-
-@dataclass
-class LoadedSession:
-    key: ModelKey
-    session: Any  # DeepSeekOCRSession
-    worker_id: str  # the environment fingerprint
-    worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
-    warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
 
 
 def ngram_options(ngram: NGram) -> DecodeOptions:
