@@ -109,7 +109,24 @@ def test_timings_positive_and_nested(device):
     assert timings.e2e_ms >= timings.ttft_ms + timings.decode_ms * 0.99
     # The parts add up: what no stage covers is the (small, non-negative) host gap.
     assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)
-    assert -EPS <= timings.host_gap_ms <= 0.05 * timings.e2e_ms
+    assert timings.host_gap_ms >= -EPS
+    assert small_host_gap(timings, lambda: fresh_job_timings(device))
+
+
+def fresh_job_timings(device: str):
+    clock = StageClock(device, job_id="job-b")
+    run_job(clock, device, steps=6)
+    return clock.stage_timings()
+
+
+def small_host_gap(timings, again, tries: int = 3) -> bool:
+    """The host gap within 5% of e2e in one of `tries` jobs: a stage the clock misses leaves a gap in every
+    job, while the OS taking the core between two stages (a loaded CI machine: 3.7 ms of 17) hits one."""
+    for _ in range(tries):
+        if timings.host_gap_ms <= 0.05 * timings.e2e_ms:
+            return True
+        timings = again()
+    return False
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -111,14 +111,17 @@ def compile_share(task: HelperTask) -> HelperResult:
     set_numerics(device, dtype)
     configure_dynamo()
     stats, inductor = torch._dynamo.utils.counters["stats"], torch._dynamo.utils.counters["inductor"]
+    # dynamo's counters are the process's: this share's are what they gained since (a forked helper starts
+    # at 0; a caller that compiled before, as a test process, does not).
+    graphs_before, hits_before = stats["unique_graphs"], inductor["fxgraph_cache_hit"]
 
     def result(outcome: str) -> HelperResult:
         peak = 0
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
-        return HelperResult(share.label, outcome, stats["unique_graphs"], inductor["fxgraph_cache_hit"],
-                            time.perf_counter() - began, peak)  # fmt: skip
+        return HelperResult(share.label, outcome, stats["unique_graphs"] - graphs_before,
+                            inductor["fxgraph_cache_hit"] - hits_before, time.perf_counter() - began, peak)  # fmt: skip
 
     found = lookup(plan, model_config(plan.source))
     if found.manifest is not None:
