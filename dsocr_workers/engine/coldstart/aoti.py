@@ -30,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,26 +77,24 @@ def _shape(tensor: Tensor) -> list[int]:
     return list(tensor.shape[1:])
 
 
-class _Region:
+class _Region(ABC):
     """How one kind of region's call is flattened into a package's inputs and back."""
 
     name: str
     prefixes: tuple[str, ...] = ()  # the weights: the module's tensors under these names (empty: all)
 
-    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
-        raise NotImplementedError
+    @abstractmethod
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict: ...
 
-    def state(self, args: tuple) -> list[Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def state(self, args: tuple) -> list[Tensor]: ...
 
-    @contextmanager
-    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+    @abstractmethod
+    def holding(self, args: tuple, state: list[Tensor]) -> AbstractContextManager[tuple]:
         """`args` with `state` in the place of the call's own tensors."""
-        raise NotImplementedError
-        yield args
 
-    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
-        raise NotImplementedError
+    @abstractmethod
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]: ...
 
     @staticmethod
     def flatten(out: Any) -> tuple[Tensor, ...]:
