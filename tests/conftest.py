@@ -193,3 +193,18 @@ def write_omnidocbench(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture
+def page_list(tmp_path: Path, make_png: Callable[..., Path]) -> Callable[[dict[str, tuple[int, int]]], Path]:
+    """A file list of PNG pages {name: size} written under tmp_path/pages."""
+
+    def make(pages: dict[str, tuple[int, int]]) -> Path:
+        folder = tmp_path / "pages"
+        for name, size in pages.items():
+            make_png(name, size, folder=folder)
+        listing = folder / "pages.txt"
+        listing.write_text("\n".join(pages) + "\n")
+        return listing
+
+    return make

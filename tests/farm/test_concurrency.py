@@ -21,13 +21,8 @@ REPEATS = 2
 
 
 @pytest.fixture
-def pages(tmp_path, make_png) -> Path:
-    folder = tmp_path / "pages"
-    for name, size in PAGES.items():
-        make_png(name, size, folder=folder)
-    listing = folder / "pages.txt"
-    listing.write_text("\n".join(PAGES) + "\n")
-    return listing
+def pages(page_list) -> Path:
+    return page_list(PAGES)
 
 
 def most_at_once(spans: list[tuple[object, object]]) -> int:

@@ -23,13 +23,8 @@ PAGES = {"p1.png": (320, 420), "p2.png": (640, 480)}
 
 
 @pytest.fixture
-def pages(tmp_path, make_png) -> Path:
-    folder = tmp_path / "pages"
-    for name, size in PAGES.items():
-        make_png(name, size, folder=folder)
-    listing = folder / "pages.txt"
-    listing.write_text("\n".join(PAGES) + "\n")
-    return listing
+def pages(page_list) -> Path:
+    return page_list(PAGES)
 
 
 def report_tables(env: dict[str, str], *args: str) -> dict[str, list[dict]]:
