@@ -7,7 +7,9 @@ Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
 2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
    killed with its parent, frozen, cut off from the database — is set back to `queued`, or poisoned at
    the attempt cap; every waiting job whose reservation expired (its reserver's lane fetched it to run
-   next, then stopped beating) loses it. The messages the dead worker held go back to the head of their
+   next, then stopped beating) loses it; every message the broker has held as delivered for a lease
+   whose job nobody reserved or claimed (its worker died within milliseconds of fetching it) is taken
+   back. The messages the dead worker held go back to the head of their
    queues (`bring_back_job_messages`: taken out of Redis's unacknowledged set, where they would otherwise
    wait out the visibility timeout, an hour by default), so such a job is taken before any job queued
    since. A dead worker's job is back in its queue at most lease + heartbeat (70 s by default) after the
@@ -28,7 +30,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -48,10 +50,15 @@ Publish = Callable[[Session, list[tuple[str, str]]], None]
 
 @dataclass(frozen=True)
 class Sweep:
-    """What a Celery worker sweeps: the runs on its queues, and how it sends their messages."""
+    """What a Celery worker sweeps: the runs on its queues, how it sends their messages, and the messages
+    the broker holds as delivered."""
 
     queues: tuple[str, ...]
     publish: Publish
+    # Job id → since when (epoch seconds) its message has been delivered and unacknowledged (and due).
+    delivered: Callable[[], dict[str, float]]
+    # Puts these jobs' unacknowledged messages back at the head of their queues; returns those it moved.
+    take_back: Callable[[list[str]], set[str]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class Beat:
     requeued: list[tuple[str, str]]  # (job id, queue) taken back from a dead holder and sent again
     poisoned: list[str]  # the same at the attempt cap
     unreserved: list[tuple[str, str]]  # (job id, queue) fetched by a dead worker to run next, sent again
+    orphaned: list[str]  # jobs whose message a worker held for a lease without reserving or claiming them
 
 
 class Heartbeat:
@@ -85,7 +93,7 @@ class Heartbeat:
             renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now)
         self.registered = True
         if self.sweep is None:
-            return Beat(renewed, [], [], [])
+            return Beat(renewed, [], [], [], [])
         with self.db.transaction() as session:
             expired = ledger.expire_leases(
                 session, max_attempts=self.settings.max_attempts, now=now, queues=self.sweep.queues,
@@ -99,7 +107,26 @@ class Heartbeat:
             log.warning("job %s: the worker that fetched it stopped beating; back on %s", job_id, queue)
         for job_id in expired.poisoned:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
-        return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved)
+        orphaned = self._take_back_orphans(now, brought_back={job_id for job_id, _ in expired.to_bring_back})
+        for job_id in orphaned:
+            log.warning("job %s: its message sat a lease with a worker that never took the job up; back on its queue", job_id)
+        return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
+
+    def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
+        """The messages a worker died holding before its child reserved or claimed their jobs (the
+        milliseconds between its lane's fetch and the child's reservation, or a claim under way): no
+        lease or reservation names them, so only the broker knows, and it would keep them for the
+        visibility timeout. One held for a lease whose job is still waiting and unreserved is put back
+        at the head of its queue. A live worker that was merely slow to reserve it (a ledger outage)
+        runs it anyway: the claim lets one delivery run it."""
+        assert self.sweep is not None
+        cutoff = now.replace(tzinfo=UTC).timestamp() - self.settings.lease_s  # the ledger's times are naive UTC
+        held = [job_id for job_id, since in self.sweep.delivered().items() if since <= cutoff and job_id not in brought_back]
+        if not held:
+            return []
+        with self.db.transaction() as session:
+            orphans = ledger.unattended(session, held, now)
+        return sorted(self.sweep.take_back(orphans)) if orphans else []
 
     def start(self) -> None:
         """Beat once now (registering this process), then every heartbeat interval until `stop`."""

@@ -416,6 +416,21 @@ def _expire_reservations(
     return unreserved
 
 
+def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
+    """Of `job_ids` (jobs whose messages a worker has held for a while), the ones no process has
+    claimed or reserved: waiting, with no live reservation. A live worker's child reserves the job of each
+    message its lane fetches within milliseconds, and claims the one it starts; such a message was held
+    by a worker that died before its child could do either (farm/liveness.py)."""
+    now = now or utcnow()
+    ids = list(job_ids)
+    free = Job.reserved_by.is_(None) | (Job.reserved_until <= now)
+    found: list[str] = []
+    for start in range(0, len(ids), 500):
+        batch = ids[start : start + 500]
+        found += session.scalars(select(Job.id).where(Job.id.in_(batch), Job.state.in_(WAITING_STATES), free))
+    return found
+
+
 @dataclass(frozen=True)
 class ReconcilePlan:
     requeue: list[tuple[str, str]]  # (job id, queue) of every job that is neither final nor running

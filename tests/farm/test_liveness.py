@@ -1,12 +1,21 @@
-"""A heartbeat's sweep on the embedded default (SQLite): the labels of the messages it sends are read in
-the sweep's own transaction (a second one would wait on SQLite's write lock until its busy timeout)."""
+"""A heartbeat's sweep on the embedded default (SQLite) and the real Redis: the labels of the messages it
+sends are read in the sweep's own transaction (a second one would wait on SQLite's write lock until its
+busy timeout); a message a worker died holding before its child reserved or claimed the job goes back to
+the head of its queue a lease after its delivery, and none that a live process stands for does."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import timedelta
+from functools import partial
 
-from dsocr_workers.farm.celery.messages import job_labels
+import pytest
+import redis
+
+from dsocr_workers.farm.celery.app import create_app
+from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
+from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
@@ -14,22 +23,85 @@ from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
 
 
-def test_a_sqlite_sweep_requeues_a_dead_holders_job_at_once_with_its_label(sqlite_url):
-    db = open_database(sqlite_url)
-    job_id = job_id_for("r1", "a.png", 0)
+def add_run(db, queue: str, images: list[str]) -> list[str]:
+    """A run on `queue` with a queued job per image; their ids."""
     with db.transaction() as session:
         session.add(Run(id="r1", name="t", filelist="l", root="/d", model="tiny", model_label="tiny",
-                        random_weights=True, queue="q", parameters={}, tags={}))  # fmt: skip
+                        random_weights=True, queue=queue, parameters={}, tags={}))  # fmt: skip
         session.flush()
-        session.add(Job(id=job_id, run_id="r1", image="a.png", line=1, repeat=0, state="queued"))
+        for line, image in enumerate(images, 1):
+            session.add(Job(id=job_id_for("r1", image, 0), run_id="r1", image=image, line=line, repeat=0, state="queued"))
+    return [job_id_for("r1", image, 0) for image in images]
+
+
+@pytest.fixture
+def farm_app(broker_env):
+    """A Celery app on the real Redis under keys and a queue of this test's own."""
+    tag = uuid.uuid4().hex[:8]
+    queue, prefix = f"{broker_env['DSOCR_QUEUE']}-{tag}", f"{broker_env['DSOCR_BROKER_KEY_PREFIX']}{tag}:"
+    app = create_app(Settings(broker_url=broker_env["DSOCR_BROKER_URL"], broker_key_prefix=prefix, queue=queue))
+    client = redis.Redis.from_url(broker_env["DSOCR_BROKER_URL"])
+    yield app, queue
+    if keys := client.keys(prefix + "*"):
+        client.delete(*keys)
+    client.close()
+
+
+def test_a_sqlite_sweep_requeues_a_dead_holders_job_at_once_with_its_label(sqlite_url, farm_app):
+    app, queue = farm_app
+    db = open_database(sqlite_url)
+    (job_id,) = add_run(db, queue, ["a.png"])
     with db.transaction() as session:
         ledger.claim_job(session, job_id, "h:1:dead", lease_s=60, max_attempts=3, is_dead=lambda o: False)
     sent: dict[str, str] = {}
-    sweep = Sweep(("q",), lambda session, jobs: sent.update(job_labels(session, [j for j, _ in jobs])))
-    heartbeat = Heartbeat(db, "h:2:live", Settings(), device="cpu", queues=("q",), sweep=sweep)
+    sweep = Sweep((queue,), lambda session, jobs: sent.update(job_labels(session, [j for j, _ in jobs])),
+                  delivered=partial(delivered_messages, app, (queue,)), take_back=partial(take_back_messages, app))  # fmt: skip
+    heartbeat = Heartbeat(db, "h:2:live", Settings(), device="cpu", queues=(queue,), sweep=sweep)
     started = time.monotonic()
     beat = heartbeat.beat(utcnow() + timedelta(seconds=61))
     assert time.monotonic() - started < 5  # not a wait on the write lock
-    assert beat.requeued == [(job_id, "q")]
+    assert beat.requeued == [(job_id, queue)]
     assert sent == {job_id: "{'run': 'r1', 'image': 'a.png', 'repeat': 0}"}
     db.dispose()
+
+
+def test_a_message_held_a_lease_with_nobody_on_its_job_goes_back_to_the_head_of_its_queue(sqlite_url, farm_app):
+    app, queue = farm_app
+    db = open_database(sqlite_url)
+    orphan, reserved, running, later = add_run(db, queue, ["a.png", "b.png", "c.png", "d.png"])
+    send_job_messages(app, [(job_id, queue) for job_id in (orphan, reserved, running, later)], [], {})
+    settings = Settings()
+    with app.connection_for_write() as dead:  # a lane that fetched three messages, then died with its child
+        channel = dead.default_channel
+        held = [channel.basic_get(queue, no_ack=False).headers["id"] for _ in range(3)]
+        assert held == [orphan, reserved, running]
+        with db.transaction() as session:  # its child reserved one and claimed another before it died
+            ledger.reserve_job(session, reserved, "h:1:dead", lease_s=settings.lease_s)
+            ledger.claim_job(session, running, "h:1:dead", lease_s=settings.lease_s, max_attempts=3,
+                             is_dead=lambda o: False)  # fmt: skip
+        sweep = Sweep((queue,), lambda session, jobs: None, delivered=partial(delivered_messages, app, (queue,)),
+                      take_back=partial(take_back_messages, app))  # fmt: skip
+        live = Heartbeat(db, "h:2:live", settings, device="cpu", queues=(queue,), sweep=sweep)
+        # Delivered just now: a live lane's child is reserving it, or claiming it.
+        assert live.beat().orphaned == []
+        assert set(delivered_messages(app, (queue,))) == {orphan, reserved, running}
+        beat = live.beat(utcnow() + timedelta(seconds=settings.lease_s - 1))
+        assert beat.orphaned == [] and beat.requeued == [] and beat.unreserved == []
+        # A lease later nobody stands for the first. The reservation and the lease ran out too: those two
+        # come back through `unreserved` and `requeued` (sent by `publish`, a no-op here), not as orphans.
+        beat = live.beat(utcnow() + timedelta(seconds=settings.lease_s + 1))
+        assert beat.orphaned == [orphan]
+        assert beat.unreserved == [(reserved, queue)] and beat.requeued == [(running, queue)]
+        assert delivered_messages(app, (queue,)).keys() == {reserved, running}
+        assert channel.basic_get(queue, no_ack=False).headers["id"] == orphan  # at the head, before d
+    db.dispose()
+
+
+def test_a_retry_held_for_its_countdown_is_due_at_its_eta(farm_app):
+    app, queue = farm_app
+    app.send_task("dsocr.run_job", args=["x"], task_id="x", queue=queue, countdown=600)
+    with app.connection_for_write() as worker:
+        worker.default_channel.basic_get(queue, no_ack=False)
+        due = delivered_messages(app, (queue,))
+    assert set(due) == {"x"} and 590 < due["x"] - time.time() < 610
+    assert delivered_messages(app, ("another-queue",)) == {}

@@ -241,6 +241,23 @@ class Farm:
         with self.ledger().transaction() as session:
             return list(session.execute(select(Job).where(Job.run_id == run_id)).scalars())
 
+    def open_jobs(self, jobs: list[Any]) -> str:
+        """What a scenario that timed out needs to be diagnosed: each open job's ledger row, and the job
+        ids of the messages Redis holds (waiting, delivered and unacknowledged)."""
+        lines = [
+            f"open job {j.id} {j.image}: {j.state}, attempts {j.attempts}, owner {j.lease_owner} until "
+            f"{j.lease_expires_at}, reserved by {j.reserved_by} until {j.reserved_until}, last error "
+            f"{j.last_error_class}: {(j.last_error_message or '')[:200]}"
+            for j in jobs if j.state not in FINAL_STATES
+        ]  # fmt: skip
+        try:
+            waiting = [json.loads(raw)["headers"]["id"] for raw in self.redis().lrange(self.prefix + self.queue, 0, -1)]
+            lines.append(f"messages waiting: {waiting}; delivered, unacknowledged: {sorted(self.unacked_job_ids())}")
+        except Exception as exc:  # the broker is what the scenario cut
+            lines.append(f"messages: unreadable ({exc})")
+        lines.append(f"now {utcnow()}")
+        return "\n".join(lines)
+
     def processes(self) -> list[WorkerProcess]:
         """Every `worker_processes` row (the heartbeats)."""
         with self.ledger().transaction() as session:
@@ -266,7 +283,8 @@ class Farm:
             if time.monotonic() - start > timeout:
                 states = {s: sum(j.state == s for j in jobs) for s in {j.state for j in jobs}}
                 raise AssertionError(
-                    f"run {run_id} not final after {timeout:.0f} s: {states}\n{self.logs()[-4000:]}"
+                    f"run {run_id} not final after {timeout:.0f} s: {states}\n{self.open_jobs(jobs)}\n"
+                    f"{self.logs()[-4000:]}"
                 )
             time.sleep(poll)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -91,6 +92,30 @@ def take_back_messages(app: Any, job_ids: Iterable[str]) -> set[str]:
         held = client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
         tags = {tag: json.loads(raw)[0]["headers"]["id"] for tag, raw in held.items()}
         return {job_id for tag, job_id in tags.items() if job_id in wanted and channel.qos.take_back(tag)}
+
+
+def delivered_messages(app: Any, queues: Iterable[str]) -> dict[str, float]:
+    """The job ids of the unacknowledged messages of these queues (delivered to a worker: prefetched,
+    running, or held for a retry's countdown), each with the time (epoch seconds, the consumer's clock)
+    since which it is due: its delivery, or its ETA when that is later. Task ids are job ids."""
+    wanted = set(queues)
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        client = channel.client
+        held = client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
+        delivered_at = dict(client.zrange(channel.unacked_index_key, 0, -1, withscores=True))
+    due: dict[str, float] = {}
+    for tag, raw in held.items():
+        payload, _exchange, routing_key = json.loads(raw)
+        if routing_key not in wanted or tag not in delivered_at:
+            continue
+        headers = payload.get("headers") or {}
+        eta = headers.get("eta")
+        since = delivered_at[tag]
+        if eta:
+            since = max(since, datetime.fromisoformat(eta).timestamp())
+        due[headers["id"]] = since
+    return due
 
 
 def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -> tuple[set[str], set[str]]:

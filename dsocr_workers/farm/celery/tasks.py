@@ -30,6 +30,7 @@ from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import InputError, TransientError
+from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
@@ -81,8 +82,10 @@ def _open_child(**_: object) -> None:
             helpers.stop()
         refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
-        settings, device, queues=queues, sweep=Sweep(queues, bring_back), cpu_threads=threads, runs_on=runs_on
-    )
+        settings, device, queues=queues, cpu_threads=threads, runs_on=runs_on,
+        sweep=Sweep(queues, bring_back, delivered=partial(delivered_messages, run_job.app, queues),
+                    take_back=partial(take_back_messages, run_job.app)),
+    )  # fmt: skip
     threading.Thread(target=spec.next_message.follow, args=(_process.reserve, _stopping), daemon=True,
                      name="dsocr-next-message").start()  # fmt: skip
     seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""

@@ -120,6 +120,14 @@ class JobProcess:
         self.db.dispose()
         gc.unfreeze()
 
+    def is_warm(self, warmup: Warmup) -> bool:
+        """Whether `warm(warmup)` would do nothing: its model loaded, every mode and budget warmed."""
+        loaded = self.loaded
+        return loaded is not None and loaded.key == warmup.key and all(
+            (mode, budget, ngram) in loaded.warmed
+            for budget in warmup.budgets for ngram in warmup.ngrams for mode in warmup.modes
+        )  # fmt: skip
+
     def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> LoadedSession:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
         met yet, and record the cost as a new worker session. A no-op when all is warm already.
@@ -207,10 +215,19 @@ class JobProcess:
             return None
         if options is None:
             return None
+        warmup = job_warmup(options)
+        new_batch = options.concurrency > 1 and (self.batch is None or not self.batch.serves(options))
+        if new_batch or not self.is_warm(warmup):
+            # Minutes of loading or compiling before the claim: the job is named on, or a sweep would
+            # take its message back as one a dead worker held (farm/liveness.py).
+            try:
+                self.reserve(job_id)
+            except Exception:
+                log.warning("job %s: could not reserve it before its warm-up", job_id, exc_info=True)
         try:
             if self.batch is not None and not self.batch.serves(options):
                 self.end_batch()
-            self.warm(job_warmup(options))
+            self.warm(warmup)
             if options.concurrency > 1:  # its slots (and on a GPU its graphs per bucket) before the claim too
                 self.batch_for(options)
         except Exception:  # a bad model or mode, a KV cache that cannot fit: the job's own path meets it again
