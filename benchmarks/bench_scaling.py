@@ -233,6 +233,10 @@ def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: i
     ]  # fmt: skip
     if args.ignore_eos:
         command.append("--ignore-eos")
+    if args.profile:
+        command += ["--profile", str(args.profile)]
+    if args.concurrency > 1:
+        command += ["--concurrency", str(args.concurrency)]
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"dsocr submit failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -682,6 +686,10 @@ def main() -> int:
     parser.add_argument("--warmup", default=None, help="worker --warmup value (default: the mode)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="dsocr submit --profile N: every N-th job under torch.profiler (issue 33)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="dsocr submit --concurrency N: up to N jobs decoding together per GPU (issue 34)")
     parser.add_argument("--database-url", help="default: a fresh SQLite file in a temporary folder")
     parser.add_argument("--broker-url", help="default: a private redis-server on a free port")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")

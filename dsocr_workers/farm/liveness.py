@@ -7,9 +7,9 @@ Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
 2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
    killed with its parent, frozen, cut off from the database — is set back to `queued`, or poisoned at
    the attempt cap; every waiting job whose reservation expired (its reserver's lane fetched it to run
-   next, then stopped beating) loses it; every message the broker has held as delivered for a lease
-   whose job nobody reserved or claimed (its worker died within milliseconds of fetching it) is taken
-   back. The messages the dead worker held go back to the head of their
+   next, then stopped beating) loses it; every message the broker has held as delivered for two
+   leases (two minutes at least) whose job nobody reserved or claimed (its worker died within
+   milliseconds of fetching it) is taken back. The messages the dead worker held go back to the head of their
    queues (`bring_back_job_messages`: taken out of Redis's unacknowledged set, where they would otherwise
    wait out the visibility timeout, an hour by default), so such a job is taken before any job queued
    since. A dead worker's job is back in its queue at most lease + heartbeat (70 s by default) after the
@@ -70,6 +70,19 @@ class Beat:
     orphaned: list[str]  # jobs whose message a worker held for a lease without reserving or claiming them
 
 
+# A lane fetches its first two messages as it connects, while its child still imports (16 s on the
+# loaded 2-core CI machine, longer than the suite's 15 s lease): its reservations come only once the
+# child is up. Taking such a message back would hand a live lane's job to another worker as well.
+ORPHAN_FLOOR_S = 120
+
+
+def orphaned_after_s(settings: Settings) -> float:
+    """How long a message may sit delivered, its job waiting and unreserved, before a sweep takes it back:
+    two leases, and never under ORPHAN_FLOOR_S (2 minutes at the defaults rather than the visibility
+    timeout's hour)."""
+    return max(2 * settings.lease_s, ORPHAN_FLOOR_S)
+
+
 class Heartbeat:
     def __init__(
         self, db: Database, owner: str, settings: Settings, *, device: str, queues: tuple[str, ...],
@@ -109,18 +122,18 @@ class Heartbeat:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
         orphaned = self._take_back_orphans(now, brought_back={job_id for job_id, _ in expired.to_bring_back})
         for job_id in orphaned:
-            log.warning("job %s: its message sat a lease with a worker that never took the job up; back on its queue", job_id)
+            log.warning("job %s: its message sat with a worker that never took the job up; back on its queue", job_id)
         return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
         """The messages a worker died holding before its child reserved or claimed their jobs (the
         milliseconds between its lane's fetch and the child's reservation, or a claim under way): no
         lease or reservation names them, so only the broker knows, and it would keep them for the
-        visibility timeout. One held for a lease whose job is still waiting and unreserved is put back
-        at the head of its queue. A live worker that was merely slow to reserve it (a ledger outage)
-        runs it anyway: the claim lets one delivery run it."""
+        visibility timeout. One held `orphaned_after_s` whose job is still waiting and unreserved is put
+        back at the head of its queue. A live worker that was merely slow to reserve it runs its copy
+        anyway: the claim lets one delivery run the job."""
         assert self.sweep is not None
-        cutoff = now.replace(tzinfo=UTC).timestamp() - self.settings.lease_s  # the ledger's times are naive UTC
+        cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(self.settings)  # the ledger's times are naive UTC
         held = [job_id for job_id, since in self.sweep.delivered().items() if since <= cutoff and job_id not in brought_back]
         if not held:
             return []

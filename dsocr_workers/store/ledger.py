@@ -416,6 +416,14 @@ def _expire_reservations(
     return unreserved
 
 
+def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[str, str]]:
+    """(job id, its run's queue) for those of `job_ids` waiting for a worker."""
+    ids = list(job_ids)
+    return [(job_id, queue) for start in range(0, len(ids), 500)
+            for job_id, queue in session.execute(select(Job.id, Run.queue).join(Run, Job.run_id == Run.id)
+                                                 .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES)))]  # fmt: skip
+
+
 def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
     """Of `job_ids` (jobs whose messages a worker has held for a while), the ones no process has
     claimed or reserved: waiting, with no live reservation. A live worker's child reserves the job of each

@@ -16,7 +16,7 @@ import redis
 from dsocr_workers.farm.celery.app import create_app
 from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
 from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
-from dsocr_workers.farm.liveness import Heartbeat, Sweep
+from dsocr_workers.farm.liveness import Heartbeat, Sweep, orphaned_after_s
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
@@ -87,13 +87,19 @@ def test_a_message_held_a_lease_with_nobody_on_its_job_goes_back_to_the_head_of_
         assert set(delivered_messages(app, (queue,))) == {orphan, reserved, running}
         beat = live.beat(utcnow() + timedelta(seconds=settings.lease_s - 1))
         assert beat.orphaned == [] and beat.requeued == [] and beat.unreserved == []
-        # A lease later nobody stands for the first. The reservation and the lease ran out too: those two
-        # come back through `unreserved` and `requeued` (sent by `publish`, a no-op here), not as orphans.
+        # The reservation and the lease ran out: those two come back through `unreserved` and `requeued`
+        # (sent by `publish`, a no-op here), and the first message is not yet an orphan.
         beat = live.beat(utcnow() + timedelta(seconds=settings.lease_s + 1))
-        assert beat.orphaned == [orphan]
+        assert beat.orphaned == []
         assert beat.unreserved == [(reserved, queue)] and beat.requeued == [(running, queue)]
-        assert delivered_messages(app, (queue,)).keys() == {reserved, running}
-        assert channel.basic_get(queue, no_ack=False).headers["id"] == orphan  # at the head, before d
+        # Held long enough, with nobody on its job: back at the head.
+        beat = live.beat(utcnow() + timedelta(seconds=orphaned_after_s(settings) + 1))
+        # The other two, queued again and unreserved by the beat before with their messages still held
+        # (publish did nothing), are orphans now by the same rule.
+        assert beat.orphaned == sorted([orphan, reserved, running])
+        assert delivered_messages(app, (queue,)) == {}
+        again = [channel.basic_get(queue, no_ack=False).headers["id"] for _ in range(4)]
+        assert set(again[:3]) == {orphan, reserved, running} and again[3] == later  # at the head, before d
     db.dispose()
 
 

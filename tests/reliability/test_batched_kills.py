@@ -39,3 +39,21 @@ def test_a_batched_worker_killed_with_jobs_in_flight_loses_none(new_farm, tmp_pa
     assert tally.done == jobs and tally.results == jobs and tally.duplicates == 0
     record("kill -9 of a batched worker (concurrency 3)", workers=2, in_flight_at_kill=len(in_flight),
            lost=jobs - tally.done, duplicated=tally.duplicates, wall_s=round(wall, 1), tally=tally)  # fmt: skip
+
+
+def test_a_batch_that_fails_puts_every_job_in_flight_back_in_line(new_farm, tmp_path):
+    # Jobs of ~7 s under a 3 s soft time limit: the task that fills the batch steps it until a job finishes
+    # and meets the limit inside a step, which fails every job in flight (an attempt each). Their messages
+    # were acknowledged when their tasks returned: the worker sends new ones, and each job comes back
+    # until the attempt cap poisons it. Before, the ledger said `queued` and no message existed.
+    farm = new_farm(DSOCR_SOFT_TIME_LIMIT="3", DSOCR_HARD_TIME_LIMIT="20")
+    jobs = 3
+    listing = make_pages(tmp_path / "pages", jobs)
+    run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "2000", "--ignore-eos", "--concurrency", "3")
+    farm.start_worker()
+    farm.wait_until_final(run_id, timeout=240)
+    tally = check_invariants(farm, run_id, max_attempts=3)
+    assert tally.poisoned == jobs, tally
+    for job in farm.jobs(run_id):
+        assert job.attempts == 3 and job.last_error_class == "SoftTimeLimitExceeded", (job.image, job.last_error_class)
+    assert "the batched engine failed" in farm.logs()

@@ -53,7 +53,9 @@ WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
 REFUSAL_BYTES = 2048
 EXIT_REFUSED = 2  # a child's exit status when it cannot work (billiard logs it)
-JOB_ID_BYTES = 64  # room for a job id (36 characters) in `NextMessage`
+# Room in `NextMessage` for the ids (36 characters each, comma-separated) of the messages a lane lists:
+# two at most (prefetch 2), eight to spare.
+LISTED_BYTES = 8 * 37
 # How long a child's prefetch thread waits for its lane's next message to show: the lane fetches it within
 # milliseconds of handing over the current one, when the queue has one.
 NEXT_MESSAGE_WAIT_S = 0.5
@@ -67,17 +69,18 @@ class NextMessage:
     """The job a lane has fetched for its child to run next, as the lane's parent tells the child.
 
     The parent (Celery's consumer) lists, in order, the job messages it has received and its child has
-    not started: with one child and Celery's fair scheduling they go to it in that order. It writes the
-    first to memory shared with the child and signals a semaphore. In the child, one thread reserves each
-    job shown in the ledger as soon as it shows (`follow`: milliseconds after its message came in, so
-    that a lane killed with it loses it only to a sweep, not to the visibility timeout), and the
-    prefetch thread, while a job runs, takes the one that is not that job (`after`). A message held back
+    not started: with one child and Celery's fair scheduling they go to it in that order. It writes them
+    to memory shared with the child and signals a semaphore. In the child, one thread reserves each job
+    listed in the ledger as soon as it shows (`follow`: milliseconds after its message came in, so that
+    a lane killed with it loses it to a sweep, not to the visibility timeout; both messages a lane fetches
+    at its start, while its child still imports and warms up, are named so), and the prefetch thread,
+    while a job runs, takes the first that is not that job (`after`). A message held back
     for a retry's countdown (an ETA) is left out: it runs when due, in between, and the page prepared
     for the listed job is then not used (a page of host work lost, nothing else). The child only reads
     the memory (no lock: a child killed mid-read must not leave one held); a read that meets a write
     halfway gets an id no job has, which the ledger finds no job for."""
 
-    slot: Any = field(default_factory=lambda: RawArray(ctypes.c_char, JOB_ID_BYTES), repr=False)
+    slot: Any = field(default_factory=lambda: RawArray(ctypes.c_char, LISTED_BYTES), repr=False)
     changed: Any = field(default_factory=lambda: multiprocessing.get_context("fork").Semaphore(0), repr=False)
     _listed: deque[str] = field(default_factory=deque, repr=False)  # the parent's own, not shared
 
@@ -95,35 +98,42 @@ class NextMessage:
     def follow(self, reserve: Callable[[str], None], stopping: threading.Event) -> None:
         """In the child, on a thread of its own until `stopping`: `reserve(job_id)` for each job shown,
         once (tried again every second while it fails: a ledger outage)."""
-        reserved = ""
+        reserved: set[str] = set()
         while not stopping.is_set():
             self.changed.acquire(timeout=1.0)  # blocks without the GIL: no cost to the running job
-            shown = self._read()
-            if shown and shown != reserved:
+            listed = self._read()
+            reserved &= set(listed)
+            for job_id in listed:
+                if job_id in reserved:
+                    continue
                 try:
-                    reserve(shown)
+                    reserve(job_id)
                 except Exception:
-                    log.warning("could not reserve job %s, fetched next", shown, exc_info=True)
+                    log.warning("could not reserve job %s, fetched next", job_id, exc_info=True)
                 else:
-                    reserved = shown
+                    reserved.add(job_id)
 
     def after(self, job_id: str, wait_s: float = NEXT_MESSAGE_WAIT_S) -> str | None:
         """In the child running `job_id`: the job it runs next, if its lane has fetched one within `wait_s`."""
         deadline = time.monotonic() + wait_s
         while True:
-            shown = self._read()
-            if shown and shown != job_id:
-                return shown
+            if following := [listed for listed in self._read() if listed != job_id]:
+                return following[0]
             if time.monotonic() >= deadline:
                 return None
             time.sleep(NEXT_MESSAGE_POLL_S)
 
     def _show(self) -> None:
-        self.slot.value = (self._listed[0] if self._listed else "").encode()[: JOB_ID_BYTES - 1]
+        shown = ""
+        for job_id in self._listed:  # as many whole ids as fit
+            if len(joined := f"{shown},{job_id}" if shown else job_id) >= LISTED_BYTES:
+                break
+            shown = joined
+        self.slot.value = shown.encode()
         self.changed.release()
 
-    def _read(self) -> str:
-        return bytes(self.slot.value).decode(errors="replace")
+    def _read(self) -> list[str]:
+        return [job_id for job_id in bytes(self.slot.value).decode(errors="replace").split(",") if job_id]
 
 
 @dataclass(frozen=True)

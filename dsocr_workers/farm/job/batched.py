@@ -57,6 +57,8 @@ class JobHost(Protocol):
 
     def batch_for(self, options: RunOptions) -> BatchedJobs: ...
 
+    def send_again(self, job_ids: list[str]) -> None: ...
+
 
 @dataclass(frozen=True)
 class InFlight:
@@ -116,11 +118,15 @@ class BatchedJobs:
             events = self.engine.step()
         except Exception as exc:
             log.exception("the batched engine failed with %d jobs in flight", len(self.jobs))
+            again = []
             for job in self.jobs.values():
                 outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
                 log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
+                if outcome.retry_in_s is not None:  # queued again: its message was acknowledged long ago
+                    again.append(outcome.job_id)
             self.jobs.clear()
             self.process.batch = None
+            self.process.send_again(again)
             return
         for output in events.finished:
             self._finished(self.jobs.pop(output.request_id), output)
@@ -161,6 +167,10 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
     """The task of a job of a run with concurrency above 1: claim it, hand it to the process's batched
     engine, step while the batch is full; to the end when `more_coming` is False (the lane has no next
     message). Returns "decoding" for a job handed over: its result is written when the engine finishes it."""
+    if process.batch is not None and job_id in process.batch.jobs:
+        # A second delivery of a job this batch holds (a sweep took back a message this lane still held):
+        # its claim would be this process's own and pass, and the engine would hold the page twice.
+        return Outcome(job_id, "refused", "already in flight in this process's batch")
     claimed_s = time.perf_counter()
     with process.db.transaction() as tx:
         claimed = ledger.claim_job(tx, job_id, process.owner, lease_s=process.settings.lease_s,

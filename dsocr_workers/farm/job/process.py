@@ -247,6 +247,18 @@ class JobProcess:
         self.batch = BatchedJobs(self, loaded, options)
         return self.batch
 
+    def send_again(self, job_ids: list[str]) -> None:
+        """New messages for jobs of this process put back in line without one (a failed batch's: their
+        tasks returned, their messages were acknowledged), through the sweep's way of sending."""
+        sweep = self.heartbeat.sweep
+        if not job_ids or sweep is None:
+            return
+        try:
+            with self.db.transaction() as tx:
+                sweep.publish(tx, ledger.waiting_on_queues(tx, job_ids))
+        except Exception:
+            log.exception("jobs %s are queued with no message until `dsocr reconcile`", ", ".join(job_ids))
+
     def end_batch(self) -> None:
         """Finish the jobs in flight in the batched engine, if any, and drop it."""
         if self.batch is not None:
