@@ -90,8 +90,8 @@ class StageTimings:
     setup. A page prepared in line waits for nothing (a few microseconds of host code).
 
     The fields below, in this order, are the registry (module docstring) and the order of every table:
-    the TTFTs first (what a reader looks for first), then the stages as they happen, end-to-end, the page's
-    wait outside it."""
+    the TTFTs and TPOT first (what a reader looks for first), then the stages as they happen, end-to-end,
+    the page's wait outside it, a batched job's wait for a slot inside it."""
 
     clock: Clock
     # One entry per kept decode step (each step produces one token after the first, which comes from
@@ -105,6 +105,10 @@ class StageTimings:
     ttft_from_device_start_ms: float = Timing(
         "TTFT from device start", "setup + prefill + first token, from the job's start on the device",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}), nullable=True,
+    ).field()  # fmt: skip
+    tpot_ms: float = Timing(
+        "TPOT", "time per output token after the first: (last token - first token) / (tokens - 1)",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}), nullable=True,
     ).field()  # fmt: skip
     preprocess_ms: float = Timing(
         "preprocess", "the page read, tiled and tokenised (host)", stage="preprocess", host=True, part=True,
@@ -162,6 +166,10 @@ class StageTimings:
     ).field()  # fmt: skip
     page_wait_ms: float = Timing(
         "page wait", "a page prepared ahead, waiting for its job's setup: outside e2e", nullable=True,
+    ).field()  # fmt: skip
+    queue_wait_ms: float = Timing(
+        "queue wait", "a batched job's wait in its worker for a slot of the batch, from its page's hand-over to "
+        "its prefill (inside TTFT and e2e; 0 on the batch-1 path; the report's Serving table)", nullable=True,
     ).field()  # fmt: skip
 
     @property

@@ -106,10 +106,18 @@ def database(request: pytest.FixtureRequest):
 
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
     db = open_database(url)
-    yield db
-    if request.param == "postgres":
+
+    def empty() -> None:
         with db.engine.begin() as conn:
             conn.execute(text("TRUNCATE results, jobs, worker_sessions, worker_processes, workers, runs CASCADE"))
+
+    if request.param == "postgres":
+        # The session's database is shared by the tests of one pytest process: tests that take
+        # `postgres_url` themselves (the farm's) leave their runs there.
+        empty()
+    yield db
+    if request.param == "postgres":
+        empty()
     db.dispose()
 
 

@@ -115,6 +115,7 @@ class InferenceResult:
     kv_length: int = 0  # cache length after the last step (prompt + tokens fed back)
     vision_calls: int = 0  # how many times the vision stages ran for this job
     wasted_steps: int = 0  # decode steps computed after EOS and discarded
+    batch_occupancy: float | None = None  # the batched engine's: pages per decode step it took part in, averaged
     # Why this job was not steady state (a compilation, a new cache bucket, allocator growth); empty
     # when warm. Cold timings are real, but reports leave them out of statistics unless asked.
     cold_reasons: tuple[str, ...] = ()

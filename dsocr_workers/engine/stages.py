@@ -348,6 +348,8 @@ class StageClock:
             wasted_decode_ms=sum(wasted),
             host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
             ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
+            # One token per kept decode step after the first (chosen from the prefill's logits).
+            tpot_ms=stage_ms["decode_ms"] / len(kept) if kept else 0.0,
             e2e_ms=e2e,
             page_wait_ms=self._page_wait_ms() if self.timing_enabled else 0.0,
             ttft_from_device_start_ms=self._ttft_from_device_start_ms,

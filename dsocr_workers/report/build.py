@@ -23,6 +23,8 @@ import numpy as np
 from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.report import kernels
 from dsocr_workers.report.queries import RunData
+from dsocr_workers.report.serving import TERMS as SERVING_TERMS
+from dsocr_workers.report.serving import serving_pairs_table, serving_table
 from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
 from dsocr_workers.report.tables import NO_DIFFERENCE, Table, in_job_order, verdict
 from dsocr_workers.report.throughput import (
@@ -148,7 +150,7 @@ def glossary() -> list[tuple[str, str]]:
     """The legend of a report: every figure the latency and accounting tables show, as the stage registry
     says what it is, then the report's own terms."""
     timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS])
-    return [(t.label, t.doc) for t in timings] + FARM_TERMS
+    return [(t.label, t.doc) for t in timings] + FARM_TERMS + SERVING_TERMS
 
 
 def looping(result: Result) -> bool:
@@ -254,6 +256,7 @@ def single_report(
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
     report.tables.append(Table("Throughput", ["measure", "value"], [[k, v] for k, v in throughput.items()]))
+    report.tables.append(serving_table(data, include_cold))
     rows = []
     for metric in LATENCY + OUTPUT + MEMORY:
         s = summarize(metric, results)
@@ -582,6 +585,7 @@ def comparison_report(
     ratio = throughput_ratio(b, a, include_cold)
     rows[0][3:] = [ratio, verdict(ratio)]  # only the steady state is compared: wall clock includes loading
     report.tables.append(Table("Throughput", ["measure", "A", "B", "B/A", "verdict"], rows))
+    report.tables.append(serving_pairs_table(a, b, include_cold))
 
     by_a, by_b = (_by_image(d, measured(d, include_cold, exclude_loops, include_profiled)) for d in (a, b))
     pairs = sorted(set(by_a) & set(by_b))

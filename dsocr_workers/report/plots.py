@@ -26,6 +26,7 @@ from matplotlib.patches import Patch
 
 from dsocr_workers.report.build import DECODE_PER_TOKEN, E2E, measured, timing_metric
 from dsocr_workers.report.queries import RunData
+from dsocr_workers.report.serving import serving
 from dsocr_workers.report.throughput import services, steady_state_throughput
 from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in
 from dsocr_workers.store.models import Result
@@ -403,6 +404,48 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
     return Plot(title, caption, _png(figure))
 
 
+def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
+    """Serving's trade-off (report/serving.py): each run a point, throughput per GPU against latency,
+    labelled with its concurrency; with --vs the two points joined (runs at two concurrencies: two points
+    of the curve)."""
+    title = "Throughput against latency"
+    figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
+    tokens_ax, pages_ax = figure.subplots(1, 2)
+    panels = ((tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"), (pages_ax, "TTFT p50 ms", "pages/s per GPU"))
+    points: list[tuple[float | None, float | None, float | None, float | None]] = []
+    for side, color in zip(sides, RUN_COLORS, strict=False):
+        figures = serving(side.data, include_cold)
+        gpus = figures.gpus or 1
+        tokens = None if figures.output_tokens_per_s is None else figures.output_tokens_per_s / gpus
+        pages = None if figures.pages_per_s.value is None else figures.pages_per_s.value / gpus
+        point = (figures.tpot_ms.p50.value, tokens, figures.ttft_ms.p50.value, pages)
+        points.append(point)
+        for ax, (x, y) in ((tokens_ax, point[:2]), (pages_ax, point[2:])):
+            if x is None or y is None:
+                continue
+            ax.scatter([x], [y], color=color, s=200, zorder=3, label=f"{side.name}: concurrency {figures.concurrency}")
+            ax.annotate(f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
+    if len(points) == 2:
+        for ax, offset in ((tokens_ax, 0), (pages_ax, 2)):
+            (x0, y0), (x1, y1) = points[0][offset : offset + 2], points[1][offset : offset + 2]
+            if None not in (x0, y0, x1, y1):
+                ax.plot([x0, x1], [y0, y1], color="#888888", linewidth=1, zorder=2)
+    for ax, xlabel, ylabel in panels:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        _legend_or_nothing(ax, "no finished pages", fontsize=8, loc="lower right")
+    figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
+    caption = (
+        "Each run one point (the report's Serving table): steady-state throughput per GPU against the median time "
+        "per output token (left) and to the first token (right), labelled with the run's --concurrency. Runs of "
+        "one job set at several concurrencies trace the curve a fleet is sized on (--vs: two of them)."
+    )
+    return Plot(title, caption, _png(figure))
+
+
 def all_plots(sides: Sequence[Side], include_cold: bool, include_profiled: bool = False) -> list[Plot]:
     plots = [
         stage_breakdown(sides),
@@ -410,6 +453,7 @@ def all_plots(sides: Sequence[Side], include_cold: bool, include_profiled: bool 
         decode_steps(sides, include_cold, include_profiled),
         worker_timeline(sides),
         throughput_over_time(sides, include_cold),
+        throughput_vs_latency(sides, include_cold),
     ]
     if any(side.data.profiles for side in sides):
         plots.append(kernel_breakdown(sides, include_cold))

@@ -226,6 +226,9 @@ class Result(TimingColumns, Base):
     decode_ms_per_token_p99: Mapped[float | None] = mapped_column(Float)
 
     decode_tokens: Mapped[int]
+    # A job of a run at --concurrency above 1: the pages decoding in its batch, averaged over its decode
+    # steps (itself included); None on the batch-1 path.
+    batch_occupancy: Mapped[float | None] = mapped_column(Float)
     wasted_steps: Mapped[int] = mapped_column(default=0)
     prompt_tokens: Mapped[int]
     image_tokens: Mapped[int]

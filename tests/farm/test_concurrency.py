@@ -3,6 +3,7 @@ engine (farm/job/batched.py); every job is claimed and finished once, with its b
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -70,7 +71,8 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         parameters = session.execute(select(Run.parameters).where(Run.id == run_ids[3])).scalar_one()
         rows = session.execute(
             select(Job.run_id, Job.image, Job.repeat, Job.attempts, Job.started_at, Job.finished_at,
-                   Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50)
+                   Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50,
+                   Result.batch_occupancy, Result.tpot_ms, Result.ttft_ms, Result.queue_wait_ms, Result.e2e_ms)
             .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(run_ids.values()))
         ).all()  # fmt: skip
     db.dispose()
@@ -84,6 +86,19 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
             assert len(alone) == 6 and batched == alone, (image, repeat)
     for row in rows:  # a batched job's per-token times are the gaps between its tokens (its inter-token latency)
         assert len(row.decode_step_ms) == 5 and row.decode_ms_per_token_p50 > 0, row
+        # TPOT, first to last token over the tokens after the first: a batched job's mean gap; on the batch-1
+        # path the decode stage over its steps (the steps' events and the loop between them).
+        if row.run_id == run_ids[3]:
+            assert row.tpot_ms == pytest.approx(sum(row.decode_step_ms) / 5, rel=1e-6), row
+        else:
+            assert row.tpot_ms >= sum(row.decode_step_ms) / 5 * (1 - 1e-9), row
+        assert 0 < row.ttft_ms < row.e2e_ms and row.queue_wait_ms >= 0, row
+    occupancy = {run_id: [row.batch_occupancy for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
+    assert all(o is None for o in occupancy[run_ids[1]])  # the batch-1 path
+    assert all(1 <= o <= 3 for o in occupancy[run_ids[3]]) and max(occupancy[run_ids[3]]) > 1
+    serving = {row["measure"]: row["value"] for row in json.loads(
+        dsocr("report", "--run", run_ids[3], "--format", "json", "--table", "Serving", env=env).stdout)["tables"]["Serving"]}
+    assert serving["concurrency (jobs in flight per GPU)"] == 3 and serving["mean batch occupancy"] > 1
     spans = {run_id: [(row.started_at, row.finished_at) for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
     assert most_at_once(spans[run_ids[3]]) >= 2  # claimed before others of its run were finished
     assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time

@@ -299,13 +299,14 @@ class Farm:
         raise AssertionError(f"no job of run {run_id} {state} after {timeout:.0f} s\n{self.logs()[-3000:]}")
 
     def wait_for_ready_workers(self, count: int, timeout: float) -> None:
-        """Until `count` worker children on this farm's queue have loaded and warmed their model."""
+        """Until `count` worker children on this farm's queue (or a queue named after it) have loaded and
+        warmed their model."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.ledger().transaction() as session:
                 ready = session.scalar(
                     select(func.count()).select_from(WorkerSession).join(WorkerProcess)
-                    .where(WorkerProcess.queues == self.queue, WorkerSession.ready_at.is_not(None))
+                    .where(WorkerProcess.queues.startswith(self.queue, autoescape=True), WorkerSession.ready_at.is_not(None))
                 )  # fmt: skip
             if ready >= count:
                 return

@@ -183,13 +183,17 @@ def test_r10_redelivery_while_running(new_farm, tmp_path):
     here."""
     farm = new_farm(DSOCR_LEASE_SECONDS="24", DSOCR_HARD_TIME_LIMIT="300")
     # Started before any run is open: told the mode to warm (auto would warm gundam, ~40 s for two workers).
-    workers = [farm.start_worker("--warmup", "tiny") for _ in range(2)]
+    # The copy goes to a queue only the second worker consumes: on the run's queue the holder, which
+    # fetches the message after its running job's (prefetch 2), took it about half the time, and ran it
+    # only once the job was done (CI, 2026-11-27: nothing refused while running).
+    copies = f"{farm.queue}-copies"
+    workers = [farm.start_worker("--warmup", "tiny"), farm.start_worker("--warmup", "tiny", "--queue", copies)]
     farm.wait_for_ready_workers(len(workers), timeout=120)
     listing = make_pages(tmp_path / "pages", 1)
     run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "1000", "--ignore-eos")
     job = farm.wait_for_state(run_id, "running", timeout=60)[0]
     app = create_app(Settings.from_env(farm.env))
-    app.send_task(RUN_JOB, args=[job.id], queue=farm.queue, task_id=job.id)  # the idle worker takes it
+    app.send_task(RUN_JOB, args=[job.id], queue=copies, task_id=job.id)  # the idle worker takes it
     wall = farm.wait_until_final(run_id, timeout=240)
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=120)
     logs = farm.logs()

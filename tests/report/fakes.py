@@ -67,7 +67,7 @@ def fake_result(page: Page) -> InferenceResult:
     parts = replace(parts, **{t.column: 0.1 * s for t in TIMINGS if t.parent is not None and t.column not in named})
     from_start = parts.setup_ms + parts.prefill_ms + parts.first_token_ms
     timings = replace(parts, ttft_ms=parts.preprocess_ms + from_start, e2e_ms=sum(parts.parts_ms.values()),
-                      ttft_from_device_start_ms=from_start)  # fmt: skip
+                      ttft_from_device_start_ms=from_start, tpot_ms=2 * s)  # fmt: skip
     assert math.isclose(timings.e2e_ms, (12 + 0.6 + 2 * page.steps + 2 * page.wasted) * s)
     on_device = timings.e2e_ms - parts.preprocess_ms - parts.postprocess_ms - parts.host_gap_ms
     started = time.perf_counter()

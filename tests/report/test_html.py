@@ -31,6 +31,7 @@ TITLES = [
     "Decode ms/token against position (KV growth)",
     "Worker timeline",
     "Throughput over time",
+    "Throughput against latency",
 ]
 T0 = datetime(2026, 11, 23, 8, 0, 0)
 

@@ -260,3 +260,22 @@ def test_per_job_memory_and_its_split(database, tmp_path, make_png, monkeypatch)
     ] == pytest.approx(893.0)
     per_image = report_json(database, ["--run", run, "--per-image"], monkeypatch)["tables"]["Per image"]
     assert {row["image"]: row["peak MiB"] for row in per_image} == {"small.png": 6300.0, "large.png": 7300.0}
+
+
+def test_the_serving_table_reads_as_a_serving_benchmark_and_says_what_a_day_makes(two_runs, monkeypatch):
+    database, a, b = two_runs
+    serving = by(report_json(database, ["--run", a], monkeypatch)["tables"]["Serving"], "measure")
+    steady = serving["request throughput pages/s"]["value"]
+    assert steady > 0
+    assert serving["concurrency (jobs in flight per GPU)"]["value"] == 1
+    assert serving["GPUs (devices that finished its jobs)"]["value"] == 1
+    assert serving["mean tokens out per page"]["value"] == 5  # 4 decode steps + the prefill's token
+    assert serving["output tokens/s"]["value"] == pytest.approx(steady * 5, rel=1e-3)
+    assert serving["p50 TPOT ms"]["value"] == 2.0 and serving["p99 ITL ms"]["value"] == 2.0
+    assert serving["p50 TTFT ms"]["value"] == 12.0
+    assert serving["mean batch occupancy"]["value"] == 1.0  # the batch-1 path
+    assert serving["pages/day (the run's GPUs)"]["value"] == pytest.approx(steady * 86_400, rel=1e-3)
+    assert serving["pages/day per GPU"]["value"] == pytest.approx(steady * 86_400, rel=1e-3)
+    pairs = by(report_json(database, ["--run", a, "--vs", b], monkeypatch)["tables"]["Serving"], "measure")
+    assert pairs["p50 TPOT ms"]["A"] == 2.0 and pairs["p50 TPOT ms"]["B"] == 4.0  # B's pages are twice as slow
+    assert pairs["request throughput pages/s"]["verdict"]

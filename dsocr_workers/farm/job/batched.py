@@ -12,9 +12,12 @@ job's is before its result is written: the ledger is the truth. The heartbeat re
 job in flight (they are all this process's); a child killed with jobs in flight leaves them running
 under a lease that a live worker's sweep takes back (farm/liveness.py), with their messages.
 
-What a job records: the engine's tokens and stop reason, its preprocess and postprocess stages, and its
-decode steps' times as the gaps between its tokens (the inter-token latency, the `decode_ms_per_token_*`
-columns); the prefill and decode stages are the batch's, not one job's, and stay empty.
+What a job records: the engine's tokens and stop reason, its preprocess and postprocess stages, its TTFT
+(preprocess + hand-over to first token), TPOT, wait for a slot (`queue_wait_ms`) and the mean occupancy of
+the batch it decoded in, and its decode steps' times as the gaps between its tokens (the inter-token
+latency, the `decode_ms_per_token_*` columns); the prefill and decode stages are the batch's, not one
+job's, and stay empty (their time is in the job's host gap), as does TTFT from the claim (the claim comes
+just before the page is prepared: TTFT is within milliseconds of it).
 """
 
 from __future__ import annotations
@@ -145,12 +148,18 @@ class BatchedJobs:
             text = session.decode_text(output.token_ids)
             parsed = postprocess.parse_markup(text, *page.original.size)
         clock.finish()
-        token_s = output.metrics.token_s
-        gaps_ms = [(b - a) * 1e3 for a, b in zip(token_s, token_s[1:], strict=False)]
+        metrics = output.metrics
+        own = clock.stage_timings(kept_steps=0)
+        # The job's own serving figures (engine/batched/metrics.py); its inter-token gaps stand for its decode steps.
+        timings = replace(
+            own, decode_step_ms=metrics.itl_ms, ttft_ms=own.preprocess_ms + metrics.ttft_ms,
+            ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
+            queue_wait_ms=metrics.queue_wait_ms,
+        )  # fmt: skip
         return InferenceResult(
             text=text, token_ids=output.token_ids, stop_reason=output.stop_reason, prompt_tokens=output.prompt_tokens,
             image_tokens=output.image_tokens, crop_grid=output.crop_grid, mode=output.mode,
-            image_size=page.original.size, timings=replace(clock.stage_timings(kept_steps=0), decode_step_ms=gaps_ms),
+            image_size=page.original.size, timings=timings, batch_occupancy=metrics.mean_occupancy,
             boxes=postprocess.boxes_json(parsed), skipped_spans=parsed.skipped_spans, memory=None,
             engine=session.engine, device=str(session.device), dtype=str(session.dtype).removeprefix("torch."),
             model=session.source, kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,

@@ -213,6 +213,7 @@ def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any
         "decode_ms_per_token_p90": steps["p90"],
         "decode_ms_per_token_p99": steps["p99"],
         "decode_tokens": result.decode_tokens,
+        "batch_occupancy": result.batch_occupancy,
         "wasted_steps": result.wasted_steps,
         "prompt_tokens": result.prompt_tokens,
         "image_tokens": result.image_tokens,
