@@ -91,6 +91,7 @@ class Heartbeat:
         self.db, self.owner, self.settings = db, owner, settings
         self.device, self.queues, self.sweep = device, queues, sweep
         self.registered = False  # this process has its `worker_processes` row
+        self._let_go: set[str] = set()  # jobs whose leases are no longer renewed (`let_go`)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -103,7 +104,7 @@ class Heartbeat:
         }  # fmt: skip
         with self.db.transaction() as session:
             upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
-            renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now)
+            renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go))
         self.registered = True
         if self.sweep is None:
             return Beat(renewed, [], [], [], [])
@@ -140,6 +141,12 @@ class Heartbeat:
         with self.db.transaction() as session:
             orphans = ledger.unattended(session, held, now)
         return sorted(self.sweep.take_back(orphans)) if orphans else []
+
+    def let_go(self, job_id: str) -> None:
+        """Stop renewing the lease of `job_id`, which this process holds but can no longer finish (its
+        result could not be written): the lease runs out and a sweep puts the job back in line, rather
+        than a live heartbeat keeping it `running` for good."""
+        self._let_go.add(job_id)
 
     def start(self) -> None:
         """Beat once now (registering this process), then every heartbeat interval until `stop`."""

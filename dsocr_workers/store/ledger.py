@@ -322,12 +322,16 @@ def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None =
         session.execute(update(Job).where(Job.id.in_(batch), Job.queued_at.is_(None)).values(queued_at=now))
 
 
-def renew_leases(session: Session, owner: str, lease_s: float, now: datetime | None = None) -> int:
-    """Extend every lease `owner` holds, and its reservation, to `lease_s` from now (its heartbeat).
-    Returns how many leases."""
+def renew_leases(
+    session: Session, owner: str, lease_s: float, now: datetime | None = None, let_go: Iterable[str] = ()
+) -> int:
+    """Extend every lease `owner` holds but those of the jobs in `let_go` (ones it can no longer finish),
+    and its reservation, to `lease_s` from now (its heartbeat). Returns how many leases."""
     now = now or utcnow()
     until = now + timedelta(seconds=lease_s)
     held = (Job.state == "running") & (Job.lease_owner == owner)
+    if dropped := list(let_go):
+        held &= Job.id.not_in(dropped)
     session.execute(update(Job).where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES)).values(reserved_until=until))
     return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
 

@@ -13,7 +13,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -253,6 +254,34 @@ def test_a_result_that_cannot_be_built_fails_its_job_instead_of_holding_it(setup
         db.dispose()
     # Final and released: a live process's heartbeat would otherwise renew its lease for good.
     assert (state, error, owner) == ("failed", "RuntimeError", None)
+
+
+def test_a_result_the_ledger_refuses_for_good_lets_the_job_go_instead_of_holding_it(setup):
+    # A NUL in the markup: PostgreSQL refuses it in a text column on every try (no outage to wait out).
+    job_id = setup.job_ids[0]
+
+    def infer(claiming):
+        ran = setup.process.infer(claiming)
+        result = ran.finished()
+        return replace(ran, result=replace(result, text=result.text + "\x00"))
+
+    outcome = execute_job(setup.process.db, job_id, owner=setup.process.owner, settings=setup.settings, infer=infer,
+                          ledger_threads=setup.process.ledger_threads)  # fmt: skip
+    assert outcome.status == "completing", outcome
+    assert setup.process.ledger_threads.wait() is False
+    heartbeat = setup.process.heartbeat
+    # Its lease is renewed no more (a heartbeat keeps it `running` for good otherwise): once it runs out a
+    # sweep takes the job back. A later beat of this process renews none of its leases.
+    later = utcnow() + timedelta(seconds=setup.settings.lease_s + 1)
+    assert heartbeat.beat(utcnow()).renewed == 0
+    db = open_database(setup.direct_url)
+    try:
+        with db.transaction() as tx:
+            swept = ledger.expire_leases(tx, max_attempts=3, now=later)
+    finally:
+        db.dispose()
+    assert swept.requeued == [(job_id, "writer")]
+    assert job_state(setup.direct_url, job_id)[::2] == ("queued", 0)
 
 
 LEASE_S, HEARTBEAT_S = 15, 3

@@ -30,8 +30,9 @@ move with the write.
 
 A ledger outage: a claim fails at once (TransientError from `Claiming.result()`: the task retries the
 message, as before). A result is tried again (2 s, then doubling to 30 s) until it goes through or the
-process closes. It is never given up while the process lives: the heartbeat renews every lease the
-process holds, so a job whose result was dropped would stay `running` under a live lease for good. If
+process closes. Any other error of the write (none that a retry would cure) gives it up: the job is let
+go (`Heartbeat.let_go`: its lease is no longer renewed), so that it runs out and a sweep puts the job back
+in line, instead of the heartbeat keeping it `running` under a live lease for good. If
 the outage outlasts the lease, a sweep may give the job to another worker meanwhile; the late write
 then finds the lease gone and writes nothing (the ledger's guard). `close()` lets the write under way
 finish, or, in an outage, gives it up after its current try: the process exits and the job is put back
@@ -61,8 +62,9 @@ T = TypeVar("T")
 class LedgerThreads:
     """A process's claims, and its result writes, each one at a time in the order handed over."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, let_go: Callable[[str], None] = lambda job_id: None) -> None:
         self._db = db
+        self._let_go = let_go  # a job whose result was given up: its lease is no longer renewed
         self._closing = threading.Event()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
@@ -105,6 +107,10 @@ class LedgerThreads:
             log.info("job %s: done", claim.job_id)
         elif written is not None:
             log.warning("job %s: lost: the lease was taken over before the result was written; discarded", claim.job_id)
+        else:
+            self._let_go(claim.job_id)
+            log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
+                        claim.job_id)  # fmt: skip
         return bool(written)
 
     def _retrying(self, write: Callable[[Session], T]) -> T | None:

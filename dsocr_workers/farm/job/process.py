@@ -105,7 +105,8 @@ class JobProcess:
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
         return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner,
-                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db), runs_on=runs_on or device)  # fmt: skip
+                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
+                   runs_on=runs_on or device)  # fmt: skip
 
     def close(self) -> None:
         self.end_batch()  # its jobs finish and their results are written before the threads stop
