@@ -280,7 +280,7 @@ def test_a_result_the_ledger_refuses_for_good_lets_the_job_go_instead_of_holding
             swept = ledger.expire_leases(tx, max_attempts=3, now=later)
     finally:
         db.dispose()
-    assert swept.requeued == [(job_id, "writer")]
+    assert (job_id, "writer") in swept.requeued  # (the session's database may hold other tests' jobs)
     assert job_state(setup.direct_url, job_id)[::2] == ("queued", 0)
 
 
