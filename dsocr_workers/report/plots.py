@@ -430,11 +430,14 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
             (x0, y0), (x1, y1) = points[0][offset : offset + 2], points[1][offset : offset + 2]
             if None not in (x0, y0, x1, y1):
                 ax.plot([x0, x1], [y0, y1], color="#888888", linewidth=1, zorder=2)
-    for ax, xlabel, ylabel in panels:
+    for (ax, xlabel, ylabel), offset in zip(panels, (0, 2), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
+        xs = [x for point in points if (x := point[offset]) is not None]
+        ys = [y for point in points if (y := point[offset + 1]) is not None]
+        # From zero, with room above and right of the farthest point for its label.
+        ax.set_xlim(0, 1.2 * max(xs) if xs and max(xs) > 0 else None)
+        ax.set_ylim(0, 1.2 * max(ys) if ys and max(ys) > 0 else None)
         ax.grid(alpha=0.3)
         _legend_or_nothing(ax, "no finished pages", fontsize=8, loc="lower right")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
