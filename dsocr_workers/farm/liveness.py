@@ -67,7 +67,7 @@ class Beat:
     requeued: list[tuple[str, str]]  # (job id, queue) taken back from a dead holder and sent again
     poisoned: list[str]  # the same at the attempt cap
     unreserved: list[tuple[str, str]]  # (job id, queue) fetched by a dead worker to run next, sent again
-    orphaned: list[str]  # jobs whose message a worker held for a lease without reserving or claiming them
+    orphaned: list[str]  # jobs whose message a worker held past `orphaned_after_s`, nobody on the job
 
 
 # A lane fetches its first two messages as it connects, while its child still imports (16 s on the
