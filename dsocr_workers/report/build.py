@@ -149,7 +149,7 @@ FARM_TERMS = [
 def glossary() -> list[tuple[str, str]]:
     """The legend of a report: every figure the latency and accounting tables show, as the stage registry
     says what it is, then the report's own terms."""
-    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS])
+    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]])  # the last: Serving's
     return [(t.label, t.doc) for t in timings] + FARM_TERMS + SERVING_TERMS
 
 

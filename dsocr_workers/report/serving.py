@@ -25,8 +25,8 @@ from dsocr_workers.store.models import Result
 TTFT, TPOT, E2E, QUEUE_WAIT = (BY_COLUMN[c] for c in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_wait_ms"))
 
 SECONDS_PER_DAY = 86_400
+# Beside the stage registry's figures (TTFT, TPOT, end-to-end, queue wait: the legend has them from there).
 TERMS = [
-    ("TPOT", "time per output token after the first, per job: (last token - first token) / (tokens - 1)"),
     ("ITL", "inter-token latency: every gap between two consecutive tokens of a job, pooled over jobs"),
     ("batch occupancy", "pages decoding in a job's batch per decode step, averaged over its steps (1 on the "
                         "batch-1 path)"),
