@@ -79,6 +79,13 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+def _unacknowledged(channel: Any) -> dict[Any, Any]:
+    """Every message Redis holds as delivered and unacknowledged: delivery tag → (payload, exchange,
+    routing key) as JSON."""
+    client = channel.client  # kombu prefixes the keys of the commands it uses itself, not HGETALL's
+    return client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
+
+
 def take_back_messages(app: Any, job_ids: Iterable[str]) -> set[str]:
     """Put the unacknowledged messages of these jobs (held by a worker the ledger found dead: its lease or
     reservation ran out) back at the head of their queues, instead of leaving them to the visibility
@@ -88,9 +95,7 @@ def take_back_messages(app: Any, job_ids: Iterable[str]) -> set[str]:
         return set()
     with app.connection_for_write() as connection:
         channel = connection.default_channel
-        client = channel.client  # kombu prefixes the keys of the commands it uses itself, not HGETALL's
-        held = client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
-        tags = {tag: json.loads(raw)[0]["headers"]["id"] for tag, raw in held.items()}
+        tags = {tag: json.loads(raw)[0]["headers"]["id"] for tag, raw in _unacknowledged(channel).items()}
         return {job_id for tag, job_id in tags.items() if job_id in wanted and channel.qos.take_back(tag)}
 
 
@@ -101,9 +106,8 @@ def delivered_messages(app: Any, queues: Iterable[str]) -> dict[str, float]:
     wanted = set(queues)
     with app.connection_for_write() as connection:
         channel = connection.default_channel
-        client = channel.client
-        held = client.hgetall(getattr(client, "global_keyprefix", "") + channel.unacked_key)
-        delivered_at = dict(client.zrange(channel.unacked_index_key, 0, -1, withscores=True))
+        held = _unacknowledged(channel)
+        delivered_at = dict(channel.client.zrange(channel.unacked_index_key, 0, -1, withscores=True))
     due: dict[str, float] = {}
     for tag, raw in held.items():
         payload, _exchange, routing_key = json.loads(raw)
