@@ -76,6 +76,12 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def unwarmed(loaded: LoadedSession, warmup: Warmup) -> list[tuple[str, int | None, NGram]]:
+    """The (mode, budget, n-gram ban) combinations of `warmup` that `loaded` has not warmed yet."""
+    return [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
+            for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
+
+
 @dataclass
 class JobProcess:
     settings: Settings
@@ -124,10 +130,7 @@ class JobProcess:
     def is_warm(self, warmup: Warmup) -> bool:
         """Whether `warm(warmup)` would do nothing: its model loaded, every mode and budget warmed."""
         loaded = self.loaded
-        return loaded is not None and loaded.key == warmup.key and all(
-            (mode, budget, ngram) in loaded.warmed
-            for budget in warmup.budgets for ngram in warmup.ngrams for mode in warmup.modes
-        )  # fmt: skip
+        return loaded is not None and loaded.key == warmup.key and not unwarmed(loaded, warmup)
 
     def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> LoadedSession:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
@@ -149,8 +152,7 @@ class JobProcess:
                 raise
             load_ms = (time.perf_counter() - began) * 1e3
         loaded = self.loaded
-        missing = [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
-                   for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
+        missing = unwarmed(loaded, warmup)
         if not missing and not load_ms:
             return loaded
         warmup_ms, shapes, cold_start = 0.0, [], []
