@@ -24,6 +24,17 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
 )
 
 
+class AttendingCache:
+    """A KV cache that attends for the layer: it writes the step's keys and values and returns the
+    attention output, [batch, heads, queries, head_dim]. The batched engine's slots are one
+    (engine/batched/slots.py): each row reads only its own filled positions, which a mask over the
+    slot's whole capacity cannot skip."""
+
+    def update_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                          scaling: float) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
@@ -69,6 +80,9 @@ class FusedQKVAttention(nn.Module):
             part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if isinstance(cache, AttendingCache):
+            output = cache.update_and_attend(query, key, value, self.layer_idx, self.scaling).transpose(1, 2)
+            return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
         if isinstance(cache, StaticLayer):
             # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
             # layer index is not read: a compiled layer would take it as a constant, one graph per layer.

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from dsocr_workers.errors import InputError
 
-CAPACITY_ALIGN = 64
+# A slot's capacity is a whole number of FlexAttention's KV blocks (engine/batched/slots.py reads a row's
+# filled blocks only).
+CAPACITY_ALIGN = 128
 GiB = 2**30
 # Kept free beyond the KV cache: the decode step's activations at the largest bucket (logits [B, V] in
 # float32, the n-gram ban's [B, C, n] comparisons), the graphs' pools, a joining page's vision (a 3x3
@@ -82,7 +84,7 @@ def plan_kv(
                          f"{max_new_tokens}")  # fmt: skip
     capacity = -(-(max_prompt_tokens + max_new_tokens) // CAPACITY_ALIGN) * CAPACITY_ALIGN
     if max_positions is not None:
-        capacity = min(capacity, max_positions)
+        capacity = min(capacity, max_positions // CAPACITY_ALIGN * CAPACITY_ALIGN)
     slots, limited_by = max_batch, "max_batch"
     if free_bytes is not None:
         fitting = max(free_bytes - reserve_bytes, 0) // (capacity * bytes_per_position)
