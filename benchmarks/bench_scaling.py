@@ -224,19 +224,21 @@ def worker_options(env: dict[str, str]) -> set[str]:
     return set(re.findall(r"(--[a-z][a-z-]+)", out.stdout))
 
 
-def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: int, env: dict[str, str]) -> str:
+def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: int, env: dict[str, str],
+           concurrency: int) -> str:  # fmt: skip
     command = [
         *DSOCR, "submit", str(args.filelist), "--model", args.model, "--engine", engine, "--mode", args.mode,
         "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(repeats), "--queue", queue,
-        "--name", f"scaling-{engine}-k{k}", "--tag", "bench=scaling", "--tag", f"k={k}",
-        "--tag", f"engine={engine}",
+        "--name", f"scaling-{engine}-k{k}" + (f"-c{concurrency}" if concurrency > 1 else ""),
+        "--tag", "bench=scaling", "--tag", f"k={k}", "--tag", f"engine={engine}",
+        "--tag", f"concurrency={concurrency}",
     ]  # fmt: skip
     if args.ignore_eos:
         command.append("--ignore-eos")
     if args.profile:
         command += ["--profile", str(args.profile)]
-    if args.concurrency > 1:
-        command += ["--concurrency", str(args.concurrency)]
+    if concurrency > 1:
+        command += ["--concurrency", str(concurrency)]
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"dsocr submit failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -300,61 +302,85 @@ def tail(path: Path, lines: int) -> list[str]:
 
 def one_run(
     args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], tmp: Path,
-    db: Any, options: set[str], timeout_s: float,
-) -> dict[str, Any]:
+    db: Any, options: set[str], timeout_s: float, levels: list[int],
+) -> list[dict[str, Any]]:
+    """One worker on K devices, a run per concurrency level on it (one after another, each to its end):
+    a record per level."""
     queue = f"scaling-{engine}-k{k}-{os.getpid()}-{int(time.time())}"
-    record: dict[str, Any] = {"engine": engine, "k": k, "queue": queue, "repeats": repeats}
+    base: dict[str, Any] = {"engine": engine, "k": k, "queue": queue, "repeats": repeats}
     command = worker_command(args, engine, k, queue, options)
-    record["worker_command"] = shlex.join(command[3:])  # without the interpreter boilerplate
+    base["worker_command"] = shlex.join(command[3:])  # without the interpreter boilerplate
     logpath = tmp / f"worker-{engine}-k{k}.log"
+    records: list[dict[str, Any]] = []
     with open(logpath, "w") as logfile:
         started, since = time.monotonic(), dt.datetime.now(dt.UTC).replace(tzinfo=None) - dt.timedelta(seconds=1)
         proc = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)  # fmt: skip
-        log(f"{engine} K={k}: worker pid {proc.pid}: {record['worker_command']}")
-        ready = wait_ready(db, since, k, proc, timeout_s)
-        record["ready_after_s"] = round(time.monotonic() - started, 2)
-        log(f"{engine} K={k}: {ready}/{k} worker children ready after {record['ready_after_s']} s")
-        run_id = submit(args, engine, k, queue, repeats, env)
-        record["run_id"] = run_id
-        total = sum(job_counts(db, run_id).values())
-        record["jobs_submitted"] = total
-        log(f"{engine} K={k}: run {run_id}, {total} jobs on queue {queue}")
-        last_print, last_final, first_final_at = 0.0, -1, None
-        status = "complete"
+        log(f"{engine} K={k}: worker pid {proc.pid}: {base['worker_command']}")
         try:
-            while True:
-                counts = job_counts(db, run_id)
-                final = sum(counts.get(s, 0) for s in FINAL)
-                now = time.monotonic()
-                if final > 0 and first_final_at is None:
-                    first_final_at = now - started
-                if final != last_final and (now - last_print > 10 or final == total) or now - last_print > 30:
-                    states = " ".join(f"{s} {counts.get(s, 0)}" for s in ("queued", "running", *FINAL))
-                    log(f"{engine} K={k}: {final}/{total} final ({states})")
-                    last_print, last_final = now, final
-                if final >= total:
+            ready = wait_ready(db, since, k, proc, timeout_s)
+            base["ready_after_s"] = round(time.monotonic() - started, 2)
+            log(f"{engine} K={k}: {ready}/{k} worker children ready after {base['ready_after_s']} s")
+            for concurrency in levels:
+                record = {**base, "concurrency": concurrency}
+                records.append(record)
+                left = timeout_s - (time.monotonic() - started)
+                if left < 30:
+                    record["status"] = "skipped: out of --budget-s"
+                    continue
+                record.update(run_level(args, engine, k, repeats, env, db, queue, concurrency, proc, logpath, left))
+                if record["status"] != "complete":
                     break
-                if proc.poll() is not None:
-                    status = f"worker exited early with code {proc.returncode}"
-                    log(f"{engine} K={k}: {status}; log tail:\n" + "\n".join(tail(logpath, 40)))
-                    break
-                if now - started > timeout_s:
-                    status = f"timed out after {timeout_s:.0f} s with {final}/{total} final"
-                    log(f"{engine} K={k}: {status}")
-                    break
-                time.sleep(args.poll_s)
         finally:
-            record["worker_elapsed_s"] = round(time.monotonic() - started, 2)
-            record["first_final_after_s"] = round(first_final_at, 2) if first_final_at is not None else None
-            record.update(stop_worker(proc, args.stop_grace_s))
-    record["status"] = status
-    record["final_counts"] = dict(job_counts(db, run_id))
-    record["worker_log_tail"] = tail(logpath, 40 if status != "complete" else 6)
+            stopped = stop_worker(proc, args.stop_grace_s)
+            for record in records:
+                record.update(stopped, worker_elapsed_s=round(time.monotonic() - started, 2))
+    tail_lines = tail(logpath, 40 if any(r.get("status") != "complete" for r in records) else 6)
+    for record in records:
+        record["worker_log_tail"] = tail_lines
     if args.keep_logs:
         shutil.copy(logpath, args.keep_logs / logpath.name)
-    log(f"{engine} K={k}: {status}, worker stopped (exit {record['exit_code']}) in {record['stop_s']} s")
-    return record
+    log(f"{engine} K={k}: worker stopped (exit {stopped['exit_code']}) in {stopped['stop_s']} s")
+    return records
+
+
+def run_level(
+    args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], db: Any, queue: str,
+    concurrency: int, proc: subprocess.Popen, logpath: Path, timeout_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One run at `concurrency` on the worker's queue, polled until every job is final."""
+    started = time.monotonic()
+    name = f"{engine} K={k}" + (f" c={concurrency}" if concurrency > 1 else "")
+    run_id = submit(args, engine, k, queue, repeats, env, concurrency)
+    total = sum(job_counts(db, run_id).values())
+    log(f"{name}: run {run_id}, {total} jobs on queue {queue}")
+    last_print, last_final, first_final_at = 0.0, -1, None
+    status = "complete"
+    while True:
+        counts = job_counts(db, run_id)
+        final = sum(counts.get(s, 0) for s in FINAL)
+        now = time.monotonic()
+        if final > 0 and first_final_at is None:
+            first_final_at = now - started
+        if final != last_final and (now - last_print > 10 or final == total) or now - last_print > 30:
+            states = " ".join(f"{s} {counts.get(s, 0)}" for s in ("queued", "running", *FINAL))
+            log(f"{name}: {final}/{total} final ({states})")
+            last_print, last_final = now, final
+        if final >= total:
+            break
+        if proc.poll() is not None:
+            status = f"worker exited early with code {proc.returncode}"
+            log(f"{name}: {status}; log tail:\n" + "\n".join(tail(logpath, 40)))
+            break
+        if now - started > timeout_s:
+            status = f"timed out after {timeout_s:.0f} s with {final}/{total} final"
+            log(f"{name}: {status}")
+            break
+        time.sleep(args.poll_s)
+    log(f"{name}: {status}")
+    return {"run_id": run_id, "jobs_submitted": total, "status": status, "final_counts": dict(job_counts(db, run_id)),
+            "run_elapsed_s": round(time.monotonic() - started, 2),
+            "first_final_after_s": round(first_final_at, 2) if first_final_at is not None else None}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -539,7 +565,40 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
     ]  # fmt: skip
     stats["timeline"] = timeline(data)
     stats["gap_split_ms"] = gap_split(stats["timeline"])
+    stats["serving"] = serving_stats(data)
     return stats
+
+
+def serving_stats(data: Any) -> dict[str, Any] | None:
+    """The report's Serving figures (report/serving.py) of a run: output tokens/s, TTFT, TPOT, ITL, the
+    batch occupancy, pages/day per GPU."""
+    try:
+        from dsocr_workers.report.serving import serving
+    except ImportError:  # an older package without the serving table
+        return None
+    figures = serving(data)
+    return {"concurrency": figures.concurrency, "gpus": figures.gpus,
+            "output_tokens_per_s": figures.output_tokens_per_s, "pages_per_day_per_gpu": figures.pages_per_day_per_gpu,
+            **{f"{name}_p50": getattr(figures, name).p50.value for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+            "ttft_ms_p90": figures.ttft_ms.p90.value, "tpot_ms_p90": figures.tpot_ms.p90.value,
+            "occupancy_mean": figures.occupancy.mean.value}  # fmt: skip
+
+
+def sweep_plot(db: Any, report: dict[str, Any], engine: str, out_dir: Path) -> None:
+    """Per K, the report's throughput-against-latency plot over the sweep's runs (one point per level),
+    written beside the tables as scaling-<date>-sweep-k<K>.png."""
+    from dsocr_workers.report.plots import Side, throughput_vs_latency
+
+    by_k: dict[int, list[Side]] = {}
+    for record in report["runs"]:
+        if record["engine"] == engine and record.get("status") == "complete" and "run_id" in record:
+            name = f"c={record['concurrency']}"
+            by_k.setdefault(record["k"], []).append(Side(name, name, load(db, record["run_id"])))
+    stamp = report["environment"]["date"].replace(" ", "T").replace(":", "")[:15]
+    for k, sides in by_k.items():
+        path = out_dir / f"scaling-{stamp}-sweep-k{k}.png"
+        path.write_bytes(throughput_vs_latency(sides, include_cold=False).png)
+        report.setdefault("plots", []).append(path.name)
 
 
 def verdict(ratio: dict[str, Any] | None, target: float) -> str:
@@ -593,14 +652,15 @@ def markdown(report: dict[str, Any]) -> str:
         "95% bootstrap interval; ratio to K = 1 with its interval; wall clock: submit to last result (the "
         "workers are warm before the submit: loads and warm-ups are listed below).",
         "",
-        "| engine | K | jobs (done / failed) | cold jobs | steady-state pages/s [95% CI] | ratio to K=1 [95% CI] "
-        "| wall clock s (submit to last result) | pages/s over wall | decode ms/token p50 (median of warm jobs) | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| engine | K | concurrency | jobs (done / failed) | cold jobs | steady-state pages/s [95% CI] "
+        "| ratio to K=1 [95% CI] | wall clock s (submit to last result) | pages/s over wall "
+        "| decode ms/token p50 (median of warm jobs) | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["runs"]:
         st = r.get("stats", {})
         lines.append(
-            f"| {r['engine']} | {r['k']} | {st.get('jobs', r.get('jobs_submitted', '-'))} "
+            f"| {r['engine']} | {r['k']} | {r.get('concurrency', 1)} | {st.get('jobs', r.get('jobs_submitted', '-'))} "
             f"({st.get('done', '-')} / {st.get('failed', '-')}) | {st.get('cold_jobs', '-')} "
             f"| {_ci(st.get('steady_pages_per_s'), 3)} | {_ci(st.get('ratio_to_k1'), 2)} "
             f"| {fmt(st.get('wall_clock_s'), 1)} | {fmt(st.get('pages_per_s_wall'), 3)} "
@@ -633,6 +693,28 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {fmt(pf.get('ttft_from_claim_ms_p50'), 1)} | {fmt(pf.get('ttft_from_device_start_ms_p50'), 1)} "
             f"| {fmt(pf.get('page_wait_ms_p50'), 1)} | {prefetch_verdict(pf) if pf else '-'} |"
         )
+    served = [r for r in report["runs"] if (r.get("stats") or {}).get("serving")]
+    if any(r.get("concurrency", 1) > 1 for r in served):
+        lines += [
+            "",
+            "Serving (the report's Serving table, report/serving.py): output tokens/s = steady-state pages/s x mean "
+            "tokens out; TTFT from the claim for a batched job; TPOT and ITL per job, pooled; the batch a job decoded "
+            "in, averaged; pages/day per GPU = steady-state pages/s per GPU x 86,400.",
+            "",
+            "| engine | K | concurrency | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 ms | e2e p50 ms "
+            "| batch occupancy | pages/day per GPU |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in served:
+            sv = r["stats"]["serving"]
+            lines.append(
+                f"| {r['engine']} | {r['k']} | {r.get('concurrency', 1)} | {fmt(sv['output_tokens_per_s'], 0)} "
+                f"| {fmt(sv['ttft_ms_p50'], 1)} / {fmt(sv['ttft_ms_p90'], 1)} | {fmt(sv['tpot_ms_p50'], 2)} / "
+                f"{fmt(sv['tpot_ms_p90'], 2)} | {fmt(sv['itl_ms_p50'], 2)} | {fmt(sv['e2e_ms_p50'], 0)} "
+                f"| {fmt(sv['occupancy_mean'], 1)} | {fmt(sv['pages_per_day_per_gpu'], 0)} |"
+            )
+        for plot in report.get("plots", []):
+            lines.append(f"\nThroughput against latency over the sweep: `{plot}`")
     lines.append("")
     for engine, text in report.get("verdicts", {}).items():
         lines.append(f"- {engine}, K = 2 vs K = 1, target ≥ {TARGET_RATIO_AT_2}x: {text}")
@@ -644,7 +726,7 @@ def markdown(report: dict[str, Any]) -> str:
                 for x in sessions
             )
             launch = f"; `dsocr worker` launch → every child ready {fmt(r['ready_after_s'], 1)} s" if r.get("ready_after_s") else ""
-            lines.append(f"- {r['engine']} K={r['k']} worker sessions: {ready}{launch}")
+            lines.append(f"- {r['engine']} K={r['k']} c={r.get('concurrency', 1)} worker sessions: {ready}{launch}")
         split = r.get("stats", {}).get("gap_split_ms")
         if split:
             parts = ", ".join(f"{name} {fmt(v['p50'], 1)} / {fmt(v['p90'], 1)}" for name, v in split.items())
@@ -688,8 +770,10 @@ def main() -> int:
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     parser.add_argument("--profile", type=int, default=0,
                         help="dsocr submit --profile N: every N-th job under torch.profiler (issue 33)")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="dsocr submit --concurrency N: up to N jobs decoding together per GPU (issue 34)")
+    parser.add_argument("--concurrency", default="1",
+                        help="dsocr submit --concurrency N: up to N jobs decoding together per GPU (issue 34); a "
+                             "comma list sweeps them: a run per level on each K's worker, and a throughput-against-"
+                             "latency plot")  # fmt: skip
     parser.add_argument("--database-url", help="default: a fresh SQLite file in a temporary folder")
     parser.add_argument("--broker-url", help="default: a private redis-server on a free port")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
@@ -706,6 +790,10 @@ def main() -> int:
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     repeats = parse_repeats(args.repeats, engines)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in levels):
+        print("bench_scaling: --concurrency levels must be at least 1", file=sys.stderr)
+        return 2
     args.warmup = args.warmup or args.mode
     if args.ks:
         ks = [int(x) for x in args.ks.split(",")]
@@ -735,7 +823,7 @@ def main() -> int:
             "engines": engines, "ks": ks, "gpus": args.gpus, "filelist": os.path.relpath(args.filelist, REPO),
             "repeats": repeats, "model": args.model, "mode": args.mode, "warmup": args.warmup,
             "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
-            "target_ratio_at_2": TARGET_RATIO_AT_2,
+            "target_ratio_at_2": TARGET_RATIO_AT_2, "concurrency": levels,
         },  # fmt: skip
         "runs": [],
         "notes": [],
@@ -791,37 +879,47 @@ def main() -> int:
                 report["notes"].append(functions[3])
                 log(f"WARNING: {functions[3]}")
             for engine in engines:
-                base_data = None
+                base_data: dict[int, Any] = {}  # per concurrency level, the first K's run
                 for k in ks:
                     left = args.budget_s - (time.perf_counter() - _T0)
                     if left < 45:
-                        report["runs"].append({"engine": engine, "k": k, "status": "skipped: out of --budget-s"})
+                        report["runs"] += [{"engine": engine, "k": k, "concurrency": c,
+                                            "status": "skipped: out of --budget-s"} for c in levels]  # fmt: skip
                         log(f"{engine} K={k}: skipped, {left:.0f} s of the budget left")
                         save()
                         continue
-                    record: dict[str, Any] = {"engine": engine, "k": k}
                     try:
-                        record = one_run(args, engine, k, repeats[engine], env, tmp, db, options,
-                                         min(args.run_timeout_s, left - 20))  # fmt: skip
-                        data = load(db, record["run_id"])
-                        if k == ks[0]:
-                            base_data = data
-                        record["stats"] = run_stats(data, base_data if k != ks[0] else None, functions)
-                        st = record["stats"]
-                        log(f"{engine} K={k}: steady {_ci(st.get('steady_pages_per_s'), 3)} pages/s, ratio "
-                            f"{_ci(st.get('ratio_to_k1'))}, wall {fmt(st.get('wall_clock_s'), 1)} s, "
-                            f"cold {st['cold_jobs']}")  # fmt: skip
+                        records = one_run(args, engine, k, repeats[engine], env, tmp, db, options,
+                                          min(args.run_timeout_s * len(levels), left - 20), levels)  # fmt: skip
                     except Exception as exc:
                         traceback.print_exc()
-                        record["error"] = f"{type(exc).__name__}: {exc}"
-                        record.setdefault("status", "error")
-                    report["runs"].append(record)
+                        records = [{"engine": engine, "k": k, "status": "error", "error": f"{type(exc).__name__}: {exc}"}]
+                    for record in records:
+                        if "run_id" in record:
+                            try:
+                                data = load(db, record["run_id"])
+                                if k == ks[0]:
+                                    base_data[record["concurrency"]] = data
+                                record["stats"] = run_stats(data, base_data.get(record["concurrency"]) if k != ks[0]
+                                                            else None, functions)  # fmt: skip
+                                st = record["stats"]
+                                log(f"{engine} K={k} c={record['concurrency']}: steady "
+                                    f"{_ci(st.get('steady_pages_per_s'), 3)} pages/s, ratio {_ci(st.get('ratio_to_k1'))}, "
+                                    f"wall {fmt(st.get('wall_clock_s'), 1)} s, cold {st['cold_jobs']}")  # fmt: skip
+                            except Exception as exc:
+                                traceback.print_exc()
+                                record["error"] = f"{type(exc).__name__}: {exc}"
+                        report["runs"].append(record)
                     save()
-                two = next((r for r in report["runs"] if r["engine"] == engine and r["k"] == 2), None)
-                if two is not None and ks[0] == 1:
-                    report.setdefault("verdicts", {})[engine] = verdict(
-                        two.get("stats", {}).get("ratio_to_k1"), TARGET_RATIO_AT_2
-                    )
+                for concurrency in levels:
+                    two = next((r for r in report["runs"] if r["engine"] == engine and r["k"] == 2
+                                and r.get("concurrency") == concurrency), None)  # fmt: skip
+                    if two is not None and ks[0] == 1:
+                        report.setdefault("verdicts", {})[f"{engine}, concurrency {concurrency}"] = verdict(
+                            two.get("stats", {}).get("ratio_to_k1"), TARGET_RATIO_AT_2
+                        )
+                if len(levels) > 1:
+                    sweep_plot(db, report, engine, out_dir)
             db.dispose()
         finally:
             if redis_proc is not None:

@@ -318,6 +318,10 @@ class DeepSeekOCRSession:
     ) -> preprocess.PreparedPage:
         return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
 
+    def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = 9) -> int:
+        """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""
+        return preprocess.longest_prompt(self.tokenizer.encode, mode, prompt, max_crops)
+
     def prepare_job(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None, mode: str = "gundam",
         job_id: str | None = None, max_crops: int = 9, clock: StageClock | None = None,

@@ -155,6 +155,20 @@ def build_prompt(prompt: str | None) -> str:
     return text
 
 
+def _text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
+    """The prompt's ids before and after its image placeholder."""
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    return (list(encode(before)) if before else []), (list(encode(after)) if after else [])
+
+
+def longest_prompt(encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None,
+                   max_crops: int = 9) -> int:  # fmt: skip
+    """The most prompt tokens a page can make in `mode` with `prompt`: BOS, the text, and the image
+    placeholders of its largest grid (`most_image_tokens`)."""
+    ids_before, ids_after = _text_ids(build_prompt(prompt), encode)
+    return 1 + len(ids_before) + most_image_tokens(get_mode(mode), max_crops) + len(ids_after)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Pixels
 
@@ -234,9 +248,7 @@ def prepare_page(
             tiles = tiles_made.result()
 
     n_image = count_image_tokens(spec, grid)
-    before, after = text.split(IMAGE_PLACEHOLDER)
-    ids_before = list(encode(before)) if before else []
-    ids_after = list(encode(after)) if after else []
+    ids_before, ids_after = _text_ids(text, encode)
     ids = [BOS_TOKEN_ID, *ids_before, *([IMAGE_TOKEN_ID] * n_image), *ids_after]
     input_ids = torch.tensor(ids, dtype=torch.int64)
     mask = torch.zeros(len(ids), dtype=torch.bool)

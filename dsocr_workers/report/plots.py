@@ -406,31 +406,32 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
 
 def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
     """Serving's trade-off (report/serving.py): each run a point, throughput per GPU against latency,
-    labelled with its concurrency; with --vs the two points joined (runs at two concurrencies: two points
-    of the curve)."""
+    labelled with its concurrency, the points joined in the order of their concurrency (with --vs, runs
+    at two concurrencies: two points of the curve; benchmarks/bench_scaling.py draws a whole sweep)."""
     title = "Throughput against latency"
     figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     tokens_ax, pages_ax = figure.subplots(1, 2)
     panels = ((tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"), (pages_ax, "TTFT p50 ms", "pages/s per GPU"))
-    points: list[tuple[float | None, float | None, float | None, float | None]] = []
-    for side, color in zip(sides, RUN_COLORS, strict=False):
+    points: list[tuple[int, float | None, float | None, float | None, float | None]] = []
+    colors = RUN_COLORS if len(sides) <= len(RUN_COLORS) else [f"C{i % 10}" for i in range(len(sides))]
+    for side, color in zip(sides, colors, strict=False):
         figures = serving(side.data, include_cold)
         gpus = figures.gpus or 1
         tokens = None if figures.output_tokens_per_s is None else figures.output_tokens_per_s / gpus
         pages = None if figures.pages_per_s.value is None else figures.pages_per_s.value / gpus
-        point = (figures.tpot_ms.p50.value, tokens, figures.ttft_ms.p50.value, pages)
+        point = (figures.concurrency, figures.tpot_ms.p50.value, tokens, figures.ttft_ms.p50.value, pages)
         points.append(point)
-        for ax, (x, y) in ((tokens_ax, point[:2]), (pages_ax, point[2:])):
+        for ax, (x, y) in ((tokens_ax, point[1:3]), (pages_ax, point[3:])):
             if x is None or y is None:
                 continue
             ax.scatter([x], [y], color=color, s=200, zorder=3, label=f"{side.name}: concurrency {figures.concurrency}")
             ax.annotate(f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
-    if len(points) == 2:
-        for ax, offset in ((tokens_ax, 0), (pages_ax, 2)):
-            (x0, y0), (x1, y1) = points[0][offset : offset + 2], points[1][offset : offset + 2]
-            if None not in (x0, y0, x1, y1):
-                ax.plot([x0, x1], [y0, y1], color="#888888", linewidth=1, zorder=2)
-    for (ax, xlabel, ylabel), offset in zip(panels, (0, 2), strict=True):
+    ordered = sorted(points, key=lambda point: point[0])
+    for ax, offset in ((tokens_ax, 1), (pages_ax, 3)):
+        line = [(x, y) for point in ordered if None not in (x := point[offset], y := point[offset + 1])]
+        if len(line) > 1:
+            ax.plot([x for x, _ in line], [y for _, y in line], color="#888888", linewidth=1, zorder=2)
+    for (ax, xlabel, ylabel), offset in zip(panels, (1, 3), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         xs = [x for point in points if (x := point[offset]) is not None]

@@ -34,6 +34,10 @@ and resampled together, so the spread of the pages' own device times (136–150 
 252-job run on an H200) does not widen the interval of the share; a lane's first job (its page read and preprocessed with
 nothing to overlap) and jobs after the queue ran dry are not between jobs and are left out.
 
+The three device measures are the batch-1 path's: a batched job (`--concurrency` above 1) shares the
+device with the others of its batch, whose spans overlap, and is left out of them; its serving figures
+(TPOT, occupancy) are the report's Serving table.
+
 Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`,
 `device_idle_ms`, `device_ms_per_page`, `device_busy_share`.
 """
@@ -138,7 +142,7 @@ def device_idle_ms(data: RunData) -> dict[str, list[float]]:
     # (device start, device end, result) of every result that has them, per lane
     by_lane: dict[str, list[tuple[datetime, datetime, Result]]] = defaultdict(list)
     for r in data.results.values():
-        if r.device_started_at is not None and r.device_finished_at is not None:
+        if r.device_started_at is not None and r.device_finished_at is not None and r.batch_occupancy is None:
             by_lane[lane_key(data, r)].append((r.device_started_at, r.device_finished_at, r))
     idle: dict[str, list[float]] = {}
     for key, spans in by_lane.items():
@@ -157,7 +161,7 @@ def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, l
     spans: dict[str, list[float]] = defaultdict(list)
     for r in data.results.values():
         started, finished = r.device_started_at, r.device_finished_at
-        if started is not None and finished is not None and steady(r, include_cold):
+        if started is not None and finished is not None and steady(r, include_cold) and r.batch_occupancy is None:
             spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
     return dict(spans)
 
@@ -171,7 +175,8 @@ def device_busy_share(data: RunData, lane: str | None = None) -> Estimate:
             continue
         for before, s in zip(lane_services, lane_services[1:], strict=False):
             r = s.result
-            if (not steady(r, False) or r.device_started_at is None or r.device_finished_at is None or s.began != before.finished
+            if (not steady(r, False) or r.device_started_at is None or r.device_finished_at is None
+                    or r.batch_occupancy is not None or s.began != before.finished
                     or r.worker_session_id != before.result.worker_session_id):  # fmt: skip
                 continue
             device_s.append([(r.device_finished_at - r.device_started_at).total_seconds()])

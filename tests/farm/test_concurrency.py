@@ -4,6 +4,7 @@ engine (farm/job/batched.py); every job is claimed and finished once, with its b
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from test_workers import dsocr, wait_until_final
 
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result, Run
+from dsocr_workers.store.models import Job, Result, Run, WorkerSession
 
 PAGES = {"a.png": (320, 420), "b.png": (640, 480), "c.png": (400, 900)}
 REPEATS = 2
@@ -72,8 +73,11 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         rows = session.execute(
             select(Job.run_id, Job.image, Job.repeat, Job.attempts, Job.started_at, Job.finished_at,
                    Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50,
-                   Result.batch_occupancy, Result.tpot_ms, Result.ttft_ms, Result.queue_wait_ms, Result.e2e_ms)
-            .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(run_ids.values()))
+                   Result.batch_occupancy, Result.tpot_ms, Result.ttft_ms, Result.queue_wait_ms, Result.e2e_ms,
+                   Result.ttft_from_claim_ms, Result.device_started_at, Result.prompt_tokens, WorkerSession.warmup,
+                   WorkerSession.ready_at)
+            .join(Result, Result.job_id == Job.id).join(WorkerSession, WorkerSession.id == Result.worker_session_id)
+            .where(Job.run_id.in_(run_ids.values()))
         ).all()  # fmt: skip
     db.dispose()
     assert RunOptions.from_parameters("tiny", parameters).concurrency == 3
@@ -93,6 +97,17 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         else:
             assert row.tpot_ms >= sum(row.decode_step_ms) / 5 * (1 - 1e-9), row
         assert 0 < row.ttft_ms < row.e2e_ms and row.queue_wait_ms >= 0, row
+    batched = [row for row in rows if row.run_id == run_ids[3]]
+    # Starting the batched engine is a warm-up of its own: a worker session the batched jobs point at,
+    # ready before any of them was claimed, its KV plan sized for the mode's longest prompt (every tiny
+    # page has the same), not for the model's whole context.
+    assert len({row.warmup for row in batched}) == 1 and batched[0].warmup.startswith("batched engine: concurrency 3")
+    planned = re.search(r"\((\d+) prompt \+ 6 new\)", batched[0].warmup)
+    assert planned is not None and int(planned.group(1)) == max(row.prompt_tokens for row in batched), batched[0].warmup
+    assert all(row.ready_at <= row.started_at for row in batched)
+    # A batched job's TTFT runs from its claim (its page's preparation and its wait for a slot inside).
+    assert all(row.ttft_from_claim_ms == pytest.approx(row.ttft_ms) and row.device_started_at is not None
+               for row in batched)  # fmt: skip
     occupancy = {run_id: [row.batch_occupancy for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
     assert all(o is None for o in occupancy[run_ids[1]])  # the batch-1 path
     assert all(1 <= o <= 3 for o in occupancy[run_ids[3]]) and max(occupancy[run_ids[3]]) > 1

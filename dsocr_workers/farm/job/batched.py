@@ -1,9 +1,12 @@
 """Jobs of a run with `--concurrency N` above 1, in a Celery child: up to N of them in flight on the
 batched engine (engine/batched/), decoding together on the child's loaded model.
 
-The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease), prepares its
-page and hands it to the engine, steps the engine while N jobs are in flight, and returns; the lane then
-hands the child its next message, which joins the batch. The task steps the engine to the end once its
+The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease), hands its
+page to the preparing threads (`PREPARE_THREADS`: reading, tiling and tokenising a gundam page is
+~0.1 s of host work, which on the task's thread would hold every page of the batch), steps the engine
+while N jobs are in flight, else once (the device keeps decoding while the lane hands the child its next
+message), and returns; the lane then hands the child its next message, which joins the batch. A page
+joins the engine at the first step after it is prepared. The task steps the engine to the end once its
 lane has no next message (`NextMessage.after`), before a job of another run or setting, and when the
 child stops. Every step runs on the task's thread, which alone touches the device. A job's result is
 written when the engine finishes it, on the child's results thread under the job's lease (as a batch-1
@@ -13,22 +16,27 @@ job in flight (they are all this process's); a child killed with jobs in flight 
 under a lease that a live worker's sweep takes back (farm/liveness.py), with their messages.
 
 What a job records: the engine's tokens and stop reason, its preprocess and postprocess stages, its TTFT
-(preprocess + hand-over to first token), TPOT, wait for a slot (`queue_wait_ms`) and the mean occupancy of
+(from its claim to its first token: the claim, its page's preparation, its wait for a slot, its prefill;
+the same figure as TTFT from the claim), TPOT, wait for a slot (`queue_wait_ms`) and the mean occupancy of
 the batch it decoded in, and its decode steps' times as the gaps between its tokens (the inter-token
 latency, the `decode_ms_per_token_*` columns); the prefill and decode stages are the batch's, not one
-job's, and stay empty (their time is in the job's host gap), as does TTFT from the claim (the claim comes
-just before the page is prepared: TTFT is within milliseconds of it).
+job's, and stay empty (their time is in the job's host gap).
+
+The KV cache's slots hold the longest prompt the run's mode and prompt can make (its largest tile grid)
+and the run's token budget: a slot sized for the model's whole context would be ~3x larger for gundam
+and 1,024 tokens, and fewer pages would fit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
-from dsocr_workers.engine.result import InferenceResult
+from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.farm.job.execute import Outcome, Ran, job_failed, result_row
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.job.loaded import LoadedSession
@@ -45,6 +53,11 @@ if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this mo
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
+
+# Threads preparing the batch's pages: PIL and torch's CPU ops release the GIL, so two keep up with the
+# device at the highest concurrency measured (a gundam page ~0.1 s, one joins every ~0.15 s at 64 pages
+# of 1,024 tokens) and leave the task's thread the GIL it needs to launch steps.
+PREPARE_THREADS = 2
 
 
 class JobHost(Protocol):
@@ -63,13 +76,14 @@ class JobHost(Protocol):
     def send_again(self, job_ids: list[str]) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class InFlight:
-    """A claimed job in the engine."""
+    """A claimed job: its page being prepared, then in the engine."""
 
     claim: ledger.Claim
     claimed_s: float  # perf_counter when its claim started
-    prepared: PreparedJob
+    page: Future[PreparedJob]
+    handed_over: bool = False
 
 
 class BatchedJobs:
@@ -80,32 +94,44 @@ class BatchedJobs:
 
         session = loaded.session
         self.process, self.loaded, self.options = process, loaded, options
-        budget = options.max_new_tokens or session.max_positions
+        longest = min(session.longest_prompt(options.mode, options.prompt), session.max_positions - 1)
+        budget = options.max_new_tokens or session.max_positions - longest
         self.engine = BatchedEngine.create(
-            session, max_batch=options.concurrency, max_prompt_tokens=max(session.max_positions - budget, 1),
-            max_new_tokens=budget, options=options.decode_options,
+            session, max_batch=options.concurrency, max_prompt_tokens=longest, max_new_tokens=budget,
+            options=options.decode_options,
             # The eager engine's routed experts read counts back to the host: no CUDA graphs there.
             cuda_graphs=None if session.engine == "fast" else False,
         )  # fmt: skip
-        self.jobs: dict[str, InFlight] = {}
+        self.jobs: dict[str, InFlight] = {}  # in claim order
+        self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         log.info("batched engine for %s: %s", options.model, self.engine.plan.describe())
+
+    def describe(self) -> str:
+        """Its concurrency, KV plan and step, for the worker session that records its start."""
+        engine = self.engine
+        step = (f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)"
+                if engine.runner.cuda_graphs else "eager steps")  # fmt: skip
+        return f"concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch."""
         return options == self.options
 
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
-        """Prepare the job's page and queue it; it joins at the next step with a free slot."""
-        from dsocr_workers.engine.batched import PageRequest
-
-        options = self.options
-        prepared = self.loaded.session.prepare_job(str(claim.image_path), options.prompt, options.mode, job_id=claim.job_id)
-        self.engine.submit(PageRequest(claim.job_id, prepared.page, options.max_new_tokens))
-        self.jobs[claim.job_id] = InFlight(claim, claimed_s, prepared)
+        """Hand the job's page to the preparing threads; it joins the engine at the first step after."""
+        options, session = self.options, self.loaded.session
+        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
+                                  job_id=claim.job_id)  # fmt: skip
+        self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
         log.info("job %s: in the batch, %d in flight", claim.job_id, len(self.jobs))
 
     def step_while_full(self) -> None:
-        """Step until fewer than the run's concurrency are in flight: room for the next job."""
+        """Step until fewer than the run's concurrency are in flight (room for the next job); else once,
+        if the engine has work, so that the device goes on while the lane hands over the next message."""
+        if len(self.jobs) < self.options.concurrency:
+            if self.engine.busy:
+                self.step()
+            return
         while len(self.jobs) >= self.options.concurrency:
             self.step()
 
@@ -114,9 +140,18 @@ class BatchedJobs:
         while self.jobs:
             self.step()
 
+    def close(self) -> None:
+        """Finish the jobs in flight and stop the preparing threads."""
+        self.drain()
+        self._pages.shutdown()
+
     def step(self) -> None:
-        """One engine step; each finished job's result is written. A step that raises fails every job
-        in flight (each counts an attempt, as a batch-1 job's failure) and drops this batch."""
+        """Hand the prepared pages to the engine (waiting for one when the engine has nothing else to
+        do), then one engine step; each finished job's result is written. A step that raises fails every
+        job in flight (each counts an attempt, as a batch-1 job's failure) and drops this batch."""
+        self._hand_over(wait_for_one=not self.engine.busy)
+        if not self.engine.busy:
+            return
         try:
             events = self.engine.step()
         except Exception as exc:
@@ -129,20 +164,42 @@ class BatchedJobs:
                     again.append(outcome.job_id)
             self.jobs.clear()
             self.process.batch = None
+            self._pages.shutdown(wait=False, cancel_futures=True)
             self.process.send_again(again)
             return
         for output in events.finished:
             self._finished(self.jobs.pop(output.request_id), output)
 
+    def _hand_over(self, wait_for_one: bool) -> None:
+        """Every prepared page not yet in the engine goes in (submitted: it takes a slot at the next
+        step with one free). A page that could not be prepared, or that the engine refuses (it cannot
+        fit a slot), fails its job alone."""
+        from dsocr_workers.engine.batched import PageRequest
+
+        preparing = [job.page for job in self.jobs.values() if not job.handed_over]
+        if wait_for_one and preparing:
+            wait(preparing, return_when=FIRST_COMPLETED)
+        for job_id, job in list(self.jobs.items()):
+            if job.handed_over or not job.page.done():
+                continue
+            try:
+                self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
+            except Exception as exc:
+                self.jobs.pop(job_id)
+                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
+                log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
+                continue
+            job.handed_over = True
+
     def _finished(self, job: InFlight, output: BatchedOutput) -> None:
         loaded = self.loaded
-        ran = Ran(self._result(job.prepared, output), loaded.worker_id, loaded.worker_session_id,
-                  device=self.process.device)  # fmt: skip
+        ran = Ran(self._result(job, output), loaded.worker_id, loaded.worker_session_id, device=self.process.device)
         self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow())
         log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
                  len(output.token_ids), output.stop_reason, _mean_occupancy(output))  # fmt: skip
 
-    def _result(self, prepared: PreparedJob, output: BatchedOutput) -> InferenceResult:
+    def _result(self, job: InFlight, output: BatchedOutput) -> InferenceResult:
+        prepared = job.page.result()
         session, page, clock = self.loaded.session, prepared.page, prepared.clock
         with clock.stage("postprocess"):
             text = session.decode_text(output.token_ids)
@@ -150,12 +207,15 @@ class BatchedJobs:
         clock.finish()
         metrics = output.metrics
         own = clock.stage_timings(kept_steps=0)
-        # The job's own serving figures (engine/batched/metrics.py); its inter-token gaps stand for its decode steps.
+        # The job's own serving figures (engine/batched/metrics.py); its inter-token gaps stand for its
+        # decode steps. Its TTFT runs from its claim: its first token's time and the claim's are on the
+        # same perf_counter clock (and TTFT from the claim, from the device span, is the same figure).
         timings = replace(
-            own, decode_step_ms=metrics.itl_ms, ttft_ms=own.preprocess_ms + metrics.ttft_ms,
+            own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - job.claimed_s) * 1e3,
             ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
             queue_wait_ms=metrics.queue_wait_ms,
         )  # fmt: skip
+        span = DeviceSpan(metrics.prefill_started_s, metrics.token_s[0], metrics.token_s[-1])
         return InferenceResult(
             text=text, token_ids=output.token_ids, stop_reason=output.stop_reason, prompt_tokens=output.prompt_tokens,
             image_tokens=output.image_tokens, crop_grid=output.crop_grid, mode=output.mode,
@@ -163,7 +223,7 @@ class BatchedJobs:
             boxes=postprocess.boxes_json(parsed), skipped_spans=parsed.skipped_spans, memory=None,
             engine=session.engine, device=str(session.device), dtype=str(session.dtype).removeprefix("torch."),
             model=session.source, kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
-            wasted_steps=output.wasted_steps,
+            wasted_steps=output.wasted_steps, device_span=span,
         )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -172,19 +173,25 @@ class JobProcess:
         settling = time.perf_counter()
         settle_heap()
         warmup_ms += (time.perf_counter() - settling) * 1e3
+        self._new_session(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)
+        return loaded
+
+    def _new_session(self, loaded: LoadedSession, warmup: str, began_at: datetime, load_ms: float,
+                     warmup_ms: float) -> None:  # fmt: skip
+        """Record what was just loaded or warmed as a new worker session, ready now: the jobs after it
+        point at it, and the report counts them from its `ready_at` on."""
         if not self.heartbeat.registered:  # its first beat met a ledger outage
             self.heartbeat.beat()
         row = WorkerSession(
             id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
             host=socket.gethostname(), pid=os.getpid(),
-            device=self.device, model=warmup.key.model, engine=loaded.session.engine,
-            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup="; ".join([", ".join(shapes), *cold_start]),
+            device=self.device, model=loaded.key.model, engine=loaded.session.engine,
+            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=warmup,
             started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
         )  # fmt: skip
         with self.db.transaction() as tx:
             tx.add(row)
         loaded.worker_session_id = row.id
-        return loaded
 
     def _load(self, key: ModelKey) -> LoadedSession:
         from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -238,7 +245,9 @@ class JobProcess:
         return options
 
     def batch_for(self, options: RunOptions) -> BatchedJobs:
-        """The batched engine for jobs of a run with `options` (concurrency above 1), started on its model."""
+        """The batched engine for jobs of a run with `options` (concurrency above 1), started on its model.
+        Starting it (its KV cache; on a GPU its step compiled and captured per bucket: a minute or more)
+        is a warm-up: recorded as a new worker session, so no job's time and no throughput holds it."""
         from dsocr_workers.farm.job.batched import BatchedJobs
 
         if self.batch is not None and self.batch.serves(options):
@@ -247,8 +256,11 @@ class JobProcess:
         loaded = self.loaded
         if loaded is None or loaded.key != options.model_key:
             loaded = self.warm(Warmup(options.model_key, ()))
-        self.batch = BatchedJobs(self, loaded, options)
-        return self.batch
+        began_at, began = utcnow(), time.perf_counter()
+        batch = self.batch = BatchedJobs(self, loaded, options)
+        self._new_session(loaded, f"batched engine: {batch.describe()}", began_at, 0.0,
+                          (time.perf_counter() - began) * 1e3)  # fmt: skip
+        return batch
 
     def send_again(self, job_ids: list[str]) -> None:
         """New messages for jobs of this process put back in line without one (a failed batch's: their
@@ -265,7 +277,7 @@ class JobProcess:
     def end_batch(self) -> None:
         """Finish the jobs in flight in the batched engine, if any, and drop it."""
         if self.batch is not None:
-            self.batch.drain()
+            self.batch.close()
             self.batch = None
 
     def infer(self, claiming: Claiming, upcoming: Upcoming | None = None) -> Ran:
