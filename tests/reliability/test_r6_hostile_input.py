@@ -12,6 +12,7 @@ import struct
 import zlib
 from pathlib import Path
 
+import pytest
 from PIL import Image, ImageDraw
 from reliability_harness import FAST_JOB, check_invariants, record, rss_kib
 
@@ -109,7 +110,10 @@ VALID = ["one-pixel.png", "cmyk.jpg", "gray16.png", "palette-alpha.png", "exif-r
          "päge ünï 名前 1.png", "anim.gif"]  # fmt: skip
 
 
-def test_r6_hostile_input(new_farm, tmp_path):
+@pytest.mark.parametrize("concurrency", [1, 3], ids=["batch-1", "batched"])
+def test_r6_hostile_input(new_farm, tmp_path, concurrency):
+    """At concurrency 3 the pages are prepared on the batch's threads: a page that breaks there fails its
+    job alone, the batch and the child go on."""
     root, _ = hostile_root(tmp_path)
     listing = tmp_path / "hostile.txt"
     lines = [*REFUSED_AT_SUBMIT, *FAILED_IN_WORKER, *VALID]
@@ -126,7 +130,7 @@ def test_r6_hostile_input(new_farm, tmp_path):
             assert f":{number}: " not in refused.stderr, (line, refused.stderr)
     assert farm.backlog() == (0, 0)  # nothing enqueued
 
-    run_id = farm.submit(listing, "--root", str(root), "--skip-invalid", *FAST_JOB)
+    run_id = farm.submit(listing, "--root", str(root), "--skip-invalid", *FAST_JOB, "--concurrency", str(concurrency))
     (root / "later-missing.png").unlink()
     (root / "later-bomb.png").write_bytes(decompression_bomb())
     (root / "later-text.png").write_bytes(b"no longer an image")
@@ -163,7 +167,9 @@ def test_r6_hostile_input(new_farm, tmp_path):
     assert "WorkerLostError" not in farm.logs()
     # Bounded memory: the bomb would need ~2.7 GB as RGB; the child peaks at what the model needs.
     assert 0 < peak_kib[0] < 1_500_000, peak_kib
-    record("R6 hostile input", workers=1, faults=f"{len(REFUSED_AT_SUBMIT)} refused at submit, "
+    if concurrency > 1:  # the valid pages decoded in the batch
+        assert farm.logs().count("decoded in the batch") == len(VALID)
+    record(f"R6 hostile input (concurrency {concurrency})", workers=1, faults=f"{len(REFUSED_AT_SUBMIT)} refused at submit, "
            f"{len(FAILED_IN_WORKER)} failing in the worker, {len(VALID)} valid odd files",
            lost=len(VALID) - tally.done, duplicated=tally.duplicates, child_peak_rss_mib=peak_kib[0] // 1024,
            tally=tally)  # fmt: skip
