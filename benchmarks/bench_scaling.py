@@ -300,6 +300,12 @@ def tail(path: Path, lines: int) -> list[str]:
         return []
 
 
+# A run at concurrency c on K workers gets at least this many times c x K jobs (more repeats of the file
+# list than --repeats where needed): its batches fill, turn over and drain, and the steady state is not
+# only the first batch.
+GENERATIONS = 3
+
+
 def one_run(
     args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], tmp: Path,
     db: Any, options: set[str], timeout_s: float, levels: list[int],
@@ -322,13 +328,16 @@ def one_run(
             base["ready_after_s"] = round(time.monotonic() - started, 2)
             log(f"{engine} K={k}: {ready}/{k} worker children ready after {base['ready_after_s']} s")
             for concurrency in levels:
-                record = {**base, "concurrency": concurrency}
+                # Enough jobs for the batch to turn over: at least GENERATIONS x the jobs K workers hold.
+                level_repeats = max(repeats, -(-GENERATIONS * concurrency * k // max(args.pages, 1)))
+                record = {**base, "concurrency": concurrency, "repeats": level_repeats}
                 records.append(record)
                 left = timeout_s - (time.monotonic() - started)
                 if left < 30:
                     record["status"] = "skipped: out of --budget-s"
                     continue
-                record.update(run_level(args, engine, k, repeats, env, db, queue, concurrency, proc, logpath, left))
+                record.update(run_level(args, engine, k, level_repeats, env, db, queue, concurrency, proc, logpath,
+                                        left))  # fmt: skip
                 if record["status"] != "complete":
                     break
         finally:
@@ -791,6 +800,9 @@ def main() -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     repeats = parse_repeats(args.repeats, engines)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.filelist.is_file():  # the pages of the list (comments and blank lines aside): jobs per repeat
+        listed = [line.strip() for line in args.filelist.read_text().splitlines()]
+        args.pages = sum(1 for line in listed if line and not line.startswith("#"))
     if any(c < 1 for c in levels):
         print("bench_scaling: --concurrency levels must be at least 1", file=sys.stderr)
         return 2
