@@ -24,7 +24,12 @@ from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.report import kernels
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
-from dsocr_workers.report.serving import serving_pairs_table, serving_table
+from dsocr_workers.report.serving import (
+    batch_steps_pairs_table,
+    batch_steps_table,
+    serving_pairs_table,
+    serving_table,
+)
 from dsocr_workers.report.stats import Estimate, Summary, paired_difference, paired_ratios, rate_sum
 from dsocr_workers.report.tables import NO_DIFFERENCE, Table, in_job_order, verdict
 from dsocr_workers.report.throughput import (
@@ -257,6 +262,8 @@ def single_report(
     throughput = _throughput(data, include_cold)
     report.tables.append(Table("Throughput", ["measure", "value"], [[k, v] for k, v in throughput.items()]))
     report.tables.append(serving_table(data, include_cold))
+    if data.steps:  # a run at --concurrency above 1
+        report.tables.append(batch_steps_table(data))
     rows = []
     for metric in LATENCY + OUTPUT + MEMORY:
         s = summarize(metric, results)
@@ -586,6 +593,8 @@ def comparison_report(
     rows[0][3:] = [ratio, verdict(ratio)]  # only the steady state is compared: wall clock includes loading
     report.tables.append(Table("Throughput", ["measure", "A", "B", "B/A", "verdict"], rows))
     report.tables.append(serving_pairs_table(a, b, include_cold))
+    if a.steps or b.steps:
+        report.tables.append(batch_steps_pairs_table(a, b))
 
     by_a, by_b = (_by_image(d, measured(d, include_cold, exclude_loops, include_profiled)) for d in (a, b))
     pairs = sorted(set(by_a) & set(by_b))

@@ -1,5 +1,5 @@
 """What a report reads from the ledger: one run, its jobs, their results, and the workers and worker
-sessions (loaded models) behind them."""
+sessions (loaded models) behind them; for a run at `--concurrency` above 1, its batched engine's steps."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.store.db import open_ledger
 from dsocr_workers.store.models import (
     FINAL_STATES,
+    BatchStep,
     Job,
     JobAttempt,
     JobProfile,
@@ -23,6 +24,16 @@ from dsocr_workers.store.models import (
     WorkerSession,
 )
 from dsocr_workers.store.runs import resolve_run
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """What a report reads of one `batch_steps` row (a long run has hundreds of thousands: no ORM objects)."""
+
+    worker_session_id: str
+    kind: str  # prefill | decode
+    occupancy: int
+    duration_ms: float
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class RunData:
     processes: dict[str, WorkerProcess] = field(default_factory=dict)  # by id (the lease owner name)
     # The profiled jobs' kernels per stage, by job id (their traces stay in the ledger: `dsocr trace`).
     profiles: dict[str, KernelSummary] = field(default_factory=dict)
+    # Its batched engine's steps (none at --concurrency 1, or before schema 0011).
+    steps: list[StepTime] = field(default_factory=list)
 
 
 def load_run(session: Session, ref: str) -> RunData:
@@ -68,7 +81,9 @@ def load_run(session: Session, ref: str) -> RunData:
             select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
         )
     }
-    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles)
+    columns = (BatchStep.worker_session_id, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms)
+    steps = [StepTime(*row) for row in session.execute(select(*columns).where(BatchStep.run_id == run.id))]
+    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps)
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,23 @@ tokens out of a page. TTFT is the job's (for a batched job from its claim to its
 its page's preparation and its wait for a slot), TPOT its time per output token after the first,
 ITL every gap between two of its tokens, pooled over jobs. A day is 86,400 s of that steady state: the
 rate a fleet of warm workers with a full queue would keep, not a measured day.
+
+The Batch steps table (a run at --concurrency above 1 whose workers stored their engines' steps,
+`batch_steps`): the device's side of the same jobs, step by step. How many pages joined (a prefill step
+each) and how many decode steps ran, the pages per decode step, a decode step's time by how many pages
+it held (its occupancy band), the prefill steps' share of the time in steps, and that time per GPU
+against the run's wall span (first claim to last finish): what is left of the span went to the host
+(claims, pages prepared, messages handed over) or to waiting for work.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dsocr_workers.report.queries import RunData
-from dsocr_workers.report.stats import Estimate, Summary
+from dsocr_workers.report.queries import RunData, StepTime
+from dsocr_workers.report.stats import Estimate, Summary, plain_percentiles
 from dsocr_workers.report.tables import Table, verdict
 from dsocr_workers.report.throughput import steady, steady_state_throughput, throughput_ratio
 from dsocr_workers.stages import BY_COLUMN
@@ -32,7 +41,11 @@ TERMS = [
                         "batch-1 path)"),
     ("pages/day", "steady-state pages/s x 86,400: what warm workers with a full queue keep up, per GPU and for "
                   "the run's GPUs together"),
+    ("prefill / decode step", "a batched engine's step on the device: a page's prefill into its slot, or one "
+                              "decode step over the pages in the batch (its occupancy)"),
 ]  # fmt: skip
+# Decode steps by their occupancy: (label, fewest pages, most).
+OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63), ("64+", 64, math.inf))
 
 
 @dataclass(frozen=True)
@@ -133,3 +146,115 @@ def serving_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> T
         if row[0] == "request throughput pages/s":
             row[3:] = [ratio, verdict(ratio)]
     return Table("Serving", ["measure", "A", "B", "B/A", "verdict"], rows, NOTE)
+
+
+@dataclass(frozen=True)
+class BandSteps:
+    """The decode steps of one occupancy band."""
+
+    steps: int
+    p50_ms: float | None
+    p90_ms: float | None
+
+
+@dataclass(frozen=True)
+class BatchSteps:
+    """A run's batched engine steps (`batch_steps`), summed up."""
+
+    prefill_steps: int
+    decode_steps: int
+    mean_occupancy: float | None  # pages per decode step
+    prefill_p50_ms: float | None
+    decode_bands: dict[str, BandSteps]  # by OCCUPANCY_BANDS label; a band without steps is left out
+    prefill_ms: float  # device time in prefill steps
+    decode_ms: float
+    wall_span_s: float | None  # the run's first claim to its last finish
+    gpus: int  # devices whose engines ran the steps
+
+    @property
+    def step_s(self) -> float:
+        return (self.prefill_ms + self.decode_ms) / 1e3
+
+    @property
+    def prefill_share(self) -> float | None:
+        total = self.prefill_ms + self.decode_ms
+        return self.prefill_ms / total if total else None
+
+    @property
+    def step_share_of_span(self) -> float | None:
+        """Device time in steps per GPU over the run's wall span."""
+        return self.step_s / (self.wall_span_s * self.gpus) if self.wall_span_s and self.gpus else None
+
+
+def batch_steps(data: RunData) -> BatchSteps:
+    prefill = [s.duration_ms for s in data.steps if s.kind == "prefill"]
+    decode = [s for s in data.steps if s.kind == "decode"]
+    bands: dict[str, BandSteps] = {}
+    for label, fewest, most in OCCUPANCY_BANDS:
+        times = [s.duration_ms for s in decode if fewest <= s.occupancy <= most]
+        if times:
+            bands[label] = BandSteps(len(times), *plain_percentiles(times, (50, 90)))
+    claims = [j.started_at for j in data.jobs if j.id in data.results and j.started_at]
+    finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
+    wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
+    return BatchSteps(
+        prefill_steps=len(prefill), decode_steps=len(decode),
+        mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
+        prefill_p50_ms=plain_percentiles(prefill, (50,))[0], decode_bands=bands, prefill_ms=sum(prefill),
+        decode_ms=sum(s.duration_ms for s in decode), wall_span_s=wall_span_s,
+        gpus=len({_gpu(data, step) for step in data.steps}),
+    )  # fmt: skip
+
+
+def _gpu(data: RunData, step: StepTime) -> object:
+    """The device a step ran on, as the Serving table counts GPUs (worker fingerprint, device); its worker
+    session's id where the report lacks that session (it reads the sessions of the run's results)."""
+    session = data.sessions.get(step.worker_session_id)
+    return step.worker_session_id if session is None else (session.worker_id, session.device)
+
+
+def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, object]]:
+    share, of_span = figures.prefill_share, figures.step_share_of_span
+    rows: list[tuple[str, object]] = [
+        ("prefill steps (a page joining)", figures.prefill_steps),
+        ("decode steps", figures.decode_steps),
+        ("mean occupancy (pages per decode step)", figures.mean_occupancy),
+        ("p50 prefill step ms", figures.prefill_p50_ms),
+    ]
+    for label in bands:
+        band = figures.decode_bands.get(label, BandSteps(0, None, None))
+        rows += [
+            (f"occupancy {label}: decode steps", band.steps),
+            (f"occupancy {label}: p50 decode step ms", band.p50_ms),
+            (f"occupancy {label}: p90 decode step ms", band.p90_ms),
+        ]
+    rows += [
+        ("prefill share of the time in steps %", None if share is None else share * 100),
+        ("device time in steps s", figures.step_s),
+        ("wall span s (first claim to last finish)", figures.wall_span_s),
+        ("time in steps per GPU, % of the wall span", None if of_span is None else of_span * 100),
+    ]
+    return rows
+
+
+STEPS_NOTE = (
+    "every step of the run's batched engines, cold ones included; percentiles of the steps themselves, "
+    "without an interval (steps in flight together are no independent draws); a step that served jobs of "
+    "two runs (the same settings share a worker's batch) counts in both"
+)
+
+
+def batch_steps_table(data: RunData) -> Table:
+    figures = batch_steps(data)
+    rows = [list(row) for row in _step_rows(figures, figures.decode_bands)]
+    return Table("Batch steps", ["measure", "value"], rows, STEPS_NOTE)
+
+
+def batch_steps_pairs_table(a: RunData, b: RunData) -> Table:
+    """Both runs' steps side by side, in the occupancy bands either has."""
+    figures_a, figures_b = batch_steps(a), batch_steps(b)
+    either = figures_a.decode_bands.keys() | figures_b.decode_bands.keys()
+    bands = [label for label, _, _ in OCCUPANCY_BANDS if label in either]
+    rows_a, rows_b = _step_rows(figures_a, bands), _step_rows(figures_b, bands)
+    rows = [[label, va, vb] for (label, va), (_, vb) in zip(rows_a, rows_b, strict=True)]
+    return Table("Batch steps", ["measure", "A", "B"], rows, STEPS_NOTE)

@@ -11,6 +11,8 @@ means, percentiles and intervals (scipy.stats.bootstrap, never hand-written resa
   difference (edit distances, often 0).
 - `rate_sum` / `rate_sum_ratio`: throughput as Σ over workers of 1 / mean service time, each worker's
   service times an independent sample (`paired=False`), see report/throughput.py.
+- `plain_percentiles`: percentiles without an interval, of values that are no independent draws (a
+  batched engine's steps, report/serving.py).
 
 Intervals are bootstrap percentile intervals (2,000 resamples, a fixed seed so the same ledger gives the
 same report). Percentile rather than BCa: BCa's acceleration comes from a jackknife, which is unreliable
@@ -223,3 +225,12 @@ def paired_difference(b: Sequence[float], a: Sequence[float]) -> Estimate:
         (np.arange(n),), lambda idx, axis=-1: np.mean(differences[idx], axis=axis), vectorized=True
     )
     return _estimate(value, low[0], high[0], n)
+
+
+def plain_percentiles(values: Sequence[float], quantiles: Sequence[float]) -> list[float | None]:
+    """The `quantiles` of `values` themselves, no interval (None each when there are none): for values
+    that are not independent draws, such as a batched engine's steps (each one's time depends on the
+    pages in flight, which the steps around it share), where resampling them would make one up."""
+    if not len(values):
+        return [None for _ in quantiles]
+    return [float(q) for q in np.percentile(np.asarray(values, dtype=float), quantiles)]

@@ -20,7 +20,7 @@ worker, to be brought back to its queue at once rather than after the broker's v
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -29,7 +29,16 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, func, insert, select, true, update
 from sqlalchemy.orm import Session
 
-from dsocr_workers.store.models import FINAL_STATES, Job, JobAttempt, JobProfile, Result, Run, utcnow
+from dsocr_workers.store.models import (
+    FINAL_STATES,
+    BatchStep,
+    Job,
+    JobAttempt,
+    JobProfile,
+    Result,
+    Run,
+    utcnow,
+)
 from dsocr_workers.store.upsert import upsert
 
 MAX_ERROR_MESSAGE = 4000
@@ -209,6 +218,16 @@ def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: da
     if profile is not None:
         upsert(session, JobProfile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     return True
+
+
+def record_batch_steps(session: Session, steps: Sequence[dict[str, Any]]) -> int:
+    """Insert a batched engine's steps (`batch_steps` rows, farm/job/batched.py), in one statement;
+    returns how many. No lease guards them: a step ran on the device whoever holds its jobs now."""
+    if steps:
+        # NULLs rendered: every row then has the same columns and all go in one statement. Without, the
+        # ORM's bulk insert leaves a None out, and starts a statement at each switch of prefill and decode.
+        session.execute(insert(BatchStep).execution_options(render_nulls=True), list(steps))
+    return len(steps)
 
 
 def fail_job(

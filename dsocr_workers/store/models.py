@@ -1,4 +1,5 @@
-"""The ledger's tables: runs, their jobs, one result per job, and the environments that produced them.
+"""The ledger's tables: runs, their jobs, one result per job, and the environments that produced them;
+beside a result, a profiled job's kernels (`job_profiles`), and a batched run's engine steps (`batch_steps`).
 
 Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
 Alembic owns the schema (`dsocr_workers/migrations/`); a change here needs a new migration.
@@ -298,3 +299,28 @@ class JobProfile(Base):
     trace_gz: Mapped[bytes] = mapped_column(LargeBinary)
     trace_bytes: Mapped[int] = mapped_column(BigInteger)  # uncompressed
     summary: Mapped[dict[str, Any]]
+
+
+class BatchStep(Base):
+    """One step of a worker's batched engine (a run at `--concurrency` above 1, farm/job/batched.py): a
+    page's prefill into its slot, or one decode step over the pages in the batch (engine/batched/metrics.py
+    `StepRecord`). The run's jobs' results hold their own serving figures; these rows are the device's
+    side: what each step computed and how long it took. Runs with the same settings share a worker's
+    batch: a step that served jobs of two runs is a row of each."""
+
+    __tablename__ = "batch_steps"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    worker_session_id: Mapped[str] = mapped_column(ForeignKey("worker_sessions.id"))  # the model it ran on
+    step_index: Mapped[int]  # the engine's, from 0 when the engine was made (one per run's settings)
+    kind: Mapped[str] = mapped_column(String(8))  # prefill | decode
+    occupancy: Mapped[int]  # pages decoding in it (a prefill: 1, the joining page)
+    bucket: Mapped[int]  # rows computed (a decode step's batch bucket; a prefill: 1)
+    # When it started on the device and for how long (CUDA events on a GPU, host readings on a CPU).
+    started_at: Mapped[datetime]
+    duration_ms: Mapped[float] = mapped_column(Float)
+    # A prefill's: the joining page's prompt and its vision stages (SAM, CLIP, projector); None for a
+    # decode step.
+    prompt_tokens: Mapped[int | None]
+    vision_ms: Mapped[float | None] = mapped_column(Float)

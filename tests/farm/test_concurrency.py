@@ -1,5 +1,6 @@
 """`dsocr submit --concurrency N`: a worker keeps up to N of the run's jobs in flight on the batched
-engine (farm/job/batched.py); every job is claimed and finished once, with its batch-1 tokens."""
+engine (farm/job/batched.py); every job is claimed and finished once, with its batch-1 tokens, and the
+engine's steps are stored (`batch_steps`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from test_workers import dsocr, wait_until_final
 
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Result, Run, WorkerSession
+from dsocr_workers.store.models import BatchStep, Job, Result, Run, WorkerSession
 
 PAGES = {"a.png": (320, 420), "b.png": (640, 480), "c.png": (400, 900)}
 REPEATS = 2
@@ -79,6 +81,8 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
             .join(Result, Result.job_id == Job.id).join(WorkerSession, WorkerSession.id == Result.worker_session_id)
             .where(Job.run_id.in_(run_ids.values()))
         ).all()  # fmt: skip
+        columns = (BatchStep.run_id, BatchStep.kind, BatchStep.occupancy, BatchStep.bucket)
+        steps = session.execute(select(*columns).where(BatchStep.run_id.in_(run_ids.values()))).all()
     db.dispose()
     assert RunOptions.from_parameters("tiny", parameters).concurrency == 3
     # One result per job (results are keyed by job and attempt: a job finished twice would show twice).
@@ -114,6 +118,18 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     serving = {row["measure"]: row["value"] for row in json.loads(
         dsocr("report", "--run", run_ids[3], "--format", "json", "--table", "Serving", env=env).stdout)["tables"]["Serving"]}
     assert serving["concurrency (jobs in flight per GPU)"] == 3 and serving["mean batch occupancy"] > 1
+    # The batched run's engine steps, each once (no other run shared its batch); none at concurrency 1.
+    assert {step.run_id for step in steps} == {run_ids[3]}
+    kinds = Counter(step.kind for step in steps)
+    assert kinds["prefill"] == jobs and kinds["decode"] >= 5 and set(kinds) == {"prefill", "decode"}
+    assert all(1 <= step.occupancy <= step.bucket <= 3 for step in steps)
+    assert max(step.occupancy for step in steps) > 1
+    report = dsocr("report", "--run", run_ids[3], "--format", "json", "--table", "Batch steps", env=env)
+    batch_steps = {row["measure"]: row["value"] for row in json.loads(report.stdout)["tables"]["Batch steps"]}
+    assert batch_steps["prefill steps (a page joining)"] == jobs
+    assert batch_steps["decode steps"] == kinds["decode"]
+    tables = json.loads(dsocr("report", "--run", run_ids[1], "--format", "json", env=env).stdout)["tables"]
+    assert "Serving" in tables and "Batch steps" not in tables
     spans = {run_id: [(row.started_at, row.finished_at) for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
     assert most_at_once(spans[run_ids[3]]) >= 2  # claimed before others of its run were finished
     assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time

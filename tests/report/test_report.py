@@ -264,7 +264,9 @@ def test_per_job_memory_and_its_split(database, tmp_path, make_png, monkeypatch)
 
 def test_the_serving_table_reads_as_a_serving_benchmark_and_says_what_a_day_makes(two_runs, monkeypatch):
     database, a, b = two_runs
-    serving = by(report_json(database, ["--run", a], monkeypatch)["tables"]["Serving"], "measure")
+    tables = report_json(database, ["--run", a], monkeypatch)["tables"]
+    assert "Batch steps" not in tables  # the batch-1 path: no engine steps (tests/farm/test_batch_steps.py)
+    serving = by(tables["Serving"], "measure")
     steady = serving["request throughput pages/s"]["value"]
     assert steady > 0
     assert serving["concurrency (jobs in flight per GPU)"]["value"] == 1
@@ -276,6 +278,8 @@ def test_the_serving_table_reads_as_a_serving_benchmark_and_says_what_a_day_make
     assert serving["mean batch occupancy"]["value"] == 1.0  # the batch-1 path
     assert serving["pages/day (the run's GPUs)"]["value"] == pytest.approx(steady * 86_400, rel=1e-3)
     assert serving["pages/day per GPU"]["value"] == pytest.approx(steady * 86_400, rel=1e-3)
-    pairs = by(report_json(database, ["--run", a, "--vs", b], monkeypatch)["tables"]["Serving"], "measure")
+    pair_tables = report_json(database, ["--run", a, "--vs", b], monkeypatch)["tables"]
+    assert "Batch steps" not in pair_tables
+    pairs = by(pair_tables["Serving"], "measure")
     assert pairs["p50 TPOT ms"]["A"] == 2.0 and pairs["p50 TPOT ms"]["B"] == 4.0  # B's pages are twice as slow
     assert pairs["request throughput pages/s"]["verdict"]

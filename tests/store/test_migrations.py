@@ -29,8 +29,10 @@ def test_newest_revisions_go_down_and_up(tmp_path):
     assert current_revision(db) == "0002" and "text_edit" not in columns and "cold" in columns
     assert "prefetched" not in columns and "table_teds" not in columns
     assert "reference" not in {c["name"] for c in inspect(db.engine).get_columns("jobs")}
-    assert "worker_processes" not in inspect(db.engine).get_table_names()
+    assert not {"worker_processes", "batch_steps"} & set(inspect(db.engine).get_table_names())
     assert upgrade(db) == head_revision() == current_revision(db)
+    assert "batch_steps" in inspect(db.engine).get_table_names()
+    assert [i["column_names"] for i in inspect(db.engine).get_indexes("batch_steps")] == [["run_id"]]
     assert "worker_process_id" in {c["name"] for c in inspect(db.engine).get_columns("worker_sessions")}
     columns = {c["name"] for c in inspect(db.engine).get_columns("results")}
     assert {"loop_start", "loop_period", "loop_wasted_steps", "text_edit", "reading_order_edit"} <= columns

@@ -25,6 +25,14 @@ job's, and stay empty (their time is in the job's host gap).
 The KV cache's slots hold the longest prompt the run's mode and prompt can make (its largest tile grid)
 and the run's token budget: a slot sized for the model's whole context would be ~3x larger for gundam
 and 1,024 tokens, and fewer pages would fit.
+
+What the batch records: every engine step (`StepRecord`: prefill or decode, occupancy, bucket, start and
+duration on the device) as a `batch_steps` row of the run whose jobs it served. The task takes the
+engine's new steps after each of its steps (the engine's list is emptied, so it does not grow with the
+batch's life) and hands them to the results thread `STEPS_PER_WRITE` at a time, and once the batch has
+drained or failed: one insert there, none on the device's thread. A step's runs are those of the pages it
+gave a token (the engine's token events carry the end of the step that produced them); a step that gave
+none (launched for pages whose EOS was read back only after it) is the previous step's runs'.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.farm.job.execute import Outcome, Ran, job_failed, result_row
@@ -49,7 +58,7 @@ from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
-    from dsocr_workers.engine.batched import BatchedOutput
+    from dsocr_workers.engine.batched import BatchedOutput, StepEvents, StepRecord
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
@@ -58,6 +67,10 @@ log = logging.getLogger("dsocr.worker")
 # device at the highest concurrency measured (a gundam page ~0.1 s, one joins every ~0.15 s at 64 pages
 # of 1,024 tokens) and leave the task's thread the GIL it needs to launch steps.
 PREPARE_THREADS = 2
+
+# Steps handed to the results thread at once: one insert of small rows every few hundred steps (a second
+# or two of decoding on a GPU), and the steps a killed child loses with its batch stay few.
+STEPS_PER_WRITE = 256
 
 
 class JobHost(Protocol):
@@ -86,6 +99,31 @@ class InFlight:
     handed_over: bool = False
 
 
+@dataclass(frozen=True)
+class ServedStep:
+    """An engine step and a run whose jobs it served (runs with the same settings share a batch)."""
+
+    run_id: str
+    record: StepRecord
+
+
+def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str, Any]]:
+    """The `batch_steps` rows of `steps`, their perf_counter times made UTC times as a result's device
+    span is (farm/job/execute.py `device_columns`)."""
+    now_s, now = time.perf_counter(), utcnow()
+    rows = []
+    for step in steps:
+        record, prefill = step.record, step.record.kind == "prefill"
+        rows.append({
+            "run_id": step.run_id, "worker_session_id": worker_session_id, "step_index": record.index,
+            "kind": record.kind, "occupancy": record.occupancy, "bucket": record.bucket,
+            "started_at": now - timedelta(seconds=now_s - record.started_s), "duration_ms": record.ms,
+            "prompt_tokens": record.prompt_tokens if prefill else None,
+            "vision_ms": record.vision_ms if prefill else None,
+        })  # fmt: skip
+    return rows
+
+
 class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
@@ -104,6 +142,8 @@ class BatchedJobs:
         )  # fmt: skip
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
+        self._steps: list[ServedStep] = []  # taken from the engine, not yet handed to the results thread
+        self._last_runs: tuple[str, ...] = ()  # the runs of the latest step taken
         log.info("batched engine for %s: %s", options.model, self.engine.plan.describe())
 
     def describe(self) -> str:
@@ -136,9 +176,15 @@ class BatchedJobs:
             self.step()
 
     def drain(self) -> None:
-        """Step until every job in flight is finished (and its result handed to the results thread)."""
+        """Step until every job in flight is finished (and its result handed to the results thread) and
+        every step launched is read back; hand the steps to the results thread."""
         while self.jobs:
             self.step()
+        if self.engine.busy and self.process.batch is self:  # not after a failed step: it dropped the batch
+            # Steps launched past the last page's EOS held the device too: with no page left, one more
+            # step launches nothing and reads them back.
+            self.step()
+        self._write_steps()
 
     def close(self) -> None:
         """Finish the jobs in flight and stop the preparing threads."""
@@ -154,6 +200,9 @@ class BatchedJobs:
             return
         try:
             events = self.engine.step()
+            # Before the finished jobs leave `jobs`: their runs name the steps. In the try: a soft time
+            # limit met here is met in the step, as in the engine's part of it.
+            self._take_steps(events)
         except Exception as exc:
             log.exception("the batched engine failed with %d jobs in flight", len(self.jobs))
             again = []
@@ -163,12 +212,32 @@ class BatchedJobs:
                 if outcome.retry_in_s is not None:  # queued again: its message was acknowledged long ago
                     again.append(outcome.job_id)
             self.jobs.clear()
+            self._write_steps()  # those taken; the rest go with the engine
             self.process.batch = None
             self._pages.shutdown(wait=False, cancel_futures=True)
             self.process.send_again(again)
             return
         for output in events.finished:
             self._finished(self.jobs.pop(output.request_id), output)
+        if len(self._steps) >= STEPS_PER_WRITE:
+            self._write_steps()
+
+    def _take_steps(self, events: StepEvents) -> None:
+        """The engine's steps read back in the call that returned `events`, each with the runs it served."""
+        records = list(self.engine.steps)
+        self.engine.steps.clear()
+        runs_at: dict[float, set[str]] = {}  # a step's end -> the runs of the pages it gave a token
+        for token in events.tokens:
+            runs_at.setdefault(token.at_s, set()).add(self.jobs[token.request_id].claim.run_id)
+        for record in records:
+            if record.ended_s in runs_at:
+                self._last_runs = tuple(sorted(runs_at[record.ended_s]))
+            self._steps += [ServedStep(run_id, record) for run_id in self._last_runs]
+
+    def _write_steps(self) -> None:
+        if self._steps:
+            steps, self._steps = self._steps, []
+            self.process.ledger_threads.record_steps(partial(step_rows, steps, self.loaded.worker_session_id))
 
     def _hand_over(self, wait_for_one: bool) -> None:
         """Every prepared page not yet in the engine goes in (submitted: it takes a slot at the next

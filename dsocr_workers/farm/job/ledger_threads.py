@@ -11,6 +11,9 @@ transaction with its setup (3.5 ms). Neither transaction needs the main thread:
   overlaps the hand-over instead of preceding it. Building the row includes the engine's host part after
   the device (`DeviceRun.finish`: the text decoded and parsed, the timings read from the job's CUDA
   events). A row that cannot be built (a bug: it would fail again) fails the job.
+- **A batched engine's steps** (`record_steps`, farm/job/batched.py): a few hundred `batch_steps` rows
+  at a time, in one insert, on the results thread in turn with the results: the engine's thread, the
+  only one on the device, only hands them over.
 - **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
   written on the other thread; the job waits for its claim before its first decode step
   (farm/job/process.py), so only its prefill can run before the lease is its own, and a refused claim drops
@@ -36,7 +39,8 @@ in line, instead of the heartbeat keeping it `running` under a live lease for go
 the outage outlasts the lease, a sweep may give the job to another worker meanwhile; the late write
 then finds the lease gone and writes nothing (the ledger's guard). `close()` lets the write under way
 finish, or, in an outage, gives it up after its current try: the process exits and the job is put back
-in line as after a crash. A warm shutdown with the ledger up writes every result it has.
+in line as after a crash. A warm shutdown with the ledger up writes every result it has. Batch steps
+are tried again as results are; steps given up are lost (logged), their jobs are not.
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ class LedgerThreads:
         """Mark `claim`'s job done with the result `build_row()` makes, after this call returns."""
         self._last_write = self._results.submit(self._complete, claim, build_row, finished_at)
 
+    def record_steps(self, build_rows: Callable[[], list[dict[str, Any]]]) -> None:
+        """Insert the `batch_steps` rows `build_rows()` makes, after this call returns."""
+        self._results.submit(self._record_steps, build_rows)
+
     def wait(self) -> bool | None:
         """Wait for the last result handed over: True when written; False when not (its lease was lost,
         its write given up, or it could not be built); None when none was handed over."""
@@ -112,6 +120,15 @@ class LedgerThreads:
             log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
                         claim.job_id)  # fmt: skip
         return bool(written)
+
+    def _record_steps(self, build_rows: Callable[[], list[dict[str, Any]]]) -> None:
+        try:
+            rows = build_rows()
+        except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
+            log.exception("batch steps that could not be made into rows; not written")
+            return
+        if self._retrying(partial(ledger.record_batch_steps, steps=rows)) is None:
+            log.warning("%d batch steps were given up; the run's report lacks them", len(rows))
 
     def _retrying(self, write: Callable[[Session], T]) -> T | None:
         """`write` in a transaction, tried again through ledger outages until this closes; None when
