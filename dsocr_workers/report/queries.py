@@ -4,7 +4,7 @@ sessions (loaded models) behind them; for a run at `--concurrency` above 1, its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -34,6 +34,12 @@ class StepTime:
     kind: str  # prefill | decode
     occupancy: int
     duration_ms: float
+    started_at: datetime  # on the device, as a UTC time
+
+    @property
+    def ended_at(self) -> datetime:
+        """When its tokens were chosen."""
+        return self.started_at + timedelta(milliseconds=self.duration_ms)
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,8 @@ def load_run(session: Session, ref: str) -> RunData:
             select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
         )
     }
-    columns = (BatchStep.worker_session_id, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms)
+    columns = (BatchStep.worker_session_id, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms,
+               BatchStep.started_at)  # fmt: skip
     steps = [StepTime(*row) for row in session.execute(select(*columns).where(BatchStep.run_id == run.id))]
     return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps)
 

@@ -3,8 +3,8 @@ request throughput, output tokens/s, TTFT, TPOT, inter-token latency and end-to-
 jobs decoded in, and what it makes a day per GPU and for the run's GPUs together.
 
 Throughput is the run's steady state (report/throughput.py: per worker process 1 / mean service time,
-summed; at --concurrency above 1 a job's service time runs from the previous finish on its lane, so the
-sum is the lane's finishing rate), with its 95% interval; output tokens/s is that rate times the mean
+summed; at --concurrency above 1 the output tokens its engine's steps made between the lane's first
+finish and its last claim, over the mean tokens of a page), with its 95% interval; output tokens/s is that rate times the mean
 tokens out of a page. TTFT is the job's (for a batched job from its claim to its first token, which holds
 its page's preparation and its wait for a slot), TPOT its time per output token after the first,
 ITL every gap between two of its tokens, pooled over jobs. A day is 86,400 s of that steady state: the

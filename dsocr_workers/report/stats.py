@@ -175,34 +175,47 @@ def paired_ratios(b: Sequence[Sequence[float]], a: Sequence[Sequence[float]]) ->
     return Ratio(*(_estimate(values[i], low[i], high[i], n) for i in range(2)))
 
 
+class BinnedRates(list[float]):
+    """A worker's rate measured in equal time bins (pages/s in each): its rate is their mean. The other
+    kind of sample, plain service times (seconds per job), gives 1 / their mean. A batched worker's jobs
+    overlap: they have no service times of their own (report/throughput.py)."""
+
+
+def _rate(sample: np.ndarray, binned: bool, axis: int = -1) -> np.ndarray:
+    return np.mean(sample, axis=axis) if binned else 1.0 / np.mean(sample, axis=axis)
+
+
 def _rates(groups: Sequence[Sequence[Sequence[float]]], combine: Callable[[list], float]) -> Estimate:
-    """combine([Σ_s 1/mean(s) for each group]) where a group is a list of independent samples (one per
-    worker). Samples with no spread (or a single value) cannot move under resampling: they enter as
-    constants, the others are resampled independently of each other."""
-    arrays = [[np.asarray(s, dtype=float) for s in group if len(s)] for group in groups]
-    n = sum(s.size for group in arrays for s in group)
+    """combine([Σ_s rate(s) for each group]) where a group is a list of independent samples (one per
+    worker) and rate(s) is 1 / mean(s) for service times, mean(s) for `BinnedRates`. Samples with no
+    spread (or a single value) cannot move under resampling: they enter as constants, the others are
+    resampled independently of each other."""
+    arrays = [[(np.asarray(s, dtype=float), isinstance(s, BinnedRates)) for s in group if len(s)] for group in groups]
+    n = sum(s.size for group in arrays for s, _ in group)
     if any(not group for group in arrays):
         return Estimate(None, n=n)
     with np.errstate(divide="ignore"):
-        value = combine([sum(1.0 / s.mean() for s in group) for group in arrays])
-        moving = [(g, s) for g, group in enumerate(arrays) for s in group if s.size >= 2 and np.ptp(s) > 0]
-        fixed = [sum(1.0 / s.mean() for s in group if s.size < 2 or np.ptp(s) == 0) for group in arrays]
+        value = combine([sum(float(_rate(s, binned)) for s, binned in group) for group in arrays])
+        moving = [(g, s, binned) for g, group in enumerate(arrays) for s, binned in group
+                  if s.size >= 2 and np.ptp(s) > 0]  # fmt: skip
+        fixed = [sum(float(_rate(s, binned)) for s, binned in group if s.size < 2 or np.ptp(s) == 0)
+                 for group in arrays]  # fmt: skip
     if not moving:
         return _estimate(value, np.nan, np.nan, n)
 
     def statistic(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
         sums: list = list(fixed)
-        for (g, _), sample in zip(moving, samples, strict=True):
-            sums[g] = sums[g] + 1.0 / np.mean(sample, axis=axis)
+        for (g, _, binned), sample in zip(moving, samples, strict=True):
+            sums[g] = sums[g] + _rate(sample, binned, axis)
         return np.asarray(combine(sums))
 
-    low, high = _bootstrap(tuple(s for _, s in moving), statistic, vectorized=True)
+    low, high = _bootstrap(tuple(s for _, s, _ in moving), statistic, vectorized=True)
     return _estimate(value, low[0], high[0], n)
 
 
 def rate_sum(samples: Sequence[Sequence[float]]) -> Estimate:
     """Σ over samples of 1 / mean(sample): the rate of workers running side by side, each sample one
-    worker's service times."""
+    worker's service times (or its `BinnedRates`: their mean)."""
     return _rates([samples], lambda sums: sums[0])
 
 

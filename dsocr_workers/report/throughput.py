@@ -18,6 +18,16 @@ its lanes' rates, since lanes run side by side on different devices. The 95% int
 lane's service times independently (report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
 fingerprint instead, without a `ready_at`.
 
+**Steady state of a batched run** (`--concurrency` above 1) — its jobs overlap on their lane, so they
+have no service times of their own (the gaps between finishes are bursts and pauses, and the first job's
+holds the whole first batch). A lane's steady window runs from the first finish of the run's jobs on it
+(its batch is full and turning over) to the last claim (after it the batch only drains); its pages/s are
+the output tokens its engine's steps produced in that window (`batch_steps`: a decode step gives one
+token per page in it, a prefill the joining page's first) over the window's length, divided by the mean
+tokens out of its pages. The window is cut into equal bins (`STEADY_BIN_S`, at least `MIN_BINS`): the
+interval resamples the bins' rates (report/stats.py `BinnedRates`). A lane with no steps or too short a
+window (one batch, never refilled) falls back to the service times.
+
 **Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
 queueing included: what a user waited. Pages/s over it = finished jobs / wall clock.
 
@@ -49,8 +59,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
+import numpy as np
+
 from dsocr_workers.report.queries import RunData
-from dsocr_workers.report.stats import Estimate, paired_ratios, rate_sum, rate_sum_ratio
+from dsocr_workers.report.stats import BinnedRates, Estimate, paired_ratios, rate_sum, rate_sum_ratio
 from dsocr_workers.store.models import Job, Result, WorkerSession
 
 
@@ -116,12 +128,53 @@ def steady(result: Result, include_cold: bool) -> bool:
     return (include_cold or not result.cold) and not result.profiled
 
 
+# A batched lane's steady window is cut into bins of about this many seconds, and at least MIN_BINS.
+STEADY_BIN_S = 1.0
+MIN_BINS = 8
+
+
 def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
-    """Per lane, the service times (seconds) of its finished jobs, as defined above."""
-    return {
+    """Per lane, the service times (seconds) of its finished jobs, as defined above; for a lane of a
+    batched run, its pages/s in the bins of its steady window (`BinnedRates`) where it has one."""
+    times = {
         key: [(s.finished - s.began).total_seconds() for s in lane if steady(s.result, include_cold)]
         for key, lane in services(data).items()
     }
+    binned = batched_rates(data, include_cold)
+    return {key: binned.get(key, lane) for key, lane in times.items()}
+
+
+def batched_rates(data: RunData, include_cold: bool = False) -> dict[str, BinnedRates]:
+    """Per lane of a batched run, its pages/s in each bin of its steady window, as defined above (lanes
+    with no steps, or no window: the last claim before the first finish, are left out)."""
+    if not data.steps:
+        return {}
+    lanes: dict[str, list[Service]] = services(data)
+    steps_by_lane: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
+    for step in data.steps:
+        session = data.sessions.get(step.worker_session_id)
+        if session is not None:
+            steps_by_lane[_process_lane(session)].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
+    rates: dict[str, BinnedRates] = {}
+    for key, lane in lanes.items():
+        kept = [s for s in lane if steady(s.result, include_cold)]
+        tokens_per_page = np.mean([s.result.decode_tokens for s in kept]) if kept else 0.0
+        claims = [s.job.started_at for s in lane if s.job.started_at is not None]
+        if not kept or not claims or tokens_per_page <= 0:
+            continue
+        start, end = min(s.finished for s in lane), max(claims)
+        window_s = (end - start).total_seconds()
+        bins = max(MIN_BINS, int(window_s / STEADY_BIN_S))
+        if window_s <= 0:
+            continue
+        tokens = np.zeros(bins)
+        for ended, count in steps_by_lane.get(key, []):
+            offset = (ended - start).total_seconds()
+            if 0 < offset <= window_s:
+                tokens[min(int(offset / window_s * bins), bins - 1)] += count
+        if tokens.sum() > 0:
+            rates[key] = BinnedRates((tokens / (window_s / bins) / tokens_per_page).tolist())
+    return rates
 
 
 def steady_state_throughput(data: RunData, include_cold: bool = False) -> Estimate:

@@ -11,15 +11,18 @@ from sqlalchemy import select
 
 from dsocr_workers.report.build import comparison_report, single_report
 from dsocr_workers.report.queries import load_run
+from dsocr_workers.report.stats import rate_sum
 from dsocr_workers.report.throughput import (
+    batched_rates,
     device_busy_share,
     device_idle_ms,
     device_ms_per_page,
+    services,
     steady_state_throughput,
     throughput_ratio,
     wall_clock_s,
 )
-from dsocr_workers.store.models import Job, Result, job_id_for
+from dsocr_workers.store.models import BatchStep, Job, Result, job_id_for
 
 T0 = datetime(2026, 11, 23, 8, 0, 0)
 
@@ -208,3 +211,51 @@ def test_the_device_share_pairs_each_job_between_jobs_with_its_own_device_time(d
     table = next(t for t in single_report(load(database, run)).tables if t.title == "Worker processes")
     (row,) = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
     assert row["device share of a job between jobs"] == share
+
+
+def batched_run(database, folder, make_png, sids: list[str], generations: int, drain_s: float) -> tuple[str, float]:
+    """A run at concurrency 8 on each of `sids`' lanes: `generations` batches of 8 pages of 5 tokens each,
+    one decode step every 10 ms (8 tokens), a batch every 50 ms, each batch's pages claimed when the one
+    before finished; the last batch's finishes are spread over `drain_s` more (a slow drain). Returns the
+    run and the pages/s a lane's steps make: 8 pages every 50 ms."""
+    pages = {}
+    for sid in sids:
+        add_session(database, sid, T0, T0 + timedelta(seconds=1))
+        pages |= {(f"{sid}-{k}.png", 0): Page(1.0, session=sid, steps=4) for k in range(8 * generations)}  # 5 tokens
+    run = make_run(database, folder, make_png, pages)
+    times = {}
+    for sid in sids:
+        for k in range(8 * generations):
+            g = k // 8
+            finish = 1 + 0.05 * (g + 1) + (drain_s * (k % 8) / 7 if g == generations - 1 else 0.0)
+            times[(f"{sid}-{k}.png", 0)] = (1 + 0.05 * g, finish)
+    set_times(database, run, T0, times)
+    with database.transaction() as session:
+        session.add_all(BatchStep(run_id=run, worker_session_id=sid, step_index=i, kind="decode", occupancy=8, bucket=8,
+                                  started_at=T0 + timedelta(seconds=1 + 0.01 * i), duration_ms=10.0)
+                        for sid in sids for i in range(5 * generations))  # fmt: skip
+    return run, 8 / 0.05
+
+
+def test_a_batched_runs_steady_state_is_its_steps_tokens_between_its_first_finish_and_last_claim(
+    database, tmp_path, make_png
+):  # fmt: skip
+    """The jobs of a batched run overlap: their service times would be bursts and pauses (and a slow drain
+    would count); its steps' tokens between the lane's first finish and its last claim, over the tokens a
+    page makes, are its rate, with an interval from the window's bins."""
+    run, expected = batched_run(database, tmp_path / "b", make_png, ["c1"], generations=12, drain_s=2.0)
+    data = load(database, run)
+    binned = batched_rates(data)
+    assert list(binned) == list(services(data)) and len(next(iter(binned.values()))) >= 8
+    steady = steady_state_throughput(data)
+    assert steady.value == pytest.approx(expected, rel=0.05), steady
+    # The service times' rate holds the drain: 96 pages over 0.6 s of batches and 2 s of draining.
+    assert rate_sum([[(s.finished - s.began).total_seconds() for s in lane]
+                     for lane in services(data).values()]).value < expected / 2  # fmt: skip
+    # Two such lanes side by side: twice the rate.
+    two, _ = batched_run(database, tmp_path / "b2", make_png, ["d1", "d2"], generations=12, drain_s=2.0)
+    both = load(database, two)
+    assert steady_state_throughput(both).value == pytest.approx(2 * expected, rel=0.05)
+    ratio = throughput_ratio(both, data)
+    assert ratio.value == pytest.approx(2.0, rel=0.05)
+    assert ratio.low is None or ratio.low <= 2.0 <= ratio.high
