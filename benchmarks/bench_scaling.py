@@ -4,7 +4,11 @@ For each engine and each K, in this order:
   1. start `dsocr worker --gpus 0,..,K-1 --queue Q --warmup MODE --model M --engine E --max-new-tokens N`
      as a subprocess: each child loads the model and warms it (compile + graph capture for the fast
      engine) before it takes a message; wait until all K children are ready (their worker sessions);
-  2. `dsocr submit` the same job set (file list x repeats) to that queue: a new run. Submitting only
+  2. `dsocr submit` the same job set (file list x repeats) to that queue: a new run; with
+     `--concurrency 1,32,128` a run per level, one after another on the same worker, each with at
+     least GENERATIONS x level x K jobs (its batches fill, turn over and drain), their Serving figures in
+     a table of their own and, per K, the report's throughput-against-latency plot over the levels
+     (scaling-<date>-sweep-k<K>.png). Submitting only
      once every worker is ready matters: children warm at different speeds (two fast-engine children
      compiling side by side: 50 s and 102 s), and a job set shorter than that skew runs on one GPU;
   3. poll the ledger until every job of the run is final (done / failed / poisoned);
