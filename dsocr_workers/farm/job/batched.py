@@ -200,6 +200,7 @@ class BatchedJobs:
         job in flight (each counts an attempt, as a batch-1 job's failure) and drops this batch."""
         self._hand_over(wait_for_one=not self.engine.busy)
         if not self.engine.busy:
+            self._fail_lost()
             return
         try:
             events = self.engine.step()
@@ -221,7 +222,15 @@ class BatchedJobs:
             self.process.send_again(again)
             return
         for output in events.finished:
-            self._finished(self.jobs.pop(output.request_id), output)
+            job = self.jobs.pop(output.request_id)
+            try:
+                self._finished(job, output)
+            except Exception as exc:  # its result could not be built (its postprocess raised, a soft time
+                # limit met there): this job alone fails, as it would on the batch-1 path; the batch goes on
+                log.exception("job %s: its result could not be built", job.claim.job_id)
+                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
+                if outcome.retry_in_s is not None:  # queued again: its message was acknowledged long ago
+                    self.process.send_again([outcome.job_id])
         if len(self._steps) >= STEPS_PER_WRITE:
             self._write_steps()
 
@@ -241,6 +250,18 @@ class BatchedJobs:
         if self._steps:
             steps, self._steps = self._steps, []
             self.process.ledger_threads.record_steps(partial(step_rows, steps, self.loaded.worker_session_id))
+
+    def _fail_lost(self) -> None:
+        """Jobs handed to an engine that has nothing left: it will never finish them (none should be; a
+        bug here would otherwise keep `drain` stepping for ever). Each fails and counts an attempt."""
+        for job_id, job in list(self.jobs.items()):
+            if job.handed_over:
+                self.jobs.pop(job_id)
+                lost = RuntimeError("the batched engine finished without this job's output")
+                log.error("job %s: %s", job_id, lost)
+                outcome = job_failed(self.process.db, job.claim, lost, self.process.settings)
+                if outcome.retry_in_s is not None:
+                    self.process.send_again([outcome.job_id])
 
     def _hand_over(self, wait_for_one: bool) -> None:
         """Every prepared page not yet in the engine goes in (submitted: it takes a slot at the next
