@@ -312,10 +312,11 @@ GENERATIONS = 3
 
 def one_run(
     args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], tmp: Path,
-    db: Any, options: set[str], timeout_s: float, levels: list[int],
+    db: Any, options: set[str], budget_s: float, levels: list[int],
 ) -> list[dict[str, Any]]:
     """One worker on K devices, a run per concurrency level on it (one after another, each to its end):
-    a record per level."""
+    a record per level. `budget_s` bounds it all (the worker's start included); each run has
+    --run-timeout-s from its submit within it."""
     queue = f"scaling-{engine}-k{k}-{os.getpid()}-{int(time.time())}"
     base: dict[str, Any] = {"engine": engine, "k": k, "queue": queue, "repeats": repeats}
     command = worker_command(args, engine, k, queue, options)
@@ -328,7 +329,7 @@ def one_run(
                                 start_new_session=True)  # fmt: skip
         log(f"{engine} K={k}: worker pid {proc.pid}: {base['worker_command']}")
         try:
-            ready = wait_ready(db, since, k, proc, timeout_s)
+            ready = wait_ready(db, since, k, proc, budget_s)
             base["ready_after_s"] = round(time.monotonic() - started, 2)
             log(f"{engine} K={k}: {ready}/{k} worker children ready after {base['ready_after_s']} s")
             for concurrency in levels:
@@ -336,12 +337,12 @@ def one_run(
                 level_repeats = max(repeats, -(-GENERATIONS * concurrency * k // max(args.pages, 1)))
                 record = {**base, "concurrency": concurrency, "repeats": level_repeats}
                 records.append(record)
-                left = timeout_s - (time.monotonic() - started)
+                left = budget_s - (time.monotonic() - started)
                 if left < 30:
                     record["status"] = "skipped: out of --budget-s"
                     continue
                 record.update(run_level(args, engine, k, level_repeats, env, db, queue, concurrency, proc, logpath,
-                                        left))  # fmt: skip
+                                        min(args.run_timeout_s, left)))  # fmt: skip
                 if record["status"] != "complete":
                     break
         finally:
@@ -794,7 +795,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for scaling-<date>.json/.md (default: $OUT, else benchmarks/results)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=520, help="no new run starts past this; runs are cut to fit")
-    parser.add_argument("--run-timeout-s", type=float, default=300)
+    parser.add_argument("--run-timeout-s", type=float, default=300,
+                        help="each run, from its submit to its last job final (a batched run's engine start is in it, the "
+                             "worker's start is not)")
     parser.add_argument("--poll-s", type=float, default=1.0)
     parser.add_argument("--stop-grace-s", type=float, default=90)
     parser.add_argument("--worker-loglevel", default="INFO")
@@ -905,8 +908,8 @@ def main() -> int:
                         save()
                         continue
                     try:
-                        records = one_run(args, engine, k, repeats[engine], env, tmp, db, options,
-                                          min(args.run_timeout_s * len(levels), left - 20), levels)  # fmt: skip
+                        records = one_run(args, engine, k, repeats[engine], env, tmp, db, options, left - 20,
+                                          levels)  # fmt: skip
                     except Exception as exc:
                         traceback.print_exc()
                         records = [{"engine": engine, "k": k, "status": "error", "error": f"{type(exc).__name__}: {exc}"}]
