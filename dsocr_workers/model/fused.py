@@ -10,6 +10,7 @@ the unfused modules.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -24,15 +25,15 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
 )
 
 
-class AttendingCache:
+class AttendingCache(ABC):
     """A KV cache that attends for the layer: it writes the step's keys and values and returns the
     attention output, [batch, heads, queries, head_dim]. The batched engine's slots are one
     (engine/batched/slots.py): each row reads only its own filled positions, which a mask over the
     slot's whole capacity cannot skip."""
 
+    @abstractmethod
     def update_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                          scaling: float) -> torch.Tensor:  # fmt: skip
-        raise NotImplementedError
+                          scaling: float) -> torch.Tensor: ...  # fmt: skip
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
