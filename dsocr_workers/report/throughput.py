@@ -136,20 +136,24 @@ MIN_BINS = 8
 def service_times_s(data: RunData, include_cold: bool = False) -> dict[str, list[float]]:
     """Per lane, the service times (seconds) of its finished jobs, as defined above; for a lane of a
     batched run, its pages/s in the bins of its steady window (`BinnedRates`) where it has one."""
+    lanes = services(data)
     times = {
         key: [(s.finished - s.began).total_seconds() for s in lane if steady(s.result, include_cold)]
-        for key, lane in services(data).items()
+        for key, lane in lanes.items()
     }
-    binned = batched_rates(data, include_cold)
+    binned = batched_rates(data, include_cold, lanes)
     return {key: binned.get(key, lane) for key, lane in times.items()}
 
 
-def batched_rates(data: RunData, include_cold: bool = False) -> dict[str, BinnedRates]:
+def batched_rates(
+    data: RunData, include_cold: bool = False, lanes: dict[str, list[Service]] | None = None
+) -> dict[str, BinnedRates]:
     """Per lane of a batched run, its pages/s in each bin of its steady window, as defined above (lanes
-    with no steps, or no window: the last claim before the first finish, are left out)."""
+    with no steps, or no window: the last claim before the first finish, are left out).
+    `lanes`: the run's `services`, where the caller has them."""
     if not data.steps:
         return {}
-    lanes: dict[str, list[Service]] = services(data)
+    lanes = services(data) if lanes is None else lanes
     steps_by_lane: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
     for step in data.steps:
         session = data.sessions.get(step.worker_session_id)

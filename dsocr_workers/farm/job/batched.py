@@ -209,12 +209,7 @@ class BatchedJobs:
             self._take_steps(events)
         except Exception as exc:
             log.exception("the batched engine failed with %d jobs in flight", len(self.jobs))
-            again = []
-            for job in self.jobs.values():
-                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
-                log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
-                if outcome.retry_in_s is not None:  # queued again: its message was acknowledged long ago
-                    again.append(outcome.job_id)
+            again = [job_id for job in self.jobs.values() if (job_id := self._fail(job, exc)) is not None]
             self.jobs.clear()
             self._write_steps()  # those taken; the rest go with the engine
             self.process.batch = None
@@ -228,9 +223,7 @@ class BatchedJobs:
             except Exception as exc:  # its result could not be built (its postprocess raised, a soft time
                 # limit met there): this job alone fails, as it would on the batch-1 path; the batch goes on
                 log.exception("job %s: its result could not be built", job.claim.job_id)
-                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
-                if outcome.retry_in_s is not None:  # queued again: its message was acknowledged long ago
-                    self.process.send_again([outcome.job_id])
+                self._fail_alone(job, exc)
         if len(self._steps) >= STEPS_PER_WRITE:
             self._write_steps()
 
@@ -259,9 +252,19 @@ class BatchedJobs:
                 self.jobs.pop(job_id)
                 lost = RuntimeError("the batched engine finished without this job's output")
                 log.error("job %s: %s", job_id, lost)
-                outcome = job_failed(self.process.db, job.claim, lost, self.process.settings)
-                if outcome.retry_in_s is not None:
-                    self.process.send_again([outcome.job_id])
+                self._fail_alone(job, lost)
+
+    def _fail(self, job: InFlight, exc: Exception) -> str | None:
+        """Record the job's failure (farm/job/execute.py `job_failed`); its id if it is queued again and so
+        needs a message (its own was acknowledged when its task returned)."""
+        outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
+        log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
+        return outcome.job_id if outcome.retry_in_s is not None else None
+
+    def _fail_alone(self, job: InFlight, exc: Exception) -> None:
+        """One job fails while the batch goes on."""
+        if (again := self._fail(job, exc)) is not None:
+            self.process.send_again([again])
 
     def _hand_over(self, wait_for_one: bool) -> None:
         """Every prepared page not yet in the engine goes in (submitted: it takes a slot at the next
@@ -279,8 +282,7 @@ class BatchedJobs:
                 self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
             except Exception as exc:
                 self.jobs.pop(job_id)
-                outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
-                log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
+                self._fail_alone(job, exc)
                 continue
             job.handed_over = True
 
