@@ -305,9 +305,10 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 # A run at concurrency c on K workers gets at least this many times c x K jobs (more repeats of the file
-# list than --repeats where needed): its batches fill, turn over and drain, and the steady state is not
-# only the first batch.
-GENERATIONS = 3
+# list than --repeats where needed): each batch fills, turns over and drains, and its steady window (from
+# its first finish to its last claim: about GENERATIONS - 2 turnovers) holds the report's MIN_BINS bins of
+# a turnover each (report/throughput.py): with 3, one-second bins of two turnovers gave ±7-23% intervals.
+GENERATIONS = 10
 
 
 def one_run(

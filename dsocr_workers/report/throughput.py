@@ -24,8 +24,17 @@ holds the whole first batch). A lane's steady window runs from the first finish 
 (its batch is full and turning over) to the last claim (after it the batch only drains); its pages/s are
 the output tokens its engine's steps produced in that window (`batch_steps`: a decode step gives one
 token per page in it, a prefill the joining page's first) over the window's length, divided by the mean
-tokens out of its pages. The window is cut into equal bins (`STEADY_BIN_S`, at least `MIN_BINS`): the
-interval resamples the bins' rates (report/stats.py `BinnedRates`). A lane with no steps or too short a
+tokens out of its pages. The window is cut into equal bins, the interval resamples the bins' rates
+(report/stats.py `BinnedRates`: the method of batch means). A bin lasts at least one turnover of the
+batch (`turnover_s`: its slots over its rate, the time N slots take to finish N pages), and at least
+`STEADY_BIN_S`, and the window holds at least `MIN_BINS`: pages that joined together finish together
+(all the more with EOS ignored), so the batch's rate rises and falls with a period of one turnover (its
+decode steps, then its successors' prefills). One-second bins of that pattern are far from independent
+samples of its rate: on an H200 at concurrency 128 (1,024 tokens a page) their rates ran 3–15 pages/s
+around a mean of 10, and the 95% interval of the mean was ±7% in one run and ±23% in another, for a
+rate that each turnover repeated; a bin of a whole turnover holds one rise and one fall wherever it
+starts. A window shorter than `MIN_BINS`
+turnovers gets shorter bins and the wider interval that is its due. A lane with no steps or too short a
 window (one batch, never refilled) falls back to the service times.
 
 **Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
@@ -128,7 +137,8 @@ def steady(result: Result, include_cold: bool) -> bool:
     return (include_cold or not result.cold) and not result.profiled
 
 
-# A batched lane's steady window is cut into bins of about this many seconds, and at least MIN_BINS.
+# A batched lane's steady window is cut into bins of at least one turnover and this many seconds, and
+# at least MIN_BINS of them.
 STEADY_BIN_S = 1.0
 MIN_BINS = 8
 
@@ -155,10 +165,14 @@ def batched_rates(
         return {}
     lanes = services(data) if lanes is None else lanes
     steps_by_lane: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
+    slots: dict[str, int] = defaultdict(int)  # per lane, the most pages a decode step held
     for step in data.steps:
         session = data.sessions.get(step.worker_session_id)
         if session is not None:
-            steps_by_lane[_process_lane(session)].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
+            lane = _process_lane(session)
+            steps_by_lane[lane].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
+            if step.kind == "decode":
+                slots[lane] = max(slots[lane], step.occupancy)
     rates: dict[str, BinnedRates] = {}
     for key, lane in lanes.items():
         kept = [s for s in lane if steady(s.result, include_cold)]
@@ -168,17 +182,26 @@ def batched_rates(
             continue
         start, end = min(s.finished for s in lane), max(claims)
         window_s = (end - start).total_seconds()
-        bins = max(MIN_BINS, int(window_s / STEADY_BIN_S))
         if window_s <= 0:
             continue
+        offsets = [((ended - start).total_seconds(), count) for ended, count in steps_by_lane.get(key, [])]
+        offsets = [(offset, count) for offset, count in offsets if 0 < offset <= window_s]
+        pages = sum(count for _, count in offsets) / tokens_per_page
+        if pages <= 0:
+            continue
+        turnover = turnover_s(slots[key], pages / window_s)
+        bins = max(MIN_BINS, int(window_s / max(STEADY_BIN_S, turnover)))
         tokens = np.zeros(bins)
-        for ended, count in steps_by_lane.get(key, []):
-            offset = (ended - start).total_seconds()
-            if 0 < offset <= window_s:
-                tokens[min(int(offset / window_s * bins), bins - 1)] += count
-        if tokens.sum() > 0:
-            rates[key] = BinnedRates((tokens / (window_s / bins) / tokens_per_page).tolist())
+        for offset, count in offsets:
+            tokens[min(int(offset / window_s * bins), bins - 1)] += count
+        rates[key] = BinnedRates((tokens / (window_s / bins) / tokens_per_page).tolist())
     return rates
+
+
+def turnover_s(slots: int, pages_per_s: float) -> float:
+    """The time a batch of `slots` pages takes to finish that many pages at `pages_per_s` (Little's law:
+    a page's time in a full batch): the period of a batch whose pages joined together."""
+    return max(slots, 1) / pages_per_s
 
 
 def steady_state_throughput(data: RunData, include_cold: bool = False) -> Estimate:

@@ -259,3 +259,39 @@ def test_a_batched_runs_steady_state_is_its_steps_tokens_between_its_first_finis
     ratio = throughput_ratio(both, data)
     assert ratio.value == pytest.approx(2.0, rel=0.05)
     assert ratio.low is None or ratio.low <= 2.0 <= ratio.high
+
+
+def test_a_batch_whose_pages_join_together_is_binned_by_its_turnover(database, tmp_path, make_png):
+    """A batch of 8 whose pages joined together finishes together: every 2.5 s, 0.5 s of its successors'
+    prefills (a token each) then 2 s of decode steps (8 tokens every 50 ms). Bins of one second would
+    rise and fall with that period; bins of a turnover each hold one of it: the rate, 8 pages every
+    2.5 s, with a narrow interval."""
+    add_session(database, "t1", T0, T0 + timedelta(seconds=1))
+    generations, period = 12, 2.5
+    pages = {(f"t-{k}.png", 0): Page(1.0, session="t1", steps=40) for k in range(8 * generations)}  # 41 tokens
+    run = make_run(database, tmp_path, make_png, pages)
+    times, steps = {}, []
+    for g in range(generations):
+        begin = 1 + period * g
+        for k in range(8):  # claimed at the batch's start, a prefill each 62.5 ms, finished together
+            times[(f"t-{8 * g + k}.png", 0)] = (begin, begin + period)
+            steps.append(("prefill", 1, begin + 0.0625 * (k + 1)))
+        steps += [("decode", 8, begin + 0.5 + 0.05 * (i + 1)) for i in range(40)]
+    set_times(database, run, T0, times)
+    with database.transaction() as session:
+        session.add_all(BatchStep(run_id=run, worker_session_id="t1", step_index=i, kind=kind, occupancy=occupancy,
+                                  bucket=8, started_at=T0 + timedelta(seconds=ended - 0.01), duration_ms=10.0)
+                        for i, (kind, occupancy, ended) in enumerate(steps))  # fmt: skip
+    data = load(database, run)
+    (binned,) = batched_rates(data).values()
+    assert len(binned) == 10  # the window, from the first finish to the last claim: 10 turnovers
+    steady = steady_state_throughput(data)
+    assert steady.value == pytest.approx(8 / period, rel=0.02), steady
+    assert steady.high - steady.low < 0.04 * steady.value, steady
+    # The same steps in one-second bins: their rates rise and fall with the batch.
+    seconds = np.zeros(int(period * (generations - 1)))
+    for _, occupancy, ended in steps:
+        offset = ended - (1 + period)
+        if 0 < offset <= len(seconds):
+            seconds[min(int(offset), len(seconds) - 1)] += occupancy
+    assert np.ptp(seconds / 41) > 0.5 * 8 / period

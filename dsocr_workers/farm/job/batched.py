@@ -1,9 +1,10 @@
 """Jobs of a run with `--concurrency N` above 1, in a Celery child: up to N of them in flight on the
 batched engine (engine/batched/), decoding together on the child's loaded model.
 
-The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease), hands its
-page to the preparing threads (`PREPARE_THREADS`: reading, tiling and tokenising a gundam page is
-~0.1 s of host work, which on the task's thread would hold every page of the batch), steps the engine
+The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease; on the
+claims thread, the engine stepping meanwhile), hands its page to the preparing threads
+(`PREPARE_THREADS`: reading, tiling and tokenising a gundam page is ~0.1 s of host work, which on the
+task's thread would hold every page of the batch), steps the engine
 while N jobs are in flight, else once (the device keeps decoding while the lane hands the child its next
 message), and returns; the lane then hands the child its next message, which joins the batch. A page
 joins the engine at the first step after it is prepared. The task steps the engine to the end once its
@@ -40,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -176,6 +178,11 @@ class BatchedJobs:
                 self.step()
             return
         while len(self.jobs) >= self.options.concurrency:
+            self.step()
+
+    def step_until(self, done: Callable[[], bool]) -> None:
+        """Step while the engine has work and `done()` is false (the task waits on something else)."""
+        while not done() and self.process.batch is self and self.engine.busy:
             self.step()
 
     def drain(self) -> None:
@@ -336,9 +343,15 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
         # its claim would be this process's own and pass, and the engine would hold the page twice.
         return Outcome(job_id, "refused", "already in flight in this process's batch")
     claimed_s = time.perf_counter()
-    with process.db.transaction() as tx:
-        claimed = ledger.claim_job(tx, job_id, process.owner, lease_s=process.settings.lease_s,
-                                   max_attempts=process.settings.max_attempts, is_dead=owner_is_dead)  # fmt: skip
+    claiming = process.ledger_threads.claim(partial(
+        ledger.claim_job, job_id=job_id, owner=process.owner, lease_s=process.settings.lease_s,
+        max_attempts=process.settings.max_attempts, is_dead=owner_is_dead,
+    ))  # fmt: skip
+    if process.batch is not None:
+        # The device goes on while the claim is written: on SQLite a claim waits its turn at the writer's
+        # lock behind the results and claims of every worker on the host (a burst when a batch finishes).
+        process.batch.step_until(claiming.done)
+    claimed = claiming.result()  # TransientError when the ledger is out of reach: the task retries
     if isinstance(claimed, ledger.Refusal):
         later = None if claimed.retry_after_s is None else claimed.retry_after_s + 1
         return Outcome(job_id, "refused", claimed.reason, later)

@@ -18,7 +18,7 @@ transaction with its setup (3.5 ms). Neither transaction needs the main thread:
   written on the other thread; the job waits for its claim before its first decode step
   (farm/job/process.py), so only its prefill can run before the lease is its own, and a refused claim drops
   that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate
-  delivery, rare.
+  delivery, rare. A batched job's task steps its engine while its claim is written (farm/job/batched.py).
 
 Two threads, one for claims and one for results: a claim must never wait behind a result whose write is
 waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take

@@ -1,0 +1,72 @@
+"""A batched job's claim is written while the engine steps: on SQLite a claim waits its turn at the
+writer's lock behind the other workers' writes, and a task that waited for it on the device's thread left
+the batch's pages idle meanwhile. The job process, its batched engine (the tiny preset on the CPU) and
+the ledger are the real ones; another connection holds SQLite's write lock as a busy neighbour would."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+from sqlalchemy import select
+
+from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.job.batched import run_in_batch
+from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
+from dsocr_workers.settings import Settings
+from dsocr_workers.store.db import open_database
+from dsocr_workers.store.models import Job
+
+OPTIONS = RunOptions(mode="tiny", max_new_tokens=24, engine="eager", concurrency=3)
+HELD_S = 3.0
+
+
+def test_the_batch_decodes_while_a_claim_waits_for_the_ledger(sqlite_url, tmp_path, make_png):
+    for image in ("a.png", "b.png"):
+        make_png(image, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\nb.png\n")
+    database = open_database(sqlite_url)
+    run = record_run(database, read_filelist(listing), OPTIONS, queue="q", name="r")
+    first, second = run.job_ids
+    process = JobProcess.open(Settings(database_url=sqlite_url, queue="q"), "cpu", queues=("q",))
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=30, isolation_level=None,
+                             check_same_thread=False)
+    try:
+        process.warm(job_warmup(OPTIONS))
+        assert run_in_batch(process, first, OPTIONS, more_coming=True).status == "decoding"
+        batch = process.batch
+        assert batch is not None and first in batch.jobs
+        batch.jobs[first].page.result()
+        batch.step()  # its page joins: its prefill, its first token; 23 to come
+        assert batch.engine.busy and first in batch.jobs
+        holding = threading.Event()
+
+        def hold_the_write_lock() -> None:
+            holder.execute("BEGIN IMMEDIATE")
+            holding.set()
+            time.sleep(HELD_S)
+            holder.execute("COMMIT")
+
+        neighbour = threading.Thread(target=hold_the_write_lock)
+        neighbour.start()
+        assert holding.wait(timeout=30)
+        began = time.perf_counter()
+        assert run_in_batch(process, second, OPTIONS, more_coming=True).status == "decoding"
+        waited_s = time.perf_counter() - began
+        neighbour.join()
+        assert waited_s >= HELD_S * 0.9  # the claim did wait for the lock
+        # Meanwhile the batch went on: the first job decoded its tokens and left (with the claim on the
+        # device's thread, the second task's single step after it would have left it mid-page).
+        assert first not in batch.jobs and second in batch.jobs
+        batch.drain()
+    finally:
+        holder.close()
+        process.close()
+    with database.transaction() as tx:
+        states = tx.scalars(select(Job.state).where(Job.run_id == run.run_id)).all()
+    database.dispose()
+    assert sorted(states) == ["done", "done"]
