@@ -17,7 +17,8 @@ Then one table per engine: jobs, cold jobs, steady-state pages/s with its 95% in
 with its interval, and the submit-to-last-result wall clock, from
 `dsocr_workers.report.throughput` (the same numbers `dsocr report` prints); the wall clock runs from
 submit, so it holds no model load here: loads and warm-ups are listed per worker session. JSON + markdown go to
---out (default benchmarks/results/) as scaling-<UTC date>.{json,md}.
+--out (default benchmarks/results/) as scaling-<UTC date>.{json,md}; with --docs docs/benchmarks.md the
+same tables, the command and the curves also go there, as its newest section.
 
 A second table (issue 10, prefetch): per run the jobs whose page was prepared while the previous job ran,
 the device's idle time between consecutive jobs of a worker (p50 / p90 / max: from one job's readback to
@@ -616,6 +617,22 @@ def sweep_plot(db: Any, report: dict[str, Any], engine: str, out_dir: Path) -> N
         report.setdefault("plots", []).append(path.name)
 
 
+def publish(docs: Path, report: dict[str, Any], md_path: Path, out_dir: Path) -> None:
+    """The run's tables, command and curves as the newest section of `docs` (docs/benchmarks.md: after
+    its preamble, before its first `## ` section), the curves linked where they were written."""
+    env = report["environment"]
+    title = f"## bench_scaling on {env.get('gpu')} x {len(env.get('gpus') or [])}, {env['date']}"
+    body = markdown(report).split("\n", 2)[2].strip()  # its own `###` title dropped
+    section = [title, "", body]
+    for name in report.get("plots", []):
+        section += ["", f"![throughput against latency over the concurrency levels]({os.path.relpath(out_dir / name, docs.parent)})"]
+    section += ["", f"Raw: `{os.path.relpath(md_path, docs.parent)}` and its `.json`.", "", ""]
+    text = docs.read_text() if docs.is_file() else "# Benchmarks\n\n"
+    at = text.find("\n## ")
+    at = len(text) if at < 0 else at + 1
+    docs.write_text(text[:at] + "\n".join(section) + text[at:])
+
+
 def verdict(ratio: dict[str, Any] | None, target: float) -> str:
     if not ratio or ratio.get("value") is None:
         return "no ratio"
@@ -803,6 +820,9 @@ def main() -> int:
     parser.add_argument("--stop-grace-s", type=float, default=90)
     parser.add_argument("--worker-loglevel", default="INFO")
     parser.add_argument("--keep-logs", type=Path, help="copy the worker logs into this folder (created if missing)")
+    parser.add_argument("--docs", type=Path,
+                        help="also write the tables, command and curves into this file as its newest section "
+                             "(docs/benchmarks.md)")  # fmt: skip
     args = parser.parse_args()
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -951,6 +971,9 @@ def main() -> int:
             save()
     print(markdown(report), flush=True)
     log(f"wrote {json_path} and {md_path}")
+    if args.docs:
+        publish(args.docs, report, md_path, out_dir)
+        log(f"wrote its section into {args.docs}")
     failed = [r for r in report["runs"] if r.get("error") or r.get("status") not in ("complete",)]
     return 1 if failed and len(failed) == len(report["runs"]) else 0
 

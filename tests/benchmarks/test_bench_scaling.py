@@ -123,3 +123,24 @@ def test_prefetch_verdict_says_whether_the_busy_share_is_shown_or_only_estimated
     assert verdict(0.96, None).endswith("(no interval: not shown)")
     assert verdict(0.96, None).startswith("idle p90 7.2 ms ≤ 10; ")
     assert prefetch_verdict({"device_idle_ms": {"p90": 7.2}}) == "not measured"
+
+
+def test_docs_get_the_runs_tables_command_and_curves_as_their_newest_section(bench: ModuleType, tmp_path: Path) -> None:
+    import json
+
+    results = SCRIPT.parent / "results"
+    report = json.loads((results / "scaling-2026-11-27T0451-h200x2-c128-8-threads.json").read_text())
+    report["plots"] = ["scaling-2026-11-27T0451-sweep-k1.png"]
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    docs.write_text("# Benchmarks\n\nPreamble.\n\n## An older section\n\nIts text.\n")
+    out = tmp_path / "benchmarks" / "results"
+    bench.publish(docs, report, out / "scaling-2026-11-27T0451.md", out)
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\nPreamble.\n\n## bench_scaling on NVIDIA H200 x 2, 2026-11-27 04:51 UTC\n")
+    newest = text[: text.index("## An older section")]
+    assert "| fast | 2 | 128 | 900 (900 / 0) |" in newest  # the scaling table
+    assert "Serving (the report's Serving table" in newest and report["command"] in newest
+    assert "](../benchmarks/results/scaling-2026-11-27T0451-sweep-k1.png)" in newest
+    assert "Raw: `../benchmarks/results/scaling-2026-11-27T0451.md`" in newest
+    assert text.endswith("## An older section\n\nIts text.\n")
