@@ -19,6 +19,26 @@ def test_pooled_statistics_of_a_resample_equal_numpy_on_the_concatenated_jobs():
         assert jobs.stats(idx, [*QUANTILES, 0, 100]) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("band", [(0.02, 2000), (0.0, 1)])
+def test_a_long_runs_percentiles_counted_in_their_band_are_numpys(band, monkeypatch):
+    """Hundreds of jobs of hundreds of decode steps: a resample's percentiles are counted among the values
+    around the pooled ones; with a band of one value (most resamples' percentiles fall outside it: counted
+    over every value instead) and with the shipped band, they are numpy's on the concatenated jobs."""
+    from dsocr_workers.report import stats
+
+    monkeypatch.setattr(stats, "BAND", band[0])
+    monkeypatch.setattr(stats, "BAND_MIN", band[1])
+    rng = np.random.default_rng(5)
+    per_job = [rng.normal(7, 0.5, size=rng.integers(200, 400)) * rng.lognormal(0, 0.05) for _ in range(300)]
+    per_job[7] = per_job[7] * 3  # a far slower job: resamples that draw it often move p99
+    jobs = _Jobs(per_job)
+    for _ in range(40):
+        idx = rng.integers(0, 300, size=300)
+        pooled = np.concatenate([per_job[i] for i in idx])
+        expected = [pooled.mean(), *np.percentile(pooled, [*QUANTILES, 0, 100])]
+        assert jobs.stats(idx, [*QUANTILES, 0, 100]) == pytest.approx(expected, rel=1e-12)
+
+
 def test_summary_intervals_cover_the_value_and_narrow_with_more_jobs():
     rng = np.random.default_rng(4)
     few, many = (
