@@ -24,6 +24,12 @@ Two threads, one for claims and one for results: a claim must never wait behind 
 waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take
 turns at the single writer's lock (`busy_timeout`), a fraction of a millisecond each.
 
+Results and steps handed over while the results thread is busy are written together, in one transaction
+(`Pending`): a batched engine's pages that joined together finish together, and on SQLite 128 results
+written one transaction each held the writer's lock ~10 ms apiece, 1.1-1.7 s per batch on an H200 (2.0-4.2 s
+for two workers on one ledger), while the next pages' claims waited their turn at it. Each result keeps
+its own lease guard inside the transaction; a row that cannot be built fails its own job, as before.
+
 What a crash loses: nothing. A job's message is acknowledged when its task returns, possibly before its
 result is written; a process that dies in between leaves the job `running` under its dead lease, as a
 crash during inference does, and a live worker's sweep (farm/liveness.py) puts it back in line once the
@@ -49,6 +55,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
@@ -63,6 +70,37 @@ log = logging.getLogger("dsocr.worker")
 T = TypeVar("T")
 
 
+@dataclass
+class Completion:
+    """A result handed over, and what became of its write."""
+
+    claim: ledger.Claim
+    build_row: Callable[[], dict[str, Any]]
+    finished_at: datetime
+    written: Future[bool] = field(default_factory=Future)
+
+
+class Pending:
+    """What was handed to the results thread and not yet taken by it, in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Completion | Callable[[], list[dict[str, Any]]]] = []
+        self._queued = False  # a write is submitted that has not yet taken the items
+
+    def add(self, item: Completion | Callable[[], list[dict[str, Any]]]) -> bool:
+        """Add `item`; True when a write must be submitted to take it."""
+        with self._lock:
+            self._items.append(item)
+            submit, self._queued = not self._queued, True
+            return submit
+
+    def take(self) -> list[Completion | Callable[[], list[dict[str, Any]]]]:
+        with self._lock:
+            items, self._items, self._queued = self._items, [], False
+            return items
+
+
 class LedgerThreads:
     """A process's claims, and its result writes, each one at a time in the order handed over."""
 
@@ -72,6 +110,7 @@ class LedgerThreads:
         self._closing = threading.Event()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
+        self._pending = Pending()
         self._last_write: Future[bool] | None = None
 
     def claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> Future[ledger.Claim | ledger.Refusal]:
@@ -80,11 +119,17 @@ class LedgerThreads:
 
     def complete(self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime) -> None:
         """Mark `claim`'s job done with the result `build_row()` makes, after this call returns."""
-        self._last_write = self._results.submit(self._complete, claim, build_row, finished_at)
+        completion = Completion(claim, build_row, finished_at)
+        self._last_write = completion.written
+        self._hand_over(completion)
 
     def record_steps(self, build_rows: Callable[[], list[dict[str, Any]]]) -> None:
         """Insert the `batch_steps` rows `build_rows()` makes, after this call returns."""
-        self._results.submit(self._record_steps, build_rows)
+        self._hand_over(build_rows)
+
+    def _hand_over(self, item: Completion | Callable[[], list[dict[str, Any]]]) -> None:
+        if self._pending.add(item):
+            self._results.submit(self._write_pending)
 
     def wait(self) -> bool | None:
         """Wait for the last result handed over: True when written; False when not (its lease was lost,
@@ -103,32 +148,61 @@ class LedgerThreads:
     def _pause(self, seconds: float) -> None:
         self._closing.wait(seconds)  # cut short by close()
 
-    def _complete(self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime) -> bool:
+    def _write_pending(self) -> None:
+        """Every result and step handed over so far, in one transaction (the rows built first)."""
+        items = self._pending.take()
         try:
-            row = build_row()
-        except Exception as exc:  # the engine's host part or the scoring: a bug, the same on every attempt
+            self._write(items)
+        except Exception:  # a bug here: the jobs' leases run out and a sweep puts them back in line
+            log.exception("results that could not be written")
+            for item in items:
+                if isinstance(item, Completion) and not item.written.done():
+                    self._let_go(item.claim.job_id)
+                    item.written.set_result(False)
+
+    def _write(self, items: list[Completion | Callable[[], list[dict[str, Any]]]]) -> None:
+        built: list[tuple[Completion, dict[str, Any]]] = []
+        steps: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, Completion):
+                if (row := self._built(item)) is not None:
+                    built.append((item, row))
+            else:
+                try:
+                    steps += item()
+                except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
+                    log.exception("batch steps that could not be made into rows; not written")
+
+        def write(session: Session) -> list[bool]:
+            ledger.record_batch_steps(session, steps)
+            return [ledger.complete_job(session, c.claim, row, now=c.finished_at) for c, row in built]
+
+        outcomes = self._retrying(write) if built or steps else []
+        if outcomes is None and steps:
+            log.warning("%d batch steps were given up; the run's report lacks them", len(steps))
+        for index, (completion, _) in enumerate(built):
+            written = None if outcomes is None else outcomes[index]
+            job_id = completion.claim.job_id
+            if written:
+                log.info("job %s: done", job_id)
+            elif written is not None:
+                log.warning("job %s: lost: the lease was taken over before the result was written; discarded", job_id)
+            else:
+                self._let_go(job_id)
+                log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
+                            job_id)  # fmt: skip
+            completion.written.set_result(bool(written))
+
+    def _built(self, completion: Completion) -> dict[str, Any] | None:
+        """Its row; None when it cannot be built (the job then fails: a bug, the same on every attempt)."""
+        claim = completion.claim
+        try:
+            return completion.build_row()
+        except Exception as exc:  # the engine's host part or the scoring
             log.exception("job %s: its result could not be built; the job fails", claim.job_id)
             self._retrying(partial(ledger.fail_job, claim=claim, error=exc, final=True, max_attempts=claim.attempt))
-            return False
-        written = self._retrying(partial(ledger.complete_job, claim=claim, result=row, now=finished_at))
-        if written:
-            log.info("job %s: done", claim.job_id)
-        elif written is not None:
-            log.warning("job %s: lost: the lease was taken over before the result was written; discarded", claim.job_id)
-        else:
-            self._let_go(claim.job_id)
-            log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
-                        claim.job_id)  # fmt: skip
-        return bool(written)
-
-    def _record_steps(self, build_rows: Callable[[], list[dict[str, Any]]]) -> None:
-        try:
-            rows = build_rows()
-        except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
-            log.exception("batch steps that could not be made into rows; not written")
-            return
-        if self._retrying(partial(ledger.record_batch_steps, steps=rows)) is None:
-            log.warning("%d batch steps were given up; the run's report lacks them", len(rows))
+            completion.written.set_result(False)
+            return None
 
     def _retrying(self, write: Callable[[Session], T]) -> T | None:
         """`write` in a transaction, tried again through ledger outages until this closes; None when
