@@ -169,10 +169,10 @@ def batched_rates(
     for step in data.steps:
         session = data.sessions.get(step.worker_session_id)
         if session is not None:
-            lane = _process_lane(session)
-            steps_by_lane[lane].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
+            on = _process_lane(session)
+            steps_by_lane[on].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
             if step.kind == "decode":
-                slots[lane] = max(slots[lane], step.occupancy)
+                slots[on] = max(slots[on], step.occupancy)
     rates: dict[str, BinnedRates] = {}
     for key, lane in lanes.items():
         kept = [s for s in lane if steady(s.result, include_cold)]
@@ -186,7 +186,7 @@ def batched_rates(
             continue
         offsets = [((ended - start).total_seconds(), count) for ended, count in steps_by_lane.get(key, [])]
         offsets = [(offset, count) for offset, count in offsets if 0 < offset <= window_s]
-        pages = sum(count for _, count in offsets) / tokens_per_page
+        pages = float(sum(count for _, count in offsets) / tokens_per_page)
         if pages <= 0:
             continue
         turnover = turnover_s(slots[key], pages / window_s)
