@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 
 from sqlalchemy import select
 
