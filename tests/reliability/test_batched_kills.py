@@ -42,8 +42,8 @@ def test_a_batched_worker_killed_with_jobs_in_flight_loses_none(new_farm, tmp_pa
 
 
 def test_a_batch_that_fails_puts_every_job_in_flight_back_in_line(new_farm, tmp_path):
-    # Jobs of ~7 s under a 3 s soft time limit: the task that fills the batch steps it until a job finishes
-    # and meets the limit inside a step, which fails every job in flight (an attempt each). Their messages
+    # Jobs of ~7 s under a 3 s soft time limit: the task that fills the batch waits for room and meets the
+    # limit while it waits, which fails every job in flight (an attempt each). Their messages
     # were acknowledged when their tasks returned: the worker sends new ones, and each job comes back
     # until the attempt cap poisons it. Before, the ledger said `queued` and no message existed.
     farm = new_farm(DSOCR_SOFT_TIME_LIMIT="3", DSOCR_HARD_TIME_LIMIT="20")

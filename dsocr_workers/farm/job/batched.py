@@ -1,15 +1,18 @@
 """Jobs of a run with `--concurrency N` above 1, in a Celery child: up to N of them in flight on the
 batched engine (engine/batched/), decoding together on the child's loaded model.
 
-The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease; on the
-claims thread, the engine stepping meanwhile), hands its page to the preparing threads
-(`PREPARE_THREADS`: reading, tiling and tokenising a gundam page is ~0.1 s of host work, which on the
-task's thread would hold every page of the batch), steps the engine
-while N jobs are in flight, else once (the device keeps decoding while the lane hands the child its next
-message), and returns; the lane then hands the child its next message, which joins the batch. A page
-joins the engine at the first step after it is prepared. The task steps the engine to the end once its
-lane has no next message (`NextMessage.after`), before a job of another run or setting, and when the
-child stops. Every step runs on the task's thread, which alone touches the device. A job's result is
+The lane is unchanged (one child, prefetch 2): the task of such a job claims it (its lease, on the
+claims thread), hands its page to the preparing threads (`PREPARE_THREADS`: reading, tiling and
+tokenising a gundam page is ~0.1 s of host work), waits while N jobs are in flight, and returns; the lane
+then hands the child its next message, which joins the batch. The engine has a thread of its own, the
+only one on the device (`BatchedJobs._serve`): it steps while it has pages in flight or a prepared page
+waits to join (a page joins at the first step after it is prepared), and waits otherwise. So the device
+does not wait for the lane: when the tasks stepped the engine (once per task while the batch had room),
+a batch refilled at the pace of its tasks (hand-over, claim and one step each), and two workers
+refilling side by side on one host took 13.1 s a turnover of 128 pages against 12.2 s for one
+(docs/benchmarks.md, K = 1 and 2 on 2 × H200). The task waits for the batch to finish once its lane has
+no next message (`NextMessage.after`), before a job of another run or setting, and when the child
+stops. A job's result is
 written when the engine finishes it, on the child's results thread under the job's lease (as a batch-1
 job's, farm/job/ledger_threads.py); its message was acknowledged when its task returned, as a batch-1
 job's is before its result is written: the ledger is the truth. The heartbeat renews the lease of every
@@ -28,7 +31,7 @@ and the run's token budget: a slot sized for the model's whole context would be 
 and 1,024 tokens, and fewer pages would fit.
 
 What the batch records: every engine step (`StepRecord`: prefill or decode, occupancy, bucket, start and
-duration on the device) as a `batch_steps` row of the run whose jobs it served. The task takes the
+duration on the device) as a `batch_steps` row of the run whose jobs it served. The engine's thread takes the
 engine's new steps after each of its steps (the engine's list is emptied, so it does not grow with the
 batch's life) and hands them to the results thread `STEPS_PER_WRITE` at a time, and once the batch has
 drained or failed: one insert there, none on the device's thread. A step's runs are those of the pages it
@@ -40,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
@@ -72,6 +76,10 @@ log = logging.getLogger("dsocr.worker")
 # 1,024 tokens it decodes, and the batch ran at 106 pages of 128 on average. Half the host's cores, up
 # to 8, share that; the task's thread keeps the GIL it needs to launch steps.
 PREPARE_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
+
+# How long a task interrupted while it waits (its soft time limit) waits for the engine's thread to fail
+# the batch's jobs: a step or two; a step that hangs is the hard time limit's.
+ABORT_WAIT_S = 10.0
 
 # Steps handed to the results thread at once: one insert of small rows every few hundred steps (a second
 # or two of decoding on a GPU), and the steps a killed child loses with its batch stay few.
@@ -149,6 +157,15 @@ class BatchedJobs:
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps: list[ServedStep] = []  # taken from the engine, not yet handed to the results thread
         self._last_runs: tuple[str, ...] = ()  # the runs of the latest step taken
+        # Guards `jobs`, `failed`, `_idle` and `_stopping`; notified whenever one of them changes or a page
+        # is prepared. The task's thread adds jobs and waits; the engine's thread steps and removes them.
+        self._changed = threading.Condition()
+        self.failed: Exception | None = None  # what failed every job in flight: the batch is over
+        self._idle = True  # the engine's thread found nothing to do (its steps read back and handed over)
+        self._stopping = False
+        self._aborted: Exception | None = None  # met by a waiting task (its soft time limit): fail the batch
+        self._engine_thread = threading.Thread(target=self._serve, name="dsocr-batch-engine", daemon=True)
+        self._engine_thread.start()
         log.info("batched engine for %s: %s", options.model, self.engine.plan.describe())
 
     def describe(self) -> str:
@@ -159,88 +176,138 @@ class BatchedJobs:
         return f"concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
 
     def serves(self, options: RunOptions) -> bool:
-        """Whether a job of a run with `options` can join this batch."""
-        return options == self.options
+        """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
+        return options == self.options and self.failed is None
 
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
-        """Hand the job's page to the preparing threads; it joins the engine at the first step after."""
+        """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
         options, session = self.options, self.loaded.session
         page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
                                   job_id=claim.job_id)  # fmt: skip
-        self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
-        log.info("job %s: in the batch, %d in flight", claim.job_id, len(self.jobs))
+        with self._changed:
+            self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
+            self._idle = False
+            self._changed.notify_all()
+            in_flight = len(self.jobs)
+        page.add_done_callback(lambda _: self._notify())
+        log.info("job %s: in the batch, %d in flight", claim.job_id, in_flight)
 
-    def step_while_full(self) -> None:
-        """Step until fewer than the run's concurrency are in flight (room for the next job); else once,
-        if the engine has work, so that the device goes on while the lane hands over the next message."""
-        if len(self.jobs) < self.options.concurrency:
-            if self.engine.busy:
-                self.step()
-            return
-        while len(self.jobs) >= self.options.concurrency:
-            self.step()
-
-    def step_until(self, done: Callable[[], bool]) -> None:
-        """Step while the engine has work and `done()` is false (the task waits on something else)."""
-        while not done() and self.process.batch is self and self.engine.busy:
-            self.step()
+    def wait_for_room(self) -> None:
+        """Wait until fewer than the run's concurrency are in flight: room for the lane's next job."""
+        self._wait(lambda: len(self.jobs) < self.options.concurrency)
 
     def drain(self) -> None:
-        """Step until every job in flight is finished (and its result handed to the results thread) and
-        every step launched is read back; hand the steps to the results thread."""
-        while self.jobs:
-            self.step()
-        if self.engine.busy and self.process.batch is self:  # not after a failed step: it dropped the batch
-            # Steps launched past the last page's EOS held the device too: with no page left, one more
-            # step launches nothing and reads them back.
-            self.step()
-        self._write_steps()
+        """Wait until every job in flight is finished (its result handed to the results thread), every
+        step launched is read back and the steps are handed to the results thread."""
+        self._wait(lambda: not self.jobs and self._idle)
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Wait until `done()` or the batch failed. Interrupted (the task's soft time limit: a batch that
+        has held a task that long holds a page that does not end), the batch fails every job in flight,
+        as a step that raises does, before the interruption goes on."""
+        with self._changed:
+            try:
+                while not done() and self.failed is None:
+                    self._changed.wait()
+                return
+            except Exception as exc:  # SoftTimeLimitExceeded is an Exception
+                self._aborted = interrupted = exc
+                self._changed.notify_all()
+        self._engine_thread.join(timeout=ABORT_WAIT_S)  # it fails the jobs between two steps
+        raise interrupted
 
     def close(self) -> None:
-        """Finish the jobs in flight and stop the preparing threads."""
+        """Finish the jobs in flight, stop the engine's thread and the preparing threads."""
         self.drain()
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._engine_thread.join()
         self._pages.shutdown()
 
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _serve(self) -> None:
+        """The engine's thread, the only one on the device: it steps while the engine has work or a
+        prepared page waits to join, whatever the task's thread is doing (a claim, the lane handing
+        over the next message), and waits otherwise."""
+        while True:
+            with self._changed:
+                while not self._stopping and self._aborted is None and not self._has_work():
+                    if not self._idle:
+                        self._fail_lost()
+                        self._write_steps()
+                        self._idle = True
+                        self._changed.notify_all()
+                    self._changed.wait()
+                aborted = self._aborted
+                if aborted is None and not self._has_work():  # stopping, and nothing left
+                    return
+                self._idle = False
+            if aborted is not None:
+                log.error("the batched engine failed: %r met while a task waited on it", aborted)
+                self._fail_batch(aborted)
+                return
+            self.step()
+            self._notify()
+            if self.failed is not None:
+                return
+
+    def _has_work(self) -> bool:
+        """(Under `_changed`.) The engine has pages or steps in flight, or a prepared page waits to join."""
+        return self.engine.busy or any(not job.handed_over and job.page.done() for job in self.jobs.values())
+
     def step(self) -> None:
-        """Hand the prepared pages to the engine (waiting for one when the engine has nothing else to
-        do), then one engine step; each finished job's result is written. A step that raises fails every
-        job in flight (each counts an attempt, as a batch-1 job's failure) and drops this batch."""
-        self._hand_over(wait_for_one=not self.engine.busy)
+        """(The engine's thread.) Hand the prepared pages to the engine, then one engine step; each
+        finished job's result is written. A step that raises fails every job in flight (each counts an
+        attempt, as a batch-1 job's failure) and ends this batch."""
+        self._hand_over()
         if not self.engine.busy:
-            self._fail_lost()
             return
         try:
             events = self.engine.step()
-            # Before the finished jobs leave `jobs`: their runs name the steps. In the try: a soft time
-            # limit met here is met in the step, as in the engine's part of it.
-            self._take_steps(events)
+            self._take_steps(events)  # before the finished jobs leave `jobs`: their runs name the steps
         except Exception as exc:
             log.exception("the batched engine failed with %d jobs in flight", len(self.jobs))
-            again = [job_id for job in self.jobs.values() if (job_id := self._fail(job, exc)) is not None]
-            self.jobs.clear()
-            self._write_steps()  # those taken; the rest go with the engine
-            self.process.batch = None
-            self._pages.shutdown(wait=False, cancel_futures=True)
-            self.process.send_again(again)
+            self._fail_batch(exc)
             return
         for output in events.finished:
-            job = self.jobs.pop(output.request_id)
+            with self._changed:
+                job = self.jobs.pop(output.request_id)
+                self._changed.notify_all()
             try:
                 self._finished(job, output)
-            except Exception as exc:  # its result could not be built (its postprocess raised, a soft time
-                # limit met there): this job alone fails, as it would on the batch-1 path; the batch goes on
+            except Exception as exc:  # its result could not be built (its postprocess raised): this job
+                # alone fails, as it would on the batch-1 path; the batch goes on
                 log.exception("job %s: its result could not be built", job.claim.job_id)
                 self._fail_alone(job, exc)
         if len(self._steps) >= STEPS_PER_WRITE:
             self._write_steps()
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """(The engine's thread.) Every job in flight fails (an attempt each; a new message for each one
+        retried: their own were acknowledged) and the batch is over."""
+        with self._changed:
+            jobs = list(self.jobs.values())
+            self.jobs.clear()
+            self.failed = exc
+            self._changed.notify_all()
+        again = [job_id for job in jobs if (job_id := self._fail(job, exc)) is not None]
+        self._write_steps()  # those taken; the rest go with the engine
+        self._pages.shutdown(wait=False, cancel_futures=True)
+        self.process.send_again(again)
 
     def _take_steps(self, events: StepEvents) -> None:
         """The engine's steps read back in the call that returned `events`, each with the runs it served."""
         records = list(self.engine.steps)
         self.engine.steps.clear()
         runs_at: dict[float, set[str]] = {}  # a step's end -> the runs of the pages it gave a token
+        with self._changed:
+            run_of = {job_id: job.claim.run_id for job_id, job in self.jobs.items()}
         for token in events.tokens:
-            runs_at.setdefault(token.at_s, set()).add(self.jobs[token.request_id].claim.run_id)
+            runs_at.setdefault(token.at_s, set()).add(run_of[token.request_id])
         for record in records:
             if record.ended_s in runs_at:
                 self._last_runs = tuple(sorted(runs_at[record.ended_s]))
@@ -252,8 +319,9 @@ class BatchedJobs:
             self.process.ledger_threads.record_steps(partial(step_rows, steps, self.loaded.worker_session_id))
 
     def _fail_lost(self) -> None:
-        """Jobs handed to an engine that has nothing left: it will never finish them (none should be; a
-        bug here would otherwise keep `drain` stepping for ever). Each fails and counts an attempt."""
+        """(Under `_changed`, the engine idle.) Jobs handed to an engine that has nothing left: it will
+        never finish them (none should be; a bug here would otherwise keep `drain` waiting for ever).
+        Each fails and counts an attempt."""
         for job_id, job in list(self.jobs.items()):
             if job.handed_over:
                 self.jobs.pop(job_id)
@@ -273,22 +341,21 @@ class BatchedJobs:
         if (again := self._fail(job, exc)) is not None:
             self.process.send_again([again])
 
-    def _hand_over(self, wait_for_one: bool) -> None:
+    def _hand_over(self) -> None:
         """Every prepared page not yet in the engine goes in (submitted: it takes a slot at the next
         step with one free). A page that could not be prepared, or that the engine refuses (it cannot
         fit a slot), fails its job alone."""
         from dsocr_workers.engine.batched import PageRequest
 
-        preparing = [job.page for job in self.jobs.values() if not job.handed_over]
-        if wait_for_one and preparing:
-            wait(preparing, return_when=FIRST_COMPLETED)
-        for job_id, job in list(self.jobs.items()):
-            if job.handed_over or not job.page.done():
-                continue
+        with self._changed:
+            ready = [(job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()]
+        for job_id, job in ready:
             try:
                 self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
             except Exception as exc:
-                self.jobs.pop(job_id)
+                with self._changed:
+                    self.jobs.pop(job_id)
+                    self._changed.notify_all()
                 self._fail_alone(job, exc)
                 continue
             job.handed_over = True
@@ -343,15 +410,11 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
         # its claim would be this process's own and pass, and the engine would hold the page twice.
         return Outcome(job_id, "refused", "already in flight in this process's batch")
     claimed_s = time.perf_counter()
-    claiming = process.ledger_threads.claim(partial(
+    # On the claims thread, like a batch-1 job's; the batch's engine goes on meanwhile on its own thread.
+    claimed = process.ledger_threads.claim(partial(
         ledger.claim_job, job_id=job_id, owner=process.owner, lease_s=process.settings.lease_s,
         max_attempts=process.settings.max_attempts, is_dead=owner_is_dead,
-    ))  # fmt: skip
-    if process.batch is not None:
-        # The device goes on while the claim is written: on SQLite a claim waits its turn at the writer's
-        # lock behind the results and claims of every worker on the host (a burst when a batch finishes).
-        process.batch.step_until(claiming.done)
-    claimed = claiming.result()  # TransientError when the ledger is out of reach: the task retries
+    )).result()  # fmt: skip  (TransientError when the ledger is out of reach: the task retries)
     if isinstance(claimed, ledger.Refusal):
         later = None if claimed.retry_after_s is None else claimed.retry_after_s + 1
         return Outcome(job_id, "refused", claimed.reason, later)
@@ -363,7 +426,7 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
         outcome = Outcome(job_id, "decoding")
     batch = process.batch
     if batch is not None:
-        batch.step_while_full()
+        batch.wait_for_room()
         if not more_coming:
             batch.drain()
     return outcome
