@@ -111,16 +111,14 @@ class _Jobs:
         a few thousand operations, not a pass over a million values."""
         h = (total - 1) * quantile / 100
         below = int(np.floor(h))
+        above = min(below + 1, total - 1)
         band = self._band(quantile)
         base = int(drawn @ band.below)  # drawn values below the band
         rank_end = base + np.cumsum(drawn[band.owner])  # 1 + the last drawn rank of each value in the band
-        if base <= below and (rank_end.size and min(below + 1, total - 1) < rank_end[-1]):
-            x_below = self.sorted[band.start + np.searchsorted(rank_end, below, side="right")]
-            x_above = self.sorted[band.start + np.searchsorted(rank_end, min(below + 1, total - 1), side="right")]
-        else:
-            rank_end = np.cumsum(drawn[self.owner])
-            x_below = self.sorted[np.searchsorted(rank_end, below, side="right")]
-            x_above = self.sorted[np.searchsorted(rank_end, min(below + 1, total - 1), side="right")]
+        start = band.start
+        if not (base <= below and rank_end.size and above < rank_end[-1]):  # outside the band: every value
+            rank_end, start = np.cumsum(drawn[self.owner]), 0
+        x_below, x_above = self.sorted[start + np.searchsorted(rank_end, [below, above], side="right")]
         return float(x_below + (h - below) * (x_above - x_below))
 
     @property
