@@ -18,7 +18,8 @@ transaction with its setup (3.5 ms). Neither transaction needs the main thread:
   written on the other thread; the job waits for its claim before its first decode step
   (farm/job/process.py), so only its prefill can run before the lease is its own, and a refused claim drops
   that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate
-  delivery, rare. A batched job's task steps its engine while its claim is written (farm/job/batched.py).
+  delivery, rare. A batched job's engine goes on, on its own thread, while its claim is written
+  (farm/job/batched.py).
 
 Two threads, one for claims and one for results: a claim must never wait behind a result whose write is
 waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take
@@ -26,7 +27,7 @@ turns at the single writer's lock (`busy_timeout`), a fraction of a millisecond 
 
 Results and steps handed over while the results thread is busy are written together, in one transaction
 (`Pending`): a batched engine's pages that joined together finish together, and on SQLite 128 results
-written one transaction each held the writer's lock ~10 ms apiece, 1.1-1.7 s per batch on an H200 (2.0-4.2 s
+written one transaction each held the writer's lock ~10 ms apiece, 1.1-1.7 s per batch on an H200 (1.8-4.2 s
 for two workers on one ledger), while the next pages' claims waited their turn at it. Each result keeps
 its own lease guard inside the transaction; a row that cannot be built fails its own job, as before.
 
@@ -80,22 +81,26 @@ class Completion:
     written: Future[bool] = field(default_factory=Future)
 
 
+StepRows = Callable[[], list[dict[str, Any]]]  # a batched engine's steps as `batch_steps` rows, built late
+Handed = Completion | StepRows  # what the results thread writes
+
+
 class Pending:
     """What was handed to the results thread and not yet taken by it, in order."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: list[Completion | Callable[[], list[dict[str, Any]]]] = []
+        self._items: list[Handed] = []
         self._queued = False  # a write is submitted that has not yet taken the items
 
-    def add(self, item: Completion | Callable[[], list[dict[str, Any]]]) -> bool:
+    def add(self, item: Handed) -> bool:
         """Add `item`; True when a write must be submitted to take it."""
         with self._lock:
             self._items.append(item)
             submit, self._queued = not self._queued, True
             return submit
 
-    def take(self) -> list[Completion | Callable[[], list[dict[str, Any]]]]:
+    def take(self) -> list[Handed]:
         with self._lock:
             items, self._items, self._queued = self._items, [], False
             return items
@@ -123,11 +128,11 @@ class LedgerThreads:
         self._last_write = completion.written
         self._hand_over(completion)
 
-    def record_steps(self, build_rows: Callable[[], list[dict[str, Any]]]) -> None:
+    def record_steps(self, build_rows: StepRows) -> None:
         """Insert the `batch_steps` rows `build_rows()` makes, after this call returns."""
         self._hand_over(build_rows)
 
-    def _hand_over(self, item: Completion | Callable[[], list[dict[str, Any]]]) -> None:
+    def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):
             self._results.submit(self._write_pending)
 
@@ -160,7 +165,7 @@ class LedgerThreads:
                     self._let_go(item.claim.job_id)
                     item.written.set_result(False)
 
-    def _write(self, items: list[Completion | Callable[[], list[dict[str, Any]]]]) -> None:
+    def _write(self, items: list[Handed]) -> None:
         built: list[tuple[Completion, dict[str, Any]]] = []
         steps: list[dict[str, Any]] = []
         for item in items:
