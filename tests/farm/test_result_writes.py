@@ -52,12 +52,12 @@ def test_results_finished_together_are_written_in_one_transaction(sqlite_url, tm
             assert run_in_batch(process, job_id, OPTIONS, more_coming=True).status == "decoding"
         claims = counted.count
         # The results thread's first write waits here (the pages have 48 tokens to go) until the engine's
-        # thread has finished all four.
+        # thread has finished all four and handed its steps over (once it is idle).
         holder.execute("BEGIN IMMEDIATE")
         batch = process.batch
 
         def release_once_all_finished() -> None:
-            while batch.jobs:
+            while batch.jobs or not batch._idle:
                 time.sleep(0.01)
             holder.execute("COMMIT")
 
