@@ -549,6 +549,16 @@ def gap_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 BURST_S, REFILL_GAP_S = 1.0, 2.0
 
 
+def grouped(times: list[float], gap_s: float) -> list[list[float]]:
+    """Sorted `times` cut wherever two are more than `gap_s` apart."""
+    groups: list[list[float]] = []
+    for i, t in enumerate(times):
+        if i == 0 or t - times[i - 1] > gap_s:
+            groups.append([])
+        groups[-1].append(t)
+    return groups
+
+
 def refill_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per device of a batched run (its `timeline` rows): the turnover, mean seconds between its bursts of
     finishes (the first and last bursts left out: the batch filling and draining), and the median span
@@ -561,12 +571,8 @@ def refill_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         lane = [row for row in rows if row["device"] == device]
         finishes = sorted(row["finished_s"] for row in lane if row["finished_s"] is not None)
         claims = sorted(row["claimed_s"] for row in lane if row["claimed_s"] is not None)
-        bursts = [t for i, t in enumerate(finishes) if i == 0 or t - finishes[i - 1] > BURST_S]
-        refills: list[list[float]] = []
-        for i, t in enumerate(claims):
-            if i == 0 or t - claims[i - 1] > REFILL_GAP_S:
-                refills.append([])
-            refills[-1].append(t)
+        bursts = [burst[0] for burst in grouped(finishes, BURST_S)]
+        refills = grouped(claims, REFILL_GAP_S)
         if len(bursts) >= 4 and len(refills) >= 3:
             split[device] = {"turnover_s": float(np.mean(np.diff(bursts[1:-1]))),
                              "claim_span_s": float(np.median([r[-1] - r[0] for r in refills[1:-1]]))}  # fmt: skip
