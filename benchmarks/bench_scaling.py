@@ -544,41 +544,6 @@ def gap_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return {name: {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))} for name, v in parts.items() if v}
 
 
-# A batched lane whose pages joined together finishes them together (EOS ignored): finishes less than
-# BURST_S apart are one burst, claims more than REFILL_GAP_S apart start a new refill.
-BURST_S, REFILL_GAP_S = 1.0, 2.0
-
-
-def grouped(times: list[float], gap_s: float) -> list[list[float]]:
-    """Sorted `times` cut wherever two are more than `gap_s` apart."""
-    groups: list[list[float]] = []
-    for i, t in enumerate(times):
-        if i == 0 or t - times[i - 1] > gap_s:
-            groups.append([])
-        groups[-1].append(t)
-    return groups
-
-
-def refill_split(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per device of a batched run (its `timeline` rows): the turnover, mean seconds between its bursts of
-    finishes (the first and last bursts left out: the batch filling and draining), and the median span
-    of a refill's claims, in seconds. Where the batch's steps are alike on two runs, what differs
-    between them is here (docs/benchmarks.md, K = 1 and 2 on 2 × H200)."""
-    import numpy as np
-
-    split: dict[str, dict[str, float]] = {}
-    for device in sorted({row["device"] for row in rows}):
-        lane = [row for row in rows if row["device"] == device]
-        finishes = sorted(row["finished_s"] for row in lane if row["finished_s"] is not None)
-        claims = sorted(row["claimed_s"] for row in lane if row["claimed_s"] is not None)
-        bursts = [burst[0] for burst in grouped(finishes, BURST_S)]
-        refills = grouped(claims, REFILL_GAP_S)
-        if len(bursts) >= 4 and len(refills) >= 3:
-            split[device] = {"turnover_s": float(np.mean(np.diff(bursts[1:-1]))),
-                             "claim_span_s": float(np.median([r[-1] - r[0] for r in refills[1:-1]]))}  # fmt: skip
-    return split
-
-
 def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str | None]) -> dict[str, Any]:
     steady, ratio, wall_clock, _ = functions
     results = list(data.results.values())
@@ -615,9 +580,7 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
         for s in sessions.values()
     ]  # fmt: skip
     stats["timeline"] = timeline(data)
-    if int((data.run.parameters or {}).get("concurrency", 1)) > 1:  # its jobs overlap: no gaps between them
-        stats["refill_s"] = refill_split(stats["timeline"])
-    else:
+    if int((data.run.parameters or {}).get("concurrency", 1)) == 1:  # a batched run's jobs overlap: no gaps
         stats["gap_split_ms"] = gap_split(stats["timeline"])
     stats["serving"] = serving_stats(data)
     return stats
@@ -801,10 +764,6 @@ def markdown(report: dict[str, Any]) -> str:
         if split:
             parts = ", ".join(f"{name} {fmt(v['p50'], 1)} / {fmt(v['p90'], 1)}" for name, v in split.items())
             lines.append(f"- {r['engine']} K={r['k']} between two jobs, ms p50 / p90: {parts}")
-        if refill := r.get("stats", {}).get("refill_s"):
-            parts = ", ".join(f"{device} turnover {fmt(v['turnover_s'], 2)} s, a refill's claims over "
-                              f"{fmt(v['claim_span_s'], 2)} s" for device, v in refill.items())  # fmt: skip
-            lines.append(f"- {r['engine']} K={r['k']} c={r.get('concurrency', 1)} batch per GPU (median refill): {parts}")
         if r.get("stats", {}).get("cold_reasons"):
             lines.append(f"- {r['engine']} K={r['k']} cold reasons: {'; '.join(r['stats']['cold_reasons'])}")
         if r.get("error"):

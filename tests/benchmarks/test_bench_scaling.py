@@ -144,16 +144,3 @@ def test_docs_get_the_runs_tables_command_and_curves_as_their_newest_section(ben
     assert "](../benchmarks/results/scaling-2026-11-27T0451-sweep-k1.png)" in newest
     assert "Raw: `../benchmarks/results/scaling-2026-11-27T0451.md`" in newest
     assert text.endswith("## An older section\n\nIts text.\n")
-
-
-def test_a_batched_runs_turnover_and_refill_per_gpu(bench: ModuleType) -> None:
-    """The 2 x H200 runs at concurrency 128 of 2026-11-27 07:34: each GPU's batch turned over every
-    12.2 s at K = 1 and 13.1-13.2 s at K = 2, its refills' claims spanning longer at K = 2."""
-    import json
-
-    report = json.loads((SCRIPT.parent / "results" / "scaling-2026-11-27T0734-h200x2-c128-batched-writes.json").read_text())
-    k1, k2 = (bench.refill_split(run["stats"]["timeline"]) for run in report["runs"])
-    assert list(k1) == ["cuda:0"] and list(k2) == ["cuda:0", "cuda:1"]
-    assert k1["cuda:0"]["turnover_s"] == pytest.approx(12.19, abs=0.01)
-    assert [k2[d]["turnover_s"] for d in k2] == pytest.approx([13.08, 13.24], abs=0.01)
-    assert k1["cuda:0"]["claim_span_s"] < 3.0 < min(k2[d]["claim_span_s"] for d in k2)
