@@ -9,12 +9,9 @@ One process, one device:
      prompt length: the batched engine's prefills reuse both), then time the batch-1 path on
      `--batch1-pages` pages of `--tokens` tokens each (EOS ignored): output tokens/s over the pages'
      e2e, TTFT, TPOT;
-  3. start the batched engine, one per `--attention` way (default: "filled", each slot's filled
-     positions only, and "masked", every slot's whole capacity under a mask: side by side): its KV cache
-     sized from the token budget and the free memory (the plan is reported), its decode step compiled
-     and captured as a CUDA graph per batch bucket (timed);
-  4. per concurrency level (1, 2, 4, …, 128 by default, those above the slots that fit are skipped),
-     each engine in turn:
+  3. start the batched engine: its KV cache sized from the token budget and the free memory (the plan
+     is reported), its decode step compiled and captured as a CUDA graph per batch bucket (timed);
+  4. per concurrency level (1, 2, 4, …, 128 by default, those above the slots that fit are skipped):
      max(2 x level, `--min-requests`) requests cycling over the pages, at most `level` in flight (a
      closed loop, as `vllm bench serve --max-concurrency`), `--tokens` each, EOS ignored. Reported:
      request throughput, output tokens/s, TTFT / TPOT / ITL / e2e (mean, p50, p90, p99), the decode
@@ -32,10 +29,8 @@ The bandwidth arithmetic (per decode step of b pages):
   + the routed experts the step touches: per MoE layer E x (1 - (1 - k/E)^b) experts of 3 x hidden x
   moe_intermediate weights each (k of E picked per token, routing taken as uniform: the random weights'
   routing is close to it, a trained router's is not);
-  KV, "masked": b_bucket x capacity x bytes per position: the step attends over each slot's whole
-  capacity (a mask stops each page at its length), so that is what it reads, not the pages' lengths;
-  KV, "filled": the occupied rows' filled 128-position blocks, from the pages' mean length over their
-  decode (prompt + half the output, + half a block) + one block per free row of the bucket.
+  KV: b_bucket x capacity x bytes per position: the step attends over each slot's whole capacity (a mask
+  stops each page at its length), so that is what it reads, not the pages' lengths.
 
     python benchmarks/bench_serving.py --out $OUT --budget-s 330                      # one H100 / H200
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
@@ -60,7 +55,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
 from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
-from dsocr_workers.engine.batched.slots import KV_BLOCK  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -191,13 +185,8 @@ def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurre
     occupancy = sum(s.occupancy for s in decode) / len(decode)
     bucket = sum(s.bucket for s in decode) / len(decode)
     step_ms = sum(s.ms for s in decode) / len(decode)
-    if engine.attention == "filled":
-        mean_length = sum(o.prompt_tokens + len(o.token_ids) / 2 for o in outputs) / len(outputs) + KV_BLOCK / 2
-        positions = occupancy * mean_length + (bucket - occupancy) * KV_BLOCK
-    else:
-        positions = bucket * engine.plan.capacity
-    bound = step_bound(weights, occupancy, positions, engine.plan.bytes_per_position, peak)
-    report = {"concurrency": concurrency, "attention": engine.attention, "requests": requests, "wall_s": wall,
+    bound = step_bound(weights, occupancy, bucket * engine.plan.capacity, engine.plan.bytes_per_position, peak)
+    report = {"concurrency": concurrency, "requests": requests, "wall_s": wall,
               **summary.__dict__,
               "decode_tokens_per_s": occupancy / step_ms * 1e3, "mean_decode_step_ms": step_ms,
               "mean_occupancy": occupancy, "mean_bucket": bucket, **bound,
@@ -232,36 +221,35 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
              f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
              f"{setup.get('tokens')} output tokens each (EOS ignored)", ""]  # fmt: skip
-    for attention, built in setup.get("engines", {}).items():
-        lines += [f"Engine `{attention}`: KV plan {built['plan']}; decode step compiled and captured "
+    if built := setup.get("engine"):
+        lines += [f"Batched engine: KV plan {built['plan']}; decode step compiled and captured "
                   f"({built['buckets']}) in {built['compile_and_capture_s']:.1f} s", ""]  # fmt: skip
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
-    header = ("| concurrency | attention | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+    header = ("| concurrency | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
               "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
               "of bound | prefill share |")  # fmt: skip
-    lines += [header, "|" + "---|" * 13]
+    lines += [header, "|" + "---|" * 12]
 
     def triple(stats: dict[str, Any]) -> str:
         return " / ".join(fmt(stats.get(f"p{q}"), 1) for q in (50, 90, 99))
 
     base = report.get("batch1")
     if base and "output_tokens_per_s" in base:
-        lines.append(f"| batch-1 path | - | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
+        lines.append(f"| batch-1 path | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
                      f"{fmt(base['request_throughput'], 3)} | {triple(base['ttft_ms'])} | {triple(base['tpot_ms'])} | "
                      f"{triple(base['itl_ms'])} | 1 | - | - | - | - |")  # fmt: skip
     for row in report["levels"]:
         if "error" in row or "skipped" in row:
-            lines.append(f"| {row['concurrency']} | {row.get('attention')} | {row.get('error') or row.get('skipped')} |")
+            lines.append(f"| {row['concurrency']} | {row.get('error') or row.get('skipped')} |")
             continue
         lines.append(
-            f"| {row['concurrency']} | {row['attention']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
+            f"| {row['concurrency']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
             f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |")
-    for attention in setup.get("engines", {}):
-        lines += best_line(report, attention)
-    for attention, a in report.get("agreement", {}).items():
-        lines += ["", f"Batched (`{attention}`) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
+    lines += best_line(report)
+    if a := report.get("agreement"):
+        lines += ["", f"Batched vs batch-1 greedy tokens ({report['dtype']}, concurrency "
                   f"{a.get('concurrency')}): {a['equal']} of {a['compared']} pages equal; first differences at "
                   f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}"]  # fmt: skip
     if report.get("left_out"):
@@ -269,18 +257,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_line(report: dict[str, Any], attention: str) -> list[str]:
-    """The best output tokens/s of an engine's levels, against the targets, with its bound's arithmetic;
+def best_line(report: dict[str, Any]) -> list[str]:
+    """The best output tokens/s of the levels, against the targets, with its bound's arithmetic;
     and the best level whose TPOT p50 meets its target."""
     setup = report.get("setup", {})
-    ran = [row for row in report["levels"] if "output_tokens_per_s" in row and row["attention"] == attention]
+    ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
     lines: list[str] = []
     within = [row for row in ran if (row["tpot_ms"]["p50"] or 0) <= TARGET_TPOT_P50_MS]
     for label, rows in (("Best", ran), ("Best with TPOT p50 within its target", within)):
         if not rows:
             continue
         best = max(rows, key=lambda row: row["output_tokens_per_s"])
-        lines += ["", f"{label} (`{attention}`): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
+        lines += ["", f"{label}: concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
                   f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
                   f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
                   f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
@@ -316,9 +304,6 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
-    parser.add_argument("--attention", default=None,
-                        help="the batched step's attention, one engine each: filled (the fast engine's default), "
-                             "masked (default: filled,masked on CUDA; masked on a CPU, whose eager engine has no other)")
     parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
     parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
     parser.add_argument("--reserve-gib", type=float, default=4.0)
@@ -344,48 +329,41 @@ def main() -> int:
     write(report, args.out)
     report["batch1"], alone = batch1(session, pages[: args.batch1_pages], args.tokens, options)
     write(report, args.out)
-    engines: dict[str, BatchedEngine] = {}
-    for attention in (args.attention or ("filled,masked" if session.engine == "fast" else "masked")).split(","):
-        start = time.perf_counter()
-        engine = BatchedEngine.create(session, max(levels), max(p.prompt_tokens for _, p in pages), args.tokens,
-                                      options, reserve_bytes=int(args.reserve_gib * 2**30),
-                                      compiled=False if args.eager_step else None,
-                                      cuda_graphs=False if args.no_graphs else None, attention=attention)  # fmt: skip
-        sync()
-        setup.setdefault("engines", {})[attention] = dict(
-            compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
-            step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
-            kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
-        # A short round to settle the batched path (the allocator, the first joins) before timing.
-        engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], 4)
-        engines[attention] = engine
-        write(report, args.out)
+    start = time.perf_counter()
+    engine = BatchedEngine.create(session, max(levels), max(p.prompt_tokens for _, p in pages), args.tokens, options,
+                                  reserve_bytes=int(args.reserve_gib * 2**30),
+                                  compiled=False if args.eager_step else None,
+                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
+    sync()
+    setup["engine"] = dict(
+        compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
+        step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
+        kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
+    # A short round to settle the batched path (the allocator, the first joins) before timing.
+    engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], 4)
+    write(report, args.out)
     weights = weight_bytes(session)
     setup["weights"] = weights
     peak = None if peak_tbps is None else peak_tbps * 1e12
-    last: dict[str, tuple[int, list[BatchedOutput]]] = {}
+    last: tuple[int, list[BatchedOutput]] | None = None
     for concurrency in levels:
-        for attention, engine in engines.items():
-            if concurrency > engine.plan.slots:
-                report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                         "skipped": f"only {engine.plan.slots} slots fit"})  # fmt: skip
-                continue
-            if time.perf_counter() - began > args.budget_s:
-                report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                         "skipped": f"past --budget-s {args.budget_s:.0f}"})  # fmt: skip
-                continue
-            try:
-                row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
-                                     weights, peak)  # fmt: skip
-                report["levels"].append(row)
-                last[attention] = (concurrency, outputs)
-            except Exception:  # a level that fails is recorded; the others still run
-                report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                         "error": traceback.format_exc(limit=4)})  # fmt: skip
-            print(f"concurrency {concurrency} ({attention}): done at {time.perf_counter() - began:.0f} s", flush=True)
-            write(report, args.out)
-    report["agreement"] = {attention: {"concurrency": at, **agreement(outputs, alone)}
-                           for attention, (at, outputs) in last.items()}  # fmt: skip
+        if concurrency > engine.plan.slots:
+            report["levels"].append({"concurrency": concurrency, "skipped": f"only {engine.plan.slots} slots fit"})
+            continue
+        if time.perf_counter() - began > args.budget_s:
+            report["levels"].append({"concurrency": concurrency, "skipped": f"past --budget-s {args.budget_s:.0f}"})
+            continue
+        try:
+            row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
+                                 weights, peak)  # fmt: skip
+            report["levels"].append(row)
+            last = (concurrency, outputs)
+        except Exception:  # a level that fails is recorded; the others still run
+            report["levels"].append({"concurrency": concurrency, "error": traceback.format_exc(limit=4)})
+        print(f"concurrency {concurrency}: done at {time.perf_counter() - began:.0f} s", flush=True)
+        write(report, args.out)
+    if last is not None:
+        report["agreement"] = {"concurrency": last[0], **agreement(last[1], alone)}
     report["wall_s"] = time.perf_counter() - began
     write(report, args.out)
     print(markdown(report))

@@ -159,17 +159,15 @@ def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
 
 def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepared):
     """The fast engine's modules (fused projections, grouped experts: transformers' batched GEMMs on a
-    CPU) reading only each slot's filled positions (FlexAttention's block mask), eager and compiled
-    (aot_eager: dynamo traces the batched step in one graph, dynamic in the bucket), and under a mask
-    over the capacity (SDPA, boolean mask), as the benchmark compares them."""
+    CPU) in the batched step, eager and compiled (aot_eager: dynamo traces the batched step in one graph,
+    dynamic in the bucket)."""
     fast = fast_on_cpu(session.source)
     options = DecodeOptions(ignore_eos=True)
     expected = alone(session, options)
     graphs = torch._dynamo.utils.counters["stats"]
-    for attention, compiled in (("filled", False), ("filled", True), ("masked", False)):
+    for compiled in (False, True):
         before = graphs["unique_graphs"]
-        engine = engine_for(fast, prepared, 4, options, compiled=compiled, backend="aot_eager", attention=attention)
-        assert engine.attention == attention
+        engine = engine_for(fast, prepared, 4, options, compiled=compiled, backend="aot_eager")
         first = engine.run(requests(prepared)[:1], 1)  # bucket 1
         assert by_request(first) == {0: expected[0]}
         assert by_request(engine.run(requests(prepared), 4)) == dict(enumerate(expected))
@@ -177,10 +175,6 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert used == {1, 2, 4}, used
         if compiled:  # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
             assert graphs["unique_graphs"] - before == 2
-    assert engine_for(fast, prepared, 4, options).attention == "filled"  # the fast engine's default
-    assert engine_for(session, prepared, 4, options).attention == "masked"  # the eager engine's only way
-    with pytest.raises(InputError, match="fast engine's attention modules"):
-        engine_for(session, prepared, 4, options, attention="filled")
 
 
 def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):

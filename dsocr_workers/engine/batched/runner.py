@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dsocr_workers.engine.batched.slots import SlotAttention, SlotCache, SlotState, decode_slots
+from dsocr_workers.engine.batched.slots import SlotCache, SlotState, decode_slots
 from dsocr_workers.engine.regions import capture_graph
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.modeling import DeepSeekOCR
@@ -53,7 +53,6 @@ class StepRunner:
     compiled: bool = False  # the step through torch.compile, one graph dynamic in n
     backend: str = "inductor"  # torch.compile's (a CPU test traces with "aot_eager")
     cuda_graphs: bool = False
-    attention: SlotAttention = "masked"  # slots.py: "filled" with the fast engine's attention modules
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
     _pool: _POOL_HANDLE | None = field(init=False, default=None)
@@ -72,7 +71,7 @@ class StepRunner:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own).
             for tensor in (*keys, *values, rows.tokens, rows.length, rows.prompt_length, rows.active):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, self.attention)
+        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist)
 
     def capture_all(self) -> None:
         """Capture every bucket's graph (compiling the step first where it is compiled). Only while no

@@ -4,12 +4,11 @@ Each layer's keys and values are one [slots, heads, capacity, head_dim] tensor; 
 positions 0..length[s]-1. A page joins by its own prefill (the session's, into a scratch cache, then its
 prompt's keys and values copied into the slot: `SlotCache.load_prompt`); `decode_slots` then feeds every
 slot of a batch bucket its last token at its own position, writes each slot's new key and value at that
-position and attends over each slot's own positions 0..length-1. With the fast engine's attention
-modules (model/fused.py) a row reads only those: FlexAttention with a block mask of each row's filled
-128-position blocks (`FilledSlotsCache`), its split-KV decoding kernel on CUDA, so a step reads what
-the pages hold rather than every slot's whole capacity; otherwise (the eager engine, the numerical
-reference, or when asked: `attention="masked"`) SDPA or the eager attention with a mask over the
-capacity. Slots of the bucket that hold no page compute a throwaway row: their length stays 1
+position and attends over each slot's own positions 0..length-1: SDPA (or the eager engine's attention)
+over the bucket's whole capacity under a mask of each row's positions. A row reading only its filled
+128-position blocks (FlexAttention with a block mask, its split-KV decoding kernel) would read ~1.5x
+fewer bytes of KV at concurrency 128, but torch 2.11's compiled kernel decoded rows longer than one block wrongly on an
+H100 (errors of 0.4-0.9 on unit-scale values; docs/benchmarks.md): it is not used. Slots of the bucket that hold no page compute a throwaway row: their length stays 1
 (`SlotState.release`), so they write position 0 of their own free slot and nothing else.
 
 The token buffer per slot (prompt, then output) feeds back the last token and is what the no-repeat
@@ -22,25 +21,16 @@ bucket) and captured as a CUDA graph per bucket (engine/batched/graphs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import select_token
-from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
-
-# How a decode step's attention reads the slots: only each row's filled blocks, or the whole capacity
-# under a mask.
-SlotAttention = Literal["filled", "masked"]
-# FlexAttention's KV block: a slot's capacity is a whole number of them.
-KV_BLOCK = CAPACITY_ALIGN
 
 
 def ban_repeated_ngrams_rows(
@@ -178,34 +168,6 @@ class _StepCache:
         return keys, values
 
 
-class FilledSlotsCache(AttendingCache):
-    """The batched step's cache for the fast engine's attention modules: each row's key and value written
-    at its own position, then FlexAttention over the row's positions 0..length-1 only. The block mask
-    (each row's ceil(length / KV_BLOCK) leading blocks, the last one masked per position) is built once
-    per step from the device's lengths, so it lives inside the step's CUDA graph."""
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor) -> None:
-        self.keys, self.values = keys, values
-        self.positions = length - 1
-        self.rows = torch.arange(length.shape[0], device=length.device)
-        capacity = keys[0].shape[2]
-        blocks = capacity // KV_BLOCK
-
-        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return kv_idx < length[b]
-
-        filled = ((length + KV_BLOCK - 1) // KV_BLOCK).to(torch.int32).view(-1, 1, 1)
-        order = torch.arange(blocks, dtype=torch.int32, device=length.device).expand(length.shape[0], 1, 1, blocks)
-        self.block_mask = BlockMask.from_kv_blocks(filled, order, BLOCK_SIZE=KV_BLOCK, mask_mod=visible,
-                                                   seq_lengths=(1, capacity))  # fmt: skip
-
-    def update_and_attend(self, query: Tensor, key: Tensor, value: Tensor, layer_idx: int, scaling: float) -> Tensor:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.rows, :, self.positions] = key[:, :, 0]
-        values[self.rows, :, self.positions] = value[:, :, 0]
-        return flex_attention(query, keys, values, block_mask=self.block_mask, scale=scaling)  # type: ignore[return-value]
-
-
 def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtype: torch.dtype) -> Tensor:
     """[n, 1, 1, capacity]: each row sees its positions 0..length-1 (the one being written included). A
     boolean mask for SDPA, an additive one for the eager attention (transformers' masks for each)."""
@@ -228,33 +190,20 @@ def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitel
     return chosen
 
 
-def reads_filled_slots(model: DeepSeekOCR) -> bool:
-    """Whether the model's attention modules let the batched step read only each slot's filled positions
-    (the fast engine's, model/fused.py)."""
-    return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
-
-
 def decode_slots(
     model: DeepSeekOCR, keys: list[Tensor], values: list[Tensor], rows: SlotRows, options: DecodeOptions,
-    whitelist: Tensor | None, attention: SlotAttention = "masked",
+    whitelist: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
-    one (`choose_tokens`). `keys`/`values`: the bucket's slots of every layer; `attention`: "filled"
-    (the fast engine's modules only: `reads_filled_slots`) or "masked". Returns the tokens, [n]."""
+    one (`choose_tokens`). `keys`/`values`: the bucket's slots of every layer. Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
     hidden = model.embed(fed)
     position_ids = positions.unsqueeze(1)
     position_embeddings = language_model.rotary_emb(hidden, position_ids)
-    config = language_model.config
-    cache: FilledSlotsCache | _StepCache
-    mask = None
-    if attention == "filled":
-        cache = FilledSlotsCache(keys, values, rows.length)
-    else:
-        mask = attention_mask(rows.length, keys[0].shape[2], config._attn_implementation, hidden.dtype)
-        cache = _StepCache(keys, values, positions)
+    mask = attention_mask(rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype)
+    cache = _StepCache(keys, values, positions)
     for layer in language_model.layers:
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                        position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache})  # fmt: skip
