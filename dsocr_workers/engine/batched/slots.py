@@ -10,8 +10,8 @@ over the bucket's whole capacity under a mask of each row's positions. A row rea
 fewer bytes of KV at concurrency 128, but torch 2.11's kernel compiled with the batch dimension dynamic
 (one graph for every bucket, as this step is) read rows longer than one block wrongly on an H100 (errors
 of 0.4-0.9 on unit-scale values; docs/benchmarks.md): it is not used. Slots of the bucket that hold no
-page compute a throwaway row: their length stays 1
-(`SlotState.release`), so they write position 0 of their own free slot and nothing else.
+page compute a throwaway row: their length stays 1 (`SlotState.release`), so they write position 0 of
+their own free slot and nothing else.
 
 The token buffer per slot (prompt, then output) feeds back the last token and is what the no-repeat
 n-gram ban searches (`ban_repeated_ngrams_rows`: `engine.sampling.ban_repeated_ngrams` with a row per
