@@ -101,7 +101,7 @@ class _Jobs:
             half = max(BAND_MIN, int(BAND * n))
             start, end = max(0, centre - half), min(n, centre + half + 1)
             below = np.bincount(self.owner[:start], minlength=self.count)
-            self._bands[quantile] = _Band(start, end, below, self.owner[start:end])
+            self._bands[quantile] = _Band(start, below, self.owner[start:end])
         return self._bands[quantile]
 
     def _percentile(self, drawn: np.ndarray, total: int, quantile: float) -> float:
@@ -145,10 +145,9 @@ BAND_MIN = 2000
 
 @dataclass(frozen=True)
 class _Band:
-    start: int  # sorted positions [start, end)
-    end: int
+    start: int  # the band's first sorted position
     below: np.ndarray  # per job, its values before `start`
-    owner: np.ndarray  # the job of each value in the band
+    owner: np.ndarray  # the job of each value in the band, in sorted order
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ decode steps, then its successors' prefills). One-second bins of that pattern ar
 samples of its rate: on an H200 at concurrency 128 (1,024 tokens a page) their rates ran 3–15 pages/s
 around a mean of 10, and the 95% interval of the mean was ±7% in one run and ±23% in another, for a
 rate that each turnover repeated; a bin of a whole turnover holds one rise and one fall wherever it
-starts. A window shorter than `MIN_BINS`
-turnovers gets shorter bins and the wider interval that is its due. A lane with no steps or too short a
-window (one batch, never refilled) falls back to the service times.
+starts. A window shorter than `MIN_BINS` turnovers gets shorter bins and the wider interval that is its
+due. A lane with no steps or too short a window (one batch, never refilled) falls back to the service
+times.
 
 **Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
 queueing included: what a user waited. Pages/s over it = finished jobs / wall clock.
