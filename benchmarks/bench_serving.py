@@ -128,8 +128,9 @@ def load_pages(session: DeepSeekOCRSession, lists: list[str], mode: str, max_cro
         if filelist.bad:
             left_out.append(filelist.describe_bad())
         for image in filelist.images:
-            with torch.inference_mode():
-                pages.append((image.image, session.prepare(image.path, None, mode, max_crops)))
+            # Pinned, as the farm's batched jobs prepare them (farm/job/batched.py).
+            prepared = session.prepare_job(image.path, None, mode, max_crops=max_crops, pinned=True)
+            pages.append((image.image, prepared.page))
     if not pages:
         raise SystemExit(f"no readable page in {', '.join(lists)}:\n" + "\n".join(left_out))
     return pages, left_out

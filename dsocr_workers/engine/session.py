@@ -324,18 +324,22 @@ class DeepSeekOCRSession:
 
     def prepare_job(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None, mode: str = "gundam",
-        job_id: str | None = None, max_crops: int = 9, clock: StageClock | None = None,
+        job_id: str | None = None, max_crops: int = 9, clock: StageClock | None = None, pinned: bool = False,
     ) -> PreparedJob:  # fmt: skip
         """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
-        `run_inference`."""
+        `run_inference`. `pinned`: on CUDA, the page's tensors page-locked (`PreparedPage.pinned`), for a
+        page whose upload is queued behind other work (the batched engine's decode steps)."""
         clock = clock or self.new_clock(job_id)
         with torch.inference_mode(), clock.stage("preprocess"):
             page = self.prepare(image, prompt, mode, max_crops)
+            if pinned and self.device.type == "cuda":
+                page = page.pinned()
         return PreparedJob(page, clock)
 
     def upload(self, page: preprocess.PreparedPage) -> DevicePage:
-        """The page's inputs to the device, asynchronously. Bytes cross as uint8 and are normalised
-        there (eager ops: bit-identical to the CPU)."""
+        """The page's inputs to the device, asynchronously (without waiting for the queued work only
+        where the page is pinned). Bytes cross as uint8 and are normalised there (eager ops:
+        bit-identical to the CPU)."""
         groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
         return DevicePage(
             page,

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -55,6 +55,13 @@ class PreparedPage:
     # False when the normalised global view sums to exactly 0: the vendor then skips image injection
     # (spec §6.1), so an exactly balanced page silently reads as "no image". Kept for parity.
     injects_image: bool = True
+
+    def pinned(self) -> PreparedPage:
+        """This page with its tensors in page-locked memory (CUDA): a copy from pageable memory makes the
+        host wait for the work queued on the stream before it, a copy from pinned memory does not."""
+        pin = torch.Tensor.pin_memory
+        tiles = None if self.tile_pixels is None else pin(self.tile_pixels)
+        return replace(self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles)
 
     @property
     def global_view(self) -> torch.Tensor:

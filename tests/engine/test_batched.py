@@ -293,10 +293,14 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
     """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
     and replayed as a CUDA graph per bucket; the routed experts' GEMVs up to 21 pages, the grouped GEMMs
     above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
-    batch-1 greedy tokens in float32, and its steps are timed with CUDA events."""
+    batch-1 greedy tokens in float32, and its steps are timed with CUDA events. Its pages are pinned, as
+    the farm's batched jobs prepare them: their uploads queue behind the decode steps."""
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
     options = DecodeOptions(ignore_eos=True)
-    prepared = [fast.prepare(page(w, h), None, mode, 9) for w, h, mode, _ in PAGES]
+    prepared = [fast.prepare_job(page(w, h), None, mode, pinned=True).page for w, h, mode, _ in PAGES]
+    assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
+    assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
+    assert torch.equal(prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels)
     expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
     engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options)
     assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32

@@ -182,8 +182,10 @@ class BatchedJobs:
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
         """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
         options, session = self.options, self.loaded.session
+        # Pinned: its upload is queued behind decode steps, and a pageable copy would hold the engine's
+        # thread until they ran (the device then idles while the thread launches the page's prefill).
         page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
-                                  job_id=claim.job_id)  # fmt: skip
+                                  job_id=claim.job_id, pinned=True)  # fmt: skip
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
             self._idle = False
