@@ -9,10 +9,11 @@ One process, one device:
      prompt length: the batched engine's prefills reuse both), then time the batch-1 path on
      `--batch1-pages` pages of `--tokens` tokens each (EOS ignored): output tokens/s over the pages'
      e2e, TTFT, TPOT;
-  3. start the batched engine: its KV cache sized from the token budget and the free memory (the plan
-     is reported), its decode step compiled and captured as a CUDA graph per batch bucket (timed);
-  4. per concurrency level (1, 2, 4, …, 128 by default, those above the slots that fit are skipped):
-     max(2 x level, `--min-requests`) requests cycling over the pages, at most `level` in flight (a
+  3. per concurrency level (1, 2, 4, …, 128 by default), a batched engine sized for it as the farm sizes
+     a run's batch by its --concurrency: as many slots as the level (fewer where the free memory does not
+     hold them: the plan is reported; a level above its slots is skipped), a CUDA graph per bucket up to
+     it, its decode step compiled for the first engine and reused by the next (the build is timed);
+  4. on it, max(2 x level, `--min-requests`) requests cycling over the pages, at most `level` in flight (a
      closed loop, as `vllm bench serve --max-concurrency`), `--tokens` each, EOS ignored. Reported:
      request throughput, output tokens/s, TTFT / TPOT / ITL / e2e (mean, p50, p90, p99), the decode
      steps' occupancy and time, the prefill share of the device's step time, and the bandwidth bound of
@@ -40,6 +41,7 @@ The bandwidth arithmetic (per decode step of b pages):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -170,6 +172,27 @@ def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], t
     return summary, {name: r.token_ids for (name, _), r in zip(pages, results, strict=True)}
 
 
+def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]],
+                 args: argparse.Namespace, options: DecodeOptions) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
+    """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
+    where the free memory does not hold them), its buckets up to that; then a short round to settle it
+    (the allocator, the first joins) before timing. The step compiled for the first engine serves the
+    next ones (one graph dynamic in the batch): a later engine costs its captures. Returns the engine and
+    what to report of it."""
+    start = time.perf_counter()
+    engine = BatchedEngine.create(session, concurrency, max(p.prompt_tokens for _, p in pages), args.tokens, options,
+                                  reserve_bytes=int(args.reserve_gib * 2**30),
+                                  compiled=False if args.eager_step else None,
+                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
+    sync()
+    record = dict(
+        slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
+        step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
+        kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
+    engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], min(4, concurrency))
+    return engine, record
+
+
 def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurrency: int, requests: int,
           tokens: int, weights: dict[str, Any], peak: float | None) -> tuple[dict[str, Any], list[BatchedOutput]]:  # fmt: skip
     """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
@@ -222,9 +245,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
              f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
              f"{setup.get('tokens')} output tokens each (EOS ignored)", ""]  # fmt: skip
-    if built := setup.get("engine"):
-        lines += [f"Batched engine: KV plan {built['plan']}; decode step compiled and captured "
-                  f"({built['buckets']}) in {built['compile_and_capture_s']:.1f} s", ""]  # fmt: skip
+    for built in setup.get("engines", []):
+        lines.append(f"- Batched engine of {built['slots']} slots: KV plan {built['plan']}; decode step compiled and "
+                     f"captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s")  # fmt: skip
+    if setup.get("engines"):
+        lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
     header = ("| concurrency | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
               "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
@@ -330,37 +355,31 @@ def main() -> int:
     write(report, args.out)
     report["batch1"], alone = batch1(session, pages[: args.batch1_pages], args.tokens, options)
     write(report, args.out)
-    start = time.perf_counter()
-    engine = BatchedEngine.create(session, max(levels), max(p.prompt_tokens for _, p in pages), args.tokens, options,
-                                  reserve_bytes=int(args.reserve_gib * 2**30),
-                                  compiled=False if args.eager_step else None,
-                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
-    sync()
-    setup["engine"] = dict(
-        compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
-        step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
-        kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
-    # A short round to settle the batched path (the allocator, the first joins) before timing.
-    engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], 4)
-    write(report, args.out)
     weights = weight_bytes(session)
     setup["weights"] = weights
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: tuple[int, list[BatchedOutput]] | None = None
+    setup["engines"] = []
     for concurrency in levels:
-        if concurrency > engine.plan.slots:
-            report["levels"].append({"concurrency": concurrency, "skipped": f"only {engine.plan.slots} slots fit"})
-            continue
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({"concurrency": concurrency, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
         try:
-            row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
-                                 weights, peak)  # fmt: skip
-            report["levels"].append(row)
-            last = (concurrency, outputs)
+            engine, record = start_engine(session, concurrency, pages, args, options)
+            setup["engines"].append(record)
+            if concurrency > engine.plan.slots:
+                report["levels"].append({"concurrency": concurrency, "skipped": f"only {engine.plan.slots} slots fit"})
+            else:
+                row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
+                                     weights, peak)  # fmt: skip
+                report["levels"].append(row)
+                last = (concurrency, outputs)
         except Exception:  # a level that fails is recorded; the others still run
             report["levels"].append({"concurrency": concurrency, "error": traceback.format_exc(limit=4)})
+        engine = None  # its KV cache and graphs go before the next level's are allocated
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"concurrency {concurrency}: done at {time.perf_counter() - began:.0f} s", flush=True)
         write(report, args.out)
     if last is not None:
