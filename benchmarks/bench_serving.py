@@ -30,8 +30,11 @@ The bandwidth arithmetic (per decode step of b pages):
   + the routed experts the step touches: per MoE layer E x (1 - (1 - k/E)^b) experts of 3 x hidden x
   moe_intermediate weights each (k of E picked per token, routing taken as uniform: the random weights'
   routing is close to it, a trained router's is not);
-  KV: b_bucket x capacity x bytes per position: the step attends over each slot's whole capacity (a mask
-  stops each page at its length), so that is what it reads, not the pages' lengths.
+  KV, "masked" (--attention): b_bucket x capacity x bytes per position: the step attends over each slot's
+  whole capacity (a mask stops each page at its length), so that is what it reads, not the pages' lengths;
+  KV, "filled": the occupied rows' filled 128-position blocks, from the pages' mean length over their
+  decode (prompt + half the output, + half a block) + one block per free row of the bucket (the rows past
+  the bucket read none).
 
     python benchmarks/bench_serving.py --out $OUT --budget-s 330                      # one H100 / H200
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
@@ -57,6 +60,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
 from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
+from dsocr_workers.engine.batched.slots import KV_BLOCK  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -183,9 +187,9 @@ def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tupl
     engine = BatchedEngine.create(session, concurrency, max(p.prompt_tokens for _, p in pages), args.tokens, options,
                                   reserve_bytes=int(args.reserve_gib * 2**30),
                                   compiled=False if args.eager_step else None,
-                                  cuda_graphs=False if args.no_graphs else None)  # fmt: skip
+                                  cuda_graphs=False if args.no_graphs else None, attention=args.attention)  # fmt: skip
     sync()
-    record = dict(
+    record = dict(attention=engine.attention,
         slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
         step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
         kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
@@ -209,8 +213,13 @@ def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurre
     occupancy = sum(s.occupancy for s in decode) / len(decode)
     bucket = sum(s.bucket for s in decode) / len(decode)
     step_ms = sum(s.ms for s in decode) / len(decode)
-    bound = step_bound(weights, occupancy, bucket * engine.plan.capacity, engine.plan.bytes_per_position, peak)
-    report = {"concurrency": concurrency, "requests": requests, "wall_s": wall,
+    if engine.attention == "filled":
+        mean_length = sum(o.prompt_tokens + len(o.token_ids) / 2 for o in outputs) / len(outputs) + KV_BLOCK / 2
+        positions = occupancy * mean_length + (bucket - occupancy) * KV_BLOCK
+    else:
+        positions = bucket * engine.plan.capacity
+    bound = step_bound(weights, occupancy, positions, engine.plan.bytes_per_position, peak)
+    report = {"concurrency": concurrency, "attention": engine.attention, "requests": requests, "wall_s": wall,
               **summary.__dict__,
               "decode_tokens_per_s": occupancy / step_ms * 1e3, "mean_decode_step_ms": step_ms,
               "mean_occupancy": occupancy, "mean_bucket": bucket, **bound,
@@ -246,8 +255,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
              f"{setup.get('tokens')} output tokens each (EOS ignored)", ""]  # fmt: skip
     for built in setup.get("engines", []):
-        lines.append(f"- Batched engine of {built['slots']} slots: KV plan {built['plan']}; decode step compiled and "
-                     f"captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s")  # fmt: skip
+        lines.append(f"- Batched engine of {built['slots']} slots, {built['attention']} attention: KV plan {built['plan']}; "
+                     f"decode step compiled and captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s")  # fmt: skip
     if setup.get("engines"):
         lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
@@ -330,6 +339,8 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
+    parser.add_argument("--attention", choices=["masked", "filled"], default="masked",
+                        help="how a decode step reads the slots (engine/batched/slots.py)")
     parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
     parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
     parser.add_argument("--reserve-gib", type=float, default=4.0)

@@ -10,6 +10,7 @@ the unfused modules.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -22,6 +23,17 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+
+
+class AttendingCache(ABC):
+    """A KV cache that attends for the layer: it writes the step's keys and values and returns the
+    attention output, [batch, heads, queries, head_dim]. The batched engine's slots are one when each row
+    reads only its own filled positions (engine/batched/slots.py `FilledSlotsCache`), which a mask over
+    the slot's whole capacity cannot skip."""
+
+    @abstractmethod
+    def update_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                          scaling: float) -> torch.Tensor: ...  # fmt: skip
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -69,6 +81,9 @@ class FusedQKVAttention(nn.Module):
             part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if isinstance(cache, AttendingCache):
+            output = cache.update_and_attend(query, key, value, self.layer_idx, self.scaling).transpose(1, 2)
+            return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
         if isinstance(cache, StaticLayer):
             # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
             # layer index is not read: a compiled layer would take it as a constant, one graph per layer.

@@ -159,22 +159,28 @@ def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
 
 def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepared):
     """The fast engine's modules (fused projections, grouped experts: transformers' batched GEMMs on a
-    CPU) in the batched step, eager and compiled (aot_eager: dynamo traces the batched step in one graph,
-    dynamic in the bucket)."""
+    CPU) in the batched step, compiled (aot_eager: dynamo traces the batched step in one graph, dynamic in
+    the bucket), attending under a mask over the capacity (SDPA) and over each slot's filled blocks only
+    (FlexAttention, its batch every slot: the rows past the bucket read no block)."""
     fast = fast_on_cpu(session.source)
     options = DecodeOptions(ignore_eos=True)
     expected = alone(session, options)
     graphs = torch._dynamo.utils.counters["stats"]
-    for compiled in (False, True):
+    for attention in ("masked", "filled"):
         before = graphs["unique_graphs"]
-        engine = engine_for(fast, prepared, 4, options, compiled=compiled, backend="aot_eager")
+        engine = engine_for(fast, prepared, 4, options, compiled=True, backend="aot_eager", attention=attention)
         first = engine.run(requests(prepared)[:1], 1)  # bucket 1
         assert by_request(first) == {0: expected[0]}
+        # Bucket 2 before the full one, as the engine captures them on CUDA (smallest first).
+        assert by_request(engine.run(requests(prepared)[:2], 2)) == {0: expected[0], 1: expected[1]}
         assert by_request(engine.run(requests(prepared), 4)) == dict(enumerate(expected))
         used = {s.bucket for s in engine.steps if s.kind == "decode"}
         assert used == {1, 2, 4}, used
-        if compiled:  # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
-            assert graphs["unique_graphs"] - before == 2
+        # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
+        assert graphs["unique_graphs"] - before == 2
+    assert engine_for(fast, prepared, 4, options).attention == "masked"  # the default
+    with pytest.raises(InputError, match="fast engine's attention modules"):
+        engine_for(session, prepared, 4, options, attention="filled")
 
 
 def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
@@ -289,12 +295,15 @@ def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")
-def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
+@pytest.mark.parametrize("attention", ["masked", "filled"])
+def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
     and replayed as a CUDA graph per bucket; the routed experts' GEMVs up to 21 pages, the grouped GEMMs
     above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
     batch-1 greedy tokens in float32, and its steps are timed with CUDA events. Its pages are pinned, as
-    the farm's batched jobs prepare them: their uploads queue behind the decode steps."""
+    the farm's batched jobs prepare them: their uploads queue behind the decode steps. Either attention:
+    the filled one's kernel, compiled with its batch dynamic, read rows longer than one block wrongly on an
+    H100 (slots.py): its batch is every slot, and buckets below 32 leave rows that read no block."""
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
     options = DecodeOptions(ignore_eos=True)
     prepared = [fast.prepare_job(page(w, h), None, mode, pinned=True).page for w, h, mode, _ in PAGES]
@@ -302,7 +311,7 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32():
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
     assert torch.equal(prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels)
     expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
-    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options)
+    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention)
     assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32
     many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
     outputs = engine.run(many, 32)

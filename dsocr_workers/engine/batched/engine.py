@@ -36,7 +36,13 @@ import torch
 from dsocr_workers.engine.batched.memory import DEFAULT_RESERVE_BYTES, KVPlan, plan_kv
 from dsocr_workers.engine.batched.metrics import SequenceMetrics, StepKind, StepRecord
 from dsocr_workers.engine.batched.runner import StepRunner, bucket_of, buckets_for
-from dsocr_workers.engine.batched.slots import SlotCache, SlotState, choose_tokens
+from dsocr_workers.engine.batched.slots import (
+    SlotAttention,
+    SlotCache,
+    SlotState,
+    choose_tokens,
+    reads_filled_slots,
+)
 from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL, REPETITION_WINDOW
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions, StopReason
@@ -141,9 +147,12 @@ class BatchedEngine:
     def __init__(
         self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions | None = None,
         compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
+        attention: SlotAttention = "masked",
     ) -> None:  # fmt: skip
         """`compiled`: the decode step through torch.compile (`backend`); None: on CUDA with the fast
-        engine. `cuda_graphs`: replayed as a CUDA graph per bucket; None: on CUDA."""
+        engine. `cuda_graphs`: replayed as a CUDA graph per bucket; None: on CUDA. `attention`: how a
+        decode step reads the slots (engine/batched/slots.py): "filled" needs the fast engine's attention
+        modules."""
         options = options or DecodeOptions()
         validate_options(options)
         if options.seed is not None:
@@ -158,7 +167,10 @@ class BatchedEngine:
                              "engine's routed experts read counts back to the host); load the session with "
                              "engine='fast' or pass cuda_graphs=False")  # fmt: skip
         model = session.model
-        self.session, self.plan, self.options = session, plan, options
+        if attention == "filled" and not reads_filled_slots(model):
+            raise InputError(f"reading only the slots' filled positions needs the fast engine's attention modules; "
+                             f"the {session.engine} engine's attend under a mask (attention='masked')")  # fmt: skip
+        self.session, self.plan, self.options, self.attention = session, plan, options, attention
         self.device = session.device
         self.cuda = cuda
         with torch.inference_mode():
@@ -166,7 +178,7 @@ class BatchedEngine:
             self.state = SlotState.allocate(plan.slots, plan.capacity, self.device, options)
         self.buckets = buckets_for(plan.slots)
         self.runner = StepRunner(model, self.cache, self.state, options, self.buckets, compiled=compiled,
-                                 cuda_graphs=cuda_graphs, backend=backend)
+                                 cuda_graphs=cuda_graphs, backend=backend, attention=attention)
         self.steps: list[StepRecord] = []  # every step read back, in order
         self._slots: dict[int, _Sequence] = {}  # slot -> the page decoding there
         self._free = list(range(plan.slots))  # kept sorted: a page takes the lowest
@@ -196,6 +208,7 @@ class BatchedEngine:
         cls, session: DeepSeekOCRSession, max_batch: int, max_prompt_tokens: int, max_new_tokens: int,
         options: DecodeOptions | None = None, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
+        attention: SlotAttention = "masked",
     ) -> BatchedEngine:  # fmt: skip
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
@@ -208,7 +221,7 @@ class BatchedEngine:
             free = driver_free + torch.cuda.memory_reserved(session.device) - torch.cuda.memory_allocated(session.device)
         plan = plan_kv(max_batch, max_prompt_tokens, max_new_tokens, SlotCache.bytes_per_position(session.model),
                        free, reserve_bytes, session.max_positions)  # fmt: skip
-        return cls(session, plan, options, compiled, cuda_graphs, backend)
+        return cls(session, plan, options, compiled, cuda_graphs, backend, attention)
 
     # --- the API --------------------------------------------------------------------------------------
 

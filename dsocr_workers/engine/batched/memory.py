@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from dsocr_workers.errors import InputError
 
-# A slot's capacity is a whole number of 128-position blocks: whole tiles for the attention kernels.
+# A slot's capacity is a whole number of 128-position blocks: FlexAttention's KV blocks (engine/batched/slots.py
+# reads a row's filled blocks only with the "filled" attention), whole tiles for the other kernels.
 CAPACITY_ALIGN = 128
 GiB = 2**30
 # Kept free beyond the KV cache: the decode step's activations at the largest bucket (logits [B, V] in

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dsocr_workers.engine.batched.slots import SlotCache, SlotState, decode_slots
+from dsocr_workers.engine.batched.slots import SlotAttention, SlotCache, SlotState, decode_slots
 from dsocr_workers.engine.regions import capture_graph
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.model.modeling import DeepSeekOCR
@@ -53,6 +53,7 @@ class StepRunner:
     compiled: bool = False  # the step through torch.compile, one graph dynamic in n
     backend: str = "inductor"  # torch.compile's (a CPU test traces with "aot_eager")
     cuda_graphs: bool = False
+    attention: SlotAttention = "masked"  # slots.py: "filled" with the fast engine's attention modules
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
     _pool: _POOL_HANDLE | None = field(init=False, default=None)
@@ -64,14 +65,19 @@ class StepRunner:
             self._pool = torch.cuda.graph_pool_handle()
 
     def _eager(self, n: int) -> Tensor:
-        keys = [k[:n] for k in self.cache.keys]
-        values = [v[:n] for v in self.cache.values]
         rows = self.state.rows(n)
+        bucketed = [rows.tokens, rows.length, rows.prompt_length, rows.active]
+        if self.attention == "filled":  # every slot's keys and values: the attention's batch stays fixed
+            keys, values = self.cache.keys, self.cache.values
+        else:
+            keys = [k[:n] for k in self.cache.keys]
+            values = [v[:n] for v in self.cache.values]
+            bucketed += [*keys, *values]
         if self.compiled:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own).
-            for tensor in (*keys, *values, rows.tokens, rows.length, rows.prompt_length, rows.active):
+            for tensor in bucketed:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist)
+        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, self.attention)
 
     def capture_all(self) -> None:
         """Capture every bucket's graph (compiling the step first where it is compiled). Only while no

@@ -4,14 +4,19 @@ Each layer's keys and values are one [slots, heads, capacity, head_dim] tensor; 
 positions 0..length[s]-1. A page joins by its own prefill (the session's, into a scratch cache, then its
 prompt's keys and values copied into the slot: `SlotCache.load_prompt`); `decode_slots` then feeds every
 slot of a batch bucket its last token at its own position, writes each slot's new key and value at that
-position and attends over each slot's own positions 0..length-1: SDPA (or the eager engine's attention)
-over the bucket's whole capacity under a mask of each row's positions. A row reading only its filled
-128-position blocks (FlexAttention with a block mask, its split-KV decoding kernel) would read ~1.5x
-fewer bytes of KV at concurrency 128, but torch 2.11's kernel compiled with the batch dimension dynamic
-(one graph for every bucket, as this step is) read rows longer than one block wrongly on an H100 (errors
-of 0.4-0.9 on unit-scale values; docs/benchmarks.md): it is not used. Slots of the bucket that hold no
-page compute a throwaway row: their length stays 1 (`SlotState.release`), so they write position 0 of
-their own free slot and nothing else.
+position and attends over each slot's own positions 0..length-1, in one of two ways (`SlotAttention`):
+- "masked" (the default): SDPA (or the eager engine's attention) over the bucket's whole capacity under a
+  mask of each row's positions: every row reads its slot's whole capacity;
+- "filled" (the fast engine's attention modules only, `reads_filled_slots`): FlexAttention over each
+  row's filled 128-position blocks (`FilledSlotsCache`), its split-KV decoding kernel on CUDA: a row
+  reads what its page holds, ~1.5x fewer KV bytes at concurrency 128 (0.32 against 0.50 ms a layer at
+  the full preset's 128 rows on an H100, docs/benchmarks.md). Its batch is the engine's slots whatever
+  the bucket (the queries padded, the rows past the bucket reading no block): torch 2.11's kernel
+  compiled with the batch dimension dynamic, as this step is (one graph for every bucket), reads rows
+  longer than one block wrongly (errors of 0.3-0.75 on unit-scale values on an H100); with its batch
+  fixed it is right, inside the same dynamic graph.
+Slots of the bucket that hold no page compute a throwaway row: their length stays 1
+(`SlotState.release`), so they write position 0 of their own free slot and nothing else.
 
 The token buffer per slot (prompt, then output) feeds back the last token and is what the no-repeat
 n-gram ban searches (`ban_repeated_ngrams_rows`: `engine.sampling.ban_repeated_ngrams` with a row per
@@ -23,16 +28,25 @@ bucket) and captured as a CUDA graph per bucket (engine/batched/graphs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import select_token
+from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+
+# How a decode step's attention reads the slots: the whole capacity under a mask, or each row's filled
+# blocks only.
+SlotAttention = Literal["masked", "filled"]
+# FlexAttention's KV block: a slot's capacity is a whole number of them.
+KV_BLOCK = CAPACITY_ALIGN
 
 
 def ban_repeated_ngrams_rows(
@@ -170,6 +184,46 @@ class _StepCache:
         return keys, values
 
 
+class FilledSlotsCache(AttendingCache):
+    """The "filled" attention's cache: the bucket's rows write their key and value at their own position,
+    then FlexAttention over each row's positions 0..length-1 only. Its keys and values are every slot's
+    and its batch the engine's slots: the bucket's queries are padded with rows that read no block, and
+    their outputs dropped. The block mask (each bucket row's ceil(length / KV_BLOCK) leading blocks, the
+    last one masked per position) is built once per step from the device's lengths, inside the step's
+    CUDA graph."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.positions = length - 1
+        rows, device = length.shape[0], length.device
+        self.rows = torch.arange(rows, device=device)
+        slots, capacity = keys[0].shape[0], keys[0].shape[2]
+        blocks = capacity // KV_BLOCK
+        # Every slot's length, the bucket's then 1 (what a free slot holds): built here rather than read
+        # from the slots' state, of which the bucket's rows are a view (the compiler takes no input
+        # together with a view of it). Scattered and gathered rather than concatenated and sliced: the
+        # compiler specialises a graph to the full bucket on a concatenation that may be empty or a slice
+        # of the slots' dimension.
+        slot_lengths = length.new_ones(slots).scatter(0, self.rows, length)
+
+        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return kv_idx < slot_lengths[b]
+
+        in_bucket = torch.arange(slots, device=device) < rows
+        filled = torch.where(in_bucket, (slot_lengths + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
+        order = torch.arange(blocks, dtype=torch.int32, device=device).expand(slots, 1, 1, blocks)
+        self.block_mask = BlockMask.from_kv_blocks(filled, order.contiguous(), BLOCK_SIZE=KV_BLOCK, mask_mod=visible,
+                                                   seq_lengths=(1, capacity))  # fmt: skip
+
+    def update_and_attend(self, query: Tensor, key: Tensor, value: Tensor, layer_idx: int, scaling: float) -> Tensor:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.positions] = key[:, :, 0]
+        values[self.rows, :, self.positions] = value[:, :, 0]
+        padded = query.new_zeros(keys.shape[0], *query.shape[1:]).index_copy(0, self.rows, query)
+        output = flex_attention(padded, keys, values, block_mask=self.block_mask, scale=scaling)
+        return output.index_select(0, self.rows)  # type: ignore[union-attr]
+
+
 def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtype: torch.dtype) -> Tensor:
     """[n, 1, 1, capacity]: each row sees its positions 0..length-1 (the one being written included). A
     boolean mask for SDPA, an additive one for the eager attention (transformers' masks for each)."""
@@ -192,20 +246,32 @@ def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitel
     return chosen
 
 
+def reads_filled_slots(model: DeepSeekOCR) -> bool:
+    """Whether the model's attention modules let the batched step read only each slot's filled positions
+    (the fast engine's, model/fused.py)."""
+    return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
+
+
 def decode_slots(
     model: DeepSeekOCR, keys: list[Tensor], values: list[Tensor], rows: SlotRows, options: DecodeOptions,
-    whitelist: Tensor | None,
+    whitelist: Tensor | None, attention: SlotAttention = "masked",
 ) -> Tensor:  # fmt: skip
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
-    one (`choose_tokens`). `keys`/`values`: the bucket's slots of every layer. Returns the tokens, [n]."""
+    one (`choose_tokens`). `keys`/`values`: every layer's, the bucket's slots ("masked") or every slot
+    ("filled"). Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
     hidden = model.embed(fed)
     position_ids = positions.unsqueeze(1)
     position_embeddings = language_model.rotary_emb(hidden, position_ids)
-    mask = attention_mask(rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype)
-    cache = _StepCache(keys, values, positions)
+    cache: FilledSlotsCache | _StepCache
+    mask = None
+    if attention == "filled":
+        cache = FilledSlotsCache(keys, values, rows.length)
+    else:
+        mask = attention_mask(rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype)
+        cache = _StepCache(keys, values, positions)
     for layer in language_model.layers:
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                        position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache})  # fmt: skip
