@@ -583,6 +583,7 @@ def run_stats(data: Any, base: Any | None, functions: tuple[Any, Any, Any, str |
     if int((data.run.parameters or {}).get("concurrency", 1)) == 1:  # a batched run's jobs overlap: no gaps
         stats["gap_split_ms"] = gap_split(stats["timeline"])
     stats["serving"] = serving_stats(data)
+    stats["steps"] = step_stats(data)
     return stats
 
 
@@ -599,6 +600,22 @@ def serving_stats(data: Any) -> dict[str, Any] | None:
             **{f"{name}_p50": getattr(figures, name).p50.value for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
             "ttft_ms_p90": figures.ttft_ms.p90.value, "tpot_ms_p90": figures.tpot_ms.p90.value,
             "occupancy_mean": figures.occupancy.mean.value}  # fmt: skip
+
+
+def step_stats(data: Any) -> dict[str, Any] | None:
+    """The report's Batch steps figures (report/serving.py) of a run at concurrency above 1: its prefills'
+    p50 / p90 / mean, the decode step at 64+ pages, the prefills' share of the time in steps and that time
+    per GPU against the wall span. None for a batch-1 run."""
+    from dsocr_workers.report.serving import batch_steps
+
+    figures = batch_steps(data)
+    if not figures.prefill_steps:
+        return None
+    top = figures.decode_bands.get("64+")
+    return {"prefill_steps": figures.prefill_steps, "decode_steps": figures.decode_steps,
+            "prefill_p50_ms": figures.prefill_p50_ms, "prefill_p90_ms": figures.prefill_p90_ms,
+            "prefill_mean_ms": figures.prefill_mean_ms, "decode_64_p50_ms": top.p50_ms if top else None,
+            "prefill_share": figures.prefill_share, "step_share_of_span": figures.step_share_of_span}  # fmt: skip
 
 
 def sweep_plot(db: Any, report: dict[str, Any], engine: str, out_dir: Path) -> None:
@@ -746,6 +763,27 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{fmt(sv['tpot_ms_p90'], 2)} | {fmt(sv['itl_ms_p50'], 2)} | {fmt(sv['e2e_ms_p50'], 0)} "
                 f"| {fmt(sv['occupancy_mean'], 1)} | {fmt(sv['pages_per_day_per_gpu'], 0)} |"
             )
+        stepped = [r for r in served if r["stats"].get("steps")]
+        if stepped:
+            lines += [
+                "",
+                "Batch steps (the report's Batch steps table): the prefill steps' p50 / p90 / mean (a mean above the "
+                "p50: prefills that waited on the device inside their step), the decode step at 64+ pages, the "
+                "prefills' share of the time in steps, the time in steps per GPU over the wall span.",
+                "",
+                "| engine | K | concurrency | prefills | prefill step p50 / p90 / mean ms | decode step 64+ p50 ms "
+                "| prefill share | time in steps, % of span |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for r in stepped:
+                st = r["stats"]["steps"]
+                share, span = st["prefill_share"], st["step_share_of_span"]
+                lines.append(
+                    f"| {r['engine']} | {r['k']} | {r.get('concurrency', 1)} | {st['prefill_steps']} "
+                    f"| {fmt(st['prefill_p50_ms'], 1)} / {fmt(st['prefill_p90_ms'], 1)} / {fmt(st['prefill_mean_ms'], 1)} "
+                    f"| {fmt(st['decode_64_p50_ms'], 2)} | {'-' if share is None else f'{100 * share:.1f}%'} "
+                    f"| {'-' if span is None else f'{100 * span:.1f}'} |"
+                )
         for plot in report.get("plots", []):
             lines.append(f"\nThroughput against latency over the sweep: `{plot}`")
     lines.append("")

@@ -165,11 +165,17 @@ class BatchSteps:
     decode_steps: int
     mean_occupancy: float | None  # pages per decode step
     prefill_p50_ms: float | None
+    prefill_p90_ms: float | None
     decode_bands: dict[str, BandSteps]  # by OCCUPANCY_BANDS label; a band without steps is left out
     prefill_ms: float  # device time in prefill steps
     decode_ms: float
     wall_span_s: float | None  # the run's first claim to its last finish
     gpus: int  # devices whose engines ran the steps
+
+    @property
+    def prefill_mean_ms(self) -> float | None:
+        """Above the p50 where some prefills waited on the device inside their step (host contention)."""
+        return self.prefill_ms / self.prefill_steps if self.prefill_steps else None
 
     @property
     def step_s(self) -> float:
@@ -200,7 +206,8 @@ def batch_steps(data: RunData) -> BatchSteps:
     return BatchSteps(
         prefill_steps=len(prefill), decode_steps=len(decode),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
-        prefill_p50_ms=plain_percentiles(prefill, (50,))[0], decode_bands=bands, prefill_ms=sum(prefill),
+        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0], prefill_p90_ms=quantiles[1],
+        decode_bands=bands, prefill_ms=sum(prefill),
         decode_ms=sum(s.duration_ms for s in decode), wall_span_s=wall_span_s,
         gpus=len({_gpu(data, step) for step in data.steps}),
     )  # fmt: skip
@@ -220,6 +227,8 @@ def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, obj
         ("decode steps", figures.decode_steps),
         ("mean occupancy (pages per decode step)", figures.mean_occupancy),
         ("p50 prefill step ms", figures.prefill_p50_ms),
+        ("p90 prefill step ms", figures.prefill_p90_ms),
+        ("mean prefill step ms", figures.prefill_mean_ms),
     ]
     for label in bands:
         band = figures.decode_bands.get(label, BandSteps(0, None, None))

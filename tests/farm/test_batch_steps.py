@@ -101,6 +101,9 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     table = {row["measure"]: row["value"] for row in rows}
     decode_a = [s for s in by_run["a"] if s.kind == "decode"]
     assert table["prefill steps (a page joining)"] == 3 and table["decode steps"] == len(decode_a)
+    prefills_a = [s.duration_ms for s in by_run["a"] if s.kind == "prefill"]
+    assert table["mean prefill step ms"] == pytest.approx(sum(prefills_a) / 3, rel=1e-4)
+    assert min(prefills_a) <= table["p50 prefill step ms"] <= table["p90 prefill step ms"] <= max(prefills_a)
     mean_occupancy = sum(s.occupancy for s in decode_a) / len(decode_a)
     assert table["mean occupancy (pages per decode step)"] == pytest.approx(mean_occupancy, rel=1e-4)
     bands = {measure for measure in table if measure.startswith("occupancy ")}
