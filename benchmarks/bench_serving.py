@@ -20,7 +20,9 @@ One process, one device:
      a decode step at that occupancy (weights read + KV read, over the GPU's peak memory bandwidth:
      `--peak-tbps`, by default from the GPU's name) with the measured step's share of it;
   5. bf16 agreement: for each page the batch-1 path ran, the batched engine's tokens of that page at
-     the highest level that ran (equal, or the first step where they differ).
+     the highest level that ran (equal, or the first step where they differ), per attention.
+With `--attention masked,filled` every level runs on an engine of each attention (engine/batched/slots.py),
+one after the other in the same process: the two steps side by side.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -177,7 +179,8 @@ def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], t
 
 
 def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]],
-                 args: argparse.Namespace, options: DecodeOptions) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
+                 args: argparse.Namespace, options: DecodeOptions,
+                 attention: str) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
     where the free memory does not hold them), its buckets up to that; then a short round to settle it
     (the allocator, the first joins) before timing. The step compiled for the first engine serves the
@@ -187,7 +190,7 @@ def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tupl
     engine = BatchedEngine.create(session, concurrency, max(p.prompt_tokens for _, p in pages), args.tokens, options,
                                   reserve_bytes=int(args.reserve_gib * 2**30),
                                   compiled=False if args.eager_step else None,
-                                  cuda_graphs=False if args.no_graphs else None, attention=args.attention)  # fmt: skip
+                                  cuda_graphs=False if args.no_graphs else None, attention=attention)  # type: ignore[arg-type]  # fmt: skip
     sync()
     record = dict(attention=engine.attention,
         slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
@@ -260,31 +263,32 @@ def markdown(report: dict[str, Any]) -> str:
     if setup.get("engines"):
         lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
-    header = ("| concurrency | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+    header = ("| concurrency | attention | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
               "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
               "of bound | prefill share |")  # fmt: skip
-    lines += [header, "|" + "---|" * 12]
+    lines += [header, "|" + "---|" * 13]
 
     def triple(stats: dict[str, Any]) -> str:
         return " / ".join(fmt(stats.get(f"p{q}"), 1) for q in (50, 90, 99))
 
     base = report.get("batch1")
     if base and "output_tokens_per_s" in base:
-        lines.append(f"| batch-1 path | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
+        lines.append(f"| batch-1 path | - | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
                      f"{fmt(base['request_throughput'], 3)} | {triple(base['ttft_ms'])} | {triple(base['tpot_ms'])} | "
                      f"{triple(base['itl_ms'])} | 1 | - | - | - | - |")  # fmt: skip
     for row in report["levels"]:
         if "error" in row or "skipped" in row:
-            lines.append(f"| {row['concurrency']} | {row.get('error') or row.get('skipped')} |")
+            lines.append(f"| {row['concurrency']} | {row.get('attention')} | {row.get('error') or row.get('skipped')} |")
             continue
         lines.append(
-            f"| {row['concurrency']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
+            f"| {row['concurrency']} | {row['attention']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
             f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |")
-    lines += best_line(report)
-    if a := report.get("agreement"):
-        lines += ["", f"Batched vs batch-1 greedy tokens ({report['dtype']}, concurrency "
+    for attention in dict.fromkeys(row.get("attention") for row in report["levels"]):
+        lines += best_line(report, attention)
+    for attention, a in report.get("agreement", {}).items():
+        lines += ["", f"Batched ({attention}) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
                   f"{a.get('concurrency')}): {a['equal']} of {a['compared']} pages equal; first differences at "
                   f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}"]  # fmt: skip
     if report.get("left_out"):
@@ -292,18 +296,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_line(report: dict[str, Any]) -> list[str]:
-    """The best output tokens/s of the levels, against the targets, with its bound's arithmetic;
-    and the best level whose TPOT p50 meets its target."""
+def best_line(report: dict[str, Any], attention: str | None) -> list[str]:
+    """The best output tokens/s of the levels with `attention`, against the targets, with its bound's
+    arithmetic; and the best such level whose TPOT p50 meets its target."""
     setup = report.get("setup", {})
-    ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
+    ran = [row for row in report["levels"] if "output_tokens_per_s" in row and row.get("attention") == attention]
     lines: list[str] = []
     within = [row for row in ran if (row["tpot_ms"]["p50"] or 0) <= TARGET_TPOT_P50_MS]
     for label, rows in (("Best", ran), ("Best with TPOT p50 within its target", within)):
         if not rows:
             continue
         best = max(rows, key=lambda row: row["output_tokens_per_s"])
-        lines += ["", f"{label}: concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
+        lines += ["", f"{label} ({attention}): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
                   f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
                   f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
                   f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
@@ -339,8 +343,9 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
-    parser.add_argument("--attention", choices=["masked", "filled"], default="masked",
-                        help="how a decode step reads the slots (engine/batched/slots.py)")
+    parser.add_argument("--attention", default="masked",
+                        help="how a decode step reads the slots (engine/batched/slots.py): masked, filled, or both "
+                             "(masked,filled: each level on an engine of each, side by side)")
     parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
     parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
     parser.add_argument("--reserve-gib", type=float, default=4.0)
@@ -350,6 +355,9 @@ def main() -> int:
     args = parser.parse_args()
     began = time.perf_counter()
     levels = sorted({int(c) for c in args.concurrency.split(",")})
+    attentions = list(dict.fromkeys(args.attention.split(",")))
+    if not set(attentions) <= {"masked", "filled"}:
+        parser.error(f"--attention takes masked, filled or both, not {args.attention}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
     env = environment()
     peak_tbps = args.peak_tbps or next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
@@ -369,32 +377,36 @@ def main() -> int:
     weights = weight_bytes(session)
     setup["weights"] = weights
     peak = None if peak_tbps is None else peak_tbps * 1e12
-    last: tuple[int, list[BatchedOutput]] | None = None
+    last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
     for concurrency in levels:
-        if time.perf_counter() - began > args.budget_s:
-            report["levels"].append({"concurrency": concurrency, "skipped": f"past --budget-s {args.budget_s:.0f}"})
-            continue
-        try:
-            engine, record = start_engine(session, concurrency, pages, args, options)
-            setup["engines"].append(record)
-            if concurrency > engine.plan.slots:
-                report["levels"].append({"concurrency": concurrency, "skipped": f"only {engine.plan.slots} slots fit"})
-            else:
-                row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens,
-                                     weights, peak)  # fmt: skip
-                report["levels"].append(row)
-                last = (concurrency, outputs)
-        except Exception:  # a level that fails is recorded; the others still run
-            report["levels"].append({"concurrency": concurrency, "error": traceback.format_exc(limit=4)})
-        engine = None  # its KV cache and graphs go before the next level's are allocated
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        print(f"concurrency {concurrency}: done at {time.perf_counter() - began:.0f} s", flush=True)
-        write(report, args.out)
-    if last is not None:
-        report["agreement"] = {"concurrency": last[0], **agreement(last[1], alone)}
+        for attention in attentions:
+            if time.perf_counter() - began > args.budget_s:
+                report["levels"].append({"concurrency": concurrency, "attention": attention,
+                                         "skipped": f"past --budget-s {args.budget_s:.0f}"})  # fmt: skip
+                continue
+            try:
+                engine, record = start_engine(session, concurrency, pages, args, options, attention)
+                setup["engines"].append(record)
+                if concurrency > engine.plan.slots:
+                    report["levels"].append({"concurrency": concurrency, "attention": attention,
+                                             "skipped": f"only {engine.plan.slots} slots fit"})  # fmt: skip
+                else:
+                    row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests),
+                                         args.tokens, weights, peak)  # fmt: skip
+                    report["levels"].append(row)
+                    last[attention] = (concurrency, outputs)
+            except Exception:  # a level that fails is recorded; the others still run
+                report["levels"].append({"concurrency": concurrency, "attention": attention,
+                                         "error": traceback.format_exc(limit=4)})  # fmt: skip
+            engine = None  # its KV cache and graphs go before the next engine's are allocated
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            print(f"concurrency {concurrency}, {attention}: done at {time.perf_counter() - began:.0f} s", flush=True)
+            write(report, args.out)
+    report["agreement"] = {attention: {"concurrency": level_, **agreement(outputs, alone)}
+                           for attention, (level_, outputs) in last.items()}  # fmt: skip
     report["wall_s"] = time.perf_counter() - began
     write(report, args.out)
     print(markdown(report))
