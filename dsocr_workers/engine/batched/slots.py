@@ -14,7 +14,8 @@ position and attends over each slot's own positions 0..length-1, in one of two w
   the bucket (the queries padded, the rows past the bucket reading no block): torch 2.11's kernel
   compiled with the batch dimension dynamic, as this step is (one graph for every bucket), reads rows
   longer than one block wrongly (errors of 0.3-0.75 on unit-scale values on an H100); with its batch
-  fixed it is right, inside the same dynamic graph.
+  fixed it is right, inside the same dynamic graph (a probe). Opt-in until the engine's CUDA float32 test
+  (tests/engine/test_batched.py, over both attentions) has passed on a GPU with it.
 Slots of the bucket that hold no page compute a throwaway row: their length stays 1
 (`SlotState.release`), so they write position 0 of their own free slot and nothing else.
 
@@ -22,7 +23,7 @@ The token buffer per slot (prompt, then output) feeds back the last token and is
 n-gram ban searches (`ban_repeated_ngrams_rows`: `engine.sampling.ban_repeated_ngrams` with a row per
 slot; a test holds the two equal row by row). Everything the step reads and writes is a device tensor at
 a fixed address and its shapes depend only on the bucket, so the step can be compiled (dynamic in the
-bucket) and captured as a CUDA graph per bucket (engine/batched/graphs.py).
+bucket) and captured as a CUDA graph per bucket (engine/batched/runner.py).
 """
 
 from __future__ import annotations
