@@ -173,7 +173,7 @@ class BatchedJobs:
         engine = self.engine
         step = (f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)"
                 if engine.runner.cuda_graphs else "eager steps")  # fmt: skip
-        return f"concurrency {self.options.concurrency}, {engine.plan.describe()}, {step}"
+        return f"concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
