@@ -10,6 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# One OpenMP thread per process (tests and the workers they start): three test processes, each with
+# torch's default of a thread per core, plus their workers oversubscribe 2 cores, and OpenMP's threads
+# spin while they wait — the engine tests took 5 min 10 s and 10 CPU-minutes that way, 2 min 26 s and
+# 4.4 CPU-minutes with one thread each (tests/engine/test_batched.py + test_session.py, -n 3, this machine).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "$PY" -m ruff check dsocr_workers tests benchmarks
 
 mypy_out=$(mktemp)
