@@ -52,7 +52,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 import torch
 
@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
 from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
-from dsocr_workers.engine.batched.slots import KV_BLOCK  # noqa: E402
+from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -180,7 +180,7 @@ def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], t
 
 def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]],
                  args: argparse.Namespace, options: DecodeOptions,
-                 attention: str) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
+                 attention: SlotAttention) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
     where the free memory does not hold them), its buckets up to that; then a short round to settle it
     (the allocator, the first joins) before timing. The step compiled for the first engine serves the
@@ -190,14 +190,29 @@ def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tupl
     engine = BatchedEngine.create(session, concurrency, max(p.prompt_tokens for _, p in pages), args.tokens, options,
                                   reserve_bytes=int(args.reserve_gib * 2**30),
                                   compiled=False if args.eager_step else None,
-                                  cuda_graphs=False if args.no_graphs else None, attention=attention)  # type: ignore[arg-type]  # fmt: skip
+                                  cuda_graphs=False if args.no_graphs else None, attention=attention)  # fmt: skip
     sync()
-    record = dict(attention=engine.attention,
-        slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start, plan=engine.plan.describe(),
+    record = dict(
+        attention=attention, slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start,
+        plan=engine.plan.describe(),
         step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
         kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
     engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], min(4, concurrency))
     return engine, record
+
+
+def engine_level(
+    session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]], args: argparse.Namespace,
+    options: DecodeOptions, attention: SlotAttention, weights: dict[str, Any], peak: float | None,
+) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:  # fmt: skip
+    """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
+    engine, the level's row (or why it was skipped) and its outputs."""
+    engine, record = start_engine(session, concurrency, pages, args, options, attention)
+    if concurrency > engine.plan.slots:
+        return record, {"concurrency": concurrency, "attention": attention,
+                        "skipped": f"only {engine.plan.slots} slots fit"}, []  # fmt: skip
+    row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens, weights, peak)
+    return record, row, outputs
 
 
 def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurrency: int, requests: int,
@@ -355,8 +370,8 @@ def main() -> int:
     args = parser.parse_args()
     began = time.perf_counter()
     levels = sorted({int(c) for c in args.concurrency.split(",")})
-    attentions = list(dict.fromkeys(args.attention.split(",")))
-    if not set(attentions) <= {"masked", "filled"}:
+    attentions = [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
+    if not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
     env = environment()
@@ -386,27 +401,21 @@ def main() -> int:
                                          "skipped": f"past --budget-s {args.budget_s:.0f}"})  # fmt: skip
                 continue
             try:
-                engine, record = start_engine(session, concurrency, pages, args, options, attention)
+                record, row, outputs = engine_level(session, concurrency, pages, args, options, attention, weights, peak)
                 setup["engines"].append(record)
-                if concurrency > engine.plan.slots:
-                    report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                             "skipped": f"only {engine.plan.slots} slots fit"})  # fmt: skip
-                else:
-                    row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests),
-                                         args.tokens, weights, peak)  # fmt: skip
-                    report["levels"].append(row)
+                report["levels"].append(row)
+                if outputs:
                     last[attention] = (concurrency, outputs)
             except Exception:  # a level that fails is recorded; the others still run
                 report["levels"].append({"concurrency": concurrency, "attention": attention,
                                          "error": traceback.format_exc(limit=4)})  # fmt: skip
-            engine = None  # its KV cache and graphs go before the next engine's are allocated
-            gc.collect()
+            gc.collect()  # the level's engine, its KV cache and graphs, before the next one's are allocated
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             print(f"concurrency {concurrency}, {attention}: done at {time.perf_counter() - began:.0f} s", flush=True)
             write(report, args.out)
-    report["agreement"] = {attention: {"concurrency": level_, **agreement(outputs, alone)}
-                           for attention, (level_, outputs) in last.items()}  # fmt: skip
+    report["agreement"] = {attention: {"concurrency": at, **agreement(outputs, alone)}
+                           for attention, (at, outputs) in last.items()}  # fmt: skip
     report["wall_s"] = time.perf_counter() - began
     write(report, args.out)
     print(markdown(report))
