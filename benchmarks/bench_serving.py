@@ -358,8 +358,8 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
-    parser.add_argument("--attention", default="masked",
-                        help="how a decode step reads the slots (engine/batched/slots.py): masked, filled, or both "
+    parser.add_argument("--attention", default="filled",
+                        help="how a decode step reads the slots (engine/batched/slots.py): filled (the engine's default on CUDA), masked, or both "
                              "(masked,filled: each level on an engine of each, side by side)")
     parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
     parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")

@@ -18,7 +18,7 @@ from dsocr_workers.engine.batched import (
 )
 from dsocr_workers.engine.batched import engine as batched_engine
 from dsocr_workers.engine.batched.runner import buckets_for
-from dsocr_workers.engine.batched.slots import ban_repeated_ngrams_rows
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, ban_repeated_ngrams_rows
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -292,6 +292,41 @@ def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
                                      prompt_length[r] if window is not None else 0)  # fmt: skip
         torch.testing.assert_close(batched[r:r + 1], single, rtol=0, atol=0)
     assert torch.isinf(batched).any()
+
+
+def _filled_step(keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, visible: torch.Tensor,
+                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    cache = FilledSlotsCache([keys], [values], length, visible)
+    return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's decoding kernel"))])  # fmt: skip
+def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device):
+    """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
+    attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
+    blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots. Either inductor trap of slots.py
+    (the kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5
+    on unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
+    torch.manual_seed(0)
+    slots, heads, capacity, head_dim = 8, 2, 640, 64
+    cache = [torch.randn(slots, heads, capacity, head_dim, device=device) for _ in range(2)]
+    step = torch.compile(_filled_step, fullgraph=True)
+    for lengths in ([200], [129, 640], [109, 300, 519, 5, 1, 128]):
+        length = torch.tensor(lengths, device=device)
+        torch._dynamo.maybe_mark_dynamic(length, 0)
+        visible = torch.ones(slots, dtype=torch.int64, device=device)
+        visible[: len(lengths)] = length
+        query, key, value = (torch.randn(len(lengths), heads, 1, head_dim, device=device) for _ in range(3))
+        keys, values = (c.clone() for c in cache)
+        got = step(keys, values, length, visible, query, key, value)
+        rows = torch.arange(len(lengths), device=device)
+        expected_keys, expected_values = (c[: len(lengths)].clone() for c in cache)
+        expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = key[:, :, 0], value[:, :, 0]
+        mask = (torch.arange(capacity, device=device) < length.unsqueeze(1))[:, None, None, :]
+        expected = torch.nn.functional.scaled_dot_product_attention(query, expected_keys, expected_values, attn_mask=mask)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"lengths {lengths}")
+        assert torch.equal(keys[: len(lengths)], expected_keys) and torch.equal(keys[len(lengths):], cache[0][len(lengths):])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")

@@ -147,12 +147,14 @@ class BatchedEngine:
     def __init__(
         self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions | None = None,
         compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
-        attention: SlotAttention = "masked",
+        attention: SlotAttention | None = None,
     ) -> None:  # fmt: skip
         """`compiled`: the decode step through torch.compile (`backend`); None: on CUDA with the fast
         engine. `cuda_graphs`: replayed as a CUDA graph per bucket; None: on CUDA. `attention`: how a
         decode step reads the slots (engine/batched/slots.py): "filled" needs the fast engine's attention
-        modules."""
+        modules; None: "filled" where the step is compiled on CUDA with them (~15% shorter steps at
+        concurrency 64 on an H100, docs/benchmarks.md), else "masked" (FlexAttention uncompiled is
+        its reference implementation, slower than SDPA)."""
         options = options or DecodeOptions()
         validate_options(options)
         if options.seed is not None:
@@ -167,6 +169,8 @@ class BatchedEngine:
                              "engine's routed experts read counts back to the host); load the session with "
                              "engine='fast' or pass cuda_graphs=False")  # fmt: skip
         model = session.model
+        if attention is None:
+            attention = "filled" if cuda and compiled and reads_filled_slots(model) else "masked"
         if attention == "filled" and not reads_filled_slots(model):
             raise InputError(f"reading only the slots' filled positions needs the fast engine's attention modules; "
                              f"the {session.engine} engine's attend under a mask (attention='masked')")  # fmt: skip
@@ -208,7 +212,7 @@ class BatchedEngine:
         cls, session: DeepSeekOCRSession, max_batch: int, max_prompt_tokens: int, max_new_tokens: int,
         options: DecodeOptions | None = None, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         compiled: bool | None = None, cuda_graphs: bool | None = None, backend: str = "inductor",
-        attention: SlotAttention = "masked",
+        attention: SlotAttention | None = None,
     ) -> BatchedEngine:  # fmt: skip
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)

@@ -63,6 +63,12 @@ class StepRunner:
         self._step = torch.compile(decode_slots, fullgraph=True, backend=self.backend) if self.compiled else decode_slots
         if self.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()
+        if self.attention == "filled":
+            # The filled attention's batch is every slot and must stay static (slots.py): an engine of
+            # other slots compiled before in this process (bench_serving's levels, the masked engine's
+            # bucket-sized caches) would otherwise make dynamo's automatic dynamic shapes mark it dynamic.
+            for tensor in (*self.cache.keys, *self.cache.values, self.state.visible):
+                torch._dynamo.mark_static(tensor)
 
     def _eager(self, n: int) -> Tensor:
         rows = self.state.rows(n)
@@ -73,11 +79,15 @@ class StepRunner:
             keys = [k[:n] for k in self.cache.keys]
             values = [v[:n] for v in self.cache.values]
             bucketed += [*keys, *values]
+        visible = None
+        if self.attention == "filled":
+            self.state.refresh_visible()  # outside the compiled step, inside its CUDA graph
+            visible = self.state.visible
         if self.compiled:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own).
             for tensor in bucketed:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, self.attention)
+        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, visible)
 
     def capture_all(self) -> None:
         """Capture every bucket's graph (compiling the step first where it is compiled). Only while no

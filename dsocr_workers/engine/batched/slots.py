@@ -10,12 +10,16 @@ position and attends over each slot's own positions 0..length-1, in one of two w
 - "filled" (the fast engine's attention modules only, `reads_filled_slots`): FlexAttention over each
   row's filled 128-position blocks (`FilledSlotsCache`), its split-KV decoding kernel on CUDA: a row
   reads what its page holds, ~1.5x fewer KV bytes at concurrency 128 (0.32 against 0.50 ms a layer at
-  the full preset's 128 rows on an H100, docs/benchmarks.md). Its batch is the engine's slots whatever
-  the bucket (the queries padded, the rows past the bucket reading no block): torch 2.11's kernel
-  compiled with the batch dimension dynamic, as this step is (one graph for every bucket), reads rows
-  longer than one block wrongly (errors of 0.3-0.75 on unit-scale values on an H100); with its batch
-  fixed it is right, inside the same dynamic graph (a probe). Opt-in until the engine's CUDA float32 test
-  (tests/engine/test_batched.py, over both attentions) has passed on a GPU with it.
+  the full preset's 128 rows on an H100, docs/benchmarks.md). Two traps of torch 2.11's inductor shape
+  it, each found on a GPU: compiled with its batch dynamic, as this step is (one graph for every
+  bucket), the kernel reads rows longer than one block wrongly, so its batch is the engine's slots
+  whatever the bucket (the queries padded, the rows past the bucket reading no block); and a mask that
+  reads a tensor computed inside the graph reads it wrongly (every row but those of length 1, on a CPU
+  too), so the mask
+  reads `SlotState.visible`, a graph input of its own that the runner refreshes from the lengths before
+  each step. The runner marks its batch static: dynamo's automatic dynamic shapes would make it dynamic
+  wherever another engine's step compiled before in the process. A CPU test compiles this attention with
+  inductor against SDPA; the CUDA float32 test of the engine runs the masked engine, then the filled.
 Slots of the bucket that hold no page compute a throwaway row: their length stays 1
 (`SlotState.release`), so they write position 0 of their own free slot and nothing else.
 
@@ -98,6 +102,7 @@ class SlotState:
     length: Tensor  # [S] int64: tokens written
     prompt_length: Tensor  # [S] int64
     active: Tensor  # [S] int64
+    visible: Tensor  # [S] int64: `length` as the filled attention's mask reads it (`refresh_visible`)
     whitelist: Tensor | None  # the n-gram ban's never-banned ids
 
     @classmethod
@@ -108,11 +113,17 @@ class SlotState:
         state = cls(torch.zeros(slots, capacity, dtype=torch.int64, device=device),
                     torch.ones(slots, dtype=torch.int64, device=device),
                     torch.ones(slots, dtype=torch.int64, device=device),
-                    torch.zeros(slots, dtype=torch.int64, device=device), whitelist)  # fmt: skip
+                    torch.zeros(slots, dtype=torch.int64, device=device),
+                    torch.ones(slots, dtype=torch.int64, device=device), whitelist)  # fmt: skip
         if device.type == "cuda":  # graph inputs updated in place: replayable only at fixed addresses
-            for tensor in (state.tokens, state.length, state.prompt_length, state.active):
+            for tensor in (state.tokens, state.length, state.prompt_length, state.active, state.visible):
                 torch._dynamo.mark_static_address(tensor)
         return state
+
+    def refresh_visible(self) -> None:
+        """`visible` = `length`: a copy kernel before a filled step (inside its CUDA graph), so the step's
+        mask reads a graph input that no other input views (slots.py's docstring says why)."""
+        self.visible.copy_(self.length)
 
     def rows(self, count: int) -> SlotRows:
         return SlotRows(self.tokens[:count], self.length[:count], self.prompt_length[:count], self.active[:count])
@@ -190,31 +201,27 @@ class FilledSlotsCache(AttendingCache):
     then FlexAttention over each row's positions 0..length-1 only. Its keys and values are every slot's
     and its batch the engine's slots: the bucket's queries are padded with rows that read no block, and
     their outputs dropped. The block mask (each bucket row's ceil(length / KV_BLOCK) leading blocks, the
-    last one masked per position) is built once per step from the device's lengths, inside the step's
-    CUDA graph."""
+    last one masked per position) is built once per step from `visible` (every slot's length, a graph
+    input), inside the step's CUDA graph."""
 
-    def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor) -> None:
+    def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor, visible: Tensor) -> None:
         self.keys, self.values = keys, values
         self.positions = length - 1
         rows, device = length.shape[0], length.device
         self.rows = torch.arange(rows, device=device)
         slots, capacity = keys[0].shape[0], keys[0].shape[2]
         blocks = capacity // KV_BLOCK
-        # Every slot's length, the bucket's then 1 (what a free slot holds): built here rather than read
-        # from the slots' state, of which the bucket's rows are a view (the compiler takes no input
-        # together with a view of it). Scattered and gathered rather than concatenated and sliced: the
-        # compiler specialises a graph to the full bucket on a concatenation that may be empty or a slice
-        # of the slots' dimension.
-        slot_lengths = length.new_ones(slots).scatter(0, self.rows, length)
 
-        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return kv_idx < slot_lengths[b]
+        def visible_positions(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return kv_idx < visible[b]
 
+        # Scattered and gathered rather than concatenated and sliced: the compiler specialises a graph to
+        # the full bucket on a concatenation that may be empty or a slice of the slots' dimension.
         in_bucket = torch.arange(slots, device=device) < rows
-        filled = torch.where(in_bucket, (slot_lengths + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
+        filled = torch.where(in_bucket, (visible + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
         order = torch.arange(blocks, dtype=torch.int32, device=device).expand(slots, 1, 1, blocks)
-        self.block_mask = BlockMask.from_kv_blocks(filled, order.contiguous(), BLOCK_SIZE=KV_BLOCK, mask_mod=visible,
-                                                   seq_lengths=(1, capacity))  # fmt: skip
+        self.block_mask = BlockMask.from_kv_blocks(filled, order.contiguous(), BLOCK_SIZE=KV_BLOCK,
+                                                   mask_mod=visible_positions, seq_lengths=(1, capacity))  # fmt: skip
 
     def update_and_attend(self, query: Tensor, key: Tensor, value: Tensor, layer_idx: int, scaling: float) -> Tensor:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
@@ -255,11 +262,12 @@ def reads_filled_slots(model: DeepSeekOCR) -> bool:
 
 def decode_slots(
     model: DeepSeekOCR, keys: list[Tensor], values: list[Tensor], rows: SlotRows, options: DecodeOptions,
-    whitelist: Tensor | None, attention: SlotAttention = "masked",
+    whitelist: Tensor | None, visible: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
-    one (`choose_tokens`). `keys`/`values`: every layer's, the bucket's slots ("masked") or every slot
-    ("filled"). Returns the tokens, [n]."""
+    one (`choose_tokens`). The "masked" attention where `visible` is None (`keys`/`values`: every layer's,
+    the bucket's slots); else the "filled" one (every slot's keys and values, `visible` every slot's
+    length: `SlotState.visible`). Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
@@ -268,8 +276,8 @@ def decode_slots(
     position_embeddings = language_model.rotary_emb(hidden, position_ids)
     cache: FilledSlotsCache | _StepCache
     mask = None
-    if attention == "filled":
-        cache = FilledSlotsCache(keys, values, rows.length)
+    if visible is not None:
+        cache = FilledSlotsCache(keys, values, rows.length, visible)
     else:
         mask = attention_mask(rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype)
         cache = _StepCache(keys, values, positions)
