@@ -166,7 +166,7 @@ class BatchedJobs:
         self._aborted: Exception | None = None  # met by a waiting task (its soft time limit): fail the batch
         self._engine_thread = threading.Thread(target=self._serve, name="dsocr-batch-engine", daemon=True)
         self._engine_thread.start()
-        log.info("batched engine for %s: %s", options.model, self.engine.plan.describe())
+        log.info("batched engine for %s: %s; %s attention", options.model, self.engine.plan.describe(), self.engine.attention)
 
     def describe(self) -> str:
         """Its concurrency, KV plan and step, for the worker session that records its start."""
