@@ -152,7 +152,7 @@ class BatchedEngine:
         """`compiled`: the decode step through torch.compile (`backend`); None: on CUDA with the fast
         engine. `cuda_graphs`: replayed as a CUDA graph per bucket; None: on CUDA. `attention`: how a
         decode step reads the slots (engine/batched/slots.py): "filled" needs the fast engine's attention
-        modules; None: "filled" where the step is compiled on CUDA with them (~15% shorter steps at
+        modules; None: "filled" where the step is compiled on CUDA with them (a 14% shorter step at
         concurrency 64 on an H100, docs/benchmarks.md), else "masked" (FlexAttention uncompiled is
         its reference implementation, slower than SDPA)."""
         options = options or DecodeOptions()
