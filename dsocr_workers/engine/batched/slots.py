@@ -14,10 +14,10 @@ position and attends over each slot's own positions 0..length-1, in one of two w
   it, each found on a GPU: compiled with its batch dynamic, as this step is (one graph for every
   bucket), the kernel reads rows longer than one block wrongly, so its batch is the engine's slots
   whatever the bucket (the queries padded, the rows past the bucket reading no block); and a mask that
-  reads a tensor computed inside the graph reads it wrongly (every row but those of length 1, on a CPU
-  too), so the mask
-  reads `SlotState.visible`, a graph input of its own that the runner refreshes from the lengths before
-  each step. The runner marks its batch static: dynamo's automatic dynamic shapes would make it dynamic
+  reads the lengths scattered into a row of ones inside the graph reads them wrongly (every row but those
+  of length 1, on a CPU too; two other in-graph forms did not compile), so the mask reads
+  `SlotState.visible`, a graph input of its own that the runner refreshes from the lengths before each
+  step. The runner marks its batch static: dynamo's automatic dynamic shapes would make it dynamic
   wherever another engine's step compiled before in the process. A CPU test compiles this attention with
   inductor against SDPA; the CUDA float32 test of the engine runs the masked engine, then the filled.
 Slots of the bucket that hold no page compute a throwaway row: their length stays 1
