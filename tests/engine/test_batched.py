@@ -178,7 +178,7 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert used == {1, 2, 4}, used
         # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
         assert graphs["unique_graphs"] - before == 2
-    assert engine_for(fast, prepared, 4, options).attention == "masked"  # the default
+    assert engine_for(fast, prepared, 4, options).attention == "masked"  # the default on a CPU
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
 

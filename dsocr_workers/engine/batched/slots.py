@@ -5,21 +5,23 @@ positions 0..length[s]-1. A page joins by its own prefill (the session's, into a
 prompt's keys and values copied into the slot: `SlotCache.load_prompt`); `decode_slots` then feeds every
 slot of a batch bucket its last token at its own position, writes each slot's new key and value at that
 position and attends over each slot's own positions 0..length-1, in one of two ways (`SlotAttention`):
-- "masked" (the default): SDPA (or the eager engine's attention) over the bucket's whole capacity under a
-  mask of each row's positions: every row reads its slot's whole capacity;
-- "filled" (the fast engine's attention modules only, `reads_filled_slots`): FlexAttention over each
-  row's filled 128-position blocks (`FilledSlotsCache`), its split-KV decoding kernel on CUDA: a row
-  reads what its page holds, ~1.5x fewer KV bytes at concurrency 128 (0.32 against 0.50 ms a layer at
-  the full preset's 128 rows on an H100, docs/benchmarks.md). Two traps of torch 2.11's inductor shape
-  it, each found on a GPU: compiled with its batch dynamic, as this step is (one graph for every
-  bucket), the kernel reads rows longer than one block wrongly, so its batch is the engine's slots
-  whatever the bucket (the queries padded, the rows past the bucket reading no block); and a mask that
-  reads the lengths scattered into a row of ones inside the graph reads them wrongly (every row but those
-  of length 1, on a CPU too; two other in-graph forms did not compile), so the mask reads
-  `SlotState.visible`, a graph input of its own that the runner refreshes from the lengths before each
-  step. The runner marks its batch static: dynamo's automatic dynamic shapes would make it dynamic
-  wherever another engine's step compiled before in the process. A CPU test compiles this attention with
-  inductor against SDPA; the CUDA float32 test of the engine runs the masked engine, then the filled.
+- "masked" (on a CPU, with the eager engine or an uncompiled step): SDPA (or the eager engine's attention)
+  over the bucket's whole capacity under a mask of each row's positions: every row reads its slot's
+  whole capacity;
+- "filled" (the default where the step is compiled on CUDA; the fast engine's attention modules only,
+  `reads_filled_slots`): FlexAttention over each row's filled 128-position blocks (`FilledSlotsCache`),
+  its split-KV decoding kernel on CUDA: a row reads what its page holds, ~1.5x fewer KV bytes at
+  concurrency 128 (0.32 against 0.50 ms a layer at the full preset's 128 rows on an H100,
+  docs/benchmarks.md). Two traps of torch 2.11's inductor shape it, each found on a GPU: compiled with
+  its batch dynamic, as this step is (one graph for every bucket), the kernel reads rows longer than one
+  block wrongly, so its batch is the engine's slots whatever the bucket (the queries padded, the rows
+  past the bucket reading no block); and a mask that reads the lengths scattered into a row of ones
+  inside the graph reads them wrongly (every row but those of length 1, on a CPU too; two other in-graph
+  forms did not compile), so the mask reads `SlotState.visible`, a graph input of its own that the runner
+  refreshes from the lengths before each step. The runner marks its batch static: dynamo's automatic
+  dynamic shapes would make it dynamic wherever another engine's step compiled before in the process. A
+  CPU test compiles this attention with inductor against SDPA; the CUDA float32 test of the engine runs
+  the masked engine, then the filled.
 Slots of the bucket that hold no page compute a throwaway row: their length stays 1
 (`SlotState.release`), so they write position 0 of their own free slot and nothing else.
 
