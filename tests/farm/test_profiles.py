@@ -114,5 +114,9 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
     # carry both figures.
     assert decode and all((row["A ms/job"] or 0) >= 0 and (row["B ms/job"] or 0) >= 0 for row in decode)
     assert any(row["A ms/job"] and row["B ms/job"] for row in decode)
-    # B samples 8 decode steps to A's 5: its sampled decode is longer.
-    assert {row["kernel"]: row for row in decode}["aten::mm"]["B/A"] > 1
+    assert {row["kernel"]: row for row in decode}["aten::mm"]["B/A"] > 0
+    # B samples 8 decode steps to A's 5: 8/5 of its decode kernels' calls per job. Counted, not timed: on
+    # a loaded 2-core CI machine B/A of aten::mm's time came out 0.92 once.
+    def decode_calls(tables):
+        return {row["kernel"]: row["calls/job"] for row in tables["Kernels per stage"] if row["stage"] == "decode"}
+    assert 5 * decode_calls(report_tables(env, "--run", b))["aten::mm"] == 8 * decode_calls(tables)["aten::mm"]
