@@ -73,16 +73,15 @@ class StepRunner:
     def _eager(self, n: int) -> Tensor:
         rows = self.state.rows(n)
         bucketed = [rows.tokens, rows.length, rows.prompt_length, rows.active]
+        visible = None
         if self.attention == "filled":  # every slot's keys and values: the attention's batch stays fixed
             keys, values = self.cache.keys, self.cache.values
+            self.state.refresh_visible()  # outside the compiled step, inside its CUDA graph
+            visible = self.state.visible
         else:
             keys = [k[:n] for k in self.cache.keys]
             values = [v[:n] for v in self.cache.values]
             bucketed += [*keys, *values]
-        visible = None
-        if self.attention == "filled":
-            self.state.refresh_visible()  # outside the compiled step, inside its CUDA graph
-            visible = self.state.visible
         if self.compiled:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own).
             for tensor in bucketed:

@@ -217,9 +217,7 @@ class FilledSlotsCache(AttendingCache):
         def visible_positions(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return kv_idx < visible[b]
 
-        # Scattered and gathered rather than concatenated and sliced: the compiler specialises a graph to
-        # the full bucket on a concatenation that may be empty or a slice of the slots' dimension.
-        in_bucket = torch.arange(slots, device=device) < rows
+        in_bucket = torch.arange(slots, device=device) < rows  # the rows past the bucket read no block
         filled = torch.where(in_bucket, (visible + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
         order = torch.arange(blocks, dtype=torch.int32, device=device).expand(slots, 1, 1, blocks)
         self.block_mask = BlockMask.from_kv_blocks(filled, order.contiguous(), BLOCK_SIZE=KV_BLOCK,
@@ -229,6 +227,9 @@ class FilledSlotsCache(AttendingCache):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self.rows, :, self.positions] = key[:, :, 0]
         values[self.rows, :, self.positions] = value[:, :, 0]
+        # The queries padded to every slot by a scatter and the bucket's rows gathered back, rather than
+        # concatenated and sliced: the compiler specialises a graph to the full bucket on a concatenation
+        # that may be empty or a slice of the slots' dimension.
         padded = query.new_zeros(keys.shape[0], *query.shape[1:]).index_copy(0, self.rows, query)
         output = flex_attention(padded, keys, values, block_mask=self.block_mask, scale=scaling)
         return output.index_select(0, self.rows)  # type: ignore[union-attr]
