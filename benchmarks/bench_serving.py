@@ -137,7 +137,8 @@ def load_pages(session: DeepSeekOCRSession, lists: list[str], mode: str, max_cro
             left_out.append(filelist.describe_bad())
         for image in filelist.images:
             # Pinned, as the farm's batched jobs prepare them (farm/job/batched.py).
-            prepared = session.prepare_job(image.path, None, mode, max_crops=max_crops, pinned=True)
+            prepared = session.prepare_job(image.path, None, mode, max_crops=max_crops, pinned=True,
+                                           clock=session.new_clock(marks_steps=False))
             pages.append((image.image, prepared.page))
     if not pages:
         raise SystemExit(f"no readable page in {', '.join(lists)}:\n" + "\n".join(left_out))

@@ -42,7 +42,7 @@ from dsocr_workers.engine.profiling import JobProfiler
 from dsocr_workers.engine.regions import Compiler
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
-from dsocr_workers.engine.stages import StageClock
+from dsocr_workers.engine.stages import STEP_CAPACITY, StageClock
 from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine, Runners
 from dsocr_workers.errors import InputError
@@ -309,9 +309,13 @@ class DeepSeekOCRSession:
 
     # --- one job ------------------------------------------------------------------------------------
 
-    def new_clock(self, job_id: str | None = None) -> StageClock:
-        """A job's clock, instrumented as this session is."""
-        return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented)
+    def new_clock(self, job_id: str | None = None, *, marks_steps: bool = True) -> StageClock:
+        """A job's clock, instrumented as this session is. `marks_steps` False: a job whose decode steps
+        are the batched engine's (it times them), so the clock holds no step events: every clock alive at
+        once would otherwise hold `STEP_CAPACITY` of them, made on the threads preparing the pages under
+        the GIL that the engine's thread needs to launch its steps (docs/benchmarks.md, 2026-11-27 17:15)."""
+        return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented,
+                          step_capacity=STEP_CAPACITY if marks_steps else 0)  # fmt: skip
 
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int

@@ -74,6 +74,8 @@ class _Entry:
 # Decode step events are reused across clocks on the same device: building 8k CUDA events per job
 # would cost milliseconds. A clock takes a list at construction and gives it back in finish().
 _STEP_EVENT_POOL: dict[torch.device, list[list[torch.cuda.Event]]] = {}
+# Step boundaries a clock holds events for: a batch-1 job's decode steps at the largest token budget.
+STEP_CAPACITY = 8192
 
 
 def _take_step_events(device: torch.device, capacity: int) -> list[torch.cuda.Event]:
@@ -109,7 +111,7 @@ class StageClock:
         job_id: str | None = None,
         nvtx_enabled: bool = True,
         timing_enabled: bool = True,
-        step_capacity: int = 8192,
+        step_capacity: int = STEP_CAPACITY,
     ) -> None:
         self.device = torch.device(device)
         self.job_id = job_id
@@ -127,7 +129,7 @@ class StageClock:
         self._n_steps = 0
         self._step_host: list[float] = []
         self._step_events: list[torch.cuda.Event] = []
-        if self.cuda and self.timing_enabled:
+        if self.cuda and self.timing_enabled and step_capacity:
             self._step_events = _take_step_events(self.device, step_capacity)
         self._resolved: dict[str, float] | None = None
         self._step_ms: list[float] = []
@@ -231,7 +233,7 @@ class StageClock:
                 self._step_ms = [(b - a) * 1e3 for a, b in zip(marks_s, marks_s[1:], strict=False)]
             self._ttft_from_device_start_ms = self._ttft_from_device_start()
             self._device_span = self._span()
-        if self.cuda and self.timing_enabled:
+        if self.cuda and self.timing_enabled and self._step_events:
             _STEP_EVENT_POOL.setdefault(self.device, []).append(self._step_events)
             self._step_events = []
         self._resolved = totals

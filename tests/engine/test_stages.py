@@ -287,3 +287,22 @@ def test_cuda_step_events_are_reused_across_jobs():
     assert second._step_events is pooled  # no new events for the next job
     run_job(second, "cuda", steps=3)
     assert len(second.step_ms()) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_clock_of_a_batched_job_holds_no_step_events():
+    # The batched engine times a batched job's decode steps: its clock (new_clock(marks_steps=False))
+    # neither takes a pooled list of step events nor gives an empty one back, and still times its stages.
+    _STEP_EVENT_POOL.pop(torch.device("cuda"), None)
+    run_job(StageClock("cuda", step_capacity=16), "cuda", steps=3)
+    pool = _STEP_EVENT_POOL[torch.device("cuda")]
+    pooled = pool[-1]
+    batched = StageClock("cuda", step_capacity=0)
+    assert batched._step_events == [] and pool == [pooled]
+    with batched.stage("preprocess"):
+        time.sleep(0.001)
+    with batched.stage("postprocess"):
+        time.sleep(0.001)
+    batched.finish()
+    assert pool == [pooled]
+    assert batched.ms("preprocess") > 0 and batched.step_ms() == []

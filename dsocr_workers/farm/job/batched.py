@@ -185,7 +185,7 @@ class BatchedJobs:
         # Pinned: its upload is queued behind decode steps, and a pageable copy would hold the engine's
         # thread until they ran (the device then idles while the thread launches the page's prefill).
         page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
-                                  job_id=claim.job_id, pinned=True)  # fmt: skip
+                                  clock=session.new_clock(claim.job_id, marks_steps=False), pinned=True)  # fmt: skip
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
             self._idle = False
