@@ -71,8 +71,8 @@ class _Entry:
     host_end: float = 0.0
 
 
-# Decode step events are reused across clocks on the same device: building 8k CUDA events per job
-# would cost milliseconds. A clock takes a list at construction and gives it back in finish().
+# Decode step events are reused across clocks on the same device: building a clock's `STEP_CAPACITY`
+# CUDA events per job would cost milliseconds. A clock takes a list at construction and gives it back in finish().
 _STEP_EVENT_POOL: dict[torch.device, list[list[torch.cuda.Event]]] = {}
 # Step boundaries a clock holds events for: a batch-1 job's decode steps at the largest token budget.
 STEP_CAPACITY = 8192
