@@ -64,9 +64,8 @@ class StepRunner:
         if self.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()
         if self.attention == "filled":
-            # The filled attention's batch is every slot and must stay static (slots.py): an engine of
-            # other slots compiled before in this process (bench_serving's levels, the masked engine's
-            # bucket-sized caches) would otherwise make dynamo's automatic dynamic shapes mark it dynamic.
+            # Its batch must stay static (slots.py says why), even after another engine's step compiled
+            # in this process (bench_serving's levels, the masked engine's bucket-sized caches).
             for tensor in (*self.cache.keys, *self.cache.values, self.state.visible):
                 torch._dynamo.mark_static(tensor)
 
