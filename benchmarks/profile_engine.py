@@ -81,7 +81,7 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
         sam = profile_stage("SAM", lambda: vision.sam(inputs.pixels), rows)
         profile_stage("CLIP", lambda: vision.clip(sam), rows)
         image = session.encode_image(inputs, clock)  # all of vision again, unprofiled: the LM's input
-        profile_stage("LM prefill", lambda: lm_prefill(profiled, image), rows)
+        profile_stage("LM prefill", lambda: lm_prefill(inputs, image, profiled.buffers.cache), rows)
         # The decode below starts from a whole prefill of its own.
         job = session.start_job(session.prepare(page, None, "gundam", 9), PLAIN, steps + 1, clock)
         session.prefill(job, clock)

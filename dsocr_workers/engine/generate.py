@@ -16,23 +16,17 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
+from dsocr_workers.engine.stopping import REPETITION_WINDOW, ends_in_loop, loop_check_due
 from dsocr_workers.model.config import EOS_TOKEN_ID
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 
 MIN_CACHE_BUCKET = 1024
-# How many decode steps run between two EOS checks, and how many checks may be in flight before the
-# host waits for the oldest: the device then still has `EOS_LOOKAHEAD` intervals of steps queued, so
-# it never runs dry. At most (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL steps are computed past EOS;
-# they are counted as wasted steps.
-EOS_CHECK_INTERVAL = 8
+# Checks (engine/stopping.py's cadence) in flight before the host waits for the oldest: the device
+# still has that many intervals of steps queued, so it never runs dry. At most
+# (EOS_LOOKAHEAD + 1) * EOS_CHECK_INTERVAL steps are computed past EOS, counted as wasted steps.
 EOS_LOOKAHEAD = 2
-# `RepetitionWatch` looks for a loop in the last this many tokens: periods up to a third of it are
-# caught while decoding (a longer loop is still found after decoding, from all the tokens), and a look
-# costs well under a millisecond of host time, spent while the device runs the steps queued ahead.
-REPETITION_WINDOW = 2048
 
 
 def cache_bucket(needed: int, max_positions: int) -> int:
@@ -159,7 +153,7 @@ class EosWatch:
 
     def seen(self, steps: int) -> bool:
         """Call before each decode step with the steps run so far; True once EOS is known written."""
-        if not self.enabled or steps % EOS_CHECK_INTERVAL:
+        if not self.enabled or not loop_check_due(steps):
             return False
         written = self.buffers.tokens[self.prompt_tokens : self.prompt_tokens + 1 + steps]
         if not self.cuda:
@@ -198,7 +192,7 @@ class RepetitionWatch:
 
     def seen(self, steps: int) -> bool:
         """Call before each decode step with the steps run so far; True once a loop is known."""
-        if not self.enabled or steps % EOS_CHECK_INTERVAL:
+        if not self.enabled or not loop_check_due(steps):
             return False
         written = 1 + steps
         start = self.prompt_tokens
@@ -220,7 +214,7 @@ class RepetitionWatch:
 
     @staticmethod
     def _loops(tokens: torch.Tensor) -> bool:
-        return find_loop(tokens[-REPETITION_WINDOW:].tolist()) is not None
+        return ends_in_loop(tokens[-REPETITION_WINDOW:].tolist())
 
 
 def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:

@@ -26,23 +26,18 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from transformers import StaticCache
 
 from dsocr_workers import settings
 from dsocr_workers.engine.device import make_current, resolve_device, resolve_dtype, set_numerics
-from dsocr_workers.engine.generate import (
-    EOS_CHECK_INTERVAL,
-    DecodeBuffers,
-    EosWatch,
-    RepetitionWatch,
-    cache_bucket,
-    choose_token,
-)
+from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWatch, cache_bucket, choose_token
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
 from dsocr_workers.engine.regions import Compiler
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import STEP_CAPACITY, StageClock
+from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL, stop_reason, trim_at_eos
 from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine, Runners
 from dsocr_workers.errors import InputError
@@ -389,20 +384,19 @@ class DeepSeekOCRSession:
         with clock.stage("prefill"):
             image_embeds = self.encode_image(inputs, clock) if injects_image else None
             with clock.stage("lm_prefill"):
-                logits = self.lm_prefill(job, image_embeds)
+                logits = self.lm_prefill(inputs, image_embeds, job.buffers.cache)
         job.vision_calls = int(injects_image)
         with clock.stage("first_token"):
             choose_token(logits, job.ban, job.options)
         return logits
 
-    def lm_prefill(self, job: Job, image_embeds: torch.Tensor | None) -> torch.Tensor:
+    def lm_prefill(self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache) -> torch.Tensor:
         """The prompt's embeddings with the image's placed at its placeholders, through the language
-        model into the job's cache; returns the last position's logits."""
-        inputs = job.inputs
+        model into `cache` (a batch-1 job's, or the batched engine's scratch); the last position's logits."""
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
         if image_embeds is not None:
             embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
-        return self.runners.prefill(self.model, embeds, job.buffers.cache)
+        return self.runners.prefill(self.model, embeds, cache)
 
     def decode(
         self, job: Job, clock: StageClock, after_step: Callable[[int], None] | None = None,
@@ -440,11 +434,10 @@ class DeepSeekOCRSession:
         of the output)."""
         with clock.stage("readback"):
             written = job.buffers.read_tokens(job.prompt_tokens, job.prompt_tokens + 1 + job.steps)
-        if not job.options.ignore_eos and EOS_TOKEN_ID in written:
-            return written[: written.index(EOS_TOKEN_ID) + 1], "eos"
-        if job.repeating:
-            return written, "repetition"
-        return written, "max_positions" if job.budget == job.ceiling else "max_new_tokens"
+        output = trim_at_eos(written, job.options)
+        reason = stop_reason(output, job.budget, job.ceiling, job.options, repeating=job.repeating)
+        assert reason is not None, "decode stops only at EOS, a loop or the budget"
+        return output, reason
 
     def run_inference(
         self,

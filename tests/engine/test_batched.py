@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from dsocr_workers.engine import stopping
 from dsocr_workers.engine.batched import (
     BatchedEngine,
     NoFreeSlot,
@@ -16,7 +17,6 @@ from dsocr_workers.engine.batched import (
     ServingSummary,
     plan_kv,
 )
-from dsocr_workers.engine.batched import engine as batched_engine
 from dsocr_workers.engine.batched.runner import buckets_for
 from dsocr_workers.engine.batched.slots import FilledSlotsCache, ban_repeated_ngrams_rows
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
@@ -185,11 +185,11 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
 
 def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
     """A page leaves at EOS (trimmed there), its slot taken by the next page; the others are unaffected.
-    EOS here is a token the random weights do produce mid-page (the batched engine's EOS id patched)."""
+    EOS here is a token the random weights do produce mid-page (the stop rule's EOS id patched)."""
     options = DecodeOptions()
     expected = alone(session, DecodeOptions(ignore_eos=True))
     stop = expected[0][6]  # page 0's 7th token
-    monkeypatch.setattr(batched_engine, "EOS_TOKEN_ID", stop)
+    monkeypatch.setattr(stopping, "EOS_TOKEN_ID", stop)
     engine = engine_for(session, prepared, 2, options)
     outputs = {int(o.request_id): o for o in engine.run(requests(prepared), 2)}
     for index, tokens in enumerate(expected):

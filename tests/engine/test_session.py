@@ -361,7 +361,7 @@ def test_parts_add_up_to_end_to_end(session):
 
 @pytest.mark.parametrize(("eos_at", "steps_run"), [(0, 0), (5, 8), (8, 8), (9, 16)])
 def test_forced_eos_stops_at_the_next_check_and_counts_the_steps_past_it(session, eos_at, steps_run):
-    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
+    from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL
 
     assert EOS_CHECK_INTERVAL == 8  # the expected steps below follow from it (CPU: each check is read at once)
     result = session.run_inference(page(600, 480), max_new_tokens=40, after_step=force_eos_at(eos_at))
@@ -429,8 +429,8 @@ def looping_head(session, token: int) -> torch.nn.Linear:
 
 
 def test_a_loop_is_found_after_decoding_and_stopped_early_on_request(session):
-    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
     from dsocr_workers.engine.loops import LOOP_MIN_TOKENS
+    from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL
 
     original = session.model.lm_head
     session.model.lm_head = looping_head(session, 4242)
@@ -470,8 +470,9 @@ def test_eos_wins_over_a_loop_and_is_not_searched(session):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the watches' event-polled path")
 def test_cuda_watches_stop_a_loop_and_find_eos_without_stalling():
-    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL, EOS_LOOKAHEAD
+    from dsocr_workers.engine.generate import EOS_LOOKAHEAD
     from dsocr_workers.engine.loops import LOOP_MIN_TOKENS
+    from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL
 
     cuda = DeepSeekOCRSession.from_local("tiny", device="cuda")
     original = cuda.model.lm_head
@@ -496,7 +497,7 @@ def test_cuda_watches_stop_a_loop_and_find_eos_without_stalling():
 
 
 def test_decode_progress_is_reported_at_the_watch_cadence(session):
-    from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL
+    from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL
 
     seen: list[tuple[int, int]] = []
     result = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=30,

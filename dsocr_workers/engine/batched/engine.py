@@ -43,14 +43,12 @@ from dsocr_workers.engine.batched.slots import (
     choose_tokens,
     reads_filled_slots,
 )
-from dsocr_workers.engine.generate import EOS_CHECK_INTERVAL, REPETITION_WINDOW
-from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions, StopReason
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.stages import NVTX_DOMAIN, StageClock
+from dsocr_workers.engine.stopping import ends_in_loop, loop_check_due, stop_reason
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import EOS_TOKEN_ID
 from dsocr_workers.model.preprocess import PreparedPage
 
 # Steps whose tokens may be in flight before the host waits for the oldest: the device keeps this many
@@ -310,7 +308,7 @@ class BatchedEngine:
         raises): the other pages go on."""
         self._ring_room()
         slot = self._free.pop(0)
-        page, session, model = request.page, self.session, self.session.model
+        page, session = request.page, self.session
         assert request.arrival_s is not None
         sequence = _Sequence(request, slot, budget, ceiling, SequenceMetrics(request.arrival_s, time.perf_counter()))
         prompt = page.prompt_tokens
@@ -322,10 +320,7 @@ class BatchedEngine:
                 vision_end = self._mark()
                 scratch = session.buffers_for(prompt + budget).cache
                 scratch.reset()
-                embeds = model.embed(inputs.input_ids).unsqueeze(0)
-                if image is not None:
-                    embeds[0].index_copy_(0, inputs.image_positions, image.to(embeds.dtype))
-                logits = session.runners.prefill(model, embeds, scratch)
+                logits = session.lm_prefill(inputs, image, scratch)
                 self.cache.load_prompt(slot, scratch, prompt)
                 self.state.start(slot, inputs.input_ids)
                 chosen = choose_tokens(logits, self.state.row(slot), self.options, self.state.whitelist)
@@ -433,23 +428,15 @@ class BatchedEngine:
             sequence.tokens.append(token)
             metrics.token_s.append(ended)
             self._read_tokens.append(TokenEvent(sequence.request.request_id, (token,), ended))
-            reason = self._stop_reason(sequence, token)
+            reason = self._stop_reason(sequence)
             if reason is not None:
                 self._read_finished.append(self._finish(sequence, reason))
 
-    def _stop_reason(self, sequence: _Sequence, token: int) -> StopReason | None:
-        """The batch-1 path's rules, in its order: EOS, the budget, then a loop (looked for every
-        EOS_CHECK_INTERVAL steps, in the last REPETITION_WINDOW tokens)."""
-        count = len(sequence.tokens)
-        if token == EOS_TOKEN_ID and not self.options.ignore_eos:
-            return "eos"
-        if count == sequence.budget:
-            return "max_positions" if sequence.budget == sequence.ceiling else "max_new_tokens"
-        steps = count - 1
-        if (self.options.stop_on_repetition and steps % EOS_CHECK_INTERVAL == 0
-                and find_loop(sequence.tokens[-REPETITION_WINDOW:]) is not None):  # fmt: skip
-            return "repetition"
-        return None
+    def _stop_reason(self, sequence: _Sequence) -> StopReason | None:
+        """The batch-1 path's rule (engine/stopping.py), with loops looked for at its cadence."""
+        tokens, options = sequence.tokens, self.options
+        repeating = options.stop_on_repetition and loop_check_due(len(tokens) - 1) and ends_in_loop(tokens)
+        return stop_reason(tokens, sequence.budget, sequence.ceiling, options, repeating)
 
     def _finish(self, sequence: _Sequence, reason: StopReason) -> BatchedOutput:
         sequence.stop_reason = reason
