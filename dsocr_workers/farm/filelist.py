@@ -4,9 +4,9 @@ A file list holds one image path per line; blank lines and lines starting with `
 Relative paths resolve against the root: `--root`, else for a list under `datasets/<name>/subsets/` the
 sibling `datasets/<name>/source-data/` when it exists, else the list's own folder.
 
-Every line is checked before anything is written: the image must lie inside the root (also after
-following symlinks), exist, be a readable regular file, and be an allowed image by its bytes within the
-pixel limit. A path listed twice (the same file after resolution) is a bad line, "duplicate of line N":
+Every line is checked before anything is written: a relative path must lie inside the root (also
+after following symlinks; an absolute path is taken as written), and the image must exist, be a
+readable regular file, and be an allowed image by its bytes within the pixel limit. A path listed twice (the same file after resolution) is a bad line, "duplicate of line N":
 one run measures each image once per repeat, and `--repeats N` is how to measure it more often.
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.images import NO_SUCH_FILE, probe_image
+
+SHOWN_CHARS = 120  # of a listed line, in an error message
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,18 @@ class FileList:
     bad: list[BadLine]
 
     def describe_bad(self) -> str:
-        lines = [f"{self.path}:{b.line}: {b.text}: {b.reason}" for b in self.bad]
+        lines = [f"{self.path}:{b.line}: {_shown(b.text)}: {b.reason}" for b in self.bad]
         if any(b.reason == NO_SUCH_FILE for b in self.bad):
             # A dataset list whose images were never downloaded: say where they belong and how to get them.
             readme = self.root / "README.md"
             how = f"; {readme} says how to get them" if readme.is_file() else ""
             lines.append(f"images are looked for under {self.root}/{how} (--root DIR to look elsewhere)")
         return "\n".join(lines)
+
+
+def _shown(text: str) -> str:
+    """A listed line as an error message quotes it: a line of any length stays one readable line."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text)} characters)"
 
 
 def default_root(list_path: Path) -> Path:
@@ -87,23 +94,37 @@ def read_filelist(list_path: str | os.PathLike, root: str | os.PathLike | None =
         text = raw.strip()
         if not text or text.startswith("#"):
             continue
-        listed = Path(text)
-        candidate = listed if listed.is_absolute() else base / listed
-        real = candidate.resolve()
-        if not real.is_relative_to(real_base):
-            through_link = Path(os.path.normpath(candidate)).is_relative_to(base)
-            why = "resolves outside the root through a symlink" if through_link else "is outside the root"
-            bad.append(BadLine(number, text, f"{why} {base}"))
-            continue
-        if real in first_line_of:
-            bad.append(BadLine(number, text, f"duplicate of line {first_line_of[real]}"))
-            continue
-        first_line_of[real] = number
         try:
-            probe_image(real)
-        except InputError as exc:
-            # probe_image names the file first; the line already says which file it is.
-            bad.append(BadLine(number, text, str(exc).removeprefix(f"{real}: ")))
-            continue
-        images.append(ListedImage(number, _name_under(base, real_base, candidate, real), real))
+            listed = _listed_image(number, text, base, real_base, first_line_of)
+        except OSError as exc:  # a name the file system refuses (too long, a NUL byte, ...)
+            listed = BadLine(number, text, f"cannot be opened: {exc.strerror or exc}")
+        if isinstance(listed, BadLine):
+            bad.append(listed)
+        else:
+            images.append(listed)
     return FileList(list_path, base, images, bad)
+
+
+def _listed_image(
+    number: int, text: str, base: Path, real_base: Path, first_line_of: dict[Path, int]
+) -> ListedImage | BadLine:
+    """One line checked. A relative path must stay inside the root; an absolute one is taken as the user
+    wrote it (lists made with `find` or `ls $PWD/*`), named relative to the root where it lies inside."""
+    listed = Path(text)
+    candidate = listed if listed.is_absolute() else base / listed
+    real = candidate.resolve()
+    inside = real.is_relative_to(real_base)
+    if not inside and not listed.is_absolute():
+        through_link = Path(os.path.normpath(candidate)).is_relative_to(base)
+        why = "resolves outside the root through a symlink" if through_link else "is outside the root"
+        return BadLine(number, text, f"{why} {base} (--root DIR sets the root; absolute paths are taken as they are)")
+    if real in first_line_of:
+        return BadLine(number, text, f"duplicate of line {first_line_of[real]}")
+    first_line_of[real] = number
+    try:
+        probe_image(real)
+    except InputError as exc:
+        # probe_image names the file first; the line already says which file it is.
+        return BadLine(number, text, str(exc).removeprefix(f"{real}: "))
+    name = _name_under(base, real_base, candidate, real) if inside else real.as_posix()
+    return ListedImage(number, name, real)

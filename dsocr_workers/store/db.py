@@ -94,16 +94,14 @@ def parse_database_url(url: str) -> URL:
 
 
 def open_database(url: str) -> Database:
-    """A new engine for `url`, creating an SQLite file (and its folder) on first use: for what makes a
+    """A new engine for `url`, creating an SQLite file (in a folder that exists) on first use: for what makes a
     ledger (`dsocr db upgrade`, `dsocr run`). Call it in the process that uses it (after fork, never
     before); a command that needs a ledger to exist opens it with `open_ledger`."""
     parsed = parse_database_url(url)
     keepalive = {name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query}  # the URL's win
     options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": keepalive}
     if parsed.get_backend_name() == "sqlite":
-        database = parsed.database or ""
-        if database and database != ":memory:":
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        _sqlite_file(parsed, url)
         options = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
     engine = create_engine(parsed, **options)
     if engine.dialect.name == "sqlite":
@@ -113,15 +111,26 @@ def open_database(url: str) -> Database:
     )
 
 
+def _sqlite_file(parsed: URL, url: str) -> Path | None:
+    """The SQLite file `parsed` names (None: not a file), refused alike by every command where its folder
+    is missing: a typo in the URL must not leave folders behind."""
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:"):
+        return None
+    file = Path(database).expanduser()
+    if not file.parent.is_dir():
+        raise InputError(f"DSOCR_DATABASE_URL {redacted(url)}: the folder {file.parent} does not exist")
+    return file
+
+
 def open_ledger(url: str) -> Database:
     """The ledger at `url` as it stands, for the commands that read it or add to it (`report`, `runs`,
     `status`, `export`, `submit`, `reconcile`, `worker`): refused with one line (an input error) where
     there is none yet or its schema is not this code's. Creates nothing: opening a missing SQLite file
     would leave an empty one (and its folders) behind."""
     parsed = parse_database_url(url)
-    database = parsed.database or ""
-    a_file = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")
-    if a_file and not Path(database).expanduser().is_file():
+    file = _sqlite_file(parsed, url)
+    if file is not None and not file.is_file():
         raise SchemaError(f"no dsocr database at {redacted(url)}; {_FIRST_STEP_SQLITE}")
     db = open_database(url)
     try:

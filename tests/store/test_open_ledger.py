@@ -4,6 +4,8 @@ of a DSOCR_DATABASE_URL that names a missing one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -35,13 +37,19 @@ def test_fresh_directory_gets_no_database(command, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no dsocr.db, no predictions/ folder
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_missing_folder_is_not_created(command, tmp_path, monkeypatch):
+SAMPLES = Path(__file__).resolve().parents[2] / "datasets" / "samples" / "samples.txt"
+MAKING = {"run": ["run", str(SAMPLES)], "submit": ["submit", str(SAMPLES)], "db upgrade": ["db", "upgrade"]}
+
+
+@pytest.mark.parametrize("command", sorted({**COMMANDS, **MAKING}))
+def test_missing_folder_is_refused_alike_and_not_created(command, tmp_path, monkeypatch):
+    """Commands that read a ledger and those that make one refuse a SQLite URL whose folder is missing the
+    same way, and none creates it."""
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
-    code, output = invoke(COMMANDS[command], {"DSOCR_DATABASE_URL": url})
+    code, output = invoke({**COMMANDS, **MAKING}[command], {"DSOCR_DATABASE_URL": url})
     assert code == 2, output
-    assert output.strip() == f"error: no dsocr database at {url}; run `dsocr run` or `dsocr db upgrade` first"
+    assert output.strip() == f"error: DSOCR_DATABASE_URL {url}: the folder {tmp_path / 'no' / 'such' / 'dir'} does not exist"
     assert not (tmp_path / "no").exists()
 
 
