@@ -132,9 +132,9 @@ def test_documented_names_exist():
 
 # --- code the documentation names by file and by class -------------------------------------------------
 
-# The documents that describe the code as it is now (docs/benchmarks.md is a dated record of runs).
+# The documents that describe the code as it is now (docs/history/ is the record of older runs).
 CURRENT_DOCS = [REPO / "README.md", REPO / "docs" / "architecture.md", REPO / "docs" / "reliability.md",
-                REPO / "benchmarks" / "README.md", REPO / "deploy" / "README.md"]  # fmt: skip
+                REPO / "docs" / "benchmarks.md", REPO / "benchmarks" / "README.md", REPO / "deploy" / "README.md"]
 # A package file (`farm/devices.py`, `dsocr_workers/settings.py`), and the code name that may follow it
 # (`farm/devices.py see_only_this_gpu`, `engine/session.py DeepSeekOCRSession.prefill`).
 PATH_AND_NAME = re.compile(
