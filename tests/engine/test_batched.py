@@ -17,7 +17,7 @@ from dsocr_workers.engine.batched import (
     ServingSummary,
     plan_kv,
 )
-from dsocr_workers.engine.batched.runner import buckets_for
+from dsocr_workers.engine.batched.scheduler import buckets_for
 from dsocr_workers.engine.batched.slots import FilledSlotsCache, ban_repeated_ngrams_rows
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
@@ -159,8 +159,8 @@ def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
 
 def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepared):
     """The fast engine's modules (fused projections, grouped experts: transformers' batched GEMMs on a
-    CPU) in the batched step, compiled (aot_eager: dynamo traces the batched step in one graph, dynamic in
-    the bucket), attending under a mask over the capacity (SDPA) and over each slot's filled blocks only
+    CPU) in the batched step, compiled with the backend its engine declares (aot_eager: dynamo traces the
+    batched step in one graph, dynamic in the bucket), attending under a mask over the capacity (SDPA) and over each slot's filled blocks only
     (FlexAttention, its batch every slot: the rows past the bucket read no block)."""
     fast = fast_on_cpu(session.source)
     options = DecodeOptions(ignore_eos=True)
@@ -168,7 +168,8 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
     graphs = torch._dynamo.utils.counters["stats"]
     for attention in ("masked", "filled"):
         before = graphs["unique_graphs"]
-        engine = engine_for(fast, prepared, 4, options, compiled=True, backend="aot_eager", attention=attention)
+        engine = engine_for(fast, prepared, 4, options, compiled=True, attention=attention)
+        assert engine.config.backend == fast.variant.compile_backend() == "aot_eager"
         first = engine.run(requests(prepared)[:1], 1)  # bucket 1
         assert by_request(first) == {0: expected[0]}
         # Bucket 2 before the full one, as the engine captures them on CUDA (smallest first).
@@ -178,7 +179,8 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert used == {1, 2, 4}, used
         # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
         assert graphs["unique_graphs"] - before == 2
-    assert engine_for(fast, prepared, 4, options).attention == "masked"  # the default on a CPU
+    default = engine_for(fast, prepared, 4, options).config  # on a CPU: eager, masked
+    assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
 

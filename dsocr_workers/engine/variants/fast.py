@@ -70,6 +70,8 @@ class FastEngine(Engine):
 
     name = "fast"
     needs_cuda = "compiled CUDA-graph decode"
+    compiles_batched_step = True
+    graphs_batched_step = True
 
     def kernels(self) -> dict[str, str]:
         # Imported here: Triton comes with CUDA builds of torch, and only this engine needs it.
@@ -104,6 +106,9 @@ class FastEngine(Engine):
             return Runners(Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs)
         return Runners(Vision(regions.encode_sam, regions.encode_clip, model.project),
                        RegionalPrefill(compiler), decode)  # fmt: skip
+
+    def compile_backend(self) -> str:
+        return self.compile.backend
 
     def compiled(self) -> InductorGraphs | None:
         if self.compile.decode_only or self.compile.backend != "inductor":
