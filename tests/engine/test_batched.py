@@ -18,7 +18,7 @@ from dsocr_workers.engine.batched import (
     plan_kv,
 )
 from dsocr_workers.engine.batched.scheduler import buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, ban_repeated_ngrams_rows
+from dsocr_workers.engine.batched.slots import FilledSlotsCache
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -279,7 +279,8 @@ def test_buckets_and_bad_arguments(session, prepared):
 
 
 @pytest.mark.parametrize(("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)])
-def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
+def test_the_ban_over_rows_bans_each_row_as_alone(n, window, whitelist):
+    """The batched step bans over every slot's row at once; the batch-1 step over its one buffer."""
     generator = torch.Generator().manual_seed(n)
     rows, capacity, vocab = 5, 40, 12
     tokens = torch.randint(0, 3, (rows, capacity), generator=generator)  # few ids: many repeats
@@ -287,8 +288,8 @@ def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
     prompt_length = torch.tensor([1, 3, 10, 20, 12])
     logits = torch.randn(rows, vocab, generator=generator)
     allowed = None if whitelist is None else torch.tensor(whitelist)
-    search_from = prompt_length if window is not None else None
-    batched = ban_repeated_ngrams_rows(logits, tokens, length, n, window, allowed, search_from)
+    search_from = prompt_length if window is not None else 0
+    batched = ban_repeated_ngrams(logits, tokens, length, n, window, allowed, search_from)
     for r in range(rows):
         single = ban_repeated_ngrams(logits[r:r + 1], tokens[r], length[r], n, window, allowed,
                                      prompt_length[r] if window is not None else 0)  # fmt: skip

@@ -45,7 +45,7 @@ from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.sampling import select_token
+from dsocr_workers.engine.sampling import ban_repeated_ngrams, select_token
 from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 
@@ -54,35 +54,6 @@ from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 SlotAttention = Literal["masked", "filled"]
 # FlexAttention's KV block: a slot's capacity is a whole number of them.
 KV_BLOCK = CAPACITY_ALIGN
-
-
-def ban_repeated_ngrams_rows(
-    logits: Tensor, tokens: Tensor, length: Tensor, n: int, window: int | None = None,
-    whitelist: Tensor | None = None, search_from: Tensor | None = None,
-) -> Tensor:  # fmt: skip
-    """`ban_repeated_ngrams` for R rows at once: logits [R, V], tokens [R, C], length [R] (int64),
-    search_from [R] or None (0). Row r bans exactly what `ban_repeated_ngrams(logits[r:r+1], tokens[r],
-    length[r], ...)` bans."""
-    if n <= 0:
-        return logits
-    rows, vocab = logits.shape
-    device = tokens.device
-    windows = tokens.unfold(1, n, 1)  # [R, C - n + 1, n]: every n-gram start of every row
-    starts = torch.arange(windows.shape[1], device=device).unsqueeze(0)
-    suffix_at = (length.unsqueeze(1) - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0)
-    suffix = tokens.gather(1, suffix_at)  # [R, n - 1]: what the next token would complete
-    valid = starts <= (length - n).unsqueeze(1)
-    if search_from is not None:
-        valid &= starts >= search_from.unsqueeze(1)
-    if window is not None:
-        valid &= starts >= (length - window).unsqueeze(1)
-    hit = valid & (windows[:, :, : n - 1] == suffix.unsqueeze(1)).all(dim=-1)
-    # Misses write to a spare column past the vocabulary, so every write is a True.
-    banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    banned.scatter_(1, torch.where(hit, windows[:, :, n - 1], vocab), True)
-    if whitelist is not None:
-        banned.index_fill_(1, whitelist, False)
-    return logits.masked_fill(banned[:, :vocab], float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -247,9 +218,9 @@ def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtyp
 
 def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitelist: Tensor | None) -> Tensor:
     """Ban repeated n-grams per row, pick each row's token, append it where the row is active. [n] int64."""
-    search_from = rows.prompt_length if options.ngram_window is not None else None
-    banned = ban_repeated_ngrams_rows(logits, rows.tokens, rows.length, options.no_repeat_ngram_size,
-                                      options.ngram_window, whitelist, search_from)  # fmt: skip
+    search_from = rows.prompt_length if options.ngram_window is not None else 0
+    banned = ban_repeated_ngrams(logits, rows.tokens, rows.length, options.no_repeat_ngram_size,
+                                 options.ngram_window, whitelist, search_from)
     chosen = select_token(banned, options).reshape(-1)
     # A free slot's length is 1: its write lands at index 1 of its own row and is never read.
     rows.tokens.scatter_(1, rows.length.unsqueeze(1), chosen.unsqueeze(1))

@@ -5,7 +5,7 @@ compiled decode step replayed as a CUDA graph. On a CPU the registry runs eager 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,11 +62,9 @@ def fast_vision_modules(model: DeepSeekOCR) -> None:
 
 @dataclass(frozen=True)
 class FastEngine(Engine):
-    """`compile`: what is compiled and how. `decode_function`: the decode step it compiles (a benchmark
-    may give another with decode_one_token's signature, e.g. one forcing an attention backend)."""
+    """`compile`: what is compiled and how."""
 
     compile: FastCompile = FastCompile()
-    decode_function: Callable[..., torch.Tensor] = field(default=decode_one_token)
 
     name = "fast"
     needs_cuda = "compiled CUDA-graph decode"
@@ -94,7 +92,7 @@ class FastEngine(Engine):
         regions, dynamo by default; AOTInductor packages built ahead (engine/coldstart/aoti.py)."""
         settings = self.compile
         compiler = compiler or TorchCompiler(settings.backend)
-        decode = compiler.region("decode_step", self.decode_function, mode=settings.decode_mode, fullgraph=True)
+        decode = compiler.region("decode_step", self.decode_function(), mode=settings.decode_mode, fullgraph=True)
         graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
@@ -106,6 +104,10 @@ class FastEngine(Engine):
             return Runners(Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs)
         return Runners(Vision(regions.encode_sam, regions.encode_clip, model.project),
                        RegionalPrefill(compiler), decode)  # fmt: skip
+
+    def decode_function(self) -> Callable[..., torch.Tensor]:
+        """The decode step it compiles (engine/generate.py); a subclass may compile another of its signature."""
+        return decode_one_token
 
     def compile_backend(self) -> str:
         return self.compile.backend
