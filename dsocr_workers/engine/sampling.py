@@ -86,11 +86,15 @@ class NGramBan:
         whitelist = None
         if options.ngram_whitelist:
             whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=device)
-        return cls(tokens, length, length.clone(), options.no_repeat_ngram_size, options.ngram_window, whitelist)
+        return cls(
+            tokens, length, length.clone(), options.no_repeat_ngram_size, options.ngram_window, whitelist
+        )
 
     def __call__(self, logits: Tensor) -> Tensor:
         search_from = self.prompt_length if self.window is not None else 0
-        return ban_repeated_ngrams(logits, self.tokens, self.length, self.n, self.window, self.whitelist, search_from)
+        return ban_repeated_ngrams(
+            logits, self.tokens, self.length, self.n, self.window, self.whitelist, search_from
+        )
 
     def append(self, token: Tensor) -> None:
         """Write the chosen token ([1] or 0-d int64, on the device) at `length` and advance it."""
@@ -101,8 +105,14 @@ class NGramBan:
 def step_key(options: DecodeOptions) -> tuple:
     """The options a decode step's code depends on (how a token is chosen, the n-gram ban): a compiled or
     graphed step serves every job whose key is the same, whatever its EOS, seed or repetition settings."""
-    return (options.temperature, options.top_p, options.top_k, options.no_repeat_ngram_size, options.ngram_window,
-            options.ngram_whitelist)  # fmt: skip
+    return (
+        options.temperature,
+        options.top_p,
+        options.top_k,
+        options.no_repeat_ngram_size,
+        options.ngram_window,
+        options.ngram_whitelist,
+    )
 
 
 def validate_options(options: DecodeOptions) -> None:
@@ -156,8 +166,8 @@ def select_token(logits: Tensor, options: DecodeOptions, generator: torch.Genera
 def first_argmax(scores: Tensor) -> Tensor:
     """torch.argmax(scores, dim=-1) for scores [1, V], in two stages: the vocabulary in ARGMAX_ROWS rows,
     each row's first maximum, then the first row holding the best of them: the same index, ties
-    included. Compiled, one argmax over 129k scores is a single program block (inductor does not split
-    an argmax): 27 µs of every decode step on an H200; rows reduce in parallel."""
+    included. Compiled, one argmax over the vocabulary is a single program block (inductor does not
+    split an argmax); rows reduce in parallel."""
     vocab = scores.shape[-1]
     if scores.shape[0] != 1 or vocab % ARGMAX_ROWS:
         return torch.argmax(scores, dim=-1)

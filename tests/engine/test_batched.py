@@ -26,8 +26,14 @@ from dsocr_workers.errors import InputError
 from tests.engine.test_session import fast_on_cpu, looping_head
 
 # (width, height, mode, max_new_tokens): prompts of 73 to ~500 tokens, budgets that end at other steps.
-PAGES = [(600, 480, "tiny", 24), (1000, 800, "small", 9), (1280, 640, "gundam", 30), (800, 600, "base", 17),
-         (640, 1280, "gundam", 5), (900, 700, "tiny", 21)]  # fmt: skip
+PAGES = [
+    (600, 480, "tiny", 24),
+    (1000, 800, "small", 9),
+    (1280, 640, "gundam", 30),
+    (800, 600, "base", 17),
+    (640, 1280, "gundam", 5),
+    (900, 700, "tiny", 21),
+]
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -54,8 +60,10 @@ _ALONE: dict[DecodeOptions, list[InferenceResult]] = {}
 def alone_results(session: DeepSeekOCRSession, options: DecodeOptions) -> list[InferenceResult]:
     """Each page through the batch-1 path (once per options: the module's session never changes)."""
     if options not in _ALONE:
-        _ALONE[options] = [session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
-                           for w, h, mode, tokens in PAGES]  # fmt: skip
+        _ALONE[options] = [
+            session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
+            for w, h, mode, tokens in PAGES
+        ]
     return _ALONE[options]
 
 
@@ -68,8 +76,14 @@ def requests(prepared) -> list[PageRequest]:
 
 
 def engine_for(session, prepared, max_batch: int, options: DecodeOptions, **kwargs) -> BatchedEngine:
-    return BatchedEngine.create(session, max_batch, max(p.prompt_tokens for p in prepared),
-                                max(t for *_, t in PAGES), options, **kwargs)  # fmt: skip
+    return BatchedEngine.create(
+        session,
+        max_batch,
+        max(p.prompt_tokens for p in prepared),
+        max(t for *_, t in PAGES),
+        options,
+        **kwargs,
+    )
 
 
 def by_request(outputs) -> dict[int, list[int]]:
@@ -78,7 +92,9 @@ def by_request(outputs) -> dict[int, list[int]]:
 
 OPTIONS = [
     pytest.param(DecodeOptions(ignore_eos=True), id="vendor-ban"),
-    pytest.param(DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7)), id="windowed-ban"),
+    pytest.param(
+        DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7)), id="windowed-ban"
+    ),
     pytest.param(DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True), id="no-ban-loop-stop"),
 ]
 
@@ -94,7 +110,9 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(session, prepared
     outputs = engine.run(requests(prepared), concurrency)
     assert by_request(outputs) == dict(enumerate(expected))
     references = alone_results(session, options)
-    assert {int(o.request_id): o.stop_reason for o in outputs} == {i: r.stop_reason for i, r in enumerate(references)}
+    assert {int(o.request_id): o.stop_reason for o in outputs} == {
+        i: r.stop_reason for i, r in enumerate(references)
+    }
     assert not engine.busy and engine.free_slots == 3
     # Joined at different steps: not every page was admitted by the first decode step.
     prefill_at = sorted(s.index for s in engine.steps if s.kind == "prefill")
@@ -278,7 +296,9 @@ def test_buckets_and_bad_arguments(session, prepared):
         engine_for(session, prepared, 2, DecodeOptions(temperature=-1))
 
 
-@pytest.mark.parametrize(("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)])
+@pytest.mark.parametrize(
+    ("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)]
+)
 def test_the_ban_over_rows_bans_each_row_as_alone(n, window, whitelist):
     """The batched step bans over every slot's row at once; the batch-1 step over its one buffer."""
     generator = torch.Generator().manual_seed(n)
@@ -291,20 +311,44 @@ def test_the_ban_over_rows_bans_each_row_as_alone(n, window, whitelist):
     search_from = prompt_length if window is not None else 0
     batched = ban_repeated_ngrams(logits, tokens, length, n, window, allowed, search_from)
     for r in range(rows):
-        single = ban_repeated_ngrams(logits[r:r + 1], tokens[r], length[r], n, window, allowed,
-                                     prompt_length[r] if window is not None else 0)  # fmt: skip
-        torch.testing.assert_close(batched[r:r + 1], single, rtol=0, atol=0)
+        single = ban_repeated_ngrams(
+            logits[r : r + 1],
+            tokens[r],
+            length[r],
+            n,
+            window,
+            allowed,
+            prompt_length[r] if window is not None else 0,
+        )
+        torch.testing.assert_close(batched[r : r + 1], single, rtol=0, atol=0)
     assert torch.isinf(batched).any()
 
 
-def _filled_step(keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, visible: torch.Tensor,
-                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _filled_step(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    visible: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:
     cache = FilledSlotsCache([keys], [values], length, visible)
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's decoding kernel"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's decoding kernel"
+            ),
+        ),
+    ],
+)
 def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device):
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
@@ -325,14 +369,23 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
         got = step(keys, values, length, visible, query, key, value)
         rows = torch.arange(len(lengths), device=device)
         expected_keys, expected_values = (c[: len(lengths)].clone() for c in cache)
-        expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = key[:, :, 0], value[:, :, 0]
+        expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = (
+            key[:, :, 0],
+            value[:, :, 0],
+        )
         mask = (torch.arange(capacity, device=device) < length.unsqueeze(1))[:, None, None, :]
-        expected = torch.nn.functional.scaled_dot_product_attention(query, expected_keys, expected_values, attn_mask=mask)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, expected_keys, expected_values, attn_mask=mask
+        )
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"lengths {lengths}")
-        assert torch.equal(keys[: len(lengths)], expected_keys) and torch.equal(keys[len(lengths):], cache[0][len(lengths):])
+        assert torch.equal(keys[: len(lengths)], expected_keys) and torch.equal(
+            keys[len(lengths) :], cache[0][len(lengths) :]
+        )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket"
+)
 @pytest.mark.parametrize("attention", ["masked", "filled"])
 def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
@@ -347,13 +400,21 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     prepared = [fast.prepare_job(page(w, h), None, mode, pinned=True).page for w, h, mode, _ in PAGES]
     assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
-    assert torch.equal(prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels)
-    expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
-    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention)
+    assert torch.equal(
+        prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels
+    )
+    expected = [
+        fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)
+    ]
+    engine = BatchedEngine.create(
+        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention
+    )
     assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32
     many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
     outputs = engine.run(many, 32)
-    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(48)}
+    assert {o.request_id: o.token_ids for o in outputs} == {
+        str(i): expected[i % len(PAGES)] for i in range(48)
+    }
     # The pages join one prefill at a time: the batch passes through several buckets up to the largest.
     decode_buckets = {s.bucket for s in engine.steps if s.kind == "decode"}
     assert 32 in decode_buckets and len(decode_buckets) >= 3, decode_buckets

@@ -43,7 +43,9 @@ class Page:
 
 
 def scheduler(slots: int = 3, options: DecodeOptions | None = None, max_new_tokens: int = 20) -> Scheduler:
-    return Scheduler(plan_kv(slots, 60, max_new_tokens, 1, None), options or DecodeOptions(ignore_eos=True), budget_rule)
+    return Scheduler(
+        plan_kv(slots, 60, max_new_tokens, 1, None), options or DecodeOptions(ignore_eos=True), budget_rule
+    )
 
 
 def request(name: str, new_tokens: int, prompt: int = 30) -> PageRequest:
@@ -69,7 +71,9 @@ class Device:
             self.at[plan.slot] = self.pending_name
             tokens = [self.outputs[self.pending_name].pop(0)]
         else:
-            tokens = [self.outputs[self.at[row]].pop(0) if row in plan.rows else 0 for row in range(plan.bucket)]
+            tokens = [
+                self.outputs[self.at[row]].pop(0) if row in plan.rows else 0 for row in range(plan.bucket)
+            ]
         self.unread.append((plan, tokens))
         self.sched.launched(plan)
 
@@ -106,7 +110,9 @@ def test_pages_take_the_lowest_free_slot_and_leave_at_their_budget():
     """A page's slot is free once its last step is launched, before its tokens are read: the next plan
     clears it, and the next page takes it."""
     sched = scheduler()
-    device = Device(sched, {"a": list(range(100, 103)), "b": list(range(200, 206)), "c": list(range(300, 302))})
+    device = Device(
+        sched, {"a": list(range(100, 103)), "b": list(range(200, 206)), "c": list(range(300, 302))}
+    )
     assert device.prefill("a", 3) == 0 and device.prefill("b", 6) == 1
     assert sched.free_slots == 1 and sched.in_flight == 2
     first = device.decode()
@@ -120,7 +126,9 @@ def test_pages_take_the_lowest_free_slot_and_leave_at_their_budget():
     device.read()
     events = sched.events([])
     assert [(o.request_id, o.token_ids, o.stop_reason) for o in events.finished] == [
-        ("a", [100, 101, 102], "max_new_tokens"), ("c", [300, 301], "max_new_tokens")]  # fmt: skip
+        ("a", [100, 101, 102], "max_new_tokens"),
+        ("c", [300, 301], "max_new_tokens"),
+    ]
     assert [t.tokens[0] for t in events.tokens if t.request_id == "b"] == [200, 201, 202, 203]
     while device.decode() is not None:
         pass
@@ -156,7 +164,9 @@ def test_a_late_eos_counts_the_steps_launched_meanwhile_as_wasted():
 
 
 def test_a_loop_is_seen_at_the_batch1_cadence():
-    sched = scheduler(slots=1, options=DecodeOptions(stop_on_repetition=True, ignore_eos=True), max_new_tokens=100)
+    sched = scheduler(
+        slots=1, options=DecodeOptions(stop_on_repetition=True, ignore_eos=True), max_new_tokens=100
+    )
     loop = [7, 8, 9] * 40
     device = Device(sched, {"a": list(loop)})
     device.prefill("a", 100)
@@ -205,5 +215,9 @@ def test_metrics_follow_the_read_back_times():
     assert b.token_s == [1.5, 2.5] and b.prefill_started_s == 1.0 and b.mean_occupancy == 2
     assert a.arrival_s <= a.admitted_s and a.itl_ms == [2000.0, 1000.0]
     assert [(s.index, s.kind, s.occupancy, s.bucket) for s in sched.steps] == [
-        (0, "prefill", 1, 1), (1, "prefill", 1, 1), (2, "decode", 2, 2), (3, "decode", 1, 1)]  # fmt: skip
+        (0, "prefill", 1, 1),
+        (1, "prefill", 1, 1),
+        (2, "decode", 2, 2),
+        (3, "decode", 1, 1),
+    ]
     assert sched.steps[0].prompt_tokens == 30

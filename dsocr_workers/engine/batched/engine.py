@@ -43,9 +43,12 @@ class BatchedEngine:
     """Continuous batching over a session's model: `add`/`submit` pages, `step()` until not `busy`."""
 
     def __init__(
-        self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions | None = None,
+        self,
+        session: DeepSeekOCRSession,
+        plan: KVPlan,
+        options: DecodeOptions | None = None,
         config: StepConfig | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Allocates the slots and captures the step's graphs as `config` says (`StepConfig.decide`:
         None, the session's defaults)."""
         options = options or DecodeOptions()
@@ -60,10 +63,17 @@ class BatchedEngine:
 
     @classmethod
     def create(
-        cls, session: DeepSeekOCRSession, max_batch: int, max_prompt_tokens: int, max_new_tokens: int,
-        options: DecodeOptions | None = None, reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-        compiled: bool | None = None, cuda_graphs: bool | None = None, attention: SlotAttention | None = None,
-    ) -> BatchedEngine:  # fmt: skip
+        cls,
+        session: DeepSeekOCRSession,
+        max_batch: int,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        options: DecodeOptions | None = None,
+        reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+        compiled: bool | None = None,
+        cuda_graphs: bool | None = None,
+        attention: SlotAttention | None = None,
+    ) -> BatchedEngine:
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
         does not hold them (`plan_kv`; the plan is `engine.plan`). `compiled`, `cuda_graphs`,
@@ -74,9 +84,20 @@ class BatchedEngine:
             session.synchronize()
             driver_free, _ = torch.cuda.mem_get_info(session.device)
             # What the caching allocator holds but no tensor uses is free to the cache too.
-            free = driver_free + torch.cuda.memory_reserved(session.device) - torch.cuda.memory_allocated(session.device)
-        plan = plan_kv(max_batch, max_prompt_tokens, max_new_tokens, SlotCache.bytes_per_position(session.model),
-                       free, reserve_bytes, session.max_positions)  # fmt: skip
+            free = (
+                driver_free
+                + torch.cuda.memory_reserved(session.device)
+                - torch.cuda.memory_allocated(session.device)
+            )
+        plan = plan_kv(
+            max_batch,
+            max_prompt_tokens,
+            max_new_tokens,
+            SlotCache.bytes_per_position(session.model),
+            free,
+            reserve_bytes,
+            session.max_positions,
+        )
         return cls(session, plan, options, config)
 
     # --- the API --------------------------------------------------------------------------------------

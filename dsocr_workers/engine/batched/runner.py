@@ -61,9 +61,12 @@ class StepConfig:
 
     @classmethod
     def decide(
-        cls, session: DeepSeekOCRSession, compiled: bool | None = None, cuda_graphs: bool | None = None,
+        cls,
+        session: DeepSeekOCRSession,
+        compiled: bool | None = None,
+        cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
-    ) -> StepConfig:  # fmt: skip
+    ) -> StepConfig:
         """None: the engine's defaults on this device (the session's `variant` declares what it allows).
         `compiled`: on CUDA where the engine compiles its batched step. `cuda_graphs`: on CUDA where its
         kernels allow them. `attention`: "filled" where the step is compiled on CUDA over the fast
@@ -75,14 +78,18 @@ class StepConfig:
         if cuda_graphs and not cuda:
             raise InputError("CUDA graphs need a CUDA device; the batched engine runs eager on a CPU")
         if cuda_graphs and not variant.graphs_batched_step:
-            raise InputError(f"the batched engine's CUDA graphs need kernels that read nothing back to the host; "
-                             f"the {variant.name} engine's do: load the session with another engine or pass "
-                             "cuda_graphs=False")  # fmt: skip
+            raise InputError(
+                f"the batched engine's CUDA graphs need kernels that read nothing back to the host; "
+                f"the {variant.name} engine's do: load the session with another engine or pass "
+                "cuda_graphs=False"
+            )
         if attention is None:
             attention = "filled" if cuda and compiled and reads_filled_slots(model) else "masked"
         if attention == "filled" and not reads_filled_slots(model):
-            raise InputError(f"reading only the slots' filled positions needs the fast engine's attention modules; "
-                             f"the {variant.name} engine's attend under a mask (attention='masked')")  # fmt: skip
+            raise InputError(
+                f"reading only the slots' filled positions needs the fast engine's attention modules; "
+                f"the {variant.name} engine's attend under a mask (attention='masked')"
+            )
         return cls(variant.compile_backend() if compiled else None, cuda_graphs, attention)
 
 
@@ -103,12 +110,14 @@ class BucketSteps:
     def __post_init__(self) -> None:
         backend = self.config.backend
         # fullgraph: a graph break would be a host round trip inside every step.
-        self._step = decode_slots if backend is None else torch.compile(decode_slots, fullgraph=True, backend=backend)
+        self._step = (
+            decode_slots if backend is None else torch.compile(decode_slots, fullgraph=True, backend=backend)
+        )
         if self.config.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()
         if self.config.attention == "filled":
-            # Its batch must stay static (slots.py says why), even after another engine's step compiled
-            # in this process with other shapes.
+            # Its batch must stay static (`FilledSlotsCache` says why), even where dynamo would make it
+            # dynamic because another engine's step compiled in this process.
             for tensor in (*self.cache.keys, *self.cache.values, self.state.visible):
                 torch._dynamo.mark_static(tensor)
 
@@ -116,7 +125,9 @@ class BucketSteps:
         rows = self.state.rows(n)
         bucketed = [rows.tokens, rows.length, rows.prompt_length, rows.active]
         visible = None
-        if self.config.attention == "filled":  # every slot's keys and values: the attention's batch stays fixed
+        if (
+            self.config.attention == "filled"
+        ):  # every slot's keys and values: the attention's batch stays fixed
             keys, values = self.cache.keys, self.cache.values
             self.state.refresh_visible()  # outside the compiled step, inside its CUDA graph
             visible = self.state.visible
@@ -170,7 +181,9 @@ class _InFlight:
 class BatchRunner:
     """Launches the scheduler's plans on the session's device and reads their tokens back."""
 
-    def __init__(self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions, config: StepConfig) -> None:
+    def __init__(
+        self, session: DeepSeekOCRSession, plan: KVPlan, options: DecodeOptions, config: StepConfig
+    ) -> None:
         """Allocates the slots' cache and state and the readback ring; `capture` records the graphs."""
         self.session, self.options, self.config = session, options, config
         self.cuda = session.device.type == "cuda"
@@ -185,7 +198,9 @@ class BatchRunner:
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
         self._nvtx: dict[str, object] = {}
         # Vision's stage ranges (NVTX only: the step's own events time it).
-        self._vision_clock = StageClock(session.device, nvtx_enabled=session.instrumented, timing_enabled=False)
+        self._vision_clock = StageClock(
+            session.device, nvtx_enabled=session.instrumented, timing_enabled=False
+        )
         self._anchor_s = 0.0
         self._anchor: torch.cuda.Event | None = None
 
@@ -199,7 +214,9 @@ class BatchRunner:
 
     def capture(self, buckets: tuple[int, ...]) -> None:
         """Every bucket's graph (where graphs are on), then the clock anchor."""
-        with torch.inference_mode():  # as every step runs: no autograd graph to trace (the expert ops have none)
+        with (
+            torch.inference_mode()
+        ):  # as every step runs: no autograd graph to trace (the expert ops have none)
             self.steps.capture(buckets)
         self._set_anchor()
 

@@ -208,7 +208,9 @@ class Scheduler:
     def admit(self, request: PageRequest) -> Admission:
         """The page's budget, checked against a slot (`PageRefused` where it cannot fit)."""
         if request.arrival_s is None:
-            request = PageRequest(request.request_id, request.page, request.max_new_tokens, time.perf_counter())
+            request = PageRequest(
+                request.request_id, request.page, request.max_new_tokens, time.perf_counter()
+            )
         wanted = self.plan.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
         budget, ceiling = self.budget_rule(request.page.prompt_tokens, wanted)
         self.plan.check_fits(request.page.prompt_tokens, budget)
@@ -228,7 +230,9 @@ class Scheduler:
         assert admission.request.arrival_s is not None  # set by `admit`
         metrics = SequenceMetrics(admission.request.arrival_s, time.perf_counter())
         self._slots[slot] = _Sequence(admission, slot, metrics)
-        return PrefillPlan(self._step_index, slot, admission.request.page, admission.budget, self._take_clear())
+        return PrefillPlan(
+            self._step_index, slot, admission.request.page, admission.budget, self._take_clear()
+        )
 
     def failed(self, plan: PrefillPlan) -> None:
         """The prefill raised: its slot is free again (and reset), the other pages go on."""
@@ -239,7 +243,9 @@ class Scheduler:
 
     def _decoding(self) -> list[tuple[int, _Sequence]]:
         """(slot, page) of the pages with steps left to launch."""
-        return sorted((slot, s) for slot, s in self._slots.items() if not s.done and s.launched < s.budget - 1)
+        return sorted(
+            (slot, s) for slot, s in self._slots.items() if not s.done and s.launched < s.budget - 1
+        )
 
     def plan_decode(self) -> DecodePlan | None:
         """One decode step over the bucket that covers every page with steps left; None: there is none."""
@@ -285,8 +291,18 @@ class Scheduler:
         occupancy = len(launch.occupants)
         bucket = plan.bucket if isinstance(plan, DecodePlan) else 1
         prompt = plan.page.prompt_tokens if isinstance(plan, PrefillPlan) else 0
-        self.steps.append(StepRecord(plan.index, kind, occupancy, bucket, readback.started_s, readback.ended_s,
-                                     prompt, readback.vision_ms))  # fmt: skip
+        self.steps.append(
+            StepRecord(
+                plan.index,
+                kind,
+                occupancy,
+                bucket,
+                readback.started_s,
+                readback.ended_s,
+                prompt,
+                readback.vision_ms,
+            )
+        )
         for row, sequence in launch.occupants:
             if sequence.done:  # a step launched before its stop was read: wasted
                 continue
@@ -319,8 +335,17 @@ class Scheduler:
         page = sequence.request.page
         # Its decode steps launched and not read yet: computed past its end.
         wasted = sequence.launched - (len(sequence.tokens) - 1)
-        return BatchedOutput(sequence.request.request_id, list(sequence.tokens), reason, page.prompt_tokens,
-                             page.image_tokens, page.crop_grid, page.mode.name, wasted, sequence.metrics)
+        return BatchedOutput(
+            sequence.request.request_id,
+            list(sequence.tokens),
+            reason,
+            page.prompt_tokens,
+            page.image_tokens,
+            page.crop_grid,
+            page.mode.name,
+            wasted,
+            sequence.metrics,
+        )
 
     def events(self, admitted: list[tuple[str, int]]) -> StepEvents:
         """What was read back since the last call, with the pages `admitted` meanwhile."""

@@ -37,8 +37,11 @@ class Vision:
     def per_group(cls, model: DeepSeekOCR) -> Vision:
         """The model's own methods, one call per view group."""
         sam, clip = model.encode_sam, model.encode_clip
-        return cls(lambda groups: [sam(g) for g in groups], lambda features: [clip(f) for f in features],
-                   model.project)  # fmt: skip
+        return cls(
+            lambda groups: [sam(g) for g in groups],
+            lambda features: [clip(f) for f in features],
+            model.project,
+        )
 
 
 @dataclass(frozen=True)
