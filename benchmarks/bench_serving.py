@@ -40,7 +40,8 @@ The bandwidth arithmetic (per decode step of b pages):
 
     python benchmarks/bench_serving.py --out $OUT --budget-s 330                      # one H100 / H200
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
-        --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --out /tmp/serving  # CPU smoke
+        --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --attention masked \\
+        --out /tmp/serving  # CPU smoke
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ from dsocr_workers.engine.batched import (
     ServingSummary,
     plan_kv,
 )
-from dsocr_workers.engine.batched.scheduler import buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache
+from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
+from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -259,6 +260,35 @@ def test_metrics_per_page_and_per_step(session, prepared):
     assert summary.prefill_steps == len(PAGES) and summary.decode_steps == len(decodes)
     assert 0 < summary.decode_share < 1 and summary.itl_ms["p50"] is not None
     assert summary.ttft_ms["p50"] <= summary.ttft_ms["p99"]
+
+
+def test_the_runner_runs_plans_without_a_scheduler(session, prepared):
+    """The runner alone, handed plans by hand: a page prefilled into slot 1 and decoded in bucket 2
+    (slot 0, never filled, computes a throwaway row) reads back its batch-1 tokens; a cleared slot
+    decodes nothing more, and the next page in it decodes its own tokens."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    kv = plan_kv(2, max(p.prompt_tokens for p in prepared), 30, SlotCache.bytes_per_position(session.model), None)
+    runner = BatchRunner(session, kv, options, StepConfig.decide(session))
+    runner.capture((1, 2))
+    index = 0
+
+    def decode(page: int, budget: int, clear: tuple[int, ...]) -> list[int]:
+        nonlocal index
+        runner.launch(PrefillPlan(index, 1, prepared[page], budget, clear))
+        index += 1
+        tokens = [t for readback in runner.collect(wait_beyond=None) for t in readback.tokens]
+        for _ in range(budget - 1):
+            runner.launch(DecodePlan(index, (1,), 2, ()))
+            index += 1
+            (readback,) = runner.collect(wait_beyond=None)
+            assert readback.index == index - 1 and len(readback.tokens) == 2
+            tokens.append(readback.tokens[1])
+        return tokens
+
+    assert decode(0, PAGES[0][3], ()) == expected[0]
+    assert decode(3, PAGES[3][3], (1,)) == expected[3]
+    assert runner.unread == 0 and not runner.cuda_graphs and runner.captured == 0
 
 
 def test_the_kv_plan_follows_the_budget_and_the_free_memory():
