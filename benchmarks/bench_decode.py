@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,16 @@ def math_attention_step(*args: Any) -> torch.Tensor:
         return decode_one_token(*args)
 
 
+class MathAttentionEngine(FastEngine):
+    """fast_math: the fast engine compiling a decode step that forces the math attention backend."""
+
+    def decode_function(self) -> Callable[..., torch.Tensor]:
+        return math_attention_step
+
+
 def build_variant(name: str, model: str, device: str) -> DeepSeekOCRSession:
     if name.startswith("fast"):
-        # fast_math: the fast engine compiling a decode step that forces the math attention backend.
-        engine = FastEngine(decode_function=math_attention_step) if name == "fast_math" else FastEngine()
+        engine = MathAttentionEngine() if name == "fast_math" else FastEngine()
         return DeepSeekOCRSession.from_local(model, device=device, dtype=torch.bfloat16, engine=engine)
     loaded = build_preset(model, seed=0, device=torch.device(device), dtype=torch.bfloat16,
                           attn_implementation="sdpa", experts_implementation="grouped_mm")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Batched serving on one GPU (issue 34 items 1, 3, 4): the batched engine's throughput and latency
+"""Batched serving on one GPU: the batched engine's throughput and latency
 over a sweep of concurrency levels, beside the batch-1 path in the same process.
 
 One process, one device:
@@ -40,7 +40,8 @@ The bandwidth arithmetic (per decode step of b pages):
 
     python benchmarks/bench_serving.py --out $OUT --budget-s 330                      # one H100 / H200
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
-        --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --out /tmp/serving  # CPU smoke
+        --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --attention masked \\
+        --out /tmp/serving  # CPU smoke
 """
 
 from __future__ import annotations
@@ -104,31 +105,51 @@ def weight_bytes(session: DeepSeekOCRSession) -> dict[str, Any]:
     fixed += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     moe_layers = text.num_hidden_layers - text.first_k_dense_replace
     expert_bytes = experts_params // max(moe_layers * text.n_routed_experts, 1)
-    return {"fixed_bytes": fixed, "expert_bytes": expert_bytes, "moe_layers": moe_layers,
-            "experts": text.n_routed_experts, "experts_per_token": text.num_experts_per_tok,
-            "embedding_row_bytes": text.hidden_size * model.lm_head.weight.element_size()}  # fmt: skip
+    return {
+        "fixed_bytes": fixed,
+        "expert_bytes": expert_bytes,
+        "moe_layers": moe_layers,
+        "experts": text.n_routed_experts,
+        "experts_per_token": text.num_experts_per_tok,
+        "embedding_row_bytes": text.hidden_size * model.lm_head.weight.element_size(),
+    }
 
 
-def step_bound(weights: dict[str, Any], occupancy: float, kv_positions: float, per_position: int,
-               peak_bytes_per_s: float | None) -> dict[str, float | None]:  # fmt: skip
+def step_bound(
+    weights: dict[str, Any],
+    occupancy: float,
+    kv_positions: float,
+    per_position: int,
+    peak_bytes_per_s: float | None,
+) -> dict[str, float | None]:
     """The bytes one decode step of `occupancy` pages reads (the weights, and `kv_positions` of KV) and
     the time the bandwidth allows for it (None where the peak bandwidth is unknown: a CPU, an unlisted
     GPU without --peak-tbps)."""
     e, k = weights["experts"], weights["experts_per_token"]
     touched = e * (1 - (1 - k / e) ** occupancy)
-    weights_read = (weights["fixed_bytes"] + weights["moe_layers"] * touched * weights["expert_bytes"]
-                    + occupancy * weights["embedding_row_bytes"])  # fmt: skip
+    weights_read = (
+        weights["fixed_bytes"]
+        + weights["moe_layers"] * touched * weights["expert_bytes"]
+        + occupancy * weights["embedding_row_bytes"]
+    )
     kv_read = kv_positions * per_position
     bound_ms = None if peak_bytes_per_s is None else (weights_read + kv_read) / peak_bytes_per_s * 1e3
-    return {"experts_touched_per_layer": touched, "weights_read_gb": weights_read / 1e9, "kv_read_gb": kv_read / 1e9,
-            "bound_step_ms": bound_ms, "bound_tokens_per_s": None if bound_ms is None else occupancy / bound_ms * 1e3}
+    return {
+        "experts_touched_per_layer": touched,
+        "weights_read_gb": weights_read / 1e9,
+        "kv_read_gb": kv_read / 1e9,
+        "bound_step_ms": bound_ms,
+        "bound_tokens_per_s": None if bound_ms is None else occupancy / bound_ms * 1e3,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # the parts
 
 
-def load_pages(session: DeepSeekOCRSession, lists: list[str], mode: str, max_crops: int) -> tuple[list, list[str]]:
+def load_pages(
+    session: DeepSeekOCRSession, lists: list[str], mode: str, max_crops: int
+) -> tuple[list, list[str]]:
     """(name, prepared page) for every readable page of the lists, and what was left out."""
     pages, left_out = [], []
     for listed in lists:
@@ -137,16 +158,23 @@ def load_pages(session: DeepSeekOCRSession, lists: list[str], mode: str, max_cro
             left_out.append(filelist.describe_bad())
         for image in filelist.images:
             # Pinned, as the farm's batched jobs prepare them (farm/job/batched.py).
-            prepared = session.prepare_job(image.path, None, mode, max_crops=max_crops, pinned=True,
-                                           clock=session.new_clock(marks_steps=False))
+            prepared = session.prepare_job(
+                image.path,
+                None,
+                mode,
+                max_crops=max_crops,
+                pinned=True,
+                clock=session.new_clock(marks_steps=False),
+            )
             pages.append((image.image, prepared.page))
     if not pages:
         raise SystemExit(f"no readable page in {', '.join(lists)}:\n" + "\n".join(left_out))
     return pages, left_out
 
 
-def warm_batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int,
-                options: DecodeOptions) -> float:  # fmt: skip
+def warm_batch1(
+    session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int, options: DecodeOptions
+) -> float:
     """Every page once through the batch-1 path with the timed jobs' cache bucket and decode step
     (EOS forced early): vision per page shape, the LM prefill per prompt length, the decode step."""
     start = time.perf_counter()
@@ -157,8 +185,9 @@ def warm_batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage
     return time.perf_counter() - start
 
 
-def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int,
-           options: DecodeOptions) -> tuple[dict[str, Any], dict[str, list[int]]]:  # fmt: skip
+def batch1(
+    session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], tokens: int, options: DecodeOptions
+) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """The batch-1 path on `pages`, one after another: output tokens/s over the sum of e2e, TTFT, TPOT."""
     results: list[InferenceResult] = []
     sync()
@@ -171,55 +200,105 @@ def batch1(session: DeepSeekOCRSession, pages: list[tuple[str, PreparedPage]], t
     tpot = [r.timings.decode_ms / (len(r.token_ids) - 1) for r in results if len(r.token_ids) > 1]
     steps = [ms for r in results for ms in r.timings.decode_step_ms]
     summary = {
-        "pages": len(results), "output_tokens": produced, "wall_s": wall, "output_tokens_per_s": produced / wall,
-        "request_throughput": len(results) / wall, "ttft_ms": percentiles([r.timings.ttft_ms for r in results]),
-        "tpot_ms": percentiles(tpot), "itl_ms": percentiles(steps),
+        "pages": len(results),
+        "output_tokens": produced,
+        "wall_s": wall,
+        "output_tokens_per_s": produced / wall,
+        "request_throughput": len(results) / wall,
+        "ttft_ms": percentiles([r.timings.ttft_ms for r in results]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(steps),
         "e2e_ms": percentiles([r.timings.e2e_ms for r in results]),
-    }  # fmt: skip
+    }
     return summary, {name: r.token_ids for (name, _), r in zip(pages, results, strict=True)}
 
 
-def start_engine(session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]],
-                 args: argparse.Namespace, options: DecodeOptions,
-                 attention: SlotAttention) -> tuple[BatchedEngine, dict[str, Any]]:  # fmt: skip
+def start_engine(
+    session: DeepSeekOCRSession,
+    concurrency: int,
+    pages: list[tuple[str, PreparedPage]],
+    args: argparse.Namespace,
+    options: DecodeOptions,
+    attention: SlotAttention,
+) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
     where the free memory does not hold them), its buckets up to that; then a short round to settle it
     (the allocator, the first joins) before timing. The step compiled for the first engine serves the
     next ones (one graph dynamic in the batch): a later engine costs its captures. Returns the engine and
     what to report of it."""
     start = time.perf_counter()
-    engine = BatchedEngine.create(session, concurrency, max(p.prompt_tokens for _, p in pages), args.tokens, options,
-                                  reserve_bytes=int(args.reserve_gib * 2**30),
-                                  compiled=False if args.eager_step else None,
-                                  cuda_graphs=False if args.no_graphs else None, attention=attention)  # fmt: skip
+    engine = BatchedEngine.create(
+        session,
+        concurrency,
+        max(p.prompt_tokens for _, p in pages),
+        args.tokens,
+        options,
+        reserve_bytes=int(args.reserve_gib * 2**30),
+        compiled=False if args.eager_step else None,
+        cuda_graphs=False if args.no_graphs else None,
+        attention=attention,
+    )
     sync()
     record = dict(
-        attention=attention, slots=engine.plan.slots, compile_and_capture_s=time.perf_counter() - start,
+        attention=attention,
+        slots=engine.plan.slots,
+        compile_and_capture_s=time.perf_counter() - start,
         plan=engine.plan.describe(),
-        step="eager" if args.eager_step else "compiled", cuda_graphs=engine.runner.cuda_graphs,
-        kv_plan=engine.plan.__dict__, buckets=list(engine.buckets), graphs=engine.runner.captured)  # fmt: skip
-    engine.run([PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], min(4, concurrency))
+        step="eager" if args.eager_step else "compiled",
+        cuda_graphs=engine.runner.cuda_graphs,
+        kv_plan=engine.plan.__dict__,
+        buckets=list(engine.buckets),
+        graphs=engine.runner.captured,
+    )
+    engine.run(
+        [PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], min(4, concurrency)
+    )
     return engine, record
 
 
 def engine_level(
-    session: DeepSeekOCRSession, concurrency: int, pages: list[tuple[str, PreparedPage]], args: argparse.Namespace,
-    options: DecodeOptions, attention: SlotAttention, weights: dict[str, Any], peak: float | None,
-) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:  # fmt: skip
+    session: DeepSeekOCRSession,
+    concurrency: int,
+    pages: list[tuple[str, PreparedPage]],
+    args: argparse.Namespace,
+    options: DecodeOptions,
+    attention: SlotAttention,
+    weights: dict[str, Any],
+    peak: float | None,
+) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
     """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
     engine, the level's row (or why it was skipped) and its outputs."""
     engine, record = start_engine(session, concurrency, pages, args, options, attention)
     if concurrency > engine.plan.slots:
-        return record, {"concurrency": concurrency, "attention": attention,
-                        "skipped": f"only {engine.plan.slots} slots fit"}, []  # fmt: skip
-    row, outputs = level(engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens, weights, peak)
+        return (
+            record,
+            {
+                "concurrency": concurrency,
+                "attention": attention,
+                "skipped": f"only {engine.plan.slots} slots fit",
+            },
+            [],
+        )
+    row, outputs = level(
+        engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens, weights, peak
+    )
     return record, row, outputs
 
 
-def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurrency: int, requests: int,
-          tokens: int, weights: dict[str, Any], peak: float | None) -> tuple[dict[str, Any], list[BatchedOutput]]:  # fmt: skip
+def level(
+    engine: BatchedEngine,
+    pages: list[tuple[str, PreparedPage]],
+    concurrency: int,
+    requests: int,
+    tokens: int,
+    weights: dict[str, Any],
+    peak: float | None,
+) -> tuple[dict[str, Any], list[BatchedOutput]]:
     """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
-    asked = [PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens) for i in range(requests)]
+    asked = [
+        PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens)
+        for i in range(requests)
+    ]
     first_step = len(engine.steps)
     sync()
     start = time.perf_counter()
@@ -233,21 +312,39 @@ def level(engine: BatchedEngine, pages: list[tuple[str, PreparedPage]], concurre
     bucket = sum(s.bucket for s in decode) / len(decode)
     step_ms = sum(s.ms for s in decode) / len(decode)
     if engine.attention == "filled":
-        mean_length = sum(o.prompt_tokens + len(o.token_ids) / 2 for o in outputs) / len(outputs) + KV_BLOCK / 2
+        mean_length = (
+            sum(o.prompt_tokens + len(o.token_ids) / 2 for o in outputs) / len(outputs) + KV_BLOCK / 2
+        )
         positions = occupancy * mean_length + (bucket - occupancy) * KV_BLOCK
     else:
         positions = bucket * engine.plan.capacity
     bound = step_bound(weights, occupancy, positions, engine.plan.bytes_per_position, peak)
-    report = {"concurrency": concurrency, "attention": engine.attention, "requests": requests, "wall_s": wall,
-              **summary.__dict__,
-              "decode_tokens_per_s": occupancy / step_ms * 1e3, "mean_decode_step_ms": step_ms,
-              "mean_occupancy": occupancy, "mean_bucket": bucket, **bound,
-              "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
-              "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
-              "per_page": [{"request": o.request_id, "ttft_ms": o.metrics.ttft_ms, "tpot_ms": o.metrics.tpot_ms,
-                            "e2e_ms": o.metrics.e2e_ms, "queue_wait_ms": o.metrics.queue_wait_ms,
-                            "mean_occupancy": o.metrics.mean_occupancy, "tokens": len(o.token_ids)}
-                           for o in outputs]}  # fmt: skip
+    report = {
+        "concurrency": concurrency,
+        "attention": engine.attention,
+        "requests": requests,
+        "wall_s": wall,
+        **summary.__dict__,
+        "decode_tokens_per_s": occupancy / step_ms * 1e3,
+        "mean_decode_step_ms": step_ms,
+        "mean_occupancy": occupancy,
+        "mean_bucket": bucket,
+        **bound,
+        "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
+        "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
+        "per_page": [
+            {
+                "request": o.request_id,
+                "ttft_ms": o.metrics.ttft_ms,
+                "tpot_ms": o.metrics.tpot_ms,
+                "e2e_ms": o.metrics.e2e_ms,
+                "queue_wait_ms": o.metrics.queue_wait_ms,
+                "mean_occupancy": o.metrics.mean_occupancy,
+                "tokens": len(o.token_ids),
+            }
+            for o in outputs
+        ],
+    }
     return report, outputs
 
 
@@ -269,19 +366,27 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 
 def markdown(report: dict[str, Any]) -> str:
     env, setup = report["environment"], report.get("setup", {})
-    lines = [f"# Batched serving, {env.get('gpu', 'CPU')} ({env['date']})", "",
-             f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
-             f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
-             f"{setup.get('tokens')} output tokens each (EOS ignored)", ""]  # fmt: skip
+    lines = [
+        f"# Batched serving, {env.get('gpu', 'CPU')} ({env['date']})",
+        "",
+        f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
+        f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
+        f"{setup.get('tokens')} output tokens each (EOS ignored)",
+        "",
+    ]
     for built in setup.get("engines", []):
-        lines.append(f"- Batched engine of {built['slots']} slots, {built['attention']} attention: KV plan {built['plan']}; "
-                     f"decode step compiled and captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s")  # fmt: skip
+        lines.append(
+            f"- Batched engine of {built['slots']} slots, {built['attention']} attention: KV plan {built['plan']}; "
+            f"decode step compiled and captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s"
+        )
     if setup.get("engines"):
         lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
-    header = ("| concurrency | attention | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
-              "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
-              "of bound | prefill share |")  # fmt: skip
+    header = (
+        "| concurrency | attention | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+        "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
+        "of bound | prefill share |"
+    )
     lines += [header, "|" + "---|" * 13]
 
     def triple(stats: dict[str, Any]) -> str:
@@ -289,24 +394,32 @@ def markdown(report: dict[str, Any]) -> str:
 
     base = report.get("batch1")
     if base and "output_tokens_per_s" in base:
-        lines.append(f"| batch-1 path | - | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
-                     f"{fmt(base['request_throughput'], 3)} | {triple(base['ttft_ms'])} | {triple(base['tpot_ms'])} | "
-                     f"{triple(base['itl_ms'])} | 1 | - | - | - | - |")  # fmt: skip
+        lines.append(
+            f"| batch-1 path | - | {base['pages']} | {fmt(base['output_tokens_per_s'], 0)} | "
+            f"{fmt(base['request_throughput'], 3)} | {triple(base['ttft_ms'])} | {triple(base['tpot_ms'])} | "
+            f"{triple(base['itl_ms'])} | 1 | - | - | - | - |"
+        )
     for row in report["levels"]:
         if "error" in row or "skipped" in row:
-            lines.append(f"| {row['concurrency']} | {row.get('attention')} | {row.get('error') or row.get('skipped')} |")
+            lines.append(
+                f"| {row['concurrency']} | {row.get('attention')} | {row.get('error') or row.get('skipped')} |"
+            )
             continue
         lines.append(
             f"| {row['concurrency']} | {row['attention']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
             f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
-            f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |")
+            f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |"
+        )
     for attention in dict.fromkeys(row.get("attention") for row in report["levels"]):
         lines += best_line(report, attention)
     for attention, a in report.get("agreement", {}).items():
-        lines += ["", f"Batched ({attention}) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
-                  f"{a.get('concurrency')}): {a['equal']} of {a['compared']} pages equal; first differences at "
-                  f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}"]  # fmt: skip
+        lines += [
+            "",
+            f"Batched ({attention}) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
+            f"{a.get('concurrency')}): {a['equal']} of {a['compared']} pages equal; first differences at "
+            f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}",
+        ]
     if report.get("left_out"):
         lines += ["", "Pages left out:", "```", *report["left_out"], "```"]
     return "\n".join(lines) + "\n"
@@ -316,21 +429,26 @@ def best_line(report: dict[str, Any], attention: str | None) -> list[str]:
     """The best output tokens/s of the levels with `attention`, against the targets, with its bound's
     arithmetic; and the best such level whose TPOT p50 meets its target."""
     setup = report.get("setup", {})
-    ran = [row for row in report["levels"] if "output_tokens_per_s" in row and row.get("attention") == attention]
+    ran = [
+        row for row in report["levels"] if "output_tokens_per_s" in row and row.get("attention") == attention
+    ]
     lines: list[str] = []
     within = [row for row in ran if (row["tpot_ms"]["p50"] or 0) <= TARGET_TPOT_P50_MS]
     for label, rows in (("Best", ran), ("Best with TPOT p50 within its target", within)):
         if not rows:
             continue
         best = max(rows, key=lambda row: row["output_tokens_per_s"])
-        lines += ["", f"{label} ({attention}): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
-                  f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
-                  f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
-                  f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
-                  f"Bound at that point: {best['weights_read_gb']:.2f} GB of weights "
-                  f"({best['experts_touched_per_layer']:.1f} experts per MoE layer) + {best['kv_read_gb']:.2f} GB of KV "
-                  f"per step over {report.get('peak_tbps')} TB/s = {fmt(best['bound_step_ms'])} ms for "
-                  f"{best['mean_occupancy']:.1f} pages"]  # fmt: skip
+        lines += [
+            "",
+            f"{label} ({attention}): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
+            f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
+            f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
+            f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
+            f"Bound at that point: {best['weights_read_gb']:.2f} GB of weights "
+            f"({best['experts_touched_per_layer']:.1f} experts per MoE layer) + {best['kv_read_gb']:.2f} GB of KV "
+            f"per step over {report.get('peak_tbps')} TB/s = {fmt(best['bound_step_ms'])} ms for "
+            f"{best['mean_occupancy']:.1f} pages",
+        ]
     return lines
 
 
@@ -347,7 +465,9 @@ def write(report: dict[str, Any], out: Path | None) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="full")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None)
@@ -359,11 +479,18 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
-    parser.add_argument("--attention", default="filled",
-                        help="how a decode step reads the slots (engine/batched/slots.py): filled (the engine's default on CUDA), masked, or both "
-                             "(masked,filled: each level on an engine of each, side by side)")
-    parser.add_argument("--eager-step", action="store_true", help="the batched step uncompiled (still graphed)")
-    parser.add_argument("--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)")
+    parser.add_argument(
+        "--attention",
+        default="filled",
+        help="how a decode step reads the slots (engine/batched/slots.py): filled (the engine's default on CUDA), masked, or both "
+        "(masked,filled: each level on an engine of each, side by side)",
+    )
+    parser.add_argument(
+        "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
+    )
+    parser.add_argument(
+        "--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)"
+    )
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--peak-tbps", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no level past this many seconds")
@@ -377,15 +504,32 @@ def main() -> int:
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
     env = environment()
     peak_tbps = args.peak_tbps or next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
-    session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=args.dtype,
-                                            engine="fast" if args.device.startswith("cuda") else "eager")  # fmt: skip
-    report: dict[str, Any] = {"environment": env, "model": session.source.label, "engine": session.engine,
-                              "dtype": str(session.dtype).removeprefix("torch."), "peak_tbps": peak_tbps,
-                              "options": options.__dict__, "levels": [], "setup": {}}  # fmt: skip
-    pages, report["left_out"] = load_pages(session, args.pages or list(DEFAULT_PAGES), args.mode, args.max_crops)
+    session = DeepSeekOCRSession.from_local(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        engine="fast" if args.device.startswith("cuda") else "eager",
+    )
+    report: dict[str, Any] = {
+        "environment": env,
+        "model": session.source.label,
+        "engine": session.engine,
+        "dtype": str(session.dtype).removeprefix("torch."),
+        "peak_tbps": peak_tbps,
+        "options": options.__dict__,
+        "levels": [],
+        "setup": {},
+    }
+    pages, report["left_out"] = load_pages(
+        session, args.pages or list(DEFAULT_PAGES), args.mode, args.max_crops
+    )
     setup = report["setup"]
-    setup.update(pages=len(pages), mode=args.mode, tokens=args.tokens,
-                 prompt_tokens=percentiles([p.prompt_tokens for _, p in pages]))
+    setup.update(
+        pages=len(pages),
+        mode=args.mode,
+        tokens=args.tokens,
+        prompt_tokens=percentiles([p.prompt_tokens for _, p in pages]),
+    )
     setup["batch1_warmup_s"] = warm_batch1(session, pages, args.tokens, options)
     write(report, args.out)
     report["batch1"], alone = batch1(session, pages[: args.batch1_pages], args.tokens, options)
@@ -398,25 +542,42 @@ def main() -> int:
     for concurrency in levels:
         for attention in attentions:
             if time.perf_counter() - began > args.budget_s:
-                report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                         "skipped": f"past --budget-s {args.budget_s:.0f}"})  # fmt: skip
+                report["levels"].append(
+                    {
+                        "concurrency": concurrency,
+                        "attention": attention,
+                        "skipped": f"past --budget-s {args.budget_s:.0f}",
+                    }
+                )
                 continue
             try:
-                record, row, outputs = engine_level(session, concurrency, pages, args, options, attention, weights, peak)
+                record, row, outputs = engine_level(
+                    session, concurrency, pages, args, options, attention, weights, peak
+                )
                 setup["engines"].append(record)
                 report["levels"].append(row)
                 if outputs:
                     last[attention] = (concurrency, outputs)
             except Exception:  # a level that fails is recorded; the others still run
-                report["levels"].append({"concurrency": concurrency, "attention": attention,
-                                         "error": traceback.format_exc(limit=4)})  # fmt: skip
+                report["levels"].append(
+                    {
+                        "concurrency": concurrency,
+                        "attention": attention,
+                        "error": traceback.format_exc(limit=4),
+                    }
+                )
             gc.collect()  # the level's engine, its KV cache and graphs, before the next one's are allocated
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            print(f"concurrency {concurrency}, {attention}: done at {time.perf_counter() - began:.0f} s", flush=True)
+            print(
+                f"concurrency {concurrency}, {attention}: done at {time.perf_counter() - began:.0f} s",
+                flush=True,
+            )
             write(report, args.out)
-    report["agreement"] = {attention: {"concurrency": at, **agreement(outputs, alone)}
-                           for attention, (at, outputs) in last.items()}  # fmt: skip
+    report["agreement"] = {
+        attention: {"concurrency": at, **agreement(outputs, alone)}
+        for attention, (at, outputs) in last.items()
+    }
     report["wall_s"] = time.perf_counter() - began
     write(report, args.out)
     print(markdown(report))

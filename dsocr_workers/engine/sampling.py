@@ -29,34 +29,36 @@ def ban_repeated_ngrams(
     whitelist: Tensor | None = None,
     search_from: Tensor | int = 0,
 ) -> Tensor:
-    """Set to -inf every token that would complete an n-gram already in `tokens[:length]`.
+    """Set to -inf, row by row, every token that would complete an n-gram already in `tokens[:length]`.
 
-    logits: [1, V] scores for the next token. tokens: [C] int64 ids (prompt then output), valid up to
-    `length` (a 0-d int64 tensor; whatever lies beyond must still be ids in [0, V)). With `window`
-    None this is transformers' NoRepeatNGramLogitsProcessor over the whole sequence (the vendor's HF
-    `infer()`); with a window only n-grams inside the last `window` tokens and at or after
-    `search_from` are searched (the vendor vLLM processor, which sees generated tokens only: pass the
-    prompt length), and `whitelist` ids are never banned.
+    logits: [R, V] scores for each row's next token. tokens: [R, C] int64 ids (prompt then output), or
+    [C] for one row, valid up to `length` ([R], or 0-d for one row; whatever lies beyond must still be
+    ids in [0, V)). With `window` None this is transformers' NoRepeatNGramLogitsProcessor over the whole
+    sequence (the vendor's HF `infer()`); with a window only n-grams inside the last `window` tokens and
+    at or after `search_from` ([R], 0-d or a Python int) are searched (the vendor vLLM processor, which
+    sees generated tokens only: pass the prompt length), and `whitelist` ids are never banned.
     """
     if n <= 0:
         return logits
-    vocab = logits.shape[-1]
-    windows = tokens.unfold(0, n, 1)  # [C - n + 1, n]: every n-gram start, valid or not
-    starts = torch.arange(windows.shape[0], device=tokens.device)
+    rows, vocab = logits.shape
+    tokens, length = tokens.view(rows, -1), length.view(rows, 1)
+    device = tokens.device
+    windows = tokens.unfold(1, n, 1)  # [R, C - n + 1, n]: every n-gram start, valid or not
+    starts = torch.arange(windows.shape[1], device=device)
     # The current suffix: the last n - 1 tokens, which the next token would turn into an n-gram.
-    suffix_at = (length - (n - 1) + torch.arange(n - 1, device=tokens.device)).clamp(min=0)
-    suffix = tokens[suffix_at]
+    suffix = tokens.gather(1, (length - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0))
     # Python scalars stay scalars: a tensor made from one would be a host-to-device copy per step.
-    valid = (starts <= length - n) & (starts >= search_from)
+    floor = search_from.view(rows, 1) if isinstance(search_from, Tensor) else search_from
+    valid = (starts <= length - n) & (starts >= floor)
     if window is not None:
         valid &= starts >= length - window
-    hit = valid & (windows[:, : n - 1] == suffix).all(dim=-1)
+    hit = valid & (windows[:, :, : n - 1] == suffix.unsqueeze(1)).all(dim=-1)
     # Misses write to a spare column past the vocabulary, so every write is a True.
-    banned = torch.zeros(vocab + 1, dtype=torch.bool, device=logits.device)
-    banned.index_fill_(0, torch.where(hit, windows[:, n - 1], vocab), True)
+    banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    banned.scatter_(1, torch.where(hit, windows[:, :, n - 1], vocab), True)
     if whitelist is not None:
-        banned.index_fill_(0, whitelist, False)
-    return logits.masked_fill(banned[:vocab], float("-inf"))
+        banned.index_fill_(1, whitelist, False)
+    return logits.masked_fill(banned[:, :vocab], float("-inf"))
 
 
 @dataclass
@@ -84,11 +86,15 @@ class NGramBan:
         whitelist = None
         if options.ngram_whitelist:
             whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=device)
-        return cls(tokens, length, length.clone(), options.no_repeat_ngram_size, options.ngram_window, whitelist)
+        return cls(
+            tokens, length, length.clone(), options.no_repeat_ngram_size, options.ngram_window, whitelist
+        )
 
     def __call__(self, logits: Tensor) -> Tensor:
         search_from = self.prompt_length if self.window is not None else 0
-        return ban_repeated_ngrams(logits, self.tokens, self.length, self.n, self.window, self.whitelist, search_from)
+        return ban_repeated_ngrams(
+            logits, self.tokens, self.length, self.n, self.window, self.whitelist, search_from
+        )
 
     def append(self, token: Tensor) -> None:
         """Write the chosen token ([1] or 0-d int64, on the device) at `length` and advance it."""
@@ -99,8 +105,14 @@ class NGramBan:
 def step_key(options: DecodeOptions) -> tuple:
     """The options a decode step's code depends on (how a token is chosen, the n-gram ban): a compiled or
     graphed step serves every job whose key is the same, whatever its EOS, seed or repetition settings."""
-    return (options.temperature, options.top_p, options.top_k, options.no_repeat_ngram_size, options.ngram_window,
-            options.ngram_whitelist)  # fmt: skip
+    return (
+        options.temperature,
+        options.top_p,
+        options.top_k,
+        options.no_repeat_ngram_size,
+        options.ngram_window,
+        options.ngram_whitelist,
+    )
 
 
 def validate_options(options: DecodeOptions) -> None:
@@ -154,8 +166,8 @@ def select_token(logits: Tensor, options: DecodeOptions, generator: torch.Genera
 def first_argmax(scores: Tensor) -> Tensor:
     """torch.argmax(scores, dim=-1) for scores [1, V], in two stages: the vocabulary in ARGMAX_ROWS rows,
     each row's first maximum, then the first row holding the best of them: the same index, ties
-    included. Compiled, one argmax over 129k scores is a single program block (inductor does not split
-    an argmax): 27 µs of every decode step on an H200; rows reduce in parallel."""
+    included. Compiled, one argmax over the vocabulary is a single program block (inductor does not
+    split an argmax); rows reduce in parallel."""
     vocab = scores.shape[-1]
     if scores.shape[0] != 1 or vocab % ARGMAX_ROWS:
         return torch.argmax(scores, dim=-1)

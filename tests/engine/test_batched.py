@@ -17,8 +17,9 @@ from dsocr_workers.engine.batched import (
     ServingSummary,
     plan_kv,
 )
-from dsocr_workers.engine.batched.runner import buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, ban_repeated_ngrams_rows
+from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
+from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -26,8 +27,14 @@ from dsocr_workers.errors import InputError
 from tests.engine.test_session import fast_on_cpu, looping_head
 
 # (width, height, mode, max_new_tokens): prompts of 73 to ~500 tokens, budgets that end at other steps.
-PAGES = [(600, 480, "tiny", 24), (1000, 800, "small", 9), (1280, 640, "gundam", 30), (800, 600, "base", 17),
-         (640, 1280, "gundam", 5), (900, 700, "tiny", 21)]  # fmt: skip
+PAGES = [
+    (600, 480, "tiny", 24),
+    (1000, 800, "small", 9),
+    (1280, 640, "gundam", 30),
+    (800, 600, "base", 17),
+    (640, 1280, "gundam", 5),
+    (900, 700, "tiny", 21),
+]
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -54,8 +61,10 @@ _ALONE: dict[DecodeOptions, list[InferenceResult]] = {}
 def alone_results(session: DeepSeekOCRSession, options: DecodeOptions) -> list[InferenceResult]:
     """Each page through the batch-1 path (once per options: the module's session never changes)."""
     if options not in _ALONE:
-        _ALONE[options] = [session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
-                           for w, h, mode, tokens in PAGES]  # fmt: skip
+        _ALONE[options] = [
+            session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
+            for w, h, mode, tokens in PAGES
+        ]
     return _ALONE[options]
 
 
@@ -68,8 +77,14 @@ def requests(prepared) -> list[PageRequest]:
 
 
 def engine_for(session, prepared, max_batch: int, options: DecodeOptions, **kwargs) -> BatchedEngine:
-    return BatchedEngine.create(session, max_batch, max(p.prompt_tokens for p in prepared),
-                                max(t for *_, t in PAGES), options, **kwargs)  # fmt: skip
+    return BatchedEngine.create(
+        session,
+        max_batch,
+        max(p.prompt_tokens for p in prepared),
+        max(t for *_, t in PAGES),
+        options,
+        **kwargs,
+    )
 
 
 def by_request(outputs) -> dict[int, list[int]]:
@@ -78,7 +93,9 @@ def by_request(outputs) -> dict[int, list[int]]:
 
 OPTIONS = [
     pytest.param(DecodeOptions(ignore_eos=True), id="vendor-ban"),
-    pytest.param(DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7)), id="windowed-ban"),
+    pytest.param(
+        DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7)), id="windowed-ban"
+    ),
     pytest.param(DecodeOptions(no_repeat_ngram_size=0, stop_on_repetition=True), id="no-ban-loop-stop"),
 ]
 
@@ -94,7 +111,9 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(session, prepared
     outputs = engine.run(requests(prepared), concurrency)
     assert by_request(outputs) == dict(enumerate(expected))
     references = alone_results(session, options)
-    assert {int(o.request_id): o.stop_reason for o in outputs} == {i: r.stop_reason for i, r in enumerate(references)}
+    assert {int(o.request_id): o.stop_reason for o in outputs} == {
+        i: r.stop_reason for i, r in enumerate(references)
+    }
     assert not engine.busy and engine.free_slots == 3
     # Joined at different steps: not every page was admitted by the first decode step.
     prefill_at = sorted(s.index for s in engine.steps if s.kind == "prefill")
@@ -159,8 +178,8 @@ def test_pages_added_between_steps_join_the_batch_exactly(session, prepared):
 
 def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepared):
     """The fast engine's modules (fused projections, grouped experts: transformers' batched GEMMs on a
-    CPU) in the batched step, compiled (aot_eager: dynamo traces the batched step in one graph, dynamic in
-    the bucket), attending under a mask over the capacity (SDPA) and over each slot's filled blocks only
+    CPU) in the batched step, compiled with the backend its engine declares (aot_eager: dynamo traces the
+    batched step in one graph, dynamic in the bucket), attending under a mask over the capacity (SDPA) and over each slot's filled blocks only
     (FlexAttention, its batch every slot: the rows past the bucket read no block)."""
     fast = fast_on_cpu(session.source)
     options = DecodeOptions(ignore_eos=True)
@@ -168,7 +187,8 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
     graphs = torch._dynamo.utils.counters["stats"]
     for attention in ("masked", "filled"):
         before = graphs["unique_graphs"]
-        engine = engine_for(fast, prepared, 4, options, compiled=True, backend="aot_eager", attention=attention)
+        engine = engine_for(fast, prepared, 4, options, compiled=True, attention=attention)
+        assert engine.config.backend == fast.variant.compile_backend() == "aot_eager"
         first = engine.run(requests(prepared)[:1], 1)  # bucket 1
         assert by_request(first) == {0: expected[0]}
         # Bucket 2 before the full one, as the engine captures them on CUDA (smallest first).
@@ -178,7 +198,8 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert used == {1, 2, 4}, used
         # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
         assert graphs["unique_graphs"] - before == 2
-    assert engine_for(fast, prepared, 4, options).attention == "masked"  # the default on a CPU
+    default = engine_for(fast, prepared, 4, options).config  # on a CPU: eager, masked
+    assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
 
@@ -241,6 +262,35 @@ def test_metrics_per_page_and_per_step(session, prepared):
     assert summary.ttft_ms["p50"] <= summary.ttft_ms["p99"]
 
 
+def test_the_runner_runs_plans_without_a_scheduler(session, prepared):
+    """The runner alone, handed plans by hand: a page prefilled into slot 1 and decoded in bucket 2
+    (slot 0, never filled, computes a throwaway row) reads back its batch-1 tokens; a cleared slot
+    decodes nothing more, and the next page in it decodes its own tokens."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    kv = plan_kv(2, max(p.prompt_tokens for p in prepared), 30, SlotCache.bytes_per_position(session.model), None)
+    runner = BatchRunner(session, kv, options, StepConfig.decide(session))
+    runner.capture((1, 2))
+    index = 0
+
+    def decode(page: int, budget: int, clear: tuple[int, ...]) -> list[int]:
+        nonlocal index
+        runner.launch(PrefillPlan(index, 1, prepared[page], budget, clear))
+        index += 1
+        tokens = [t for readback in runner.collect(wait_beyond=None) for t in readback.tokens]
+        for _ in range(budget - 1):
+            runner.launch(DecodePlan(index, (1,), 2, ()))
+            index += 1
+            (readback,) = runner.collect(wait_beyond=None)
+            assert readback.index == index - 1 and len(readback.tokens) == 2
+            tokens.append(readback.tokens[1])
+        return tokens
+
+    assert decode(0, PAGES[0][3], ()) == expected[0]
+    assert decode(3, PAGES[3][3], (1,)) == expected[3]
+    assert runner.unread == 0 and not runner.cuda_graphs and runner.captured == 0
+
+
 def test_the_kv_plan_follows_the_budget_and_the_free_memory():
     per_position = 61_440  # the full preset in bf16: 2 x 12 layers x 10 heads x 128 x 2 bytes
     asked = plan_kv(64, 1250, 1024, per_position, free_bytes=None)
@@ -276,8 +326,11 @@ def test_buckets_and_bad_arguments(session, prepared):
         engine_for(session, prepared, 2, DecodeOptions(temperature=-1))
 
 
-@pytest.mark.parametrize(("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)])
-def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
+@pytest.mark.parametrize(
+    ("n", "window", "whitelist"), [(3, None, None), (2, 5, None), (4, 9, (1, 3)), (1, None, None)]
+)
+def test_the_ban_over_rows_bans_each_row_as_alone(n, window, whitelist):
+    """The batched step bans over every slot's row at once; the batch-1 step over its one buffer."""
     generator = torch.Generator().manual_seed(n)
     rows, capacity, vocab = 5, 40, 12
     tokens = torch.randint(0, 3, (rows, capacity), generator=generator)  # few ids: many repeats
@@ -285,23 +338,47 @@ def test_the_batched_ban_is_the_batch1_ban_row_by_row(n, window, whitelist):
     prompt_length = torch.tensor([1, 3, 10, 20, 12])
     logits = torch.randn(rows, vocab, generator=generator)
     allowed = None if whitelist is None else torch.tensor(whitelist)
-    search_from = prompt_length if window is not None else None
-    batched = ban_repeated_ngrams_rows(logits, tokens, length, n, window, allowed, search_from)
+    search_from = prompt_length if window is not None else 0
+    batched = ban_repeated_ngrams(logits, tokens, length, n, window, allowed, search_from)
     for r in range(rows):
-        single = ban_repeated_ngrams(logits[r:r + 1], tokens[r], length[r], n, window, allowed,
-                                     prompt_length[r] if window is not None else 0)  # fmt: skip
-        torch.testing.assert_close(batched[r:r + 1], single, rtol=0, atol=0)
+        single = ban_repeated_ngrams(
+            logits[r : r + 1],
+            tokens[r],
+            length[r],
+            n,
+            window,
+            allowed,
+            prompt_length[r] if window is not None else 0,
+        )
+        torch.testing.assert_close(batched[r : r + 1], single, rtol=0, atol=0)
     assert torch.isinf(batched).any()
 
 
-def _filled_step(keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, visible: torch.Tensor,
-                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _filled_step(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    visible: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:
     cache = FilledSlotsCache([keys], [values], length, visible)
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's decoding kernel"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's decoding kernel"
+            ),
+        ),
+    ],
+)
 def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device):
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
@@ -322,14 +399,23 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
         got = step(keys, values, length, visible, query, key, value)
         rows = torch.arange(len(lengths), device=device)
         expected_keys, expected_values = (c[: len(lengths)].clone() for c in cache)
-        expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = key[:, :, 0], value[:, :, 0]
+        expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = (
+            key[:, :, 0],
+            value[:, :, 0],
+        )
         mask = (torch.arange(capacity, device=device) < length.unsqueeze(1))[:, None, None, :]
-        expected = torch.nn.functional.scaled_dot_product_attention(query, expected_keys, expected_values, attn_mask=mask)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, expected_keys, expected_values, attn_mask=mask
+        )
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"lengths {lengths}")
-        assert torch.equal(keys[: len(lengths)], expected_keys) and torch.equal(keys[len(lengths):], cache[0][len(lengths):])
+        assert torch.equal(keys[: len(lengths)], expected_keys) and torch.equal(
+            keys[len(lengths) :], cache[0][len(lengths) :]
+        )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket"
+)
 @pytest.mark.parametrize("attention", ["masked", "filled"])
 def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
@@ -344,13 +430,21 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     prepared = [fast.prepare_job(page(w, h), None, mode, pinned=True).page for w, h, mode, _ in PAGES]
     assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
-    assert torch.equal(prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels)
-    expected = [fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)]
-    engine = BatchedEngine.create(fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention)
+    assert torch.equal(
+        prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels
+    )
+    expected = [
+        fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)
+    ]
+    engine = BatchedEngine.create(
+        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention
+    )
     assert engine.runner.captured == len(engine.buckets) == 6  # 1, 2, 4, 8, 16, 32
     many = [PageRequest(f"{i}", prepared[i % len(PAGES)], PAGES[i % len(PAGES)][3]) for i in range(48)]
     outputs = engine.run(many, 32)
-    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(48)}
+    assert {o.request_id: o.token_ids for o in outputs} == {
+        str(i): expected[i % len(PAGES)] for i in range(48)
+    }
     # The pages join one prefill at a time: the batch passes through several buckets up to the largest.
     decode_buckets = {s.bucket for s in engine.steps if s.kind == "decode"}
     assert 32 in decode_buckets and len(decode_buckets) >= 3, decode_buckets

@@ -17,15 +17,18 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def tiny(experts: str = "grouped_mm"):
-    return build_preset("tiny", device=DEVICE, dtype=torch.float32, attn_implementation="sdpa",
-                        experts_implementation=experts).model
+    return build_preset(
+        "tiny", device=DEVICE, dtype=torch.float32, attn_implementation="sdpa", experts_implementation=experts
+    ).model
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_selected_experts_match_grouped_mm(tokens):
     model = tiny()
     moe = model.language_model.layers[1].mlp
-    hidden = torch.randn(tokens, model.config.text.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    hidden = torch.randn(
+        tokens, model.config.text.hidden_size, generator=torch.Generator().manual_seed(tokens)
+    ).to(DEVICE)
     with torch.inference_mode():
         _, weights, index = moe.gate(hidden)
         expected = moe.experts(hidden, index, weights)
@@ -35,11 +38,19 @@ def test_selected_experts_match_grouped_mm(tokens):
     assert got.abs().max() > 0.1  # the experts contributed
 
 
-@pytest.mark.parametrize("dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 dot operands wrongly")),
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="Triton's interpreter multiplies bfloat16 dot operands wrongly",
+            ),
+        ),
+    ],
+)
 def test_a_prompt_goes_to_the_grouped_kernels_with_transformers_result(dtype):
     """Past MAX_PAIRS (token, expert) pairs the implementation hands over to the grouped GEMM kernels:
     transformers' batched GEMMs' result, for a prompt of many blocks per expert and for one of a few
@@ -47,8 +58,14 @@ def test_a_prompt_goes_to_the_grouped_kernels_with_transformers_result(dtype):
     model = tiny(SELECTED_EXPERTS).to(dtype)
     moe = model.language_model.layers[1].mlp
     for tokens in (MAX_PAIRS // model.config.text.num_experts_per_tok + 5, 150):
-        hidden = torch.randn(1, tokens, model.config.text.hidden_size, device=DEVICE, dtype=dtype,
-                             generator=torch.Generator(DEVICE).manual_seed(tokens))  # fmt: skip
+        hidden = torch.randn(
+            1,
+            tokens,
+            model.config.text.hidden_size,
+            device=DEVICE,
+            dtype=dtype,
+            generator=torch.Generator(DEVICE).manual_seed(tokens),
+        )
         with torch.inference_mode():
             got = moe(hidden)
             model.language_model.config._experts_implementation = "batched_mm"
@@ -88,14 +105,22 @@ def test_fused_decoder_equals_unfused():
     fuse_projections(fast.language_model)
     layers = fast.language_model.layers
     assert all(isinstance(layer.self_attn, FusedQKVAttention) for layer in layers)
-    assert isinstance(layers[0].mlp, FusedGateUpMLP) and isinstance(layers[1].mlp.shared_experts, FusedGateUpMLP)
-    embeds = torch.randn(1, 9, reference.config.text.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    assert isinstance(layers[0].mlp, FusedGateUpMLP) and isinstance(
+        layers[1].mlp.shared_experts, FusedGateUpMLP
+    )
+    embeds = torch.randn(
+        1, 9, reference.config.text.hidden_size, generator=torch.Generator().manual_seed(0)
+    ).to(DEVICE)
     with torch.inference_mode():
         logits = []
         for model in (reference, fast):
             prompt = model.language_model(inputs_embeds=embeds[:, :8], use_cache=True)
-            step = model.language_model(inputs_embeds=embeds[:, 8:], position_ids=torch.tensor([[8]], device=DEVICE),
-                                        use_cache=True, **{CACHE_ARGUMENT: prompt.past_key_values})  # fmt: skip
+            step = model.language_model(
+                inputs_embeds=embeds[:, 8:],
+                position_ids=torch.tensor([[8]], device=DEVICE),
+                use_cache=True,
+                **{CACHE_ARGUMENT: prompt.past_key_values},
+            )
             logits.append((model.logits(prompt.last_hidden_state), model.logits(step.last_hidden_state)))
     for expected, got in zip(logits[0], logits[1], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -129,7 +154,9 @@ def test_sam_with_folded_relative_positions_equals_transformers(size):
     with torch.no_grad():  # the presets' scales (model/checkpoint.py); transformers starts rel_pos at zero
         for name, parameter in sam.named_parameters():
             if parameter.dim() == 1:
-                parameter.fill_(1.0) if "norm" in name and name.endswith("weight") else parameter.normal_(0.0, 0.02)
+                parameter.fill_(1.0) if "norm" in name and name.endswith("weight") else parameter.normal_(
+                    0.0, 0.02
+                )
             elif "rel_pos" in name or "pos_embed" in name:
                 parameter.normal_(0.0, 0.5)
             else:
@@ -144,11 +171,19 @@ def test_sam_with_folded_relative_positions_equals_transformers(size):
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 dot operands wrongly")),
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="Triton's interpreter multiplies bfloat16 dot operands wrongly",
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize(("batch", "height", "width", "channels"), [(3, 14, 14, 16), (1, 20, 24, 64)])
 def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, channels):
     """The Triton kernel that builds the folded query, key and value from the qkv projection gives the
@@ -158,7 +193,9 @@ def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, chan
 
     heads, scale = 2, channels**-0.5
     generator = torch.Generator(DEVICE).manual_seed(height)
-    qkv = torch.randn(batch, height, width, 3 * heads * channels, device=DEVICE, generator=generator).to(dtype)
+    qkv = torch.randn(batch, height, width, 3 * heads * channels, device=DEVICE, generator=generator).to(
+        dtype
+    )
     table_h = torch.randn(2 * height - 1, channels, device=DEVICE, generator=generator).to(dtype)
     table_w = torch.randn(2 * width - 1, channels, device=DEVICE, generator=generator).to(dtype)
     got = launch_fold(qkv, table_h, table_w, heads, scale)
@@ -169,7 +206,9 @@ def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, chan
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
         torch.testing.assert_close(built, reference, **tolerance, msg=name)
     query, key, _ = got
-    assert query.shape[-1] % 8 == 0 and query[..., channels:].abs().max() > 1.0  # the relative terms are there
+    assert (
+        query.shape[-1] % 8 == 0 and query[..., channels:].abs().max() > 1.0
+    )  # the relative terms are there
     assert torch.equal(key[..., channels:].sum(-1), torch.full_like(key[..., 0], 2.0))  # one row, one column
 
 

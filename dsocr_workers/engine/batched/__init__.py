@@ -1,27 +1,32 @@
-"""Batched serving (issue 34): several pages decoding together on one session's model, joining and
-leaving between decode steps, with the serving measurements (TTFT, TPOT, ITL, occupancy per step).
+"""Batched serving: several pages decoding together on one session's model, joining and leaving
+between decode steps, with the serving measurements (TTFT, TPOT, ITL, occupancy per step).
 
-- `engine.py`: `BatchedEngine` (add / submit a page, step, run a list at a concurrency) and its typed
-  events and outputs;
+- `scheduler.py`: admission, slots, budgets and stop decisions, a plain plan per launch (no torch);
+- `runner.py`: the device side: the slots' state, prefill and decode launches, readback, CUDA graphs;
+- `engine.py`: `BatchedEngine`, the two together (add / submit a page, step, run a list);
 - `slots.py`: the slotted KV cache, the per-slot token state and the batched decode step;
-- `runner.py`: the step per batch bucket: eager, or compiled and replayed as a CUDA graph per bucket;
-- `memory.py`: the KV cache sized from the token budget and the free memory, and the refusal of a page
-  that cannot fit;
+- `memory.py`: the KV cache sized from the token budget and the free memory, and refused pages;
 - `metrics.py`: per-page and per-step records and their summary.
 
-The batch-1 path (`DeepSeekOCRSession.run_inference`) is not changed by any of it and stays the default.
+`BatchedEngine` loads torch when first used; the rest of this package's names do not.
 """
 
-from dsocr_workers.engine.batched.engine import (
-    BatchedEngine,
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dsocr_workers.engine.batched.memory import KVPlan, PageRefused, plan_kv
+from dsocr_workers.engine.batched.metrics import SequenceMetrics, ServingSummary, StepRecord
+from dsocr_workers.engine.batched.scheduler import (
     BatchedOutput,
     NoFreeSlot,
     PageRequest,
     StepEvents,
     TokenEvent,
 )
-from dsocr_workers.engine.batched.memory import KVPlan, PageRefused, plan_kv
-from dsocr_workers.engine.batched.metrics import SequenceMetrics, ServingSummary, StepRecord
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.batched.engine import BatchedEngine
 
 __all__ = [
     "BatchedEngine",
@@ -37,3 +42,11 @@ __all__ = [
     "TokenEvent",
     "plan_kv",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BatchedEngine":
+        from dsocr_workers.engine.batched.engine import BatchedEngine
+
+        return BatchedEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

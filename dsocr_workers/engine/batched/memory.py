@@ -1,14 +1,6 @@
 """How many pages the batched engine holds at once: its KV cache sized from the token budget and the
-device's free memory, and the refusal of a page that cannot fit.
-
-A slot holds one page's positions: its prompt and its output (`capacity` = the longest prompt the engine
-accepts + the token budget, rounded up to `CAPACITY_ALIGN`). The slots are as many as asked for
-(`max_batch`), or fewer where the free memory, less a reserve for the activations, the CUDA graphs'
-pools and the vision and prefill work of joining pages, cannot hold them. The plan is reported (bytes per
-position, per slot, in all, and what limited it), and a page whose prompt and budget exceed a slot is
-refused with the numbers (`PageRefused`, an input error: final, never retried), not left to crash the
-worker with an out-of-memory error or an index out of range.
-"""
+device's free memory (`plan_kv`), and the refusal of a page that cannot fit (`PageRefused`, an input
+error: final, never retried) rather than an out-of-memory error or an index out of range in a worker."""
 
 from __future__ import annotations
 
@@ -16,14 +8,12 @@ from dataclasses import dataclass
 
 from dsocr_workers.errors import InputError
 
-# A slot's capacity is a whole number of 128-position blocks: FlexAttention's KV blocks (engine/batched/slots.py
-# reads a row's filled blocks only with the "filled" attention), whole tiles for the other kernels.
+# A slot's capacity is a whole number of blocks: FlexAttention's KV blocks (the "filled" attention reads
+# a row's filled blocks only), whole tiles for the other kernels.
 CAPACITY_ALIGN = 128
 GiB = 2**30
-# Kept free beyond the KV cache: the decode step's activations at the largest bucket (logits [B, V] in
-# float32, the n-gram ban's [B, C, n] comparisons), the graphs' pools, a joining page's vision (a 3x3
-# gundam page's SAM/CLIP at bf16) and its batch-1 prefill scratch cache. 4 GiB left all of them room in
-# the full preset at batch 64 (bf16); a caller may ask for more.
+# Kept free beyond the KV cache: the decode step's activations at the largest bucket, the graphs' pools,
+# a joining page's vision and its prefill's scratch cache; a caller may ask for more.
 DEFAULT_RESERVE_BYTES = 4 * GiB
 
 
@@ -54,10 +44,12 @@ class KVPlan:
 
     def describe(self) -> str:
         free = "" if self.free_bytes is None else f" of {self.free_bytes / GiB:.1f} GiB free"
-        return (f"{self.slots} slots x {self.capacity} positions ({self.max_prompt_tokens} prompt + "
-                f"{self.max_new_tokens} new) x {self.bytes_per_position / 1024:.1f} KiB = "
-                f"{self.kv_bytes / GiB:.2f} GiB KV cache{free}, {self.reserve_bytes / GiB:.1f} GiB kept in "
-                f"reserve; limited by {self.limited_by}")  # fmt: skip
+        return (
+            f"{self.slots} slots x {self.capacity} positions ({self.max_prompt_tokens} prompt + "
+            f"{self.max_new_tokens} new) x {self.bytes_per_position / 1024:.1f} KiB = "
+            f"{self.kv_bytes / GiB:.2f} GiB KV cache{free}, {self.reserve_bytes / GiB:.1f} GiB kept in "
+            f"reserve; limited by {self.limited_by}"
+        )
 
     def check_fits(self, prompt_tokens: int, budget: int) -> None:
         """Refuse a page whose positions exceed a slot, saying why."""
@@ -67,21 +59,29 @@ class KVPlan:
                 f"the page needs {needed} KV positions ({prompt_tokens} prompt + {budget} new tokens); a slot of "
                 f"the batched engine holds {self.capacity} ({self.max_prompt_tokens} prompt + {self.max_new_tokens} "
                 "new, sized at its start): start it with a larger max_prompt_tokens / max_new_tokens, or run "
-                "this page on the batch-1 path")
+                "this page on the batch-1 path"
+            )
 
 
 def plan_kv(
-    max_batch: int, max_prompt_tokens: int, max_new_tokens: int, bytes_per_position: int,
-    free_bytes: int | None, reserve_bytes: int = DEFAULT_RESERVE_BYTES, max_positions: int | None = None,
-) -> KVPlan:  # fmt: skip
+    max_batch: int,
+    max_prompt_tokens: int,
+    max_new_tokens: int,
+    bytes_per_position: int,
+    free_bytes: int | None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    max_positions: int | None = None,
+) -> KVPlan:
     """The slots and their capacity for `max_batch` pages of up to `max_prompt_tokens` + `max_new_tokens`
     positions, within `free_bytes` less `reserve_bytes` (None: no limit, a CPU). Raises InputError where
     not one slot fits, or the budget is not positive."""
     if max_batch < 1:
         raise InputError(f"max_batch must be at least 1, got {max_batch}")
     if max_prompt_tokens < 1 or max_new_tokens < 1:
-        raise InputError(f"max_prompt_tokens and max_new_tokens must be positive, got {max_prompt_tokens}, "
-                         f"{max_new_tokens}")  # fmt: skip
+        raise InputError(
+            f"max_prompt_tokens and max_new_tokens must be positive, got {max_prompt_tokens}, "
+            f"{max_new_tokens}"
+        )
     capacity = -(-(max_prompt_tokens + max_new_tokens) // CAPACITY_ALIGN) * CAPACITY_ALIGN
     if max_positions is not None:
         capacity = min(capacity, max_positions // CAPACITY_ALIGN * CAPACITY_ALIGN)
@@ -92,8 +92,17 @@ def plan_kv(
             raise InputError(
                 f"not one batched slot fits: {capacity} positions x {bytes_per_position / 1024:.1f} KiB = "
                 f"{capacity * bytes_per_position / GiB:.2f} GiB, with {free_bytes / GiB:.2f} GiB free and "
-                f"{reserve_bytes / GiB:.1f} GiB kept in reserve")
+                f"{reserve_bytes / GiB:.1f} GiB kept in reserve"
+            )
         if fitting < max_batch:
             slots, limited_by = int(fitting), "memory"
-    return KVPlan(slots, capacity, max_prompt_tokens, max_new_tokens, bytes_per_position, free_bytes, reserve_bytes,
-                  limited_by)  # fmt: skip
+    return KVPlan(
+        slots,
+        capacity,
+        max_prompt_tokens,
+        max_new_tokens,
+        bytes_per_position,
+        free_bytes,
+        reserve_bytes,
+        limited_by,
+    )

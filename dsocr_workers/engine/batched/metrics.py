@@ -128,13 +128,20 @@ class ServingSummary:
         decode_ms, prefill_ms = sum(s.ms for s in decode), sum(s.ms for s in prefill)
         tpots = [t for s in done if (t := s.tpot_ms) is not None]
         return cls(
-            pages=len(done), output_tokens=tokens, duration_s=duration, request_throughput=len(done) / duration,
+            pages=len(done),
+            output_tokens=tokens,
+            duration_s=duration,
+            request_throughput=len(done) / duration,
             output_tokens_per_s=tokens / duration,
-            ttft_ms=percentiles([s.ttft_ms for s in done]), tpot_ms=percentiles(tpots),
+            ttft_ms=percentiles([s.ttft_ms for s in done]),
+            tpot_ms=percentiles(tpots),
             itl_ms=percentiles([gap for s in done for gap in s.itl_ms]),
-            e2e_ms=percentiles([s.e2e_ms for s in done]), queue_wait_ms=percentiles([s.queue_wait_ms for s in done]),
+            e2e_ms=percentiles([s.e2e_ms for s in done]),
+            queue_wait_ms=percentiles([s.queue_wait_ms for s in done]),
             occupancy=percentiles([s.occupancy for s in decode]),
-            decode_step_ms=percentiles([s.ms for s in decode]), prefill_step_ms=percentiles([s.ms for s in prefill]),
-            decode_steps=len(decode), prefill_steps=len(prefill),
+            decode_step_ms=percentiles([s.ms for s in decode]),
+            prefill_step_ms=percentiles([s.ms for s in prefill]),
+            decode_steps=len(decode),
+            prefill_steps=len(prefill),
             decode_share=decode_ms / (decode_ms + prefill_ms) if decode_ms + prefill_ms > 0 else 0.0,
-        )  # fmt: skip
+        )

@@ -1,35 +1,13 @@
-"""The batched engine's device state and its decode step: B sequences in slots of one static KV cache.
+"""The batched engine's device state and decode step: pages in the slots of one static KV cache.
 
 Each layer's keys and values are one [slots, heads, capacity, head_dim] tensor; slot `s` holds one page's
-positions 0..length[s]-1. A page joins by its own prefill (the session's, into a scratch cache, then its
-prompt's keys and values copied into the slot: `SlotCache.load_prompt`); `decode_slots` then feeds every
-slot of a batch bucket its last token at its own position, writes each slot's new key and value at that
-position and attends over each slot's own positions 0..length-1, in one of two ways (`SlotAttention`):
-- "masked" (on a CPU, with the eager engine or an uncompiled step): SDPA (or the eager engine's attention)
-  over the bucket's whole capacity under a mask of each row's positions: every row reads its slot's
-  whole capacity;
-- "filled" (the default where the step is compiled on CUDA; the fast engine's attention modules only,
-  `reads_filled_slots`): FlexAttention over each row's filled 128-position blocks (`FilledSlotsCache`),
-  its split-KV decoding kernel on CUDA: a row reads what its page holds, ~1.5x fewer KV bytes at
-  concurrency 128 (0.32 against 0.50 ms a layer at the full preset's 128 rows on an H100,
-  docs/benchmarks.md). Two traps of torch 2.11's inductor shape it, each found on a GPU: compiled with
-  its batch dynamic, as this step is (one graph for every bucket), the kernel reads rows longer than one
-  block wrongly, so its batch is the engine's slots whatever the bucket (the queries padded, the rows
-  past the bucket reading no block); and a mask that reads the lengths scattered into a row of ones
-  inside the graph reads them wrongly (every row but those of length 1, on a CPU too; two other in-graph
-  forms did not compile), so the mask reads `SlotState.visible`, a graph input of its own that the runner
-  refreshes from the lengths before each step. The runner marks its batch static: dynamo's automatic
-  dynamic shapes would make it dynamic wherever another engine's step compiled before in the process. A
-  CPU test compiles this attention with inductor against SDPA; the CUDA float32 test of the engine runs
-  the masked engine, then the filled.
-Slots of the bucket that hold no page compute a throwaway row: their length stays 1
-(`SlotState.release`), so they write position 0 of their own free slot and nothing else.
-
-The token buffer per slot (prompt, then output) feeds back the last token and is what the no-repeat
-n-gram ban searches (`ban_repeated_ngrams_rows`: `engine.sampling.ban_repeated_ngrams` with a row per
-slot; a test holds the two equal row by row). Everything the step reads and writes is a device tensor at
-a fixed address and its shapes depend only on the bucket, so the step can be compiled (dynamic in the
-bucket) and captured as a CUDA graph per bucket (engine/batched/runner.py).
+positions 0..length[s]-1. `decode_slots` feeds every row of a bucket its last token at its own position,
+writes its key and value there and attends over that slot's positions, in one of two ways
+(`SlotAttention`): "masked" reads each slot's whole capacity under a mask (SDPA, or the eager engine's
+attention); "filled" reads only each row's filled blocks (FlexAttention over the fast engine's attention
+modules). A slot that holds no page computes a throwaway row of length 1, which writes only its own
+position 0. Every tensor the step touches sits at a fixed address with shapes set by the bucket, so the
+step compiles once, dynamic in the bucket, and is captured as a CUDA graph per bucket (runner.py).
 """
 
 from __future__ import annotations
@@ -45,7 +23,7 @@ from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.sampling import select_token
+from dsocr_workers.engine.sampling import ban_repeated_ngrams, select_token
 from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 
@@ -54,35 +32,6 @@ from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
 SlotAttention = Literal["masked", "filled"]
 # FlexAttention's KV block: a slot's capacity is a whole number of them.
 KV_BLOCK = CAPACITY_ALIGN
-
-
-def ban_repeated_ngrams_rows(
-    logits: Tensor, tokens: Tensor, length: Tensor, n: int, window: int | None = None,
-    whitelist: Tensor | None = None, search_from: Tensor | None = None,
-) -> Tensor:  # fmt: skip
-    """`ban_repeated_ngrams` for R rows at once: logits [R, V], tokens [R, C], length [R] (int64),
-    search_from [R] or None (0). Row r bans exactly what `ban_repeated_ngrams(logits[r:r+1], tokens[r],
-    length[r], ...)` bans."""
-    if n <= 0:
-        return logits
-    rows, vocab = logits.shape
-    device = tokens.device
-    windows = tokens.unfold(1, n, 1)  # [R, C - n + 1, n]: every n-gram start of every row
-    starts = torch.arange(windows.shape[1], device=device).unsqueeze(0)
-    suffix_at = (length.unsqueeze(1) - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0)
-    suffix = tokens.gather(1, suffix_at)  # [R, n - 1]: what the next token would complete
-    valid = starts <= (length - n).unsqueeze(1)
-    if search_from is not None:
-        valid &= starts >= search_from.unsqueeze(1)
-    if window is not None:
-        valid &= starts >= (length - window).unsqueeze(1)
-    hit = valid & (windows[:, :, : n - 1] == suffix.unsqueeze(1)).all(dim=-1)
-    # Misses write to a spare column past the vocabulary, so every write is a True.
-    banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    banned.scatter_(1, torch.where(hit, windows[:, :, n - 1], vocab), True)
-    if whitelist is not None:
-        banned.index_fill_(1, whitelist, False)
-    return logits.masked_fill(banned[:, :vocab], float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -112,11 +61,14 @@ class SlotState:
         whitelist = None
         if options.ngram_whitelist:
             whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=device)
-        state = cls(torch.zeros(slots, capacity, dtype=torch.int64, device=device),
-                    torch.ones(slots, dtype=torch.int64, device=device),
-                    torch.ones(slots, dtype=torch.int64, device=device),
-                    torch.zeros(slots, dtype=torch.int64, device=device),
-                    torch.ones(slots, dtype=torch.int64, device=device), whitelist)  # fmt: skip
+        state = cls(
+            torch.zeros(slots, capacity, dtype=torch.int64, device=device),
+            torch.ones(slots, dtype=torch.int64, device=device),
+            torch.ones(slots, dtype=torch.int64, device=device),
+            torch.zeros(slots, dtype=torch.int64, device=device),
+            torch.ones(slots, dtype=torch.int64, device=device),
+            whitelist,
+        )
         if device.type == "cuda":  # graph inputs updated in place: replayable only at fixed addresses
             for tensor in (state.tokens, state.length, state.prompt_length, state.active, state.visible):
                 torch._dynamo.mark_static_address(tensor)
@@ -124,11 +76,13 @@ class SlotState:
 
     def refresh_visible(self) -> None:
         """`visible` = `length`: a copy kernel before a filled step (inside its CUDA graph), so the step's
-        mask reads a graph input that no other input views (slots.py's docstring says why)."""
+        mask reads a graph input that no other input views (`FilledSlotsCache` says why)."""
         self.visible.copy_(self.length)
 
     def rows(self, count: int) -> SlotRows:
-        return SlotRows(self.tokens[:count], self.length[:count], self.prompt_length[:count], self.active[:count])
+        return SlotRows(
+            self.tokens[:count], self.length[:count], self.prompt_length[:count], self.active[:count]
+        )
 
     def row(self, slot: int) -> SlotRows:
         pick = slice(slot, slot + 1)
@@ -172,7 +126,13 @@ class SlotCache:
     def bytes_per_position(model: DeepSeekOCR) -> int:
         """Keys and values of one position in every layer."""
         text = model.config.text
-        return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.lm_head.weight.dtype.itemsize
+        return (
+            2
+            * text.num_hidden_layers
+            * text.num_key_value_heads
+            * text.head_dim
+            * model.lm_head.weight.dtype.itemsize
+        )
 
     def load_prompt(self, slot: int, prefilled: StaticCache, length: int) -> None:
         """A prompt's keys and values, as a batch-1 prefill left them in `prefilled`, into `slot`."""
@@ -191,7 +151,9 @@ class _StepCache:
         self.keys, self.values, self.positions = keys, values, positions
         self.rows = torch.arange(positions.shape[0], device=positions.device)
 
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self.rows, :, self.positions] = key[:, :, 0]
         values[self.rows, :, self.positions] = value[:, :, 0]
@@ -203,8 +165,12 @@ class FilledSlotsCache(AttendingCache):
     then FlexAttention over each row's positions 0..length-1 only. Its keys and values are every slot's
     and its batch the engine's slots: the bucket's queries are padded with rows that read no block, and
     their outputs dropped. The block mask (each bucket row's ceil(length / KV_BLOCK) leading blocks, the
-    last one masked per position) is built once per step from `visible` (every slot's length, a graph
-    input), inside the step's CUDA graph."""
+    last one masked per position) is built once per step from `visible` (every slot's length), inside
+    the step's CUDA graph."""
+
+    # Compiled with its batch dynamic, FlexAttention's decoding kernel misreads rows longer than one
+    # block, hence the batch of every slot; and a mask that reads lengths computed inside the graph is
+    # misread too, hence `visible`, a graph input of its own (`SlotState.refresh_visible`).
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor, visible: Tensor) -> None:
         self.keys, self.values = keys, values
@@ -218,12 +184,21 @@ class FilledSlotsCache(AttendingCache):
             return kv_idx < visible[b]
 
         in_bucket = torch.arange(slots, device=device) < rows  # the rows past the bucket read no block
-        filled = torch.where(in_bucket, (visible + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
+        filled = (
+            torch.where(in_bucket, (visible + KV_BLOCK - 1) // KV_BLOCK, 0).to(torch.int32).view(-1, 1, 1)
+        )
         order = torch.arange(blocks, dtype=torch.int32, device=device).expand(slots, 1, 1, blocks)
-        self.block_mask = BlockMask.from_kv_blocks(filled, order.contiguous(), BLOCK_SIZE=KV_BLOCK,
-                                                   mask_mod=visible_positions, seq_lengths=(1, capacity))  # fmt: skip
+        self.block_mask = BlockMask.from_kv_blocks(
+            filled,
+            order.contiguous(),
+            BLOCK_SIZE=KV_BLOCK,
+            mask_mod=visible_positions,
+            seq_lengths=(1, capacity),
+        )
 
-    def update_and_attend(self, query: Tensor, key: Tensor, value: Tensor, layer_idx: int, scaling: float) -> Tensor:
+    def update_and_attend(
+        self, query: Tensor, key: Tensor, value: Tensor, layer_idx: int, scaling: float
+    ) -> Tensor:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self.rows, :, self.positions] = key[:, :, 0]
         values[self.rows, :, self.positions] = value[:, :, 0]
@@ -238,18 +213,28 @@ class FilledSlotsCache(AttendingCache):
 def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtype: torch.dtype) -> Tensor:
     """[n, 1, 1, capacity]: each row sees its positions 0..length-1 (the one being written included). A
     boolean mask for SDPA, an additive one for the eager attention (transformers' masks for each)."""
-    visible = (torch.arange(capacity, device=length.device).unsqueeze(0) < length.unsqueeze(1))[:, None, None, :]
+    visible = (torch.arange(capacity, device=length.device).unsqueeze(0) < length.unsqueeze(1))[
+        :, None, None, :
+    ]
     if attn_implementation == "eager":
         return torch.zeros(visible.shape, dtype=dtype, device=length.device).masked_fill(
-            ~visible, torch.finfo(dtype).min)  # fmt: skip
+            ~visible, torch.finfo(dtype).min
+        )
     return visible
 
 
 def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitelist: Tensor | None) -> Tensor:
     """Ban repeated n-grams per row, pick each row's token, append it where the row is active. [n] int64."""
-    search_from = rows.prompt_length if options.ngram_window is not None else None
-    banned = ban_repeated_ngrams_rows(logits, rows.tokens, rows.length, options.no_repeat_ngram_size,
-                                      options.ngram_window, whitelist, search_from)  # fmt: skip
+    search_from = rows.prompt_length if options.ngram_window is not None else 0
+    banned = ban_repeated_ngrams(
+        logits,
+        rows.tokens,
+        rows.length,
+        options.no_repeat_ngram_size,
+        options.ngram_window,
+        whitelist,
+        search_from,
+    )
     chosen = select_token(banned, options).reshape(-1)
     # A free slot's length is 1: its write lands at index 1 of its own row and is never read.
     rows.tokens.scatter_(1, rows.length.unsqueeze(1), chosen.unsqueeze(1))
@@ -264,9 +249,14 @@ def reads_filled_slots(model: DeepSeekOCR) -> bool:
 
 
 def decode_slots(
-    model: DeepSeekOCR, keys: list[Tensor], values: list[Tensor], rows: SlotRows, options: DecodeOptions,
-    whitelist: Tensor | None, visible: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+    model: DeepSeekOCR,
+    keys: list[Tensor],
+    values: list[Tensor],
+    rows: SlotRows,
+    options: DecodeOptions,
+    whitelist: Tensor | None,
+    visible: Tensor | None = None,
+) -> Tensor:
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
     one (`choose_tokens`). The "masked" attention where `visible` is None (`keys`/`values`: every layer's,
     the bucket's slots); else the "filled" one (every slot's keys and values, `visible` every slot's
@@ -282,10 +272,17 @@ def decode_slots(
     if visible is not None:
         cache = FilledSlotsCache(keys, values, rows.length, visible)
     else:
-        mask = attention_mask(rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype)
+        mask = attention_mask(
+            rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype
+        )
         cache = _StepCache(keys, values, positions)
     for layer in language_model.layers:
-        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                       position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache})  # fmt: skip
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **{CACHE_ARGUMENT: cache},
+        )
     logits = model.logits(language_model.norm(hidden[:, -1]))
     return choose_tokens(logits, rows, options, whitelist)

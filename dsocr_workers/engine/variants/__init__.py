@@ -52,7 +52,10 @@ def resolve(name: str, device_type: str) -> tuple[str, str]:
         return ("fast" if device_type == "cuda" else CPU_FALLBACK), ""
     needs = engine_class(name).needs_cuda
     if needs and device_type != "cuda":
-        return CPU_FALLBACK, f"the {name} engine needs CUDA ({needs}); running the {CPU_FALLBACK} engine on the CPU"
+        return (
+            CPU_FALLBACK,
+            f"the {name} engine needs CUDA ({needs}); running the {CPU_FALLBACK} engine on the CPU",
+        )
     return name, ""
 
 

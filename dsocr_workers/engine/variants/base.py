@@ -7,6 +7,7 @@ them and runs a job's steps through the runners, whichever engine made them:
 - `runners(model, device, compiler)`: the callables of a job's vision stages, LM prefill and decode step;
 - `compiled()`: what it compiles with inductor ahead of jobs (None: nothing), so that the cold start
   (engine/coldstart/) can compile, share and key those graphs without knowing the engine.
+What other code may do with it is declared here too (capabilities), never read from its name.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ class Vision:
     def per_group(cls, model: DeepSeekOCR) -> Vision:
         """The model's own methods, one call per view group."""
         sam, clip = model.encode_sam, model.encode_clip
-        return cls(lambda groups: [sam(g) for g in groups], lambda features: [clip(f) for f in features],
-                   model.project)  # fmt: skip
+        return cls(
+            lambda groups: [sam(g) for g in groups],
+            lambda features: [clip(f) for f in features],
+            model.project,
+        )
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,10 @@ class Engine(ABC):
 
     name: ClassVar[str]
     needs_cuda: ClassVar[str] = ""
+    # Whether the batched engine (engine/batched/) compiles its decode step over this engine's modules
+    # by default on CUDA, and may replay it as CUDA graphs (its kernels read nothing back to the host).
+    compiles_batched_step: ClassVar[bool] = False
+    graphs_batched_step: ClassVar[bool] = False
 
     @abstractmethod
     def kernels(self) -> dict[str, str]:
@@ -87,3 +95,7 @@ class Engine(ABC):
     def compiled(self) -> InductorGraphs | None:
         """What this engine compiles with inductor ahead of jobs; None: nothing."""
         return None
+
+    def compile_backend(self) -> str:
+        """torch.compile's backend for what is compiled over this engine's modules."""
+        return "inductor"

@@ -5,7 +5,7 @@ compiled decode step replayed as a CUDA graph. On a CPU the registry runs eager 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,13 +34,12 @@ if TYPE_CHECKING:
 class FastCompile:
     """What the fast engine compiles, and with which backend. The defaults are the engine: inductor
     compiles the vision encoders, the LM prefill and the decode step, which it replays as a CUDA graph.
-    A CPU test traces the decode step alone (`decode_only`) with a backend that generates no code
-    ("aot_eager"): the same single graph, while inductor's build of the rest takes minutes on a CPU."""
+    `decode_only`: the decode step alone, vision and prefill eager (the cold start's decode share)."""
 
     backend: str = "inductor"
     decode_only: bool = False
-    # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count,
-    # as before (benchmarks/bench_coldstart.py compares the two).
+    # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count
+    # (the cold start keys its artifacts by it).
     dynamic_tiles: bool = True
     # On CUDA, vision replayed as a CUDA graph per page shape and the LM prefill per padded prompt length
     # (engine/regions.py GraphedVision, GraphedPrefill); False: the compiled blocks called one by one.
@@ -62,14 +61,14 @@ def fast_vision_modules(model: DeepSeekOCR) -> None:
 
 @dataclass(frozen=True)
 class FastEngine(Engine):
-    """`compile`: what is compiled and how. `decode_function`: the decode step it compiles (a benchmark
-    may give another with decode_one_token's signature, e.g. one forcing an attention backend)."""
+    """`compile`: what is compiled and how."""
 
     compile: FastCompile = FastCompile()
-    decode_function: Callable[..., torch.Tensor] = field(default=decode_one_token)
 
     name = "fast"
     needs_cuda = "compiled CUDA-graph decode"
+    compiles_batched_step = True
+    graphs_batched_step = True
 
     def kernels(self) -> dict[str, str]:
         # Imported here: Triton comes with CUDA builds of torch, and only this engine needs it.
@@ -85,14 +84,15 @@ class FastEngine(Engine):
     def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
         """Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
         block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
-        projector (a concatenation and one linear layer) stays eager: on an H200 it ran in 0.22 ms eager
-        and 0.48 ms compiled (docs/benchmarks.md). LM prefill: compiled layer by layer, one graph per kind
+        projector (a concatenation and one linear layer) stays eager: compiled, it ran slower. LM prefill: compiled layer by layer, one graph per kind
         of layer, dynamic in the prompt length. Decode: one graph per cache bucket (fullgraph: a break
         would be a host round trip per token), replayed as a CUDA graph. `compiler`: what makes those
         regions, dynamo by default; AOTInductor packages built ahead (engine/coldstart/aoti.py)."""
         settings = self.compile
         compiler = compiler or TorchCompiler(settings.backend)
-        decode = compiler.region("decode_step", self.decode_function, mode=settings.decode_mode, fullgraph=True)
+        decode = compiler.region(
+            "decode_step", self.decode_function(), mode=settings.decode_mode, fullgraph=True
+        )
         graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
@@ -101,9 +101,19 @@ class FastEngine(Engine):
         regions = RegionalVision(model, compiler, settings.dynamic_tiles)
         if graphs:
             graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(compiler))
-            return Runners(Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs)
-        return Runners(Vision(regions.encode_sam, regions.encode_clip, model.project),
-                       RegionalPrefill(compiler), decode)  # fmt: skip
+            return Runners(
+                Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs
+            )
+        return Runners(
+            Vision(regions.encode_sam, regions.encode_clip, model.project), RegionalPrefill(compiler), decode
+        )
+
+    def decode_function(self) -> Callable[..., torch.Tensor]:
+        """The decode step it compiles (engine/generate.py); a subclass may compile another of its signature."""
+        return decode_one_token
+
+    def compile_backend(self) -> str:
+        return self.compile.backend
 
     def compiled(self) -> InductorGraphs | None:
         if self.compile.decode_only or self.compile.backend != "inductor":

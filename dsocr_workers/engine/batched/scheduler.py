@@ -1,0 +1,358 @@
+"""The batched engine's scheduler: pages waiting, slots and their free list, admission against the KV
+plan, token budgets, stop decisions and per-page metrics. No torch: each launch is planned here as a
+plain `PrefillPlan` or `DecodePlan` for the runner (runner.py), and what the runner read back (plain
+token ids and times, `Readback`) comes back here to extend the pages and stop them."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dsocr_workers.engine.batched.memory import KVPlan
+from dsocr_workers.engine.batched.metrics import SequenceMetrics, StepKind, StepRecord
+from dsocr_workers.engine.result import DecodeOptions, StopReason
+from dsocr_workers.engine.stopping import ends_in_loop, loop_check_due, stop_reason
+
+if TYPE_CHECKING:
+    from dsocr_workers.model.preprocess import PreparedPage
+
+# (prompt tokens, tokens asked for or None) -> (the page's token budget, the most the model's positions
+# allow): the session's rule, handed in so that this module needs no model.
+BudgetRule = Callable[[int, int | None], tuple[int, int]]
+
+
+class NoFreeSlot(RuntimeError):
+    """`add` with every slot taken: `submit` queues instead."""
+
+
+@dataclass(frozen=True)
+class PageRequest:
+    """A prepared page for the batched engine. `max_new_tokens` None: the engine's budget.
+    `arrival_s`: when it arrived (perf_counter; None: when handed to the engine)."""
+
+    request_id: str
+    page: PreparedPage
+    max_new_tokens: int | None = None
+    arrival_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchedOutput:
+    """One finished page."""
+
+    request_id: str
+    token_ids: list[int]
+    stop_reason: StopReason
+    prompt_tokens: int
+    image_tokens: int
+    crop_grid: tuple[int, int]
+    mode: str
+    wasted_steps: int  # decode steps computed for it after its end (EOS seen late, a loop)
+    metrics: SequenceMetrics
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens of one page read back in a step() call; `at_s`: when the last of them was produced."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    at_s: float
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What one step() call did and learnt: pages admitted (request, slot), tokens read back, pages
+    finished."""
+
+    admitted: tuple[tuple[str, int], ...]
+    tokens: tuple[TokenEvent, ...]
+    finished: tuple[BatchedOutput, ...]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A page that fits: its token budget and the most the model's positions allow (`ceiling`)."""
+
+    request: PageRequest
+    budget: int
+    ceiling: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Launch a page's prefill into `slot` and choose its first token. `clear`: slots that hold no page
+    any more, their device state reset before this launch."""
+
+    index: int
+    slot: int
+    page: PreparedPage
+    budget: int  # its scratch cache holds the prompt and this many tokens
+    clear: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch one decode step over slots 0..bucket-1; `rows`: the slots whose pages it decodes."""
+
+    index: int
+    rows: tuple[int, ...]
+    bucket: int
+    clear: tuple[int, ...]
+
+
+StepPlan = PrefillPlan | DecodePlan
+
+
+@dataclass(frozen=True)
+class Readback:
+    """A launched step's tokens (one per row computed: the bucket's, or the prefill's one) and when it ran
+    (host perf_counter seconds)."""
+
+    index: int
+    tokens: list[int]
+    started_s: float
+    ended_s: float
+    vision_ms: float = 0.0  # a prefill's vision stages
+
+
+def buckets_for(slots: int) -> tuple[int, ...]:
+    """1, 2, 4, … below `slots`, then `slots`."""
+    sizes = []
+    size = 1
+    while size < slots:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, slots)
+
+
+def bucket_of(rows: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= rows)
+
+
+@dataclass
+class _Sequence:
+    admission: Admission
+    slot: int
+    metrics: SequenceMetrics
+    tokens: list[int] = field(default_factory=list)
+    launched: int = 0  # decode steps launched for it
+    stop_reason: StopReason | None = None
+
+    @property
+    def request(self) -> PageRequest:
+        return self.admission.request
+
+    @property
+    def budget(self) -> int:
+        return self.admission.budget
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+
+@dataclass
+class _Launch:
+    """A launched step whose tokens are not read back yet: (row of its tokens, page) per page."""
+
+    plan: StepPlan
+    occupants: list[tuple[int, _Sequence]]
+
+
+class Scheduler:
+    """Which page decodes where, what each launch computes, and when each page stops."""
+
+    def __init__(self, plan: KVPlan, options: DecodeOptions, budget_rule: BudgetRule) -> None:
+        self.plan, self.options, self.budget_rule = plan, options, budget_rule
+        self.buckets = buckets_for(plan.slots)
+        self.steps: list[StepRecord] = []  # every step read back, in order
+        self._slots: dict[int, _Sequence] = {}  # slot -> the page decoding there
+        self._free = list(range(plan.slots))  # kept sorted: a page takes the lowest
+        self._clear: list[int] = []  # freed since the last launch: the runner resets them
+        self._waiting: deque[Admission] = deque()
+        self._unread: dict[int, _Launch] = {}  # launched, not read back: by step index
+        self._tokens: list[TokenEvent] = []  # read back since the last `events`
+        self._finished: list[BatchedOutput] = []
+        self._unfinished = 0  # pages admitted and not yet finished
+        self._step_index = 0
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def in_flight(self) -> int:
+        """Pages handed over and not finished: waiting, decoding, or finishing."""
+        return len(self._waiting) + self._unfinished
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._unfinished or self._unread)
+
+    @property
+    def admissible(self) -> bool:
+        """A page waits and a slot is free."""
+        return bool(self._waiting and self._free)
+
+    @property
+    def decoding(self) -> bool:
+        """Some page has decode steps left to launch."""
+        return bool(self._decoding())
+
+    # --- admission ------------------------------------------------------------------------------------
+
+    def admit(self, request: PageRequest) -> Admission:
+        """The page's budget, checked against a slot (`PageRefused` where it cannot fit)."""
+        if request.arrival_s is None:
+            request = PageRequest(
+                request.request_id, request.page, request.max_new_tokens, time.perf_counter()
+            )
+        wanted = self.plan.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+        budget, ceiling = self.budget_rule(request.page.prompt_tokens, wanted)
+        self.plan.check_fits(request.page.prompt_tokens, budget)
+        return Admission(request, budget, ceiling)
+
+    def submit(self, request: PageRequest) -> None:
+        self._waiting.append(self.admit(request))
+
+    def next_waiting(self) -> Admission:
+        return self._waiting.popleft()
+
+    def plan_prefill(self, admission: Admission) -> PrefillPlan:
+        """The page into the lowest free slot; `launched` or `failed` must follow."""
+        if not self._free:
+            raise NoFreeSlot(f"all {self.plan.slots} slots hold pages")
+        slot = self._free.pop(0)
+        assert admission.request.arrival_s is not None  # set by `admit`
+        metrics = SequenceMetrics(admission.request.arrival_s, time.perf_counter())
+        self._slots[slot] = _Sequence(admission, slot, metrics)
+        return PrefillPlan(
+            self._step_index, slot, admission.request.page, admission.budget, self._take_clear()
+        )
+
+    def failed(self, plan: PrefillPlan) -> None:
+        """The prefill raised: its slot is free again (and reset), the other pages go on."""
+        self._clear.extend(plan.clear)
+        self._release(plan.slot)
+
+    # --- decoding -------------------------------------------------------------------------------------
+
+    def _decoding(self) -> list[tuple[int, _Sequence]]:
+        """(slot, page) of the pages with steps left to launch."""
+        return sorted(
+            (slot, s) for slot, s in self._slots.items() if not s.done and s.launched < s.budget - 1
+        )
+
+    def plan_decode(self) -> DecodePlan | None:
+        """One decode step over the bucket that covers every page with steps left; None: there is none."""
+        occupants = self._decoding()
+        if not occupants:
+            return None
+        bucket = bucket_of(occupants[-1][0] + 1, self.buckets)
+        return DecodePlan(self._step_index, tuple(slot for slot, _ in occupants), bucket, self._take_clear())
+
+    def launched(self, plan: StepPlan) -> None:
+        """The runner launched `plan`. A page's slot is free once its last step is launched."""
+        self._step_index += 1
+        if isinstance(plan, PrefillPlan):
+            sequence = self._slots[plan.slot]
+            self._unfinished += 1
+            self._unread[plan.index] = _Launch(plan, [(0, sequence)])
+            if sequence.budget == 1:
+                self._release(plan.slot)
+            return
+        occupants = [(slot, self._slots[slot]) for slot in plan.rows]
+        self._unread[plan.index] = _Launch(plan, occupants)
+        for slot, sequence in occupants:
+            sequence.launched += 1
+            if sequence.launched == sequence.budget - 1:
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+        self._clear.append(slot)
+        self._free.append(slot)
+        self._free.sort()
+
+    def _take_clear(self) -> tuple[int, ...]:
+        clear, self._clear = tuple(self._clear), []
+        return clear
+
+    # --- reading back ---------------------------------------------------------------------------------
+
+    def read(self, readback: Readback) -> None:
+        """A launched step's tokens: each page's next token, its stop decision, the step's record."""
+        launch = self._unread.pop(readback.index)
+        plan, kind = launch.plan, _kind(launch.plan)
+        occupancy = len(launch.occupants)
+        bucket = plan.bucket if isinstance(plan, DecodePlan) else 1
+        prompt = plan.page.prompt_tokens if isinstance(plan, PrefillPlan) else 0
+        self.steps.append(
+            StepRecord(
+                plan.index,
+                kind,
+                occupancy,
+                bucket,
+                readback.started_s,
+                readback.ended_s,
+                prompt,
+                readback.vision_ms,
+            )
+        )
+        for row, sequence in launch.occupants:
+            if sequence.done:  # a step launched before its stop was read: wasted
+                continue
+            metrics = sequence.metrics
+            if kind == "prefill":
+                metrics.prefill_started_s = readback.started_s
+            else:
+                metrics.occupancy_sum += occupancy
+                metrics.decode_steps += 1
+            token = readback.tokens[row]
+            sequence.tokens.append(token)
+            metrics.token_s.append(readback.ended_s)
+            self._tokens.append(TokenEvent(sequence.request.request_id, (token,), readback.ended_s))
+            reason = self._stop_reason(sequence)
+            if reason is not None:
+                self._finished.append(self._finish(sequence, reason))
+
+    def _stop_reason(self, sequence: _Sequence) -> StopReason | None:
+        """The batch-1 rule (engine/stopping.py), with loops looked for at its cadence."""
+        tokens, options = sequence.tokens, self.options
+        repeating = options.stop_on_repetition and loop_check_due(len(tokens) - 1) and ends_in_loop(tokens)
+        return stop_reason(tokens, sequence.budget, sequence.admission.ceiling, options, repeating)
+
+    def _finish(self, sequence: _Sequence, reason: StopReason) -> BatchedOutput:
+        sequence.stop_reason = reason
+        sequence.metrics.finished_s = time.perf_counter()
+        if self._slots.get(sequence.slot) is sequence:  # EOS or a loop before its budget: free its slot now
+            self._release(sequence.slot)
+        self._unfinished -= 1
+        page = sequence.request.page
+        # Its decode steps launched and not read yet: computed past its end.
+        wasted = sequence.launched - (len(sequence.tokens) - 1)
+        return BatchedOutput(
+            sequence.request.request_id,
+            list(sequence.tokens),
+            reason,
+            page.prompt_tokens,
+            page.image_tokens,
+            page.crop_grid,
+            page.mode.name,
+            wasted,
+            sequence.metrics,
+        )
+
+    def events(self, admitted: list[tuple[str, int]]) -> StepEvents:
+        """What was read back since the last call, with the pages `admitted` meanwhile."""
+        events = StepEvents(tuple(admitted), tuple(self._tokens), tuple(self._finished))
+        self._tokens, self._finished = [], []
+        return events
+
+
+def _kind(plan: StepPlan) -> StepKind:
+    return "prefill" if isinstance(plan, PrefillPlan) else "decode"
