@@ -175,7 +175,9 @@ def render_json(report: Report) -> str:
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
     notes = {table.title: table.note for table in report.tables if table.note}
     document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes,
-                "terms": dict(report.terms)}  # fmt: skip
+                "terms": dict(report.terms)}
+    if report.differences:  # a comparison of runs that are not like for like
+        document["unlike_runs"] = report.differences
     return json.dumps(document, indent=2, default=str) + "\n"
 
 
