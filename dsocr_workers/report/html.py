@@ -17,7 +17,7 @@ from dsocr_workers.report.build import Report
 from dsocr_workers.report.plots import Plot, Side, all_plots
 from dsocr_workers.report.render import cell_text
 from dsocr_workers.report.stats import Estimate
-from dsocr_workers.report.tables import Table
+from dsocr_workers.report.tables import KernelName, Table
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1240px;
@@ -48,6 +48,11 @@ def _figure(plot: Plot) -> str:
     )
 
 
+def _hover(tag: str, value: object) -> str:
+    """A kernel's cell shows its short name; its full name is the cell's hover text."""
+    return f'{tag[:-1]} title="{escape(str(value))}">' if isinstance(value, KernelName) else tag
+
+
 def _table(table: Table) -> str:
     """Cells as the terminal shows them; numeric columns (after the first) right-aligned, as there."""
     numeric = [
@@ -57,7 +62,7 @@ def _table(table: Table) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in table.columns)
     tags = ['<td class="number">' if n else "<td>" for n in numeric]
     rows = [
-        "".join(f"{tag}{escape(cell_text(v))}</td>" for tag, v in zip(tags, row, strict=True))
+        "".join(f"{_hover(tag, v)}{escape(cell_text(v))}</td>" for tag, v in zip(tags, row, strict=True))
         for row in table.rows
     ]
     body = "".join(f"<tr>{cells}</tr>" for cells in rows)

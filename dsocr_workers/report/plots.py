@@ -27,6 +27,7 @@ from matplotlib.patches import Patch
 from dsocr_workers.report.build import DECODE_PER_TOKEN, E2E, measured, timing_metric
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import serving
+from dsocr_workers.report.tables import short_kernel_name
 from dsocr_workers.report.throughput import services, steady_state_throughput
 from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in
 from dsocr_workers.store.models import Result
@@ -370,7 +371,7 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
         means = [{k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {} for stage in per_side]
         ranked = sorted({k for m in means for k in m}, key=lambda k: -max(m.get(k, 0.0) for m in means))
         shown = [k for k in ranked if k != OTHER][:KERNELS_PER_PANEL]
-        labels = [*(_short(k, MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
+        labels = [*(_short(short_kernel_name(k), MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
         y = np.arange(len(labels))
         heading = []
         for i, (side, stage, mean) in enumerate(zip(sides, per_side, means, strict=True)):
