@@ -9,6 +9,7 @@ matplotlib (the `report` extra), the rest of the report does not.
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
@@ -32,7 +33,14 @@ table { border-collapse: collapse; font-size: 12px; margin-bottom: 8px; }
 th, td { border-bottom: 1px solid #e3e3e3; padding: 3px 8px; vertical-align: top; }
 th { text-align: left; background: #f4f4f4; }
 td.number { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+code { white-space: nowrap; }
 """
+OPTION = re.compile(r"--[a-z][a-z-]*")
+
+
+def _options_whole(text: str) -> str:
+    """A command-line option in running text never breaks at its hyphens (`--include-cold`)."""
+    return OPTION.sub(lambda m: f"<code>{m.group(0)}</code>", text)
 
 
 def _anchor(title: str) -> str:
@@ -44,7 +52,7 @@ def _figure(plot: Plot) -> str:
     return (
         f'<section class="plot"><h2 id="{_anchor(plot.title)}">{escape(plot.title)}</h2><figure>'
         f'<img alt="{escape(plot.title)}" src="data:image/png;base64,{data}">'
-        f"<figcaption>{escape(plot.caption)}</figcaption></figure></section>"
+        f"<figcaption>{_options_whole(escape(plot.caption))}</figcaption></figure></section>"
     )
 
 

@@ -245,10 +245,10 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
     axes = figure.subplots(len(sides), 1, squeeze=False, height_ratios=[1.5 + 0.45 * h for h in heights])[
         :, 0
     ]
+    left, span = 0.0, max((_seconds(side.data, s.finished) for side, lanes in zip(sides, lanes_per_side, strict=True)
+                           for lane in lanes.values() for s in lane), default=1.0)  # fmt: skip
     for ax, side, lanes in zip(axes, sides, lanes_per_side, strict=True):
         data = side.data
-        span = max((_seconds(data, s.finished) for lane in lanes.values() for s in lane), default=1.0)
-        left = 0.0
         for y, (_, lane) in enumerate(sorted(lanes.items())):
             ids = dict.fromkeys(s.result.worker_session_id for s in lane)
             for session in (data.sessions[i] for i in ids if i in data.sessions):
@@ -266,13 +266,14 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                                hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
         ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
         ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
-        ax.set_xlim(left - 0.01 * span, span * 1.01)
         ax.invert_yaxis()
         ax.set_title(side.label, loc="left", fontsize=10)
         ax.set_xlabel("seconds after submit")
         ax.grid(axis="x", alpha=0.3)
         if not lanes:
             ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
+    for ax in axes:  # one time scale for both runs of a comparison: their lengths read side by side
+        ax.set_xlim(left - 0.01 * span, span * 1.01)
     legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
               Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
               Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip

@@ -1,5 +1,5 @@
-"""Kernel names read short in text and in full in JSON and the HTML's hover text; wide tables fit the
-terminal they print to."""
+"""Output a reader can read: kernel names short in text, in full in JSON and the HTML's hover text; wide
+tables fit the terminal they print to; options in captions stay whole."""
 
 from __future__ import annotations
 
@@ -50,3 +50,9 @@ def test_a_wide_table_of_words_wraps_to_the_terminal_and_keeps_its_figures_whole
     fitted = render_table(report, width=100)
     assert max(map(len, fitted.splitlines())) <= 100
     assert "1,234.568" in fitted and "98.25" in fitted
+
+
+def test_an_option_in_a_caption_never_breaks_at_its_hyphens():
+    from dsocr_workers.report.html import _options_whole
+
+    assert _options_whole("left out unless --include-cold).") == "left out unless <code>--include-cold</code>)."
