@@ -102,6 +102,9 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
     click.echo(f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
                + (f"; {export.without_result} page(s) without a result have no file"
                   if export.without_result else ""))  # fmt: skip
+    if export.random_note is not None:
+        click.echo(f"WARNING: run {export.run_id} ran with RANDOM WEIGHTS: its pages are filler text, not OCR "
+                   f"(said in {export.random_note})", err=True)
 
 
 @click.command()

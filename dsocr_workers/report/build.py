@@ -64,6 +64,16 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     terms: list[tuple[str, str]] = field(default_factory=list)  # (term, meaning): the legend under the tables
+    # A comparison of runs that did not compute or run alike: each difference, "what: A ..., B ...".
+    differences: list[str] = field(default_factory=list)
+
+
+# Run parameters that change what a job computes or how it is timed: two runs that differ in one of them
+# are not like for like.
+COMPARED_PARAMETERS = ("mode", "max_new_tokens", "ignore_eos", "engine", "dtype", "concurrency", "prompt",
+                       "no_repeat_ngram_size", "ngram_window", "stop_on_repetition", "seed")
+UNLIKE_WARNING = "NOT LIKE FOR LIKE: runs A and B differ in {differences}; the verdicts below compare unlike runs"
+UNLIKE_VERDICT = " (unlike runs)"
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,36 @@ def run_facts(
         "profiled results": sum(r.profiled for r in data.results.values()),
         "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops, include_profiled)),
     }
+
+
+def run_differences(a: RunData, b: RunData) -> list[str]:
+    """What differs between two runs that a comparison must say: the model, the parameters above, and what
+    their results ran with (engine, dtype, GPU type)."""
+    def ran(data: RunData) -> dict[str, str]:
+        results = data.results.values()
+        gpus = {w.gpu_name or "cpu" for w in data.workers.values()}
+        return {"engine that ran": ", ".join(sorted({r.engine for r in results})),
+                "dtype that ran": ", ".join(sorted({r.dtype or "" for r in results})),
+                "GPU type": ", ".join(sorted(gpus))}
+
+    differences = [] if a.run.model == b.run.model else [f"model (A {a.run.model}, B {b.run.model})"]
+    for name in COMPARED_PARAMETERS:
+        value_a, value_b = a.run.parameters.get(name), b.run.parameters.get(name)
+        if value_a != value_b:
+            differences.append(f"{name} (A {value_a}, B {value_b})")
+    ran_a, ran_b = ran(a), ran(b)
+    differences += [f"{k} (A {ran_a[k]}, B {ran_b[k]})" for k in ran_a if ran_a[k] and ran_b[k] and ran_a[k] != ran_b[k]]
+    return differences
+
+
+def _mark_unlike(tables: list[Table]) -> None:
+    """Every verdict of a comparison of unlike runs says so."""
+    for table in tables:
+        if "verdict" in table.columns:
+            at = table.columns.index("verdict")
+            for row in table.rows:
+                if isinstance(row[at], str) and row[at] not in ("", "–"):
+                    row[at] += UNLIKE_VERDICT
 
 
 def _throughput(data: RunData, include_cold: bool) -> dict[str, Any]:
@@ -621,6 +661,10 @@ def comparison_report(
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
+    report.differences = run_differences(a, b)
+    if report.differences:
+        report.warnings.insert(0, UNLIKE_WARNING.format(differences="; ".join(report.differences)))
+        _mark_unlike(report.tables)
     report.terms = glossary()
     return report
 

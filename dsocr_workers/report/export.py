@@ -12,12 +12,15 @@ from dsocr_workers.quality.omnidocbench import write_predictions
 from dsocr_workers.report.queries import load_run
 from dsocr_workers.store.db import open_ledger
 
+RANDOM_NOTE = "RANDOM_WEIGHTS.txt"
+
 
 @dataclass(frozen=True)
 class PredictionsWritten:
     run_id: str
     files: list[Path]
     without_result: int  # pages of the repeat that have no result, hence no file
+    random_note: Path | None  # where the run's model had random weights: the note saying so, beside the pages
 
 
 def export_predictions(database_url: str, run_ref: str, directory: Path, repeat: int = 0) -> PredictionsWritten:
@@ -30,4 +33,9 @@ def export_predictions(database_url: str, run_ref: str, directory: Path, repeat:
     pages = {j.image: render_mmd(data.results[j.id].markup)
              for j in data.jobs if j.repeat == repeat and j.id in data.results}  # fmt: skip
     written = write_predictions(pages, directory)
-    return PredictionsWritten(data.run.id, written, sum(j.repeat == repeat for j in data.jobs) - len(written))
+    note = None
+    if data.run.random_weights:  # the pages are filler text: whoever opens the folder later must see why
+        note = directory / RANDOM_NOTE
+        note.write_text(f"Run {data.run.id}: {data.run.model_label}. Its model had RANDOM WEIGHTS: these pages "
+                        "are filler text, not OCR, and score as such.\n")
+    return PredictionsWritten(data.run.id, written, sum(j.repeat == repeat for j in data.jobs) - len(written), note)

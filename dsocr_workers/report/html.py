@@ -9,6 +9,7 @@ matplotlib (the `report` extra), the rest of the report does not.
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
@@ -17,7 +18,7 @@ from dsocr_workers.report.build import Report
 from dsocr_workers.report.plots import Plot, Side, all_plots
 from dsocr_workers.report.render import cell_text
 from dsocr_workers.report.stats import Estimate
-from dsocr_workers.report.tables import Table
+from dsocr_workers.report.tables import KernelName, Table
 
 STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1240px;
@@ -32,7 +33,14 @@ table { border-collapse: collapse; font-size: 12px; margin-bottom: 8px; }
 th, td { border-bottom: 1px solid #e3e3e3; padding: 3px 8px; vertical-align: top; }
 th { text-align: left; background: #f4f4f4; }
 td.number { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+code { white-space: nowrap; }
 """
+OPTION = re.compile(r"--[a-z][a-z-]*")
+
+
+def _options_whole(text: str) -> str:
+    """A command-line option in running text never breaks at its hyphens (`--include-cold`)."""
+    return OPTION.sub(lambda m: f"<code>{m.group(0)}</code>", text)
 
 
 def _anchor(title: str) -> str:
@@ -44,8 +52,13 @@ def _figure(plot: Plot) -> str:
     return (
         f'<section class="plot"><h2 id="{_anchor(plot.title)}">{escape(plot.title)}</h2><figure>'
         f'<img alt="{escape(plot.title)}" src="data:image/png;base64,{data}">'
-        f"<figcaption>{escape(plot.caption)}</figcaption></figure></section>"
+        f"<figcaption>{_options_whole(escape(plot.caption))}</figcaption></figure></section>"
     )
+
+
+def _hover(tag: str, value: object) -> str:
+    """A kernel's cell shows its short name; its full name is the cell's hover text."""
+    return f'{tag[:-1]} title="{escape(str(value))}">' if isinstance(value, KernelName) else tag
 
 
 def _table(table: Table) -> str:
@@ -57,7 +70,7 @@ def _table(table: Table) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in table.columns)
     tags = ['<td class="number">' if n else "<td>" for n in numeric]
     rows = [
-        "".join(f"{tag}{escape(cell_text(v))}</td>" for tag, v in zip(tags, row, strict=True))
+        "".join(f"{_hover(tag, v)}{escape(cell_text(v))}</td>" for tag, v in zip(tags, row, strict=True))
         for row in table.rows
     ]
     body = "".join(f"<tr>{cells}</tr>" for cells in rows)

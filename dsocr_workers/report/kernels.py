@@ -18,7 +18,7 @@ from typing import Any
 from dsocr_workers.kernels import Activity, KernelSummary, StageKernels
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.stats import Summary, paired_ratios
-from dsocr_workers.report.tables import Table, in_job_order, verdict
+from dsocr_workers.report.tables import KernelName, Table, in_job_order, verdict
 from dsocr_workers.stages import BY_COLUMN
 
 E2E = BY_COLUMN["e2e_ms"]
@@ -89,7 +89,7 @@ def kernel_table(data: RunData, include_cold: bool = False) -> Table:
             total_ms = sum(stage.kernel_us[name]) / 1e3
             calls = stage.calls[name]
             rows.append([
-                stage.stage, name, calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
+                stage.stage, KernelName(name), calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
                 total_ms * 1e3 / calls if calls else None, 100 * total_ms / clock_ms if clock_ms else None,
             ])  # fmt: skip
     cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
@@ -170,10 +170,10 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
         for kernel in ranked:
             ms_a, ms_b = mean_ms[kernel]
             if not ms_a or not ms_b:
-                rows.append([name, kernel, ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
+                rows.append([name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
                 continue
             ratio = paired_ratios(_page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)).mean
-            rows.append([name, kernel, ms_a, ms_b, ratio, change(ratio)])
+            rows.append([name, KernelName(kernel), ms_a, ms_b, ratio, change(ratio)])
     note = (f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
             "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only.")  # fmt: skip
     return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)

@@ -20,7 +20,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dsocr_workers.store.db import open_ledger
-from dsocr_workers.store.models import FINAL_STATES, Job, Result, Run, WorkerProcess, WorkerSession, utcnow
+from dsocr_workers.store.models import (
+    FINAL_STATES,
+    IN_PROCESS_QUEUE,
+    Job,
+    Result,
+    Run,
+    WorkerProcess,
+    WorkerSession,
+    utcnow,
+)
 from dsocr_workers.store.runs import resolve_run
 
 PACE_JOBS = 20  # a worker's pace: the median of its last this-many jobs of the run
@@ -93,7 +102,9 @@ def run_progress(session: Session, run: Run, lease_s: float, now: datetime | Non
     ).all()
     workers = []
     for process in processes:
-        if run.queue not in process.queues.split(",") and process.id not in holding:
+        served = process.id in holding or process.id in durations
+        # `dsocr run`'s queue is every in-process run's: its line of another run is none of this run's.
+        if not served and (run.queue not in process.queues.split(",") or run.queue == IN_PROCESS_QUEUE):
             continue
         latest = sorted(durations.get(process.id, []))[-PACE_JOBS:]
         age = (now - process.heartbeat_at).total_seconds()

@@ -27,6 +27,7 @@ from matplotlib.patches import Patch
 from dsocr_workers.report.build import DECODE_PER_TOKEN, E2E, measured, timing_metric
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import serving
+from dsocr_workers.report.tables import short_kernel_name
 from dsocr_workers.report.throughput import services, steady_state_throughput
 from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in
 from dsocr_workers.store.models import Result
@@ -244,10 +245,10 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
     axes = figure.subplots(len(sides), 1, squeeze=False, height_ratios=[1.5 + 0.45 * h for h in heights])[
         :, 0
     ]
+    left, span = 0.0, max((_seconds(side.data, s.finished) for side, lanes in zip(sides, lanes_per_side, strict=True)
+                           for lane in lanes.values() for s in lane), default=1.0)  # fmt: skip
     for ax, side, lanes in zip(axes, sides, lanes_per_side, strict=True):
         data = side.data
-        span = max((_seconds(data, s.finished) for lane in lanes.values() for s in lane), default=1.0)
-        left = 0.0
         for y, (_, lane) in enumerate(sorted(lanes.items())):
             ids = dict.fromkeys(s.result.worker_session_id for s in lane)
             for session in (data.sessions[i] for i in ids if i in data.sessions):
@@ -265,13 +266,14 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                                hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
         ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
         ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
-        ax.set_xlim(left - 0.01 * span, span * 1.01)
         ax.invert_yaxis()
         ax.set_title(side.label, loc="left", fontsize=10)
         ax.set_xlabel("seconds after submit")
         ax.grid(axis="x", alpha=0.3)
         if not lanes:
             ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
+    for ax in axes:  # one time scale for both runs of a comparison: their lengths read side by side
+        ax.set_xlim(left - 0.01 * span, span * 1.01)
     legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
               Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
               Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip
@@ -370,7 +372,7 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
         means = [{k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {} for stage in per_side]
         ranked = sorted({k for m in means for k in m}, key=lambda k: -max(m.get(k, 0.0) for m in means))
         shown = [k for k in ranked if k != OTHER][:KERNELS_PER_PANEL]
-        labels = [*(_short(k, MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
+        labels = [*(_short(short_kernel_name(k), MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
         y = np.arange(len(labels))
         heading = []
         for i, (side, stage, mean) in enumerate(zip(sides, per_side, means, strict=True)):

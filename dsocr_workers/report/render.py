@@ -21,7 +21,7 @@ from typing import Any
 from dsocr_workers.errors import InputError
 from dsocr_workers.report.build import Report
 from dsocr_workers.report.stats import Estimate
-from dsocr_workers.report.tables import Table
+from dsocr_workers.report.tables import KernelName, Table
 
 FORMATS = ("table", "csv", "json", "md")
 
@@ -35,6 +35,8 @@ def cell_text(value: Any) -> str:
         return f"{cell_text(value.value)} [{cell_text(value.low)}, {cell_text(value.high)}]"
     if value is None:
         return ""
+    if isinstance(value, KernelName):
+        return value.short
     if isinstance(value, float):
         return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) < 1e6 else f"{value:,.0f}"
     return str(value)
@@ -87,9 +89,9 @@ NATURAL_WIDTH = 10_000
 
 
 def render_table(report: Report, *, width: int | None = None, color: bool = False) -> str:
-    """Terminal tables at most `width` characters wide (a terminal's width), else as wide as their content.
-    A table that does not fit in `width` is printed whole, as wide as its content: folded into narrow
-    columns, intervals broke over lines and headers mid-word. The legend of the report's terms closes it."""
+    """Terminal tables at most `width` characters wide (a terminal's width), their text wrapped to fit, or
+    where even that does not fit, a block per row; without a width as wide as their content. The legend of
+    the report's terms closes it."""
     from rich import box
     from rich.console import Console
     from rich.measure import Measurement
@@ -112,12 +114,31 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
             numeric = all(
                 isinstance(row[i], int | float | Estimate) for row in section.rows if row[i] is not None
             )
-            table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold")
+            # Text wraps between words where the table would not fit otherwise; a word, a figure or an
+            # interval never breaks (the longest is the column's least width).
+            units = [*column.split(), *(unit for row in section.rows for unit in _unbroken(row[i]))]
+            table.add_column(column, justify="right" if numeric and i > 0 else "left", overflow="fold",
+                             min_width=max(map(len, units), default=1))
         for row in section.rows:
             table.add_row(*(Text(cell_text(v)) for v in row))  # Text: "[n<2]" is not console markup
         if section.note:
             table.caption = Text(section.note, style="bold red")
-        console(Measurement.get(wide, wide.options, table).maximum).print(table)
+        measured = Measurement.get(wide, wide.options, table)
+        if width is None or measured.minimum <= width:
+            console(min(width or NATURAL_WIDTH, measured.maximum)).print(table)
+            continue
+        # Too many columns for the terminal even wrapped: one block per row, a line per column (as psql's
+        # expanded display), so that no line runs past the terminal.
+        for index, row in enumerate(section.rows, start=1):
+            block = RichTable(title=f"{section.title} [{index} of {len(section.rows)}]", box=None,
+                              title_justify="left", show_header=False)
+            block.add_column("column", style="bold", overflow="fold")
+            block.add_column("value", overflow="fold")
+            for column, value in zip(section.columns, row, strict=True):
+                block.add_row(Text(column), Text(cell_text(value)))
+            console().print(block)
+        if section.note:
+            console().print(Text(section.note, style="bold red"))
     if report.terms:
         legend = RichTable(title="Terms", box=None, title_justify="left", show_header=False)
         legend.add_column("term", no_wrap=True, style="bold")
@@ -126,6 +147,12 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
             legend.add_row(Text(term), Text(meaning))
         console().print(legend)
     return "".join(line.rstrip() + "\n" for line in out.getvalue().splitlines())
+
+
+def _unbroken(value: Any) -> list[str]:
+    """The parts of a cell a line break may not split: a figure or an interval whole, else each word."""
+    text = cell_text(value)
+    return [text] if isinstance(value, int | float | Estimate) else text.split()
 
 
 def _number(value: Any) -> Any:
@@ -175,7 +202,9 @@ def render_json(report: Report) -> str:
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
     notes = {table.title: table.note for table in report.tables if table.note}
     document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes,
-                "terms": dict(report.terms)}  # fmt: skip
+                "terms": dict(report.terms)}
+    if report.differences:  # a comparison of runs that are not like for like
+        document["unlike_runs"] = report.differences
     return json.dumps(document, indent=2, default=str) + "\n"
 
 

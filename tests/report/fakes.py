@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from dsocr_workers.engine.loops import RepetitionLoop
 from dsocr_workers.engine.result import (
@@ -90,11 +91,13 @@ def memory(mib: tuple[int, int, int] | None) -> JobMemory | None:
 
 
 def make_run(
-    db: Database, folder: Path, make_png, pages: dict[tuple[str, int], Page | None], ground_truth: Path | None = None
+    db: Database, folder: Path, make_png, pages: dict[tuple[str, int], Page | None], ground_truth: Path | None = None,
+    **options: Any,
 ) -> str:
     """A run with one job per (image, repeat) key, every image with the same repeats; None makes that
     job fail as an input error. With `ground_truth` (an OmniDocBench file naming every image) each job
-    carries its reference and its result is scored, as `dsocr submit --ground-truth` does."""
+    carries its reference and its result is scored, as `dsocr submit --ground-truth` does. `options`: the
+    run's options other than its defaults (RunOptions)."""
     images = list(dict.fromkeys(image for image, _ in pages))
     for image in images:
         make_png(image, folder=folder)
@@ -105,7 +108,7 @@ def make_run(
     if ground_truth is not None:
         listed, references = attach_ground_truth(listed, ground_truth)
         assert not listed.bad, listed.bad
-    run = record_run(db, listed, RunOptions(mode="tiny", repeats=repeats), queue="q",
+    run = record_run(db, listed, RunOptions(**{"mode": "tiny", **options}, repeats=repeats), queue="q",
                      ground_truth=ground_truth, references=references)  # fmt: skip
     with db.transaction() as session:
         upsert(session, Worker, WORKER, ["id"])

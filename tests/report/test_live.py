@@ -9,7 +9,15 @@ from fakes import Page, add_session, make_run, set_times
 from sqlalchemy import update
 
 from dsocr_workers.report.live import follow_progress, run_progress
-from dsocr_workers.store.models import Job, Run, WorkerProcess, WorkerSession, job_id_for, utcnow
+from dsocr_workers.store.models import (
+    IN_PROCESS_QUEUE,
+    Job,
+    Run,
+    WorkerProcess,
+    WorkerSession,
+    job_id_for,
+    utcnow,
+)
 
 LEASE_S = 60
 
@@ -88,3 +96,20 @@ def test_follow_progress_polls_until_every_job_is_final(database, tmp_path, make
     last = next(watching)
     assert (last.final, last.total, last.finished) == (2, 2, True)
     assert next(watching, None) is None  # every job final: it stops
+
+
+def test_an_in_process_run_lists_only_its_own_line(database, tmp_path, make_png):
+    """`dsocr run`'s queue is shared by every in-process run: another run's line (stopped or not) is not
+    this run's worker."""
+    now = utcnow()
+    run_id = make_run(database, tmp_path, make_png, {("a.png", 0): Page(), ("a.png", 1): Page()})
+    mine, earlier = f"h:1:mine-{run_id}", f"h:2:earlier-{run_id}"
+    with database.transaction() as session:
+        session.execute(update(Run).where(Run.id == run_id).values(queue=IN_PROCESS_QUEUE))
+        session.execute(update(Job).where(Job.id == job_id_for(run_id, "a.png", 1))
+                        .values(state="running", lease_owner=mine))  # fmt: skip
+        for pid, owner in enumerate((mine, earlier)):
+            session.add(WorkerProcess(id=owner, host="h", pid=pid, device="cpu", queues=IN_PROCESS_QUEUE,
+                                      started_at=now, heartbeat_at=now, stopped_at=now if owner == earlier else None))
+        progress = run_progress(session, session.get_one(Run, run_id), LEASE_S, now=now)
+    assert [w.id for w in progress.workers] == [mine]

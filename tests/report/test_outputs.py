@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 from fakes import Page, make_run
 
+from dsocr_workers.cli import main
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.report.export import export_predictions
@@ -25,6 +27,11 @@ def test_export_writes_each_page_with_a_result_and_counts_the_rest(database, tmp
     assert sorted(path.name for path in export.files) == ["p1.md", "p3.md"]
     assert (out / "p1.md").read_text() == render_mmd("first") and (out / "p3.md").read_text() == render_mmd("third")
     assert export_predictions(database.url, run, tmp_path / "second", repeat=1).without_result == 0
+    # A preset's pages are filler: the folder says so beside them, and the command says so too.
+    assert export.random_note == out / "RANDOM_WEIGHTS.txt" and "RANDOM WEIGHTS" in export.random_note.read_text()
+    said = CliRunner().invoke(main, ["export", "--run", run, "--omnidocbench", str(tmp_path / "third")],
+                              env={"DSOCR_DATABASE_URL": database.url})
+    assert said.exit_code == 0 and "ran with RANDOM WEIGHTS" in said.output, said.output
     with pytest.raises(InputError, match=f"run {run} has no repeat 2"):
         export_predictions(database.url, run, tmp_path / "none", repeat=2)
 

@@ -242,7 +242,21 @@ def test_vs_says_no_significant_difference_only_when_there_is_none(database, tmp
             1 < ratio["B/A_ci_low"] <= ratio["B/A"] <= ratio["B/A_ci_high"] and ratio["verdict"] == "B higher"
         )
     table = invoke(database, ["--run", a, "--vs", same], monkeypatch)
-    assert "no significant difference" in table
+    assert "no significant difference" in table and "NOT LIKE FOR LIKE" not in table
+    assert "unlike_runs" not in report_json(database, ["--run", a, "--vs", same], monkeypatch)
+
+
+def test_vs_of_unlike_runs_opens_with_a_banner_naming_each_difference(database, tmp_path, make_png, monkeypatch):
+    a = make_run(database, tmp_path / "a", make_png, noisy_pages(seed=1), max_new_tokens=32, mode="gundam")
+    b = make_run(database, tmp_path / "b", make_png, noisy_pages(seed=2), max_new_tokens=64, mode="base")
+    document = report_json(database, ["--run", a, "--vs", b], monkeypatch)
+    assert document["unlike_runs"] == ["mode (A gundam, B base)", "max_new_tokens (A 32, B 64)"]
+    assert document["warnings"][0].startswith("NOT LIKE FOR LIKE: runs A and B differ in mode (A gundam, B base); "
+                                              "max_new_tokens (A 32, B 64)")
+    verdicts = [row["verdict"] for row in document["tables"]["Paired latency"]]
+    assert verdicts and all(v.endswith("(unlike runs)") for v in verdicts), verdicts
+    text = invoke(database, ["--run", a, "--vs", b], monkeypatch)
+    assert text.index("NOT LIKE FOR LIKE") < text.index("Paired latency")
 
 
 def test_per_job_memory_and_its_split(database, tmp_path, make_png, monkeypatch):

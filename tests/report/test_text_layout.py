@@ -53,6 +53,8 @@ def test_redirected_report_lays_tables_out_whole(database, run_on_a_warmed_worke
         text = report_text(database.url, run, subprocess_env, *width)
         lines = text.splitlines()
         assert all(line == line.rstrip() for line in lines), "lines padded out with spaces"
+        if width:  # every table fits the terminal: its text wrapped, or a block per row where that does not fit
+            assert max(map(len, lines)) <= 120, max(lines, key=len)
         broken = [i for i in intervals if not any(i in line for line in lines)]
         assert not broken, f"intervals split over lines: {broken[:5]}"
         for table in document.tables:  # each header whole (no "prefetche" / "d")
