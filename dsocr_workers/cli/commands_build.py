@@ -21,9 +21,13 @@ from dsocr_workers.model.config import DTYPES
               help="The modes the workers warm (their --warmup), comma-separated.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="The jobs' token budget (it sizes the KV cache buckets warmed); default: the model's positions.")
-@click.option("--gpus", default="auto", show_default=True,
-              help="Where to build, as `dsocr worker --gpus`: the first GPU named (seen as cuda:0, as every "
-                   "worker child sees its own); GPUs of another type need a build of their own. cpu: on the CPU.")  # fmt: skip
+@click.option(
+    "--gpus",
+    default="auto",
+    show_default=True,
+    help="Where to build, as `dsocr worker --gpus`: the first GPU named (seen as cuda:0, as every "
+    "worker child sees its own); GPUs of another type need a build of their own. cpu: on the CPU.",
+)
 @exits_on_errors
 def precompile(model: str, engine: str, dtype: str | None, modes: str, max_new_tokens: int | None, gpus: str) -> None:
     """Build what a worker's start needs for this plan into DSOCR_COMPILE_CACHE_DIR: every region the fast
@@ -51,8 +55,10 @@ def precompile(model: str, engine: str, dtype: str | None, modes: str, max_new_t
     def progress(line: str) -> None:
         click.echo(f"[{time.perf_counter() - began:6.1f} s] {line}", err=True)
 
-    report = build(BuildRequest(model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device),
-                   progress)  # fmt: skip
+    report = build(
+        BuildRequest(model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device),
+        progress,
+    )
     click.echo(f"{report.outcome}: {report.manifest or '-'}")
 
 

@@ -199,13 +199,22 @@ def infer_command(
     session = open_session(SessionOptions(model, device, engine, dtype, preset_seed))
     model_banner(console, session)
     # Progress on stderr (a long decode on a CPU takes minutes): the bar advances with the EOS watch.
-    with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=stdout_console(stderr=True), transient=True) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("decode"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        console=stdout_console(stderr=True),
+        transient=True,
+    ) as progress:
         bar = progress.add_task("decode", total=None)
         outputs = infer_page(
-            session, request, original,
+            session,
+            request,
+            original,
             on_decode_progress=lambda steps, budget: progress.update(bar, completed=steps, total=budget),
-        )  # fmt: skip
+        )
     if as_json:
         click.echo(json.dumps(outputs.document, indent=2))
         return

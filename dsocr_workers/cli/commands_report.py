@@ -73,9 +73,19 @@ def report(
     from dsocr_workers.report.outputs import ReportRequest, write_report
     from dsocr_workers.settings import Settings
 
-    request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
-                            include_profiled=include_profiled, exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
-                            width=width or (terminal_width() if out is None else None))  # fmt: skip
+    request = ReportRequest(
+        run=run_ref,
+        vs=vs_ref,
+        per_image=per_image,
+        include_cold=include_cold,
+        include_profiled=include_profiled,
+        exclude_loops=exclude_loops,
+        fmt=fmt,
+        table=table,
+        out=out,
+        html=html_path,
+        width=width or (terminal_width() if out is None else None),
+    )
     text = write_report(Settings.from_env().database_url, request, on_written=wrote)
     if text is not None:
         click.echo(text, nl=False)
@@ -99,9 +109,14 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
     from dsocr_workers.settings import Settings
 
     export = export_predictions(Settings.from_env().database_url, run_ref, directory, repeat)
-    click.echo(f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
-               + (f"; {export.without_result} page(s) without a result have no file"
-                  if export.without_result else ""))  # fmt: skip
+    click.echo(
+        f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
+        + (
+            f"; {export.without_result} page(s) without a result have no file"
+            if export.without_result
+            else ""
+        )
+    )
 
 
 @click.command()
@@ -120,10 +135,14 @@ def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: i
     from dsocr_workers.report.trace import TraceRequest, write_trace
     from dsocr_workers.settings import Settings
 
-    written = write_trace(Settings.from_env().database_url,
-                          TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out))  # fmt: skip
-    click.echo(f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
-               f"({written.bytes:,} bytes)")  # fmt: skip
+    written = write_trace(
+        Settings.from_env().database_url,
+        TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out),
+    )
+    click.echo(
+        f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
+        f"({written.bytes:,} bytes)"
+    )
 
 
 def register(group: click.Group) -> None:
