@@ -77,8 +77,9 @@ class JobProfiler:
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.activity == "cuda" else [])
         self.sample = sample or DecodeSample()
         self.steps: list[int] = []  # the decode steps recorded
-        self._profile = profile(activities=self.activities, record_shapes=False, with_stack=False,
-                                profile_memory=False)  # fmt: skip
+        self._profile = profile(
+            activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False
+        )
         self._step: record_function | None = None
         self._collecting = True
         self._running = False
@@ -197,10 +198,16 @@ def _device_work_by_launch(events: Any) -> list[tuple[float, Any]]:
     as its `id`, and that runtime call is a host event with the same id. Attributing by the launch's host
     time puts a graph's kernels in the range that replayed it, which the operator tree cannot: a replay is
     no operator. The ranges' own device-side copies (`gpu_user_annotation`) are left out."""
-    launched_at = {e.id: e.time_range.start for e in events
-                   if e.device_type == DeviceType.CPU and e.name.startswith("cu") and "::" not in e.name}  # fmt: skip
-    return [(launched_at[e.id], e) for e in events
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE_PREFIX) and e.id in launched_at]  # fmt: skip
+    launched_at = {
+        e.id: e.time_range.start
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith("cu") and "::" not in e.name
+    }
+    return [
+        (launched_at[e.id], e)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE_PREFIX) and e.id in launched_at
+    ]
 
 
 def _tree(event: Any) -> Iterator[Any]:

@@ -361,8 +361,11 @@ class GraphedVision:
 
     def clip(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         page = self._current
-        if page is None or len(features) != len(page.sam_out) or any(
-                f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True)):  # fmt: skip
+        if (
+            page is None
+            or len(features) != len(page.sam_out)
+            or any(f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True))
+        ):
             raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
         if page.clip is None:
             page.clip, page.clip_out = capture_graph(lambda: self.regions.encode_clip(page.sam_out), self._pool)
@@ -399,8 +402,15 @@ class GraphedDecode:
         key = (id(cache), id(ban), step_key(options))
         found = self._graphs.get(key)
         if found is None:
-            counters = [ban.length, *(t for layer in cache.layers for t in vars(layer).values()
-                                      if isinstance(t, torch.Tensor) and t.dim() == 0)]  # fmt: skip
+            counters = [
+                ban.length,
+                *(
+                    t
+                    for layer in cache.layers
+                    for t in vars(layer).values()
+                    if isinstance(t, torch.Tensor) and t.dim() == 0
+                ),
+            ]
             saved = [counter.clone() for counter in counters]
             graph, (token,) = capture_graph(lambda: [self.step(model, cache, ban, options)], self._pool)
             for counter, value in zip(counters, saved, strict=True):
