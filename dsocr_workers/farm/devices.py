@@ -16,8 +16,9 @@ def count_gpus(environ: Mapping[str, str] = os.environ) -> int:
     """The GPUs this process may use: those `nvidia-smi` lists, narrowed to `CUDA_VISIBLE_DEVICES` where
     it is set (the indices of `--gpus` count those, as CUDA does: see_only_this_gpu)."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True,
-                             env=dict(environ))  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True, env=dict(environ)
+        )
     except (OSError, subprocess.SubprocessError):
         return 0
     count = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
@@ -54,8 +55,10 @@ def parse_devices(gpus: str, environ: Mapping[str, str] = os.environ) -> list[st
     count = count_gpus(environ)
     if max(indices) >= count:
         missing = ", ".join(str(i) for i in indices if i >= count)
-        raise InputError(f"--gpus {gpus}: no GPU {missing} on this host ({_gpus_seen(count, environ)}); "
-                         "name GPUs that are there, or use --gpus cpu")  # fmt: skip
+        raise InputError(
+            f"--gpus {gpus}: no GPU {missing} on this host ({_gpus_seen(count, environ)}); "
+            "name GPUs that are there, or use --gpus cpu"
+        )
     return [f"cuda:{i}" for i in indices]
 
 

@@ -85,9 +85,15 @@ def orphaned_after_s(settings: Settings) -> float:
 
 class Heartbeat:
     def __init__(
-        self, db: Database, owner: str, settings: Settings, *, device: str, queues: tuple[str, ...],
+        self,
+        db: Database,
+        owner: str,
+        settings: Settings,
+        *,
+        device: str,
+        queues: tuple[str, ...],
         sweep: Sweep | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.db, self.owner, self.settings = db, owner, settings
         self.device, self.queues, self.sweep = device, queues, sweep
         self.registered = False  # this process has its `worker_processes` row
@@ -99,9 +105,14 @@ class Heartbeat:
         """One beat, in the caller's thread (the heartbeat thread, or a test)."""
         now = now or utcnow()
         row = {
-            "id": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "device": self.device,
-            "queues": ",".join(self.queues), "started_at": now, "heartbeat_at": now,
-        }  # fmt: skip
+            "id": self.owner,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": self.device,
+            "queues": ",".join(self.queues),
+            "started_at": now,
+            "heartbeat_at": now,
+        }
         with self.db.transaction() as session:
             upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
             renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go))
@@ -110,9 +121,12 @@ class Heartbeat:
             return Beat(renewed, [], [], [], [])
         with self.db.transaction() as session:
             expired = ledger.expire_leases(
-                session, max_attempts=self.settings.max_attempts, now=now, queues=self.sweep.queues,
+                session,
+                max_attempts=self.settings.max_attempts,
+                now=now,
+                queues=self.sweep.queues,
                 spare_owner=self.owner,
-            )  # fmt: skip
+            )
             if expired.to_bring_back:
                 self.sweep.publish(session, expired.to_bring_back)  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:

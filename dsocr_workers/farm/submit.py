@@ -168,8 +168,16 @@ class PreparedRun:
     references: dict[str, dict[str, Any]]  # by image, with a ground truth
 
     def record(self, db: Database, queue: str) -> SubmittedRun:
-        return record_run(db, self.listed, self.options, queue=queue, name=self.name, tags=self.tags,
-                          ground_truth=self.ground_truth, references=self.references)  # fmt: skip
+        return record_run(
+            db,
+            self.listed,
+            self.options,
+            queue=queue,
+            name=self.name,
+            tags=self.tags,
+            ground_truth=self.ground_truth,
+            references=self.references,
+        )
 
 
 def prepare_run(request: RunRequest, on_bad_lines: Callable[[str], None]) -> PreparedRun:

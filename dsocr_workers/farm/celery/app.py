@@ -98,8 +98,10 @@ def broker_keepalive() -> dict[str, object]:
     options = {
         getattr(socket, name): value
         for name, value in (
-            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-        )  # fmt: skip
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        )
         if hasattr(socket, name)
     }
     return {"socket_keepalive": True, "socket_keepalive_options": options}

@@ -128,8 +128,11 @@ def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -
     retry's countdown). Task ids are job ids (farm/submit.py)."""
     client = redis.Redis.from_url(broker_url)
     try:
-        waiting = {json.loads(raw)["headers"]["id"] for queue in set(queues)
-                   for raw in client.lrange(key_prefix + queue, 0, -1)}  # fmt: skip
+        waiting = {
+            json.loads(raw)["headers"]["id"]
+            for queue in set(queues)
+            for raw in client.lrange(key_prefix + queue, 0, -1)
+        }
         delivered = {json.loads(raw)[0]["headers"]["id"] for raw in client.hvals(key_prefix + "unacked")}
         return waiting, delivered
     finally:

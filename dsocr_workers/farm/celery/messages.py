@@ -41,9 +41,13 @@ def send_job_messages(
     with app.producer_or_acquire() as producer:
         for job_id, queue in jobs:
             app.send_task(
-                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                RUN_JOB,
+                args=[job_id],
+                kwargsrepr=labels.get(job_id),
+                queue=queue,
+                task_id=job_id,
                 producer=producer,
-            )  # fmt: skip
+            )
             sent.append(job_id)
 
 

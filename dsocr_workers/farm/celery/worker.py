@@ -265,8 +265,10 @@ def supervise_lanes(specs: list[WorkerSpec], loglevel: str, events: bool) -> str
     """Fork a lane per spec and wait for all of them; returns how the first lane to end on its own ended,
     if it failed ("" when every lane stopped cleanly or was asked to)."""
     context = multiprocessing.get_context("fork")
-    lanes = [context.Process(target=_lane_process, args=(spec, loglevel, events), name=f"dsocr-lane-{spec.lane}")
-             for spec in specs]  # fmt: skip
+    lanes = [
+        context.Process(target=_lane_process, args=(spec, loglevel, events), name=f"dsocr-lane-{spec.lane}")
+        for spec in specs
+    ]
     stopping: list[int] = []
 
     def pass_on(signum: int, _frame: object) -> None:
