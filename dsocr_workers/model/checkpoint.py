@@ -287,8 +287,11 @@ def build_vision_only(
     read from a buffer stays in range."""
     with torch.device("meta"):
         model = DeepSeekOCR(config, attn_implementation, experts_implementation)
-    vision = {key: torch.zeros(tensor.shape, device=device, dtype=dtype) for key, tensor in model.state_dict().items()
-              if not key.startswith(("language_model.", "lm_head."))}  # fmt: skip
+    vision = {
+        key: torch.zeros(tensor.shape, device=device, dtype=dtype)
+        for key, tensor in model.state_dict().items()
+        if not key.startswith(("language_model.", "lm_head."))
+    }
     model.load_state_dict(vision, strict=False, assign=True)
     return model.eval().requires_grad_(False)
 

@@ -32,14 +32,20 @@ class AttendingCache(ABC):
     the slot's whole capacity cannot skip."""
 
     @abstractmethod
-    def update_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                          scaling: float) -> torch.Tensor: ...  # fmt: skip
+    def update_and_attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float
+    ) -> torch.Tensor: ...
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
-                      device=weight.device, dtype=weight.dtype)  # fmt: skip
+    fused = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=parts[0].bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(weight)
         if fused.bias is not None:
@@ -94,8 +100,9 @@ class FusedQKVAttention(nn.Module):
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        output, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                                    **kwargs)  # fmt: skip
+        output, weights = attention(
+            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 

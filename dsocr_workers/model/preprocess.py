@@ -168,8 +168,9 @@ def _text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int],
     return (list(encode(before)) if before else []), (list(encode(after)) if after else [])
 
 
-def longest_prompt(encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None,
-                   max_crops: int = 9) -> int:  # fmt: skip
+def longest_prompt(
+    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = 9
+) -> int:
     """The most prompt tokens a page can make in `mode` with `prompt`: BOS, the text, and the image
     placeholders of its largest grid (`most_image_tokens`)."""
     ids_before, ids_after = _text_ids(build_prompt(prompt), encode)

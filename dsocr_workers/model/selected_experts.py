@@ -132,8 +132,9 @@ def selected_experts(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """`launch_selected_experts` as an operator torch.compile traces into its graph."""
-    return launch_selected_experts(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
-                                   GATE_UP_BLOCKS, DOWN_BLOCKS)  # fmt: skip
+    return launch_selected_experts(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, GATE_UP_BLOCKS, DOWN_BLOCKS
+    )
 
 
 def selected_experts_forward(
