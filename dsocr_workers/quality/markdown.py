@@ -123,8 +123,10 @@ def _merged_table(block: str) -> str:
     block = re.sub(r"<!--[\s\S]*?-->", "", block)
     lines: list[str] = []
     for table in re.findall(r"<table>[\s\S]*?</table>", block):
-        rows = [line.replace("<th>", "<td>").replace("</th>", "</td>") if "<th>" in line else line
-                for line in table.split("\n")]  # fmt: skip
+        rows = [
+            line.replace("<th>", "<td>").replace("</th>", "</td>") if "<th>" in line else line
+            for line in table.split("\n")
+        ]
         rows = [line for line in rows if not re.search(r"</?t(able|head|body)>", line)]
         if len(rows) > 2:
             lines += rows

@@ -45,9 +45,20 @@ from dsocr_workers.quality.omnidocbench import TABLE_CATEGORY, PageReference
 from dsocr_workers.quality.teds import teds
 
 # The reference categories matched against predicted text and formulas, in the evaluator's order.
-_MIXED = TEXT_CATEGORIES + ("equation_caption", "figure_caption", "figure_footnote", "table_caption",
-                            "table_footnote", "code_algorithm", "code_algorithm_caption", "header", "footer",
-                            "page_footnote", "page_number", FORMULA_CATEGORY)  # fmt: skip
+_MIXED = TEXT_CATEGORIES + (
+    "equation_caption",
+    "figure_caption",
+    "figure_footnote",
+    "table_caption",
+    "table_footnote",
+    "code_algorithm",
+    "code_algorithm_caption",
+    "header",
+    "footer",
+    "page_footnote",
+    "page_number",
+    FORMULA_CATEGORY,
+)
 _FORMULA_KINDS = (md.INLINE_FORMULA, md.FORMULA, "")
 
 
@@ -104,8 +115,11 @@ def _pair(entry: MatchedEntry) -> EditPair:
 def _table_cells(table: str, block: md.PredictedBlock) -> list[md.PredictedBlock]:
     """A left-over predicted table as text blocks, one per cell that holds a plain string."""
     cells = BeautifulSoup(table, "html.parser").find_all("td")
-    return [md.PredictedBlock(md.TEXT, cell.string.replace("$\\cdot$", "").strip(), block.position, block.fine)
-            for cell in cells if cell.string]  # fmt: skip
+    return [
+        md.PredictedBlock(md.TEXT, cell.string.replace("$\\cdot$", "").strip(), block.position, block.fine)
+        for cell in cells
+        if cell.string
+    ]
 
 
 def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[float]] | None:
@@ -123,8 +137,9 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
     mixed = [b for category in categories for b in blocks if b.category == category]
 
     table_pairs: list[EditPair] = []
-    reference_tables = sorted((b for b in reference.blocks if b.category == TABLE_CATEGORY),
-                              key=lambda b: b.order or 0)  # fmt: skip
+    reference_tables = sorted(
+        (b for b in reference.blocks if b.category == TABLE_CATEGORY), key=lambda b: b.order or 0
+    )
     if reference_tables:
         gts = [b.content for b in reference_tables if b.content]
         html_tables = [b for b in blocks if b.category == md.HTML_TABLE]
@@ -139,8 +154,12 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
         for j in left_over:
             mixed += _table_cells(html_tables[j].content, html_tables[j])
 
-    items = [ReferenceItem(b.category, b.content, b.order) for category in _MIXED
-             for b in reference.blocks if b.category == category]  # fmt: skip
+    items = [
+        ReferenceItem(b.category, b.content, b.order)
+        for category in _MIXED
+        for b in reference.blocks
+        if b.category == category
+    ]
     items.sort(key=lambda item: item.order or 0)
     try:
         entries = quick_match(items, mixed)
