@@ -27,7 +27,10 @@ def export_predictions(database_url: str, run_ref: str, directory: Path, repeat:
         data = load_run(session, run_ref)
     if not any(j.repeat == repeat for j in data.jobs):
         raise InputError(f"run {data.run.id} has no repeat {repeat}")
-    pages = {j.image: render_mmd(data.results[j.id].markup)
-             for j in data.jobs if j.repeat == repeat and j.id in data.results}  # fmt: skip
+    pages = {
+        j.image: render_mmd(data.results[j.id].markup)
+        for j in data.jobs
+        if j.repeat == repeat and j.id in data.results
+    }
     written = write_predictions(pages, directory)
     return PredictionsWritten(data.run.id, written, sum(j.repeat == repeat for j in data.jobs) - len(written))

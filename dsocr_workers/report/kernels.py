@@ -49,8 +49,11 @@ class StageRuns:
 def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, KernelSummary]]:
     """(job id, summary) of the run's profiled jobs, in job order: warm ones unless `include_cold` (a cold
     job's kernels hold its compilation, its first use of a cache bucket, ...)."""
-    return [(j.id, data.profiles[j.id]) for j in data.jobs
-            if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)]  # fmt: skip
+    return [
+        (j.id, data.profiles[j.id])
+        for j in data.jobs
+        if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)
+    ]
 
 
 def activity_of(data: RunData) -> Activity | None:
@@ -88,14 +91,22 @@ def kernel_table(data: RunData, include_cold: bool = False) -> Table:
         for name in ranked:
             total_ms = sum(stage.kernel_us[name]) / 1e3
             calls = stage.calls[name]
-            rows.append([
-                stage.stage, name, calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
-                total_ms * 1e3 / calls if calls else None, 100 * total_ms / clock_ms if clock_ms else None,
-            ])  # fmt: skip
+            rows.append(
+                [
+                    stage.stage,
+                    name,
+                    calls / len(stage.jobs),
+                    Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
+                    total_ms * 1e3 / calls if calls else None,
+                    100 * total_ms / clock_ms if clock_ms else None,
+                ]
+            )
     cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
-    note = (f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
-            "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
-            "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto.")  # fmt: skip
+    note = (
+        f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
+        "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
+        "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto."
+    )
     columns = ["stage", "kernel", "calls/job", "ms/job", "mean µs/call", "share of stage %"]
     return Table(TITLE, columns, rows, note)
 
@@ -106,20 +117,37 @@ def busy_table(data: RunData, include_cold: bool = False) -> Table:
     rows: list[list[Any]] = []
     for stage in by_stage([s for _, s in profiled(data, include_cold)]).values():
         mean = StageKernels.mean(stage.jobs)
-        rows.append([
-            stage.stage, len(stage.jobs), stage.per_job(lambda s: s.event_ms).mean,
-            stage.per_job(lambda s: s.kernel_ms).mean, stage.per_job(lambda s: s.busy_ms).mean,
-            stage.per_job(lambda s: s.idle_ms).mean,
-            100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
-            mean.kernel_ms / mean.event_ms if mean.event_ms else None, mean.crosscheck(activity),
-        ])  # fmt: skip
+        rows.append(
+            [
+                stage.stage,
+                len(stage.jobs),
+                stage.per_job(lambda s: s.event_ms).mean,
+                stage.per_job(lambda s: s.kernel_ms).mean,
+                stage.per_job(lambda s: s.busy_ms).mean,
+                stage.per_job(lambda s: s.idle_ms).mean,
+                100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
+                mean.kernel_ms / mean.event_ms if mean.event_ms else None,
+                mean.crosscheck(activity),
+            ]
+        )
     idle = "the GPU waiting for the host" if activity == "cuda" else "Python between the operators"
-    note = (f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
-            f"kernels ms: the sum of its kernels; busy: their union; idle = clock - busy ({idle}). Cross-check: "
-            "the kernels' sum within 5% of the clock (PASS), or the gap is idle time between kernels whose span "
-            "matches the clock (explained); stages under 1 ms are not judged.")  # fmt: skip
-    columns = ["stage", "jobs", "clock ms", "kernels ms", "busy ms", "idle ms", "busy %", "kernels / clock",
-               "cross-check"]  # fmt: skip
+    note = (
+        f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
+        f"kernels ms: the sum of its kernels; busy: their union; idle = clock - busy ({idle}). Cross-check: "
+        "the kernels' sum within 5% of the clock (PASS), or the gap is idle time between kernels whose span "
+        "matches the clock (explained); stages under 1 ms are not judged."
+    )
+    columns = [
+        "stage",
+        "jobs",
+        "clock ms",
+        "kernels ms",
+        "busy ms",
+        "idle ms",
+        "busy %",
+        "kernels / clock",
+        "cross-check",
+    ]
     return Table(BUSY_TITLE, columns, rows, note)
 
 
@@ -143,8 +171,10 @@ def overhead_table(data: RunData, include_cold: bool) -> Table:
         ["e2e ms, not profiled", Summary.from_values([v for p in pages for v in plain_e2e[p]]).mean],
         ["e2e profiled / not profiled", ratio],
     ]
-    note = ("profiled jobs run under torch.profiler: their timings hold its cost, so they are left out of the "
-            "latency statistics unless --include-profiled, and always out of steady-state throughput")  # fmt: skip
+    note = (
+        "profiled jobs run under torch.profiler: their timings hold its cost, so they are left out of the "
+        "latency statistics unless --include-profiled, and always out of steady-state throughput"
+    )
     return Table(OVERHEAD_TITLE, ["measure", "value"], rows, note)
 
 
@@ -174,8 +204,10 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
                 continue
             ratio = paired_ratios(_page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)).mean
             rows.append([name, kernel, ms_a, ms_b, ratio, change(ratio)])
-    note = (f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
-            "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only.")  # fmt: skip
+    note = (
+        f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
+        "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only."
+    )
     return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)
 
 

@@ -77,8 +77,22 @@ class Plot:
 BARS: dict[str, tuple[str, ...]] = breakdown_bars()
 GAPS = "setup + gaps"
 # A colour per bar in order (a new bar takes the next one), light grey for the gaps.
-BAR_COLORS = ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728", "#bcbd22", "#8c564b",
-              "#e377c2", "#aec7e8", "#98df8a", "#ffbb78", "#c5b0d5")  # fmt: skip
+BAR_COLORS = (
+    "#8c8c8c",
+    "#1f77b4",
+    "#17becf",
+    "#9467bd",
+    "#2ca02c",
+    "#ff7f0e",
+    "#d62728",
+    "#bcbd22",
+    "#8c564b",
+    "#e377c2",
+    "#aec7e8",
+    "#98df8a",
+    "#ffbb78",
+    "#c5b0d5",
+)
 STAGE_COLORS = {label: BAR_COLORS[i % len(BAR_COLORS)] for i, label in enumerate(BARS)} | {GAPS: "#c7c7c7"}
 # The distributions drawn: the registry's CDF figures, and the decode steps (as the latency table has them).
 CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN]
@@ -139,8 +153,13 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
         ax.set_title(side.label, loc="left", fontsize=10)
         ax.set_ylabel("ms")
         if len(jobs) <= MAX_LABELLED_JOBS:
-            ax.set_xticks(x, [_job_label(j.image, j.repeat, repeats) for j, _ in jobs], rotation=30,
-                          ha="right", fontsize=8)  # fmt: skip
+            ax.set_xticks(
+                x,
+                [_job_label(j.image, j.repeat, repeats) for j, _ in jobs],
+                rotation=30,
+                ha="right",
+                fontsize=8,
+            )
         else:
             ax.set_xlabel("jobs in file-list order")
         if not jobs:
@@ -164,8 +183,11 @@ def latency_distributions(sides: Sequence[Side], include_cold: bool, include_pro
     axes = figure.subplots(1, len(CDF_METRICS))
     for ax, metric in zip(axes, CDF_METRICS, strict=True):
         for side, color in zip(sides, RUN_COLORS, strict=False):
-            values = [v for r in measured(side.data, include_cold, include_profiled=include_profiled)
-                      for v in metric.values(r)]  # fmt: skip
+            values = [
+                v
+                for r in measured(side.data, include_cold, include_profiled=include_profiled)
+                for v in metric.values(r)
+            ]
             if values:
                 ax.ecdf(values, color=color, label=f"{side.name} (n={len(values)})")
         ax.set_xlabel(metric.label)
@@ -220,11 +242,21 @@ def decode_steps(sides: Sequence[Side], include_cold: bool, include_profiled: bo
         above = steps[steps > top]
         if above.size:
             ax.set_ylim(0, top)
-            clipped = (f" The y-axis stops at {top:.3g} ms (p{DECODE_Y_PERCENTILE:g} of the steps + 15%): "
-                       f"{above.size} step{'s' if above.size > 1 else ''} above it, up to {above.max():.4g} ms, "
-                       "are off the plot.")  # fmt: skip
-            ax.text(0.99, 0.98, f"{above.size} step(s) above, max {above.max():.4g} ms", transform=ax.transAxes,
-                    ha="right", va="top", fontsize=8, color="#b00000")  # fmt: skip
+            clipped = (
+                f" The y-axis stops at {top:.3g} ms (p{DECODE_Y_PERCENTILE:g} of the steps + 15%): "
+                f"{above.size} step{'s' if above.size > 1 else ''} above it, up to {above.max():.4g} ms, "
+                "are off the plot."
+            )
+            ax.text(
+                0.99,
+                0.98,
+                f"{above.size} step(s) above, max {above.max():.4g} ms",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="#b00000",
+            )
     ax.grid(alpha=0.3)
     _legend_or_nothing(ax, "no measured decode steps", fontsize=8, loc="upper left")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
@@ -260,9 +292,14 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                 left = min(left, max(start, -0.25 * span))
             for s in lane:
                 began = _seconds(data, s.began)
-                ax.broken_barh([(began, _seconds(data, s.finished) - began)], (y - 0.4, 0.8),
-                               facecolor="#1f77b4", edgecolor="white", linewidth=0.5,
-                               hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
+                ax.broken_barh(
+                    [(began, _seconds(data, s.finished) - began)],
+                    (y - 0.4, 0.8),
+                    facecolor="#1f77b4",
+                    edgecolor="white",
+                    linewidth=0.5,
+                    hatch=COLD_HATCH if s.result.cold else None,
+                )
         ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
         ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
         ax.set_xlim(left - 0.01 * span, span * 1.01)
@@ -272,9 +309,13 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
         ax.grid(axis="x", alpha=0.3)
         if not lanes:
             ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
-    legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
-              Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
-              Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip
+    legend = [
+        Patch(color="#7f7f7f", label="model load"),
+        Patch(color="#c5b0d5", label="warm-up"),
+        Patch(facecolor="#1f77b4", label="job"),
+        Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
+        Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"),
+    ]
     figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
@@ -292,8 +333,13 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
     done_ax = rate_ax.twinx()
     for side, color in zip(sides, RUN_COLORS, strict=False):
         data = side.data
-        finished = np.sort([_seconds(data, j.finished_at) for j in data.jobs
-                            if j.id in data.results and j.finished_at is not None])  # fmt: skip
+        finished = np.sort(
+            [
+                _seconds(data, j.finished_at)
+                for j in data.jobs
+                if j.id in data.results and j.finished_at is not None
+            ]
+        )
         if finished.size == 0:
             continue
         # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
@@ -308,16 +354,43 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         counts, _ = np.histogram(finished, edges)
         # Bars, each bin outlined: at a steady rate the bins are of one height, and an outline alone
         # read as one bin for the whole run.
-        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", facecolor=color,
-                    alpha=0.3, edgecolor="none")  # fmt: skip
-        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", fill=False,
-                    edgecolor=color, linewidth=1.2, label=f"{side.name}: pages/s per bin")  # fmt: skip
+        rate_ax.bar(
+            edges[:-1],
+            counts / np.diff(edges),
+            width=np.diff(edges),
+            align="edge",
+            facecolor=color,
+            alpha=0.3,
+            edgecolor="none",
+        )
+        rate_ax.bar(
+            edges[:-1],
+            counts / np.diff(edges),
+            width=np.diff(edges),
+            align="edge",
+            fill=False,
+            edgecolor=color,
+            linewidth=1.2,
+            label=f"{side.name}: pages/s per bin",
+        )
         steady = steady_state_throughput(data, include_cold).value
         if steady is not None:
-            rate_ax.axhline(steady, color=color, linestyle="--", linewidth=1,
-                            label=f"{side.name}: steady state {steady:.3g} pages/s")  # fmt: skip
-        done_ax.step(finished, np.arange(1, finished.size + 1), where="post", color=color, alpha=0.45,
-                     linestyle=":", label=f"{side.name}: pages done")  # fmt: skip
+            rate_ax.axhline(
+                steady,
+                color=color,
+                linestyle="--",
+                linewidth=1,
+                label=f"{side.name}: steady state {steady:.3g} pages/s",
+            )
+        done_ax.step(
+            finished,
+            np.arange(1, finished.size + 1),
+            where="post",
+            color=color,
+            alpha=0.45,
+            linestyle=":",
+            label=f"{side.name}: pages done",
+        )
     rate_ax.set_xlabel("seconds after submit")
     rate_ax.set_ylabel("pages/s (finished per bin)")
     done_ax.set_ylabel("pages done")
@@ -361,8 +434,10 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
     names = list(dict.fromkeys(name for per_side in stages for name in per_side))
     columns = 2 if len(names) > 1 else 1
     rows = -(-len(names) // columns)
-    figure = Figure(figsize=(WIDTH_IN, 0.8 + rows * (1.0 + 0.32 * (KERNELS_PER_PANEL + 2) * len(sides))),
-                    layout="constrained")  # fmt: skip
+    figure = Figure(
+        figsize=(WIDTH_IN, 0.8 + rows * (1.0 + 0.32 * (KERNELS_PER_PANEL + 2) * len(sides))),
+        layout="constrained",
+    )
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     height = 0.8 / len(sides)
     for ax, name in zip(axes, names, strict=False):
@@ -381,8 +456,15 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
             clock = sum(s.event_ms for s in stage.jobs) / jobs
             values = [*(mean.get(k, 0.0) for k in shown), sum(v for k, v in mean.items() if k not in shown), idle]
             colors = [RUN_COLORS[i]] * (len(values) - 1) + [IDLE_COLOR]
-            ax.barh(y + (i - (len(sides) - 1) / 2) * height, values, height=height, color=colors,
-                    edgecolor=RUN_COLORS[i], linewidth=0.8, label=side.name)  # fmt: skip
+            ax.barh(
+                y + (i - (len(sides) - 1) / 2) * height,
+                values,
+                height=height,
+                color=colors,
+                edgecolor=RUN_COLORS[i],
+                linewidth=0.8,
+                label=side.name,
+            )
             heading.append(f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%")
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()

@@ -174,8 +174,13 @@ def render_json(report: Report) -> str:
         columns, rows = _expanded(table)
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
     notes = {table.title: table.note for table in report.tables if table.note}
-    document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes,
-                "terms": dict(report.terms)}  # fmt: skip
+    document = {
+        "title": report.title,
+        "warnings": report.warnings,
+        "tables": tables,
+        "notes": notes,
+        "terms": dict(report.terms),
+    }
     return json.dumps(document, indent=2, default=str) + "\n"
 
 

@@ -37,13 +37,21 @@ SECONDS_PER_DAY = 86_400
 # Beside the stage registry's figures (TTFT, TPOT, end-to-end, queue wait: the legend has them from there).
 TERMS = [
     ("ITL", "inter-token latency: every gap between two consecutive tokens of a job, pooled over jobs"),
-    ("batch occupancy", "pages decoding in a job's batch per decode step, averaged over its steps (1 on the "
-                        "batch-1 path)"),
-    ("pages/day", "steady-state pages/s x 86,400: what warm workers with a full queue keep up, per GPU and for "
-                  "the run's GPUs together"),
-    ("prefill / decode step", "a batched engine's step on the device: a page's prefill into its slot, or one "
-                              "decode step over the pages in the batch (its occupancy)"),
-]  # fmt: skip
+    (
+        "batch occupancy",
+        "pages decoding in a job's batch per decode step, averaged over its steps (1 on the batch-1 path)",
+    ),
+    (
+        "pages/day",
+        "steady-state pages/s x 86,400: what warm workers with a full queue keep up, per GPU and for "
+        "the run's GPUs together",
+    ),
+    (
+        "prefill / decode step",
+        "a batched engine's step on the device: a page's prefill into its slot, or one "
+        "decode step over the pages in the batch (its occupancy)",
+    ),
+]
 # Decode steps by their occupancy: (label, fewest pages, most).
 OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63), ("64+", 64, math.inf))
 
@@ -114,11 +122,19 @@ def _rows(figures: Serving) -> list[tuple[str, object]]:
         ("output tokens/s", figures.output_tokens_per_s),
         ("mean tokens out per page", figures.tokens_per_page),
     ]
-    for label, summary in (("TTFT ms", figures.ttft_ms), ("TPOT ms", figures.tpot_ms), ("ITL ms", figures.itl_ms),
-                           ("end-to-end ms", figures.e2e_ms)):  # fmt: skip
+    for label, summary in (
+        ("TTFT ms", figures.ttft_ms),
+        ("TPOT ms", figures.tpot_ms),
+        ("ITL ms", figures.itl_ms),
+        ("end-to-end ms", figures.e2e_ms),
+    ):
         # As `vllm bench serve` names them: "mean TTFT ms", "p99 ITL ms".
-        rows += [(f"mean {label}", summary.mean), (f"p50 {label}", summary.p50), (f"p90 {label}", summary.p90),
-                 (f"p99 {label}", summary.p99)]  # fmt: skip
+        rows += [
+            (f"mean {label}", summary.mean),
+            (f"p50 {label}", summary.p50),
+            (f"p90 {label}", summary.p90),
+            (f"p99 {label}", summary.p99),
+        ]
     rows += [
         ("p50 queue wait ms (for a slot of the batch)", figures.queue_wait_ms.p50),
         ("p90 queue wait ms", figures.queue_wait_ms.p90),
@@ -204,13 +220,17 @@ def batch_steps(data: RunData) -> BatchSteps:
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
     return BatchSteps(
-        prefill_steps=len(prefill), decode_steps=len(decode),
+        prefill_steps=len(prefill),
+        decode_steps=len(decode),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
-        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0], prefill_p90_ms=quantiles[1],
-        decode_bands=bands, prefill_ms=sum(prefill),
-        decode_ms=sum(s.duration_ms for s in decode), wall_span_s=wall_span_s,
+        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0],
+        prefill_p90_ms=quantiles[1],
+        decode_bands=bands,
+        prefill_ms=sum(prefill),
+        decode_ms=sum(s.duration_ms for s in decode),
+        wall_span_s=wall_span_s,
         gpus=len({_gpu(data, step) for step in data.steps}),
-    )  # fmt: skip
+    )
 
 
 def _gpu(data: RunData, step: StepTime) -> object:

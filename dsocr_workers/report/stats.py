@@ -66,9 +66,16 @@ def _bootstrap(
     """Lower and upper bounds, one per output of `statistic`."""
     with np.errstate(divide="ignore", invalid="ignore"):  # a resample may divide by zero: no interval
         result = stats.bootstrap(
-            data, statistic, n_resamples=RESAMPLES, batch=_BATCH, vectorized=vectorized, paired=False,
-            confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(SEED),
-        )  # fmt: skip
+            data,
+            statistic,
+            n_resamples=RESAMPLES,
+            batch=_BATCH,
+            vectorized=vectorized,
+            paired=False,
+            confidence_level=CONFIDENCE,
+            method="percentile",
+            rng=np.random.default_rng(SEED),
+        )
     interval = result.confidence_interval
     return np.atleast_1d(interval.low), np.atleast_1d(interval.high)
 
@@ -234,10 +241,16 @@ def _rates(groups: Sequence[Sequence[Sequence[float]]], combine: Callable[[list]
         return Estimate(None, n=n)
     with np.errstate(divide="ignore"):
         value = combine([sum(float(_rate(s, binned)) for s, binned in group) for group in arrays])
-        moving = [(g, s, binned) for g, group in enumerate(arrays) for s, binned in group
-                  if s.size >= 2 and np.ptp(s) > 0]  # fmt: skip
-        fixed = [sum(float(_rate(s, binned)) for s, binned in group if s.size < 2 or np.ptp(s) == 0)
-                 for group in arrays]  # fmt: skip
+        moving = [
+            (g, s, binned)
+            for g, group in enumerate(arrays)
+            for s, binned in group
+            if s.size >= 2 and np.ptp(s) > 0
+        ]
+        fixed = [
+            sum(float(_rate(s, binned)) for s, binned in group if s.size < 2 or np.ptp(s) == 0)
+            for group in arrays
+        ]
     if not moving:
         return _estimate(value, np.nan, np.nan, n)
 

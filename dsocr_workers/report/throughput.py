@@ -255,9 +255,14 @@ def device_busy_share(data: RunData, lane: str | None = None) -> Estimate:
             continue
         for before, s in zip(lane_services, lane_services[1:], strict=False):
             r = s.result
-            if (not steady(r, False) or r.device_started_at is None or r.device_finished_at is None
-                    or r.batch_occupancy is not None or s.began != before.finished
-                    or r.worker_session_id != before.result.worker_session_id):  # fmt: skip
+            if (
+                not steady(r, False)
+                or r.device_started_at is None
+                or r.device_finished_at is None
+                or r.batch_occupancy is not None
+                or s.began != before.finished
+                or r.worker_session_id != before.result.worker_session_id
+            ):
                 continue
             device_s.append([(r.device_finished_at - r.device_started_at).total_seconds()])
             service_s.append([(s.finished - s.began).total_seconds()])

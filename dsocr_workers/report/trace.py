@@ -47,8 +47,11 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
             profiled = session.scalars(
                 select(Job.image).join(JobProfile, JobProfile.job_id == Job.id).where(Job.run_id == job.run_id).limit(3)
             ).all()
-            hint = (f"the run's profiled jobs include {', '.join(profiled)}" if profiled
-                    else "its run has none: submit with --profile N")  # fmt: skip
+            hint = (
+                f"the run's profiled jobs include {', '.join(profiled)}"
+                if profiled
+                else "its run has none: submit with --profile N"
+            )
             raise InputError(f"job {job.id} ({job.image}, repeat {job.repeat}) has no profile; {hint}")
     path = request.out or Path(f"dsocr-trace-{job.id}.json.gz")
     data = trace if path.suffix == ".gz" else gzip.decompress(trace)
@@ -65,8 +68,11 @@ def _job(session: Session, request: TraceRequest) -> Job:
     assert request.run is not None and request.image is not None
     run = resolve_run(session, request.run)
     image = request.image
-    jobs = [j for j in session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
-            if j.image == image or j.image.rsplit("/", 1)[-1] == image]  # fmt: skip
+    jobs = [
+        j
+        for j in session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
+        if j.image == image or j.image.rsplit("/", 1)[-1] == image
+    ]
     if not jobs:
         raise InputError(f"run {run.id} has no image {image!r}")
     if len({j.image for j in jobs}) > 1:
