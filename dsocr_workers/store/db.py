@@ -87,8 +87,10 @@ def parse_database_url(url: str) -> URL:
         if "+" in parsed.drivername and driver != "psycopg":  # the driver the project installs
             raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r}: use {SUPPORTED_URLS}")
         if not parsed.host or not parsed.database:
-            raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r} names no host or database; "
-                             f"expected {SUPPORTED_URLS}")  # fmt: skip
+            raise InputError(
+                f"DSOCR_DATABASE_URL {parsed.render_as_string()!r} names no host or database; "
+                f"expected {SUPPORTED_URLS}"
+            )
         return parsed.set(drivername="postgresql+psycopg")
     raise InputError(f"DSOCR_DATABASE_URL: the {backend!r} database is not supported; use {SUPPORTED_URLS}")
 

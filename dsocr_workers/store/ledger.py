@@ -104,11 +104,23 @@ def claim_job(
     # The columns the claim reads, not the ORM objects: loading two entities into the session (and
     # flushing it at commit) is host time between one job's end and the next one's start on the device.
     job = session.execute(
-        select(Job.state, Job.lease_owner, Job.lease_expires_at, Job.attempts, Job.image, Job.repeat,
-               Job.reference, Job.profile, Run.id.label("run_id"), Run.root, Run.model, Run.parameters)
+        select(
+            Job.state,
+            Job.lease_owner,
+            Job.lease_expires_at,
+            Job.attempts,
+            Job.image,
+            Job.repeat,
+            Job.reference,
+            Job.profile,
+            Run.id.label("run_id"),
+            Run.root,
+            Run.model,
+            Run.parameters,
+        )
         .join(Run, Job.run_id == Run.id)
         .where(Job.id == job_id)
-    ).one_or_none()  # fmt: skip
+    ).one_or_none()
     if job is None:
         return Refusal(job_id, "unknown job", None)
     if job.state in FINAL_STATES:
@@ -175,8 +187,16 @@ def claim_job(
         # delivery can read the job still running and meet it queued at the UPDATE: nobody claimed it,
         # and refusing would drop its only message (found by R5: the job waited for a reconcile).
         if again and session.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
-            return claim_job(session, job_id, owner, lease_s=lease_s, max_attempts=max_attempts, is_dead=is_dead,
-                             now=now, again=False)  # fmt: skip
+            return claim_job(
+                session,
+                job_id,
+                owner,
+                lease_s=lease_s,
+                max_attempts=max_attempts,
+                is_dead=is_dead,
+                now=now,
+                again=False,
+            )
         return Refusal(job_id, "claimed concurrently by another worker", None)
     if not continuing:  # who held it, kept past a takeover (the job's row names only its latest holder)
         session.execute(
@@ -396,9 +416,12 @@ def expire_leases(
     requeued, poisoned = [], []
     for job_id, attempts, owner, queue in rows:
         unchanged = (
-            (Job.id == job_id) & (Job.state == "running") & (Job.attempts == attempts)
-            & Job.lease_owner.is_not_distinct_from(owner) & (Job.lease_expires_at <= now)
-        )  # fmt: skip
+            (Job.id == job_id)
+            & (Job.state == "running")
+            & (Job.attempts == attempts)
+            & Job.lease_owner.is_not_distinct_from(owner)
+            & (Job.lease_expires_at <= now)
+        )
         lost = {
             "lease_owner": None,
             "lease_expires_at": None,
@@ -432,8 +455,12 @@ def _expire_reservations(
     rows = session.execute(select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)).all()
     unreserved = []
     for job_id, owner, queue in rows:
-        unchanged = ((Job.id == job_id) & Job.state.in_(WAITING_STATES) & (Job.reserved_by == owner)
-                     & (Job.reserved_until <= now))  # fmt: skip
+        unchanged = (
+            (Job.id == job_id)
+            & Job.state.in_(WAITING_STATES)
+            & (Job.reserved_by == owner)
+            & (Job.reserved_until <= now)
+        )
         if _rowcount(session.execute(update(Job).where(unchanged).values(**UNRESERVED))) == 1:
             unreserved.append((job_id, queue))
     return unreserved
@@ -442,9 +469,15 @@ def _expire_reservations(
 def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[str, str]]:
     """(job id, its run's queue) for those of `job_ids` waiting for a worker."""
     ids = list(job_ids)
-    return [(job_id, queue) for start in range(0, len(ids), 500)
-            for job_id, queue in session.execute(select(Job.id, Run.queue).join(Run, Job.run_id == Run.id)
-                                                 .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES)))]  # fmt: skip
+    return [
+        (job_id, queue)
+        for start in range(0, len(ids), 500)
+        for job_id, queue in session.execute(
+            select(Job.id, Run.queue)
+            .join(Run, Job.run_id == Run.id)
+            .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES))
+        )
+    ]
 
 
 def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
@@ -543,9 +576,10 @@ def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, no
     now = now or utcnow()
     session.execute(update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED))
     session.execute(
-        update(Job).where(Job.id == job_id, Job.state.in_(WAITING_STATES))
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_(WAITING_STATES))
         .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
-    )  # fmt: skip
+    )
 
 
 def drop_reservations(session: Session, owner: str) -> None:
