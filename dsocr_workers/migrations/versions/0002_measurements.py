@@ -58,7 +58,15 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("results", schema=None) as batch_op:
         batch_op.drop_constraint("fk_results_worker_session_id", type_="foreignkey")
-        for name in ("worker_session_id", *_FLOAT_PARTS, "wasted_steps", "weights_bytes", "kv_cache_bytes",
-                     "activation_peak_bytes", "cold", "cold_reason"):  # fmt: skip
+        for name in (
+            "worker_session_id",
+            *_FLOAT_PARTS,
+            "wasted_steps",
+            "weights_bytes",
+            "kv_cache_bytes",
+            "activation_peak_bytes",
+            "cold",
+            "cold_reason",
+        ):
             batch_op.drop_column(name)
     op.drop_table("worker_sessions")
