@@ -60,8 +60,10 @@ class StageKernels:
     def mean(cls, rows: list[StageKernels]) -> StageKernels:
         """One stage's figures averaged over jobs (what the cross-check judges over several), no kernels."""
         n = max(len(rows), 1)
-        return cls(rows[0].stage if rows else "", *(sum(getattr(r, f) for r in rows) / n
-                                                    for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")))  # fmt: skip
+        return cls(
+            rows[0].stage if rows else "",
+            *(sum(getattr(r, f) for r in rows) / n for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")),
+        )
 
     @property
     def idle_ms(self) -> float:
@@ -89,8 +91,10 @@ class StageKernels:
         # profiled decode step's range and collection switch). Explained only while the kernels fill most of
         # the stage: kernels missing from a stage (attributed elsewhere) look the same and must fail.
         if gap > 0 and self.span_ms <= self.event_ms * (1 + TOLERANCE) and self.kernel_ms >= HOST_WAIT_FLOOR * self.event_ms:
-            return (f"explained: GPU idle {gap:.3g} ms ({max(self.span_ms - self.busy_ms, 0):.3g} between kernels, "
-                    f"{self.event_ms - self.span_ms:.3g} waiting on the host)")  # fmt: skip
+            return (
+                f"explained: GPU idle {gap:.3g} ms ({max(self.span_ms - self.busy_ms, 0):.3g} between kernels, "
+                f"{self.event_ms - self.span_ms:.3g} waiting on the host)"
+            )
         return "FAIL"
 
 

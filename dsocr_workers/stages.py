@@ -99,78 +99,135 @@ class StageTimings:
     decode_step_ms: list[float] = field(default_factory=list)
 
     ttft_ms: float = Timing(
-        "TTFT", "preprocess + setup + prefill + first token (from the device start)",
+        "TTFT",
+        "preprocess + setup + prefill + first token (from the device start)",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
-    ).field()  # fmt: skip
+    ).field()
     ttft_from_device_start_ms: float = Timing(
-        "TTFT from device start", "setup + prefill + first token, from the job's start on the device",
-        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}), nullable=True,
-    ).field()  # fmt: skip
-    tpot_ms: float = Timing(
-        "TPOT", "time per output token after the first: (last token - first token) / (tokens - 1)",
-        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}), nullable=True,
-    ).field()  # fmt: skip
-    preprocess_ms: float = Timing(
-        "preprocess", "the page read, tiled and tokenised (host)", stage="preprocess", host=True, part=True,
-        bar="preprocess", shown=_LATENCY,
-    ).field()  # fmt: skip
-    setup_ms: float = Timing(
-        "setup", "inputs to the device, the cache reset: before the prefill", stage="setup", part=True,
-    ).field()  # fmt: skip
-    prefill_ms: float = Timing(
-        "prefill", "vision and the language model's prefill", stage="prefill", part=True,
+        "TTFT from device start",
+        "setup + prefill + first token, from the job's start on the device",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
-    ).field()  # fmt: skip
-    vision_ms: float = Timing(
-        "vision", f"the sum of the `{VISION_PREFIX}*` stages", parent="prefill_ms", shown=_LATENCY,
-    ).field()  # fmt: skip
-    sam_ms: float = Timing(
-        "SAM", "the SAM encoder over the global view and the tiles", stage="vision/sam", parent="vision_ms",
-        bar="SAM", shown=_LATENCY,
-    ).field()  # fmt: skip
-    clip_ms: float = Timing(
-        "CLIP", "the CLIP trunk on SAM's features", stage="vision/clip", parent="vision_ms", bar="CLIP",
+        nullable=True,
+    ).field()
+    tpot_ms: float = Timing(
+        "TPOT",
+        "time per output token after the first: (last token - first token) / (tokens - 1)",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
+        nullable=True,
+    ).field()
+    preprocess_ms: float = Timing(
+        "preprocess",
+        "the page read, tiled and tokenised (host)",
+        stage="preprocess",
+        host=True,
+        part=True,
+        bar="preprocess",
         shown=_LATENCY,
-    ).field()  # fmt: skip
+    ).field()
+    setup_ms: float = Timing(
+        "setup",
+        "inputs to the device, the cache reset: before the prefill",
+        stage="setup",
+        part=True,
+    ).field()
+    prefill_ms: float = Timing(
+        "prefill",
+        "vision and the language model's prefill",
+        stage="prefill",
+        part=True,
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
+    ).field()
+    vision_ms: float = Timing(
+        "vision",
+        f"the sum of the `{VISION_PREFIX}*` stages",
+        parent="prefill_ms",
+        shown=_LATENCY,
+    ).field()
+    sam_ms: float = Timing(
+        "SAM",
+        "the SAM encoder over the global view and the tiles",
+        stage="vision/sam",
+        parent="vision_ms",
+        bar="SAM",
+        shown=_LATENCY,
+    ).field()
+    clip_ms: float = Timing(
+        "CLIP",
+        "the CLIP trunk on SAM's features",
+        stage="vision/clip",
+        parent="vision_ms",
+        bar="CLIP",
+        shown=_LATENCY,
+    ).field()
     projector_ms: float = Timing(
-        "projector", "the projector and the image token layout", stage="vision/projector", parent="vision_ms",
-        bar="projector", shown=_LATENCY,
-    ).field()  # fmt: skip
+        "projector",
+        "the projector and the image token layout",
+        stage="vision/projector",
+        parent="vision_ms",
+        bar="projector",
+        shown=_LATENCY,
+    ).field()
     lm_prefill_ms: float = Timing(
-        "LM prefill", "the language model over the prompt", stage="lm_prefill", parent="prefill_ms",
-        bar="LM prefill", shown=_LATENCY,
-    ).field()  # fmt: skip
+        "LM prefill",
+        "the language model over the prompt",
+        stage="lm_prefill",
+        parent="prefill_ms",
+        bar="LM prefill",
+        shown=_LATENCY,
+    ).field()
     first_token_ms: float = Timing(
-        "first token", "choosing the first token from the prefill logits", stage="first_token", part=True,
+        "first token",
+        "choosing the first token from the prefill logits",
+        stage="first_token",
+        part=True,
         bar="decode",
-    ).field()  # fmt: skip
+    ).field()
     decode_ms: float = Timing(
-        "decode", "the kept decode steps (the decode stage less its steps after EOS)", stage="decode", part=True,
-        bar="decode", shown=_LATENCY,
-    ).field()  # fmt: skip
+        "decode",
+        "the kept decode steps (the decode stage less its steps after EOS)",
+        stage="decode",
+        part=True,
+        bar="decode",
+        shown=_LATENCY,
+    ).field()
     wasted_decode_ms: float = Timing(
-        "wasted decode", "steps computed after EOS (the loop looks for EOS asynchronously)", part=True,
+        "wasted decode",
+        "steps computed after EOS (the loop looks for EOS asynchronously)",
+        part=True,
         bar="wasted decode",
-    ).field()  # fmt: skip
+    ).field()
     readback_ms: float = Timing(
-        "readback", "the generated ids back to the host", stage="readback", part=True, bar="postprocess",
-    ).field()  # fmt: skip
-    postprocess_ms: float = Timing(
-        "postprocess", "detokenising and parsing the markup (host)", stage="postprocess", host=True, part=True,
+        "readback",
+        "the generated ids back to the host",
+        stage="readback",
+        part=True,
         bar="postprocess",
-    ).field()  # fmt: skip
+    ).field()
+    postprocess_ms: float = Timing(
+        "postprocess",
+        "detokenising and parsing the markup (host)",
+        stage="postprocess",
+        host=True,
+        part=True,
+        bar="postprocess",
+    ).field()
     host_gap_ms: float = Timing("host gap", "end-to-end less every stage: host time between stages", part=True).field()
     e2e_ms: float = Timing(
-        "end-to-end", "host time from the first stage's start to the last one's end, less the page wait",
+        "end-to-end",
+        "host time from the first stage's start to the last one's end, less the page wait",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
-    ).field()  # fmt: skip
+    ).field()
     page_wait_ms: float = Timing(
-        "page wait", "a page prepared ahead, waiting for its job's setup: outside e2e", nullable=True,
-    ).field()  # fmt: skip
+        "page wait",
+        "a page prepared ahead, waiting for its job's setup: outside e2e",
+        nullable=True,
+    ).field()
     queue_wait_ms: float = Timing(
-        "queue wait", "a batched job's wait in its worker for a slot of the batch, from its page's hand-over to "
-        "its prefill (inside TTFT and e2e; 0 on the batch-1 path; the report's Serving table)", nullable=True,
-    ).field()  # fmt: skip
+        "queue wait",
+        "a batched job's wait in its worker for a slot of the batch, from its page's hand-over to "
+        "its prefill (inside TTFT and e2e; 0 on the batch-1 path; the report's Serving table)",
+        nullable=True,
+    ).field()
 
     @property
     def parts_ms(self) -> dict[str, float]:
