@@ -13,7 +13,7 @@ from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
 from dsocr_workers.errors import FailuresError
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES, PRESETS
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MAX_CROPS, MODES, PRESETS
 from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Default: up to the model's positions.")
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")
-@click.option("--max-crops", type=click.IntRange(2, 9), default=9, show_default=True,
+@click.option("--max-crops", type=click.IntRange(2, MAX_CROPS), default=MAX_CROPS, show_default=True,
               help="Most 640-px tiles in gundam mode (the vendor vLLM path uses 6).")
 @click.option("--prompt", default=None, help="Prompt text; must contain <image> once.")
 @click.option("--prompt-name", type=click.Choice(PROMPT_NAMES), default=None,

@@ -20,7 +20,7 @@ from dsocr_workers.engine.result import DecodeOptions, InferenceResult, result_d
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants import AUTO
-from dsocr_workers.model.config import DEFAULT_MODE
+from dsocr_workers.model.config import DEFAULT_MODE, MAX_CROPS
 from dsocr_workers.model.images import load_image
 from dsocr_workers.model.postprocess import parse_markup, write_outputs
 from dsocr_workers.model.preprocess import build_prompt
@@ -65,7 +65,7 @@ class PageRequest:
     mode: str = DEFAULT_MODE
     max_new_tokens: int | None = None  # None: up to the model's positions
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    max_crops: int = 9
+    max_crops: int = MAX_CROPS
 
 
 def check_page(request: PageRequest) -> Image.Image:

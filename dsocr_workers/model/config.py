@@ -245,6 +245,7 @@ def get_mode(mode: str | ModeSpec) -> ModeSpec:
 
 # The vendor's default mode: what a run, a warm-up or `dsocr infer` uses when nothing says otherwise.
 DEFAULT_MODE = "gundam"
+MAX_CROPS = 9  # the vendor's `max_num` for its tiling: the most tiles a crop-mode page is cut into
 # What a run may ask for (checked at submit, offered as CLI choices): the dtypes the engine loads weights
 # in (engine/session.py maps them to torch dtypes, with short aliases). The engines' names are the
 # engine's registry (engine/variants/).

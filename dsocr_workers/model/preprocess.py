@@ -19,7 +19,14 @@ import torch
 from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import BOS_TOKEN_ID, DEFAULT_MODE, IMAGE_TOKEN_ID, ModeSpec, get_mode
+from dsocr_workers.model.config import (
+    BOS_TOKEN_ID,
+    DEFAULT_MODE,
+    IMAGE_TOKEN_ID,
+    MAX_CROPS,
+    ModeSpec,
+    get_mode,
+)
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
@@ -78,7 +85,7 @@ class PreparedPage:
 # Tiling and token schedule
 
 
-def crop_candidates(min_crops: int = 2, max_crops: int = 9) -> list[tuple[int, int]]:
+def crop_candidates(min_crops: int = 2, max_crops: int = MAX_CROPS) -> list[tuple[int, int]]:
     """(cols, rows) grids with min_crops <= cols*rows <= max_crops in the vendor's order.
 
     The vendor sorts a *set* by tile count, so among grids with the same count the order is CPython's
@@ -95,7 +102,7 @@ def crop_candidates(min_crops: int = 2, max_crops: int = 9) -> list[tuple[int, i
 
 
 def select_crop_grid(
-    width: int, height: int, *, min_crops: int = 2, max_crops: int = 9, tile: int = TILE_SIZE
+    width: int, height: int, *, min_crops: int = 2, max_crops: int = MAX_CROPS, tile: int = TILE_SIZE
 ) -> tuple[int, int]:
     """The (cols, rows) tile grid of crop mode (spec §3.5); (1, 1) when the image fits one tile."""
     if width <= 0 or height <= 0:
@@ -133,7 +140,7 @@ def count_image_tokens(mode: ModeSpec, crop_grid: tuple[int, int]) -> int:
     return n
 
 
-def most_image_tokens(mode: ModeSpec, max_crops: int = 9) -> int:
+def most_image_tokens(mode: ModeSpec, max_crops: int = MAX_CROPS) -> int:
     """The most placeholders a page can take in `mode`: with tiles, the grid whose rows bring the most
     newlines (1×9 takes 80 more than 9×1, for the same tiles)."""
     grids = crop_candidates(2, max_crops) if mode.crop_mode else []
@@ -169,7 +176,7 @@ def _text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int],
 
 
 def longest_prompt(
-    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = 9
+    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = MAX_CROPS
 ) -> int:
     """The most prompt tokens a page can make in `mode` with `prompt`: BOS, the text, and the image
     placeholders of its largest grid (`most_image_tokens`)."""
@@ -231,7 +238,7 @@ def prepare_page(
     *,
     mode: str | ModeSpec = DEFAULT_MODE,
     prompt: str | None = None,
-    max_crops: int = 9,
+    max_crops: int = MAX_CROPS,
     max_pixels: int = MAX_PIXELS,
 ) -> PreparedPage:
     """One page → model inputs. `encode` is the tokenizer's encode without added special tokens.
