@@ -2,7 +2,7 @@
 
 The engine builds it from torch.profiler's own event list (engine/profiling.py); the store keeps it as
 JSON (`job_profiles.summary`); the report aggregates it over a run's profiled jobs and compares two
-runs (report/kernels.py). Like the stage registry, this module imports nothing heavy: the report reads
+runs (report/kernel_tables.py). Like the stage registry, this module imports nothing heavy: the report reads
 it without torch.
 
 What a "kernel" is depends on the device the job ran on (`KernelSummary.activity`):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dsocr_workers.engine.result import STOP_REASONS
-from dsocr_workers.report import kernels
+from dsocr_workers.report import kernel_tables
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
 from dsocr_workers.report.serving import (
@@ -314,9 +314,9 @@ def single_report(
         report.tables.append(_cold(data, include_cold))
     if data.profiles:
         report.tables += [
-            kernels.kernel_table(data, include_cold),
-            kernels.busy_table(data, include_cold),
-            kernels.overhead_table(data, include_cold),
+            kernel_tables.kernel_table(data, include_cold),
+            kernel_tables.busy_table(data, include_cold),
+            kernel_tables.overhead_table(data, include_cold),
         ]
     report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
@@ -735,7 +735,7 @@ def comparison_report(
     report.tables.append(_stop_reason_pairs(a, b))
     if a.profiles and b.profiles:
 
-        report.tables.append(kernels.kernel_pairs_table(a, b, include_cold))
+        report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))

@@ -425,9 +425,9 @@ def _short(name: str, limit: int) -> str:
 
 
 def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
-    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernels.py)."""
+    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernel_tables.py)."""
     from dsocr_workers.kernels import OTHER
-    from dsocr_workers.report.kernels import by_stage, profiled
+    from dsocr_workers.report.kernel_tables import by_stage, profiled
 
     title = "Kernels per stage (profiled jobs)"
     stages = [by_stage([s for _, s in profiled(side.data, include_cold)]) for side in sides]

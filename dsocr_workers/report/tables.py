@@ -1,5 +1,5 @@
 """The report's table type and the small helpers every table builder shares (report/build.py for the
-latency, accounting and accuracy tables; report/kernels.py for the kernel tables)."""
+latency, accounting and accuracy tables; report/kernel_tables.py for the kernel tables)."""
 
 from __future__ import annotations
 
