@@ -223,12 +223,9 @@ def load_checkpoint(
 
 def _read_state(handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state dict, read tensor by tensor from open safetensors files (vendor key → handle, opened
-    with `device=`): each tensor goes from the file's memory map onto the device and is converted to
-    `dtype` there, so what the process holds at any time is the model built so far plus the one tensor
-    in flight, never a second copy of the model (a bf16 file loaded in float32 on a GPU held both, 20 GB
-    for the full model; on the CPU a tensor already in `dtype` stays the file's mapped memory). The
-    routed experts are copied into transformers' fused tensors (`_OUR_EXPERTS`), allocated once per
-    layer on the device; the caller has validated the names and shapes, so every slice gets written."""
+    with `device=`): each tensor is converted to `dtype` on the device, so the process never holds a
+    second copy of the model. The routed experts are copied into transformers' fused tensors
+    (`_OUR_EXPERTS`); the caller has validated the names and shapes, so every slice gets written."""
     count = config.text.n_routed_experts
     state: dict[str, torch.Tensor] = {}
 
@@ -350,31 +347,16 @@ def _materialize(
 
 # --- presets -----------------------------------------------------------------------------------
 #
-# How the random weights are made. They were drawn on the CPU in float32 from one torch.Generator
-# walked through the tensors in order: 24-30 s for the full model's 3.3 B weights in a farm child, where
-# loading the same weights from a checkpoint takes ~2 s (issue 29). Now each weight is a pure function
-# of (seed, tensor name, position), computed on the device the model is built on:
+# Random weights: each is a pure function of (seed, tensor name, position), computed on the device the
+# model is built on, so the same seed gives bit-identical weights on the CPU and on any GPU and a preset
+# is named by its name and seed alone:
 #
 #   value[i] = table_std[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
 #
-# with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements of a tensor, j = i − ⌈n/2⌉ and
-# its low 16 bits for the rest (one hash, two weights), and table_std the 65,536 quantiles of N(0, 1)
-# at the midpoints of 16-bit steps times the tensor's standard deviation (`_init_std`), rounded to
-# bfloat16 (the vendor's storage dtype) and to the target dtype on the CPU. On the device run only
-# 32-bit integer operations and a gather from the table, all exact: torch's int32 multiply and add wrap
-# around (two's complement) on the CPU and on CUDA, which is arithmetic mod 2³² (tests/model checks
-# the hash against Python's integers, on CUDA too where there is one; benchmarks/bench_load.py checks a
-# GPU's preset against the CPU's). The same seed thus gives bit-identical weights on the CPU and on any
-# GPU, whatever the order the tensors are made in: a preset is named by its name and seed alone (the
-# fingerprint holds the recipe's version, not a device), `save_preset` on one machine writes what
-# another builds in memory, and the CPU tests pin what a GPU builds. On the GPU this is ~20 int32
-# passes over 1.7 G words and a gather, memory-bound work (benchmarks/bench_load.py times it).
-#
-# Not chosen: a torch.Generator per tensor on the device (CUDA's Philox streams depend on the GPU's SM
-# count and torch's launch policy, so the same seed would name different weights on different GPUs and
-# the fingerprint would carry both), and a checkpoint written once per host into a cache directory (a
-# fresh host, as an autoscaled one always is, still pays the generation and 6.7 GB of writes, behind a
-# lock between the workers of a host).
+# with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements, j = i − ⌈n/2⌉ and its low 16
+# bits for the rest, and table_std N(0, 1)'s 65,536 midpoint quantiles times the tensor's deviation
+# (`_init_std`), rounded to bfloat16 then to the target dtype on the CPU. Only int32 arithmetic, which
+# wraps (mod 2³²) alike on the CPU and on CUDA, and a gather run on the device.
 PRESET_WEIGHTS = "hash16-v1"  # the recipe above, in every preset's fingerprint: change it when the values change
 _CPU = torch.device("cpu")
 _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
@@ -401,7 +383,7 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
         fan_in *= size
     if key.startswith("language_model.") and key.endswith(("q_proj.weight", "k_proj.weight")):
         # Sharper attention: at the variance-preserving scale an off-by-one RoPE position in decode
-        # moves logits by ~0.5 and rarely flips a greedy token; at twice the scale it does.
+        # rarely flips a greedy token; at twice the scale it does.
         return 2 * fan_in ** -0.5
     return fan_in ** -0.5
 

@@ -254,9 +254,8 @@ def prepare_page(
     if grid == (1, 1):
         global_view, tiles = _to_tensor(_global_view(original, spec)), None
     else:
-        # The tiles' resize on a thread of its own while this one makes the global view: PIL resizes
-        # without the GIL (a 1600x2000 gundam page: 68 → 52 ms on a 2-core CPU, docs/benchmarks.md). A
-        # thread per call, no pool: nothing of it outlives the call into a process forked later.
+        # The tiles' resize on a thread of its own while this one makes the global view (PIL resizes
+        # without the GIL); a thread per call, no pool: nothing outlives the call into a later fork.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-tiles") as side:
             tiles_made = side.submit(_tiles, original, grid)
             global_view = _to_tensor(_global_view(original, spec))

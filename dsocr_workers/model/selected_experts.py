@@ -1,17 +1,15 @@
 """Routed experts for a handful of tokens (decode: one), reading only the experts the router picked.
 
-transformers' `grouped_mm` experts sort the (token, expert) pairs, build group offsets (histogram,
-cumsum) and run one grouped GEMM over all 64 experts' weights, then unsort: at batch 1 that is about
-ten small kernels per layer around two GEMMs that reach ~40% of the memory bandwidth (docs/benchmarks.md,
-"What limits decode"). Here two Triton GEMV kernels run one program block per (pair, block of output
-rows) and read the picked expert's rows directly: gate+up with the activation fused, then down with the
-routing weight fused. Prompts longer than `MAX_PAIRS / top_k` tokens go to the grouped GEMM kernels of
-model/grouped_experts.py.
+At batch 1 transformers' `grouped_mm` experts run about ten small kernels per layer (sort, histogram,
+cumsum, unsort) around a grouped GEMM over all 64 experts' weights that reaches a small share of the
+memory bandwidth (docs/benchmarks.md, "What limits decode"). Here two Triton GEMV kernels run one
+program block per (pair, block of output rows) and read the picked expert's rows directly: gate+up with
+the activation fused, then down with the routing weight fused. Longer prompts go to model/grouped_experts.py.
 
-Numerics follow `grouped_mm`'s: float32 accumulation, the projections rounded to the weights' dtype before
-the activation and before the routing weight, the top-k sum in float32. The kernels are wrapped as a
-`torch.library.triton_op`, so torch.compile inlines them and a CUDA graph captures them. On a CPU they
-run only under Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported: the tests).
+Numerics follow `grouped_mm`'s (float32 accumulation, projections rounded to the weights' dtype before
+the activation and the routing weight, the top-k sum in float32). Wrapped as a `torch.library.triton_op`,
+so torch.compile inlines them and a CUDA graph captures them; on a CPU they run only under Triton's
+interpreter (`TRITON_INTERPRET=1` before triton is imported: the tests).
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ class BlockConfig:
     warps: int
 
 
-# The fastest of benchmarks/bench_decode.py's sweep on an H200 (full preset shapes, batch 1; 2026-11-23
-# 15:05): both kernels together 16.3 µs for 41.3 MB of expert weights, 2.5 TB/s, against 30.8 µs for
-# 16-row, 128-wide blocks. Few rows per block: many blocks in flight, each streaming whole rows.
+# The fastest of benchmarks/bench_decode.py's sweep at the full preset's shapes, batch 1: few rows per
+# block, so many blocks are in flight, each streaming whole rows.
 GATE_UP_BLOCKS = BlockConfig(rows=4, k=256, warps=4)
 DOWN_BLOCKS = BlockConfig(rows=8, k=1024, warps=4)
 
