@@ -1,23 +1,9 @@
-"""A profiled job's kernels per stage: the summary a worker stores beside the job's trace (issue 33).
+"""A profiled job's kernels per stage: the summary a worker stores beside the job's trace.
 
-The engine builds it from torch.profiler's own event list (engine/profiling.py); the store keeps it as
-JSON (`job_profiles.summary`); the report aggregates it over a run's profiled jobs and compares two
-runs (report/kernel_tables.py). Like the stage registry, this module imports nothing heavy: the report reads
-it without torch.
-
-What a "kernel" is depends on the device the job ran on (`KernelSummary.activity`):
-
-- `cuda`: the GPU's activities (kernels, memcpys, memsets) whose launch ran inside the stage's range on
-  the host (matched by the profiler's correlation ids): their durations on the GPU's clock;
-- `cpu`: the operators (aten ops) inside the stage's range, each with its self time: what the CPU
-  computed, without the Python between them.
-
-Per stage, beside the kernels, the cross-check of the stage's clock against the profiler: `event_ms`
-is the stage clock's time of the part that was profiled (CUDA events on a GPU, perf_counter on the CPU;
-for the decode, the sampled steps only), `kernel_ms` the sum of the kernels' durations, `busy_ms` the
-union of their intervals (the device busy inside the stage: kernels on two streams at once count once),
-`span_ms` from the first kernel's start to the last one's end. `event_ms - busy_ms` is the stage's idle
-time: the device waiting for the host (launch-bound code, a sync) or, on the CPU, Python.
+The engine builds it (engine/profiling.py), the store keeps it as JSON (`job_profiles.summary`), the
+report aggregates and compares it (report/kernel_tables.py); like the stage registry, this module
+imports nothing heavy. A "kernel" is, on a GPU (`cuda`), an activity (kernel, memcpy, memset) launched
+inside the stage's range, timed on the GPU's clock; on the CPU (`cpu`), an aten operator's self time.
 """
 
 from __future__ import annotations
@@ -50,10 +36,10 @@ class StageKernels:
     """One stage of one profiled job: its clock's time, its kernels and how busy the device was."""
 
     stage: str
-    event_ms: float
-    kernel_ms: float
-    busy_ms: float
-    span_ms: float
+    event_ms: float  # the stage clock's time of the profiled part (for the decode, the sampled steps)
+    kernel_ms: float  # the kernels' durations summed
+    busy_ms: float  # the union of their intervals: kernels on two streams at once count once
+    span_ms: float  # from the first kernel's start to the last one's end
     kernels: list[KernelTime] = field(default_factory=list)  # by total, longest first; the tail as OTHER
 
     @classmethod

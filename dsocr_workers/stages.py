@@ -1,30 +1,14 @@
-"""The measured stages of one job, in one place (DESIGN §2 "one registry per fact", §3).
+"""The measured stages of one job, in one place: `StageTimings` is the registry.
 
-`StageTimings` is the registry: each of its millisecond fields carries a `Timing` (its metadata) that
-says what the figure is and where it is shown, and everything that shows a timing is derived from it:
+Each of its millisecond fields carries a `Timing` that says what the figure is and where it is shown;
+the engine's clock (engine/stages.py), the result row and the `results` columns, the report's tables and
+plots and `dsocr infer`'s timing table are all derived from it. A new stage is a new field here plus an
+Alembic migration adding its nullable column, and the engine's `with clock.stage(name):` around the work.
 
-- the engine's clock (engine/stages.py `StageClock`): the stage names it accepts (each an NVTX range in
-  the domain `dsocr`), which of them are timed on the host clock, the top-level stages whose times
-  (with `host_gap`) add up to end-to-end, and the `StageTimings` it fills in;
-- the result row (farm/job/execute.py `result_row`: `StageTimings.columns()`) and the store's `results`
-  columns (store/models.py: one Float column per field, generated from `TIMINGS`);
-- the report's tables (latency, accounting, per image: report/build.py) and plots (the stage breakdown's
-  bars and the latency CDFs: report/plots.py);
-- `dsocr infer`'s timing table (cli/commands_model.py `timing_table`).
-
-A new stage is a new field here (its `Timing` names the stage) plus one Alembic migration adding its
-column (nullable: rows written before it have none), and the engine's `with clock.stage(name):` around
-the work it times. Nothing else names it.
-
-Kinds of figures: a stage's time (`stage` set: the StageClock stage of that name, summed over its
-entries), or one computed from the stages (`stage` None: vision, wasted decode, host gap, TTFT,
-end-to-end, page wait). `parent` nests a figure in another (the vision stages in `vision`, which is in
-`prefill`): tables indent it, and it is not a part of e2e, its parent's time holds it. The parts
-(`part`) are the top-level stages plus the wasted decode and the host gap: their sum is `e2e_ms`.
-A stage whose name begins with `vision/` adds to `vision_ms` (and `dsocr verify` checks it ran once per
-job, inside the prefill).
-
-This module imports nothing heavy: the store and the report (which must not import the engine) read it.
+A figure is a stage's time (`stage` set: summed over its entries) or computed from the stages. `parent`
+nests a figure in another (not a part of e2e: its parent's time holds it); the parts (`part`) sum to
+`e2e_ms`. A stage named `vision/...` adds to `vision_ms`. This module imports nothing heavy: the store
+and the report, which must not import the engine, read it.
 """
 
 from __future__ import annotations
