@@ -1,25 +1,13 @@
 """Liveness without a command: every process that runs jobs beats a heart in a thread of its own.
 
-Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
-
-1. renews the lease of every job this process holds and stamps its `worker_processes` row, so a job
-   whose worker lives never loses its lease however long it runs (the hard time limit ends a stuck one);
-2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
-   killed with its parent, frozen, cut off from the database — is set back to `queued`, or poisoned at
-   the attempt cap; every waiting job whose reservation expired (its reserver's lane fetched it to run
-   next, then stopped beating) loses it; every message the broker has held as delivered for two
-   leases (two minutes at least) whose job nobody reserved or claimed (its worker died within
-   milliseconds of fetching it) is taken back. The messages the dead worker held go back to the head of their
-   queues (`bring_back_job_messages`: taken out of Redis's unacknowledged set, where they would otherwise
-   wait out the visibility timeout, an hour by default), so such a job is taken before any job queued
-   since. A dead worker's job is back in its queue at most lease + heartbeat (70 s by default) after the
-   holder's last beat: no `dsocr reconcile` typed, no beat process to deploy. The messages are put back
-   inside the sweep's transaction: a broker error rolls the change back for the next sweep; a commit
-   that fails after it leaves a message whose claim sees an expired lease (or a stale reservation, which
-   a claim ignores) and takes the job, as it would anyway.
-
-A beat is one short transaction; the thread holds the GIL only for that, a few milliseconds every ten
-seconds, next to jobs that the engine times with CUDA events.
+Each beat (every `DSOCR_HEARTBEAT_SECONDS`) renews the lease of every job this process holds and stamps
+its `worker_processes` row, so a job whose worker lives never loses its lease. In a Celery worker it
+also sweeps its queues: a job whose lease expired (its holder stopped beating) is queued again or
+poisoned at the attempt cap; a reservation that expired is dropped; a message delivered long ago whose
+job nobody reserved or claimed is taken back. The dead worker's messages go back to the head of their
+queues rather than waiting out the visibility timeout, inside the sweep's transaction (a broker error
+rolls the change back for the next sweep). A dead worker's job is back in its queue at most lease +
+heartbeat after its last beat. A beat is one short transaction.
 """
 
 from __future__ import annotations
@@ -70,9 +58,9 @@ class Beat:
     orphaned: list[str]  # jobs whose message a worker held past `orphaned_after_s`, nobody on the job
 
 
-# A lane fetches its first two messages as it connects, while its child still imports (16 s on the
-# loaded 2-core CI machine, longer than the suite's 15 s lease): its reservations come only once the
-# child is up. Taking such a message back would hand a live lane's job to another worker as well.
+# A lane fetches its first two messages while its child still imports, which can take longer than a
+# short lease: its reservations come only once the child is up, and taking such a message back would
+# hand a live lane's job to another worker as well.
 ORPHAN_FLOOR_S = 120
 
 

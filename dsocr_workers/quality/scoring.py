@@ -1,23 +1,17 @@
 """A page's markdown against its OmniDocBench reference, scored as OmniDocBench's official end-to-end
-evaluator scores it (`pdf_validation.py`, configs/end2end.yaml, `match_method: quick_match`); the
-agreement is tested page by page against the evaluator's stored outputs
-(tests/quality/test_official_agreement.py).
+evaluator scores it (`pdf_validation.py`, `match_method: quick_match`); tested page by page against the
+evaluator's stored outputs (tests/quality/test_official_agreement.py).
 
-1. The markdown is cut into blocks (quality/markdown.py): text, display formulas, inline formulas
-   (candidates that also stay in their text), HTML / pipe / LaTeX tables.
-2. Tables first: reference tables paired one-to-one with predicted HTML tables by the Hungarian method
-   on the raw HTML's edit distance; the cells of a predicted table left over join the text blocks.
-   A page with more LaTeX than HTML tables scores its tables as missing (the evaluator converts LaTeX
-   tables with LaTeXML, which is not reproduced).
-3. Text and display formulas of the reference, in reading order, matched in one pool against the
-   predicted text and formula blocks by `quick_match` (quality/matching.py; past 30 s, as in the
-   evaluator, one-to-one instead). Pairs whose reference is
-   page furniture or a caption are matched and left out; predictions matched to no reference are left
-   out; a reference formula answered by a text block is scored as text (its LaTeX as Unicode).
-4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)) over its pairs (the
-   evaluator's page-level figure); tables also TEDS and structure-only TEDS per table; reading order:
-   the normalised edit distance between the sorted reading orders of the reference text blocks and
-   the same orders listed in the order the prediction wrote them.
+1. The markdown is cut into blocks (quality/markdown.py).
+2. Tables first, paired one-to-one by the Hungarian method on the raw HTML's edit distance; a predicted
+   table's leftover cells join the text. A page with more LaTeX than HTML tables scores its tables as
+   missing (the evaluator's LaTeXML conversion is not reproduced).
+3. Reference text and display formulas matched in one pool against the predicted blocks by
+   `quick_match` (quality/matching.py); page furniture, captions and unmatched predictions are left
+   out; a reference formula answered by a text block is scored as text.
+4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
+   structure-only TEDS; reading order: the edit distance between the reference's and the prediction's
+   orders of the reference text blocks.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""The serving table (issue 34): a run as the serving benchmarks print one (`vllm bench serve`, AIPerf):
-request throughput, output tokens/s, TTFT, TPOT, inter-token latency and end-to-end, with the batch the
-jobs decoded in, and what it makes a day per GPU and for the run's GPUs together.
+"""The serving table: a run as the serving benchmarks print one (`vllm bench serve`, AIPerf): request
+throughput, output tokens/s, TTFT, TPOT, inter-token latency and end-to-end, with the batch the jobs
+decoded in, and what it makes a day per GPU and for the run's GPUs together.
 
-Throughput is the run's steady state (report/throughput.py: per worker process 1 / mean service time,
-summed; at --concurrency above 1 the output tokens its engine's steps made between the lane's first
-finish and its last claim, over the mean tokens of a page), with its 95% interval; output tokens/s is that rate times the mean
-tokens out of a page. TTFT is the job's (for a batched job from its claim to its first token, which holds
-its page's preparation and its wait for a slot), TPOT its time per output token after the first,
-ITL every gap between two of its tokens, pooled over jobs. A day is 86,400 s of that steady state: the
-rate a fleet of warm workers with a full queue would keep, not a measured day.
+Throughput is the run's steady state (report/throughput.py) with its 95% interval; output tokens/s is
+that rate times the mean tokens out of a page. A batched job's TTFT runs from its claim, so it holds its
+page's preparation and its wait for a slot. A day is 86,400 s of that steady state, not a measured day.
 
-The Batch steps table (a run at --concurrency above 1 whose workers stored their engines' steps,
-`batch_steps`): the device's side of the same jobs, step by step. How many pages joined (a prefill step
-each) and how many decode steps ran, the pages per decode step, a decode step's time by how many pages
-it held (its occupancy band), the prefill steps' share of the time in steps, and that time per GPU
-against the run's wall span (first claim to last finish): what is left of the span went to the host
-(claims, pages prepared, messages handed over) or to waiting for work.
+The Batch steps table (a batched run's `batch_steps`): the device's side of the same jobs, step by
+step: pages joined, decode steps, pages per step, a decode step's time by occupancy band, the prefill
+steps' share, and the time in steps per GPU against the run's wall span (the rest went to the host or
+to waiting for work).
 """
 
 from __future__ import annotations

@@ -7,14 +7,10 @@ reconcile. Each function runs inside the caller's transaction (`Database.transac
     running with an expired lease (or an owner the caller's probe finds dead) may be claimed again: that
     is a new attempt; a job whose attempts reached the cap is poisoned instead of claimed.
 
-Every change to a running job is guarded by its lease owner, so a worker that lost its lease (it was
-too slow, or its job was taken over) can never write a result or a state over the new owner's.
-
-A waiting job may also be reserved (`reserve_job`): the process whose worker fetched its message to run
-next names itself on it while it prepares the page, until `reserved_until` (renewed by its heartbeat
-with its leases). A reservation holds nothing back: a claim ignores it and clears it. It is there for
-the sweep (`expire_leases`): a reservation that ran out names a job whose message sits with a dead
-worker, to be brought back to its queue at once rather than after the broker's visibility timeout.
+Every change to a running job is guarded by its lease owner, so a worker that lost its lease can never
+write over the new owner's. A waiting job may be reserved (`reserve_job`) by the process that fetched its
+message to run next; a claim ignores and clears it, and the sweep brings back the message of a job whose
+reservation ran out (its worker is dead) rather than waiting out the broker's visibility timeout.
 """
 
 from __future__ import annotations
@@ -142,8 +138,7 @@ def claim_job(
 
     # Optimistic guard: the row must still be exactly what was read, or another worker got there first.
     # `pending` and `queued` are one state here: submit marks a job queued just after sending its message,
-    # so a worker waiting for messages can read it pending and find it queued at its UPDATE — nobody else
-    # claimed it, and refusing would drop its only message (found by R11: the job waited for a reconcile).
+    # so a worker can read it pending and find it queued at its UPDATE; refusing would drop its only message.
     unchanged = (
         (Job.id == job_id)
         & (Job.state.in_(WAITING_STATES) if job.state in WAITING_STATES else Job.state == job.state)
@@ -183,9 +178,8 @@ def claim_job(
         )
     )
     if _rowcount(changed) != 1:
-        # A sweep that took the job back (expire_leases) sends its message before it commits, so this
-        # delivery can read the job still running and meet it queued at the UPDATE: nobody claimed it,
-        # and refusing would drop its only message (found by R5: the job waited for a reconcile).
+        # A sweep that took the job back sends its message before it commits, so this delivery can read the
+        # job still running and meet it queued at the UPDATE; refusing would drop its only message.
         if again and session.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
             return claim_job(
                 session,
@@ -349,8 +343,7 @@ def job_state(session: Session, job_id: str) -> str | None:
 def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
     """pending → queued for jobs whose message is now in the broker. A job a worker claimed before its
     batch was marked keeps its state and gets the time too: without it, throughput would count its wait
-    from the row's creation (report/throughput.py `waiting_since`), the submit's own work included (on
-    an H200, 1.07 s for the first of 84 jobs: steady state read 5.85 pages/s, 6.41 once fixed)."""
+    from the row's creation, the submit's own work included (report/throughput.py `waiting_since`)."""
     now = now or utcnow()
     ids = list(job_ids)
     for start in range(0, len(ids), 500):
