@@ -3,7 +3,6 @@ decode steps, cold results and the per-job memory split.
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-11-23
 """
 
 from __future__ import annotations
