@@ -146,7 +146,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def _fingerprint(directory: Path, files: list[Path]) -> str:
     """Cheap content fingerprint: config.json, every safetensors header, and 1 MiB samples from the
-    start, middle and end of each file's data (hashing 6.7 GB would add seconds to every worker start). A
+    start, middle and end of each file's data (hashing whole files would slow every worker start). A
     header is hashed with its keys sorted: safetensors writes the metadata in a hash map's order, which
     changes from one write of the same tensors to the next."""
     digest = hashlib.sha256((directory / "config.json").read_bytes())

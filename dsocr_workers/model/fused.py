@@ -1,8 +1,8 @@
 """The fast engine's decoder projections, fused: one GEMM for q, k and v, one for gate and up.
 
-At batch 1 every 1280-wide projection is a GEMV of ~3 MB that takes ~5 µs whatever its size (launch and
-tail bound, docs/benchmarks.md "What limits decode"): reading the three attention inputs, or the MLP's
-gate and up, as one matrix saves two launches per attention and one per MLP, 47 per decode step.
+At batch 1 every projection is a small GEMV bound by launch and tail, not by its size (docs/benchmarks.md
+"What limits decode"): reading the three attention inputs, or the MLP's gate and up, as one matrix saves
+two launches per attention and one per MLP.
 The modules replace transformers' in place after loading (their weights concatenated, the originals
 dropped), so checkpoints keep the vendor's layout; the eager engine, the numerical reference, keeps
 the unfused modules.
