@@ -79,7 +79,7 @@ class PageReference:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PageReference:
         blocks = tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"])
-        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # none stored before issue 32
+        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # older references stored none
 
 
 def prediction_filename(image: str) -> str:

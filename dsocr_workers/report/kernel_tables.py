@@ -1,4 +1,4 @@
-"""The report's kernel tables (issue 33): a run's profiled jobs, their kernels per stage aggregated, how busy
+"""The report's kernel tables: a run's profiled jobs, their kernels per stage aggregated, how busy
 the device was inside each stage, the cross-check of the summed kernel time against the stage's clock,
 what the profiler cost, and, with --vs, which kernels got faster or slower.
 

@@ -44,7 +44,7 @@ SEED = 0
 MAX_TIME_BINS = 200  # throughput over time: bins from the submit to the last page
 MAX_LABEL_CHARS = 24  # a per-image bar's label: the start and end of a longer name
 # The decode plot's y-axis reaches this percentile of the steps (then a margin): one slow step (a
-# collection, a preemption: 358 ms among ~7.5 ms ones) no longer flattens every other point on the axis.
+# collection, a preemption) no longer flattens every other point on the axis.
 DECODE_Y_PERCENTILE = 99.5
 
 

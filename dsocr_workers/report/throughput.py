@@ -86,7 +86,7 @@ def services(data: RunData) -> dict[str, list[Service]]:
 
 def steady(result: Result, include_cold: bool) -> bool:
     """Whether a job's own times count in the steady state: warm unless `include_cold`, and never a
-    profiled job (torch.profiler's cost is in its times; issue 33)."""
+    profiled job (torch.profiler's cost is in its times)."""
     return (include_cold or not result.cold) and not result.profiled
 
 
