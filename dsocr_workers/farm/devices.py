@@ -73,10 +73,9 @@ def _gpus_seen(count: int, environ: Mapping[str, str]) -> str:
 
 def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     """The device a Celery child runs on once it sees only its own GPU (`CUDA_VISIBLE_DEVICES`): `cuda:0`
-    in every child, whichever GPU it has. Inductor's compiled graphs name their device's index, so a
-    compile cache filled on cuda:0 served only the children on cuda:0 (2 x H200: the child on cuda:1
-    compiled 34 s of graphs the warm cache held for cuda:0, docs/benchmarks.md). Call before CUDA is
-    initialised in this process; otherwise, or for a device that is not one GPU, `device` as it is."""
+    in every child, whichever GPU it has: inductor's compiled graphs name their device's index, so one
+    compile cache then serves every child. Call before CUDA is initialised in this process; otherwise,
+    or for a device that is not one GPU, `device` as it is."""
     import torch
 
     if not device.startswith("cuda:") or torch.cuda.is_initialized():

@@ -25,14 +25,9 @@ from dsocr_workers.settings import redacted
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"  # package data: ships in the wheel
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-# libpq's TCP keepalive, probing after 30 s of silence, every 5 s, 3 times (libpq leaves the timing to the
-# OS: first probe after 2 h on Linux). A query whose reply the server gave up delivering — it retransmitted
-# into a network partition until its TCP timed out, or a NAT or firewall forgot the connection — otherwise
-# waits that long for a reply that never comes (R11: a query waiting across a cut was still waiting 120 s
-# after the link came back); in a worker that is a heartbeat thread that stops renewing its host's leases,
-# or a job stuck until its hard time limit. With it the wait ends within 45 s of silence (a reset from the
-# server, or the probes time out) as a TransientError that the caller retries. A query that is merely slow
-# is not affected: the server's TCP answers the probes.
+# libpq's TCP keepalive (libpq otherwise leaves it to the OS: hours): a query whose reply was lost in a
+# partition would wait that long, a heartbeat that stops renewing leases; with it, the wait ends as a
+# TransientError that the caller retries. A merely slow query is unaffected: the server answers probes.
 POSTGRES_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 5, "keepalives_count": 3}
 
 
