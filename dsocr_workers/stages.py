@@ -65,17 +65,9 @@ class StageTimings:
         e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
               + postprocess + host_gap
 
-    `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
-    device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
-    vision stages and `lm_prefill_ms`.
-
-    `page_wait_ms` is no part of the job: the time its page, prepared ahead (the farm prepares the next
-    job's page while this one runs), waited between the end of its preprocessing and the start of its
-    setup. A page prepared in line waits for nothing (a few microseconds of host code).
-
-    The fields below, in this order, are the registry (module docstring) and the order of every table:
-    the TTFTs and TPOT first (what a reader looks for first), then the stages as they happen, end-to-end,
-    the page's wait outside it, a batched job's wait for a slot inside it."""
+    `host_gap_ms` is what no stage covers (small and non-negative when the accounting is right).
+    `page_wait_ms`, a page prepared ahead waiting for its job, is no part of it. The fields below, in
+    this order, are the registry and the order of every table."""
 
     clock: Clock
     # One entry per kept decode step (each step produces one token after the first, which comes from

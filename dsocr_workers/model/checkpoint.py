@@ -345,19 +345,9 @@ def _materialize(
     return model.eval().requires_grad_(False)
 
 
-# --- presets -----------------------------------------------------------------------------------
-#
-# Random weights: each is a pure function of (seed, tensor name, position), computed on the device the
-# model is built on, so the same seed gives bit-identical weights on the CPU and on any GPU and a preset
-# is named by its name and seed alone:
-#
-#   value[i] = table_std[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
-#
-# with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements, j = i − ⌈n/2⌉ and its low 16
-# bits for the rest, and table_std N(0, 1)'s 65,536 midpoint quantiles times the tensor's deviation
-# (`_init_std`), rounded to bfloat16 then to the target dtype on the CPU. Only int32 arithmetic, which
-# wraps (mod 2³²) alike on the CPU and on CUDA, and a gather run on the device.
-PRESET_WEIGHTS = "hash16-v1"  # the recipe above, in every preset's fingerprint: change it when the values change
+# --- presets: each random weight is a pure function of (seed, tensor name, position), made on the
+# device the model is built on, so a seed gives bit-identical weights on the CPU and any GPU (`_fill_random_`).
+PRESET_WEIGHTS = "hash16-v1"  # `_fill_random_`'s recipe, in every preset's fingerprint: change it with the values
 _CPU = torch.device("cpu")
 _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
 
@@ -415,8 +405,14 @@ def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 def _fill_random_(flat: torch.Tensor, table: torch.Tensor, seed: int, key: str) -> None:
-    """Write tensor `key`'s weights of preset seed `seed` into `flat` (1-D, contiguous, on its device),
-    as the comment above the presets says: `table` holds the tensor's 65,536 possible values."""
+    """Write tensor `key`'s weights of preset seed `seed` into `flat` (1-D, contiguous, on its device):
+
+        value[i] = table[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
+
+    with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements, j = i − ⌈n/2⌉ and its low 16
+    bits for the rest. `table` holds the tensor's 65,536 possible values (N(0, 1)'s midpoint quantiles
+    times its deviation, rounded to bfloat16 then to the target dtype on the CPU). Only int32
+    arithmetic, which wraps alike on the CPU and CUDA, and a gather run on the device."""
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     multiplier = _int32(int.from_bytes(digest[:4], "little") | 1)  # odd: j ↦ a·j + b is a bijection mod 2³²
     offset = _int32(int.from_bytes(digest[4:8], "little"))
@@ -440,7 +436,7 @@ def preset_state(
     keys: Sequence[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded random weights, tensor by tensor in state-dict order (or `keys`, in their order), made on
-    `device` in `dtype` (the recipe above the presets). The values are bfloat16's whatever `dtype` (the
+    `device` in `dtype` (`_fill_random_`). The values are bfloat16's whatever `dtype` (the
     vendor's storage dtype: a saved preset reloads bit-identically), and the same on every device."""
     with torch.device("meta"):
         shapes = {key: tuple(t.shape) for key, t in DeepSeekOCR(config).state_dict().items()}

@@ -91,11 +91,9 @@ class FusedQKVAttention(nn.Module):
             output = cache.update_and_attend(query, key, value, self.layer_idx, self.scaling).transpose(1, 2)
             return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
         if isinstance(cache, StaticLayer):
-            # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
-            # layer index is not read: a compiled layer would take it as a constant, one graph per layer.
-            # That prefill fills the cache from slot 0, so the prompt's own keys are all its queries may
-            # see: causal attention over them (no mask: `attention_mask` is None there) instead of a
-            # masked pass over the whole cache bucket.
+            # This layer's own cache (the layer-by-layer prefill, engine/regions.py), its index unread: a
+            # compiled layer would take it as a constant. That prefill fills the cache from slot 0, so
+            # causal attention over the prompt's own keys replaces a masked pass over the whole bucket.
             cache.update(key, value)
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)

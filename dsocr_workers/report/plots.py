@@ -342,11 +342,8 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         )
         if finished.size == 0:
             continue
-        # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
-        # from the last page to the submit: a long load then reads as empty bins, not as one wide bin
-        # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
-        # At least three bins where there are pages for them: a short run's two or three pages in one bin
-        # made a single block of the whole run.
+        # Bins of about two pages each, laid back from the last page to the submit: a long load reads as
+        # empty bins rather than one wide bin hiding the rate. At least three bins where there are pages.
         busy_bins = max(1, int(np.clip(finished.size // 2, min(3, finished.size - 1), 60)))
         width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
         bins = max(1, int(np.ceil(finished[-1] / width)))
