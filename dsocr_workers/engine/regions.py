@@ -66,11 +66,9 @@ def configure_dynamo() -> None:
 
 
 class Compiler(Protocol):
-    """What makes the fast engine's regions (a SAM or CLIP block, an LM layer, the decode step) fast:
-    dynamo (`TorchCompiler`, compiling at the first call), AOTInductor packages built ahead and loaded at
-    start (engine/coldstart/aoti.py), or, in the build step, a recorder of the calls to build them from.
-    `name` is the region's kind ("sam_block", "clip_block", "clip_block_views", "lm_layer",
-    "decode_step"); `options` are torch.compile's for it."""
+    """What makes the fast engine's regions fast: dynamo (`TorchCompiler`), AOTInductor packages built
+    ahead (engine/coldstart/aoti.py), or, in the build step, a recorder of the calls. `name` is the
+    region's kind ("sam_block", "lm_layer", "decode_step", ...); `options` are torch.compile's."""
 
     # The decode step it makes still needs a CUDA graph around it (dynamo's reduce-overhead has one).
     decode_needs_graph: bool
@@ -84,8 +82,8 @@ class Compiler(Protocol):
 
 @dataclass
 class TorchCompiler:
-    """torch.compile with `backend`, each region compiled at its first call (so that making the engine's
-    runners imports and configures nothing of dynamo until a region runs)."""
+    """torch.compile with `backend`, each region compiled at its first call: nothing of dynamo is set up
+    until a region runs."""
 
     backend: str
     decode_needs_graph: bool = False
@@ -126,8 +124,7 @@ class RegionalVision:
         return hidden
 
     def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-        """transformers' SAM encoder forward (`DeepSeekOCR.encode_sam`) of each view group's pixels,
-        block by block."""
+        """`DeepSeekOCR.encode_sam` of each view group's pixels, block by block."""
         sam = self.model.sam
         hidden = [self._embed_patches(pixels) for pixels in groups]
         for layer in sam.layers:
@@ -196,9 +193,8 @@ class RegionalPrefill:
         positions = torch.arange(padded, device=device)
         cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
-        # Dynamic in the prompt length and the cache bucket from the first call (a static first graph
-        # would be compiled again at the second length), and only there: `dynamic=True` also made the
-        # hidden size a symbol, which a prompt of that many positions then shared and pinned.
+        # Dynamic in the prompt length and the cache bucket from the first call, and only there
+        # (`dynamic=True` made the hidden size a symbol, which a prompt of that length then pinned).
         for table in position_embeddings:
             self.compiler.mark_dynamic(table, 1)
         # A prefill fills the cache from slot 0 whatever it held: a graph's replay follows a job that
@@ -225,11 +221,10 @@ class _PrefillGraph:
 
 
 class GraphedPrefill:
-    """`RegionalPrefill` replayed as a CUDA graph per padded prompt length and cache bucket: compiled
-    layer by layer, the prefill costs more host time (guards, wrappers, launches) than device time;
-    replayed, a copy of the embeddings and a launch. A new padded length is run once and captured
-    (counted in `captured` for the job's cold flags; `capture` does it ahead). One memory pool for
-    all: replays run one at a time, and the logits they return are copies."""
+    """`RegionalPrefill` replayed as a CUDA graph per padded prompt length and cache bucket: layer by
+    layer, the prefill costs more host time than device time. A new length is captured at its first
+    call (counted in `captured`) or ahead (`capture`). One memory pool: replays run one at a time and
+    return copies."""
 
     def __init__(self, regions: RegionalPrefill) -> None:
         self.regions = regions
@@ -288,8 +283,7 @@ def capture_graph(
 
 @dataclass
 class _PageGraphs:
-    """The CUDA graphs of one page shape: SAM over every view group, then CLIP over SAM's outputs (its
-    static inputs are the SAM graph's outputs). Inputs and outputs stay at fixed addresses."""
+    """The CUDA graphs of one page shape: SAM over every view group, then CLIP over SAM's outputs."""
 
     pixels: list[torch.Tensor]
     sam: torch.cuda.CUDAGraph

@@ -3,8 +3,6 @@
 If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger and
 `dsocr reconcile --run ID` sends them; nothing is lost.
 
-`dsocr submit` is `submit_run`, `dsocr reconcile` is `reconcile_run`; `dsocr run` records with
-`prepare_run` too (farm/local_run.py).
 """
 
 from __future__ import annotations
@@ -246,11 +244,9 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
 def reconcile_and_enqueue(
     db: Database, app: Any, settings: Settings, *, run_id: str | None = None
 ) -> tuple[ledger.ReconcilePlan, int]:
-    """Expire stale leases and reservations, then send a message for every open job that Redis holds
-    none for. A job whose message waits in its queue gets no duplicate, nor does one delivered to a worker
-    (prefetched, or in a retry's countdown) unless its lease or reservation just expired: then its holder
-    is gone, and its message, which would only come back after the visibility timeout, is put back at the
-    head of its queue (or sent again where it is gone). Returns the plan and the messages sent or put back."""
+    """Expire stale leases and reservations, then send a message for every open job that Redis holds none
+    for; a delivered message whose holder just expired is put back at the head of its queue. Returns the
+    plan and the messages sent or put back."""
     with db.transaction() as session:
         plan = ledger.reconcile(session, max_attempts=settings.max_attempts, run_id=run_id)
     try:
