@@ -252,7 +252,9 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
     from dsocr_workers.farm.celery.app import start_flower
     from dsocr_workers.settings import Settings
 
-    start_flower(Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args)
+    start_flower(
+        Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args
+    )
 
 
 @click.command()
@@ -285,7 +287,9 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
 
     settings = Settings.from_env()
     local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
-    click.echo(f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True)
+    click.echo(
+        f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True
+    )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -67,7 +67,8 @@ def report(
     mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops; for runs
     submitted with --profile, the kernels per stage, the device's busy and idle time per stage and
     what the profiler cost. Cold results are left out of the latency statistics unless --include-cold,
-    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
+    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A
+    ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
     from dsocr_workers.report.outputs import ReportRequest, write_report
@@ -120,14 +121,23 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
 
 
 @click.command()
-@click.option("--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them).")
+@click.option(
+    "--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them)."
+)
 @click.option("--run", "run_ref", help="Or the run (id, prefix or latest) with --image.")
 @click.option("--image", help="With --run: the image, as the file list names it or its file name.")
-@click.option("--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.")
+@click.option(
+    "--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one)."
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.",
+)
 @exits_on_errors
-def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None) -> None:
+def trace(
+    job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None
+) -> None:
     """Write a profiled job's torch.profiler trace (runs submitted with --profile N) as Chrome trace JSON:
     open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in the browser) or
     chrome://tracing. The stages are the ranges dsocr::prefill, dsocr::vision/sam, ..., and the sampled
