@@ -56,7 +56,9 @@ class DecodeSample:
     width: int = 2
 
     def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and (step < self.first or any(at <= step < at + self.width for at in self.later))
+        return isinstance(step, int) and (
+            step < self.first or any(at <= step < at + self.width for at in self.later)
+        )
 
 
 class JobProfiler:
@@ -64,7 +66,9 @@ class JobProfiler:
 
     def __init__(self, device: torch.device, sample: DecodeSample | None = None) -> None:
         self.activity: Activity = "cuda" if device.type == "cuda" else "cpu"
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.activity == "cuda" else [])
+        self.activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.activity == "cuda" else []
+        )
         self.sample = sample or DecodeSample()
         self.steps: list[int] = []  # the decode steps recorded
         self._profile = profile(
@@ -96,7 +100,9 @@ class JobProfiler:
                 yield
             finally:
                 if name == DECODE:
-                    if self._step is not None:  # each step that ran closed its range at the next mark: this one never ran
+                    if (
+                        self._step is not None
+                    ):  # each step that ran closed its range at the next mark: this one never ran
                         self.steps.pop()
                     self._close_step()
                     self._collect(True)
@@ -147,7 +153,9 @@ def summarize(events: Any, clock: StageTimes, activity: Activity, steps: list[in
             name = event.name.removeprefix(RANGE_PREFIX)
             # The decode's row is its sampled steps' (the decode's own range spans the unsampled ones too).
             if name.startswith(STEP_RANGE):
-                if int(name.removeprefix(STEP_RANGE)) in steps:  # not the range opened for a step that never ran
+                if (
+                    int(name.removeprefix(STEP_RANGE)) in steps
+                ):  # not the range opened for a step that never ran
                     ranges[DECODE].append(event)
             elif name != DECODE:
                 ranges[name].append(event)
@@ -206,7 +214,9 @@ def _tree(event: Any) -> Iterator[Any]:
         yield from _tree(child)
 
 
-def _stage(name: str, event_ms: float, work: list[tuple[str, float]], busy_us: float, span_us: float) -> StageKernels:
+def _stage(
+    name: str, event_ms: float, work: list[tuple[str, float]], busy_us: float, span_us: float
+) -> StageKernels:
     """One stage's row from its (kernel, duration us) list, its busy time and its span."""
     calls: dict[str, int] = defaultdict(int)
     totals: dict[str, float] = defaultdict(float)

@@ -47,7 +47,9 @@ def _lm_layer(
     cache_layer: StaticLayer,
 ) -> torch.Tensor:
     # No mask: the fused attention attends causally over the prompt it writes to `cache_layer`.
-    return layer(hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
+    return layer(
+        hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer}
+    )
 
 
 # Distinct view sizes × block kinds a worker meets (the fixed modes' global views and gundam's tiles,
@@ -185,13 +187,16 @@ class RegionalPrefill:
         padded[:, :length] = embeds
         return self.padded(model, padded, torch.tensor(length, device=embeds.device), cache)
 
-    def padded(self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    def padded(
+        self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache
+    ) -> torch.Tensor:
         """The prefill of a prompt of `length` (a 0-d int64 device tensor: no host value, so a CUDA graph
         replays it for any length) padded to `embeds`' [1, P, hidden]."""
         language_model = model.language_model
         padded, device = embeds.shape[1], embeds.device
         positions = torch.arange(padded, device=device)
-        cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
+        # StaticLayers, as DecodeBuffers allocates them.
+        cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
         # Dynamic in the prompt length and the cache bucket from the first call, and only there
         # (`dynamic=True` made the hidden size a symbol, which a prompt of that length then pinned).
@@ -243,7 +248,9 @@ class GraphedPrefill:
         weight = model.lm_head.weight
         embeds = torch.zeros(1, padded, weight.shape[1], device=weight.device, dtype=weight.dtype)
         length = torch.tensor(padded, device=embeds.device)
-        graph, (logits,) = capture_graph(lambda: [self.regions.padded(model, embeds, length, cache)], self._pool)
+        graph, (logits,) = capture_graph(
+            lambda: [self.regions.padded(model, embeds, length, cache)], self._pool
+        )
         self._graphs[key] = _PrefillGraph(embeds, length, cache, graph, logits)
         return self._graphs[key]
 
@@ -329,7 +336,9 @@ class GraphedVision:
         ):
             raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
         if page.clip is None:
-            page.clip, page.clip_out = capture_graph(lambda: self.regions.encode_clip(page.sam_out), self._pool)
+            page.clip, page.clip_out = capture_graph(
+                lambda: self.regions.encode_clip(page.sam_out), self._pool
+            )
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)

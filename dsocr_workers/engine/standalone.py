@@ -117,7 +117,9 @@ def demo_page() -> Image.Image:
     draw = ImageDraw.Draw(page)
     draw.text((60, 40), "Synthetic page for dsocr verify", fill="black")
     for k in range(18):
-        draw.text((60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black")
+        draw.text(
+            (60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black"
+        )
     for r in range(5):
         for c in range(4):
             draw.rectangle((60 + 110 * c, 520 + 40 * r, 170 + 110 * c, 560 + 40 * r), outline="black")
