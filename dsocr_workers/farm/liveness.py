@@ -103,7 +103,9 @@ class Heartbeat:
         }
         with self.db.transaction() as session:
             upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
-            renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go))
+            renewed = ledger.renew_leases(
+                session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go)
+            )
         self.registered = True
         if self.sweep is None:
             return Beat(renewed, [], [], [], [])
@@ -116,7 +118,9 @@ class Heartbeat:
                 spare_owner=self.owner,
             )
             if expired.to_bring_back:
-                self.sweep.publish(session, expired.to_bring_back)  # raises: rolled back, the next sweep tries again
+                self.sweep.publish(
+                    session, expired.to_bring_back
+                )  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
         for job_id, queue in expired.unreserved:
@@ -125,7 +129,9 @@ class Heartbeat:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
         orphaned = self._take_back_orphans(now, brought_back={job_id for job_id, _ in expired.to_bring_back})
         for job_id in orphaned:
-            log.warning("job %s: its message sat with a worker that never took the job up; back on its queue", job_id)
+            log.warning(
+                "job %s: its message sat with a worker that never took the job up; back on its queue", job_id
+            )
         return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
@@ -136,8 +142,14 @@ class Heartbeat:
         back at the head of its queue. A live worker that was merely slow to reserve it runs its copy
         anyway: the claim lets one delivery run the job."""
         assert self.sweep is not None
-        cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(self.settings)  # the ledger's times are naive UTC
-        held = [job_id for job_id, since in self.sweep.delivered().items() if since <= cutoff and job_id not in brought_back]
+        cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(
+            self.settings
+        )  # the ledger's times are naive UTC
+        held = [
+            job_id
+            for job_id, since in self.sweep.delivered().items()
+            if since <= cutoff and job_id not in brought_back
+        ]
         if not held:
             return []
         with self.db.transaction() as session:

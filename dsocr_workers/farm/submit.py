@@ -254,8 +254,14 @@ def reconcile_and_enqueue(
             settings.broker_url, settings.broker_key_prefix, (queue for _, queue in plan.requeue)
         )
     except (redis.RedisError, ValueError, KeyError, IndexError) as exc:
-        raise TransientError(f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}") from exc
-    abandoned = [(job_id, queue) for job_id, queue in plan.requeue if job_id in plan.expired_ids and job_id not in waiting]
+        raise TransientError(
+            f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}"
+        ) from exc
+    abandoned = [
+        (job_id, queue)
+        for job_id, queue in plan.requeue
+        if job_id in plan.expired_ids and job_id not in waiting
+    ]
     if abandoned:
         from kombu.exceptions import OperationalError
 
@@ -263,7 +269,9 @@ def reconcile_and_enqueue(
             with db.transaction() as session:
                 bring_back_job_messages(app, session, abandoned)
         except (OperationalError, OSError, redis.RedisError) as exc:
-            raise TransientError(f"broker unavailable while putting back {len(abandoned)} messages: {exc}") from exc
+            raise TransientError(
+                f"broker unavailable while putting back {len(abandoned)} messages: {exc}"
+            ) from exc
     held = waiting | delivered | plan.expired_ids
     sent = enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])
     return plan, len(abandoned) + sent

@@ -60,7 +60,9 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
     if urlparse(settings.broker_url).scheme == "rediss":
         # kombu sets TLS up from the URL only when it picks the transport itself, so the URL's options
         # are handed over here; without any, the server's certificate is verified (kombu's are not).
-        app.conf.broker_use_ssl = parse_url(settings.broker_url).get("ssl") or {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+        app.conf.broker_use_ssl = parse_url(settings.broker_url).get("ssl") or {
+            "ssl_cert_reqs": ssl.CERT_REQUIRED
+        }
     return app
 
 

@@ -22,7 +22,9 @@ def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for start in range(0, len(job_ids), LABEL_BATCH):
         batch = job_ids[start : start + LABEL_BATCH]
-        for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+        for job in session.execute(
+            select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))
+        ):
             labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
     return labels
 

@@ -93,7 +93,8 @@ class NextMessage:
                     reserved.add(job_id)
 
     def after(self, job_id: str, wait_s: float = NEXT_MESSAGE_WAIT_S) -> str | None:
-        """In the child running `job_id`: the job it runs next, if its lane has fetched one within `wait_s`."""
+        """In the child running `job_id`: the job it runs next, if its lane has fetched one within
+        `wait_s`."""
         deadline = time.monotonic() + wait_s
         while True:
             if following := [listed for listed in self._read() if listed != job_id]:
@@ -128,7 +129,9 @@ class WorkerSpec:
     warmup: Warmup | None
     # Where a child that cannot work says why (`refuse_to_work`): memory shared with its lane and this
     # process, read once Celery has stopped.
-    refusal: Any = field(default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False)
+    refusal: Any = field(
+        default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False
+    )
     next_message: NextMessage = field(default_factory=NextMessage, compare=False, repr=False)
 
     @property
@@ -261,7 +264,11 @@ def supervise_lanes(specs: list[WorkerSpec], loglevel: str, events: bool) -> str
     failed = ""
     while running := [lane for lane in lanes if lane.exitcode is None]:
         wait([lane.sentinel for lane in running])
-        ended = [(lane, spec) for lane, spec in zip(lanes, specs, strict=True) if lane in running and lane.exitcode is not None]
+        ended = [
+            (lane, spec)
+            for lane, spec in zip(lanes, specs, strict=True)
+            if lane in running and lane.exitcode is not None
+        ]
         if ended and not stopping:  # a lane ended by itself: the worker stops, saying why
             lane, spec = ended[0]
             if lane.exitcode:
