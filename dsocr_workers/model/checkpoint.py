@@ -136,7 +136,9 @@ def _safetensors_files(directory: Path) -> list[Path]:
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{directory}: files named by {INDEX_FILE} are missing: {', '.join(missing)}")
+            raise CheckpointError(
+                f"{directory}: files named by {INDEX_FILE} are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -163,7 +165,9 @@ def _fingerprint(directory: Path, files: list[Path]) -> str:
     return "sha256:" + digest.hexdigest()[:16]
 
 
-def _validate(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path) -> None:
+def _validate(
+    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path
+) -> None:
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
     misshaped = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
@@ -221,7 +225,9 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
 
 
-def _read_state(handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_state(
+    handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Our state dict, read tensor by tensor from open safetensors files (vendor key → handle, opened
     with `device=`): each tensor is converted to `dtype` on the device, so the process never holds a
     second copy of the model. The routed experts are copied into transformers' fused tensors
@@ -303,7 +309,8 @@ def build_zeroed(
 ) -> LoadedModel:
     """The whole model of a preset or checkpoint directory with zeros for every weight, as a load leaves
     it (`_materialize`), and its tokenizer; no weight is read. What the language compile helper compiles
-    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights' shapes,
+    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights'
+    shapes,
     dtypes and devices, never their values."""
     config = model_config(source)
     with torch.device("meta"):
@@ -346,8 +353,9 @@ def _materialize(
 
 
 # --- presets: each random weight is a pure function of (seed, tensor name, position), made on the
-# device the model is built on, so a seed gives bit-identical weights on the CPU and any GPU (`_fill_random_`).
-PRESET_WEIGHTS = "hash16-v1"  # `_fill_random_`'s recipe, in every preset's fingerprint: change it with the values
+# device the model is built on, so a seed gives bit-identical weights on the CPU and any GPU.
+# `_fill_random_`'s recipe, in every preset's fingerprint: change it with the values.
+PRESET_WEIGHTS = "hash16-v1"
 _CPU = torch.device("cpu")
 _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
 
@@ -391,7 +399,8 @@ def _int32(bits: int) -> int:
 
 
 def _shift_right_(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
-    """The logical right shift of int32 bit patterns into `out` (torch shifts a signed type arithmetically)."""
+    """The logical right shift of int32 bit patterns into `out` (torch shifts a signed type
+    arithmetically)."""
     torch.bitwise_right_shift(x, shift, out=out)
     return out.bitwise_and_((1 << (32 - shift)) - 1)
 
@@ -490,7 +499,11 @@ def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torc
     state = dict(preset_state(config, seed, device=device))
     vendor = {key: tensor.contiguous().cpu() for key, tensor in to_vendor_state(state).items()}
     del state  # on a GPU: the device's copy goes before the file is written
-    save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"})
+    save_file(
+        vendor,
+        str(directory / SAFETENSORS_FILE),
+        metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"},
+    )
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in vendor.values())},
         "weight_map": {key: SAFETENSORS_FILE for key in sorted(vendor)},

@@ -122,9 +122,13 @@ class OCRConfig:
         except (TypeError, AttributeError) as exc:
             raise CheckpointError(f"config.json does not describe a DeepSeek-OCR model: {exc}") from exc
         if cfg.get("use_mla", False):
-            raise CheckpointError("config.json asks for MLA attention (use_mla=true); DeepSeek-OCR v1 uses MHA")
+            raise CheckpointError(
+                "config.json asks for MLA attention (use_mla=true); DeepSeek-OCR v1 uses MHA"
+            )
         if cfg.get("norm_topk_prob", False):
-            raise CheckpointError("norm_topk_prob=true is not DeepSeek-OCR v1 (top-k weights are not renormalised)")
+            raise CheckpointError(
+                "norm_topk_prob=true is not DeepSeek-OCR v1 (top-k weights are not renormalised)"
+            )
         return cls(sam=sam, clip=clip, text=text)
 
     def to_vendor(self) -> dict[str, Any]:

@@ -54,7 +54,8 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class FusedQKVAttention(nn.Module):
-    """transformers' DeepseekOcr2TextAttention with q, k and v read as one [3·heads·head_dim, hidden] matrix."""
+    """transformers' DeepseekOcr2TextAttention with q, k and v read as one [3·heads·head_dim, hidden]
+    matrix."""
 
     def __init__(self, attention: DeepseekOcr2TextAttention) -> None:
         super().__init__()
@@ -65,7 +66,11 @@ class FusedQKVAttention(nn.Module):
         self.scaling = attention.scaling
         self.attention_dropout = attention.attention_dropout
         self.is_causal = attention.is_causal
-        self.split = (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features)
+        self.split = (
+            attention.q_proj.out_features,
+            attention.k_proj.out_features,
+            attention.v_proj.out_features,
+        )
         self.qkv_proj = _fused_linear([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
 
@@ -84,7 +89,8 @@ class FusedQKVAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = (
-            part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
+            part.view(hidden_shape).transpose(1, 2)
+            for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         if isinstance(cache, AttendingCache):
@@ -97,7 +103,9 @@ class FusedQKVAttention(nn.Module):
             cache.update(key, value)
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         output, weights = attention(
             self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )

@@ -65,9 +65,13 @@ def _grouped_gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        a = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + tokens[:, None] * hidden + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(a, tl.load(gate_w + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=PRECISION)
+        gate = tl.dot(
+            a, tl.load(gate_w + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=PRECISION
+        )
         up = tl.dot(a, tl.load(up_w + ks[:, None], mask=w_mask, other=0.0), up, input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -100,8 +104,11 @@ def _grouped_down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         acc = tl.dot(a, tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc,
                      input_precision=PRECISION)
     projected = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
@@ -149,7 +156,9 @@ def launch_grouped_experts(
     inter = down_proj.shape[2]
     pairs = tokens * top_k
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit inputs
-    order, block_expert, block_start, block_end = expert_blocks(top_k_index, gate_up_proj.shape[0], gate_up_blocks.m)
+    order, block_expert, block_start, block_end = expert_blocks(
+        top_k_index, gate_up_proj.shape[0], gate_up_blocks.m
+    )
     grid_blocks = block_expert.shape[0]
     activated = torch.empty(pairs, inter, dtype=hidden_states.dtype, device=hidden_states.device)
     wrap_triton(_grouped_gate_up_kernel)[(grid_blocks, triton.cdiv(inter, gate_up_blocks.n))](

@@ -68,7 +68,9 @@ class PreparedPage:
         host wait for the work queued on the stream before it, a copy from pinned memory does not."""
         pin = torch.Tensor.pin_memory
         tiles = None if self.tile_pixels is None else pin(self.tile_pixels)
-        return replace(self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles)
+        return replace(
+            self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles
+        )
 
     @property
     def global_view(self) -> torch.Tensor:

@@ -126,7 +126,9 @@ def fold_with_torch(qkv: torch.Tensor, table_h: torch.Tensor, table_w: torch.Ten
     interpreter, the kernel's only way to run on a CPU) and the kernel's reference in the tests."""
     batch, height, width, _ = qkv.shape
     channels = table_h.shape[1]
-    query, key, value = qkv.reshape(batch, height * width, 3, heads, channels).permute(2, 0, 3, 1, 4).unbind(0)
+    query, key, value = (
+        qkv.reshape(batch, height * width, 3, heads, channels).permute(2, 0, 3, 1, 4).unbind(0)
+    )
     by_row = _by_position(table_h, height)  # (H, H, C): [i, j] = T_h[i − j + H − 1]
     by_col = _by_position(table_w, width)
     grid = query.reshape(batch, heads, height, width, channels)
@@ -161,16 +163,22 @@ class FoldedRelPosAttention(nn.Module):
         super().__init__()
         channels = attention.rel_pos_h.shape[1]
         if channels < 16 or channels & (channels - 1):
-            raise ValueError(f"the folded SAM attention takes a head dim that is a power of 2 from 16, not {channels}")
+            raise ValueError(
+                f"the folded SAM attention takes a head dim that is a power of 2 from 16, not {channels}"
+            )
         self.attention = attention
 
-    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden_states: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, None]:
         inner = self.attention
         batch, height, width, _ = hidden_states.shape
         table_h = _distance_table(inner.get_rel_pos(height, height, inner.rel_pos_h)).to(hidden_states.dtype)
         table_w = _distance_table(inner.get_rel_pos(width, width, inner.rel_pos_w)).to(hidden_states.dtype)
         fold = fold_on_gpu if hidden_states.is_cuda else fold_with_torch
-        query, key, value = fold(inner.qkv(hidden_states), table_h, table_w, inner.num_attention_heads, inner.scale)
+        query, key, value = fold(
+            inner.qkv(hidden_states), table_h, table_w, inner.num_attention_heads, inner.scale
+        )
         # The value keeps its head dim: cuDNN's attention takes a narrower value than query and key,
         # faster than padding it.
         out = F.scaled_dot_product_attention(query, key, value, scale=1.0)

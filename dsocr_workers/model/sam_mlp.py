@@ -26,7 +26,9 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     epilogue; an operator of its own so that inductor keeps it whole instead of compiling an activation
     pass after the GEMM."""
     flat = x.reshape(-1, x.shape[-1])
-    return torch._addmm_activation(bias, flat, weight.t(), use_gelu=True).reshape(*x.shape[:-1], weight.shape[0])
+    return torch._addmm_activation(bias, flat, weight.t(), use_gelu=True).reshape(
+        *x.shape[:-1], weight.shape[0]
+    )
 
 
 @linear_gelu_tanh.register_fake

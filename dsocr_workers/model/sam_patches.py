@@ -2,7 +2,8 @@
 
 Non-overlapping patches make the convolution a GEMM over the unfolded pixels, (patches, 3·16·16) ×
 (3·16·16, width). cuDNN runs it as an implicit-GEMM convolution instead, slow for its few FLOPs
-(docs/benchmarks.md, SAM); the unfold is one copy of the pixels and the product one cuBLAS GEMM. The eager engine, the numerical reference, keeps the convolution.
+(docs/benchmarks.md, SAM); the unfold is one copy of the pixels and the product one cuBLAS GEMM. The
+eager engine, the numerical reference, keeps the convolution.
 """
 
 from __future__ import annotations

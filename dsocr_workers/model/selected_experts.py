@@ -64,7 +64,9 @@ def _gate_up_kernel(
         col_ok = cols < hidden
         x = tl.load(x_ptr + token * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)
         mask = row_ok[:, None] & col_ok[None, :]
-        gate += tl.sum(tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+        gate += tl.sum(
+            tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1
+        )
         up += tl.sum(tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -78,7 +80,8 @@ def _down_kernel(
     a_ptr, w_ptr, expert_ptr, weight_ptr, out_ptr, hidden, inter, stride_we, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[pair, h] = routing_weight[pair] · round(a[pair] · W[e, h]); W is [E, hidden, inter], out float32."""
+    """out[pair, h] = routing_weight[pair] · round(a[pair] · W[e, h]); W is [E, hidden, inter], out
+    float32."""
     pair = tl.program_id(0)
     expert = tl.load(expert_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,7 +143,9 @@ def selected_experts_forward(
     """The experts implementation: the GEMV kernels for a few tokens, the grouped GEMM kernels
     (model/grouped_experts.py) for a prompt; transformers' batched GEMMs for experts the kernels do not
     cover. The token count is static in a compiled graph (or guarded on), so each graph holds one path."""
-    kernels_fit = self.has_gate and not self.has_bias and not self.is_transposed and self.config.hidden_act == "silu"
+    kernels_fit = (
+        self.has_gate and not self.has_bias and not self.is_transposed and self.config.hidden_act == "silu"
+    )
     if not kernels_fit:
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if top_k_index.numel() <= MAX_PAIRS:
