@@ -276,7 +276,11 @@ def _norm_lines(
     """(gt raw, gt normalised, gt categories, pred raw, pred normalised), empty ones dropped."""
     gts = []
     for item in gt_items:
-        norm = normalize_formula(item.content) if item.category == FORMULA_CATEGORY else normalize_text(item.content)
+        norm = (
+            normalize_formula(item.content)
+            if item.category == FORMULA_CATEGORY
+            else normalize_text(item.content)
+        )
         if item.content and norm:
             gts.append((item.content, norm, item.category))
     preds = []
@@ -314,7 +318,9 @@ def quick_match(
     in are left out); OutOfTime past `time_limit_s`."""
     deadline = time.monotonic() + time_limit_s
     gt_items = split_reference_arrays(gt_items)
-    pred_items = split_predicted_arrays(sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position)))
+    pred_items = split_predicted_arrays(
+        sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position))
+    )
     gt_raw, gt_norm, gt_cats, pred_raw, pred_norm = _norm_lines(gt_items, pred_items)
 
     if not gt_norm:
@@ -397,7 +403,9 @@ def quick_match(
             done.update(final[key])
 
     # (gt index or "", pred indices or "") in the evaluator's order
-    converted: list[tuple[Any, Any]] = [(g, list(key)) for key, group in final.items() for g in sorted(set(group))]
+    converted: list[tuple[Any, Any]] = [
+        (g, list(key)) for key, group in final.items() for g in sorted(set(group))
+    ]
     all_gt, all_pred = set(range(len(gts))), set(range(len(preds)))
     matched_gt = set().union(*[set(group) for group in final.values()])
     left_gt = all_gt - matched_gt
@@ -459,7 +467,9 @@ def quick_match(
     return entries
 
 
-def one_to_one_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]) -> list[MatchedEntry]:
+def one_to_one_match(
+    gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]
+) -> list[MatchedEntry]:
     """The evaluator's fallback when quick_match runs out of time (its `match_gt2pred_simple`): the
     Hungarian method on normalised edit distance, one prediction per reference block. Its quirks: items
     read at the filtered lines' indices, and the first prediction (index 0) taken for "none" when its
@@ -496,4 +506,6 @@ def simple_match(
     cost = np.array([[distance(g, p) for p in preds] for g in gts])
     rows, cols = linear_sum_assignment(cost)
     partner = dict(zip(rows.tolist(), cols.tolist(), strict=True))
-    return [(i, partner.get(i)) for i in range(len(gts))], [j for j in range(len(preds)) if j not in set(cols.tolist())]
+    return [(i, partner.get(i)) for i in range(len(gts))], [
+        j for j in range(len(preds)) if j not in set(cols.tolist())
+    ]

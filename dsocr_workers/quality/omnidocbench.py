@@ -151,7 +151,9 @@ def page_reference(page: Any, where: str) -> PageReference:
         if parts:
             result.append(_joined(parts))
     attributes = info.get("page_attribute") if isinstance(info, dict) else None
-    scalar = {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    scalar = (
+        {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    )
     return PageReference(image, tuple(result), scalar)
 
 
@@ -190,7 +192,9 @@ def load_annotation(path: str | os.PathLike) -> dict[str, PageReference]:
         reference = page_reference(page, f"{path}: page {index}")
         name = os.path.basename(reference.image)
         if name in first_index:
-            raise InputError(f"{path}: image {name} is annotated twice (pages {first_index[name]} and {index})")
+            raise InputError(
+                f"{path}: image {name} is annotated twice (pages {first_index[name]} and {index})"
+            )
         first_index[name] = index
         references[name] = reference
     return references

@@ -118,7 +118,9 @@ def _table_cells(table: str, block: md.PredictedBlock) -> list[md.PredictedBlock
 
 def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[float]] | None:
     with_reference = [e for e in entries if e.gt_orders != [""]]
-    written = sorted((e for e in with_reference if e.pred_position is not None), key=lambda e: e.pred_position or 0)
+    written = sorted(
+        (e for e in with_reference if e.pred_position is not None), key=lambda e: e.pred_position or 0
+    )
     expected = sorted(o for e in with_reference for o in e.gt_orders if o)
     as_written = [o for e in written for o in e.gt_orders if o]
     return (expected, as_written) if expected or as_written else None
@@ -127,7 +129,9 @@ def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[f
 def match_page(markdown: str, reference: PageReference) -> PageMatch:
     blocks = md.split_markdown(markdown)
     # Grouped by category, categories in the order they first occur: the order ties in position keep.
-    categories = list(dict.fromkeys(b.category for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE)))
+    categories = list(
+        dict.fromkeys(b.category for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE))
+    )
     mixed = [b for category in categories for b in blocks if b.category == category]
 
     table_pairs: list[EditPair] = []
@@ -144,7 +148,9 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
         left_over = left_over if gts else []  # predicted tables on a page without reference tables stay out
         for i, j in pairs:
             prediction = html_tables[j].content if j is not None else ""
-            table_pairs.append(EditPair(normalize_table(gts[i]) or gts[i], normalize_table(prediction) or prediction))
+            table_pairs.append(
+                EditPair(normalize_table(gts[i]) or gts[i], normalize_table(prediction) or prediction)
+            )
         for j in left_over:
             mixed += _table_cells(html_tables[j].content, html_tables[j])
 
@@ -185,9 +191,12 @@ def score_page(markdown: str, reference: PageReference) -> PageScores:
         formula=page_edit_distance(match.formula),
         table=page_edit_distance(match.table),
         reading_order=(Levenshtein.distance(order[0], order[1]) / max(len(order[0]), len(order[1])))
-        if order else None,
+        if order
+        else None,
         table_teds=sum(teds(p, r) for p, r in tables) / len(tables) if tables else None,
-        table_teds_structure=sum(teds(p, r, structure_only=True) for p, r in tables) / len(tables) if tables else None,
+        table_teds_structure=sum(teds(p, r, structure_only=True) for p, r in tables) / len(tables)
+        if tables
+        else None,
     )
 
 
