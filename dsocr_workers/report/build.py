@@ -54,7 +54,9 @@ NEVER_SENT_WARNING = (
     "submit could not reach it); run `dsocr reconcile --run {run}` once it is reachable, then a worker on "
     "queue {queue} takes them"
 )
-NO_RESULT_WARNING = "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
+NO_RESULT_WARNING = (
+    "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
+)
 MIB = 2**20
 
 
@@ -180,7 +182,9 @@ FARM_TERMS = [
 def glossary() -> list[tuple[str, str]]:
     """The legend of a report: every figure the latency and accounting tables show, as the stage registry
     says what it is, then the report's own terms."""
-    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]])  # the last: Serving's
+    timings = dict.fromkeys(
+        [*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]]
+    )  # the last: Serving's
     return [(t.label, t.doc) for t in timings] + FARM_TERMS + SERVING_TERMS
 
 
@@ -233,7 +237,8 @@ def run_facts(
         "cold results": cold,
         "results in a repetition loop": loops,
         "profiled results": sum(r.profiled for r in data.results.values()),
-        "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops, include_profiled)),
+        "left out of statistics": len(data.results)
+        - len(measured(data, include_cold, exclude_loops, include_profiled)),
     }
 
 
@@ -290,7 +295,9 @@ def single_report(
     include_profiled: bool = False,
 ) -> Report:
     results = measured(data, include_cold, exclude_loops, include_profiled)
-    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data))
+    report = Report(
+        f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data)
+    )
     facts = run_facts(data, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
@@ -394,7 +401,9 @@ FIGURES_TITLE = "OmniDocBench figures, page averages as its leaderboard aggregat
 
 
 def _omnidocbench_figures(data: RunData) -> Table:
-    rows = [[mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()]
+    rows = [
+        [mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()
+    ]
     columns = ["mode", "page group", "pages", *(m.label for m in ACCURACY)]
     return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(data))
 
@@ -524,9 +533,13 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
             ]
         )
     for holder in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
-        rows.append([holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
+        rows.append(
+            [holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None]
+        )
     owners = {_lane_of(p): p for p in data.processes.values()}
-    lost = Counter(_lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes)
+    lost = Counter(
+        _lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes
+    )
     for row in rows:
         lane = f"{row[0]}:{row[1]}:{row[2]}"
         process = owners.get(lane)
@@ -701,7 +714,9 @@ def comparison_report(
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
     steady state."""
-    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b))
+    report = Report(
+        f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b)
+    )
     facts_a = run_facts(a, include_cold, exclude_loops, include_profiled)
     facts_b = run_facts(b, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))

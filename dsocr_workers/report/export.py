@@ -20,7 +20,9 @@ class PredictionsWritten:
     without_result: int  # pages of the repeat that have no result, hence no file
 
 
-def export_predictions(database_url: str, run_ref: str, directory: Path, repeat: int = 0) -> PredictionsWritten:
+def export_predictions(
+    database_url: str, run_ref: str, directory: Path, repeat: int = 0
+) -> PredictionsWritten:
     """Write every page of the run (`run_ref`: id, unique prefix or latest) that has a result in repeat
     `repeat` to `directory`/<image name without extension>.md."""
     with open_ledger(database_url).transaction() as session:

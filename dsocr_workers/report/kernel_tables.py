@@ -28,7 +28,10 @@ TITLE = "Kernels per stage"
 BUSY_TITLE = "Device busy and idle per stage"
 OVERHEAD_TITLE = "Profiler overhead"
 PAIRS_TITLE = "Kernels per stage, B vs A"
-WHAT = {"cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock", "cpu": "CPU operators, their self time"}
+WHAT = {
+    "cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock",
+    "cpu": "CPU operators, their self time",
+}
 
 
 @dataclass
@@ -68,7 +71,9 @@ def by_stage(summaries: list[KernelSummary]) -> dict[str, StageRuns]:
         for row in summary.stages:
             stage = stages.setdefault(row.stage, StageRuns(row.stage))
             listed = {k.name: k for k in row.kernels}
-            for name in listed.keys() - stage.kernel_us.keys():  # a kernel first seen here: 0 in the jobs before
+            for name in (
+                listed.keys() - stage.kernel_us.keys()
+            ):  # a kernel first seen here: 0 in the jobs before
                 stage.kernel_us[name] = [0.0] * len(stage.jobs)
             for name, values in stage.kernel_us.items():
                 values.append(listed[name].total_us if name in listed else 0.0)
@@ -101,7 +106,9 @@ def kernel_table(data: RunData, include_cold: bool = False) -> Table:
                     100 * total_ms / clock_ms if clock_ms else None,
                 ]
             )
-    cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
+    cold = (
+        " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
+    )
     note = (
         f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
         "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
@@ -202,7 +209,9 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
             if not ms_a or not ms_b:
                 rows.append([name, kernel, ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
                 continue
-            ratio = paired_ratios(_page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)).mean
+            ratio = paired_ratios(
+                _page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)
+            ).mean
             rows.append([name, kernel, ms_a, ms_b, ratio, change(ratio)])
     note = (
         f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
@@ -224,7 +233,9 @@ def _mean_ms(stage: StageRuns | None, kernel: str) -> float | None:
     return sum(values) / len(values) / 1e3 if values else None
 
 
-def _page_values(by_page: dict[str, list[KernelSummary]], pages: list[str], stage: str, kernel: str) -> list[list[float]]:
+def _page_values(
+    by_page: dict[str, list[KernelSummary]], pages: list[str], stage: str, kernel: str
+) -> list[list[float]]:
     """Per page, the kernel's ms in each of its profiled jobs (0 where a job's stage did not list it)."""
     out = []
     for page in pages:

@@ -65,7 +65,9 @@ def write_report(
             )
     if request.html is not None:
         sides = sides_of(a, b) if b is not None else sides_of(a)
-        page = html_report(document, sides, include_cold=request.include_cold, include_profiled=request.include_profiled)
+        page = html_report(
+            document, sides, include_cold=request.include_cold, include_profiled=request.include_profiled
+        )
         request.html.write_text(page, encoding="utf-8")
         on_written(request.html)
     if request.table is not None:

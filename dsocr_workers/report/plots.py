@@ -439,7 +439,10 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
     height = 0.8 / len(sides)
     for ax, name in zip(axes, names, strict=False):
         per_side = [per.get(name) for per in stages]
-        means = [{k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {} for stage in per_side]
+        means = [
+            {k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {}
+            for stage in per_side
+        ]
         ranked = sorted({k for m in means for k in m}, key=lambda k: -max(m.get(k, 0.0) for m in means))
         shown = [k for k in ranked if k != OTHER][:KERNELS_PER_PANEL]
         labels = [*(_short(k, MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
@@ -451,7 +454,11 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
             jobs = len(stage.jobs)
             idle = sum(s.idle_ms for s in stage.jobs) / jobs
             clock = sum(s.event_ms for s in stage.jobs) / jobs
-            values = [*(mean.get(k, 0.0) for k in shown), sum(v for k, v in mean.items() if k not in shown), idle]
+            values = [
+                *(mean.get(k, 0.0) for k in shown),
+                sum(v for k, v in mean.items() if k not in shown),
+                idle,
+            ]
             colors = [RUN_COLORS[i]] * (len(values) - 1) + [IDLE_COLOR]
             ax.barh(
                 y + (i - (len(sides) - 1) / 2) * height,
@@ -462,7 +469,9 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
                 linewidth=0.8,
                 label=side.name,
             )
-            heading.append(f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%")
+            heading.append(
+                f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%"
+            )
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("ms per profiled job", fontsize=8)
@@ -490,7 +499,10 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
     title = "Throughput against latency"
     figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     tokens_ax, pages_ax = figure.subplots(1, 2)
-    panels = ((tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"), (pages_ax, "TTFT p50 ms", "pages/s per GPU"))
+    panels = (
+        (tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"),
+        (pages_ax, "TTFT p50 ms", "pages/s per GPU"),
+    )
     points: list[tuple[int, float | None, float | None, float | None, float | None]] = []
     colors = RUN_COLORS if len(sides) <= len(RUN_COLORS) else [f"C{i % 10}" for i in range(len(sides))]
     for side, color in zip(sides, colors, strict=False):
@@ -503,8 +515,17 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
         for ax, (x, y) in ((tokens_ax, point[1:3]), (pages_ax, point[3:])):
             if x is None or y is None:
                 continue
-            ax.scatter([x], [y], color=color, s=200, zorder=3, label=f"{side.name}: concurrency {figures.concurrency}")
-            ax.annotate(f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
+            ax.scatter(
+                [x],
+                [y],
+                color=color,
+                s=200,
+                zorder=3,
+                label=f"{side.name}: concurrency {figures.concurrency}",
+            )
+            ax.annotate(
+                f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9
+            )
     ordered = sorted(points, key=lambda point: point[0])
     for ax, offset in ((tokens_ax, 1), (pages_ax, 3)):
         line = [(x, y) for point in ordered if None not in (x := point[offset], y := point[offset + 1])]

@@ -83,8 +83,12 @@ def load_run(session: Session, ref: str) -> RunData:
     ):
         if session_id is not None and finished is not None:
             elsewhere.setdefault(session_id, []).append(finished)
-    attempts = list(session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id)))
-    owners = {a.owner for a in attempts} | {s.worker_process_id for s in sessions.values() if s.worker_process_id}
+    attempts = list(
+        session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id))
+    )
+    owners = {a.owner for a in attempts} | {
+        s.worker_process_id for s in sessions.values() if s.worker_process_id
+    }
     processes = {p.id: p for p in session.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
     profiles = {
         job_id: KernelSummary.from_json(summary)

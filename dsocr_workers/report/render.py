@@ -61,7 +61,9 @@ def only_table(report: Report, title: str) -> Report:
     """The report with one of its tables (its title, any case)."""
     chosen = [t for t in report.tables if t.title.casefold() == title.casefold()]
     if not chosen:
-        raise InputError(f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}")
+        raise InputError(
+            f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}"
+        )
     return replace(report, tables=chosen, terms=[])  # one table, for a script: no legend
 
 
@@ -100,7 +102,9 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
     out = io.StringIO()
 
     def console(at_least: int = 0) -> Console:
-        return Console(file=out, width=max(width or NATURAL_WIDTH, at_least), force_terminal=color, no_color=not color)
+        return Console(
+            file=out, width=max(width or NATURAL_WIDTH, at_least), force_terminal=color, no_color=not color
+        )
 
     wide = console(NATURAL_WIDTH)
     console().print(f"[bold]{report.title}[/bold]")

@@ -101,7 +101,8 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
 
 
 def _tpot(result: Result) -> float | None:
-    """Its TPOT; for rows written before the column, the mean kept decode step (the same on the batch-1 path)."""
+    """Its TPOT; for rows written before the column, the mean kept decode step (the same on the batch-1
+    path)."""
     if (tpot := TPOT.of(result)) is not None:
         return tpot
     steps = list(result.decode_step_ms)
@@ -143,7 +144,9 @@ NOTE = "steady state of warm jobs (unless --include-cold); a day is 86,400 s of 
 
 
 def serving_table(data: RunData, include_cold: bool = False) -> Table:
-    return Table("Serving", ["measure", "value"], [list(row) for row in _rows(serving(data, include_cold))], NOTE)
+    return Table(
+        "Serving", ["measure", "value"], [list(row) for row in _rows(serving(data, include_cold))], NOTE
+    )
 
 
 def serving_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Table:

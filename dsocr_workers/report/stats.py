@@ -128,7 +128,9 @@ class _Jobs:
             return np.stack([np.mean(x, axis=-1), *np.percentile(x, quantiles, axis=-1)])
         drawn = np.bincount(idx, minlength=self.count)
         total = int(drawn @ self.sizes)
-        return np.asarray([drawn @ self.sums / total, *(self._percentile(drawn, total, q) for q in quantiles)])
+        return np.asarray(
+            [drawn @ self.sums / total, *(self._percentile(drawn, total, q) for q in quantiles)]
+        )
 
 
 # A resample's percentile is looked for among the pooled values within this share of their count (and at
@@ -223,7 +225,10 @@ def _rates(groups: Sequence[Sequence[Sequence[float]]], combine: Callable[[list]
     worker) and rate(s) is 1 / mean(s) for service times, mean(s) for `BinnedRates`. Samples with no
     spread (or a single value) cannot move under resampling: they enter as constants, the others are
     resampled independently of each other."""
-    arrays = [[(np.asarray(s, dtype=float), isinstance(s, BinnedRates)) for s in group if len(s)] for group in groups]
+    arrays = [
+        [(np.asarray(s, dtype=float), isinstance(s, BinnedRates)) for s in group if len(s)]
+        for group in groups
+    ]
     n = sum(s.size for group in arrays for s, _ in group)
     if any(not group for group in arrays):
         return Estimate(None, n=n)

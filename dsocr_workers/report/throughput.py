@@ -184,7 +184,8 @@ def device_idle_ms(data: RunData) -> dict[str, list[float]]:
         idle[key] = [
             (started - finished).total_seconds() * 1e3
             for (_, finished, before), (started, _, after) in zip(ordered, ordered[1:], strict=False)
-            if after.worker_session_id == before.worker_session_id and waiting_since(jobs[after.job_id]) <= finished
+            if after.worker_session_id == before.worker_session_id
+            and waiting_since(jobs[after.job_id]) <= finished
         ]
     return idle
 
@@ -195,7 +196,12 @@ def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, l
     spans: dict[str, list[float]] = defaultdict(list)
     for r in data.results.values():
         started, finished = r.device_started_at, r.device_finished_at
-        if started is not None and finished is not None and steady(r, include_cold) and r.batch_occupancy is None:
+        if (
+            started is not None
+            and finished is not None
+            and steady(r, include_cold)
+            and r.batch_occupancy is None
+        ):
             spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
     return dict(spans)
 

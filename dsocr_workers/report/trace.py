@@ -19,7 +19,8 @@ from dsocr_workers.store.runs import resolve_run
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One job: by id (or a unique prefix), or by run, image and repeat (None: the image's profiled repeat)."""
+    """One job: by id (or a unique prefix), or by run, image and repeat (None: the image's profiled
+    repeat)."""
 
     job: str | None = None
     run: str | None = None
@@ -45,7 +46,10 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
         trace = session.scalar(select(JobProfile.trace_gz).where(JobProfile.job_id == job.id))
         if trace is None:
             profiled = session.scalars(
-                select(Job.image).join(JobProfile, JobProfile.job_id == Job.id).where(Job.run_id == job.run_id).limit(3)
+                select(Job.image)
+                .join(JobProfile, JobProfile.job_id == Job.id)
+                .where(Job.run_id == job.run_id)
+                .limit(3)
             ).all()
             hint = (
                 f"the run's profiled jobs include {', '.join(profiled)}"
@@ -61,9 +65,13 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
 
 def _job(session: Session, request: TraceRequest) -> Job:
     if request.job is not None:
-        matches = session.scalars(select(Job).where(Job.id.startswith(request.job, autoescape=True)).limit(2)).all()
+        matches = session.scalars(
+            select(Job).where(Job.id.startswith(request.job, autoescape=True)).limit(2)
+        ).all()
         if len(matches) != 1:
-            raise InputError(f"no job {request.job!r}" if not matches else f"job id prefix {request.job!r} is ambiguous")
+            raise InputError(
+                f"no job {request.job!r}" if not matches else f"job id prefix {request.job!r} is ambiguous"
+            )
         return matches[0]
     assert request.run is not None and request.image is not None
     run = resolve_run(session, request.run)
@@ -76,7 +84,9 @@ def _job(session: Session, request: TraceRequest) -> Job:
     if not jobs:
         raise InputError(f"run {run.id} has no image {image!r}")
     if len({j.image for j in jobs}) > 1:
-        raise InputError(f"{image!r} names several images of run {run.id}: {', '.join(sorted({j.image for j in jobs}))}")
+        raise InputError(
+            f"{image!r} names several images of run {run.id}: {', '.join(sorted({j.image for j in jobs}))}"
+        )
     if request.repeat is not None:
         chosen = [j for j in jobs if j.repeat == request.repeat]
         if not chosen:
