@@ -95,7 +95,9 @@ def open_database(url: str) -> Database:
     ledger (`dsocr db upgrade`, `dsocr run`). Call it in the process that uses it (after fork, never
     before); a command that needs a ledger to exist opens it with `open_ledger`."""
     parsed = parse_database_url(url)
-    keepalive = {name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query}  # the URL's win
+    keepalive = {
+        name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query
+    }  # the URL's win
     options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": keepalive}
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""

@@ -78,7 +78,7 @@ def _rowcount(result: Any) -> int:
     return cast(CursorResult[Any], result).rowcount
 
 
-# --- claim / complete / fail --------------------------------------------------------------------------------
+# --- claim / complete / fail ----------------------------------------------------------------------
 
 
 def claim_job(
@@ -158,7 +158,14 @@ def claim_job(
         session.execute(
             update(Job)
             .where(unchanged)
-            .values(state="poisoned", lease_owner=None, lease_expires_at=None, finished_at=now, **UNRESERVED, **lost)
+            .values(
+                state="poisoned",
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+                **UNRESERVED,
+                **lost,
+            )
         )
         return Refusal(job_id, f"poisoned after {job.attempts} attempts", "poisoned")
 
@@ -194,7 +201,9 @@ def claim_job(
         return Refusal(job_id, "claimed concurrently by another worker", None)
     if not continuing:  # who held it, kept past a takeover (the job's row names only its latest holder)
         session.execute(
-            insert(JobAttempt).values(job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now)
+            insert(JobAttempt).values(
+                job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now
+            )
         )
     return Claim(
         job_id=job_id,
@@ -337,7 +346,7 @@ def job_state(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.state).where(Job.id == job_id))
 
 
-# --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
+# --- enqueue bookkeeping and reconcile ------------------------------------------------------------
 
 
 def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
@@ -364,7 +373,11 @@ def renew_leases(
     held = (Job.state == "running") & (Job.lease_owner == owner)
     if dropped := list(let_go):
         held &= Job.id.not_in(dropped)
-    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES)).values(reserved_until=until))
+    session.execute(
+        update(Job)
+        .where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES))
+        .values(reserved_until=until)
+    )
     return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
 
 
@@ -445,7 +458,9 @@ def _expire_reservations(
         stale &= Run.queue.in_(list(queues))
     if spare_owner is not None:
         stale &= Job.reserved_by != spare_owner
-    rows = session.execute(select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)).all()
+    rows = session.execute(
+        select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)
+    ).all()
     unreserved = []
     for job_id, owner, queue in rows:
         unchanged = (
@@ -528,7 +543,7 @@ def job_counts(session: Session, run_id: str) -> Counter[str]:
     return Counter({state: count for state, count in rows})
 
 
-# --- what a job waiting for a worker needs, read without claiming it -------------------------------------------
+# --- what a job waiting for a worker needs, read without claiming it ------------------------------
 
 
 @dataclass(frozen=True)
@@ -548,7 +563,9 @@ def _waiting(row: Any) -> WaitingJob:
 
 
 def _waiting_columns() -> Any:
-    return select(Job.id, Job.image, Job.profile, Run.root, Run.model, Run.parameters).join(Run, Job.run_id == Run.id)
+    return select(Job.id, Job.image, Job.profile, Run.root, Run.model, Run.parameters).join(
+        Run, Job.run_id == Run.id
+    )
 
 
 def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
@@ -561,13 +578,17 @@ def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
     return None if row is None else _waiting(row)
 
 
-def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None) -> None:
+def reserve_job(
+    session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
+) -> None:
     """Reserve `job_id` for `owner` (its worker fetched the job's message for it to run next) until
     `lease_s` from now, if it is waiting. A process may hold several (a message fetched while the one
     before it is not claimed yet); the ones on jobs no longer waiting (claimed by another: a duplicate
     delivery) are given up here."""
     now = now or utcnow()
-    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED))
+    session.execute(
+        update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED)
+    )
     session.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(WAITING_STATES))
