@@ -16,7 +16,14 @@ branch_labels = None
 depends_on = None
 
 # Rows written before this revision have no measured parts: 0 (or NULL for memory) says "not recorded".
-_FLOAT_PARTS = ("setup_ms", "first_token_ms", "wasted_decode_ms", "readback_ms", "postprocess_ms", "host_gap_ms")
+_FLOAT_PARTS = (
+    "setup_ms",
+    "first_token_ms",
+    "wasted_decode_ms",
+    "readback_ms",
+    "postprocess_ms",
+    "host_gap_ms",
+)
 
 
 def upgrade() -> None:
