@@ -18,7 +18,9 @@ DECODE = "decode"  # the decode stage's row holds the sampled steps only
 # launch latency and the clock's granularity dominate.
 TOLERANCE = 0.05
 MIN_JUDGED_MS = 1.0
-HOST_WAIT_FLOOR = 0.5  # of a stage's clock its kernels must fill for idle outside their span to count as waiting
+HOST_WAIT_FLOOR = (
+    0.5  # of a stage's clock its kernels must fill for idle outside their span to count as waiting
+)
 OTHER = "(other kernels)"  # the kernels of a stage past its top ones, summed
 
 
@@ -76,7 +78,11 @@ class StageKernels:
         # The kernels end inside the clock but start late or stop early: the stream waited on the host (a
         # profiled decode step's range and collection switch). Explained only while the kernels fill most of
         # the stage: kernels missing from a stage (attributed elsewhere) look the same and must fail.
-        if gap > 0 and self.span_ms <= self.event_ms * (1 + TOLERANCE) and self.kernel_ms >= HOST_WAIT_FLOOR * self.event_ms:
+        if (
+            gap > 0
+            and self.span_ms <= self.event_ms * (1 + TOLERANCE)
+            and self.kernel_ms >= HOST_WAIT_FLOOR * self.event_ms
+        ):
             return (
                 f"explained: GPU idle {gap:.3g} ms ({max(self.span_ms - self.busy_ms, 0):.3g} between kernels, "
                 f"{self.event_ms - self.span_ms:.3g} waiting on the host)"
@@ -100,9 +106,12 @@ class KernelSummary:
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> KernelSummary:
         if document.get("format") != SUMMARY_FORMAT:
-            raise ValueError(f"kernel summary format {document.get('format')!r}; this version reads {SUMMARY_FORMAT}")
+            raise ValueError(
+                f"kernel summary format {document.get('format')!r}; this version reads {SUMMARY_FORMAT}"
+            )
         stages = [
-            StageKernels(**{**s, "kernels": [KernelTime(**k) for k in s["kernels"]]}) for s in document["stages"]
+            StageKernels(**{**s, "kernels": [KernelTime(**k) for k in s["kernels"]]})
+            for s in document["stages"]
         ]
         return cls(document["activity"], stages, list(document["decode_steps"]), document["format"])
 

@@ -159,8 +159,12 @@ VISIBLE_GPUS = Variable(
     "every GPU",
 )
 TORCH_CACHE_DIR = Variable(
-    "TORCHINDUCTOR_CACHE_DIR", _path, None,
-    "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model", "under /tmp")
+    "TORCHINDUCTOR_CACHE_DIR",
+    _path,
+    None,
+    "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model",
+    "under /tmp",
+)
 TORCH_COMPILE_THREADS = Variable(
     "TORCHINDUCTOR_COMPILE_THREADS", _integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
     "torch's compile threads; a forked compile helper takes it again from the environment", "torch's choice")
@@ -209,7 +213,8 @@ def markdown_table() -> str:
 
 
 def read(variable: Variable[T], environ: Mapping[str, str] | None = None) -> T:
-    """The variable's value in `environ` (default: this process's environment); unset or empty: its default."""
+    """The variable's value in `environ` (default: this process's environment); unset or empty: its
+    default."""
     raw = (os.environ if environ is None else environ).get(variable.name, "")
     return variable.default if raw == "" else variable.parse(raw)
 

@@ -33,8 +33,9 @@ class Timing:
 
     label: str  # how tables and plots name it; a table adds the unit ("prefill ms")
     doc: str
-    stage: str | None = None  # the StageClock stage (NVTX range, domain `dsocr`) it is the time of; None: computed
-    host: bool = False  # a stage timed on the host clock on every device: host work (a CUDA event would time the queue)
+    stage: str | None = None
+    # A stage timed on the host clock on every device: host work (a CUDA event would time the queue).
+    host: bool = False
     parent: str | None = None  # the column of the figure that holds it; None: top level
     part: bool = False  # one of the parts whose sum is e2e_ms
     bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
@@ -187,7 +188,9 @@ class StageTimings:
         part=True,
         bar="postprocess",
     ).field()
-    host_gap_ms: float = Timing("host gap", "end-to-end less every stage: host time between stages", part=True).field()
+    host_gap_ms: float = Timing(
+        "host gap", "end-to-end less every stage: host time between stages", part=True
+    ).field()
     e2e_ms: float = Timing(
         "end-to-end",
         "host time from the first stage's start to the last one's end, less the page wait",
@@ -226,7 +229,9 @@ class StageTimings:
 
 
 TIMINGS: tuple[Timing, ...] = tuple(
-    replace(f.metadata[METADATA_KEY], column=f.name) for f in fields(StageTimings) if METADATA_KEY in f.metadata
+    replace(f.metadata[METADATA_KEY], column=f.name)
+    for f in fields(StageTimings)
+    if METADATA_KEY in f.metadata
 )
 BY_COLUMN: dict[str, Timing] = {t.column: t for t in TIMINGS}
 # StageClock's stage names, in registry order; those timed on the host clock; the top-level ones (the
