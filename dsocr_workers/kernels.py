@@ -18,9 +18,8 @@ DECODE = "decode"  # the decode stage's row holds the sampled steps only
 # launch latency and the clock's granularity dominate.
 TOLERANCE = 0.05
 MIN_JUDGED_MS = 1.0
-HOST_WAIT_FLOOR = (
-    0.5  # of a stage's clock its kernels must fill for idle outside their span to count as waiting
-)
+# The share of a stage's clock its kernels must fill for idle outside their span to count as waiting.
+HOST_WAIT_FLOOR = 0.5
 OTHER = "(other kernels)"  # the kernels of a stage past its top ones, summed
 
 
