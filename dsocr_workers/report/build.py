@@ -1,11 +1,8 @@
 """Turning ledger rows into report tables: one run, or run B against run A paired per image.
 
-Statistics come from report/stats.py (every one with its 95% interval) and throughput from
-report/throughput.py. Cold results (a job that met a compilation, a new cache bucket, …) are left out
-of every latency statistic and of steady-state throughput unless `include_cold`; the report counts
-them by reason. Results whose output ends in a repetition loop stay in the latency statistics unless
-`exclude_loops`. Accuracy (edit distances to the ground truth) and stop reasons count every result:
-what a page reads does not depend on warm-up, and a loop is exactly what accuracy must not hide.
+Cold results are left out of every latency statistic and of steady-state throughput unless
+`include_cold`; looping ones stay in unless `exclude_loops`. Accuracy and stop reasons count every
+result: what a page reads does not depend on warm-up, and a loop is what accuracy must not hide.
 """
 
 from __future__ import annotations
@@ -195,9 +192,8 @@ def looping(result: Result) -> bool:
 def measured(
     data: RunData, include_cold: bool, exclude_loops: bool = False, include_profiled: bool = False
 ) -> list[Result]:
-    """The results latency statistics are computed over, in job order: warm ones unless `include_cold`,
-    unprofiled ones unless `include_profiled` (torch.profiler's cost is in a profiled job's times), looping
-    ones too unless `exclude_loops`."""
+    """The results latency statistics are computed over, in job order (see the module docstring; profiled
+    ones only with `include_profiled`: the profiler's cost is in their times)."""
     return [
         r
         for r in in_job_order(data)
@@ -373,11 +369,9 @@ def _has_attribute(attributes: dict[str, dict[str, str]], name: str, value: str,
 
 
 def omnidocbench_figures(data: RunData) -> dict[tuple[str, str], tuple[int, list[float | None]]]:
-    """The figures OmniDocBench's leaderboard prints, aggregated as it aggregates them: each page's
-    figure (its repeats averaged), then the mean over the pages that have the category (the
-    evaluator's `ALL_page_avg` for edit distances, its page-level TEDS). By (mode, page group): the
-    number of pages and one value per ACCURACY metric; groups are "all pages" and each value of the
-    page attributes in PAGE_GROUPS the annotation gives."""
+    """The figures OmniDocBench's leaderboard prints, aggregated as it does: each page's figure (its repeats
+    averaged), then the mean over the pages that have the category. By (mode, page group: "all pages" and
+    each value of the PAGE_GROUPS attributes): the number of pages and one value per ACCURACY metric."""
     attributes = {j.image: (j.reference or {}).get("attributes") or {} for j in data.jobs}
     averages = [page_averages(data, metric) for metric in ACCURACY]
     groups: list[tuple[str, Callable[[str], bool]]] = [("all pages", lambda image: True)]
@@ -486,8 +480,7 @@ _WARMED_SHAPE = re.compile(r"\s*([^,(]+?)\s*\(([^)]*)\)")
 
 def warmup_summary(warmup: str) -> str:
     """A worker session's warm-up for a table cell: its shapes counted per mode and token budget
-    ("gundam: 25 shapes, base (256 tokens)"), where the ledger lists each crop grid (about twenty for
-    gundam, which made the cell a column of lines)."""
+    ("gundam: 25 shapes, base (256 tokens)") rather than each crop grid the ledger lists."""
     shapes = _WARMED_SHAPE.findall(warmup)
     if not shapes:
         return warmup
@@ -584,16 +577,14 @@ def _lost_attempts(data: RunData) -> list[JobAttempt]:
 
 
 def _holders_without_results(data: RunData, lanes: set[str]) -> list[WorkerProcess]:
-    """Worker processes that claimed a job of the run but have no result in it (their jobs were taken
-    over: a killed worker), in the order of their first claim."""
+    """Worker processes that claimed a job of the run but have no result in it, by first claim."""
     owners = dict.fromkeys(a.owner for a in data.attempts)
     held = [data.processes[o] for o in owners if o in data.processes]
     return [p for p in held if _lane_of(p) not in lanes]
 
 
 def process_state(process: WorkerProcess, now: datetime | None = None) -> str:
-    """live, stopped (a clean shutdown), or dead: it stopped beating without stopping (killed, frozen or
-    cut off), its leases then ran out and live workers took its jobs."""
+    """live, stopped (a clean shutdown), or dead (it stopped beating without stopping)."""
     if process.stopped_at is not None:
         return "stopped"
     silent = ((now or utcnow()) - process.heartbeat_at).total_seconds()

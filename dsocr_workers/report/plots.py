@@ -1,14 +1,9 @@
 """The pictures of `dsocr report --html`: matplotlib figures rendered to PNG, one function per plot.
 
-Every function takes the runs being reported, each with its label (`Side`: "run X", or "A: run X" and
-"B: run Y" with --vs), and returns a `Plot` (title, caption, PNG bytes). Figures are built with
-`matplotlib.figure.Figure`, never pyplot: no global figure registry, no GUI backend to select, and
-`savefig` renders with Agg whatever the environment's default backend is.
-
-What each plot counts follows the terminal report: the distributions and the decode steps are
-those of the statistics (warm results unless `include_cold`, report/build.py `measured`); the
-per-image breakdown and the timeline show every result, cold ones hatched; the timeline's job bars
-are the service intervals of steady-state throughput (report/throughput.py `services`).
+Every function takes the runs being reported (`Side`s) and returns a `Plot` (title, caption, PNG
+bytes). Figures are `matplotlib.figure.Figure`, never pyplot: no global registry, no GUI backend, and
+`savefig` renders with Agg whatever the default backend. Each plot counts what the terminal report
+counts; the per-image breakdown and the timeline show every result, cold ones hatched.
 """
 
 from __future__ import annotations
@@ -71,9 +66,8 @@ class Plot:
     png: bytes
 
 
-# The bars of the per-image breakdown, in the order they happen: the stage registry's (its `bar`s, each
-# the sum of its columns; dsocr_workers/stages.py). Their sum is e2e: "setup + gaps" is e2e minus every
-# other bar, i.e. what no bar names (today setup, the prefill outside its nested stages, the host gap).
+# The bars of the per-image breakdown, in the order they happen: the stage registry's `bar`s. Their sum
+# is e2e: "setup + gaps" is e2e minus every other bar, what no bar names.
 BARS: dict[str, tuple[str, ...]] = breakdown_bars()
 GAPS = "setup + gaps"
 # A colour per bar in order (a new bar takes the next one), light grey for the gaps.
@@ -125,8 +119,8 @@ def _seconds(data: RunData, at: datetime) -> float:
 
 
 def _job_label(image: str, repeat: int, repeats: int) -> str:
-    """A bar's label: the image's file name, its middle cut where it is long (OmniDocBench's names run to
-    ~80 characters: slanted at full length they overlapped and ran off the figure)."""
+    """A bar's label: the image's file name, its middle cut where it is long (slanted at full length,
+    long names overlap and run off the figure)."""
     name = image.rsplit("/", 1)[-1]
     if len(name) > MAX_LABEL_CHARS:
         keep = MAX_LABEL_CHARS - 1
@@ -287,8 +281,8 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                 load, warm = (session.load_ms or 0) / 1000, (session.warmup_ms or 0) / 1000
                 ax.broken_barh([(start, load)], (y - 0.4, 0.8), color="#7f7f7f")
                 ax.broken_barh([(start + load, warm)], (y - 0.4, 0.8), color="#c5b0d5")
-                # A worker up long before the submit would squash the run into a sliver: show at most
-                # a quarter of the run's span before it (the load / warm-up bars then start off-axis).
+                # A worker up long before the submit would squash the run: show at most a quarter of
+                # the run's span before it.
                 left = min(left, max(start, -0.25 * span))
             for s in lane:
                 began = _seconds(data, s.began)
@@ -349,8 +343,7 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
         bins = max(1, int(np.ceil(finished[-1] / width)))
         edges = np.maximum(finished[-1] - width * np.arange(bins, -1, -1), 0.0)
         counts, _ = np.histogram(finished, edges)
-        # Bars, each bin outlined: at a steady rate the bins are of one height, and an outline alone
-        # read as one bin for the whole run.
+        # Bars, each bin outlined: at a steady rate an outline alone reads as one bin.
         rate_ax.bar(
             edges[:-1],
             counts / np.diff(edges),
