@@ -93,9 +93,8 @@ class StageClock:
         self.timing_enabled = timing_enabled
         self.cuda = self.device.type == "cuda"
         self.entries: list[_Entry] = []
-        # Every NVTX push/pop this clock issued, in order, as (kind, stage name): the observable
-        # record of the ranges (checked by tests and `dsocr verify`), kept whether or not a profiler
-        # is attached to receive them.
+        # Every NVTX push/pop this clock issued, in order, as (kind, stage name): the record `dsocr
+        # verify` checks, kept whether or not a profiler is attached.
         self.nvtx_log: list[tuple[str, str]] = []
         self._open: list[int] = []
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
@@ -109,8 +108,7 @@ class StageClock:
         self._step_ms: list[float] = []
         self._ttft_from_device_start_ms = 0.0
         self._device_span: DeviceSpan | None = None
-        # A profiled job's profiler (engine/profiling.py): its ranges open around the stages, outside the
-        # clock's own marks, and the step marks choose the decode steps it records. Set by the session.
+        # A profiled job's profiler, set by the session: its ranges open around the stages.
         self.profiler: JobProfiler | None = None
 
     # ---- marks -----------------------------------------------------------------------------------
@@ -167,8 +165,7 @@ class StageClock:
             self._open.pop()
 
     def mark_step(self) -> None:
-        """A decode step boundary. Records one preallocated CUDA event (no sync, no allocation
-        unless more than `step_capacity` boundaries are marked), or reads perf_counter on the CPU."""
+        """A decode step boundary: one preallocated CUDA event, or perf_counter on the CPU."""
         if self.timing_enabled and self.cuda:
             if self._n_steps == len(self._step_events):
                 self._step_events.append(torch.cuda.Event(enable_timing=True))
@@ -182,16 +179,14 @@ class StageClock:
     # ---- results ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for this clock's last mark on the device and resolve every mark into milliseconds.
-        Idempotent. It waits for its own events, not the whole device: a job's clock may be finished
-        on another thread while the device already runs the next job (farm/job/ledger_threads.py)."""
+        """Wait for this clock's own marks (not the whole device: the next job may already run) and resolve
+        them into milliseconds. Idempotent."""
         if self._resolved is not None:
             return
         if self._open:
             raise RuntimeError(f"stages still open: {[self.entries[i].name for i in self._open]}")
         if self.cuda:
-            # Every stage's end, and the last step mark (the steps complete in order): a few waits, each
-            # on a mark that is usually complete already.
+            # Every stage's end and the last step mark (steps complete in order).
             ends = [entry.end for entry in self.entries if isinstance(entry.end, torch.cuda.Event)]
             for mark in ends + self._step_events[: self._n_steps][-1:]:
                 mark.synchronize()
@@ -231,7 +226,7 @@ class StageClock:
 
     def _span(self) -> DeviceSpan | None:
         """The job on the device, on the host clock, anchored at the end of its last device stage (which
-        waits for the device: see the module docstring)."""
+        waits for the device)."""
         device = self._device_entries()
         if not device:
             return None
@@ -278,8 +273,7 @@ class StageClock:
         return None if entry.parent is None else self.entries[entry.parent].name
 
     def nesting_ok(self) -> bool:
-        """Every nested stage lies within its parent's interval, and its time within the parent's.
-        Host-clock stages can only be compared with host-clock parents and vice versa."""
+        """Every nested stage lies within its parent's interval (compared on the same clock only)."""
         self._require_finished()
         if not self.timing_enabled:
             return True
