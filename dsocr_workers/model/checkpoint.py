@@ -283,11 +283,9 @@ def build_vision_only(
     attn_implementation: str = "eager",
     experts_implementation: str = "eager",
 ) -> DeepSeekOCR:
-    """The model with zeros for the weights of its vision encoders and projector, on `device` as
-    `_materialize` leaves them (every tensor in `dtype`), and its language model left on the meta device
-    (no memory). Enough to compile the vision graphs (engine/coldstart/helpers.py): a graph depends on the
-    weights' shapes, dtypes and devices, never their values. Zeros, not uninitialised memory: an index
-    read from a buffer stays in range."""
+    """The model with zeros for the weights of its vision encoders and projector on `device`, and its
+    language model on the meta device: enough to compile the vision graphs, which depend on the weights'
+    shapes, dtypes and devices, never their values (zeros: an index read from a buffer stays in range)."""
     with torch.device("meta"):
         model = DeepSeekOCR(config, attn_implementation, experts_implementation)
     vision = {
@@ -361,11 +359,9 @@ _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 te
 
 
 def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
-    """Standard deviation of the preset's random init for one tensor; None = constant (norms).
-
-    Larger-than-training scales on purpose (N(0,1) embeddings, variance-preserving matrices): with
-    every weight at N(0, 0.02) greedy output collapses to one repeated token and position bugs barely
-    move the logits (spec §12), which would make the split-vs-one-shot checks toothless."""
+    """Standard deviation of the preset's random init for one tensor; None = constant (norms). Larger
+    than training scales on purpose: at N(0, 0.02) greedy output collapses to one repeated token and
+    position bugs barely move the logits (spec §12), which would make the engine's checks toothless."""
     if "norm" in key and len(shape) == 1:
         return None
     if key.endswith("embed_tokens.weight") or key in ("image_newline", "view_seperator"):
@@ -487,10 +483,9 @@ def build_preset(
 
 
 def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device = _CPU) -> Path:
-    """Write a preset as a checkpoint directory in the vendor layout (config.json, one safetensors
-    file + index, tokenizer files); it then loads through `load_checkpoint` like a real one, to the
-    same values `build_preset` makes on any device. The weights are made on `device`: a GPU is faster
-    and writes the same bytes (the CPU by default: no CUDA context behind a caller's back)."""
+    """Write a preset as a checkpoint directory in the vendor layout; it then loads through
+    `load_checkpoint` to the same values `build_preset` makes. The weights are made on `device` (a GPU
+    writes the same bytes; the CPU by default: no CUDA context behind a caller's back)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     config = PRESETS[name]
