@@ -66,8 +66,7 @@ ORPHAN_FLOOR_S = 120
 
 def orphaned_after_s(settings: Settings) -> float:
     """How long a message may sit delivered, its job waiting and unreserved, before a sweep takes it back:
-    two leases, and never under ORPHAN_FLOOR_S (2 minutes at the defaults rather than the visibility
-    timeout's hour)."""
+    two leases, and never under ORPHAN_FLOOR_S."""
     return max(2 * settings.lease_s, ORPHAN_FLOOR_S)
 
 
@@ -135,12 +134,9 @@ class Heartbeat:
         return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
-        """The messages a worker died holding before its child reserved or claimed their jobs (the
-        milliseconds between its lane's fetch and the child's reservation, or a claim under way): no
-        lease or reservation names them, so only the broker knows, and it would keep them for the
-        visibility timeout. One held `orphaned_after_s` whose job is still waiting and unreserved is put
-        back at the head of its queue. A live worker that was merely slow to reserve it runs its copy
-        anyway: the claim lets one delivery run the job."""
+        """The messages a worker died holding before its child reserved or claimed their jobs, which only
+        the broker knows of: one held `orphaned_after_s` whose job is still waiting and unreserved goes
+        back to the head of its queue (a merely slow worker's copy is refused by the claim)."""
         assert self.sweep is not None
         cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(
             self.settings

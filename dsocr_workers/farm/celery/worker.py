@@ -118,17 +118,15 @@ class NextMessage:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What `dsocr worker` hands the child of each lane: the settings it read, the worker's device slots
-    (a device repeats with --concurrency-per-device) and the lane's index among them, the queues it
-    consumes (the ones its children sweep) and the start-up warm-up (None: `--warmup none`)."""
+    """What `dsocr worker` hands the child of each lane: its settings, the worker's device slots and the
+    lane's index among them, the queues it consumes and the start-up warm-up (None: `--warmup none`)."""
 
     settings: Settings
     slots: tuple[str, ...]
     lane: int
     queues: tuple[str, ...]
     warmup: Warmup | None
-    # Where a child that cannot work says why (`refuse_to_work`): memory shared with its lane and this
-    # process, read once Celery has stopped.
+    # Where a child that cannot work says why (`refuse_to_work`), read once Celery has stopped.
     refusal: Any = field(
         default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False
     )
@@ -226,8 +224,7 @@ def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
             "--without-gossip",
             "--without-mingle",
-            # Celery's event heartbeats (not the ledger's, farm/liveness.py) tell a monitor that the
-            # worker is alive; without one they go nowhere.
+            # Celery's event heartbeats (not the ledger's) only serve a monitor.
             *([] if events else ["--without-heartbeat"]),
             f"--loglevel={loglevel}",
         ]
