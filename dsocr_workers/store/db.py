@@ -113,10 +113,8 @@ def open_database(url: str) -> Database:
 
 
 def open_ledger(url: str) -> Database:
-    """The ledger at `url` as it stands, for the commands that read it or add to it (`report`, `runs`,
-    `status`, `export`, `submit`, `reconcile`, `worker`): refused with one line (an input error) where
-    there is none yet or its schema is not this code's. Creates nothing: opening a missing SQLite file
-    would leave an empty one (and its folders) behind."""
+    """The ledger at `url` as it stands, for the commands that read it or add to it: an input error where
+    there is none yet or its schema is not this code's. Creates nothing (no empty SQLite file left behind)."""
     parsed = parse_database_url(url)
     database = parsed.database or ""
     a_file = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")

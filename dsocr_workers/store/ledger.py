@@ -309,12 +309,9 @@ def record_timeout(
     max_attempts: int,
     now: datetime | None = None,
 ) -> tuple[str, str] | None:
-    """Record that the process holding `job_id` (its lease owner starts with `owner_prefix`) is being killed
-    at the hard time limit: the attempt counts, like any other error — `queued` again, or `poisoned` at the
-    cap — with `TimeLimitExceeded` as the error. Returns (new state, the run's queue); None when the job is
-    no longer held by that process (it finished or was taken over in the meantime).
-
-    The dying process cannot write this itself (it is stuck), so the worker's parent calls it."""
+    """Record, for the worker's parent, that the process holding `job_id` (its lease owner starts with
+    `owner_prefix`) is being killed at the hard time limit: the attempt counts as a `TimeLimitExceeded`.
+    Returns (new state, the run's queue); None when that process no longer holds the job."""
     now = now or utcnow()
     owned = Job.lease_owner.startswith(owner_prefix, autoescape=True)
     held = (Job.id == job_id) & (Job.state == "running") & owned
@@ -403,11 +400,9 @@ def expire_leases(
     queues: Iterable[str] | None = None,
     spare_owner: str | None = None,
 ) -> ExpiredLeases:
-    """Take back every running job whose lease expired (in one run, or in runs on `queues`): `queued`
-    again for a new attempt, or `poisoned` at the attempt cap. `spare_owner`'s own jobs are left alone
-    (a live process sweeping must not take its own job). Waiting jobs whose reservation expired lose it
-    (`unreserved`). Each job is changed under a guard on what was read, so of several processes sweeping
-    at once exactly one reports each job: the one that sends its message."""
+    """Take back every running job whose lease expired (in one run, or in runs on `queues`), but
+    `spare_owner`'s own: `queued` again, or `poisoned` at the cap; waiting jobs whose reservation expired
+    lose it. Guarded on what was read, so of several sweepers exactly one reports (and re-sends) each job."""
     now = now or utcnow()
     stale = (Job.state == "running") & (Job.lease_expires_at <= now)
     if run_id is not None:
@@ -489,10 +484,8 @@ def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[st
 
 
 def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
-    """Of `job_ids` (jobs whose messages a worker has held for a while), the ones no process has
-    claimed or reserved: waiting, with no live reservation. A live worker's child reserves the job of each
-    message its lane fetches within milliseconds, and claims the one it starts; such a message was held
-    by a worker that died before its child could do either (farm/liveness.py)."""
+    """Of `job_ids` (jobs whose messages a worker has held for a while), the ones waiting with no live
+    reservation: their worker died before its child could reserve or claim them (farm/liveness.py)."""
     now = now or utcnow()
     ids = list(job_ids)
     free = Job.reserved_by.is_(None) | (Job.reserved_until <= now)
@@ -581,10 +574,8 @@ def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
 def reserve_job(
     session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
 ) -> None:
-    """Reserve `job_id` for `owner` (its worker fetched the job's message for it to run next) until
-    `lease_s` from now, if it is waiting. A process may hold several (a message fetched while the one
-    before it is not claimed yet); the ones on jobs no longer waiting (claimed by another: a duplicate
-    delivery) are given up here."""
+    """Reserve `job_id`, if it is waiting, for `owner` (its worker fetched the job's message to run next)
+    until `lease_s` from now; its reservations of jobs no longer waiting are given up here."""
     now = now or utcnow()
     session.execute(
         update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED)
