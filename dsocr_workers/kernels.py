@@ -1,23 +1,9 @@
-"""A profiled job's kernels per stage: the summary a worker stores beside the job's trace (issue 33).
+"""A profiled job's kernels per stage: the summary a worker stores beside the job's trace.
 
-The engine builds it from torch.profiler's own event list (engine/profiling.py); the store keeps it as
-JSON (`job_profiles.summary`); the report aggregates it over a run's profiled jobs and compares two
-runs (report/kernels.py). Like the stage registry, this module imports nothing heavy: the report reads
-it without torch.
-
-What a "kernel" is depends on the device the job ran on (`KernelSummary.activity`):
-
-- `cuda`: the GPU's activities (kernels, memcpys, memsets) whose launch ran inside the stage's range on
-  the host (matched by the profiler's correlation ids): their durations on the GPU's clock;
-- `cpu`: the operators (aten ops) inside the stage's range, each with its self time: what the CPU
-  computed, without the Python between them.
-
-Per stage, beside the kernels, the cross-check of the stage's clock against the profiler: `event_ms`
-is the stage clock's time of the part that was profiled (CUDA events on a GPU, perf_counter on the CPU;
-for the decode, the sampled steps only), `kernel_ms` the sum of the kernels' durations, `busy_ms` the
-union of their intervals (the device busy inside the stage: kernels on two streams at once count once),
-`span_ms` from the first kernel's start to the last one's end. `event_ms - busy_ms` is the stage's idle
-time: the device waiting for the host (launch-bound code, a sync) or, on the CPU, Python.
+The engine builds it (engine/profiling.py), the store keeps it as JSON (`job_profiles.summary`), the
+report aggregates and compares it (report/kernel_tables.py); like the stage registry, this module
+imports nothing heavy. A "kernel" is, on a GPU (`cuda`), an activity (kernel, memcpy, memset) launched
+inside the stage's range, timed on the GPU's clock; on the CPU (`cpu`), an aten operator's self time.
 """
 
 from __future__ import annotations
@@ -32,7 +18,8 @@ DECODE = "decode"  # the decode stage's row holds the sampled steps only
 # launch latency and the clock's granularity dominate.
 TOLERANCE = 0.05
 MIN_JUDGED_MS = 1.0
-HOST_WAIT_FLOOR = 0.5  # of a stage's clock its kernels must fill for idle outside their span to count as waiting
+# The share of a stage's clock its kernels must fill for idle outside their span to count as waiting.
+HOST_WAIT_FLOOR = 0.5
 OTHER = "(other kernels)"  # the kernels of a stage past its top ones, summed
 
 
@@ -50,18 +37,20 @@ class StageKernels:
     """One stage of one profiled job: its clock's time, its kernels and how busy the device was."""
 
     stage: str
-    event_ms: float
-    kernel_ms: float
-    busy_ms: float
-    span_ms: float
+    event_ms: float  # the stage clock's time of the profiled part (for the decode, the sampled steps)
+    kernel_ms: float  # the kernels' durations summed
+    busy_ms: float  # the union of their intervals: kernels on two streams at once count once
+    span_ms: float  # from the first kernel's start to the last one's end
     kernels: list[KernelTime] = field(default_factory=list)  # by total, longest first; the tail as OTHER
 
     @classmethod
     def mean(cls, rows: list[StageKernels]) -> StageKernels:
         """One stage's figures averaged over jobs (what the cross-check judges over several), no kernels."""
         n = max(len(rows), 1)
-        return cls(rows[0].stage if rows else "", *(sum(getattr(r, f) for r in rows) / n
-                                                    for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")))  # fmt: skip
+        return cls(
+            rows[0].stage if rows else "",
+            *(sum(getattr(r, f) for r in rows) / n for f in ("event_ms", "kernel_ms", "busy_ms", "span_ms")),
+        )
 
     @property
     def idle_ms(self) -> float:
@@ -88,9 +77,15 @@ class StageKernels:
         # The kernels end inside the clock but start late or stop early: the stream waited on the host (a
         # profiled decode step's range and collection switch). Explained only while the kernels fill most of
         # the stage: kernels missing from a stage (attributed elsewhere) look the same and must fail.
-        if gap > 0 and self.span_ms <= self.event_ms * (1 + TOLERANCE) and self.kernel_ms >= HOST_WAIT_FLOOR * self.event_ms:
-            return (f"explained: GPU idle {gap:.3g} ms ({max(self.span_ms - self.busy_ms, 0):.3g} between kernels, "
-                    f"{self.event_ms - self.span_ms:.3g} waiting on the host)")  # fmt: skip
+        if (
+            gap > 0
+            and self.span_ms <= self.event_ms * (1 + TOLERANCE)
+            and self.kernel_ms >= HOST_WAIT_FLOOR * self.event_ms
+        ):
+            return (
+                f"explained: GPU idle {gap:.3g} ms ({max(self.span_ms - self.busy_ms, 0):.3g} between kernels, "
+                f"{self.event_ms - self.span_ms:.3g} waiting on the host)"
+            )
         return "FAIL"
 
 
@@ -110,9 +105,12 @@ class KernelSummary:
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> KernelSummary:
         if document.get("format") != SUMMARY_FORMAT:
-            raise ValueError(f"kernel summary format {document.get('format')!r}; this version reads {SUMMARY_FORMAT}")
+            raise ValueError(
+                f"kernel summary format {document.get('format')!r}; this version reads {SUMMARY_FORMAT}"
+            )
         stages = [
-            StageKernels(**{**s, "kernels": [KernelTime(**k) for k in s["kernels"]]}) for s in document["stages"]
+            StageKernels(**{**s, "kernels": [KernelTime(**k) for k in s["kernels"]]})
+            for s in document["stages"]
         ]
         return cls(document["activity"], stages, list(document["decode_steps"]), document["format"])
 

@@ -79,19 +79,31 @@ HARD_TIME_LIMIT = Variable("DSOCR_HARD_TIME_LIMIT", _integer("DSOCR_HARD_TIME_LI
 SOFT_TIME_LIMIT = Variable("DSOCR_SOFT_TIME_LIMIT", _integer("DSOCR_SOFT_TIME_LIMIT"), None,
                            "seconds before a job is asked to stop", "hard − 10 %")
 LEASE_SECONDS = Variable(
-    "DSOCR_LEASE_SECONDS", _integer("DSOCR_LEASE_SECONDS"), 60,
+    "DSOCR_LEASE_SECONDS",
+    _integer("DSOCR_LEASE_SECONDS"),
+    60,
     "how long a claim holds a job without a heartbeat renewing it; a dead worker's jobs are requeued by "
-    "the live ones within lease + heartbeat", "`60`")  # fmt: skip
+    "the live ones within lease + heartbeat",
+    "`60`",
+)
 HEARTBEAT_SECONDS = Variable(
-    "DSOCR_HEARTBEAT_SECONDS", _integer("DSOCR_HEARTBEAT_SECONDS"), 10,
+    "DSOCR_HEARTBEAT_SECONDS",
+    _integer("DSOCR_HEARTBEAT_SECONDS"),
+    10,
     "how often each worker renews its leases, records that it lives, and requeues jobs whose holder "
-    "stopped beating (lease ≥ 3 × heartbeat)", "`10`")  # fmt: skip
+    "stopped beating (lease ≥ 3 × heartbeat)",
+    "`10`",
+)
 RETRY_BACKOFF_MAX = Variable("DSOCR_RETRY_BACKOFF_MAX", _integer("DSOCR_RETRY_BACKOFF_MAX"), 60,
                              "ceiling of the retry backoff, seconds", "`60`")
 VISIBILITY_TIMEOUT = Variable(
-    "DSOCR_VISIBILITY_TIMEOUT", _integer("DSOCR_VISIBILITY_TIMEOUT"), None,
+    "DSOCR_VISIBILITY_TIMEOUT",
+    _integer("DSOCR_VISIBILITY_TIMEOUT"),
+    None,
     "seconds before Redis redelivers an unacknowledged job (below the job length, running jobs are "
-    "delivered twice: safe, the claim refuses the copy, but wasteful)", "max(3600, 2 × lease)")  # fmt: skip
+    "delivered twice: safe, the claim refuses the copy, but wasteful)",
+    "max(3600, 2 × lease)",
+)
 MODEL = Variable("DSOCR_MODEL", str, "tiny", "default `--model` of `dsocr infer` / `dsocr verify`", "`tiny`")
 FLOWER_BASIC_AUTH = Variable("DSOCR_FLOWER_BASIC_AUTH", str, "",
                              "`USER:PASSWORD` that `dsocr flower` asks for", "none")
@@ -101,29 +113,37 @@ GIT_SHA = Variable("DSOCR_GIT_SHA", str, None,
 INSTRUMENTATION = Variable("DSOCR_INSTRUMENTATION", _switch("DSOCR_INSTRUMENTATION"), True,
                            "`0` turns NVTX ranges and stage timers off (overhead benchmarks)", "`1`")
 COMPILE_CACHE_DIR = Variable(
-    "DSOCR_COMPILE_CACHE_DIR", _path, None,
+    "DSOCR_COMPILE_CACHE_DIR",
+    _path,
+    None,
     "where the fast engine's compiled kernels persist (torch's inductor and Triton caches) and what "
     "`dsocr precompile` builds (`dsocr-artifacts/`: AOTInductor packages and a manifest per plan and GPU type): a directory per host "
     "that outlives the worker, so a start loads instead of compiling. Where the Python installation ships "
     "no bytecode and may not write it (`PYTHONDONTWRITEBYTECODE`, a read-only image), also Python's "
     "bytecode (`python-bytecode/`, written by `dsocr precompile`). docker-compose.yml and the Kubernetes "
     "manifest mount one",
-    "torch's default, in /tmp")  # fmt: skip
+    "torch's default, in /tmp",
+)
 
 
 def _processes(raw: str) -> int:
     if not raw.strip().isdigit():
-        raise InputError(f"DSOCR_COMPILE_PROCESSES={raw!r}: expected a count of processes, 0 to compile in the "
-                         "worker only")  # fmt: skip
+        raise InputError(
+            f"DSOCR_COMPILE_PROCESSES={raw!r}: expected a count of processes, 0 to compile in the worker only"
+        )
     return int(raw)
 
 
 COMPILE_PROCESSES = Variable(
-    "DSOCR_COMPILE_PROCESSES", _processes, 4,
+    "DSOCR_COMPILE_PROCESSES",
+    _processes,
+    4,
     "vision helper processes that compile the fast engine's graphs while a worker with nothing built for "
     "its plan (`dsocr precompile`) loads its checkpoint, beside two that compile the language model's; each holds zeros for "
     "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
-    "worker compiles everything itself", "`4`")  # fmt: skip
+    "worker compiles everything itself",
+    "`4`",
+)
 
 CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
                        "CPU threads per CPU worker child; set it when several CPU workers share a host",
@@ -131,12 +151,20 @@ CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
 
 # Other programs' variables the package reads (and, where it says so, sets for a process it starts).
 VISIBLE_GPUS = Variable(
-    "CUDA_VISIBLE_DEVICES", str, None,
+    "CUDA_VISIBLE_DEVICES",
+    str,
+    None,
     "CUDA's: the GPUs this host's worker may use (`--gpus` indices count within them); a worker child is "
-    "given its own GPU as its only visible one", "every GPU")  # fmt: skip
+    "given its own GPU as its only visible one",
+    "every GPU",
+)
 TORCH_CACHE_DIR = Variable(
-    "TORCHINDUCTOR_CACHE_DIR", _path, None,
-    "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model", "under /tmp")
+    "TORCHINDUCTOR_CACHE_DIR",
+    _path,
+    None,
+    "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model",
+    "under /tmp",
+)
 TORCH_COMPILE_THREADS = Variable(
     "TORCHINDUCTOR_COMPILE_THREADS", _integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
     "torch's compile threads; a forked compile helper takes it again from the environment", "torch's choice")
@@ -151,11 +179,30 @@ CXX = Variable(
 
 # In the README's order (its configuration table is `markdown_table()`, checked by a test).
 VARIABLES: tuple[Variable, ...] = (
-    DATABASE_URL, BROKER_URL, BROKER_KEY_PREFIX, QUEUE, MAX_ATTEMPTS, HARD_TIME_LIMIT, SOFT_TIME_LIMIT,
-    LEASE_SECONDS, HEARTBEAT_SECONDS, RETRY_BACKOFF_MAX, MODEL, VISIBILITY_TIMEOUT, INSTRUMENTATION,
-    COMPILE_CACHE_DIR, COMPILE_PROCESSES, FLOWER_BASIC_AUTH, GIT_SHA, CPU_THREADS, VISIBLE_GPUS,
-    TORCH_CACHE_DIR, TORCH_COMPILE_THREADS, BYTECODE_PREFIX, CXX,
-)  # fmt: skip
+    DATABASE_URL,
+    BROKER_URL,
+    BROKER_KEY_PREFIX,
+    QUEUE,
+    MAX_ATTEMPTS,
+    HARD_TIME_LIMIT,
+    SOFT_TIME_LIMIT,
+    LEASE_SECONDS,
+    HEARTBEAT_SECONDS,
+    RETRY_BACKOFF_MAX,
+    MODEL,
+    VISIBILITY_TIMEOUT,
+    INSTRUMENTATION,
+    COMPILE_CACHE_DIR,
+    COMPILE_PROCESSES,
+    FLOWER_BASIC_AUTH,
+    GIT_SHA,
+    CPU_THREADS,
+    VISIBLE_GPUS,
+    TORCH_CACHE_DIR,
+    TORCH_COMPILE_THREADS,
+    BYTECODE_PREFIX,
+    CXX,
+)
 
 
 def markdown_table() -> str:
@@ -166,7 +213,8 @@ def markdown_table() -> str:
 
 
 def read(variable: Variable[T], environ: Mapping[str, str] | None = None) -> T:
-    """The variable's value in `environ` (default: this process's environment); unset or empty: its default."""
+    """The variable's value in `environ` (default: this process's environment); unset or empty: its
+    default."""
     raw = (os.environ if environ is None else environ).get(variable.name, "")
     return variable.default if raw == "" else variable.parse(raw)
 

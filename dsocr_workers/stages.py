@@ -1,30 +1,14 @@
-"""The measured stages of one job, in one place (DESIGN §2 "one registry per fact", §3).
+"""The measured stages of one job, in one place: `StageTimings` is the registry.
 
-`StageTimings` is the registry: each of its millisecond fields carries a `Timing` (its metadata) that
-says what the figure is and where it is shown, and everything that shows a timing is derived from it:
+Each of its millisecond fields carries a `Timing` that says what the figure is and where it is shown;
+the engine's clock (engine/stages.py), the result row and the `results` columns, the report's tables and
+plots and `dsocr infer`'s timing table are all derived from it. A new stage is a new field here plus an
+Alembic migration adding its nullable column, and the engine's `with clock.stage(name):` around the work.
 
-- the engine's clock (engine/stages.py `StageClock`): the stage names it accepts (each an NVTX range in
-  the domain `dsocr`), which of them are timed on the host clock, the top-level stages whose times
-  (with `host_gap`) add up to end-to-end, and the `StageTimings` it fills in;
-- the result row (farm/job/execute.py `result_row`: `StageTimings.columns()`) and the store's `results`
-  columns (store/models.py: one Float column per field, generated from `TIMINGS`);
-- the report's tables (latency, accounting, per image: report/build.py) and plots (the stage breakdown's
-  bars and the latency CDFs: report/plots.py);
-- `dsocr infer`'s timing table (cli/commands_model.py `timing_table`).
-
-A new stage is a new field here (its `Timing` names the stage) plus one Alembic migration adding its
-column (nullable: rows written before it have none), and the engine's `with clock.stage(name):` around
-the work it times. Nothing else names it.
-
-Kinds of figures: a stage's time (`stage` set: the StageClock stage of that name, summed over its
-entries), or one computed from the stages (`stage` None: vision, wasted decode, host gap, TTFT,
-end-to-end, page wait). `parent` nests a figure in another (the vision stages in `vision`, which is in
-`prefill`): tables indent it, and it is not a part of e2e, its parent's time holds it. The parts
-(`part`) are the top-level stages plus the wasted decode and the host gap: their sum is `e2e_ms`.
-A stage whose name begins with `vision/` adds to `vision_ms` (and `dsocr verify` checks it ran once per
-job, inside the prefill).
-
-This module imports nothing heavy: the store and the report (which must not import the engine) read it.
+A figure is a stage's time (`stage` set: summed over its entries) or computed from the stages. `parent`
+nests a figure in another (not a part of e2e: its parent's time holds it); the parts (`part`) sum to
+`e2e_ms`. A stage named `vision/...` adds to `vision_ms`. This module imports nothing heavy: the store
+and the report, which must not import the engine, read it.
 """
 
 from __future__ import annotations
@@ -49,8 +33,9 @@ class Timing:
 
     label: str  # how tables and plots name it; a table adds the unit ("prefill ms")
     doc: str
-    stage: str | None = None  # the StageClock stage (NVTX range, domain `dsocr`) it is the time of; None: computed
-    host: bool = False  # a stage timed on the host clock on every device: host work (a CUDA event would time the queue)
+    stage: str | None = None
+    # A stage timed on the host clock on every device: host work (a CUDA event would time the queue).
+    host: bool = False
     parent: str | None = None  # the column of the figure that holds it; None: top level
     part: bool = False  # one of the parts whose sum is e2e_ms
     bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
@@ -81,17 +66,9 @@ class StageTimings:
         e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
               + postprocess + host_gap
 
-    `host_gap_ms` is what no stage covers: host work between stages and the host's wake-up after the
-    device finished (small and non-negative when the accounting is right). `prefill_ms` contains the
-    vision stages and `lm_prefill_ms`.
-
-    `page_wait_ms` is no part of the job: the time its page, prepared ahead (the farm prepares the next
-    job's page while this one runs), waited between the end of its preprocessing and the start of its
-    setup. A page prepared in line waits for nothing (a few microseconds of host code).
-
-    The fields below, in this order, are the registry (module docstring) and the order of every table:
-    the TTFTs and TPOT first (what a reader looks for first), then the stages as they happen, end-to-end,
-    the page's wait outside it, a batched job's wait for a slot inside it."""
+    `host_gap_ms` is what no stage covers (small and non-negative when the accounting is right).
+    `page_wait_ms`, a page prepared ahead waiting for its job, is no part of it. The fields below, in
+    this order, are the registry and the order of every table."""
 
     clock: Clock
     # One entry per kept decode step (each step produces one token after the first, which comes from
@@ -99,78 +76,137 @@ class StageTimings:
     decode_step_ms: list[float] = field(default_factory=list)
 
     ttft_ms: float = Timing(
-        "TTFT", "preprocess + setup + prefill + first token (from the device start)",
+        "TTFT",
+        "preprocess + setup + prefill + first token (from the device start)",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
-    ).field()  # fmt: skip
+    ).field()
     ttft_from_device_start_ms: float = Timing(
-        "TTFT from device start", "setup + prefill + first token, from the job's start on the device",
-        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}), nullable=True,
-    ).field()  # fmt: skip
-    tpot_ms: float = Timing(
-        "TPOT", "time per output token after the first: (last token - first token) / (tokens - 1)",
-        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}), nullable=True,
-    ).field()  # fmt: skip
-    preprocess_ms: float = Timing(
-        "preprocess", "the page read, tiled and tokenised (host)", stage="preprocess", host=True, part=True,
-        bar="preprocess", shown=_LATENCY,
-    ).field()  # fmt: skip
-    setup_ms: float = Timing(
-        "setup", "inputs to the device, the cache reset: before the prefill", stage="setup", part=True,
-    ).field()  # fmt: skip
-    prefill_ms: float = Timing(
-        "prefill", "vision and the language model's prefill", stage="prefill", part=True,
+        "TTFT from device start",
+        "setup + prefill + first token, from the job's start on the device",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
-    ).field()  # fmt: skip
-    vision_ms: float = Timing(
-        "vision", f"the sum of the `{VISION_PREFIX}*` stages", parent="prefill_ms", shown=_LATENCY,
-    ).field()  # fmt: skip
-    sam_ms: float = Timing(
-        "SAM", "the SAM encoder over the global view and the tiles", stage="vision/sam", parent="vision_ms",
-        bar="SAM", shown=_LATENCY,
-    ).field()  # fmt: skip
-    clip_ms: float = Timing(
-        "CLIP", "the CLIP trunk on SAM's features", stage="vision/clip", parent="vision_ms", bar="CLIP",
-        shown=_LATENCY,
-    ).field()  # fmt: skip
-    projector_ms: float = Timing(
-        "projector", "the projector and the image token layout", stage="vision/projector", parent="vision_ms",
-        bar="projector", shown=_LATENCY,
-    ).field()  # fmt: skip
-    lm_prefill_ms: float = Timing(
-        "LM prefill", "the language model over the prompt", stage="lm_prefill", parent="prefill_ms",
-        bar="LM prefill", shown=_LATENCY,
-    ).field()  # fmt: skip
-    first_token_ms: float = Timing(
-        "first token", "choosing the first token from the prefill logits", stage="first_token", part=True,
-        bar="decode",
-    ).field()  # fmt: skip
-    decode_ms: float = Timing(
-        "decode", "the kept decode steps (the decode stage less its steps after EOS)", stage="decode", part=True,
-        bar="decode", shown=_LATENCY,
-    ).field()  # fmt: skip
-    wasted_decode_ms: float = Timing(
-        "wasted decode", "steps computed after EOS (the loop looks for EOS asynchronously)", part=True,
-        bar="wasted decode",
-    ).field()  # fmt: skip
-    readback_ms: float = Timing(
-        "readback", "the generated ids back to the host", stage="readback", part=True, bar="postprocess",
-    ).field()  # fmt: skip
-    postprocess_ms: float = Timing(
-        "postprocess", "detokenising and parsing the markup (host)", stage="postprocess", host=True, part=True,
-        bar="postprocess",
-    ).field()  # fmt: skip
-    host_gap_ms: float = Timing("host gap", "end-to-end less every stage: host time between stages", part=True).field()
-    e2e_ms: float = Timing(
-        "end-to-end", "host time from the first stage's start to the last one's end, less the page wait",
+        nullable=True,
+    ).field()
+    tpot_ms: float = Timing(
+        "TPOT",
+        "time per output token after the first: (last token - first token) / (tokens - 1)",
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
-    ).field()  # fmt: skip
+        nullable=True,
+    ).field()
+    preprocess_ms: float = Timing(
+        "preprocess",
+        "the page read, tiled and tokenised (host)",
+        stage="preprocess",
+        host=True,
+        part=True,
+        bar="preprocess",
+        shown=_LATENCY,
+    ).field()
+    setup_ms: float = Timing(
+        "setup",
+        "inputs to the device, the cache reset: before the prefill",
+        stage="setup",
+        part=True,
+    ).field()
+    prefill_ms: float = Timing(
+        "prefill",
+        "vision and the language model's prefill",
+        stage="prefill",
+        part=True,
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
+    ).field()
+    vision_ms: float = Timing(
+        "vision",
+        f"the sum of the `{VISION_PREFIX}*` stages",
+        parent="prefill_ms",
+        shown=_LATENCY,
+    ).field()
+    sam_ms: float = Timing(
+        "SAM",
+        "the SAM encoder over the global view and the tiles",
+        stage="vision/sam",
+        parent="vision_ms",
+        bar="SAM",
+        shown=_LATENCY,
+    ).field()
+    clip_ms: float = Timing(
+        "CLIP",
+        "the CLIP trunk on SAM's features",
+        stage="vision/clip",
+        parent="vision_ms",
+        bar="CLIP",
+        shown=_LATENCY,
+    ).field()
+    projector_ms: float = Timing(
+        "projector",
+        "the projector and the image token layout",
+        stage="vision/projector",
+        parent="vision_ms",
+        bar="projector",
+        shown=_LATENCY,
+    ).field()
+    lm_prefill_ms: float = Timing(
+        "LM prefill",
+        "the language model over the prompt",
+        stage="lm_prefill",
+        parent="prefill_ms",
+        bar="LM prefill",
+        shown=_LATENCY,
+    ).field()
+    first_token_ms: float = Timing(
+        "first token",
+        "choosing the first token from the prefill logits",
+        stage="first_token",
+        part=True,
+        bar="decode",
+    ).field()
+    decode_ms: float = Timing(
+        "decode",
+        "the kept decode steps (the decode stage less its steps after EOS)",
+        stage="decode",
+        part=True,
+        bar="decode",
+        shown=_LATENCY,
+    ).field()
+    wasted_decode_ms: float = Timing(
+        "wasted decode",
+        "steps computed after EOS (the loop looks for EOS asynchronously)",
+        part=True,
+        bar="wasted decode",
+    ).field()
+    readback_ms: float = Timing(
+        "readback",
+        "the generated ids back to the host",
+        stage="readback",
+        part=True,
+        bar="postprocess",
+    ).field()
+    postprocess_ms: float = Timing(
+        "postprocess",
+        "detokenising and parsing the markup (host)",
+        stage="postprocess",
+        host=True,
+        part=True,
+        bar="postprocess",
+    ).field()
+    host_gap_ms: float = Timing(
+        "host gap", "end-to-end less every stage: host time between stages", part=True
+    ).field()
+    e2e_ms: float = Timing(
+        "end-to-end",
+        "host time from the first stage's start to the last one's end, less the page wait",
+        shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE, CDF_PLOT}),
+    ).field()
     page_wait_ms: float = Timing(
-        "page wait", "a page prepared ahead, waiting for its job's setup: outside e2e", nullable=True,
-    ).field()  # fmt: skip
+        "page wait",
+        "a page prepared ahead, waiting for its job's setup: outside e2e",
+        nullable=True,
+    ).field()
     queue_wait_ms: float = Timing(
-        "queue wait", "a batched job's wait in its worker for a slot of the batch, from its page's hand-over to "
-        "its prefill (inside TTFT and e2e; 0 on the batch-1 path; the report's Serving table)", nullable=True,
-    ).field()  # fmt: skip
+        "queue wait",
+        "a batched job's wait in its worker for a slot of the batch, from its page's hand-over to "
+        "its prefill (inside TTFT and e2e; 0 on the batch-1 path; the report's Serving table)",
+        nullable=True,
+    ).field()
 
     @property
     def parts_ms(self) -> dict[str, float]:
@@ -193,7 +229,9 @@ class StageTimings:
 
 
 TIMINGS: tuple[Timing, ...] = tuple(
-    replace(f.metadata[METADATA_KEY], column=f.name) for f in fields(StageTimings) if METADATA_KEY in f.metadata
+    replace(f.metadata[METADATA_KEY], column=f.name)
+    for f in fields(StageTimings)
+    if METADATA_KEY in f.metadata
 )
 BY_COLUMN: dict[str, Timing] = {t.column: t for t in TIMINGS}
 # StageClock's stage names, in registry order; those timed on the host clock; the top-level ones (the

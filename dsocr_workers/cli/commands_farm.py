@@ -32,45 +32,89 @@ if TYPE_CHECKING:
 def run_options(command: F) -> F:
     """The options that decide what a run computes, shared by `submit` and `run`."""
     options = [
-        click.option("--root", type=click.Path(file_okay=False, path_type=Path),
-                     help="Folder relative paths resolve against (default: the dataset's source-data/, "
-                     "else the list's folder)."),
+        click.option(
+            "--root",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Folder relative paths resolve against (default: the dataset's source-data/, "
+            "else the list's folder).",
+        ),
         click.option("--name", help="Run name (default: the list's file name)."),
-        click.option("--model", default="tiny", show_default=True,
-                     help="Preset (tiny, full: RANDOM weights) or a checkpoint directory."),
-        click.option("--mode", type=click.Choice(tuple(MODES)), default=DEFAULT_MODE, show_default=True,
-                     help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles)."),
-        click.option("--max-new-tokens", type=int,
-                     help="Decode at most this many tokens. Default: no cap, until EOS or the model's position "
-                     f"ceiling ({TextDims.max_position_embeddings:,}); random weights (the presets) seldom emit "
-                     "EOS and decode to that ceiling."),
+        click.option(
+            "--model",
+            default="tiny",
+            show_default=True,
+            help="Preset (tiny, full: RANDOM weights) or a checkpoint directory.",
+        ),
+        click.option(
+            "--mode",
+            type=click.Choice(tuple(MODES)),
+            default=DEFAULT_MODE,
+            show_default=True,
+            help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles).",
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=int,
+            help="Decode at most this many tokens. Default: no cap, until EOS or the model's position "
+            f"ceiling ({TextDims.max_position_embeddings:,}); random weights (the presets) seldom emit "
+            "EOS and decode to that ceiling.",
+        ),
         click.option("--ignore-eos", is_flag=True, help="Keep decoding past EOS (fixed-length timing)."),
-        click.option("--stop-on-repetition", is_flag=True,
-                     help="End a decode once its output ends in a repetition loop (stop reason: repetition)."),
-        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0),
-                     default=DecodeOptions.no_repeat_ngram_size, show_default=True,
-                     help="Ban repeated n-grams of this size (the vendor's HF path: 20); 0: off."),
-        click.option("--ngram-window", type=click.IntRange(min=1),
-                     help="Search n-grams only in the last N generated tokens (vendor vLLM); default: all."),
+        click.option(
+            "--stop-on-repetition",
+            is_flag=True,
+            help="End a decode once its output ends in a repetition loop (stop reason: repetition).",
+        ),
+        click.option(
+            "--no-repeat-ngram-size",
+            type=click.IntRange(min=0),
+            default=DecodeOptions.no_repeat_ngram_size,
+            show_default=True,
+            help="Ban repeated n-grams of this size (the vendor's HF path: 20); 0: off.",
+        ),
+        click.option(
+            "--ngram-window",
+            type=click.IntRange(min=1),
+            help="Search n-grams only in the last N generated tokens (vendor vLLM); default: all.",
+        ),
         click.option("--repeats", type=int, default=1, show_default=True, help="Jobs per image."),
         click.option("--prompt", help="Prompt (default: the mode's document-to-markdown prompt)."),
-        click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO, show_default=True,
-                     help="auto: fast on a GPU, eager (the numerical reference) on a CPU."),
-        click.option("--dtype", type=click.Choice(DTYPES),
-                     help="Default: bfloat16 on GPU, float32 on CPU."),
+        click.option(
+            "--engine",
+            type=click.Choice(ENGINE_CHOICES),
+            default=AUTO,
+            show_default=True,
+            help="auto: fast on a GPU, eager (the numerical reference) on a CPU.",
+        ),
+        click.option("--dtype", type=click.Choice(DTYPES), help="Default: bfloat16 on GPU, float32 on CPU."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
         click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE", help="Label the run (repeatable)."),
-        click.option("--skip-invalid", is_flag=True, help="Leave bad lines out instead of refusing the list."),
-        click.option("--ground-truth", type=click.Path(dir_okay=False, path_type=Path),
-                     help="OmniDocBench annotation file (OmniDocBench.json): score each page against it."),
-        click.option("--profile", "profile_every", type=click.IntRange(min=1), metavar="N",
-                     help="Run every N-th job (file-list order; N = --repeats: one repeat of each page) under "
-                     "torch.profiler: its trace (`dsocr trace`) and kernels per stage (the report) are stored "
-                     "with it; profiled jobs are left out of latency statistics unless --include-profiled."),
-        click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Jobs of the run each worker GPU keeps in flight, decoded together by the batched "
-                     "engine; 1: one at a time (the batch-1 path). Workers only (`dsocr submit`)."),
-    ]  # fmt: skip
+        click.option(
+            "--skip-invalid", is_flag=True, help="Leave bad lines out instead of refusing the list."
+        ),
+        click.option(
+            "--ground-truth",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="OmniDocBench annotation file (OmniDocBench.json): score each page against it.",
+        ),
+        click.option(
+            "--profile",
+            "profile_every",
+            type=click.IntRange(min=1),
+            metavar="N",
+            help="Run every N-th job (file-list order; N = --repeats: one repeat of each page) under "
+            "torch.profiler: its trace (`dsocr trace`) and kernels per stage (the report) are stored "
+            "with it; profiled jobs are left out of latency statistics unless --include-profiled.",
+        ),
+        click.option(
+            "--concurrency",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Jobs of the run each worker GPU keeps in flight, decoded together by the batched "
+            "engine; 1: one at a time (the batch-1 path). Workers only (`dsocr submit`).",
+        ),
+    ]
     for option in reversed(options):
         command = option(command)
     return command
@@ -82,14 +126,30 @@ def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
     from dsocr_workers.farm.submit import RunRequest
 
     options = RunOptions(
-        model=kw["model"], mode=kw["mode"], prompt=kw["prompt"], max_new_tokens=kw["max_new_tokens"],
-        ignore_eos=kw["ignore_eos"], engine=kw["engine"], dtype=kw["dtype"], repeats=kw["repeats"], seed=kw["seed"],
-        stop_on_repetition=kw["stop_on_repetition"], no_repeat_ngram_size=kw["no_repeat_ngram_size"],
-        ngram_window=kw["ngram_window"], profile_every=kw["profile_every"],
+        model=kw["model"],
+        mode=kw["mode"],
+        prompt=kw["prompt"],
+        max_new_tokens=kw["max_new_tokens"],
+        ignore_eos=kw["ignore_eos"],
+        engine=kw["engine"],
+        dtype=kw["dtype"],
+        repeats=kw["repeats"],
+        seed=kw["seed"],
+        stop_on_repetition=kw["stop_on_repetition"],
+        no_repeat_ngram_size=kw["no_repeat_ngram_size"],
+        ngram_window=kw["ngram_window"],
+        profile_every=kw["profile_every"],
         concurrency=kw["concurrency"],
-    )  # fmt: skip
-    return RunRequest(filelist, options, root=kw["root"], name=kw["name"], tags=kw["tags"],
-                      ground_truth=kw["ground_truth"], skip_invalid=kw["skip_invalid"])  # fmt: skip
+    )
+    return RunRequest(
+        filelist,
+        options,
+        root=kw["root"],
+        name=kw["name"],
+        tags=kw["tags"],
+        ground_truth=kw["ground_truth"],
+        skip_invalid=kw["skip_invalid"],
+    )
 
 
 def warn(text: str) -> None:
@@ -107,9 +167,12 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     from dsocr_workers.settings import Settings
 
     submission = submit_run(
-        Settings.from_env(), run_request(filelist, kw), queue=queue, on_bad_lines=warn,
+        Settings.from_env(),
+        run_request(filelist, kw),
+        queue=queue,
+        on_bad_lines=warn,
         on_recorded=lambda run: click.echo(f"run {run.run_id}: {counted(len(run.job_ids), 'job')} recorded"),
-    )  # fmt: skip
+    )
     run = submission.run
     click.echo(f"run {run.run_id}: {counted(submission.enqueued, 'job')} enqueued on {run.queue}")
     click.echo("next:")
@@ -123,8 +186,13 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 @click.option("--gpus", default="auto", show_default=True,
               help="auto (every GPU, else the CPU), all (every GPU), GPU indices like 0,1, or cpu.")
 @click.option("--queue", "queues", multiple=True, help="Queue(s) to consume (default: DSOCR_QUEUE or dsocr).")
-@click.option("--concurrency-per-device", type=int, default=1, show_default=True,
-              help="Children per device (1 for profiling; more only for tests on CPU).")  # fmt: skip
+@click.option(
+    "--concurrency-per-device",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Children per device (1 for profiling; more only for tests on CPU).",
+)
 @click.option("--loglevel", type=click.Choice(LOGLEVELS, case_sensitive=False), default="INFO", show_default=True)
 @click.option("--warmup", default="auto", show_default=True,
               help="Modes to load and warm before the first job (e.g. gundam,base): auto = those of the runs "
@@ -155,10 +223,16 @@ def worker(
     from dsocr_workers.settings import Settings
 
     start_worker(
-        Settings.from_env(), parse_devices(gpus), concurrency_per_device=concurrency_per_device,
-        queues=queues, loglevel=loglevel, warmup=warmup, fallback_model=ModelKey(model, engine, dtype),
-        fallback_budget=max_new_tokens, events=events,
-    )  # fmt: skip
+        Settings.from_env(),
+        parse_devices(gpus),
+        concurrency_per_device=concurrency_per_device,
+        queues=queues,
+        loglevel=loglevel,
+        warmup=warmup,
+        fallback_model=ModelKey(model, engine, dtype),
+        fallback_budget=max_new_tokens,
+        events=events,
+    )
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -178,7 +252,9 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
     from dsocr_workers.farm.celery.app import start_flower
     from dsocr_workers.settings import Settings
 
-    start_flower(Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args)
+    start_flower(
+        Settings.from_env(), port=port, address=address, basic_auth=basic_auth, flower_args=flower_args
+    )
 
 
 @click.command()
@@ -189,8 +265,14 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
 @click.option("--queue", default=None,
               help="Queue name to record the run under (default: in-process). Name a worker queue to let "
                    "its workers take over the jobs this process leaves behind if it dies.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "md"]), default="table", show_default=True,
-              help="Format of the closing report (csv, one table per file: dsocr report --format csv).")  # fmt: skip
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "md"]),
+    default="table",
+    show_default=True,
+    help="Format of the closing report (csv, one table per file: dsocr report --format csv).",
+)
 @exits_on_errors
 def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> None:
     """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report.
@@ -205,18 +287,29 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
 
     settings = Settings.from_env()
     local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
-    click.echo(f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True)
+    click.echo(
+        f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True
+    )
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[last]}"), console=stdout_console(stderr=True),
-    ) as progress:  # fmt: skip
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[last]}"),
+        console=stdout_console(stderr=True),
+    ) as progress:
         bar = progress.add_task(f"run {local.run.run_id}", total=len(local.run.job_ids), last="")
         finals = work_local_run(
-            settings, local,
-            on_final=lambda outcome: progress.update(bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]),
-        )  # fmt: skip
-    click.echo(write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt, width=terminal_width())),
-               nl=False)  # fmt: skip
+            settings,
+            local,
+            on_final=lambda outcome: progress.update(
+                bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]
+            ),
+        )
+    click.echo(
+        write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt, width=terminal_width())),
+        nl=False,
+    )
     raise_for_failures(local, finals)
 
 
@@ -233,10 +326,16 @@ def runs(limit: int) -> None:
     table = Table("run", "created", "name", "model", "jobs", "done", "failed", "poisoned", "open")
     for s in list_runs(Settings.from_env().database_url, limit):
         table.add_row(
-            s.run.id, s.run.created_at.isoformat(sep=" ", timespec="seconds"), s.run.name, s.run.model_label,
-            str(sum(s.counts.values())), str(s.counts.get("done", 0)), str(s.counts.get("failed", 0)),
-            str(s.counts.get("poisoned", 0)), str(s.open_jobs),
-        )  # fmt: skip
+            s.run.id,
+            s.run.created_at.isoformat(sep=" ", timespec="seconds"),
+            s.run.name,
+            s.run.model_label,
+            str(sum(s.counts.values())),
+            str(s.counts.get("done", 0)),
+            str(s.counts.get("failed", 0)),
+            str(s.counts.get("poisoned", 0)),
+            str(s.open_jobs),
+        )
     stdout_console().print(table)
 
 
@@ -285,15 +384,21 @@ def progress_view(progress: RunProgress) -> Group:
         f"{progress.live_workers} live worker(s)  {pace}"
     )
     states = "  ".join(
-        f"{s} {progress.counts.get(s, 0)}" for s in ("pending", "queued", "running", "done", "failed", "poisoned")
-    )  # fmt: skip
+        f"{s} {progress.counts.get(s, 0)}"
+        for s in ("pending", "queued", "running", "done", "failed", "poisoned")
+    )
     workers = Table("worker", "device", "state", "last beat", "job now", "done", "s/job", title="workers")
     for w in progress.workers:
         state = "live" if w.live else "stopped" if w.stopped else "silent (dead: its jobs are requeued)"
         workers.add_row(
-            w.id, w.device, state, f"{w.heartbeat_age_s:.0f} s ago", w.current_image or "-", str(w.jobs_done),
+            w.id,
+            w.device,
+            state,
+            f"{w.heartbeat_age_s:.0f} s ago",
+            w.current_image or "-",
+            str(w.jobs_done),
             "-" if w.job_s is None else f"{w.job_s:.2f}",
-        )  # fmt: skip
+        )
     bar = Table.grid()  # a row of its own: a bare ProgressBar ends without a line break
     bar.add_row(ProgressBar(total=max(progress.total, 1), completed=progress.final, width=60))
     parts: list[Any] = [Text(head), bar, Text(states)]

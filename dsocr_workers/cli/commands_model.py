@@ -13,7 +13,7 @@ from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
 from dsocr_workers.errors import FailuresError
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES, PRESETS
+from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MAX_CROPS, MODES, PRESETS
 from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
@@ -42,13 +42,26 @@ def model_options(func: Any) -> Any:
                 metavar="DIR|tiny|full",
                 help="A vendor checkpoint directory, or a random-weight preset (tiny: CPU tests; full: real dims).",
             ),
-            click.option("--device", default=None, metavar="cpu|cuda[:N]", help="Default: cuda if available, else cpu."),
-            click.option("--engine", type=click.Choice(ENGINE_CHOICES), default=AUTO, show_default=True,
-                         help="eager: plain PyTorch reference; fast: static cache + compiled decode (CUDA "
-                              "only); auto: fast on CUDA, eager on a CPU."),
-            click.option("--dtype", type=click.Choice(DTYPES), default=None,
-                         help="Default: bfloat16 on CUDA, float32 on CPU."),
-            click.option("--preset-seed", type=int, default=0, show_default=True, help="Seed of preset weights."),
+            click.option(
+                "--device", default=None, metavar="cpu|cuda[:N]", help="Default: cuda if available, else cpu."
+            ),
+            click.option(
+                "--engine",
+                type=click.Choice(ENGINE_CHOICES),
+                default=AUTO,
+                show_default=True,
+                help="eager: plain PyTorch reference; fast: static cache + compiled decode (CUDA "
+                "only); auto: fast on CUDA, eager on a CPU.",
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(DTYPES),
+                default=None,
+                help="Default: bfloat16 on CUDA, float32 on CPU.",
+            ),
+            click.option(
+                "--preset-seed", type=int, default=0, show_default=True, help="Seed of preset weights."
+            ),
         ]
     ):
         func = option(func)
@@ -86,7 +99,12 @@ def timing_table(result: InferenceResult, title: str) -> Any:
     table.add_column("part of e2e", justify="center")
     table.add_column("NVTX range")
     rows: list[tuple[str, float | None, str, str]] = [
-        (f"{'  ' * depth(timing)}{timing.label}", timing.of(t), "yes" if timing in PARTS else "", timing.stage or "")
+        (
+            f"{'  ' * depth(timing)}{timing.label}",
+            timing.of(t),
+            "yes" if timing in PARTS else "",
+            timing.stage or "",
+        )
         for timing in TIMINGS
     ]
     rows += [(f"decode ms/token {name}", ms, "", "") for name, ms in stats.items()]
@@ -96,12 +114,20 @@ def timing_table(result: InferenceResult, title: str) -> Any:
         f"clock: {t.clock}; {result.decode_tokens} tokens (stop: {result.stop_reason}), {result.wasted_steps} decode "
         f"steps past EOS; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
         f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
-        + (f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB (weights "
-           f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
-           f"activations {result.memory.activation_peak_bytes / 2**30:.2f})" if result.memory else "")
+        + (
+            f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB (weights "
+            f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
+            f"activations {result.memory.activation_peak_bytes / 2**30:.2f})"
+            if result.memory
+            else ""
+        )
         + ("; COLD: " + "; ".join(result.cold_reasons) if result.cold else "")
-        + (f"; REPETITION LOOP from token {result.loop.start}, period {result.loop.period}, "
-           f"{result.loop.wasted_steps} decode steps wasted" if result.loop else "")
+        + (
+            f"; REPETITION LOOP from token {result.loop.start}, period {result.loop.period}, "
+            f"{result.loop.wasted_steps} decode steps wasted"
+            if result.loop
+            else ""
+        )
     )
     return table
 
@@ -113,7 +139,7 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Default: up to the model's positions.")
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")
-@click.option("--max-crops", type=click.IntRange(2, 9), default=9, show_default=True,
+@click.option("--max-crops", type=click.IntRange(2, MAX_CROPS), default=MAX_CROPS, show_default=True,
               help="Most 640-px tiles in gundam mode (the vendor vLLM path uses 6).")
 @click.option("--prompt", default=None, help="Prompt text; must contain <image> once.")
 @click.option("--prompt-name", type=click.Choice(PROMPT_NAMES), default=None,
@@ -199,18 +225,29 @@ def infer_command(
     session = open_session(SessionOptions(model, device, engine, dtype, preset_seed))
     model_banner(console, session)
     # Progress on stderr (a long decode on a CPU takes minutes): the bar advances with the EOS watch.
-    with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=stdout_console(stderr=True), transient=True) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("decode"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        console=stdout_console(stderr=True),
+        transient=True,
+    ) as progress:
         bar = progress.add_task("decode", total=None)
         outputs = infer_page(
-            session, request, original,
+            session,
+            request,
+            original,
             on_decode_progress=lambda steps, budget: progress.update(bar, completed=steps, total=budget),
-        )  # fmt: skip
+        )
     if as_json:
         click.echo(json.dumps(outputs.document, indent=2))
         return
     result = outputs.result
-    console.print(timing_table(result, f"{image.name}: {result.model.label}, engine {result.engine}, {result.device}"))
+    console.print(
+        timing_table(result, f"{image.name}: {result.model.label}, engine {result.engine}, {result.device}")
+    )
     console.print(f"outputs: {outputs.out_dir}/ ({len(outputs.files)} files), {len(result.boxes)} regions, "
                   f"{result.skipped_spans} skipped spans")
 

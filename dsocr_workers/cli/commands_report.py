@@ -67,15 +67,26 @@ def report(
     mode (OmniDocBench edit distances) beside latency; stop reasons and repetition loops; for runs
     submitted with --profile, the kernels per stage, the device's busy and idle time per stage and
     what the profiler cost. Cold results are left out of the latency statistics unless --include-cold,
-    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A ratio carries an interval, and "no significant difference"
+    profiled ones unless --include-profiled, looping ones only with --exclude-loops. With --vs every B/A
+    ratio carries an interval, and "no significant difference"
     where it contains 1; accuracy is compared as paired differences B-A. Runs on random weights are
     labelled as such."""
     from dsocr_workers.report.outputs import ReportRequest, write_report
     from dsocr_workers.settings import Settings
 
-    request = ReportRequest(run=run_ref, vs=vs_ref, per_image=per_image, include_cold=include_cold,
-                            include_profiled=include_profiled, exclude_loops=exclude_loops, fmt=fmt, table=table, out=out, html=html_path,
-                            width=width or (terminal_width() if out is None else None))  # fmt: skip
+    request = ReportRequest(
+        run=run_ref,
+        vs=vs_ref,
+        per_image=per_image,
+        include_cold=include_cold,
+        include_profiled=include_profiled,
+        exclude_loops=exclude_loops,
+        fmt=fmt,
+        table=table,
+        out=out,
+        html=html_path,
+        width=width or (terminal_width() if out is None else None),
+    )
     text = write_report(Settings.from_env().database_url, request, on_written=wrote)
     if text is not None:
         click.echo(text, nl=False)
@@ -99,23 +110,37 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
     from dsocr_workers.settings import Settings
 
     export = export_predictions(Settings.from_env().database_url, run_ref, directory, repeat)
-    click.echo(f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
-               + (f"; {export.without_result} page(s) without a result have no file"
-                  if export.without_result else ""))  # fmt: skip
+    click.echo(
+        f"run {export.run_id}: wrote {len(export.files)} page(s) to {directory}"
+        + (
+            f"; {export.without_result} page(s) without a result have no file"
+            if export.without_result
+            else ""
+        )
+    )
     if export.random_note is not None:
         click.echo(f"WARNING: run {export.run_id} ran with RANDOM WEIGHTS: its pages are filler text, not OCR "
                    f"(said in {export.random_note})", err=True)
 
 
 @click.command()
-@click.option("--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them).")
+@click.option(
+    "--job", "job_ref", help="The job: its id or a unique prefix (the report's --per-image shows them)."
+)
 @click.option("--run", "run_ref", help="Or the run (id, prefix or latest) with --image.")
 @click.option("--image", help="With --run: the image, as the file list names it or its file name.")
-@click.option("--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.")
+@click.option(
+    "--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one)."
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.",
+)
 @exits_on_errors
-def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None) -> None:
+def trace(
+    job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None
+) -> None:
     """Write a profiled job's torch.profiler trace (runs submitted with --profile N) as Chrome trace JSON:
     open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in the browser) or
     chrome://tracing. The stages are the ranges dsocr::prefill, dsocr::vision/sam, ..., and the sampled
@@ -123,10 +148,14 @@ def trace(job_ref: str | None, run_ref: str | None, image: str | None, repeat: i
     from dsocr_workers.report.trace import TraceRequest, write_trace
     from dsocr_workers.settings import Settings
 
-    written = write_trace(Settings.from_env().database_url,
-                          TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out))  # fmt: skip
-    click.echo(f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
-               f"({written.bytes:,} bytes)")  # fmt: skip
+    written = write_trace(
+        Settings.from_env().database_url,
+        TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out),
+    )
+    click.echo(
+        f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
+        f"({written.bytes:,} bytes)"
+    )
 
 
 def register(group: click.Group) -> None:

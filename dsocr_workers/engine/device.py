@@ -22,6 +22,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the name a result row and a cache key record."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
@@ -38,19 +43,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def make_current(device: torch.device) -> None:
-    """A session's process drives one GPU (a worker child, `dsocr infer`): its device becomes the current
-    one, so that what runs on the current device (a CUDA graph's capture stream, CUDA events, the
-    default stream, a synchronisation) runs on it. Otherwise a worker child on cuda:1 captured its
-    graphs on a stream of cuda:0 while its kernels ran on cuda:1 (its warm-up failed, "operation not
-    permitted when stream is capturing": 2 × H200, docs/benchmarks.md), its events would time cuda:0's
-    stream, and it kept a context on cuda:0."""
+    """A session's process drives one GPU: its device becomes the current one, so that CUDA graph
+    capture streams, events and synchronisations run on it rather than on cuda:0 (a worker child on
+    cuda:1 otherwise fails to capture its graphs)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
 
 def set_numerics(device: torch.device, dtype: torch.dtype) -> None:
-    """float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to (matmuls are
-    full float32 by default), which set the eager reference's SAM convolutions ~2e-3 away from the fast
-    engine's patch-embedding GEMM on an H200. bf16 sessions are unaffected."""
+    """float32 means float32: cuDNN runs float32 convolutions in TF32 unless told not to, which moves
+    the eager reference's SAM convolutions away from the fast engine's patch-embedding GEMM."""
     if device.type == "cuda" and dtype == torch.float32:
         torch.backends.cudnn.allow_tf32 = False

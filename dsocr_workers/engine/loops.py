@@ -1,19 +1,11 @@
 """Repetition loops: a decode whose output ends in the same run of tokens over and over, up to the
-token budget (DeepSeek-OCR's best-known failure: a page that loops until `max_new_tokens`).
+token budget (DeepSeek-OCR's best-known failure).
 
 A loop is a periodic suffix of the generated ids: from token `start` to the last one, every token
-equals the token `period` places before it, and the periodic run holds at least `LOOP_MIN_REPEATS`
-copies of its unit and `LOOP_MIN_TOKENS` tokens. It must reach the end: a run that repeats for a
-while and then moves on is not a loop, nor is a near-repeat with one token changed in the last copy.
-The first copy of the unit may be real text; every token after it is a wasted decode step.
-
-Pure Python over a list of ids, O(n): the engine runs it after decoding, off the timed path, and
-`RepetitionWatch` (engine/generate.py) runs it on the tail of the tokens already read back when a
-run asks to stop on repetition.
-
-With the vendor's whole-sequence no-repeat 20-gram ban (the default decode policy) an exact repeat
-cannot last 20 tokens past its first copy, so loops in this sense come from decodes that turn the
-ban off or window it (the vendor's vLLM path, other runtimes).
+equals the token `period` places before it, over at least `LOOP_MIN_REPEATS` copies and
+`LOOP_MIN_TOKENS` tokens, reaching the end. Every token after the first copy is a wasted decode step.
+Pure Python, O(n), off the timed path. With the vendor's whole-sequence no-repeat 20-gram ban an exact
+repeat cannot last 20 tokens past its first copy, so loops come from decodes that turn it off or window it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""Kernel-level profiles of one job (issue 33): torch.profiler around the job's device part, each stage a
-profiler range, the decode sampled.
+"""Kernel-level profiles of one job: torch.profiler around the job's device part, each stage a profiler
+range, the decode sampled.
 
-Who profiles which job is the caller's business (the farm: every N-th job of a run, farm/job/process.py;
-a benchmark: benchmarks/bench_profile.py): it hands a `JobProfiler` to
-`DeepSeekOCRSession.start_on_device`, which starts it before the job's setup and stops it once the
-output is read back. In between, the job's clock (engine/stages.py) opens a `record_function` range
-named `dsocr::<stage>` around every stage (around its NVTX range and clock marks), and the decode loop's step marks
-toggle the collection: only the sampled steps (`DecodeSample`: the first few and a few at later cache
-lengths) are recorded, each as a range `dsocr::decode step <n>`, so that a trace of an 8,000-step job
-stays a few megabytes. The farm's own work (the claim, the next page's preparation) runs on other
-threads, or outside the ranges.
-
-Once the job's clock is finished, `JobProfiler.collect` turns the profile into a `JobProfile`: the
-Chrome trace (gzip; Perfetto and chrome://tracing open it) and the kernel summary
-(dsocr_workers/kernels.py), computed from torch.profiler's own event list — on a GPU, the device
-activities whose launch (the runtime call with the same correlation id) happened inside the range, so a
-replayed CUDA graph's kernels count for the stage that replayed it; on the CPU, each range's operator tree
-(`FunctionEvent.cpu_children`). Nothing parses the trace file. This is host work: the farm does it on its
-results thread, while the device runs the next job.
+The caller picks the jobs and hands a `JobProfiler` to the session, which starts it before the job's
+setup and stops it once the output is read back. The job's clock opens a `dsocr::<stage>` range around
+every stage, and only the sampled decode steps (`DecodeSample`) are recorded, so that a long job's trace
+stays small. `JobProfiler.collect` (host work, run after the clock finished) turns the profile into a
+`JobProfile`: the gzipped Chrome trace and the kernel summary, from torch.profiler's own event list. On a
+GPU a stage's kernels are those launched inside its range, so a replayed CUDA graph's kernels count for
+the stage that replayed it; on the CPU, each range's operator tree.
 """
 
 from __future__ import annotations
@@ -66,7 +56,9 @@ class DecodeSample:
     width: int = 2
 
     def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and (step < self.first or any(at <= step < at + self.width for at in self.later))
+        return isinstance(step, int) and (
+            step < self.first or any(at <= step < at + self.width for at in self.later)
+        )
 
 
 class JobProfiler:
@@ -74,11 +66,14 @@ class JobProfiler:
 
     def __init__(self, device: torch.device, sample: DecodeSample | None = None) -> None:
         self.activity: Activity = "cuda" if device.type == "cuda" else "cpu"
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.activity == "cuda" else [])
+        self.activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.activity == "cuda" else []
+        )
         self.sample = sample or DecodeSample()
         self.steps: list[int] = []  # the decode steps recorded
-        self._profile = profile(activities=self.activities, record_shapes=False, with_stack=False,
-                                profile_memory=False)  # fmt: skip
+        self._profile = profile(
+            activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False
+        )
         self._step: record_function | None = None
         self._collecting = True
         self._running = False
@@ -105,7 +100,9 @@ class JobProfiler:
                 yield
             finally:
                 if name == DECODE:
-                    if self._step is not None:  # each step that ran closed its range at the next mark: this one never ran
+                    if (
+                        self._step is not None
+                    ):  # each step that ran closed its range at the next mark: this one never ran
                         self.steps.pop()
                     self._close_step()
                     self._collect(True)
@@ -156,7 +153,9 @@ def summarize(events: Any, clock: StageTimes, activity: Activity, steps: list[in
             name = event.name.removeprefix(RANGE_PREFIX)
             # The decode's row is its sampled steps' (the decode's own range spans the unsampled ones too).
             if name.startswith(STEP_RANGE):
-                if int(name.removeprefix(STEP_RANGE)) in steps:  # not the range opened for a step that never ran
+                if (
+                    int(name.removeprefix(STEP_RANGE)) in steps
+                ):  # not the range opened for a step that never ran
                     ranges[DECODE].append(event)
             elif name != DECODE:
                 ranges[name].append(event)
@@ -197,10 +196,16 @@ def _device_work_by_launch(events: Any) -> list[tuple[float, Any]]:
     as its `id`, and that runtime call is a host event with the same id. Attributing by the launch's host
     time puts a graph's kernels in the range that replayed it, which the operator tree cannot: a replay is
     no operator. The ranges' own device-side copies (`gpu_user_annotation`) are left out."""
-    launched_at = {e.id: e.time_range.start for e in events
-                   if e.device_type == DeviceType.CPU and e.name.startswith("cu") and "::" not in e.name}  # fmt: skip
-    return [(launched_at[e.id], e) for e in events
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE_PREFIX) and e.id in launched_at]  # fmt: skip
+    launched_at = {
+        e.id: e.time_range.start
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith("cu") and "::" not in e.name
+    }
+    return [
+        (launched_at[e.id], e)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE_PREFIX) and e.id in launched_at
+    ]
 
 
 def _tree(event: Any) -> Iterator[Any]:
@@ -209,7 +214,9 @@ def _tree(event: Any) -> Iterator[Any]:
         yield from _tree(child)
 
 
-def _stage(name: str, event_ms: float, work: list[tuple[str, float]], busy_us: float, span_us: float) -> StageKernels:
+def _stage(
+    name: str, event_ms: float, work: list[tuple[str, float]], busy_us: float, span_us: float
+) -> StageKernels:
     """One stage's row from its (kernel, duration us) list, its busy time and its span."""
     calls: dict[str, int] = defaultdict(int)
     totals: dict[str, float] = defaultdict(float)

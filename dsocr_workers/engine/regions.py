@@ -1,30 +1,12 @@
 """The fast engine's vision encoders and LM prefill, compiled one transformer block at a time (regional
-compilation).
+compilation), and replayed as CUDA graphs.
 
-Compiling `encode_sam` and `encode_clip` whole made one graph of 12 SAM blocks and one of 24 CLIP layers
-per view size: about 30 s of compilation per size on an H200 and, with an empty compile cache, five of
-the six minutes a worker needed before it was ready for gundam and the four fixed modes (issue 10 item 4,
-docs/benchmarks.md). The blocks of an encoder are one module class with the same code, so dynamo compiles
-each kind of block once per input shape and every layer of that kind reuses the graph (the weights are
-graph inputs): two SAM graphs per view size (windowed and global attention), one CLIP graph. The work
-between blocks (patch embedding, position tables, SAM's neck and compressor convolutions) runs eager: a
-few kernels per call.
-
-The LM prefill likewise (`RegionalPrefill`): the language model compiled whole was one graph of 12
-decoder layers, 31.7 s of a cold start on an H200 (17.2 s of it inductor's); compiled layer by layer it is
-two graphs, the dense first layer and the MoE layers, each dynamic in the prompt length and the cache
-bucket. Each layer gets its own cache layer, so no graph depends on which layer it runs.
-
-A tile group (2 or more tiles of one view size) has its batch dimension marked dynamic at every block's
-input, so one graph per block kind serves every crop grid of a mode. `maybe_`: a kernel may still guard
-on a range of batch sizes, which then costs a second graph instead of an error.
-
-Called block by block, the encoders spend host time per call (dynamo's guards over each block's weights,
-the compiled wrapper): on an H200 the prefill of a gundam page went from 29 ms (whole encoders compiled)
-to 35–49 ms, bound by the host. `GraphedVision` removes that: per page shape (the view groups' shapes),
-SAM over all the page's views is captured once into a CUDA graph and CLIP into another, then replayed.
-Capturing costs milliseconds once the blocks are compiled, so a new crop grid costs no compilation.
-`GraphedPrefill` does the same for the LM prefill, per prompt length padded to `PREFILL_BUCKET`.
+The blocks of an encoder share one module class, so dynamo compiles each kind of block once per input
+shape and every layer reuses the graph (the weights are graph inputs): far less compilation than whole
+encoders (docs/benchmarks.md, cold start). A tile group's batch dimension is marked dynamic, so one graph
+per block kind serves every crop grid. The LM prefill likewise, layer by layer, dynamic in the prompt
+length. Called block by block, the host becomes the bound; `GraphedVision` and `GraphedPrefill` capture
+a page shape's blocks (a padded prompt length's layers) once into CUDA graphs and replay them.
 """
 
 from __future__ import annotations
@@ -65,11 +47,13 @@ def _lm_layer(
     cache_layer: StaticLayer,
 ) -> torch.Tensor:
     # No mask: the fused attention attends causally over the prompt it writes to `cache_layer`.
-    return layer(hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer})
+    return layer(
+        hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer}
+    )
 
 
-# Distinct view sizes × block kinds a worker meets: 5 sizes (the four fixed modes' global views and
-# gundam's 640-px tiles) × (static, dynamic batch) for each kind, with room to spare.
+# Distinct view sizes × block kinds a worker meets (the fixed modes' global views and gundam's tiles,
+# static and dynamic batch), with room to spare.
 REGION_RECOMPILE_LIMIT = 32
 
 
@@ -78,18 +62,15 @@ def configure_dynamo() -> None:
     and its vision compile helpers, engine/coldstart/: their graphs must be the same)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     # Python floats as constants: the dynamic prefill otherwise traces them as symbolic floats, then
-    # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`;
-    # 31 s of a cold start on an H200 went to that second attempt).
+    # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`).
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
 
 
 class Compiler(Protocol):
-    """What makes the fast engine's regions (a SAM or CLIP block, an LM layer, the decode step) fast:
-    dynamo (`TorchCompiler`, compiling at the first call), AOTInductor packages built ahead and loaded at
-    start (engine/coldstart/aoti.py), or, in the build step, a recorder of the calls to build them from.
-    `name` is the region's kind ("sam_block", "clip_block", "clip_block_views", "lm_layer",
-    "decode_step"); `options` are torch.compile's for it."""
+    """What makes the fast engine's regions fast: dynamo (`TorchCompiler`), AOTInductor packages built
+    ahead (engine/coldstart/aoti.py), or, in the build step, a recorder of the calls. `name` is the
+    region's kind ("sam_block", "lm_layer", "decode_step", ...); `options` are torch.compile's."""
 
     # The decode step it makes still needs a CUDA graph around it (dynamo's reduce-overhead has one).
     decode_needs_graph: bool
@@ -103,8 +84,8 @@ class Compiler(Protocol):
 
 @dataclass
 class TorchCompiler:
-    """torch.compile with `backend`, each region compiled at its first call (so that making the engine's
-    runners imports and configures nothing of dynamo until a region runs)."""
+    """torch.compile with `backend`, each region compiled at its first call: nothing of dynamo is set up
+    until a region runs."""
 
     backend: str
     decode_needs_graph: bool = False
@@ -145,8 +126,7 @@ class RegionalVision:
         return hidden
 
     def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-        """transformers' SAM encoder forward (`DeepSeekOCR.encode_sam`) of each view group's pixels,
-        block by block."""
+        """`DeepSeekOCR.encode_sam` of each view group's pixels, block by block."""
         sam = self.model.sam
         hidden = [self._embed_patches(pixels) for pixels in groups]
         for layer in sam.layers:
@@ -159,8 +139,7 @@ class RegionalVision:
         if sam.pos_embed is not None:
             grid = (hidden.shape[1], hidden.shape[2])
             if grid not in self._positions:
-                # Interpolated once per view size: an antialiased resize of the table on every call
-                # otherwise (0.09 ms of a gundam page's SAM on an H200).
+                # Interpolated once per view size, not an antialiased resize of the table on every call.
                 self._positions[grid] = sam.interpolate_pos_encoding(*grid)
             hidden = hidden + self._positions[grid]
         return hidden
@@ -179,8 +158,7 @@ class RegionalVision:
 
 
 # Prompts are padded to a multiple of this many positions for the LM prefill (a graph per padded length,
-# `GraphedPrefill`): ~20 lengths cover every mode and gundam grid (73 to ~1 250 prompt tokens), for at
-# most 63 positions of padding (the 916-token prefill takes ~5.5 µs per position on an H200).
+# `GraphedPrefill`): a few tens of lengths cover every mode and grid, for padding that costs little.
 PREFILL_BUCKET = 64
 
 
@@ -193,14 +171,10 @@ class RegionalPrefill:
     """`generate.prefill` with each decoder layer made by `compiler`, over the prompt padded to
     `padded_length`: the same logits, the same cache for the prompt's positions and the same fill count.
 
-    The padding (zero embeddings after the prompt) changes nothing the prompt's positions compute: the
-    attention is causal and every other operation is per position. Its keys and values land in the
-    cache slots after the prompt, which decoding overwrites one by one before any query may read them
-    (a decode step writes its slot, then attends up to it). What runs between layers is eager: the rotary
-    tables, the final norm and the LM head at the last prompt position alone.
-
-    The layers need the fast engine's fused attention (`model.fused`), which writes a cache layer handed
-    to it without reading its layer index."""
+    The padding changes nothing the prompt's positions compute (causal attention; every other operation
+    is per position), and its keys and values land in cache slots that decoding overwrites before any
+    query reads them. The layers need the fused attention (`model.fused`), which writes the cache layer
+    handed to it."""
 
     def __init__(self, compiler: Compiler) -> None:
         self.compiler = compiler
@@ -213,17 +187,19 @@ class RegionalPrefill:
         padded[:, :length] = embeds
         return self.padded(model, padded, torch.tensor(length, device=embeds.device), cache)
 
-    def padded(self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    def padded(
+        self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache
+    ) -> torch.Tensor:
         """The prefill of a prompt of `length` (a 0-d int64 device tensor: no host value, so a CUDA graph
         replays it for any length) padded to `embeds`' [1, P, hidden]."""
         language_model = model.language_model
         padded, device = embeds.shape[1], embeds.device
         positions = torch.arange(padded, device=device)
-        cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates them
+        # StaticLayers, as DecodeBuffers allocates them.
+        cache_layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]
         position_embeddings = language_model.rotary_emb(embeds, positions.unsqueeze(0))
-        # Dynamic in the prompt length and the cache bucket from the first call (a static first graph
-        # would be compiled again at the second length), and only there: `dynamic=True` also made the
-        # hidden size a symbol, which a prompt of that many positions then shared and pinned.
+        # Dynamic in the prompt length and the cache bucket from the first call, and only there
+        # (`dynamic=True` made the hidden size a symbol, which a prompt of that length then pinned).
         for table in position_embeddings:
             self.compiler.mark_dynamic(table, 1)
         # A prefill fills the cache from slot 0 whatever it held: a graph's replay follows a job that
@@ -250,15 +226,10 @@ class _PrefillGraph:
 
 
 class GraphedPrefill:
-    """`RegionalPrefill` replayed as a CUDA graph per padded prompt length and cache bucket.
-
-    Compiled layer by layer, the prefill spends ~1 ms of host time per layer (dynamo's guards, the
-    compiled wrappers, their ~30 launches): ~12 ms for a 916-token prompt on an H200 against ~5 ms on
-    the device, which the host could only hide behind the vision graphs' ~12 ms. Replayed, it costs a
-    copy of the embeddings and a launch. A padded length met for the first time is run once (compiling
-    only if the layers never ran) and captured: tens of milliseconds, counted in `captured` for the
-    job's cold flags; `capture` does it ahead (the warm-up). One memory pool for all: replays run one at
-    a time, and the logits they return are copies."""
+    """`RegionalPrefill` replayed as a CUDA graph per padded prompt length and cache bucket: layer by
+    layer, the prefill costs more host time than device time. A new length is captured at its first
+    call (counted in `captured`) or ahead (`capture`). One memory pool: replays run one at a time and
+    return copies."""
 
     def __init__(self, regions: RegionalPrefill) -> None:
         self.regions = regions
@@ -277,7 +248,9 @@ class GraphedPrefill:
         weight = model.lm_head.weight
         embeds = torch.zeros(1, padded, weight.shape[1], device=weight.device, dtype=weight.dtype)
         length = torch.tensor(padded, device=embeds.device)
-        graph, (logits,) = capture_graph(lambda: [self.regions.padded(model, embeds, length, cache)], self._pool)
+        graph, (logits,) = capture_graph(
+            lambda: [self.regions.padded(model, embeds, length, cache)], self._pool
+        )
         self._graphs[key] = _PrefillGraph(embeds, length, cache, graph, logits)
         return self._graphs[key]
 
@@ -303,11 +276,9 @@ def capture_graph(
     of the captured call (replays overwrite them)."""
     run()  # compiles what is new and settles the allocator: nothing may compile during a capture
     graph = torch.cuda.CUDAGraph()
-    # cuBLAS keeps a workspace per stream outside any graph pool, and inductor's CUDA graph trees
-    # (the decode step) free those workspaces whenever they record: a graph that captured one then
-    # replays into freed memory (on an H200: "unspecified launch failure" at the replay after a
-    # decode graph was recorded). Cleared before and after, as the graph trees do, the workspace the
-    # capture needs is allocated in this pool and lives with it.
+    # cuBLAS keeps per-stream workspaces outside any graph pool, which inductor's graph trees free when
+    # they record; cleared before and after, as the graph trees do, the capture allocates its own
+    # workspace in this pool (otherwise a replay may run into freed memory).
     torch._C._cuda_clearCublasWorkspaces()
     try:
         with torch.cuda.graph(graph, pool=pool):
@@ -319,8 +290,7 @@ def capture_graph(
 
 @dataclass
 class _PageGraphs:
-    """The CUDA graphs of one page shape: SAM over every view group, then CLIP over SAM's outputs (its
-    static inputs are the SAM graph's outputs). Inputs and outputs stay at fixed addresses."""
+    """The CUDA graphs of one page shape: SAM over every view group, then CLIP over SAM's outputs."""
 
     pixels: list[torch.Tensor]
     sam: torch.cuda.CUDAGraph
@@ -333,11 +303,9 @@ class GraphedVision:
     """`RegionalVision` replayed as CUDA graphs, one pair (SAM, CLIP) per page shape: `sam(groups)` for
     all of a page's view groups, then `clip(features)` with the list `sam` returned.
 
-    A shape met for the first time runs the compiled blocks once (compilation, autotuning, the
-    allocator's first use) and is then captured; replays copy the pixels into the graph's inputs. All
-    graphs share one memory pool: they are replayed one at a time on one stream, and each was captured
-    while the outputs of those before it were alive, so a replay overwrites other graphs' temporaries,
-    never their outputs. A page's outputs are read (projector, layout) before the next page's vision."""
+    A new shape runs the compiled blocks once and is then captured; replays copy the pixels into the
+    graph's inputs. All graphs share one memory pool: they replay one at a time on one stream, each
+    captured while the outputs before it were alive, so a replay never overwrites another's outputs."""
 
     def __init__(self, regions: RegionalVision) -> None:
         self.regions = regions
@@ -361,11 +329,16 @@ class GraphedVision:
 
     def clip(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         page = self._current
-        if page is None or len(features) != len(page.sam_out) or any(
-                f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True)):  # fmt: skip
+        if (
+            page is None
+            or len(features) != len(page.sam_out)
+            or any(f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True))
+        ):
             raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
         if page.clip is None:
-            page.clip, page.clip_out = capture_graph(lambda: self.regions.encode_clip(page.sam_out), self._pool)
+            page.clip, page.clip_out = capture_graph(
+                lambda: self.regions.encode_clip(page.sam_out), self._pool
+            )
         page.clip.replay()
         assert page.clip_out is not None
         return list(page.clip_out)
@@ -382,10 +355,8 @@ class GraphedDecode:
     """A decode step that is not a CUDA graph itself (an AOTInductor runner: engine/coldstart/aoti.py)
     replayed as one per cache bucket and n-gram state, as dynamo's reduce-overhead mode replays its own.
 
-    The capture calls the step once uncaptured first, which writes a token and advances the decode
-    state; the state's counters (the token count, the cache layers' fill counts) are put back after it,
-    so that the replay that follows makes that step again, in the same slots: a job's first step on a
-    new bucket gives the tokens any other step gives."""
+    The capture's uncaptured first call advances the decode state; its counters (token count, cache
+    fill counts) are put back after it, so that the replay that follows makes that step again."""
 
     step: Callable[..., torch.Tensor]
     _pool: Any = field(default_factory=lambda: torch.cuda.graph_pool_handle())
@@ -399,8 +370,15 @@ class GraphedDecode:
         key = (id(cache), id(ban), step_key(options))
         found = self._graphs.get(key)
         if found is None:
-            counters = [ban.length, *(t for layer in cache.layers for t in vars(layer).values()
-                                      if isinstance(t, torch.Tensor) and t.dim() == 0)]  # fmt: skip
+            counters = [
+                ban.length,
+                *(
+                    t
+                    for layer in cache.layers
+                    for t in vars(layer).values()
+                    if isinstance(t, torch.Tensor) and t.dim() == 0
+                ),
+            ]
             saved = [counter.clone() for counter in counters]
             graph, (token,) = capture_graph(lambda: [self.step(model, cache, ban, options)], self._pool)
             for counter, value in zip(counters, saved, strict=True):

@@ -1,41 +1,15 @@
-"""Stage timings and NVTX ranges for one inference job (DESIGN §3).
+"""Stage timings and NVTX ranges for one inference job: the stage clock.
 
-Every stage is an NVTX range in the domain `dsocr` and a timing: CUDA events on a CUDA device, so
-asynchronous GPU work is timed on the GPU's own clock, and `time.perf_counter` on the CPU, where the
-work is synchronous and a host clock is right. `preprocess` and `postprocess` are host work on every
-device and always use the host clock: CUDA events around them would measure the GPU's queue instead.
+Every stage (named in the registry, dsocr_workers/stages.py) is an NVTX range in the domain `dsocr` and
+a timing: CUDA events on a CUDA device, so GPU work is timed on the GPU's clock, `time.perf_counter` on
+the CPU and for host stages (`preprocess`, `postprocess`). End-to-end is the host time from entering the
+first stage to leaving the last; what no part covers is `host_gap`. `page_wait` (a page prepared ahead
+waiting for its job) is left out of end-to-end. The job's span on the device (`DeviceSpan`) is in host
+time, comparable across a process's jobs.
 
-The stages are the registry's (dsocr_workers/stages.py: their names, which use the host clock, how they
-nest). The job's top-level stages are its parts (JOB_PARTS); end-to-end is the host time from entering
-the first stage to leaving the last, and whatever it holds that no part covers is the named `host_gap`
-(host work between stages, launch latency, the host's wake-up after a wait). The engine's last stage
-is host work after the output was read back, so its end is when the job really ended. One interval is
-left out of end-to-end and named apart: `page_wait`, from the end of `preprocess` to the start of the
-first device stage. A page prepared ahead (on another thread, while the previous job had the device)
-waits there for its job; that is no work of the job's, and a page prepared in line waits microseconds.
-
-The job's span on the device (`DeviceSpan`) is read once it finished: from its first device stage's
-start to its last one's end. The last (the engine's readback) waits for the device, so the host reading
-at its end is when the device finished, and on CUDA the start is that reading less the events' elapsed
-time: host-clock times comparable across the jobs of a process (the device's idle time between jobs).
-
-Nothing here synchronizes until `finish()`, which synchronizes once and turns the events into
-milliseconds. Decode steps use events preallocated per clock (pooled across jobs), so a step
-boundary costs one `cudaEventRecord` and no allocation.
-
-StageClock is host code: call it around compiled regions, never from inside a function handed to
-`torch.compile` or captured into a CUDA graph. The engine's stage boundaries (and `mark_step`) sit in
-the Python decode loop, outside the compiled decode step; `stage()` refuses to run while dynamo
-traces.
-
-Instrumentation is on unless the clock is built with `nvtx_enabled=False, timing_enabled=False`: the
-session decides for its jobs (`DeepSeekOCRSession.instrumented`, from `DSOCR_INSTRUMENTATION` where the
-session is built), so no clock reads the environment.
-
-NVTX: messages are registered strings, so a message per stage name costs nothing per call; the job
-id goes into the message ("decode [job 42]") because NVTX's classic payloads are numbers only, and
-into the int64 payload as well when the id is an integer. With no profiler attached the `nvtx`
-package hands out a dummy domain whose push/pop do nothing (see benchmarks/bench_nvtx.py).
+Nothing synchronizes until `finish()`. Decode steps use events pooled across clocks, so a step boundary
+costs one `cudaEventRecord`. A clock is host code: never call it inside a compiled or captured function
+(`stage()` refuses while dynamo traces). The session decides whether its clocks instrument.
 """
 
 from __future__ import annotations
@@ -71,8 +45,8 @@ class _Entry:
     host_end: float = 0.0
 
 
-# Decode step events are reused across clocks on the same device: building a clock's `STEP_CAPACITY`
-# CUDA events per job would cost milliseconds. A clock takes a list at construction and gives it back in finish().
+# Decode step events are reused across clocks on the same device, rather than `STEP_CAPACITY` new CUDA
+# events per job: a clock takes a list at construction and gives it back in finish().
 _STEP_EVENT_POOL: dict[torch.device, list[list[torch.cuda.Event]]] = {}
 # Step boundaries a clock holds events for: a batch-1 job's decode steps at the largest token budget.
 STEP_CAPACITY = 8192
@@ -119,9 +93,8 @@ class StageClock:
         self.timing_enabled = timing_enabled
         self.cuda = self.device.type == "cuda"
         self.entries: list[_Entry] = []
-        # Every NVTX push/pop this clock issued, in order, as (kind, stage name): the observable
-        # record of the ranges (checked by tests and `dsocr verify`), kept whether or not a profiler
-        # is attached to receive them.
+        # Every NVTX push/pop this clock issued, in order, as (kind, stage name): the record `dsocr
+        # verify` checks, kept whether or not a profiler is attached.
         self.nvtx_log: list[tuple[str, str]] = []
         self._open: list[int] = []
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
@@ -135,8 +108,7 @@ class StageClock:
         self._step_ms: list[float] = []
         self._ttft_from_device_start_ms = 0.0
         self._device_span: DeviceSpan | None = None
-        # A profiled job's profiler (engine/profiling.py): its ranges open around the stages, outside the
-        # clock's own marks, and the step marks choose the decode steps it records. Set by the session.
+        # A profiled job's profiler, set by the session: its ranges open around the stages.
         self.profiler: JobProfiler | None = None
 
     # ---- marks -----------------------------------------------------------------------------------
@@ -193,8 +165,7 @@ class StageClock:
             self._open.pop()
 
     def mark_step(self) -> None:
-        """A decode step boundary. Records one preallocated CUDA event (no sync, no allocation
-        unless more than `step_capacity` boundaries are marked), or reads perf_counter on the CPU."""
+        """A decode step boundary: one preallocated CUDA event, or perf_counter on the CPU."""
         if self.timing_enabled and self.cuda:
             if self._n_steps == len(self._step_events):
                 self._step_events.append(torch.cuda.Event(enable_timing=True))
@@ -208,16 +179,14 @@ class StageClock:
     # ---- results ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for this clock's last mark on the device and resolve every mark into milliseconds.
-        Idempotent. It waits for its own events, not the whole device: a job's clock may be finished
-        on another thread while the device already runs the next job (farm/job/ledger_threads.py)."""
+        """Wait for this clock's own marks (not the whole device: the next job may already run) and resolve
+        them into milliseconds. Idempotent."""
         if self._resolved is not None:
             return
         if self._open:
             raise RuntimeError(f"stages still open: {[self.entries[i].name for i in self._open]}")
         if self.cuda:
-            # Every stage's end, and the last step mark (the steps complete in order): a few waits, each
-            # on a mark that is usually complete already.
+            # Every stage's end and the last step mark (steps complete in order).
             ends = [entry.end for entry in self.entries if isinstance(entry.end, torch.cuda.Event)]
             for mark in ends + self._step_events[: self._n_steps][-1:]:
                 mark.synchronize()
@@ -257,7 +226,7 @@ class StageClock:
 
     def _span(self) -> DeviceSpan | None:
         """The job on the device, on the host clock, anchored at the end of its last device stage (which
-        waits for the device: see the module docstring)."""
+        waits for the device)."""
         device = self._device_entries()
         if not device:
             return None
@@ -304,8 +273,7 @@ class StageClock:
         return None if entry.parent is None else self.entries[entry.parent].name
 
     def nesting_ok(self) -> bool:
-        """Every nested stage lies within its parent's interval, and its time within the parent's.
-        Host-clock stages can only be compared with host-clock parents and vice versa."""
+        """Every nested stage lies within its parent's interval (compared on the same clock only)."""
         self._require_finished()
         if not self.timing_enabled:
             return True

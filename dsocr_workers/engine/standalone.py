@@ -20,7 +20,7 @@ from dsocr_workers.engine.result import DecodeOptions, InferenceResult, result_d
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants import AUTO
-from dsocr_workers.model.config import DEFAULT_MODE
+from dsocr_workers.model.config import DEFAULT_MODE, MAX_CROPS
 from dsocr_workers.model.images import load_image
 from dsocr_workers.model.postprocess import parse_markup, write_outputs
 from dsocr_workers.model.preprocess import build_prompt
@@ -65,7 +65,7 @@ class PageRequest:
     mode: str = DEFAULT_MODE
     max_new_tokens: int | None = None  # None: up to the model's positions
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    max_crops: int = 9
+    max_crops: int = MAX_CROPS
 
 
 def check_page(request: PageRequest) -> Image.Image:
@@ -117,7 +117,9 @@ def demo_page() -> Image.Image:
     draw = ImageDraw.Draw(page)
     draw.text((60, 40), "Synthetic page for dsocr verify", fill="black")
     for k in range(18):
-        draw.text((60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black")
+        draw.text(
+            (60, 90 + 22 * k), f"line {k:02d}: the quick brown fox jumps over the lazy dog", fill="black"
+        )
     for r in range(5):
         for c in range(4):
             draw.rectangle((60 + 110 * c, 520 + 40 * r, 170 + 110 * c, 560 + 40 * r), outline="black")

@@ -16,8 +16,9 @@ def count_gpus(environ: Mapping[str, str] = os.environ) -> int:
     """The GPUs this process may use: those `nvidia-smi` lists, narrowed to `CUDA_VISIBLE_DEVICES` where
     it is set (the indices of `--gpus` count those, as CUDA does: see_only_this_gpu)."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True,
-                             env=dict(environ))  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True, env=dict(environ)
+        )
     except (OSError, subprocess.SubprocessError):
         return 0
     count = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
@@ -54,8 +55,10 @@ def parse_devices(gpus: str, environ: Mapping[str, str] = os.environ) -> list[st
     count = count_gpus(environ)
     if max(indices) >= count:
         missing = ", ".join(str(i) for i in indices if i >= count)
-        raise InputError(f"--gpus {gpus}: no GPU {missing} on this host ({_gpus_seen(count, environ)}); "
-                         "name GPUs that are there, or use --gpus cpu")  # fmt: skip
+        raise InputError(
+            f"--gpus {gpus}: no GPU {missing} on this host ({_gpus_seen(count, environ)}); "
+            "name GPUs that are there, or use --gpus cpu"
+        )
     return [f"cuda:{i}" for i in indices]
 
 
@@ -70,10 +73,9 @@ def _gpus_seen(count: int, environ: Mapping[str, str]) -> str:
 
 def see_only_this_gpu(device: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     """The device a Celery child runs on once it sees only its own GPU (`CUDA_VISIBLE_DEVICES`): `cuda:0`
-    in every child, whichever GPU it has. Inductor's compiled graphs name their device's index, so a
-    compile cache filled on cuda:0 served only the children on cuda:0 (2 x H200: the child on cuda:1
-    compiled 34 s of graphs the warm cache held for cuda:0, docs/benchmarks.md). Call before CUDA is
-    initialised in this process; otherwise, or for a device that is not one GPU, `device` as it is."""
+    in every child, whichever GPU it has: inductor's compiled graphs name their device's index, so one
+    compile cache then serves every child. Call before CUDA is initialised in this process; otherwise,
+    or for a device that is not one GPU, `device` as it is."""
     import torch
 
     if not device.startswith("cuda:") or torch.cuda.is_initialized():

@@ -1,25 +1,13 @@
 """Liveness without a command: every process that runs jobs beats a heart in a thread of its own.
 
-Each beat (every `DSOCR_HEARTBEAT_SECONDS`, 10 s by default):
-
-1. renews the lease of every job this process holds and stamps its `worker_processes` row, so a job
-   whose worker lives never loses its lease however long it runs (the hard time limit ends a stuck one);
-2. in a Celery worker, sweeps its queues: every job whose lease expired — its holder stopped beating:
-   killed with its parent, frozen, cut off from the database — is set back to `queued`, or poisoned at
-   the attempt cap; every waiting job whose reservation expired (its reserver's lane fetched it to run
-   next, then stopped beating) loses it; every message the broker has held as delivered for two
-   leases (two minutes at least) whose job nobody reserved or claimed (its worker died within
-   milliseconds of fetching it) is taken back. The messages the dead worker held go back to the head of their
-   queues (`bring_back_job_messages`: taken out of Redis's unacknowledged set, where they would otherwise
-   wait out the visibility timeout, an hour by default), so such a job is taken before any job queued
-   since. A dead worker's job is back in its queue at most lease + heartbeat (70 s by default) after the
-   holder's last beat: no `dsocr reconcile` typed, no beat process to deploy. The messages are put back
-   inside the sweep's transaction: a broker error rolls the change back for the next sweep; a commit
-   that fails after it leaves a message whose claim sees an expired lease (or a stale reservation, which
-   a claim ignores) and takes the job, as it would anyway.
-
-A beat is one short transaction; the thread holds the GIL only for that, a few milliseconds every ten
-seconds, next to jobs that the engine times with CUDA events.
+Each beat (every `DSOCR_HEARTBEAT_SECONDS`) renews the lease of every job this process holds and stamps
+its `worker_processes` row, so a job whose worker lives never loses its lease. In a Celery worker it
+also sweeps its queues: a job whose lease expired (its holder stopped beating) is queued again or
+poisoned at the attempt cap; a reservation that expired is dropped; a message delivered long ago whose
+job nobody reserved or claimed is taken back. The dead worker's messages go back to the head of their
+queues rather than waiting out the visibility timeout, inside the sweep's transaction (a broker error
+rolls the change back for the next sweep). A dead worker's job is back in its queue at most lease +
+heartbeat after its last beat. A beat is one short transaction.
 """
 
 from __future__ import annotations
@@ -70,24 +58,29 @@ class Beat:
     orphaned: list[str]  # jobs whose message a worker held past `orphaned_after_s`, nobody on the job
 
 
-# A lane fetches its first two messages as it connects, while its child still imports (16 s on the
-# loaded 2-core CI machine, longer than the suite's 15 s lease): its reservations come only once the
-# child is up. Taking such a message back would hand a live lane's job to another worker as well.
+# A lane fetches its first two messages while its child still imports, which can take longer than a
+# short lease: its reservations come only once the child is up, and taking such a message back would
+# hand a live lane's job to another worker as well.
 ORPHAN_FLOOR_S = 120
 
 
 def orphaned_after_s(settings: Settings) -> float:
     """How long a message may sit delivered, its job waiting and unreserved, before a sweep takes it back:
-    two leases, and never under ORPHAN_FLOOR_S (2 minutes at the defaults rather than the visibility
-    timeout's hour)."""
+    two leases, and never under ORPHAN_FLOOR_S."""
     return max(2 * settings.lease_s, ORPHAN_FLOOR_S)
 
 
 class Heartbeat:
     def __init__(
-        self, db: Database, owner: str, settings: Settings, *, device: str, queues: tuple[str, ...],
+        self,
+        db: Database,
+        owner: str,
+        settings: Settings,
+        *,
+        device: str,
+        queues: tuple[str, ...],
         sweep: Sweep | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.db, self.owner, self.settings = db, owner, settings
         self.device, self.queues, self.sweep = device, queues, sweep
         self.registered = False  # this process has its `worker_processes` row
@@ -99,22 +92,34 @@ class Heartbeat:
         """One beat, in the caller's thread (the heartbeat thread, or a test)."""
         now = now or utcnow()
         row = {
-            "id": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "device": self.device,
-            "queues": ",".join(self.queues), "started_at": now, "heartbeat_at": now,
-        }  # fmt: skip
+            "id": self.owner,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": self.device,
+            "queues": ",".join(self.queues),
+            "started_at": now,
+            "heartbeat_at": now,
+        }
         with self.db.transaction() as session:
             upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
-            renewed = ledger.renew_leases(session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go))
+            renewed = ledger.renew_leases(
+                session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go)
+            )
         self.registered = True
         if self.sweep is None:
             return Beat(renewed, [], [], [], [])
         with self.db.transaction() as session:
             expired = ledger.expire_leases(
-                session, max_attempts=self.settings.max_attempts, now=now, queues=self.sweep.queues,
+                session,
+                max_attempts=self.settings.max_attempts,
+                now=now,
+                queues=self.sweep.queues,
                 spare_owner=self.owner,
-            )  # fmt: skip
+            )
             if expired.to_bring_back:
-                self.sweep.publish(session, expired.to_bring_back)  # raises: rolled back, the next sweep tries again
+                self.sweep.publish(
+                    session, expired.to_bring_back
+                )  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
         for job_id, queue in expired.unreserved:
@@ -123,19 +128,24 @@ class Heartbeat:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
         orphaned = self._take_back_orphans(now, brought_back={job_id for job_id, _ in expired.to_bring_back})
         for job_id in orphaned:
-            log.warning("job %s: its message sat with a worker that never took the job up; back on its queue", job_id)
+            log.warning(
+                "job %s: its message sat with a worker that never took the job up; back on its queue", job_id
+            )
         return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
-        """The messages a worker died holding before its child reserved or claimed their jobs (the
-        milliseconds between its lane's fetch and the child's reservation, or a claim under way): no
-        lease or reservation names them, so only the broker knows, and it would keep them for the
-        visibility timeout. One held `orphaned_after_s` whose job is still waiting and unreserved is put
-        back at the head of its queue. A live worker that was merely slow to reserve it runs its copy
-        anyway: the claim lets one delivery run the job."""
+        """The messages a worker died holding before its child reserved or claimed their jobs, which only
+        the broker knows of: one held `orphaned_after_s` whose job is still waiting and unreserved goes
+        back to the head of its queue (a merely slow worker's copy is refused by the claim)."""
         assert self.sweep is not None
-        cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(self.settings)  # the ledger's times are naive UTC
-        held = [job_id for job_id, since in self.sweep.delivered().items() if since <= cutoff and job_id not in brought_back]
+        cutoff = now.replace(tzinfo=UTC).timestamp() - orphaned_after_s(
+            self.settings
+        )  # the ledger's times are naive UTC
+        held = [
+            job_id
+            for job_id, since in self.sweep.delivered().items()
+            if since <= cutoff and job_id not in brought_back
+        ]
         if not held:
             return []
         with self.db.transaction() as session:

@@ -32,7 +32,10 @@ from dsocr_workers.settings import Settings
 
 
 def ledger_retrying(
-    *, attempts: int | None = None, until: threading.Event | None = None, sleep: Callable[[float], None] | None = None
+    *,
+    attempts: int | None = None,
+    until: threading.Event | None = None,
+    sleep: Callable[[float], None] | None = None,
 ) -> Retrying:
     """Calls again after a TransientError, `attempts` tries in all (None: no limit) or until the event
     `until` is set; the last error is raised. `sleep`: how to wait (e.g. an event's wait, cut short when
@@ -53,4 +56,6 @@ def job_retry_in_s(attempt: int, settings: Settings) -> float:
     """When a job whose attempt `attempt` failed is delivered again."""
     from celery.utils.time import get_exponential_backoff_interval
 
-    return float(get_exponential_backoff_interval(2, attempt, settings.retry_backoff_max_s, full_jitter=True) + 1)
+    return float(
+        get_exponential_backoff_interval(2, attempt, settings.retry_backoff_max_s, full_jitter=True) + 1
+    )

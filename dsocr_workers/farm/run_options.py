@@ -100,5 +100,9 @@ class RunOptions:
     @property
     def decode_options(self) -> DecodeOptions:
         """The run's decode policy, as the engine takes it."""
-        return DecodeOptions(ignore_eos=self.ignore_eos, stop_on_repetition=self.stop_on_repetition,
-                             no_repeat_ngram_size=self.no_repeat_ngram_size, ngram_window=self.ngram_window)  # fmt: skip
+        return DecodeOptions(
+            ignore_eos=self.ignore_eos,
+            stop_on_repetition=self.stop_on_repetition,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+            ngram_window=self.ngram_window,
+        )

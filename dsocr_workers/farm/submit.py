@@ -3,8 +3,6 @@
 If the broker fails halfway, the jobs not yet sent stay `pending` in the ledger and
 `dsocr reconcile --run ID` sends them; nothing is lost.
 
-`dsocr submit` is `submit_run`, `dsocr reconcile` is `reconcile_run`; `dsocr run` records with
-`prepare_run` too (farm/local_run.py).
 """
 
 from __future__ import annotations
@@ -168,8 +166,16 @@ class PreparedRun:
     references: dict[str, dict[str, Any]]  # by image, with a ground truth
 
     def record(self, db: Database, queue: str) -> SubmittedRun:
-        return record_run(db, self.listed, self.options, queue=queue, name=self.name, tags=self.tags,
-                          ground_truth=self.ground_truth, references=self.references)  # fmt: skip
+        return record_run(
+            db,
+            self.listed,
+            self.options,
+            queue=queue,
+            name=self.name,
+            tags=self.tags,
+            ground_truth=self.ground_truth,
+            references=self.references,
+        )
 
 
 def prepare_run(request: RunRequest, on_bad_lines: Callable[[str], None]) -> PreparedRun:
@@ -238,11 +244,9 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
 def reconcile_and_enqueue(
     db: Database, app: Any, settings: Settings, *, run_id: str | None = None
 ) -> tuple[ledger.ReconcilePlan, int]:
-    """Expire stale leases and reservations, then send a message for every open job that Redis holds
-    none for. A job whose message waits in its queue gets no duplicate, nor does one delivered to a worker
-    (prefetched, or in a retry's countdown) unless its lease or reservation just expired: then its holder
-    is gone, and its message, which would only come back after the visibility timeout, is put back at the
-    head of its queue (or sent again where it is gone). Returns the plan and the messages sent or put back."""
+    """Expire stale leases and reservations, then send a message for every open job that Redis holds none
+    for; a delivered message whose holder just expired is put back at the head of its queue. Returns the
+    plan and the messages sent or put back."""
     with db.transaction() as session:
         plan = ledger.reconcile(session, max_attempts=settings.max_attempts, run_id=run_id)
     try:
@@ -250,8 +254,14 @@ def reconcile_and_enqueue(
             settings.broker_url, settings.broker_key_prefix, (queue for _, queue in plan.requeue)
         )
     except (redis.RedisError, ValueError, KeyError, IndexError) as exc:
-        raise TransientError(f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}") from exc
-    abandoned = [(job_id, queue) for job_id, queue in plan.requeue if job_id in plan.expired_ids and job_id not in waiting]
+        raise TransientError(
+            f"cannot read the broker's queues ({redacted(settings.broker_url)}): {exc}"
+        ) from exc
+    abandoned = [
+        (job_id, queue)
+        for job_id, queue in plan.requeue
+        if job_id in plan.expired_ids and job_id not in waiting
+    ]
     if abandoned:
         from kombu.exceptions import OperationalError
 
@@ -259,7 +269,9 @@ def reconcile_and_enqueue(
             with db.transaction() as session:
                 bring_back_job_messages(app, session, abandoned)
         except (OperationalError, OSError, redis.RedisError) as exc:
-            raise TransientError(f"broker unavailable while putting back {len(abandoned)} messages: {exc}") from exc
+            raise TransientError(
+                f"broker unavailable while putting back {len(abandoned)} messages: {exc}"
+            ) from exc
     held = waiting | delivered | plan.expired_ids
     sent = enqueue(db, app, [(job_id, queue) for job_id, queue in plan.requeue if job_id not in held])
     return plan, len(abandoned) + sent

@@ -136,7 +136,9 @@ def _safetensors_files(directory: Path) -> list[Path]:
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{directory}: files named by {INDEX_FILE} are missing: {', '.join(missing)}")
+            raise CheckpointError(
+                f"{directory}: files named by {INDEX_FILE} are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -146,7 +148,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def _fingerprint(directory: Path, files: list[Path]) -> str:
     """Cheap content fingerprint: config.json, every safetensors header, and 1 MiB samples from the
-    start, middle and end of each file's data (hashing 6.7 GB would add seconds to every worker start). A
+    start, middle and end of each file's data (hashing whole files would slow every worker start). A
     header is hashed with its keys sorted: safetensors writes the metadata in a hash map's order, which
     changes from one write of the same tensors to the next."""
     digest = hashlib.sha256((directory / "config.json").read_bytes())
@@ -163,7 +165,9 @@ def _fingerprint(directory: Path, files: list[Path]) -> str:
     return "sha256:" + digest.hexdigest()[:16]
 
 
-def _validate(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path) -> None:
+def _validate(
+    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path
+) -> None:
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
     misshaped = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
@@ -221,14 +225,13 @@ def load_checkpoint(
     return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
 
 
-def _read_state(handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_state(
+    handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Our state dict, read tensor by tensor from open safetensors files (vendor key → handle, opened
-    with `device=`): each tensor goes from the file's memory map onto the device and is converted to
-    `dtype` there, so what the process holds at any time is the model built so far plus the one tensor
-    in flight, never a second copy of the model (a bf16 file loaded in float32 on a GPU held both, 20 GB
-    for the full model; on the CPU a tensor already in `dtype` stays the file's mapped memory). The
-    routed experts are copied into transformers' fused tensors (`_OUR_EXPERTS`), allocated once per
-    layer on the device; the caller has validated the names and shapes, so every slice gets written."""
+    with `device=`): each tensor is converted to `dtype` on the device, so the process never holds a
+    second copy of the model. The routed experts are copied into transformers' fused tensors
+    (`_OUR_EXPERTS`); the caller has validated the names and shapes, so every slice gets written."""
     count = config.text.n_routed_experts
     state: dict[str, torch.Tensor] = {}
 
@@ -280,15 +283,16 @@ def build_vision_only(
     attn_implementation: str = "eager",
     experts_implementation: str = "eager",
 ) -> DeepSeekOCR:
-    """The model with zeros for the weights of its vision encoders and projector, on `device` as
-    `_materialize` leaves them (every tensor in `dtype`), and its language model left on the meta device
-    (no memory). Enough to compile the vision graphs (engine/coldstart/helpers.py): a graph depends on the
-    weights' shapes, dtypes and devices, never their values. Zeros, not uninitialised memory: an index
-    read from a buffer stays in range."""
+    """The model with zeros for the weights of its vision encoders and projector on `device`, and its
+    language model on the meta device: enough to compile the vision graphs, which depend on the weights'
+    shapes, dtypes and devices, never their values (zeros: an index read from a buffer stays in range)."""
     with torch.device("meta"):
         model = DeepSeekOCR(config, attn_implementation, experts_implementation)
-    vision = {key: torch.zeros(tensor.shape, device=device, dtype=dtype) for key, tensor in model.state_dict().items()
-              if not key.startswith(("language_model.", "lm_head."))}  # fmt: skip
+    vision = {
+        key: torch.zeros(tensor.shape, device=device, dtype=dtype)
+        for key, tensor in model.state_dict().items()
+        if not key.startswith(("language_model.", "lm_head."))
+    }
     model.load_state_dict(vision, strict=False, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -303,7 +307,8 @@ def build_zeroed(
 ) -> LoadedModel:
     """The whole model of a preset or checkpoint directory with zeros for every weight, as a load leaves
     it (`_materialize`), and its tokenizer; no weight is read. What the language compile helper compiles
-    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights' shapes,
+    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights'
+    shapes,
     dtypes and devices, never their values."""
     config = model_config(source)
     with torch.device("meta"):
@@ -345,44 +350,18 @@ def _materialize(
     return model.eval().requires_grad_(False)
 
 
-# --- presets -----------------------------------------------------------------------------------
-#
-# How the random weights are made. They were drawn on the CPU in float32 from one torch.Generator
-# walked through the tensors in order: 24-30 s for the full model's 3.3 B weights in a farm child, where
-# loading the same weights from a checkpoint takes ~2 s (issue 29). Now each weight is a pure function
-# of (seed, tensor name, position), computed on the device the model is built on:
-#
-#   value[i] = table_std[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
-#
-# with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements of a tensor, j = i − ⌈n/2⌉ and
-# its low 16 bits for the rest (one hash, two weights), and table_std the 65,536 quantiles of N(0, 1)
-# at the midpoints of 16-bit steps times the tensor's standard deviation (`_init_std`), rounded to
-# bfloat16 (the vendor's storage dtype) and to the target dtype on the CPU. On the device run only
-# 32-bit integer operations and a gather from the table, all exact: torch's int32 multiply and add wrap
-# around (two's complement) on the CPU and on CUDA, which is arithmetic mod 2³² (tests/model checks
-# the hash against Python's integers, on CUDA too where there is one; benchmarks/bench_load.py checks a
-# GPU's preset against the CPU's). The same seed thus gives bit-identical weights on the CPU and on any
-# GPU, whatever the order the tensors are made in: a preset is named by its name and seed alone (the
-# fingerprint holds the recipe's version, not a device), `save_preset` on one machine writes what
-# another builds in memory, and the CPU tests pin what a GPU builds. On the GPU this is ~20 int32
-# passes over 1.7 G words and a gather, memory-bound work (benchmarks/bench_load.py times it).
-#
-# Not chosen: a torch.Generator per tensor on the device (CUDA's Philox streams depend on the GPU's SM
-# count and torch's launch policy, so the same seed would name different weights on different GPUs and
-# the fingerprint would carry both), and a checkpoint written once per host into a cache directory (a
-# fresh host, as an autoscaled one always is, still pays the generation and 6.7 GB of writes, behind a
-# lock between the workers of a host).
-PRESET_WEIGHTS = "hash16-v1"  # the recipe above, in every preset's fingerprint: change it when the values change
+# --- presets: each random weight is a pure function of (seed, tensor name, position), made on the
+# device the model is built on, so a seed gives bit-identical weights on the CPU and any GPU.
+# `_fill_random_`'s recipe, in every preset's fingerprint: change it with the values.
+PRESET_WEIGHTS = "hash16-v1"
 _CPU = torch.device("cpu")
 _COUNTERS_PER_STEP = 1 << 22  # hashes per step of `_fill_random_`: its int32 temporaries stay at 16 MiB
 
 
 def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
-    """Standard deviation of the preset's random init for one tensor; None = constant (norms).
-
-    Larger-than-training scales on purpose (N(0,1) embeddings, variance-preserving matrices): with
-    every weight at N(0, 0.02) greedy output collapses to one repeated token and position bugs barely
-    move the logits (spec §12), which would make the split-vs-one-shot checks toothless."""
+    """Standard deviation of the preset's random init for one tensor; None = constant (norms). Larger
+    than training scales on purpose: at N(0, 0.02) greedy output collapses to one repeated token and
+    position bugs barely move the logits (spec §12), which would make the engine's checks toothless."""
     if "norm" in key and len(shape) == 1:
         return None
     if key.endswith("embed_tokens.weight") or key in ("image_newline", "view_seperator"):
@@ -398,7 +377,7 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
         fan_in *= size
     if key.startswith("language_model.") and key.endswith(("q_proj.weight", "k_proj.weight")):
         # Sharper attention: at the variance-preserving scale an off-by-one RoPE position in decode
-        # moves logits by ~0.5 and rarely flips a greedy token; at twice the scale it does.
+        # rarely flips a greedy token; at twice the scale it does.
         return 2 * fan_in ** -0.5
     return fan_in ** -0.5
 
@@ -416,7 +395,8 @@ def _int32(bits: int) -> int:
 
 
 def _shift_right_(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
-    """The logical right shift of int32 bit patterns into `out` (torch shifts a signed type arithmetically)."""
+    """The logical right shift of int32 bit patterns into `out` (torch shifts a signed type
+    arithmetically)."""
     torch.bitwise_right_shift(x, shift, out=out)
     return out.bitwise_and_((1 << (32 - shift)) - 1)
 
@@ -430,8 +410,14 @@ def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 def _fill_random_(flat: torch.Tensor, table: torch.Tensor, seed: int, key: str) -> None:
-    """Write tensor `key`'s weights of preset seed `seed` into `flat` (1-D, contiguous, on its device),
-    as the comment above the presets says: `table` holds the tensor's 65,536 possible values."""
+    """Write tensor `key`'s weights of preset seed `seed` into `flat` (1-D, contiguous, on its device):
+
+        value[i] = table[16 bits of lowbias32((a·j + b) mod 2³²)],   (a, b) from sha256("seed:name")
+
+    with j = i and the hash's high 16 bits for the first ⌈n/2⌉ elements, j = i − ⌈n/2⌉ and its low 16
+    bits for the rest. `table` holds the tensor's 65,536 possible values (N(0, 1)'s midpoint quantiles
+    times its deviation, rounded to bfloat16 then to the target dtype on the CPU). Only int32
+    arithmetic, which wraps alike on the CPU and CUDA, and a gather run on the device."""
     digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     multiplier = _int32(int.from_bytes(digest[:4], "little") | 1)  # odd: j ↦ a·j + b is a bijection mod 2³²
     offset = _int32(int.from_bytes(digest[4:8], "little"))
@@ -455,7 +441,7 @@ def preset_state(
     keys: Sequence[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded random weights, tensor by tensor in state-dict order (or `keys`, in their order), made on
-    `device` in `dtype` (the recipe above the presets). The values are bfloat16's whatever `dtype` (the
+    `device` in `dtype` (`_fill_random_`). The values are bfloat16's whatever `dtype` (the
     vendor's storage dtype: a saved preset reloads bit-identically), and the same on every device."""
     with torch.device("meta"):
         shapes = {key: tuple(t.shape) for key, t in DeepSeekOCR(config).state_dict().items()}
@@ -497,10 +483,9 @@ def build_preset(
 
 
 def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device = _CPU) -> Path:
-    """Write a preset as a checkpoint directory in the vendor layout (config.json, one safetensors
-    file + index, tokenizer files); it then loads through `load_checkpoint` like a real one, to the
-    same values `build_preset` makes on any device. The weights are made on `device`: a GPU is faster
-    and writes the same bytes (the CPU by default: no CUDA context behind a caller's back)."""
+    """Write a preset as a checkpoint directory in the vendor layout; it then loads through
+    `load_checkpoint` to the same values `build_preset` makes. The weights are made on `device` (a GPU
+    writes the same bytes; the CPU by default: no CUDA context behind a caller's back)."""
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     config = PRESETS[name]
@@ -509,7 +494,11 @@ def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torc
     state = dict(preset_state(config, seed, device=device))
     vendor = {key: tensor.contiguous().cpu() for key, tensor in to_vendor_state(state).items()}
     del state  # on a GPU: the device's copy goes before the file is written
-    save_file(vendor, str(directory / SAFETENSORS_FILE), metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"})
+    save_file(
+        vendor,
+        str(directory / SAFETENSORS_FILE),
+        metadata={"format": "pt", PRESET_METADATA_KEY: f"{name}:seed{seed}"},
+    )
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in vendor.values())},
         "weight_map": {key: SAFETENSORS_FILE for key in sorted(vendor)},

@@ -122,9 +122,13 @@ class OCRConfig:
         except (TypeError, AttributeError) as exc:
             raise CheckpointError(f"config.json does not describe a DeepSeek-OCR model: {exc}") from exc
         if cfg.get("use_mla", False):
-            raise CheckpointError("config.json asks for MLA attention (use_mla=true); DeepSeek-OCR v1 uses MHA")
+            raise CheckpointError(
+                "config.json asks for MLA attention (use_mla=true); DeepSeek-OCR v1 uses MHA"
+            )
         if cfg.get("norm_topk_prob", False):
-            raise CheckpointError("norm_topk_prob=true is not DeepSeek-OCR v1 (top-k weights are not renormalised)")
+            raise CheckpointError(
+                "norm_topk_prob=true is not DeepSeek-OCR v1 (top-k weights are not renormalised)"
+            )
         return cls(sam=sam, clip=clip, text=text)
 
     def to_vendor(self) -> dict[str, Any]:
@@ -245,6 +249,7 @@ def get_mode(mode: str | ModeSpec) -> ModeSpec:
 
 # The vendor's default mode: what a run, a warm-up or `dsocr infer` uses when nothing says otherwise.
 DEFAULT_MODE = "gundam"
+MAX_CROPS = 9  # the vendor's `max_num` for its tiling: the most tiles a crop-mode page is cut into
 # What a run may ask for (checked at submit, offered as CLI choices): the dtypes the engine loads weights
 # in (engine/session.py maps them to torch dtypes, with short aliases). The engines' names are the
 # engine's registry (engine/variants/).

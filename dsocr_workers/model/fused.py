@@ -1,8 +1,8 @@
 """The fast engine's decoder projections, fused: one GEMM for q, k and v, one for gate and up.
 
-At batch 1 every 1280-wide projection is a GEMV of ~3 MB that takes ~5 µs whatever its size (launch and
-tail bound, docs/benchmarks.md "What limits decode"): reading the three attention inputs, or the MLP's
-gate and up, as one matrix saves two launches per attention and one per MLP, 47 per decode step.
+At batch 1 every projection is a small GEMV bound by launch and tail, not by its size (docs/benchmarks.md
+"What limits decode"): reading the three attention inputs, or the MLP's gate and up, as one matrix saves
+two launches per attention and one per MLP.
 The modules replace transformers' in place after loading (their weights concatenated, the originals
 dropped), so checkpoints keep the vendor's layout; the eager engine, the numerical reference, keeps
 the unfused modules.
@@ -32,14 +32,20 @@ class AttendingCache(ABC):
     the slot's whole capacity cannot skip."""
 
     @abstractmethod
-    def update_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                          scaling: float) -> torch.Tensor: ...  # fmt: skip
+    def update_and_attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float
+    ) -> torch.Tensor: ...
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
-                      device=weight.device, dtype=weight.dtype)  # fmt: skip
+    fused = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=parts[0].bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(weight)
         if fused.bias is not None:
@@ -48,7 +54,8 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class FusedQKVAttention(nn.Module):
-    """transformers' DeepseekOcr2TextAttention with q, k and v read as one [3·heads·head_dim, hidden] matrix."""
+    """transformers' DeepseekOcr2TextAttention with q, k and v read as one [3·heads·head_dim, hidden]
+    matrix."""
 
     def __init__(self, attention: DeepseekOcr2TextAttention) -> None:
         super().__init__()
@@ -59,7 +66,11 @@ class FusedQKVAttention(nn.Module):
         self.scaling = attention.scaling
         self.attention_dropout = attention.attention_dropout
         self.is_causal = attention.is_causal
-        self.split = (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features)
+        self.split = (
+            attention.q_proj.out_features,
+            attention.k_proj.out_features,
+            attention.v_proj.out_features,
+        )
         self.qkv_proj = _fused_linear([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
 
@@ -78,24 +89,26 @@ class FusedQKVAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = (
-            part.view(hidden_shape).transpose(1, 2) for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
+            part.view(hidden_shape).transpose(1, 2)
+            for part in self.qkv_proj(hidden_states).split(self.split, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         if isinstance(cache, AttendingCache):
             output = cache.update_and_attend(query, key, value, self.layer_idx, self.scaling).transpose(1, 2)
             return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
         if isinstance(cache, StaticLayer):
-            # This layer's own cache (the fast engine's prefill, layer by layer: engine/regions.py). The
-            # layer index is not read: a compiled layer would take it as a constant, one graph per layer.
-            # That prefill fills the cache from slot 0, so the prompt's own keys are all its queries may
-            # see: causal attention over them (no mask: `attention_mask` is None there) instead of a
-            # masked pass over the whole cache bucket.
+            # This layer's own cache (the layer-by-layer prefill, engine/regions.py), its index unread: a
+            # compiled layer would take it as a constant. That prefill fills the cache from slot 0, so
+            # causal attention over the prompt's own keys replaces a masked pass over the whole bucket.
             cache.update(key, value)
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        output, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                                    **kwargs)  # fmt: skip
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = attention(
+            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 

@@ -1,22 +1,15 @@
 """Routed experts for a prompt: two Triton grouped GEMMs over the (token, expert) pairs sorted by expert.
 
-transformers' `grouped_mm` experts run a 916-token prefill's 5 496 pairs through CUTLASS's grouped GEMM:
-on an H200 0.18 ms per MoE layer for ~0.09 ms of expert weights to read (64 experts × 3 × 1280 × 896 in
-bf16 at ~4.8 TB/s), plus ~0.05 ms of kernels around it (the gather of sorted rows, the activation as its
-own pass, the unsort); 2.6 of the LM prefill's 4.7 ms over 11 layers (docs/benchmarks.md). Here each
-program block takes up to `m` pairs of one expert and `n` output columns: the gate+up kernel gathers the
-pairs' token rows itself and applies the activation before it stores, the down kernel applies the
-routing weight and stores each pair's row at its place in the token order; the top-k sum is one
-reduction. An expert's weights are read once per block of its pairs (about 86 pairs per expert here).
+Faster than transformers' `grouped_mm` experts, whose kernels around the GEMM (the gather of sorted rows,
+the activation as its own pass, the unsort) cost as much as reading the weights (docs/benchmarks.md,
+prefill). Each program block takes up to `m` pairs of one expert and `n` output columns: gate+up gathers
+the pairs' token rows itself and applies the activation before it stores; down applies the routing
+weight and stores each pair's row at its place in the token order. Block bookkeeping stays on the device
+(a fixed grid of `pairs / m + experts` blocks, the surplus exiting at once), so a CUDA graph captures it.
 
-Block bookkeeping stays on the device (no host sync, so a CUDA graph captures it): the pairs sorted by
-expert, each expert's pair count, and a fixed grid of `pairs / m + experts` blocks, of which those past
-the last expert's exit at once.
-
-Numerics follow `grouped_mm`'s as the decode kernels do (model/selected_experts.py): float32 accumulation,
-the projections rounded to the weights' dtype before the activation and before the routing weight, the
-top-k sum in float32. Float32 weights multiply in IEEE float32 (no TF32). On a CPU the kernels run only
-under Triton's interpreter (the tests).
+Numerics follow `grouped_mm`'s (float32 accumulation, projections rounded to the weights' dtype before
+the activation and the routing weight, the top-k sum in float32; float32 weights without TF32). On a
+CPU the kernels run only under Triton's interpreter (the tests).
 """
 
 from __future__ import annotations
@@ -40,12 +33,8 @@ class GroupedBlocks:
     stages: int
 
 
-# From benchmarks/probe_grouped_experts.py on an H200 (the full preset's MoE shape, 960 tokens, uniform
-# random routing, in a CUDA graph; m 128, n 64/128 per kernel, k 64/128, 2–4 stages, 8 warps): these run
-# the whole experts forward in 270.5 µs against 381.1 µs for transformers' grouped_mm, bit-identical
-# (compiled: 225.3 against 231.2 µs). 2-stage pipelines took 310–340 µs; the fastest, 259.7 µs (64-wide
-# down blocks), tied with these in another run. Other grid orders and configurations chosen from each
-# kernel alone were no faster inside the engine (docs/benchmarks.md).
+# The fastest of benchmarks/probe_grouped_experts.py's sweep at the full preset's MoE shape, in a CUDA
+# graph (docs/benchmarks.md, prefill experts).
 GATE_UP_BLOCKS = GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3)
 DOWN_BLOCKS = GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3)
 
@@ -76,9 +65,13 @@ def _grouped_gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        a = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + tokens[:, None] * hidden + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(a, tl.load(gate_w + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=PRECISION)
+        gate = tl.dot(
+            a, tl.load(gate_w + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=PRECISION
+        )
         up = tl.dot(a, tl.load(up_w + ks[:, None], mask=w_mask, other=0.0), up, input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -111,8 +104,11 @@ def _grouped_down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         acc = tl.dot(a, tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc,
                      input_precision=PRECISION)
     projected = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
@@ -160,7 +156,9 @@ def launch_grouped_experts(
     inter = down_proj.shape[2]
     pairs = tokens * top_k
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit inputs
-    order, block_expert, block_start, block_end = expert_blocks(top_k_index, gate_up_proj.shape[0], gate_up_blocks.m)
+    order, block_expert, block_start, block_end = expert_blocks(
+        top_k_index, gate_up_proj.shape[0], gate_up_blocks.m
+    )
     grid_blocks = block_expert.shape[0]
     activated = torch.empty(pairs, inter, dtype=hidden_states.dtype, device=hidden_states.device)
     wrap_triton(_grouped_gate_up_kernel)[(grid_blocks, triton.cdiv(inter, gate_up_blocks.n))](

@@ -20,10 +20,14 @@ from dsocr_workers.model.vision import ClipOnSam, build_sam, layout_image_tokens
 
 # transformers 5.24 renamed the decoder's KV-cache argument `past_key_values` to `cache` (the old name warns
 # until 5.40); 5.17, on the device images, knows only the old one. Callers pass {CACHE_ARGUMENT: cache}.
-CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(DeepseekOcr2TextModel.forward).parameters else "past_key_values"
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(DeepseekOcr2TextModel.forward).parameters else "past_key_values"
+)
 
 
-def text_config(dims: TextDims, attn_implementation: str, experts_implementation: str) -> DeepseekOcr2TextConfig:
+def text_config(
+    dims: TextDims, attn_implementation: str, experts_implementation: str
+) -> DeepseekOcr2TextConfig:
     config = DeepseekOcr2TextConfig(
         vocab_size=dims.vocab_size,
         hidden_size=dims.hidden_size,
@@ -58,7 +62,9 @@ class DeepSeekOCR(nn.Module):
     and `experts_implementation` (`experts.VENDOR_LOOP`, or transformers' "eager", "grouped_mm",
     "batched_mm") pick the kernels."""
 
-    def __init__(self, config: OCRConfig, attn_implementation: str = "eager", experts_implementation: str = "eager"):
+    def __init__(
+        self, config: OCRConfig, attn_implementation: str = "eager", experts_implementation: str = "eager"
+    ):
         super().__init__()
         self.config = config
         self.sam = build_sam(config.sam)
@@ -88,7 +94,9 @@ class DeepSeekOCR(nn.Module):
     def layout(
         self, global_tokens: torch.Tensor, local_tokens: torch.Tensor | None, crop_grid: tuple[int, int]
     ) -> torch.Tensor:
-        return layout_image_tokens(global_tokens, local_tokens, crop_grid, self.image_newline, self.view_seperator)
+        return layout_image_tokens(
+            global_tokens, local_tokens, crop_grid, self.image_newline, self.view_seperator
+        )
 
     # --- language model -----------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

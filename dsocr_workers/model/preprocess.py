@@ -19,7 +19,14 @@ import torch
 from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import BOS_TOKEN_ID, DEFAULT_MODE, IMAGE_TOKEN_ID, ModeSpec, get_mode
+from dsocr_workers.model.config import (
+    BOS_TOKEN_ID,
+    DEFAULT_MODE,
+    IMAGE_TOKEN_ID,
+    MAX_CROPS,
+    ModeSpec,
+    get_mode,
+)
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
@@ -61,7 +68,9 @@ class PreparedPage:
         host wait for the work queued on the stream before it, a copy from pinned memory does not."""
         pin = torch.Tensor.pin_memory
         tiles = None if self.tile_pixels is None else pin(self.tile_pixels)
-        return replace(self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles)
+        return replace(
+            self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles
+        )
 
     @property
     def global_view(self) -> torch.Tensor:
@@ -78,7 +87,7 @@ class PreparedPage:
 # Tiling and token schedule
 
 
-def crop_candidates(min_crops: int = 2, max_crops: int = 9) -> list[tuple[int, int]]:
+def crop_candidates(min_crops: int = 2, max_crops: int = MAX_CROPS) -> list[tuple[int, int]]:
     """(cols, rows) grids with min_crops <= cols*rows <= max_crops in the vendor's order.
 
     The vendor sorts a *set* by tile count, so among grids with the same count the order is CPython's
@@ -95,7 +104,7 @@ def crop_candidates(min_crops: int = 2, max_crops: int = 9) -> list[tuple[int, i
 
 
 def select_crop_grid(
-    width: int, height: int, *, min_crops: int = 2, max_crops: int = 9, tile: int = TILE_SIZE
+    width: int, height: int, *, min_crops: int = 2, max_crops: int = MAX_CROPS, tile: int = TILE_SIZE
 ) -> tuple[int, int]:
     """The (cols, rows) tile grid of crop mode (spec §3.5); (1, 1) when the image fits one tile."""
     if width <= 0 or height <= 0:
@@ -133,7 +142,7 @@ def count_image_tokens(mode: ModeSpec, crop_grid: tuple[int, int]) -> int:
     return n
 
 
-def most_image_tokens(mode: ModeSpec, max_crops: int = 9) -> int:
+def most_image_tokens(mode: ModeSpec, max_crops: int = MAX_CROPS) -> int:
     """The most placeholders a page can take in `mode`: with tiles, the grid whose rows bring the most
     newlines (1×9 takes 80 more than 9×1, for the same tiles)."""
     grids = crop_candidates(2, max_crops) if mode.crop_mode else []
@@ -168,8 +177,9 @@ def _text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int],
     return (list(encode(before)) if before else []), (list(encode(after)) if after else [])
 
 
-def longest_prompt(encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None,
-                   max_crops: int = 9) -> int:  # fmt: skip
+def longest_prompt(
+    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = MAX_CROPS
+) -> int:
     """The most prompt tokens a page can make in `mode` with `prompt`: BOS, the text, and the image
     placeholders of its largest grid (`most_image_tokens`)."""
     ids_before, ids_after = _text_ids(build_prompt(prompt), encode)
@@ -230,7 +240,7 @@ def prepare_page(
     *,
     mode: str | ModeSpec = DEFAULT_MODE,
     prompt: str | None = None,
-    max_crops: int = 9,
+    max_crops: int = MAX_CROPS,
     max_pixels: int = MAX_PIXELS,
 ) -> PreparedPage:
     """One page → model inputs. `encode` is the tokenizer's encode without added special tokens.
@@ -246,9 +256,8 @@ def prepare_page(
     if grid == (1, 1):
         global_view, tiles = _to_tensor(_global_view(original, spec)), None
     else:
-        # The tiles' resize on a thread of its own while this one makes the global view: PIL resizes
-        # without the GIL (a 1600x2000 gundam page: 68 → 52 ms on a 2-core CPU, docs/benchmarks.md). A
-        # thread per call, no pool: nothing of it outlives the call into a process forked later.
+        # The tiles' resize on a thread of its own while this one makes the global view (PIL resizes
+        # without the GIL); a thread per call, no pool: nothing outlives the call into a later fork.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-tiles") as side:
             tiles_made = side.submit(_tiles, original, grid)
             global_view = _to_tensor(_global_view(original, spec))

@@ -1,21 +1,15 @@
 """The fast engine's SAM attention: the relative positions folded into the query and key channels.
 
-transformers' SAM attention (its SDPA variant) adds the decomposed relative-position term as an attention
-bias: a (batch, heads, N, N) tensor built and read again in every block, 400 MB per global block of one
-1024-px view in bf16, and a bias keeps the flash kernels out. The term is a sum of two lookups,
-rel_h[q, row(k)] + rel_w[q, col(k)]: the dot product of q's (rel_h[q, ·], rel_w[q, ·]) with k's one-hot
-row and column. Appended to the query and key as extra channels it becomes part of q·k, and attention
-runs without a bias. The function is the same (the one-hots are exact in any dtype; the lookups are the
-same products); the query and key head dimension grows from 64 to 64 + H + W rounded up to a multiple of
-8: 96 in the 14×14 windows, 144 for 640-px views, 192 for 1024-px views, within the fused kernels' 256.
-The value keeps 64.
+transformers' SAM attention adds the decomposed relative-position term as an attention bias, a
+(batch, heads, N, N) tensor built and read in every block, which also keeps the flash kernels out. The
+term is rel_h[q, row(k)] + rel_w[q, col(k)]: the dot product of q's (rel_h[q, ·], rel_w[q, ·]) with k's
+one-hot row and column. Appended to the query and key as extra channels it becomes part of q·k, and
+attention runs without a bias: the same function, with the head dimension grown from 64 to 64 + H + W
+rounded up to a multiple of 8 (within the fused kernels' 256). The value keeps 64.
 
-One Triton kernel builds the three operands from the qkv projection (`_fold_kernel`): built from torch ops
-(two einsums over permuted copies, concatenations, the value's copy) the same tensors took ~0.8 ms of
-kernels of a gundam page's 9.2 ms SAM on an H200; the kernel takes ~1 ms alone over the page's 12
-blocks, yet in the compiled engine SAM went 9.48 → 9.35 ms with it (runs in separate calls:
-docs/benchmarks.md). Still several times what its bytes take.
-The eager engine, the numerical reference, keeps transformers' module.
+One Triton kernel builds the three operands from the qkv projection (`_fold_kernel`), fewer kernels than
+the torch ops that build the same tensors. The eager engine, the numerical reference, keeps
+transformers' module.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ def _fold_kernel(
     query = (q·scale, rel_h: q·T_h[h − r + H − 1] for key rows r, rel_w: q·T_w[w − s + W − 1] for key
     columns s, zeros); key = (k, one-hot of its row h, one-hot of its column w, zeros); T_h (2H − 1, C) and
     T_w (2W − 1, C) are the relative-position tables at this grid's size. The grid's sizes are compile-time
-    constants: Triton then knows the column offsets' alignment and stores vectors (a 40-wide grid's rows
-    stored element by element took 4× their bytes' time on an H200)."""
+    constants: Triton then knows the column offsets' alignment and stores vectors, not elements."""
     batch_head = tl.program_id(0)
     h = tl.program_id(1)
     batch = batch_head // heads
@@ -133,7 +126,9 @@ def fold_with_torch(qkv: torch.Tensor, table_h: torch.Tensor, table_w: torch.Ten
     interpreter, the kernel's only way to run on a CPU) and the kernel's reference in the tests."""
     batch, height, width, _ = qkv.shape
     channels = table_h.shape[1]
-    query, key, value = qkv.reshape(batch, height * width, 3, heads, channels).permute(2, 0, 3, 1, 4).unbind(0)
+    query, key, value = (
+        qkv.reshape(batch, height * width, 3, heads, channels).permute(2, 0, 3, 1, 4).unbind(0)
+    )
     by_row = _by_position(table_h, height)  # (H, H, C): [i, j] = T_h[i − j + H − 1]
     by_col = _by_position(table_w, width)
     grid = query.reshape(batch, heads, height, width, channels)
@@ -168,18 +163,24 @@ class FoldedRelPosAttention(nn.Module):
         super().__init__()
         channels = attention.rel_pos_h.shape[1]
         if channels < 16 or channels & (channels - 1):
-            raise ValueError(f"the folded SAM attention takes a head dim that is a power of 2 from 16, not {channels}")
+            raise ValueError(
+                f"the folded SAM attention takes a head dim that is a power of 2 from 16, not {channels}"
+            )
         self.attention = attention
 
-    def forward(self, hidden_states: torch.Tensor, output_attentions: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden_states: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, None]:
         inner = self.attention
         batch, height, width, _ = hidden_states.shape
         table_h = _distance_table(inner.get_rel_pos(height, height, inner.rel_pos_h)).to(hidden_states.dtype)
         table_w = _distance_table(inner.get_rel_pos(width, width, inner.rel_pos_w)).to(hidden_states.dtype)
         fold = fold_on_gpu if hidden_states.is_cuda else fold_with_torch
-        query, key, value = fold(inner.qkv(hidden_states), table_h, table_w, inner.num_attention_heads, inner.scale)
-        # The value keeps its head dim: cuDNN's attention takes a narrower value than query and key (on
-        # an H200 0.18 ms instead of 0.22 for a 1024-px view's global block with the value padded).
+        query, key, value = fold(
+            inner.qkv(hidden_states), table_h, table_w, inner.num_attention_heads, inner.scale
+        )
+        # The value keeps its head dim: cuDNN's attention takes a narrower value than query and key,
+        # faster than padding it.
         out = F.scaled_dot_product_attention(query, key, value, scale=1.0)
         out = out.reshape(batch, inner.num_attention_heads, height, width, -1).permute(0, 2, 3, 1, 4)
         return inner.proj(out.reshape(batch, height, width, -1)), None

@@ -1,17 +1,10 @@
 """The fast engine's SAM MLP: the first projection's bias and GELU in cuBLASLt's GEMM epilogue (16-bit).
 
-SAM's MLP is lin1 (768 → 3072), GELU, lin2. cuBLAS adds lin1's bias in its epilogue; the exact GELU (erf)
-was a pass of its own over the 3072-wide hidden states, reading and writing ~120 MB per block of six
-640-px tiles: on an H200 lin1 + GELU took 116.9 µs there and 51.0 for a 1024-px view, against 80.6 and
-37.9 with the activation in cuBLASLt's epilogue (a gundam 2×3 page's SAM 9.35 → 8.59 ms); a Triton GEMM
-with the exact GELU in its epilogue took 128.8 and 57.9 (benchmarks/probe_sam_fused.py,
-docs/benchmarks.md).
-
-cuBLASLt's GELU is the tanh approximation, within 5e-4 of the exact one: a few percent of a bfloat16
-step at the activations' magnitudes, so in 16-bit dtypes it is a rounding-level change (measured with
-the fidelity benchmark). In float32 the engine keeps the exact GELU, where the fast and eager engines'
-greedy tokens are checked for equality.
-The eager engine, the numerical reference, keeps transformers' module.
+SAM's MLP is lin1 (768 → 3072), GELU, lin2; the exact GELU was a pass of its own over the wide hidden
+states, which the epilogue removes (docs/benchmarks.md, SAM). cuBLASLt's GELU is the tanh approximation,
+within 5e-4 of the exact one: a rounding-level change in 16-bit dtypes. In float32, where the fast and
+eager engines' greedy tokens are checked for equality, the engine keeps the exact GELU. The eager
+engine, the numerical reference, keeps transformers' module.
 """
 
 from __future__ import annotations
@@ -33,7 +26,9 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     epilogue; an operator of its own so that inductor keeps it whole instead of compiling an activation
     pass after the GEMM."""
     flat = x.reshape(-1, x.shape[-1])
-    return torch._addmm_activation(bias, flat, weight.t(), use_gelu=True).reshape(*x.shape[:-1], weight.shape[0])
+    return torch._addmm_activation(bias, flat, weight.t(), use_gelu=True).reshape(
+        *x.shape[:-1], weight.shape[0]
+    )
 
 
 @linear_gelu_tanh.register_fake

@@ -1,10 +1,9 @@
 """The fast engine's SAM patch embedding: the 16×16 convolution at stride 16 as one matrix product.
 
 Non-overlapping patches make the convolution a GEMM over the unfolded pixels, (patches, 3·16·16) ×
-(3·16·16, width). cuDNN runs it as an implicit-GEMM convolution instead: on an H200 0.29 ms for a
-1024-px view and 0.65 ms for six 640-px tiles in bf16, with `cudnn.benchmark` on or off (about 5% of
-a gundam page's prefill, docs/benchmarks.md), for under 20 GFLOP. The unfold is one copy of the pixels
-and the product one cuBLAS GEMM. The eager engine, the numerical reference, keeps the convolution.
+(3·16·16, width). cuDNN runs it as an implicit-GEMM convolution instead, slow for its few FLOPs
+(docs/benchmarks.md, SAM); the unfold is one copy of the pixels and the product one cuBLAS GEMM. The
+eager engine, the numerical reference, keeps the convolution.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """Routed experts for a handful of tokens (decode: one), reading only the experts the router picked.
 
-transformers' `grouped_mm` experts sort the (token, expert) pairs, build group offsets (histogram,
-cumsum) and run one grouped GEMM over all 64 experts' weights, then unsort: at batch 1 that is about
-ten small kernels per layer around two GEMMs that reach ~40% of the memory bandwidth (docs/benchmarks.md,
-"What limits decode"). Here two Triton GEMV kernels run one program block per (pair, block of output
-rows) and read the picked expert's rows directly: gate+up with the activation fused, then down with the
-routing weight fused. Prompts longer than `MAX_PAIRS / top_k` tokens go to the grouped GEMM kernels of
-model/grouped_experts.py.
+At batch 1 transformers' `grouped_mm` experts run about ten small kernels per layer (sort, histogram,
+cumsum, unsort) around a grouped GEMM over all 64 experts' weights that reaches a small share of the
+memory bandwidth (docs/benchmarks.md, "What limits decode"). Here two Triton GEMV kernels run one
+program block per (pair, block of output rows) and read the picked expert's rows directly: gate+up with
+the activation fused, then down with the routing weight fused. Longer prompts go to model/grouped_experts.py.
 
-Numerics follow `grouped_mm`'s: float32 accumulation, the projections rounded to the weights' dtype before
-the activation and before the routing weight, the top-k sum in float32. The kernels are wrapped as a
-`torch.library.triton_op`, so torch.compile inlines them and a CUDA graph captures them. On a CPU they
-run only under Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported: the tests).
+Numerics follow `grouped_mm`'s (float32 accumulation, projections rounded to the weights' dtype before
+the activation and the routing weight, the top-k sum in float32). Wrapped as a `torch.library.triton_op`,
+so torch.compile inlines them and a CUDA graph captures them; on a CPU they run only under Triton's
+interpreter (`TRITON_INTERPRET=1` before triton is imported: the tests).
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ class BlockConfig:
     warps: int
 
 
-# The fastest of benchmarks/bench_decode.py's sweep on an H200 (full preset shapes, batch 1; 2026-11-23
-# 15:05): both kernels together 16.3 µs for 41.3 MB of expert weights, 2.5 TB/s, against 30.8 µs for
-# 16-row, 128-wide blocks. Few rows per block: many blocks in flight, each streaming whole rows.
+# The fastest of benchmarks/bench_decode.py's sweep at the full preset's shapes, batch 1: few rows per
+# block, so many blocks are in flight, each streaming whole rows.
 GATE_UP_BLOCKS = BlockConfig(rows=4, k=256, warps=4)
 DOWN_BLOCKS = BlockConfig(rows=8, k=1024, warps=4)
 
@@ -67,7 +64,9 @@ def _gate_up_kernel(
         col_ok = cols < hidden
         x = tl.load(x_ptr + token * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)
         mask = row_ok[:, None] & col_ok[None, :]
-        gate += tl.sum(tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+        gate += tl.sum(
+            tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1
+        )
         up += tl.sum(tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
     dtype = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
@@ -81,7 +80,8 @@ def _down_kernel(
     a_ptr, w_ptr, expert_ptr, weight_ptr, out_ptr, hidden, inter, stride_we, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[pair, h] = routing_weight[pair] · round(a[pair] · W[e, h]); W is [E, hidden, inter], out float32."""
+    """out[pair, h] = routing_weight[pair] · round(a[pair] · W[e, h]); W is [E, hidden, inter], out
+    float32."""
     pair = tl.program_id(0)
     expert = tl.load(expert_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,8 +132,9 @@ def selected_experts(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """`launch_selected_experts` as an operator torch.compile traces into its graph."""
-    return launch_selected_experts(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights,
-                                   GATE_UP_BLOCKS, DOWN_BLOCKS)  # fmt: skip
+    return launch_selected_experts(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, GATE_UP_BLOCKS, DOWN_BLOCKS
+    )
 
 
 def selected_experts_forward(
@@ -142,7 +143,9 @@ def selected_experts_forward(
     """The experts implementation: the GEMV kernels for a few tokens, the grouped GEMM kernels
     (model/grouped_experts.py) for a prompt; transformers' batched GEMMs for experts the kernels do not
     cover. The token count is static in a compiled graph (or guarded on), so each graph holds one path."""
-    kernels_fit = self.has_gate and not self.has_bias and not self.is_transposed and self.config.hidden_act == "silu"
+    kernels_fit = (
+        self.has_gate and not self.has_bias and not self.is_transposed and self.config.hidden_act == "silu"
+    )
     if not kernels_fit:
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if top_k_index.numel() <= MAX_PAIRS:

@@ -100,7 +100,10 @@ class OCRTokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(
-            [AddedToken(content, special=special, normalized=not special) for _, (content, special) in added.items()]
+            [
+                AddedToken(content, special=special, normalized=not special)
+                for _, (content, special) in added.items()
+            ]
         )
         return cls(tokenizer)
 

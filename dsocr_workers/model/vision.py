@@ -115,9 +115,8 @@ class ClipLayer(nn.Module):
 
     def forward_views(self, groups: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`forward` of each (batch, length, width) view group, the groups packed as rows for everything
-        but attention: a gundam page's global view (257 tokens) and tiles (101 each) share each GEMM,
-        which neither fills on its own (on an H200 a 2×3 page's CLIP took 1.95 ms instead of 2.66,
-        docs/benchmarks.md)."""
+        but attention: a gundam page's global view and tiles share each GEMM, which neither fills on its
+        own."""
         views = [(group.shape[0], group.shape[1]) for group in groups]
         x = torch.cat([group.reshape(-1, group.shape[-1]) for group in groups])
         x = x + self.self_attn.forward_packed(self.layer_norm1(x), views)

@@ -11,8 +11,7 @@ Order of extraction, each found piece blanked out of the page before the next st
 5. fenced code blocks; LaTeX `\\title`/`\\text`/`\\section` wrappers unwrapped;
 6. the rest split at blank lines (at single line breaks when there is no blank line): a piece that is
    an HTML table is a table, one wrapped in `$` a formula, anything else text.
-Positions are kept as the evaluator keeps them (for text pieces the separators are not counted), since
-the reading order and the matching's tie-breaks read them.
+Positions are kept as the evaluator keeps them: the reading order and the matching's tie-breaks read them.
 """
 
 from __future__ import annotations
@@ -44,7 +43,9 @@ class PredictedBlock:
 
 
 _IMAGE = re.compile(r"!\[.*?\]\(.*?\)")
-_FENCES = [re.compile(p, re.MULTILINE) for p in (r"^```markdown\n?", r"^```html\n?", r"^```latex\n?", r"```\n?$")]
+_FENCES = [
+    re.compile(p, re.MULTILINE) for p in (r"^```markdown\n?", r"^```html\n?", r"^```latex\n?", r"```\n?$")
+]
 _DISPLAY_OR_INLINE = re.compile(r"\$\$(.*?)\$\$|\\\[(.*?)\\\]|\$(.*?)\$|\\\((.*?)\\\)", re.DOTALL)
 _DOLLARS = re.compile(r"\$\$(.*?)\$\$|\$(.*?)\$|\\\((.*?)\\\)", re.DOTALL)
 _PIPE_ROW = re.compile(r"\|\s*.*?\s*\|\n", re.DOTALL)
@@ -109,7 +110,11 @@ def _pipe_row_html(rows_text: str) -> str:
         out += f"      <th>{cell}</th>\n"
     out += "    </tr>\n  </thead>\n  <tbody>\n"
     for row in rows[2:]:
-        out += "    <tr>\n" + "".join(f"      <td>{c.strip()}</td>\n" for c in row.split("|")[1:-1]) + "    </tr>\n"
+        out += (
+            "    <tr>\n"
+            + "".join(f"      <td>{c.strip()}</td>\n" for c in row.split("|")[1:-1])
+            + "    </tr>\n"
+        )
     return out + "  </tbody>\n</table>\n"
 
 
@@ -123,8 +128,10 @@ def _merged_table(block: str) -> str:
     block = re.sub(r"<!--[\s\S]*?-->", "", block)
     lines: list[str] = []
     for table in re.findall(r"<table>[\s\S]*?</table>", block):
-        rows = [line.replace("<th>", "<td>").replace("</th>", "</td>") if "<th>" in line else line
-                for line in table.split("\n")]  # fmt: skip
+        rows = [
+            line.replace("<th>", "<td>").replace("</th>", "</td>") if "<th>" in line else line
+            for line in table.split("\n")
+        ]
         rows = [line for line in rows if not re.search(r"</?t(able|head|body)>", line)]
         if len(rows) > 2:
             lines += rows

@@ -29,8 +29,19 @@ from dsocr_workers.quality.markdown import FORMULA, INLINE_FORMULA, TEXT, Predic
 from dsocr_workers.quality.normalize import normalize_formula, normalize_text
 
 TEXT_CATEGORIES = ("text_block", "title", "code_txt", "code_txt_caption", "reference")
-IGNORED = ("figure_caption", "figure_footnote", "table_caption", "table_footnote", "code_algorithm",
-           "code_algorithm_caption", "header", "footer", "page_footnote", "page_number", "equation_caption")  # fmt: skip
+IGNORED = (
+    "figure_caption",
+    "figure_footnote",
+    "table_caption",
+    "table_footnote",
+    "code_algorithm",
+    "code_algorithm_caption",
+    "header",
+    "footer",
+    "page_footnote",
+    "page_number",
+    "equation_caption",
+)
 FORMULA_CATEGORY = "equation_isolated"
 # The evaluator gives quick_match 30 s a page, then matches the page one-to-one instead
 # (`one_to_one_match`); a long repetition loop can take that long.
@@ -119,8 +130,14 @@ def split_predicted_arrays(blocks: Sequence[PredictedBlock]) -> list[PredictedBl
             found = body.find(line, searched)
             at = searched if found == -1 else found
             searched = at + len(line)
-            out.append(PredictedBlock(block.category, f"\\[{line.strip()}\\]",
-                                      block.position + array.start("body") + at, block.fine))  # fmt: skip
+            out.append(
+                PredictedBlock(
+                    block.category,
+                    f"\\[{line.strip()}\\]",
+                    block.position + array.start("body") + at,
+                    block.fine,
+                )
+            )
     return out
 
 
@@ -129,8 +146,10 @@ def split_predicted_arrays(blocks: Sequence[PredictedBlock]) -> list[PredictedBl
 
 def _window_distance(long: str, short: str) -> float:
     """The smallest distance of `short` to a same-length window of `long`, per character of `short`."""
-    return min(Levenshtein.distance(long[i:i + len(short)], short) / len(short)
-               for i in range(len(long) - len(short) + 1))  # fmt: skip
+    return min(
+        Levenshtein.distance(long[i : i + len(short)], short) / len(short)
+        for i in range(len(long) - len(short) + 1)
+    )
 
 
 def _pred_within(gt: str, pred: str) -> float | None:
@@ -206,8 +225,9 @@ def _chosen_runs(runs: list[list[int]], costs: list[float]) -> list[list[int]]:
     return chosen
 
 
-def _merge_truncated(cost: np.ndarray, gts: list[str], preds: list[str], deadline: float) -> tuple[
-        np.ndarray, list[Any]]:  # fmt: skip
+def _merge_truncated(
+    cost: np.ndarray, gts: list[str], preds: list[str], deadline: float
+) -> tuple[np.ndarray, list[Any]]:
     """Runs of neighbouring predictions joined where they read as one reference block: the new cost
     matrix and, per column, a prediction index or a run (list) of them."""
     close = np.argwhere(cost < 0.25)
@@ -250,12 +270,17 @@ def _merge_truncated(cost: np.ndarray, gts: list[str], preds: list[str], deadlin
 # --- the page -------------------------------------------------------------------------------------
 
 
-def _norm_lines(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]) -> tuple[
-        list[str], list[str], list[str], list[str], list[str]]:  # fmt: skip
+def _norm_lines(
+    gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]
+) -> tuple[list[str], list[str], list[str], list[str], list[str]]:
     """(gt raw, gt normalised, gt categories, pred raw, pred normalised), empty ones dropped."""
     gts = []
     for item in gt_items:
-        norm = normalize_formula(item.content) if item.category == FORMULA_CATEGORY else normalize_text(item.content)
+        norm = (
+            normalize_formula(item.content)
+            if item.category == FORMULA_CATEGORY
+            else normalize_text(item.content)
+        )
         if item.content and norm:
             gts.append((item.content, norm, item.category))
     preds = []
@@ -268,8 +293,13 @@ def _norm_lines(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
             norm = block.content
         if block.content and norm:
             preds.append((block.content, norm))
-    return ([g[0] for g in gts], [g[1] for g in gts], [g[2] for g in gts],
-            [p[0] for p in preds], [p[1] for p in preds])  # fmt: skip
+    return (
+        [g[0] for g in gts],
+        [g[1] for g in gts],
+        [g[2] for g in gts],
+        [p[0] for p in preds],
+        [p[1] for p in preds],
+    )
 
 
 def _array_joined(lines: list[str]) -> str:
@@ -279,23 +309,40 @@ def _array_joined(lines: list[str]) -> str:
         + " \\end{array}"
 
 
-def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock],
-                time_limit_s: float = QUICK_MATCH_TIME_LIMIT_S) -> list[MatchedEntry]:  # fmt: skip
+def quick_match(
+    gt_items: Sequence[ReferenceItem],
+    pred_items: Sequence[PredictedBlock],
+    time_limit_s: float = QUICK_MATCH_TIME_LIMIT_S,
+) -> list[MatchedEntry]:
     """The evaluator's match list for one page's mixed text and formula blocks (entries it never fills
     in are left out); OutOfTime past `time_limit_s`."""
     deadline = time.monotonic() + time_limit_s
     gt_items = split_reference_arrays(gt_items)
-    pred_items = split_predicted_arrays(sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position)))
+    pred_items = split_predicted_arrays(
+        sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position))
+    )
     gt_raw, gt_norm, gt_cats, pred_raw, pred_norm = _norm_lines(gt_items, pred_items)
 
     if not gt_norm:
         return []
     if not pred_norm:
-        return [MatchedEntry(gt_cats[i], gt_raw[i], gt_norm[i], "", "", "", [_order(gt_items[i])])
-                for i in range(len(gt_norm))]  # fmt: skip
+        return [
+            MatchedEntry(gt_cats[i], gt_raw[i], gt_norm[i], "", "", "", [_order(gt_items[i])])
+            for i in range(len(gt_norm))
+        ]
     if len(gt_norm) == 1 and len(pred_norm) == 1:
-        return [MatchedEntry(gt_cats[0], gt_raw[0], gt_norm[0], pred_raw[0], pred_norm[0], pred_items[0].kind,
-                             [_order(gt_items[0])], pred_items[0].position)]  # fmt: skip
+        return [
+            MatchedEntry(
+                gt_cats[0],
+                gt_raw[0],
+                gt_norm[0],
+                pred_raw[0],
+                pred_norm[0],
+                pred_items[0].kind,
+                [_order(gt_items[0])],
+                pred_items[0].position,
+            )
+        ]
 
     kept_gt = [i for i in range(len(gt_norm)) if gt_cats[i] not in IGNORED]
     ignored_gt = [i for i in range(len(gt_norm)) if gt_cats[i] in IGNORED]
@@ -356,7 +403,9 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
             done.update(final[key])
 
     # (gt index or "", pred indices or "") in the evaluator's order
-    converted: list[tuple[Any, Any]] = [(g, list(key)) for key, group in final.items() for g in sorted(set(group))]
+    converted: list[tuple[Any, Any]] = [
+        (g, list(key)) for key, group in final.items() for g in sorted(set(group))
+    ]
     all_gt, all_pred = set(range(len(gts))), set(range(len(preds)))
     matched_gt = set().union(*[set(group) for group in final.values()])
     left_gt = all_gt - matched_gt
@@ -378,8 +427,11 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
         key = tuple(pred_key) if isinstance(pred_key, list) else (pred_key,)
         if key in seen_pred or key == ("",):
             continue
-        group = [g] + [other for other, other_key in converted
-                       if (tuple(other_key) if isinstance(other_key, list) else (other_key,)) == key and other != g]  # fmt: skip
+        group = [g] + [
+            other
+            for other, other_key in converted
+            if (tuple(other_key) if isinstance(other_key, list) else (other_key,)) == key and other != g
+        ]
         merged.append((group, pred_key))
         seen_gt.update(group)
         seen_pred.add(key)
@@ -396,20 +448,28 @@ def quick_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Predicte
         category = Counter(categories).most_common(1)[0][0]
         raw_gt = [gt_raw[kept_gt[g]] for g in group]
         raw_pred = [pred_raw[kept_pred[j]] for j in pred_idx] if has_pred else []
-        entries.append(MatchedEntry(
-            category=category,
-            gt=_array_joined(raw_gt) if category == FORMULA_CATEGORY and len(group) > 1 else "".join(raw_gt),
-            norm_gt="".join(gts[g] for g in group),
-            pred=_array_joined(raw_pred) if "equation" in pred_kind and len(pred_idx) > 1 else "".join(raw_pred),
-            norm_pred="".join(preds[j] for j in pred_idx) if has_pred else "",
-            pred_kind=pred_kind,
-            gt_orders=[_order(gt_item_at[g]) for g in group],
-            pred_position=pred_item_at[pred_idx[0]].position if has_pred else None,
-        ))  # fmt: skip
+        entries.append(
+            MatchedEntry(
+                category=category,
+                gt=_array_joined(raw_gt)
+                if category == FORMULA_CATEGORY and len(group) > 1
+                else "".join(raw_gt),
+                norm_gt="".join(gts[g] for g in group),
+                pred=_array_joined(raw_pred)
+                if "equation" in pred_kind and len(pred_idx) > 1
+                else "".join(raw_pred),
+                norm_pred="".join(preds[j] for j in pred_idx) if has_pred else "",
+                pred_kind=pred_kind,
+                gt_orders=[_order(gt_item_at[g]) for g in group],
+                pred_position=pred_item_at[pred_idx[0]].position if has_pred else None,
+            )
+        )
     return entries
 
 
-def one_to_one_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]) -> list[MatchedEntry]:
+def one_to_one_match(
+    gt_items: Sequence[ReferenceItem], pred_items: Sequence[PredictedBlock]
+) -> list[MatchedEntry]:
     """The evaluator's fallback when quick_match runs out of time (its `match_gt2pred_simple`): the
     Hungarian method on normalised edit distance, one prediction per reference block. Its quirks: items
     read at the filtered lines' indices, and the first prediction (index 0) taken for "none" when its
@@ -421,18 +481,24 @@ def one_to_one_match(gt_items: Sequence[ReferenceItem], pred_items: Sequence[Pre
     entries = []
     for i, j in pairs:
         truthy = bool(j)  # index 0 reads as "no prediction" there
-        entries.append(MatchedEntry(
-            category=gt_cats[i], gt=gt_raw[i], norm_gt=gt_norm[i],
-            pred=pred_raw[j] if j is not None else "", norm_pred=pred_norm[j] if j is not None else "",
-            pred_kind=pred_items[j].kind if truthy and j is not None else "",
-            gt_orders=[_order(gt_items[i])],
-            pred_position=pred_items[j].position if truthy and j is not None else None,
-        ))  # fmt: skip
+        entries.append(
+            MatchedEntry(
+                category=gt_cats[i],
+                gt=gt_raw[i],
+                norm_gt=gt_norm[i],
+                pred=pred_raw[j] if j is not None else "",
+                norm_pred=pred_norm[j] if j is not None else "",
+                pred_kind=pred_items[j].kind if truthy and j is not None else "",
+                gt_orders=[_order(gt_items[i])],
+                pred_position=pred_items[j].position if truthy and j is not None else None,
+            )
+        )
     return entries
 
 
-def simple_match(gts: Sequence[str], preds: Sequence[str],
-                 distance: Callable[[str, str], float] = edit_ratio) -> tuple[list[tuple[int, int | None]], list[int]]:  # fmt: skip
+def simple_match(
+    gts: Sequence[str], preds: Sequence[str], distance: Callable[[str, str], float] = edit_ratio
+) -> tuple[list[tuple[int, int | None]], list[int]]:
     """One-to-one by the Hungarian method: (reference index, prediction index or None) per reference,
     and the predictions left over."""
     if not gts or not preds:
@@ -440,4 +506,6 @@ def simple_match(gts: Sequence[str], preds: Sequence[str],
     cost = np.array([[distance(g, p) for p in preds] for g in gts])
     rows, cols = linear_sum_assignment(cost)
     partner = dict(zip(rows.tolist(), cols.tolist(), strict=True))
-    return [(i, partner.get(i)) for i in range(len(gts))], [j for j in range(len(preds)) if j not in set(cols.tolist())]
+    return [(i, partner.get(i)) for i in range(len(gts))], [
+        j for j in range(len(preds)) if j not in set(cols.tolist())
+    ]

@@ -62,14 +62,49 @@ def normalize_text(text: str) -> str:
 
 
 _FORMULA_NOISE = (
-    "\\mathbf", "\\mathrm", "\\mathnormal", "\\mathit", "\\mathbb", "\\mathcal", "\\mathscr", "\\mathfrak",
-    "\\mathsf", "\\mathtt", "\\textbf", "\\text", "\\boldmath", "\\boldsymbol", "\\operatorname", "\\bm",
-    "\\symbfit", "\\mathbfcal", "\\symbf", "\\scriptscriptstyle", "\\notag", "\\setlength", "\\coloneqq",
-    "\\space", "\\thickspace", "\\thinspace", "\\medspace", "\\nobreakspace", "\\negmedspace", "\\quad",
-    "\\qquad", "\\enspace", "\\substackw", " ", "$$", "\\left", "\\right", "\\displaystyle",
-)  # fmt: skip
-_FORMULA_DROPPED = [re.compile(p) for p in (r"\\tag\{.*?\}", r"\\hspace\{.*?\}", r"\\begin\{.*?\}",
-                                            r"\\end\{.*?\}", r"\\arraycolsep.*?\}")]  # fmt: skip
+    "\\mathbf",
+    "\\mathrm",
+    "\\mathnormal",
+    "\\mathit",
+    "\\mathbb",
+    "\\mathcal",
+    "\\mathscr",
+    "\\mathfrak",
+    "\\mathsf",
+    "\\mathtt",
+    "\\textbf",
+    "\\text",
+    "\\boldmath",
+    "\\boldsymbol",
+    "\\operatorname",
+    "\\bm",
+    "\\symbfit",
+    "\\mathbfcal",
+    "\\symbf",
+    "\\scriptscriptstyle",
+    "\\notag",
+    "\\setlength",
+    "\\coloneqq",
+    "\\space",
+    "\\thickspace",
+    "\\thinspace",
+    "\\medspace",
+    "\\nobreakspace",
+    "\\negmedspace",
+    "\\quad",
+    "\\qquad",
+    "\\enspace",
+    "\\substackw",
+    " ",
+    "$$",
+    "\\left",
+    "\\right",
+    "\\displaystyle",
+)
+_FORMULA_DROPPED = [
+    re.compile(p)
+    for p in (r"\\tag\{.*?\}", r"\\hspace\{.*?\}", r"\\begin\{.*?\}", r"\\end\{.*?\}", r"\\arraycolsep.*?\}")
+]
 _BRACKETED = re.compile(r"\\\[(.+?)(?<!\\)\\\]")
 
 

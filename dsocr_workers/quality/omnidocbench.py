@@ -24,9 +24,18 @@ TEXT_CATEGORIES = ("text_block", "title", "code_txt", "code_txt_caption", "refer
 # Text it matches against the prediction (so that a predicted header does not count as extra text) but
 # leaves out of the score: page furniture, captions and footnotes.
 IGNORED_TEXT_CATEGORIES = (
-    "figure_caption", "figure_footnote", "table_caption", "table_footnote", "code_algorithm",
-    "code_algorithm_caption", "header", "footer", "page_footnote", "page_number", "equation_caption",
-)  # fmt: skip
+    "figure_caption",
+    "figure_footnote",
+    "table_caption",
+    "table_footnote",
+    "code_algorithm",
+    "code_algorithm_caption",
+    "header",
+    "footer",
+    "page_footnote",
+    "page_number",
+    "equation_caption",
+)
 _TEXT = frozenset(TEXT_CATEGORIES + IGNORED_TEXT_CATEGORIES)
 FORMULA_CATEGORY = "equation_isolated"
 TABLE_CATEGORY = "table"
@@ -61,13 +70,16 @@ class PageReference:
 
     def to_json(self) -> dict[str, Any]:
         """The form stored with each job (jobs.reference)."""
-        return {"image": self.image, "blocks": [[b.category, b.content, b.order] for b in self.blocks],
-                "attributes": dict(self.attributes)}  # fmt: skip
+        return {
+            "image": self.image,
+            "blocks": [[b.category, b.content, b.order] for b in self.blocks],
+            "attributes": dict(self.attributes),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PageReference:
         blocks = tuple(ReferenceBlock(c, text, order) for c, text, order in data["blocks"])
-        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # none stored before issue 32
+        return cls(data["image"], blocks, dict(data.get("attributes") or {}))  # older references stored none
 
 
 def prediction_filename(image: str) -> str:
@@ -139,7 +151,9 @@ def page_reference(page: Any, where: str) -> PageReference:
         if parts:
             result.append(_joined(parts))
     attributes = info.get("page_attribute") if isinstance(info, dict) else None
-    scalar = {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    scalar = (
+        {k: v for k, v in attributes.items() if isinstance(v, str)} if isinstance(attributes, dict) else {}
+    )
     return PageReference(image, tuple(result), scalar)
 
 
@@ -165,8 +179,9 @@ def load_annotation(path: str | os.PathLike) -> dict[str, PageReference]:
     except FileNotFoundError:
         raise InputError(f"{path}: no such ground-truth file") from None
     except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: the ground truth is not JSON (line {exc.lineno}, column {exc.colno}: "
-                         f"{exc.msg})") from None  # fmt: skip
+        raise InputError(
+            f"{path}: the ground truth is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read the ground truth: {exc}") from None
     if not isinstance(pages, list):
@@ -177,7 +192,9 @@ def load_annotation(path: str | os.PathLike) -> dict[str, PageReference]:
         reference = page_reference(page, f"{path}: page {index}")
         name = os.path.basename(reference.image)
         if name in first_index:
-            raise InputError(f"{path}: image {name} is annotated twice (pages {first_index[name]} and {index})")
+            raise InputError(
+                f"{path}: image {name} is annotated twice (pages {first_index[name]} and {index})"
+            )
         first_index[name] = index
         references[name] = reference
     return references
@@ -196,8 +213,10 @@ def write_predictions(pages: Mapping[str, str], directory: Path) -> list[Path]:
     for image in pages:
         name = prediction_filename(image)
         if name in owners:
-            raise InputError(f"{owners[name]} and {image} would both be written to {name}: OmniDocBench "
-                             "names predictions by image file name alone")  # fmt: skip
+            raise InputError(
+                f"{owners[name]} and {image} would both be written to {name}: OmniDocBench "
+                "names predictions by image file name alone"
+            )
         owners[name] = image
     written = []
     try:

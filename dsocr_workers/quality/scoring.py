@@ -1,23 +1,17 @@
 """A page's markdown against its OmniDocBench reference, scored as OmniDocBench's official end-to-end
-evaluator scores it (`pdf_validation.py`, configs/end2end.yaml, `match_method: quick_match`); the
-agreement is tested page by page against the evaluator's stored outputs
-(tests/quality/test_official_agreement.py).
+evaluator scores it (`pdf_validation.py`, `match_method: quick_match`); tested page by page against the
+evaluator's stored outputs (tests/quality/test_official_agreement.py).
 
-1. The markdown is cut into blocks (quality/markdown.py): text, display formulas, inline formulas
-   (candidates that also stay in their text), HTML / pipe / LaTeX tables.
-2. Tables first: reference tables paired one-to-one with predicted HTML tables by the Hungarian method
-   on the raw HTML's edit distance; the cells of a predicted table left over join the text blocks.
-   A page with more LaTeX than HTML tables scores its tables as missing (the evaluator converts LaTeX
-   tables with LaTeXML, which is not reproduced).
-3. Text and display formulas of the reference, in reading order, matched in one pool against the
-   predicted text and formula blocks by `quick_match` (quality/matching.py; past 30 s, as in the
-   evaluator, one-to-one instead). Pairs whose reference is
-   page furniture or a caption are matched and left out; predictions matched to no reference are left
-   out; a reference formula answered by a text block is scored as text (its LaTeX as Unicode).
-4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)) over its pairs (the
-   evaluator's page-level figure); tables also TEDS and structure-only TEDS per table; reading order:
-   the normalised edit distance between the sorted reading orders of the reference text blocks and
-   the same orders listed in the order the prediction wrote them.
+1. The markdown is cut into blocks (quality/markdown.py).
+2. Tables first, paired one-to-one by the Hungarian method on the raw HTML's edit distance; a predicted
+   table's leftover cells join the text. A page with more LaTeX than HTML tables scores its tables as
+   missing (the evaluator's LaTeXML conversion is not reproduced).
+3. Reference text and display formulas matched in one pool against the predicted blocks by
+   `quick_match` (quality/matching.py); page furniture, captions and unmatched predictions are left
+   out; a reference formula answered by a text block is scored as text.
+4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
+   structure-only TEDS; reading order: the edit distance between the reference's and the prediction's
+   orders of the reference text blocks.
 """
 
 from __future__ import annotations
@@ -45,9 +39,20 @@ from dsocr_workers.quality.omnidocbench import TABLE_CATEGORY, PageReference
 from dsocr_workers.quality.teds import teds
 
 # The reference categories matched against predicted text and formulas, in the evaluator's order.
-_MIXED = TEXT_CATEGORIES + ("equation_caption", "figure_caption", "figure_footnote", "table_caption",
-                            "table_footnote", "code_algorithm", "code_algorithm_caption", "header", "footer",
-                            "page_footnote", "page_number", FORMULA_CATEGORY)  # fmt: skip
+_MIXED = TEXT_CATEGORIES + (
+    "equation_caption",
+    "figure_caption",
+    "figure_footnote",
+    "table_caption",
+    "table_footnote",
+    "code_algorithm",
+    "code_algorithm_caption",
+    "header",
+    "footer",
+    "page_footnote",
+    "page_number",
+    FORMULA_CATEGORY,
+)
 _FORMULA_KINDS = (md.INLINE_FORMULA, md.FORMULA, "")
 
 
@@ -104,13 +109,18 @@ def _pair(entry: MatchedEntry) -> EditPair:
 def _table_cells(table: str, block: md.PredictedBlock) -> list[md.PredictedBlock]:
     """A left-over predicted table as text blocks, one per cell that holds a plain string."""
     cells = BeautifulSoup(table, "html.parser").find_all("td")
-    return [md.PredictedBlock(md.TEXT, cell.string.replace("$\\cdot$", "").strip(), block.position, block.fine)
-            for cell in cells if cell.string]  # fmt: skip
+    return [
+        md.PredictedBlock(md.TEXT, cell.string.replace("$\\cdot$", "").strip(), block.position, block.fine)
+        for cell in cells
+        if cell.string
+    ]
 
 
 def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[float]] | None:
     with_reference = [e for e in entries if e.gt_orders != [""]]
-    written = sorted((e for e in with_reference if e.pred_position is not None), key=lambda e: e.pred_position or 0)
+    written = sorted(
+        (e for e in with_reference if e.pred_position is not None), key=lambda e: e.pred_position or 0
+    )
     expected = sorted(o for e in with_reference for o in e.gt_orders if o)
     as_written = [o for e in written for o in e.gt_orders if o]
     return (expected, as_written) if expected or as_written else None
@@ -119,12 +129,15 @@ def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[f
 def match_page(markdown: str, reference: PageReference) -> PageMatch:
     blocks = md.split_markdown(markdown)
     # Grouped by category, categories in the order they first occur: the order ties in position keep.
-    categories = list(dict.fromkeys(b.category for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE)))
+    categories = list(
+        dict.fromkeys(b.category for b in blocks if b.category not in (md.HTML_TABLE, md.LATEX_TABLE))
+    )
     mixed = [b for category in categories for b in blocks if b.category == category]
 
     table_pairs: list[EditPair] = []
-    reference_tables = sorted((b for b in reference.blocks if b.category == TABLE_CATEGORY),
-                              key=lambda b: b.order or 0)  # fmt: skip
+    reference_tables = sorted(
+        (b for b in reference.blocks if b.category == TABLE_CATEGORY), key=lambda b: b.order or 0
+    )
     if reference_tables:
         gts = [b.content for b in reference_tables if b.content]
         html_tables = [b for b in blocks if b.category == md.HTML_TABLE]
@@ -135,12 +148,18 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
         left_over = left_over if gts else []  # predicted tables on a page without reference tables stay out
         for i, j in pairs:
             prediction = html_tables[j].content if j is not None else ""
-            table_pairs.append(EditPair(normalize_table(gts[i]) or gts[i], normalize_table(prediction) or prediction))
+            table_pairs.append(
+                EditPair(normalize_table(gts[i]) or gts[i], normalize_table(prediction) or prediction)
+            )
         for j in left_over:
             mixed += _table_cells(html_tables[j].content, html_tables[j])
 
-    items = [ReferenceItem(b.category, b.content, b.order) for category in _MIXED
-             for b in reference.blocks if b.category == category]  # fmt: skip
+    items = [
+        ReferenceItem(b.category, b.content, b.order)
+        for category in _MIXED
+        for b in reference.blocks
+        if b.category == category
+    ]
     items.sort(key=lambda item: item.order or 0)
     try:
         entries = quick_match(items, mixed)
@@ -172,9 +191,12 @@ def score_page(markdown: str, reference: PageReference) -> PageScores:
         formula=page_edit_distance(match.formula),
         table=page_edit_distance(match.table),
         reading_order=(Levenshtein.distance(order[0], order[1]) / max(len(order[0]), len(order[1])))
-        if order else None,
+        if order
+        else None,
         table_teds=sum(teds(p, r) for p, r in tables) / len(tables) if tables else None,
-        table_teds_structure=sum(teds(p, r, structure_only=True) for p, r in tables) / len(tables) if tables else None,
+        table_teds_structure=sum(teds(p, r, structure_only=True) for p, r in tables) / len(tables)
+        if tables
+        else None,
     )
 
 

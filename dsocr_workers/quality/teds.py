@@ -53,7 +53,9 @@ def _tree(element: Any, structure_only: bool) -> _Node:
         if not structure_only:
             _tokens(element, tokens)
             tokens = tokens[1:-1]
-        return _Node("td", int(element.attrib.get("colspan", "1")), int(element.attrib.get("rowspan", "1")), tokens)
+        return _Node(
+            "td", int(element.attrib.get("colspan", "1")), int(element.attrib.get("rowspan", "1")), tokens
+        )
     return _Node(element.tag, children=[_tree(child, structure_only) for child in element])
 
 
@@ -70,7 +72,9 @@ def teds(prediction: str, reference: str, structure_only: bool = False) -> float
             return 0.0
         pred, true = pred_tables[0], true_tables[0]
         nodes = max(len(pred.xpath(".//*")), len(true.xpath(".//*")))
-        distance = APTED(_tree(pred, structure_only), _tree(true, structure_only), _Costs()).compute_edit_distance()
+        distance = APTED(
+            _tree(pred, structure_only), _tree(true, structure_only), _Costs()
+        ).compute_edit_distance()
         return 1.0 - float(distance) / nodes
     except Exception:  # noqa: BLE001 - the evaluator scores a table it cannot read 0
         return 0.0

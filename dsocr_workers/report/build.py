@@ -1,11 +1,8 @@
 """Turning ledger rows into report tables: one run, or run B against run A paired per image.
 
-Statistics come from report/stats.py (every one with its 95% interval) and throughput from
-report/throughput.py. Cold results (a job that met a compilation, a new cache bucket, …) are left out
-of every latency statistic and of steady-state throughput unless `include_cold`; the report counts
-them by reason. Results whose output ends in a repetition loop stay in the latency statistics unless
-`exclude_loops`. Accuracy (edit distances to the ground truth) and stop reasons count every result:
-what a page reads does not depend on warm-up, and a loop is exactly what accuracy must not hide.
+Cold results are left out of every latency statistic and of steady-state throughput unless
+`include_cold`; looping ones stay in unless `exclude_loops`. Accuracy and stop reasons count every
+result: what a page reads does not depend on warm-up, and a loop is what accuracy must not hide.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dsocr_workers.engine.result import STOP_REASONS
-from dsocr_workers.report import kernels
+from dsocr_workers.report import kernel_tables
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
 from dsocr_workers.report.serving import (
@@ -54,7 +51,9 @@ NEVER_SENT_WARNING = (
     "submit could not reach it); run `dsocr reconcile --run {run}` once it is reachable, then a worker on "
     "queue {queue} takes them"
 )
-NO_RESULT_WARNING = "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
+NO_RESULT_WARNING = (
+    "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
+)
 MIB = 2**20
 
 
@@ -142,29 +141,57 @@ SPEED = [END_TO_END, DECODE_PER_TOKEN, TOKENS_OUT]
 
 # The report's own terms, beside the stage registry's figures (whose meanings the registry states).
 FARM_TERMS = [
-    ("value [low, high]", "the statistic with its 95% confidence interval over jobs ([n<2]: one job, [–]: no spread)"),
-    ("TTFT from claim", "from the job's claim (its lease taken) to its first token: TTFT plus the farm's time "
-                        "before the device starts"),
-    ("cold", "a job that met a compilation, a new cache bucket, …: out of the statistics unless --include-cold"),
-    ("profiled", "a job run under torch.profiler (submit --profile N): its trace and kernels per stage are stored; "
-                 "out of the statistics unless --include-profiled, and of steady-state throughput"),
-    ("pages/s (steady state)", "per worker process 1 / mean service time (from when it was free for the job "
-                               "to its finish: loading, warm-up and waiting for work left out), summed over processes"),
-    ("device idle between jobs", "from one job's readback to the next one's setup on the same device, while the "
-                                 "next job was waiting"),
-    ("device share of a job between jobs", "device time / service time over the jobs that followed another: 1.0 "
-                                           "means the device never waited for the farm"),
-    ("attempts", "claims of a job: more than 1 when a worker died holding it, or an attempt failed and was retried"),
-    ("process", "a worker process: live, stopped (shut down cleanly) or DEAD (stopped beating without stopping: "
-                "killed, frozen or cut off; its jobs went to the live ones)"),
+    (
+        "value [low, high]",
+        "the statistic with its 95% confidence interval over jobs ([n<2]: one job, [–]: no spread)",
+    ),
+    (
+        "TTFT from claim",
+        "from the job's claim (its lease taken) to its first token: TTFT plus the farm's time "
+        "before the device starts",
+    ),
+    (
+        "cold",
+        "a job that met a compilation, a new cache bucket, …: out of the statistics unless --include-cold",
+    ),
+    (
+        "profiled",
+        "a job run under torch.profiler (submit --profile N): its trace and kernels per stage are stored; "
+        "out of the statistics unless --include-profiled, and of steady-state throughput",
+    ),
+    (
+        "pages/s (steady state)",
+        "per worker process 1 / mean service time (from when it was free for the job "
+        "to its finish: loading, warm-up and waiting for work left out), summed over processes",
+    ),
+    (
+        "device idle between jobs",
+        "from one job's readback to the next one's setup on the same device, while the next job was waiting",
+    ),
+    (
+        "device share of a job between jobs",
+        "device time / service time over the jobs that followed another: 1.0 "
+        "means the device never waited for the farm",
+    ),
+    (
+        "attempts",
+        "claims of a job: more than 1 when a worker died holding it, or an attempt failed and was retried",
+    ),
+    (
+        "process",
+        "a worker process: live, stopped (shut down cleanly) or DEAD (stopped beating without stopping: "
+        "killed, frozen or cut off; its jobs went to the live ones)",
+    ),
     ("attempts lost", "claims of the run's jobs by that process that did not end in its result"),
-]  # fmt: skip
+]
 
 
 def glossary() -> list[tuple[str, str]]:
     """The legend of a report: every figure the latency and accounting tables show, as the stage registry
     says what it is, then the report's own terms."""
-    timings = dict.fromkeys([*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]])  # the last: Serving's
+    timings = dict.fromkeys(
+        [*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]]
+    )  # the last: Serving's
     return [(t.label, t.doc) for t in timings] + FARM_TERMS + SERVING_TERMS
 
 
@@ -175,13 +202,15 @@ def looping(result: Result) -> bool:
 def measured(
     data: RunData, include_cold: bool, exclude_loops: bool = False, include_profiled: bool = False
 ) -> list[Result]:
-    """The results latency statistics are computed over, in job order: warm ones unless `include_cold`,
-    unprofiled ones unless `include_profiled` (torch.profiler's cost is in a profiled job's times), looping
-    ones too unless `exclude_loops`."""
+    """The results latency statistics are computed over, in job order (see the module docstring; profiled
+    ones only with `include_profiled`: the profiler's cost is in their times)."""
     return [
-        r for r in in_job_order(data)
-        if (include_cold or not r.cold) and (include_profiled or not r.profiled) and not (exclude_loops and looping(r))
-    ]  # fmt: skip
+        r
+        for r in in_job_order(data)
+        if (include_cold or not r.cold)
+        and (include_profiled or not r.profiled)
+        and not (exclude_loops and looping(r))
+    ]
 
 
 def summarize(metric: Metric, results: list[Result]) -> Summary:
@@ -214,7 +243,8 @@ def run_facts(
         "cold results": cold,
         "results in a repetition loop": loops,
         "profiled results": sum(r.profiled for r in data.results.values()),
-        "left out of statistics": len(data.results) - len(measured(data, include_cold, exclude_loops, include_profiled)),
+        "left out of statistics": len(data.results)
+        - len(measured(data, include_cold, exclude_loops, include_profiled)),
     }
 
 
@@ -274,8 +304,9 @@ def _progress_warnings(*runs: RunData) -> list[str]:
         pending = sum(j.state == "pending" for j in d.jobs)
         open_jobs = sum(j.state in ("pending", "queued", "running") for j in d.jobs)
         if pending and d.run.queue != IN_PROCESS_QUEUE:
-            warnings.append(NEVER_SENT_WARNING.format(pending=pending, jobs=len(d.jobs), run=d.run.id,
-                                                      queue=d.run.queue))  # fmt: skip
+            warnings.append(
+                NEVER_SENT_WARNING.format(pending=pending, jobs=len(d.jobs), run=d.run.id, queue=d.run.queue)
+            )
         elif open_jobs and not d.results:
             warnings.append(NO_RESULT_WARNING.format(open=open_jobs, jobs=len(d.jobs), run=d.run.id))
     return warnings
@@ -292,11 +323,17 @@ def scored(data: RunData) -> bool:
 
 
 def single_report(
-    data: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False,
+    data: RunData,
+    *,
+    per_image: bool = False,
+    include_cold: bool = False,
+    exclude_loops: bool = False,
     include_profiled: bool = False,
-) -> Report:  # fmt: skip
+) -> Report:
     results = measured(data, include_cold, exclude_loops, include_profiled)
-    report = Report(f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data))
+    report = Report(
+        f"dsocr report: run {data.run.id} ({data.run.name})", _progress_warnings(data) + _warnings(data)
+    )
     facts = run_facts(data, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Run", ["field", "value"], [[k, v] for k, v in facts.items()]))
     throughput = _throughput(data, include_cold)
@@ -319,9 +356,11 @@ def single_report(
     if facts["cold results"]:
         report.tables.append(_cold(data, include_cold))
     if data.profiles:
-
-        report.tables += [kernels.kernel_table(data, include_cold), kernels.busy_table(data, include_cold),
-                          kernels.overhead_table(data, include_cold)]  # fmt: skip
+        report.tables += [
+            kernel_tables.kernel_table(data, include_cold),
+            kernel_tables.busy_table(data, include_cold),
+            kernel_tables.overhead_table(data, include_cold),
+        ]
     report.tables.append(_sessions(data, include_cold))
     report.tables.append(_environment(data))
     failures = [
@@ -370,11 +409,9 @@ def _has_attribute(attributes: dict[str, dict[str, str]], name: str, value: str,
 
 
 def omnidocbench_figures(data: RunData) -> dict[tuple[str, str], tuple[int, list[float | None]]]:
-    """The figures OmniDocBench's leaderboard prints, aggregated as it aggregates them: each page's
-    figure (its repeats averaged), then the mean over the pages that have the category (the
-    evaluator's `ALL_page_avg` for edit distances, its page-level TEDS). By (mode, page group): the
-    number of pages and one value per ACCURACY metric; groups are "all pages" and each value of the
-    page attributes in PAGE_GROUPS the annotation gives."""
+    """The figures OmniDocBench's leaderboard prints, aggregated as it does: each page's figure (its repeats
+    averaged), then the mean over the pages that have the category. By (mode, page group: "all pages" and
+    each value of the PAGE_GROUPS attributes): the number of pages and one value per ACCURACY metric."""
     attributes = {j.image: (j.reference or {}).get("attributes") or {} for j in data.jobs}
     averages = [page_averages(data, metric) for metric in ACCURACY]
     groups: list[tuple[str, Callable[[str], bool]]] = [("all pages", lambda image: True)]
@@ -398,7 +435,9 @@ FIGURES_TITLE = "OmniDocBench figures, page averages as its leaderboard aggregat
 
 
 def _omnidocbench_figures(data: RunData) -> Table:
-    rows = [[mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()]
+    rows = [
+        [mode, group, pages, *cells] for (mode, group), (pages, cells) in omnidocbench_figures(data).items()
+    ]
     columns = ["mode", "page group", "pages", *(m.label for m in ACCURACY)]
     return Table(f"{FIGURES_TITLE} ({ACCURACY_READING})", columns, rows, _accuracy_note(data))
 
@@ -424,13 +463,24 @@ def _stop_reasons(data: RunData) -> Table:
     for reason in STOP_REASONS:
         stopped = [r for r in results if r.stop_reason == reason]
         loops = [r for r in stopped if looping(r)]
-        rows.append([
-            reason, len(stopped), 100.0 * len(stopped) / len(results) if results else None, len(loops),
-            Summary.from_values([r.loop_start for r in loops]).p50,
-            sum(r.loop_wasted_steps or 0 for r in loops),
-        ])  # fmt: skip
-    columns = ["stop reason", "jobs", "share %", "in a repetition loop", "loop start step p50",
-               "loop wasted steps (sum)"]  # fmt: skip
+        rows.append(
+            [
+                reason,
+                len(stopped),
+                100.0 * len(stopped) / len(results) if results else None,
+                len(loops),
+                Summary.from_values([r.loop_start for r in loops]).p50,
+                sum(r.loop_wasted_steps or 0 for r in loops),
+            ]
+        )
+    columns = [
+        "stop reason",
+        "jobs",
+        "share %",
+        "in a repetition loop",
+        "loop start step p50",
+        "loop wasted steps (sum)",
+    ]
     return Table("Stop reasons", columns, rows)
 
 
@@ -450,8 +500,10 @@ def _accounting(results: list[Result]) -> Table:
     note = None
     if prefetched:
         wait = Summary.from_values([PAGE_WAIT.of(r) for r in prefetched]).mean.value
-        note = (f"{len(prefetched)} of {len(results)} jobs prefetched: their preprocess ran while the previous job had "
-                f"the device, and their pages then waited {wait:.1f} ms on average for their jobs, outside e2e")  # fmt: skip
+        note = (
+            f"{len(prefetched)} of {len(results)} jobs prefetched: their preprocess ran while the previous job had "
+            f"the device, and their pages then waited {wait:.1f} ms on average for their jobs, outside e2e"
+        )
     return Table("Accounting: parts of end-to-end", ["part", "mean ms", "share of e2e %"], rows, note)
 
 
@@ -468,8 +520,7 @@ _WARMED_SHAPE = re.compile(r"\s*([^,(]+?)\s*\(([^)]*)\)")
 
 def warmup_summary(warmup: str) -> str:
     """A worker session's warm-up for a table cell: its shapes counted per mode and token budget
-    ("gundam: 25 shapes, base (256 tokens)"), where the ledger lists each crop grid (about twenty for
-    gundam, which made the cell a column of lines)."""
+    ("gundam: 25 shapes, base (256 tokens)") rather than each crop grid the ledger lists."""
     shapes = _WARMED_SHAPE.findall(warmup)
     if not shapes:
         return warmup
@@ -515,16 +566,36 @@ def _sessions(data: RunData, include_cold: bool) -> Table:
             ]
         )
     for holder in _holders_without_results(data, set(grouped)):  # took a job of the run and kept no result
-        rows.append([holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None])
+        rows.append(
+            [holder.host, holder.pid, holder.device, *[None] * 4, None, 0, 0, None, None, 0, None, None]
+        )
     owners = {_lane_of(p): p for p in data.processes.values()}
-    lost = Counter(_lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes)
+    lost = Counter(
+        _lane_of(data.processes[a.owner]) for a in _lost_attempts(data) if a.owner in data.processes
+    )
     for row in rows:
         lane = f"{row[0]}:{row[1]}:{row[2]}"
         process = owners.get(lane)
         row += [process_state(process) if process else None, lost.get(lane, 0)]
-    columns = ["host", "pid", "device", "engine", "sessions", "load s", "warm-up s", "warm-up", "jobs",
-               "cold jobs", "pages/s (steady state)", "e2e p50 ms", "prefetched", "device idle between jobs p50 ms",
-               "device share of a job between jobs", "process", "attempts lost"]  # fmt: skip
+    columns = [
+        "host",
+        "pid",
+        "device",
+        "engine",
+        "sessions",
+        "load s",
+        "warm-up s",
+        "warm-up",
+        "jobs",
+        "cold jobs",
+        "pages/s (steady state)",
+        "e2e p50 ms",
+        "prefetched",
+        "device idle between jobs p50 ms",
+        "device share of a job between jobs",
+        "process",
+        "attempts lost",
+    ]
     return Table("Worker processes", columns, rows)
 
 
@@ -537,21 +608,23 @@ def _lost_attempts(data: RunData) -> list[JobAttempt]:
     ran out, it was killed at the time limit, or the attempt failed and the job was tried again."""
     final = {r.job_id: r.attempt for r in data.results.values()}
     jobs = {j.id: j for j in data.jobs}
-    return [a for a in data.attempts
-            if final.get(a.job_id) != a.attempt and not (jobs[a.job_id].state == "running" and a.attempt == jobs[a.job_id].attempts)]  # fmt: skip
+    return [
+        a
+        for a in data.attempts
+        if final.get(a.job_id) != a.attempt
+        and not (jobs[a.job_id].state == "running" and a.attempt == jobs[a.job_id].attempts)
+    ]
 
 
 def _holders_without_results(data: RunData, lanes: set[str]) -> list[WorkerProcess]:
-    """Worker processes that claimed a job of the run but have no result in it (their jobs were taken
-    over: a killed worker), in the order of their first claim."""
+    """Worker processes that claimed a job of the run but have no result in it, by first claim."""
     owners = dict.fromkeys(a.owner for a in data.attempts)
     held = [data.processes[o] for o in owners if o in data.processes]
     return [p for p in held if _lane_of(p) not in lanes]
 
 
 def process_state(process: WorkerProcess, now: datetime | None = None) -> str:
-    """live, stopped (a clean shutdown), or dead: it stopped beating without stopping (killed, frozen or
-    cut off), its leases then ran out and live workers took its jobs."""
+    """live, stopped (a clean shutdown), or dead (it stopped beating without stopping)."""
     if process.stopped_at is not None:
         return "stopped"
     silent = ((now or utcnow()) - process.heartbeat_at).total_seconds()
@@ -561,8 +634,21 @@ def process_state(process: WorkerProcess, now: datetime | None = None) -> str:
 
 
 def _environment(data: RunData) -> Table:
-    columns = ["worker", "host", "device", "GPU", "GPU UUID", "driver", "CUDA", "torch", "transformers", "python",
-               "dsocr", "git", "model"]  # fmt: skip
+    columns = [
+        "worker",
+        "host",
+        "device",
+        "GPU",
+        "GPU UUID",
+        "driver",
+        "CUDA",
+        "torch",
+        "transformers",
+        "python",
+        "dsocr",
+        "git",
+        "model",
+    ]
     rows = [
         [
             w.id[:12],
@@ -578,7 +664,7 @@ def _environment(data: RunData) -> Table:
             w.project_version,
             (w.git_sha or "")[:12],
             w.model_label,
-        ]  # fmt: skip
+        ]
         for w in sorted(data.workers.values(), key=lambda w: w.id)
     ]
     return Table("Environment", columns, rows)
@@ -592,21 +678,52 @@ def _loop_cell(r: Result) -> str | None:
 
 def _per_image(data: RunData) -> Table:
     job_columns = ["image", "repeat", "job id", "state", "attempts"]
-    columns = [*job_columns, "worker", "device", *(m.label.strip() for m in PER_IMAGE), "tokens", "wasted steps",
-               "ms/token p50", "peak MiB", "boxes", "cold", "text edit", "formula edit", "table edit",
-               "table TEDS", "reading order edit", "repetition loop", "stop / error"]  # fmt: skip
+    columns = [
+        *job_columns,
+        "worker",
+        "device",
+        *(m.label.strip() for m in PER_IMAGE),
+        "tokens",
+        "wasted steps",
+        "ms/token p50",
+        "peak MiB",
+        "boxes",
+        "cold",
+        "text edit",
+        "formula edit",
+        "table edit",
+        "table TEDS",
+        "reading order edit",
+        "repetition loop",
+        "stop / error",
+    ]
     rows = []
     for j in data.jobs:
         r = data.results.get(j.id)
         peak = r.peak_memory_bytes if r else None
         # A job without a result shows its error in the last column.
-        result_cells = [
-            lane_key(data, r), r.device, *(next(iter(m.values(r)), None) for m in PER_IMAGE), r.decode_tokens,
-            r.wasted_steps, r.decode_ms_per_token_p50, None if peak is None else peak / MIB, r.box_count,
-            r.cold_reason if r.cold else None, r.text_edit, r.formula_edit, r.table_edit, r.table_teds,
-            r.reading_order_edit,
-            _loop_cell(r), r.stop_reason,
-        ] if r else [None] * (len(columns) - len(job_columns) - 1) + [j.last_error_class]  # fmt: skip
+        result_cells = (
+            [
+                lane_key(data, r),
+                r.device,
+                *(next(iter(m.values(r)), None) for m in PER_IMAGE),
+                r.decode_tokens,
+                r.wasted_steps,
+                r.decode_ms_per_token_p50,
+                None if peak is None else peak / MIB,
+                r.box_count,
+                r.cold_reason if r.cold else None,
+                r.text_edit,
+                r.formula_edit,
+                r.table_edit,
+                r.table_teds,
+                r.reading_order_edit,
+                _loop_cell(r),
+                r.stop_reason,
+            ]
+            if r
+            else [None] * (len(columns) - len(job_columns) - 1) + [j.last_error_class]
+        )
         rows.append([j.image, j.repeat, j.id, j.state, j.attempts, *result_cells])
     return Table("Per image", columns, rows, _accuracy_note(data) if scored(data) else None)
 
@@ -617,13 +734,20 @@ def _by_image(data: RunData, results: list[Result]) -> dict[tuple[str, int], Res
 
 
 def comparison_report(
-    a: RunData, b: RunData, *, per_image: bool = False, include_cold: bool = False, exclude_loops: bool = False,
+    a: RunData,
+    b: RunData,
+    *,
+    per_image: bool = False,
+    include_cold: bool = False,
+    exclude_loops: bool = False,
     include_profiled: bool = False,
-) -> Report:  # fmt: skip
+) -> Report:
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
     steady state."""
-    report = Report(f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b))
+    report = Report(
+        f"dsocr report: run {b.run.id} (B) vs {a.run.id} (A)", _progress_warnings(a, b) + _warnings(a, b)
+    )
     facts_a = run_facts(a, include_cold, exclude_loops, include_profiled)
     facts_b = run_facts(b, include_cold, exclude_loops, include_profiled)
     report.tables.append(Table("Runs", ["field", "A", "B"], [[k, facts_a[k], facts_b[k]] for k in facts_a]))
@@ -657,7 +781,7 @@ def comparison_report(
     report.tables.append(_stop_reason_pairs(a, b))
     if a.profiles and b.profiles:
 
-        report.tables.append(kernels.kernel_pairs_table(a, b, include_cold))
+        report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
@@ -689,14 +813,24 @@ def _paired_accuracy(
     """Every result, cold or looping or not: B − A of each edit distance over the pages scored in both."""
     rows = []
     for metric in ACCURACY:
-        pairs = [(by_a[k], by_b[k]) for k in sorted(set(by_a) & set(by_b))
-                 if metric.values(by_a[k]) and metric.values(by_b[k])]  # fmt: skip
+        pairs = [
+            (by_a[k], by_b[k])
+            for k in sorted(set(by_a) & set(by_b))
+            if metric.values(by_a[k]) and metric.values(by_b[k])
+        ]
         values_a = [metric.values(ra)[0] for ra, _ in pairs]
         values_b = [metric.values(rb)[0] for _, rb in pairs]
         difference = paired_difference(values_b, values_a)
-        rows.append([metric.label, len(pairs), Summary.from_values(values_a).mean,
-                     Summary.from_values(values_b).mean, difference,
-                     difference_verdict(difference, metric.higher_is_better)])  # fmt: skip
+        rows.append(
+            [
+                metric.label,
+                len(pairs),
+                Summary.from_values(values_a).mean,
+                Summary.from_values(values_b).mean,
+                difference,
+                difference_verdict(difference, metric.higher_is_better),
+            ]
+        )
     columns = ["metric", "pairs", "A mean", "B mean", "B-A", "verdict"]
     return Table(f"Paired accuracy ({ACCURACY_READING})", columns, rows, note)
 
@@ -704,11 +838,15 @@ def _paired_accuracy(
 def _stop_reason_pairs(a: RunData, b: RunData) -> Table:
     results_a, results_b = in_job_order(a), in_job_order(b)
     rows = [
-        [reason, sum(r.stop_reason == reason for r in results_a), sum(r.stop_reason == reason for r in results_b),
-         sum(r.stop_reason == reason and looping(r) for r in results_a),
-         sum(r.stop_reason == reason and looping(r) for r in results_b)]
+        [
+            reason,
+            sum(r.stop_reason == reason for r in results_a),
+            sum(r.stop_reason == reason for r in results_b),
+            sum(r.stop_reason == reason and looping(r) for r in results_a),
+            sum(r.stop_reason == reason and looping(r) for r in results_b),
+        ]
         for reason in STOP_REASONS
-    ]  # fmt: skip
+    ]
     return Table("Stop reasons", ["stop reason", "A jobs", "B jobs", "A in a loop", "B in a loop"], rows)
 
 
@@ -735,10 +873,40 @@ def _per_image_pairs(by_a: dict[tuple[str, int], Result], by_b: dict[tuple[str, 
         ra, rb = by_a[key], by_b[key]
         e2e_a, e2e_b = E2E.of(ra), E2E.of(rb)
         rows.append(
-            [*key, e2e_a, e2e_b, e2e_b / e2e_a if e2e_a and e2e_b is not None else None, ra.cold, rb.cold,
-             ra.decode_tokens, rb.decode_tokens, ra.markup == rb.markup, ra.box_count, rb.box_count,
-             ra.text_edit, rb.text_edit, ra.stop_reason, rb.stop_reason]
-        )  # fmt: skip
-    columns = ["image", "repeat", "A e2e ms", "B e2e ms", "B/A", "A cold", "B cold", "A tokens", "B tokens",
-               "same markup", "A boxes", "B boxes", "A text edit", "B text edit", "A stop", "B stop"]  # fmt: skip
+            [
+                *key,
+                e2e_a,
+                e2e_b,
+                e2e_b / e2e_a if e2e_a and e2e_b is not None else None,
+                ra.cold,
+                rb.cold,
+                ra.decode_tokens,
+                rb.decode_tokens,
+                ra.markup == rb.markup,
+                ra.box_count,
+                rb.box_count,
+                ra.text_edit,
+                rb.text_edit,
+                ra.stop_reason,
+                rb.stop_reason,
+            ]
+        )
+    columns = [
+        "image",
+        "repeat",
+        "A e2e ms",
+        "B e2e ms",
+        "B/A",
+        "A cold",
+        "B cold",
+        "A tokens",
+        "B tokens",
+        "same markup",
+        "A boxes",
+        "B boxes",
+        "A text edit",
+        "B text edit",
+        "A stop",
+        "B stop",
+    ]
     return Table("Per image", columns, rows)

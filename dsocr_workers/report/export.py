@@ -23,15 +23,20 @@ class PredictionsWritten:
     random_note: Path | None  # where the run's model had random weights: the note saying so, beside the pages
 
 
-def export_predictions(database_url: str, run_ref: str, directory: Path, repeat: int = 0) -> PredictionsWritten:
+def export_predictions(
+    database_url: str, run_ref: str, directory: Path, repeat: int = 0
+) -> PredictionsWritten:
     """Write every page of the run (`run_ref`: id, unique prefix or latest) that has a result in repeat
     `repeat` to `directory`/<image name without extension>.md."""
     with open_ledger(database_url).transaction() as session:
         data = load_run(session, run_ref)
     if not any(j.repeat == repeat for j in data.jobs):
         raise InputError(f"run {data.run.id} has no repeat {repeat}")
-    pages = {j.image: render_mmd(data.results[j.id].markup)
-             for j in data.jobs if j.repeat == repeat and j.id in data.results}  # fmt: skip
+    pages = {
+        j.image: render_mmd(data.results[j.id].markup)
+        for j in data.jobs
+        if j.repeat == repeat and j.id in data.results
+    }
     written = write_predictions(pages, directory)
     note = None
     if data.run.random_weights:  # the pages are filler text: whoever opens the folder later must see why

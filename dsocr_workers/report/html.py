@@ -77,10 +77,14 @@ def _table(table: Table) -> str:
     return f'<h3 id="{_anchor(table.title)}">{escape(table.title)}</h3><table><tr>{head}</tr>{body}</table>'
 
 
-def html_report(report: Report, sides: Sequence[Side], *, include_cold: bool, include_profiled: bool = False) -> str:
+def html_report(
+    report: Report, sides: Sequence[Side], *, include_cold: bool, include_profiled: bool = False
+) -> str:
     """The page of `report` (built from `sides`' runs by report/build.py) with the plots of those runs."""
     # Without a single result every plot would be empty axes, scaled to nothing: none is drawn.
-    plots = all_plots(sides, include_cold, include_profiled) if any(side.data.results for side in sides) else []
+    plots = (
+        all_plots(sides, include_cold, include_profiled) if any(side.data.results for side in sides) else []
+    )
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     cold = "cold results included (--include-cold)" if include_cold else "cold results left out of statistics"
     links = " ".join(

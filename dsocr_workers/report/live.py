@@ -110,13 +110,18 @@ def run_progress(session: Session, run: Run, lease_s: float, now: datetime | Non
         age = (now - process.heartbeat_at).total_seconds()
         workers.append(
             WorkerView(
-                id=process.id, host=process.host, pid=process.pid, device=process.device,
-                live=process.stopped_at is None and age < lease_s, stopped=process.stopped_at is not None,
-                heartbeat_age_s=max(0.0, age), current_image=holding.get(process.id),
+                id=process.id,
+                host=process.host,
+                pid=process.pid,
+                device=process.device,
+                live=process.stopped_at is None and age < lease_s,
+                stopped=process.stopped_at is not None,
+                heartbeat_age_s=max(0.0, age),
+                current_image=holding.get(process.id),
                 jobs_done=len(durations.get(process.id, [])),
                 job_s=statistics.median(s for _, s in latest) if latest else None,
             )
-        )  # fmt: skip
+        )
     workers.sort(key=lambda w: (not w.live, w.host, w.pid))
     paces = [w.job_s or run_median for w in workers if w.live]
     known = [p for p in paces if p]

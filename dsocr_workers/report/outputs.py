@@ -47,16 +47,27 @@ def write_report(
         a = load_run(session, request.run)
         b = load_run(session, request.vs) if request.vs else None
         if b is not None:
-            document = comparison_report(a, b, per_image=request.per_image, include_cold=request.include_cold,
-                                         exclude_loops=request.exclude_loops,
-                                         include_profiled=request.include_profiled)  # fmt: skip
+            document = comparison_report(
+                a,
+                b,
+                per_image=request.per_image,
+                include_cold=request.include_cold,
+                exclude_loops=request.exclude_loops,
+                include_profiled=request.include_profiled,
+            )
         else:
-            document = single_report(a, per_image=request.per_image, include_cold=request.include_cold,
-                                     exclude_loops=request.exclude_loops,
-                                     include_profiled=request.include_profiled)  # fmt: skip
+            document = single_report(
+                a,
+                per_image=request.per_image,
+                include_cold=request.include_cold,
+                exclude_loops=request.exclude_loops,
+                include_profiled=request.include_profiled,
+            )
     if request.html is not None:
         sides = sides_of(a, b) if b is not None else sides_of(a)
-        page = html_report(document, sides, include_cold=request.include_cold, include_profiled=request.include_profiled)
+        page = html_report(
+            document, sides, include_cold=request.include_cold, include_profiled=request.include_profiled
+        )
         request.html.write_text(page, encoding="utf-8")
         on_written(request.html)
     if request.table is not None:

@@ -1,14 +1,9 @@
 """The pictures of `dsocr report --html`: matplotlib figures rendered to PNG, one function per plot.
 
-Every function takes the runs being reported, each with its label (`Side`: "run X", or "A: run X" and
-"B: run Y" with --vs), and returns a `Plot` (title, caption, PNG bytes). Figures are built with
-`matplotlib.figure.Figure`, never pyplot: no global figure registry, no GUI backend to select, and
-`savefig` renders with Agg whatever the environment's default backend is.
-
-What each plot counts follows the terminal report: the distributions and the decode steps are
-those of the statistics (warm results unless `include_cold`, report/build.py `measured`); the
-per-image breakdown and the timeline show every result, cold ones hatched; the timeline's job bars
-are the service intervals of steady-state throughput (report/throughput.py `services`).
+Every function takes the runs being reported (`Side`s) and returns a `Plot` (title, caption, PNG
+bytes). Figures are `matplotlib.figure.Figure`, never pyplot: no global registry, no GUI backend, and
+`savefig` renders with Agg whatever the default backend. Each plot counts what the terminal report
+counts; the per-image breakdown and the timeline show every result, cold ones hatched.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ SEED = 0
 MAX_TIME_BINS = 200  # throughput over time: bins from the submit to the last page
 MAX_LABEL_CHARS = 24  # a per-image bar's label: the start and end of a longer name
 # The decode plot's y-axis reaches this percentile of the steps (then a margin): one slow step (a
-# collection, a preemption: 358 ms among ~7.5 ms ones) no longer flattens every other point on the axis.
+# collection, a preemption) no longer flattens every other point on the axis.
 DECODE_Y_PERCENTILE = 99.5
 
 
@@ -72,14 +67,27 @@ class Plot:
     png: bytes
 
 
-# The bars of the per-image breakdown, in the order they happen: the stage registry's (its `bar`s, each
-# the sum of its columns; dsocr_workers/stages.py). Their sum is e2e: "setup + gaps" is e2e minus every
-# other bar, i.e. what no bar names (today setup, the prefill outside its nested stages, the host gap).
+# The bars of the per-image breakdown, in the order they happen: the stage registry's `bar`s. Their sum
+# is e2e: "setup + gaps" is e2e minus every other bar, what no bar names.
 BARS: dict[str, tuple[str, ...]] = breakdown_bars()
 GAPS = "setup + gaps"
 # A colour per bar in order (a new bar takes the next one), light grey for the gaps.
-BAR_COLORS = ("#8c8c8c", "#1f77b4", "#17becf", "#9467bd", "#2ca02c", "#ff7f0e", "#d62728", "#bcbd22", "#8c564b",
-              "#e377c2", "#aec7e8", "#98df8a", "#ffbb78", "#c5b0d5")  # fmt: skip
+BAR_COLORS = (
+    "#8c8c8c",
+    "#1f77b4",
+    "#17becf",
+    "#9467bd",
+    "#2ca02c",
+    "#ff7f0e",
+    "#d62728",
+    "#bcbd22",
+    "#8c564b",
+    "#e377c2",
+    "#aec7e8",
+    "#98df8a",
+    "#ffbb78",
+    "#c5b0d5",
+)
 STAGE_COLORS = {label: BAR_COLORS[i % len(BAR_COLORS)] for i, label in enumerate(BARS)} | {GAPS: "#c7c7c7"}
 # The distributions drawn: the registry's CDF figures, and the decode steps (as the latency table has them).
 CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN]
@@ -112,8 +120,8 @@ def _seconds(data: RunData, at: datetime) -> float:
 
 
 def _job_label(image: str, repeat: int, repeats: int) -> str:
-    """A bar's label: the image's file name, its middle cut where it is long (OmniDocBench's names run to
-    ~80 characters: slanted at full length they overlapped and ran off the figure)."""
+    """A bar's label: the image's file name, its middle cut where it is long (slanted at full length,
+    long names overlap and run off the figure)."""
     name = image.rsplit("/", 1)[-1]
     if len(name) > MAX_LABEL_CHARS:
         keep = MAX_LABEL_CHARS - 1
@@ -140,8 +148,13 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
         ax.set_title(side.label, loc="left", fontsize=10)
         ax.set_ylabel("ms")
         if len(jobs) <= MAX_LABELLED_JOBS:
-            ax.set_xticks(x, [_job_label(j.image, j.repeat, repeats) for j, _ in jobs], rotation=30,
-                          ha="right", fontsize=8)  # fmt: skip
+            ax.set_xticks(
+                x,
+                [_job_label(j.image, j.repeat, repeats) for j, _ in jobs],
+                rotation=30,
+                ha="right",
+                fontsize=8,
+            )
         else:
             ax.set_xlabel("jobs in file-list order")
         if not jobs:
@@ -165,8 +178,11 @@ def latency_distributions(sides: Sequence[Side], include_cold: bool, include_pro
     axes = figure.subplots(1, len(CDF_METRICS))
     for ax, metric in zip(axes, CDF_METRICS, strict=True):
         for side, color in zip(sides, RUN_COLORS, strict=False):
-            values = [v for r in measured(side.data, include_cold, include_profiled=include_profiled)
-                      for v in metric.values(r)]  # fmt: skip
+            values = [
+                v
+                for r in measured(side.data, include_cold, include_profiled=include_profiled)
+                for v in metric.values(r)
+            ]
             if values:
                 ax.ecdf(values, color=color, label=f"{side.name} (n={len(values)})")
         ax.set_xlabel(metric.label)
@@ -221,11 +237,21 @@ def decode_steps(sides: Sequence[Side], include_cold: bool, include_profiled: bo
         above = steps[steps > top]
         if above.size:
             ax.set_ylim(0, top)
-            clipped = (f" The y-axis stops at {top:.3g} ms (p{DECODE_Y_PERCENTILE:g} of the steps + 15%): "
-                       f"{above.size} step{'s' if above.size > 1 else ''} above it, up to {above.max():.4g} ms, "
-                       "are off the plot.")  # fmt: skip
-            ax.text(0.99, 0.98, f"{above.size} step(s) above, max {above.max():.4g} ms", transform=ax.transAxes,
-                    ha="right", va="top", fontsize=8, color="#b00000")  # fmt: skip
+            clipped = (
+                f" The y-axis stops at {top:.3g} ms (p{DECODE_Y_PERCENTILE:g} of the steps + 15%): "
+                f"{above.size} step{'s' if above.size > 1 else ''} above it, up to {above.max():.4g} ms, "
+                "are off the plot."
+            )
+            ax.text(
+                0.99,
+                0.98,
+                f"{above.size} step(s) above, max {above.max():.4g} ms",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="#b00000",
+            )
     ax.grid(alpha=0.3)
     _legend_or_nothing(ax, "no measured decode steps", fontsize=8, loc="upper left")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
@@ -245,8 +271,13 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
     axes = figure.subplots(len(sides), 1, squeeze=False, height_ratios=[1.5 + 0.45 * h for h in heights])[
         :, 0
     ]
-    left, span = 0.0, max((_seconds(side.data, s.finished) for side, lanes in zip(sides, lanes_per_side, strict=True)
-                           for lane in lanes.values() for s in lane), default=1.0)  # fmt: skip
+    finishes = [
+        _seconds(side.data, s.finished)
+        for side, lanes in zip(sides, lanes_per_side, strict=True)
+        for lane in lanes.values()
+        for s in lane
+    ]
+    left, span = 0.0, max(finishes, default=1.0)
     for ax, side, lanes in zip(axes, sides, lanes_per_side, strict=True):
         data = side.data
         for y, (_, lane) in enumerate(sorted(lanes.items())):
@@ -256,14 +287,19 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
                 load, warm = (session.load_ms or 0) / 1000, (session.warmup_ms or 0) / 1000
                 ax.broken_barh([(start, load)], (y - 0.4, 0.8), color="#7f7f7f")
                 ax.broken_barh([(start + load, warm)], (y - 0.4, 0.8), color="#c5b0d5")
-                # A worker up long before the submit would squash the run into a sliver: show at most
-                # a quarter of the run's span before it (the load / warm-up bars then start off-axis).
+                # A worker up long before the submit would squash the run: show at most a quarter of
+                # the run's span before it.
                 left = min(left, max(start, -0.25 * span))
             for s in lane:
                 began = _seconds(data, s.began)
-                ax.broken_barh([(began, _seconds(data, s.finished) - began)], (y - 0.4, 0.8),
-                               facecolor="#1f77b4", edgecolor="white", linewidth=0.5,
-                               hatch=COLD_HATCH if s.result.cold else None)  # fmt: skip
+                ax.broken_barh(
+                    [(began, _seconds(data, s.finished) - began)],
+                    (y - 0.4, 0.8),
+                    facecolor="#1f77b4",
+                    edgecolor="white",
+                    linewidth=0.5,
+                    hatch=COLD_HATCH if s.result.cold else None,
+                )
         ax.set_yticks(range(len(lanes)), sorted(lanes), fontsize=8)
         ax.set_ylim(-0.7, max(1, len(lanes)) - 0.3)
         ax.invert_yaxis()
@@ -274,9 +310,13 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
             ax.text(0.5, 0.5, "no finished jobs", transform=ax.transAxes, ha="center", color="#666666")
     for ax in axes:  # one time scale for both runs of a comparison: their lengths read side by side
         ax.set_xlim(left - 0.01 * span, span * 1.01)
-    legend = [Patch(color="#7f7f7f", label="model load"), Patch(color="#c5b0d5", label="warm-up"),
-              Patch(facecolor="#1f77b4", label="job"), Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
-              Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")]  # fmt: skip
+    legend = [
+        Patch(color="#7f7f7f", label="model load"),
+        Patch(color="#c5b0d5", label="warm-up"),
+        Patch(facecolor="#1f77b4", label="job"),
+        Patch(facecolor="#1f77b4", hatch=COLD_HATCH, label="cold job"),
+        Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"),
+    ]
     figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
@@ -294,32 +334,60 @@ def throughput_over_time(sides: Sequence[Side], include_cold: bool) -> Plot:
     done_ax = rate_ax.twinx()
     for side, color in zip(sides, RUN_COLORS, strict=False):
         data = side.data
-        finished = np.sort([_seconds(data, j.finished_at) for j in data.jobs
-                            if j.id in data.results and j.finished_at is not None])  # fmt: skip
+        finished = np.sort(
+            [
+                _seconds(data, j.finished_at)
+                for j in data.jobs
+                if j.id in data.results and j.finished_at is not None
+            ]
+        )
         if finished.size == 0:
             continue
-        # Bins sized by the period pages finish in, about two pages a bin (at most 60 there), laid back
-        # from the last page to the submit: a long load then reads as empty bins, not as one wide bin
-        # that hides the rate, and only the first bin (in the load, as a rule) may be cut short.
-        # At least three bins where there are pages for them: a short run's two or three pages in one bin
-        # made a single block of the whole run.
+        # Bins of about two pages each, laid back from the last page to the submit: a long load reads as
+        # empty bins rather than one wide bin hiding the rate. At least three bins where there are pages.
         busy_bins = max(1, int(np.clip(finished.size // 2, min(3, finished.size - 1), 60)))
         width = max((finished[-1] - finished[0]) / busy_bins, finished[-1] / MAX_TIME_BINS) or 1.0
         bins = max(1, int(np.ceil(finished[-1] / width)))
         edges = np.maximum(finished[-1] - width * np.arange(bins, -1, -1), 0.0)
         counts, _ = np.histogram(finished, edges)
-        # Bars, each bin outlined: at a steady rate the bins are of one height, and an outline alone
-        # read as one bin for the whole run.
-        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", facecolor=color,
-                    alpha=0.3, edgecolor="none")  # fmt: skip
-        rate_ax.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", fill=False,
-                    edgecolor=color, linewidth=1.2, label=f"{side.name}: pages/s per bin")  # fmt: skip
+        # Bars, each bin outlined: at a steady rate an outline alone reads as one bin.
+        rate_ax.bar(
+            edges[:-1],
+            counts / np.diff(edges),
+            width=np.diff(edges),
+            align="edge",
+            facecolor=color,
+            alpha=0.3,
+            edgecolor="none",
+        )
+        rate_ax.bar(
+            edges[:-1],
+            counts / np.diff(edges),
+            width=np.diff(edges),
+            align="edge",
+            fill=False,
+            edgecolor=color,
+            linewidth=1.2,
+            label=f"{side.name}: pages/s per bin",
+        )
         steady = steady_state_throughput(data, include_cold).value
         if steady is not None:
-            rate_ax.axhline(steady, color=color, linestyle="--", linewidth=1,
-                            label=f"{side.name}: steady state {steady:.3g} pages/s")  # fmt: skip
-        done_ax.step(finished, np.arange(1, finished.size + 1), where="post", color=color, alpha=0.45,
-                     linestyle=":", label=f"{side.name}: pages done")  # fmt: skip
+            rate_ax.axhline(
+                steady,
+                color=color,
+                linestyle="--",
+                linewidth=1,
+                label=f"{side.name}: steady state {steady:.3g} pages/s",
+            )
+        done_ax.step(
+            finished,
+            np.arange(1, finished.size + 1),
+            where="post",
+            color=color,
+            alpha=0.45,
+            linestyle=":",
+            label=f"{side.name}: pages done",
+        )
     rate_ax.set_xlabel("seconds after submit")
     rate_ax.set_ylabel("pages/s (finished per bin)")
     done_ax.set_ylabel("pages done")
@@ -354,22 +422,27 @@ def _short(name: str, limit: int) -> str:
 
 
 def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
-    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernels.py)."""
+    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernel_tables.py)."""
     from dsocr_workers.kernels import OTHER
-    from dsocr_workers.report.kernels import by_stage, profiled
+    from dsocr_workers.report.kernel_tables import by_stage, profiled
 
     title = "Kernels per stage (profiled jobs)"
     stages = [by_stage([s for _, s in profiled(side.data, include_cold)]) for side in sides]
     names = list(dict.fromkeys(name for per_side in stages for name in per_side))
     columns = 2 if len(names) > 1 else 1
     rows = -(-len(names) // columns)
-    figure = Figure(figsize=(WIDTH_IN, 0.8 + rows * (1.0 + 0.32 * (KERNELS_PER_PANEL + 2) * len(sides))),
-                    layout="constrained")  # fmt: skip
+    figure = Figure(
+        figsize=(WIDTH_IN, 0.8 + rows * (1.0 + 0.32 * (KERNELS_PER_PANEL + 2) * len(sides))),
+        layout="constrained",
+    )
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     height = 0.8 / len(sides)
     for ax, name in zip(axes, names, strict=False):
         per_side = [per.get(name) for per in stages]
-        means = [{k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {} for stage in per_side]
+        means = [
+            {k: sum(v) / len(v) / 1e3 for k, v in stage.kernel_us.items()} if stage else {}
+            for stage in per_side
+        ]
         ranked = sorted({k for m in means for k in m}, key=lambda k: -max(m.get(k, 0.0) for m in means))
         shown = [k for k in ranked if k != OTHER][:KERNELS_PER_PANEL]
         labels = [*(_short(short_kernel_name(k), MAX_KERNEL_CHARS) for k in shown), "other kernels", "idle"]
@@ -381,11 +454,24 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
             jobs = len(stage.jobs)
             idle = sum(s.idle_ms for s in stage.jobs) / jobs
             clock = sum(s.event_ms for s in stage.jobs) / jobs
-            values = [*(mean.get(k, 0.0) for k in shown), sum(v for k, v in mean.items() if k not in shown), idle]
+            values = [
+                *(mean.get(k, 0.0) for k in shown),
+                sum(v for k, v in mean.items() if k not in shown),
+                idle,
+            ]
             colors = [RUN_COLORS[i]] * (len(values) - 1) + [IDLE_COLOR]
-            ax.barh(y + (i - (len(sides) - 1) / 2) * height, values, height=height, color=colors,
-                    edgecolor=RUN_COLORS[i], linewidth=0.8, label=side.name)  # fmt: skip
-            heading.append(f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%")
+            ax.barh(
+                y + (i - (len(sides) - 1) / 2) * height,
+                values,
+                height=height,
+                color=colors,
+                edgecolor=RUN_COLORS[i],
+                linewidth=0.8,
+                label=side.name,
+            )
+            heading.append(
+                f"{side.name}: {clock:.3g} ms, busy {100 * (1 - idle / clock) if clock else 0:.0f}%"
+            )
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("ms per profiled job", fontsize=8)
@@ -413,7 +499,10 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
     title = "Throughput against latency"
     figure = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     tokens_ax, pages_ax = figure.subplots(1, 2)
-    panels = ((tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"), (pages_ax, "TTFT p50 ms", "pages/s per GPU"))
+    panels = (
+        (tokens_ax, "TPOT p50 ms", "output tokens/s per GPU"),
+        (pages_ax, "TTFT p50 ms", "pages/s per GPU"),
+    )
     points: list[tuple[int, float | None, float | None, float | None, float | None]] = []
     colors = RUN_COLORS if len(sides) <= len(RUN_COLORS) else [f"C{i % 10}" for i in range(len(sides))]
     for side, color in zip(sides, colors, strict=False):
@@ -426,8 +515,17 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
         for ax, (x, y) in ((tokens_ax, point[1:3]), (pages_ax, point[3:])):
             if x is None or y is None:
                 continue
-            ax.scatter([x], [y], color=color, s=200, zorder=3, label=f"{side.name}: concurrency {figures.concurrency}")
-            ax.annotate(f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9)
+            ax.scatter(
+                [x],
+                [y],
+                color=color,
+                s=200,
+                zorder=3,
+                label=f"{side.name}: concurrency {figures.concurrency}",
+            )
+            ax.annotate(
+                f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9
+            )
     ordered = sorted(points, key=lambda point: point[0])
     for ax, offset in ((tokens_ax, 1), (pages_ax, 3)):
         line = [(x, y) for point in ordered if None not in (x := point[offset], y := point[offset + 1])]

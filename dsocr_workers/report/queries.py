@@ -73,13 +73,22 @@ def load_run(session: Session, ref: str) -> RunData:
     }
     elsewhere: dict[str, list[datetime]] = {}
     for session_id, finished in session.execute(
-        select(Result.worker_session_id, Job.finished_at).join(Job, Job.id == Result.job_id)
-        .where(Result.worker_session_id.in_(session_ids), Result.run_id != run.id, Job.finished_at >= run.created_at)
-    ):  # fmt: skip
+        select(Result.worker_session_id, Job.finished_at)
+        .join(Job, Job.id == Result.job_id)
+        .where(
+            Result.worker_session_id.in_(session_ids),
+            Result.run_id != run.id,
+            Job.finished_at >= run.created_at,
+        )
+    ):
         if session_id is not None and finished is not None:
             elsewhere.setdefault(session_id, []).append(finished)
-    attempts = list(session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id)))
-    owners = {a.owner for a in attempts} | {s.worker_process_id for s in sessions.values() if s.worker_process_id}
+    attempts = list(
+        session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id))
+    )
+    owners = {a.owner for a in attempts} | {
+        s.worker_process_id for s in sessions.values() if s.worker_process_id
+    }
     processes = {p.id: p for p in session.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
     profiles = {
         job_id: KernelSummary.from_json(summary)
@@ -87,8 +96,13 @@ def load_run(session: Session, ref: str) -> RunData:
             select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
         )
     }
-    columns = (BatchStep.worker_session_id, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms,
-               BatchStep.started_at)  # fmt: skip
+    columns = (
+        BatchStep.worker_session_id,
+        BatchStep.kind,
+        BatchStep.occupancy,
+        BatchStep.duration_ms,
+        BatchStep.started_at,
+    )
     steps = [StepTime(*row) for row in session.execute(select(*columns).where(BatchStep.run_id == run.id))]
     return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps)
 

@@ -63,7 +63,9 @@ def only_table(report: Report, title: str) -> Report:
     """The report with one of its tables (its title, any case)."""
     chosen = [t for t in report.tables if t.title.casefold() == title.casefold()]
     if not chosen:
-        raise InputError(f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}")
+        raise InputError(
+            f"--table {title!r}: this report's tables are {', '.join(t.title for t in report.tables)}"
+        )
     return replace(report, tables=chosen, terms=[])  # one table, for a script: no legend
 
 
@@ -102,7 +104,9 @@ def render_table(report: Report, *, width: int | None = None, color: bool = Fals
     out = io.StringIO()
 
     def console(at_least: int = 0) -> Console:
-        return Console(file=out, width=max(width or NATURAL_WIDTH, at_least), force_terminal=color, no_color=not color)
+        return Console(
+            file=out, width=max(width or NATURAL_WIDTH, at_least), force_terminal=color, no_color=not color
+        )
 
     wide = console(NATURAL_WIDTH)
     console().print(f"[bold]{report.title}[/bold]")
@@ -201,8 +205,13 @@ def render_json(report: Report) -> str:
         columns, rows = _expanded(table)
         tables[table.title] = [dict(zip(columns, row, strict=True)) for row in rows]
     notes = {table.title: table.note for table in report.tables if table.note}
-    document = {"title": report.title, "warnings": report.warnings, "tables": tables, "notes": notes,
-                "terms": dict(report.terms)}
+    document = {
+        "title": report.title,
+        "warnings": report.warnings,
+        "tables": tables,
+        "notes": notes,
+        "terms": dict(report.terms),
+    }
     if report.differences:  # a comparison of runs that are not like for like
         document["unlike_runs"] = report.differences
     return json.dumps(document, indent=2, default=str) + "\n"

@@ -1,21 +1,15 @@
-"""The serving table (issue 34): a run as the serving benchmarks print one (`vllm bench serve`, AIPerf):
-request throughput, output tokens/s, TTFT, TPOT, inter-token latency and end-to-end, with the batch the
-jobs decoded in, and what it makes a day per GPU and for the run's GPUs together.
+"""The serving table: a run as the serving benchmarks print one (`vllm bench serve`, AIPerf): request
+throughput, output tokens/s, TTFT, TPOT, inter-token latency and end-to-end, with the batch the jobs
+decoded in, and what it makes a day per GPU and for the run's GPUs together.
 
-Throughput is the run's steady state (report/throughput.py: per worker process 1 / mean service time,
-summed; at --concurrency above 1 the output tokens its engine's steps made between the lane's first
-finish and its last claim, over the mean tokens of a page), with its 95% interval; output tokens/s is that rate times the mean
-tokens out of a page. TTFT is the job's (for a batched job from its claim to its first token, which holds
-its page's preparation and its wait for a slot), TPOT its time per output token after the first,
-ITL every gap between two of its tokens, pooled over jobs. A day is 86,400 s of that steady state: the
-rate a fleet of warm workers with a full queue would keep, not a measured day.
+Throughput is the run's steady state (report/throughput.py) with its 95% interval; output tokens/s is
+that rate times the mean tokens out of a page. A batched job's TTFT runs from its claim, so it holds its
+page's preparation and its wait for a slot. A day is 86,400 s of that steady state, not a measured day.
 
-The Batch steps table (a run at --concurrency above 1 whose workers stored their engines' steps,
-`batch_steps`): the device's side of the same jobs, step by step. How many pages joined (a prefill step
-each) and how many decode steps ran, the pages per decode step, a decode step's time by how many pages
-it held (its occupancy band), the prefill steps' share of the time in steps, and that time per GPU
-against the run's wall span (first claim to last finish): what is left of the span went to the host
-(claims, pages prepared, messages handed over) or to waiting for work.
+The Batch steps table (a batched run's `batch_steps`): the device's side of the same jobs, step by
+step: pages joined, decode steps, pages per step, a decode step's time by occupancy band, the prefill
+steps' share, and the time in steps per GPU against the run's wall span (the rest went to the host or
+to waiting for work).
 """
 
 from __future__ import annotations
@@ -37,13 +31,21 @@ SECONDS_PER_DAY = 86_400
 # Beside the stage registry's figures (TTFT, TPOT, end-to-end, queue wait: the legend has them from there).
 TERMS = [
     ("ITL", "inter-token latency: every gap between two consecutive tokens of a job, pooled over jobs"),
-    ("batch occupancy", "pages decoding in a job's batch per decode step, averaged over its steps (1 on the "
-                        "batch-1 path)"),
-    ("pages/day", "steady-state pages/s x 86,400: what warm workers with a full queue keep up, per GPU and for "
-                  "the run's GPUs together"),
-    ("prefill / decode step", "a batched engine's step on the device: a page's prefill into its slot, or one "
-                              "decode step over the pages in the batch (its occupancy)"),
-]  # fmt: skip
+    (
+        "batch occupancy",
+        "pages decoding in a job's batch per decode step, averaged over its steps (1 on the batch-1 path)",
+    ),
+    (
+        "pages/day",
+        "steady-state pages/s x 86,400: what warm workers with a full queue keep up, per GPU and for "
+        "the run's GPUs together",
+    ),
+    (
+        "prefill / decode step",
+        "a batched engine's step on the device: a page's prefill into its slot, or one "
+        "decode step over the pages in the batch (its occupancy)",
+    ),
+]
 # Decode steps by their occupancy: (label, fewest pages, most).
 OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63), ("64+", 64, math.inf))
 
@@ -99,7 +101,8 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
 
 
 def _tpot(result: Result) -> float | None:
-    """Its TPOT; for rows written before the column, the mean kept decode step (the same on the batch-1 path)."""
+    """Its TPOT; for rows written before the column, the mean kept decode step (the same on the batch-1
+    path)."""
     if (tpot := TPOT.of(result)) is not None:
         return tpot
     steps = list(result.decode_step_ms)
@@ -114,11 +117,19 @@ def _rows(figures: Serving) -> list[tuple[str, object]]:
         ("output tokens/s", figures.output_tokens_per_s),
         ("mean tokens out per page", figures.tokens_per_page),
     ]
-    for label, summary in (("TTFT ms", figures.ttft_ms), ("TPOT ms", figures.tpot_ms), ("ITL ms", figures.itl_ms),
-                           ("end-to-end ms", figures.e2e_ms)):  # fmt: skip
+    for label, summary in (
+        ("TTFT ms", figures.ttft_ms),
+        ("TPOT ms", figures.tpot_ms),
+        ("ITL ms", figures.itl_ms),
+        ("end-to-end ms", figures.e2e_ms),
+    ):
         # As `vllm bench serve` names them: "mean TTFT ms", "p99 ITL ms".
-        rows += [(f"mean {label}", summary.mean), (f"p50 {label}", summary.p50), (f"p90 {label}", summary.p90),
-                 (f"p99 {label}", summary.p99)]  # fmt: skip
+        rows += [
+            (f"mean {label}", summary.mean),
+            (f"p50 {label}", summary.p50),
+            (f"p90 {label}", summary.p90),
+            (f"p99 {label}", summary.p99),
+        ]
     rows += [
         ("p50 queue wait ms (for a slot of the batch)", figures.queue_wait_ms.p50),
         ("p90 queue wait ms", figures.queue_wait_ms.p90),
@@ -133,7 +144,9 @@ NOTE = "steady state of warm jobs (unless --include-cold); a day is 86,400 s of 
 
 
 def serving_table(data: RunData, include_cold: bool = False) -> Table:
-    return Table("Serving", ["measure", "value"], [list(row) for row in _rows(serving(data, include_cold))], NOTE)
+    return Table(
+        "Serving", ["measure", "value"], [list(row) for row in _rows(serving(data, include_cold))], NOTE
+    )
 
 
 def serving_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Table:
@@ -204,13 +217,17 @@ def batch_steps(data: RunData) -> BatchSteps:
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
     return BatchSteps(
-        prefill_steps=len(prefill), decode_steps=len(decode),
+        prefill_steps=len(prefill),
+        decode_steps=len(decode),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
-        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0], prefill_p90_ms=quantiles[1],
-        decode_bands=bands, prefill_ms=sum(prefill),
-        decode_ms=sum(s.duration_ms for s in decode), wall_span_s=wall_span_s,
+        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0],
+        prefill_p90_ms=quantiles[1],
+        decode_bands=bands,
+        prefill_ms=sum(prefill),
+        decode_ms=sum(s.duration_ms for s in decode),
+        wall_span_s=wall_span_s,
         gpus=len({_gpu(data, step) for step in data.steps}),
-    )  # fmt: skip
+    )
 
 
 def _gpu(data: RunData, step: StepTime) -> object:

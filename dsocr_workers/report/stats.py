@@ -1,24 +1,13 @@
 """Every statistic the report prints, with its 95% confidence interval: the one place that computes
 means, percentiles and intervals (scipy.stats.bootstrap, never hand-written resampling).
 
-- `Summary.from_values`: one value per job (TTFT, e2e, …); the bootstrap resamples jobs.
-- `Summary.from_jobs`: values pooled over jobs (decode ms/token: every kept step of every job). Steps of
-  one job share its page, cache length and device state, so they are not independent: the bootstrap
-  resamples whole jobs and pools their steps (a cluster bootstrap).
-- `paired_ratios`: B/A of the mean and of the median over (image, repeat) pairs; a resample draws pairs,
-  so both runs see the same pages (what scipy calls `paired=True`).
-- `paired_difference`: mean of B − A over the same pairs, for scores where a ratio says less than a
-  difference (edit distances, often 0).
-- `rate_sum` / `rate_sum_ratio`: throughput as Σ over workers of 1 / mean service time, each worker's
-  service times an independent sample (`paired=False`), see report/throughput.py.
-- `plain_percentiles`: percentiles without an interval, of values that are no independent draws (a
-  batched engine's steps, report/serving.py).
-
-Intervals are bootstrap percentile intervals (2,000 resamples, a fixed seed so the same ledger gives the
-same report). Percentile rather than BCa: BCa's acceleration comes from a jackknife, which is unreliable
-for quantiles such as p50 / p99. With fewer than two jobs, or no spread at all, there is no interval.
-A resample never holds a value larger than the largest one measured, so p99 intervals from fewer than
-about a hundred jobs are too narrow on the high side: read them as a floor on the uncertainty.
+A bootstrap resamples the independent units: jobs (`Summary`; a job's decode steps share its page and
+cache, so steps are pooled from whole resampled jobs), (image, repeat) pairs of two runs
+(`paired_ratios`, `paired_difference`), or each worker's service times (`rate_sum`). Intervals are
+percentile intervals with a fixed seed, so the same ledger gives the same report; percentile rather
+than BCa, whose jackknife is unreliable for quantiles. With fewer than two units, or no spread, there is
+no interval. A resample never exceeds the largest value measured, so a p99 interval from fewer than
+about a hundred jobs is too narrow on the high side.
 """
 
 from __future__ import annotations
@@ -66,9 +55,16 @@ def _bootstrap(
     """Lower and upper bounds, one per output of `statistic`."""
     with np.errstate(divide="ignore", invalid="ignore"):  # a resample may divide by zero: no interval
         result = stats.bootstrap(
-            data, statistic, n_resamples=RESAMPLES, batch=_BATCH, vectorized=vectorized, paired=False,
-            confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(SEED),
-        )  # fmt: skip
+            data,
+            statistic,
+            n_resamples=RESAMPLES,
+            batch=_BATCH,
+            vectorized=vectorized,
+            paired=False,
+            confidence_level=CONFIDENCE,
+            method="percentile",
+            rng=np.random.default_rng(SEED),
+        )
     interval = result.confidence_interval
     return np.atleast_1d(interval.low), np.atleast_1d(interval.high)
 
@@ -83,9 +79,8 @@ class _Jobs:
         self.pooled = np.concatenate(arrays) if arrays else np.empty(0)
         # One value per job: a batch of resamples is plain fancy indexing, vectorised by numpy.
         self.one_each = all(a.size == 1 for a in arrays)
-        # Many values per job (decode steps): concatenating the drawn jobs would cost seconds per
-        # thousand resamples on a long run, so a resample is weights instead: how often each job was
-        # drawn, applied to the pooled values sorted once.
+        # Many values per job (decode steps): concatenating the drawn jobs is slow on a long run, so a
+        # resample is weights instead: how often each job was drawn, applied to the pooled values sorted once.
         self.sizes = np.asarray([a.size for a in arrays], dtype=np.intp)
         self.sums = np.asarray([a.sum() for a in arrays])
         order = np.argsort(self.pooled, kind="stable")
@@ -133,7 +128,9 @@ class _Jobs:
             return np.stack([np.mean(x, axis=-1), *np.percentile(x, quantiles, axis=-1)])
         drawn = np.bincount(idx, minlength=self.count)
         total = int(drawn @ self.sizes)
-        return np.asarray([drawn @ self.sums / total, *(self._percentile(drawn, total, q) for q in quantiles)])
+        return np.asarray(
+            [drawn @ self.sums / total, *(self._percentile(drawn, total, q) for q in quantiles)]
+        )
 
 
 # A resample's percentile is looked for among the pooled values within this share of their count (and at
@@ -228,16 +225,25 @@ def _rates(groups: Sequence[Sequence[Sequence[float]]], combine: Callable[[list]
     worker) and rate(s) is 1 / mean(s) for service times, mean(s) for `BinnedRates`. Samples with no
     spread (or a single value) cannot move under resampling: they enter as constants, the others are
     resampled independently of each other."""
-    arrays = [[(np.asarray(s, dtype=float), isinstance(s, BinnedRates)) for s in group if len(s)] for group in groups]
+    arrays = [
+        [(np.asarray(s, dtype=float), isinstance(s, BinnedRates)) for s in group if len(s)]
+        for group in groups
+    ]
     n = sum(s.size for group in arrays for s, _ in group)
     if any(not group for group in arrays):
         return Estimate(None, n=n)
     with np.errstate(divide="ignore"):
         value = combine([sum(float(_rate(s, binned)) for s, binned in group) for group in arrays])
-        moving = [(g, s, binned) for g, group in enumerate(arrays) for s, binned in group
-                  if s.size >= 2 and np.ptp(s) > 0]  # fmt: skip
-        fixed = [sum(float(_rate(s, binned)) for s, binned in group if s.size < 2 or np.ptp(s) == 0)
-                 for group in arrays]  # fmt: skip
+        moving = [
+            (g, s, binned)
+            for g, group in enumerate(arrays)
+            for s, binned in group
+            if s.size >= 2 and np.ptp(s) > 0
+        ]
+        fixed = [
+            sum(float(_rate(s, binned)) for s, binned in group if s.size < 2 or np.ptp(s) == 0)
+            for group in arrays
+        ]
     if not moving:
         return _estimate(value, np.nan, np.nan, n)
 

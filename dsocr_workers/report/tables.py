@@ -1,5 +1,5 @@
 """The report's table type and the small helpers every table builder shares (report/build.py for the
-latency, accounting and accuracy tables; report/kernels.py for the kernel tables)."""
+latency, accounting and accuracy tables; report/kernel_tables.py for the kernel tables)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def short_kernel_name(name: str) -> str:
     text = name.removeprefix("void ").replace("(anonymous namespace)::", "").strip()
     end = min((i for i in (text.find("<"), text.find("(")) if i >= 0), default=len(text))
     base = text[:end].split("::")[-1].strip()
-    argument = next((a for a in _template_arguments(text[end:]) if not a.replace(".", "").isdigit()
-                     and a not in ("true", "false")), None)  # fmt: skip
+    types = [a for a in _template_arguments(text[end:]) if not a.replace(".", "").isdigit() and a not in ("true", "false")]
+    argument = types[0] if types else None
     if argument is not None:
         argument = argument.split("<")[0].split("(")[0].replace("const", "").strip(" *&").split("::")[-1]
     return _cut(f"{base}<{argument}>" if argument else base)

@@ -1,64 +1,17 @@
 """Throughput, both ways users mean it. A page is a job: one (image, repeat).
 
-**Steady state** — pages/s while warmed workers are busy; what `--vs` compares. Per worker process (its
-lane: one device; it may hold several worker sessions in turn, one per model loaded or warm-up run),
-its jobs in the order they finished; job i's service time is
+Steady state: pages/s while warmed workers are busy (what `--vs` compares). Per lane, job i's service time
+is d_i = finished_i − max(waiting_i, free_i, ready_at of its worker session): loading, warm-up, an empty
+queue and the lane's work for other runs never count; the farm's own time between two jobs does. A
+lane's rate is 1 / mean(d) over its warm jobs, the run's the sum of its lanes'. A batched run's jobs
+overlap, so a lane's rate is its steps' output tokens over its steady window (first finish to last
+claim) over the mean tokens per page, with an interval from bins of at least one batch turnover (the
+method of batch means: the rate rises and falls with a period of one turnover).
 
-    d_i = finished_i − max(waiting_i, free_i, ready_at of the job's worker session)
-
-where waiting_i = min(when job i was queued, its claim) and free_i = the lane's last finish before the
-claim (of this run's job i−1, or of another run's job on the same worker session). So loading and
-warm-up, time spent waiting for work (an empty queue), a prefetched job's wait behind the previous one
-and the lane's work for other runs never count, while the farm's own time between two jobs of a queue
-that held work (the result written, the message delivered, the next claim) does: measured on an H200
-with 0.15-s jobs, counting from the claim instead made the rate 5% higher than the jobs' real pace.
-A lane's rate is 1 / mean(d) over its warm jobs (a cold job still occupies the worker, so it still ends
-the previous interval, but its own d is left out unless `include_cold`; a profiled job's always is); the run's rate is the sum of
-its lanes' rates, since lanes run side by side on different devices. The 95% interval resamples each
-lane's service times independently (report/stats.py `rate_sum`). Results written before worker sessions existed are grouped by worker
-fingerprint instead, without a `ready_at`.
-
-**Steady state of a batched run** (`--concurrency` above 1) — its jobs overlap on their lane, so they
-have no service times of their own (the gaps between finishes are bursts and pauses, and the first job's
-holds the whole first batch). A lane's steady window runs from the first finish of the run's jobs on it
-(its batch is full and turning over) to the last claim (after it the batch only drains); its pages/s are
-the output tokens its engine's steps produced in that window (`batch_steps`: a decode step gives one
-token per page in it, a prefill the joining page's first) over the window's length, divided by the mean
-tokens out of its pages. The window is cut into equal bins, the interval resamples the bins' rates
-(report/stats.py `BinnedRates`: the method of batch means). A bin lasts at least one turnover of the
-batch (`turnover_s`: its slots over its rate, the time N slots take to finish N pages), and at least
-`STEADY_BIN_S`, and the window holds at least `MIN_BINS`: pages that joined together finish together
-(all the more with EOS ignored), so the batch's rate rises and falls with a period of one turnover (its
-decode steps, then its successors' prefills). One-second bins of that pattern are far from independent
-samples of its rate: on an H200 at concurrency 128 (1,024 tokens a page) their rates ran 3–15 pages/s
-around a mean of 10, and the 95% interval of the mean was ±7% in one run and ±23% in another, for a
-rate that each turnover repeated; a bin of a whole turnover holds one rise and one fall wherever it
-starts. A window shorter than `MIN_BINS` turnovers gets shorter bins and the wider interval that is its
-due. A lane with no steps or too short a window (one batch, never refilled) falls back to the service
-times.
-
-**Wall clock** — from the run's creation (submit) to its last result, model loading, warm-up and
-queueing included: what a user waited. Pages/s over it = finished jobs / wall clock.
-
-**The device between jobs** — per lane, from one job's end on the device to the next one's start
-(`device_idle_ms`): the result written, the next claim, its page unless it was prefetched. Only
-between jobs of one worker session, and only where the next job was in the ledger before the previous
-one ended (not: the worker waiting for work). Beside it, the device's time per page
-(`device_ms_per_page`): a lane kept busy runs at 1 / that many pages per second.
-
-**The device's share of a job** (`device_busy_share`) — over the warm jobs that began when the job
-before them on their lane finished (the queue held work; one worker session), Σ device time / Σ service
-time: how close those jobs ran to 1 / (device time per page). Each job's two times are taken as a pair
-and resampled together, so the spread of the pages' own device times (136–150 ms, p5–p95, in one
-252-job run on an H200) does not widen the interval of the share; a lane's first job (its page read and preprocessed with
-nothing to overlap) and jobs after the queue ran dry are not between jobs and are left out.
-
-The three device measures are the batch-1 path's: a batched job (`--concurrency` above 1) shares the
-device with the others of its batch, whose spans overlap, and is left out of them; its serving figures
-(TPOT, occupancy) are the report's Serving table.
-
-Import from here in benchmarks: `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`,
-`device_idle_ms`, `device_ms_per_page`, `device_busy_share`.
+Wall clock: from the run's creation to its last result. The device between jobs (batch-1 path only):
+its idle time between a lane's jobs, its time per page, and its share of a job's service time.
+Benchmarks import `steady_state_throughput`, `throughput_ratio`, `wall_clock_s`, `device_idle_ms`,
+`device_ms_per_page`, `device_busy_share` from here.
 """
 
 from __future__ import annotations
@@ -133,7 +86,7 @@ def services(data: RunData) -> dict[str, list[Service]]:
 
 def steady(result: Result, include_cold: bool) -> bool:
     """Whether a job's own times count in the steady state: warm unless `include_cold`, and never a
-    profiled job (torch.profiler's cost is in its times; issue 33)."""
+    profiled job (torch.profiler's cost is in its times)."""
     return (include_cold or not result.cold) and not result.profiled
 
 
@@ -217,7 +170,8 @@ def throughput_ratio(b: RunData, a: RunData, include_cold: bool = False) -> Esti
 
 
 def device_idle_ms(data: RunData) -> dict[str, list[float]]:
-    """Per lane, the device's idle milliseconds between consecutive jobs, as defined above."""
+    """Per lane, the device's idle milliseconds from one job's end on the device to the next one's start,
+    between jobs of one worker session whose next job was in the ledger before the previous one ended."""
     jobs = {j.id: j for j in data.jobs}
     # (device start, device end, result) of every result that has them, per lane
     by_lane: dict[str, list[tuple[datetime, datetime, Result]]] = defaultdict(list)
@@ -230,7 +184,8 @@ def device_idle_ms(data: RunData) -> dict[str, list[float]]:
         idle[key] = [
             (started - finished).total_seconds() * 1e3
             for (_, finished, before), (started, _, after) in zip(ordered, ordered[1:], strict=False)
-            if after.worker_session_id == before.worker_session_id and waiting_since(jobs[after.job_id]) <= finished
+            if after.worker_session_id == before.worker_session_id
+            and waiting_since(jobs[after.job_id]) <= finished
         ]
     return idle
 
@@ -241,23 +196,34 @@ def device_ms_per_page(data: RunData, include_cold: bool = False) -> dict[str, l
     spans: dict[str, list[float]] = defaultdict(list)
     for r in data.results.values():
         started, finished = r.device_started_at, r.device_finished_at
-        if started is not None and finished is not None and steady(r, include_cold) and r.batch_occupancy is None:
+        if (
+            started is not None
+            and finished is not None
+            and steady(r, include_cold)
+            and r.batch_occupancy is None
+        ):
             spans[lane_key(data, r)].append((finished - started).total_seconds() * 1e3)
     return dict(spans)
 
 
 def device_busy_share(data: RunData, lane: str | None = None) -> Estimate:
-    """Σ device time / Σ service time over the warm jobs between jobs (as defined above), of every lane
-    or of `lane`, with the interval of a paired bootstrap; `n` counts the jobs."""
+    """Σ device time / Σ service time over the warm jobs that began when the job before them on their lane
+    finished, of every lane or of `lane`, with the interval of a paired bootstrap (each job's two times
+    resampled together); `n` counts the jobs."""
     device_s, service_s = [], []
     for key, lane_services in services(data).items():
         if lane is not None and key != lane:
             continue
         for before, s in zip(lane_services, lane_services[1:], strict=False):
             r = s.result
-            if (not steady(r, False) or r.device_started_at is None or r.device_finished_at is None
-                    or r.batch_occupancy is not None or s.began != before.finished
-                    or r.worker_session_id != before.result.worker_session_id):  # fmt: skip
+            if (
+                not steady(r, False)
+                or r.device_started_at is None
+                or r.device_finished_at is None
+                or r.batch_occupancy is not None
+                or s.began != before.finished
+                or r.worker_session_id != before.result.worker_session_id
+            ):
                 continue
             device_s.append([(r.device_finished_at - r.device_started_at).total_seconds()])
             service_s.append([(s.finished - s.began).total_seconds()])

@@ -19,7 +19,8 @@ from dsocr_workers.store.runs import resolve_run
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One job: by id (or a unique prefix), or by run, image and repeat (None: the image's profiled repeat)."""
+    """One job: by id (or a unique prefix), or by run, image and repeat (None: the image's profiled
+    repeat)."""
 
     job: str | None = None
     run: str | None = None
@@ -45,10 +46,16 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
         trace = session.scalar(select(JobProfile.trace_gz).where(JobProfile.job_id == job.id))
         if trace is None:
             profiled = session.scalars(
-                select(Job.image).join(JobProfile, JobProfile.job_id == Job.id).where(Job.run_id == job.run_id).limit(3)
+                select(Job.image)
+                .join(JobProfile, JobProfile.job_id == Job.id)
+                .where(Job.run_id == job.run_id)
+                .limit(3)
             ).all()
-            hint = (f"the run's profiled jobs include {', '.join(profiled)}" if profiled
-                    else "its run has none: submit with --profile N")  # fmt: skip
+            hint = (
+                f"the run's profiled jobs include {', '.join(profiled)}"
+                if profiled
+                else "its run has none: submit with --profile N"
+            )
             raise InputError(f"job {job.id} ({job.image}, repeat {job.repeat}) has no profile; {hint}")
     path = request.out or Path(f"dsocr-trace-{job.id}.json.gz")
     data = trace if path.suffix == ".gz" else gzip.decompress(trace)
@@ -58,19 +65,28 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
 
 def _job(session: Session, request: TraceRequest) -> Job:
     if request.job is not None:
-        matches = session.scalars(select(Job).where(Job.id.startswith(request.job, autoescape=True)).limit(2)).all()
+        matches = session.scalars(
+            select(Job).where(Job.id.startswith(request.job, autoescape=True)).limit(2)
+        ).all()
         if len(matches) != 1:
-            raise InputError(f"no job {request.job!r}" if not matches else f"job id prefix {request.job!r} is ambiguous")
+            raise InputError(
+                f"no job {request.job!r}" if not matches else f"job id prefix {request.job!r} is ambiguous"
+            )
         return matches[0]
     assert request.run is not None and request.image is not None
     run = resolve_run(session, request.run)
     image = request.image
-    jobs = [j for j in session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
-            if j.image == image or j.image.rsplit("/", 1)[-1] == image]  # fmt: skip
+    jobs = [
+        j
+        for j in session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
+        if j.image == image or j.image.rsplit("/", 1)[-1] == image
+    ]
     if not jobs:
         raise InputError(f"run {run.id} has no image {image!r}")
     if len({j.image for j in jobs}) > 1:
-        raise InputError(f"{image!r} names several images of run {run.id}: {', '.join(sorted({j.image for j in jobs}))}")
+        raise InputError(
+            f"{image!r} names several images of run {run.id}: {', '.join(sorted({j.image for j in jobs}))}"
+        )
     if request.repeat is not None:
         chosen = [j for j in jobs if j.repeat == request.repeat]
         if not chosen:

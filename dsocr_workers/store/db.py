@@ -25,14 +25,9 @@ from dsocr_workers.settings import redacted
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"  # package data: ships in the wheel
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-# libpq's TCP keepalive, probing after 30 s of silence, every 5 s, 3 times (libpq leaves the timing to the
-# OS: first probe after 2 h on Linux). A query whose reply the server gave up delivering — it retransmitted
-# into a network partition until its TCP timed out, or a NAT or firewall forgot the connection — otherwise
-# waits that long for a reply that never comes (R11: a query waiting across a cut was still waiting 120 s
-# after the link came back); in a worker that is a heartbeat thread that stops renewing its host's leases,
-# or a job stuck until its hard time limit. With it the wait ends within 45 s of silence (a reset from the
-# server, or the probes time out) as a TransientError that the caller retries. A query that is merely slow
-# is not affected: the server's TCP answers the probes.
+# libpq's TCP keepalive (libpq otherwise leaves it to the OS: hours): a query whose reply was lost in a
+# partition would wait that long, a heartbeat that stops renewing leases; with it, the wait ends as a
+# TransientError that the caller retries. A merely slow query is unaffected: the server answers probes.
 POSTGRES_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 5, "keepalives_count": 3}
 
 
@@ -87,8 +82,10 @@ def parse_database_url(url: str) -> URL:
         if "+" in parsed.drivername and driver != "psycopg":  # the driver the project installs
             raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r}: use {SUPPORTED_URLS}")
         if not parsed.host or not parsed.database:
-            raise InputError(f"DSOCR_DATABASE_URL {parsed.render_as_string()!r} names no host or database; "
-                             f"expected {SUPPORTED_URLS}")  # fmt: skip
+            raise InputError(
+                f"DSOCR_DATABASE_URL {parsed.render_as_string()!r} names no host or database; "
+                f"expected {SUPPORTED_URLS}"
+            )
         return parsed.set(drivername="postgresql+psycopg")
     raise InputError(f"DSOCR_DATABASE_URL: the {backend!r} database is not supported; use {SUPPORTED_URLS}")
 
@@ -98,7 +95,9 @@ def open_database(url: str) -> Database:
     ledger (`dsocr db upgrade`, `dsocr run`). Call it in the process that uses it (after fork, never
     before); a command that needs a ledger to exist opens it with `open_ledger`."""
     parsed = parse_database_url(url)
-    keepalive = {name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query}  # the URL's win
+    keepalive = {
+        name: value for name, value in POSTGRES_KEEPALIVE.items() if name not in parsed.query
+    }  # the URL's win
     options: dict[str, Any] = {"pool_pre_ping": True, "connect_args": keepalive}
     if parsed.get_backend_name() == "sqlite":
         _sqlite_file(parsed, url)
@@ -124,10 +123,8 @@ def _sqlite_file(parsed: URL, url: str) -> Path | None:
 
 
 def open_ledger(url: str) -> Database:
-    """The ledger at `url` as it stands, for the commands that read it or add to it (`report`, `runs`,
-    `status`, `export`, `submit`, `reconcile`, `worker`): refused with one line (an input error) where
-    there is none yet or its schema is not this code's. Creates nothing: opening a missing SQLite file
-    would leave an empty one (and its folders) behind."""
+    """The ledger at `url` as it stands, for the commands that read it or add to it: an input error where
+    there is none yet or its schema is not this code's. Creates nothing (no empty SQLite file left behind)."""
     parsed = parse_database_url(url)
     file = _sqlite_file(parsed, url)
     if file is not None and not file.is_file():

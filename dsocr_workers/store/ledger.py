@@ -7,14 +7,10 @@ reconcile. Each function runs inside the caller's transaction (`Database.transac
     running with an expired lease (or an owner the caller's probe finds dead) may be claimed again: that
     is a new attempt; a job whose attempts reached the cap is poisoned instead of claimed.
 
-Every change to a running job is guarded by its lease owner, so a worker that lost its lease (it was
-too slow, or its job was taken over) can never write a result or a state over the new owner's.
-
-A waiting job may also be reserved (`reserve_job`): the process whose worker fetched its message to run
-next names itself on it while it prepares the page, until `reserved_until` (renewed by its heartbeat
-with its leases). A reservation holds nothing back: a claim ignores it and clears it. It is there for
-the sweep (`expire_leases`): a reservation that ran out names a job whose message sits with a dead
-worker, to be brought back to its queue at once rather than after the broker's visibility timeout.
+Every change to a running job is guarded by its lease owner, so a worker that lost its lease can never
+write over the new owner's. A waiting job may be reserved (`reserve_job`) by the process that fetched its
+message to run next; a claim ignores and clears it, and the sweep brings back the message of a job whose
+reservation ran out (its worker is dead) rather than waiting out the broker's visibility timeout.
 """
 
 from __future__ import annotations
@@ -82,7 +78,7 @@ def _rowcount(result: Any) -> int:
     return cast(CursorResult[Any], result).rowcount
 
 
-# --- claim / complete / fail --------------------------------------------------------------------------------
+# --- claim / complete / fail ----------------------------------------------------------------------
 
 
 def claim_job(
@@ -104,11 +100,23 @@ def claim_job(
     # The columns the claim reads, not the ORM objects: loading two entities into the session (and
     # flushing it at commit) is host time between one job's end and the next one's start on the device.
     job = session.execute(
-        select(Job.state, Job.lease_owner, Job.lease_expires_at, Job.attempts, Job.image, Job.repeat,
-               Job.reference, Job.profile, Run.id.label("run_id"), Run.root, Run.model, Run.parameters)
+        select(
+            Job.state,
+            Job.lease_owner,
+            Job.lease_expires_at,
+            Job.attempts,
+            Job.image,
+            Job.repeat,
+            Job.reference,
+            Job.profile,
+            Run.id.label("run_id"),
+            Run.root,
+            Run.model,
+            Run.parameters,
+        )
         .join(Run, Job.run_id == Run.id)
         .where(Job.id == job_id)
-    ).one_or_none()  # fmt: skip
+    ).one_or_none()
     if job is None:
         return Refusal(job_id, "unknown job", None)
     if job.state in FINAL_STATES:
@@ -130,8 +138,7 @@ def claim_job(
 
     # Optimistic guard: the row must still be exactly what was read, or another worker got there first.
     # `pending` and `queued` are one state here: submit marks a job queued just after sending its message,
-    # so a worker waiting for messages can read it pending and find it queued at its UPDATE — nobody else
-    # claimed it, and refusing would drop its only message (found by R11: the job waited for a reconcile).
+    # so a worker can read it pending and find it queued at its UPDATE; refusing would drop its only message.
     unchanged = (
         (Job.id == job_id)
         & (Job.state.in_(WAITING_STATES) if job.state in WAITING_STATES else Job.state == job.state)
@@ -151,7 +158,14 @@ def claim_job(
         session.execute(
             update(Job)
             .where(unchanged)
-            .values(state="poisoned", lease_owner=None, lease_expires_at=None, finished_at=now, **UNRESERVED, **lost)
+            .values(
+                state="poisoned",
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+                **UNRESERVED,
+                **lost,
+            )
         )
         return Refusal(job_id, f"poisoned after {job.attempts} attempts", "poisoned")
 
@@ -171,16 +185,25 @@ def claim_job(
         )
     )
     if _rowcount(changed) != 1:
-        # A sweep that took the job back (expire_leases) sends its message before it commits, so this
-        # delivery can read the job still running and meet it queued at the UPDATE: nobody claimed it,
-        # and refusing would drop its only message (found by R5: the job waited for a reconcile).
+        # A sweep that took the job back sends its message before it commits, so this delivery can read the
+        # job still running and meet it queued at the UPDATE; refusing would drop its only message.
         if again and session.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
-            return claim_job(session, job_id, owner, lease_s=lease_s, max_attempts=max_attempts, is_dead=is_dead,
-                             now=now, again=False)  # fmt: skip
+            return claim_job(
+                session,
+                job_id,
+                owner,
+                lease_s=lease_s,
+                max_attempts=max_attempts,
+                is_dead=is_dead,
+                now=now,
+                again=False,
+            )
         return Refusal(job_id, "claimed concurrently by another worker", None)
     if not continuing:  # who held it, kept past a takeover (the job's row names only its latest holder)
         session.execute(
-            insert(JobAttempt).values(job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now)
+            insert(JobAttempt).values(
+                job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now
+            )
         )
     return Claim(
         job_id=job_id,
@@ -286,12 +309,9 @@ def record_timeout(
     max_attempts: int,
     now: datetime | None = None,
 ) -> tuple[str, str] | None:
-    """Record that the process holding `job_id` (its lease owner starts with `owner_prefix`) is being killed
-    at the hard time limit: the attempt counts, like any other error — `queued` again, or `poisoned` at the
-    cap — with `TimeLimitExceeded` as the error. Returns (new state, the run's queue); None when the job is
-    no longer held by that process (it finished or was taken over in the meantime).
-
-    The dying process cannot write this itself (it is stuck), so the worker's parent calls it."""
+    """Record, for the worker's parent, that the process holding `job_id` (its lease owner starts with
+    `owner_prefix`) is being killed at the hard time limit: the attempt counts as a `TimeLimitExceeded`.
+    Returns (new state, the run's queue); None when that process no longer holds the job."""
     now = now or utcnow()
     owned = Job.lease_owner.startswith(owner_prefix, autoescape=True)
     held = (Job.id == job_id) & (Job.state == "running") & owned
@@ -323,14 +343,13 @@ def job_state(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.state).where(Job.id == job_id))
 
 
-# --- enqueue bookkeeping and reconcile ------------------------------------------------------------------------
+# --- enqueue bookkeeping and reconcile ------------------------------------------------------------
 
 
 def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
     """pending → queued for jobs whose message is now in the broker. A job a worker claimed before its
     batch was marked keeps its state and gets the time too: without it, throughput would count its wait
-    from the row's creation (report/throughput.py `waiting_since`), the submit's own work included (on
-    an H200, 1.07 s for the first of 84 jobs: steady state read 5.85 pages/s, 6.41 once fixed)."""
+    from the row's creation, the submit's own work included (report/throughput.py `waiting_since`)."""
     now = now or utcnow()
     ids = list(job_ids)
     for start in range(0, len(ids), 500):
@@ -351,7 +370,11 @@ def renew_leases(
     held = (Job.state == "running") & (Job.lease_owner == owner)
     if dropped := list(let_go):
         held &= Job.id.not_in(dropped)
-    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES)).values(reserved_until=until))
+    session.execute(
+        update(Job)
+        .where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES))
+        .values(reserved_until=until)
+    )
     return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
 
 
@@ -377,11 +400,9 @@ def expire_leases(
     queues: Iterable[str] | None = None,
     spare_owner: str | None = None,
 ) -> ExpiredLeases:
-    """Take back every running job whose lease expired (in one run, or in runs on `queues`): `queued`
-    again for a new attempt, or `poisoned` at the attempt cap. `spare_owner`'s own jobs are left alone
-    (a live process sweeping must not take its own job). Waiting jobs whose reservation expired lose it
-    (`unreserved`). Each job is changed under a guard on what was read, so of several processes sweeping
-    at once exactly one reports each job: the one that sends its message."""
+    """Take back every running job whose lease expired (in one run, or in runs on `queues`), but
+    `spare_owner`'s own: `queued` again, or `poisoned` at the cap; waiting jobs whose reservation expired
+    lose it. Guarded on what was read, so of several sweepers exactly one reports (and re-sends) each job."""
     now = now or utcnow()
     stale = (Job.state == "running") & (Job.lease_expires_at <= now)
     if run_id is not None:
@@ -396,9 +417,12 @@ def expire_leases(
     requeued, poisoned = [], []
     for job_id, attempts, owner, queue in rows:
         unchanged = (
-            (Job.id == job_id) & (Job.state == "running") & (Job.attempts == attempts)
-            & Job.lease_owner.is_not_distinct_from(owner) & (Job.lease_expires_at <= now)
-        )  # fmt: skip
+            (Job.id == job_id)
+            & (Job.state == "running")
+            & (Job.attempts == attempts)
+            & Job.lease_owner.is_not_distinct_from(owner)
+            & (Job.lease_expires_at <= now)
+        )
         lost = {
             "lease_owner": None,
             "lease_expires_at": None,
@@ -429,11 +453,17 @@ def _expire_reservations(
         stale &= Run.queue.in_(list(queues))
     if spare_owner is not None:
         stale &= Job.reserved_by != spare_owner
-    rows = session.execute(select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)).all()
+    rows = session.execute(
+        select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)
+    ).all()
     unreserved = []
     for job_id, owner, queue in rows:
-        unchanged = ((Job.id == job_id) & Job.state.in_(WAITING_STATES) & (Job.reserved_by == owner)
-                     & (Job.reserved_until <= now))  # fmt: skip
+        unchanged = (
+            (Job.id == job_id)
+            & Job.state.in_(WAITING_STATES)
+            & (Job.reserved_by == owner)
+            & (Job.reserved_until <= now)
+        )
         if _rowcount(session.execute(update(Job).where(unchanged).values(**UNRESERVED))) == 1:
             unreserved.append((job_id, queue))
     return unreserved
@@ -442,16 +472,20 @@ def _expire_reservations(
 def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[str, str]]:
     """(job id, its run's queue) for those of `job_ids` waiting for a worker."""
     ids = list(job_ids)
-    return [(job_id, queue) for start in range(0, len(ids), 500)
-            for job_id, queue in session.execute(select(Job.id, Run.queue).join(Run, Job.run_id == Run.id)
-                                                 .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES)))]  # fmt: skip
+    return [
+        (job_id, queue)
+        for start in range(0, len(ids), 500)
+        for job_id, queue in session.execute(
+            select(Job.id, Run.queue)
+            .join(Run, Job.run_id == Run.id)
+            .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES))
+        )
+    ]
 
 
 def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
-    """Of `job_ids` (jobs whose messages a worker has held for a while), the ones no process has
-    claimed or reserved: waiting, with no live reservation. A live worker's child reserves the job of each
-    message its lane fetches within milliseconds, and claims the one it starts; such a message was held
-    by a worker that died before its child could do either (farm/liveness.py)."""
+    """Of `job_ids` (jobs whose messages a worker has held for a while), the ones waiting with no live
+    reservation: their worker died before its child could reserve or claim them (farm/liveness.py)."""
     now = now or utcnow()
     ids = list(job_ids)
     free = Job.reserved_by.is_(None) | (Job.reserved_until <= now)
@@ -502,7 +536,7 @@ def job_counts(session: Session, run_id: str) -> Counter[str]:
     return Counter({state: count for state, count in rows})
 
 
-# --- what a job waiting for a worker needs, read without claiming it -------------------------------------------
+# --- what a job waiting for a worker needs, read without claiming it ------------------------------
 
 
 @dataclass(frozen=True)
@@ -522,7 +556,9 @@ def _waiting(row: Any) -> WaitingJob:
 
 
 def _waiting_columns() -> Any:
-    return select(Job.id, Job.image, Job.profile, Run.root, Run.model, Run.parameters).join(Run, Job.run_id == Run.id)
+    return select(Job.id, Job.image, Job.profile, Run.root, Run.model, Run.parameters).join(
+        Run, Job.run_id == Run.id
+    )
 
 
 def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
@@ -535,17 +571,20 @@ def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
     return None if row is None else _waiting(row)
 
 
-def reserve_job(session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None) -> None:
-    """Reserve `job_id` for `owner` (its worker fetched the job's message for it to run next) until
-    `lease_s` from now, if it is waiting. A process may hold several (a message fetched while the one
-    before it is not claimed yet); the ones on jobs no longer waiting (claimed by another: a duplicate
-    delivery) are given up here."""
+def reserve_job(
+    session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
+) -> None:
+    """Reserve `job_id`, if it is waiting, for `owner` (its worker fetched the job's message to run next)
+    until `lease_s` from now; its reservations of jobs no longer waiting are given up here."""
     now = now or utcnow()
-    session.execute(update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED))
     session.execute(
-        update(Job).where(Job.id == job_id, Job.state.in_(WAITING_STATES))
+        update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED)
+    )
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_(WAITING_STATES))
         .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
-    )  # fmt: skip
+    )
 
 
 def drop_reservations(session: Session, owner: str) -> None:

@@ -78,9 +78,8 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[datetime | None]
-    # A waiting job a worker process fetched from the broker to run next and prepares the page of
-    # (farm/job/prefetch.py), until `reserved_until` (renewed by its heartbeat). Nothing else: a claim
-    # ignores it and clears it; a sweep brings the job's message back once it expires.
+    # A waiting job a worker process fetched to run next and prepares the page of, until `reserved_until`:
+    # a claim ignores and clears it; a sweep brings the job's message back once it expires.
     reserved_by: Mapped[str | None] = mapped_column(String(200))
     reserved_until: Mapped[datetime | None]
     last_error_class: Mapped[str | None] = mapped_column(String(200))
@@ -91,15 +90,13 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     # The page's ground truth (quality.omnidocbench.PageReference.to_json), when the run has one.
     reference: Mapped[dict[str, Any] | None]
-    # Run under torch.profiler (submit's `--profile N`: every N-th job of the run in file-list order); its
-    # trace and kernels go to `job_profiles`.
+    # Run under torch.profiler (submit's `--profile N`); its trace and kernels go to `job_profiles`.
     profile: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
 class JobAttempt(Base):
-    """One claim of a job: which worker process (its lease owner name) took it, when. A job taken over
-    from a dead process has a row per holder, so a report can name every process that held a job of a
-    run, not only the one whose result it kept."""
+    """One claim of a job: which worker process (its lease owner name) took it, when; a report names
+    every process that held a job, not only the one whose result it kept."""
 
     __tablename__ = "job_attempts"
 
@@ -136,13 +133,9 @@ class Worker(Base):
 
 
 class WorkerProcess(Base):
-    """One process that runs jobs (a `dsocr worker` child, or `dsocr run`), and its heartbeat.
-
-    Its id is the lease owner name it claims jobs under, so the jobs it holds are those whose
-    `lease_owner` is its id. It is live while `heartbeat_at` is younger than the lease and it has not
-    stopped; a process that stops beating (killed, frozen, cut off) is dead to the farm, and its jobs are
-    requeued by the live workers once their leases expire (farm/liveness.py).
-    """
+    """One process that runs jobs (a `dsocr worker` child, or `dsocr run`), and its heartbeat. Its id is
+    the lease owner name it claims jobs under; it is live while `heartbeat_at` is younger than the lease
+    and it has not stopped (farm/liveness.py)."""
 
     __tablename__ = "worker_processes"
 
@@ -157,12 +150,8 @@ class WorkerProcess(Base):
 
 
 class WorkerSession(Base):
-    """One model loaded in one worker process: where and when, and what loading and warming it cost.
-
-    Load and warm-up belong to the worker, never to a job (DESIGN §3): they are stored here, and the
-    report counts a worker's jobs only from `ready_at` on. A process that switches models (a run with
-    other model settings) opens a new session.
-    """
+    """One model loaded in one worker process: where and when, and what loading and warming it cost
+    (the worker's, never a job's: the report counts a worker's jobs only from `ready_at` on)."""
 
     __tablename__ = "worker_sessions"
 
@@ -210,15 +199,12 @@ class Result(TimingColumns, Base):
 
     clock: Mapped[str] = mapped_column(String(16))  # cuda_event | perf_counter
     # The figures of the stage registry (dsocr_workers/stages.py) are columns too: `TimingColumns`.
-    # Prefetched: the page was prepared while the previous job ran (farm/job/prefetch.py); its preprocess_ms
-    # is still its own, timed where it ran (the prefetch thread), and page_wait_ms is the time it then
-    # waited for its job. Rows older than revision 0005 hold false here and NULL in page_wait_ms,
-    # ttft_from_device_start_ms and the three columns below.
+    # Prefetched: the page was prepared while the previous job ran; its preprocess_ms is still its own.
     prefetched: Mapped[bool] = mapped_column(default=False, server_default=false())
     # TTFT from the claim (lease taken), beside the registry's TTFT from the job's start on the device.
     ttft_from_claim_ms: Mapped[float | None] = mapped_column(Float)
-    # When the device began the job (setup) and finished it (readback): between two jobs of one worker
-    # process, the device idled from one's finish to the next one's start (engine/result.py DeviceSpan).
+    # When the device began the job (setup) and finished it (readback): the gaps between them are a
+    # worker's device idle time.
     device_started_at: Mapped[datetime | None]
     device_finished_at: Mapped[datetime | None]
     decode_step_ms: Mapped[list[Any]]
@@ -284,11 +270,9 @@ class Result(TimingColumns, Base):
 
 
 class JobProfile(Base):
-    """A profiled job's kernel-level profile (issue 33): its torch.profiler trace, gzip-compressed Chrome
-    trace JSON (`dsocr trace` writes it out for Perfetto), and its kernels per stage (dsocr_workers/
-    kernels.py `KernelSummary`, what the report aggregates). Beside its result, not in it: the result row
-    stays small, and a report reads the summaries without the traces. Written in the result's
-    transaction; in the ledger, so every host reaches it."""
+    """A profiled job's torch.profiler trace (gzip-compressed Chrome trace JSON, for `dsocr trace`) and its
+    kernels per stage (`KernelSummary`). Beside its result, not in it: the result row stays small, and a
+    report reads the summaries without the traces."""
 
     __tablename__ = "job_profiles"
 
@@ -302,11 +286,9 @@ class JobProfile(Base):
 
 
 class BatchStep(Base):
-    """One step of a worker's batched engine (a run at `--concurrency` above 1, farm/job/batched.py): a
-    page's prefill into its slot, or one decode step over the pages in the batch (engine/batched/metrics.py
-    `StepRecord`). The run's jobs' results hold their own serving figures; these rows are the device's
-    side: what each step computed and how long it took. Runs with the same settings share a worker's
-    batch: a step that served jobs of two runs is a row of each."""
+    """One step of a worker's batched engine (a run at `--concurrency` above 1): a page's prefill into its
+    slot, or one decode step over the batch; the device's side of the serving figures. A step that served
+    jobs of two runs is a row of each."""
 
     __tablename__ = "batch_steps"
 

@@ -22,7 +22,8 @@ def upsert(
     conflict_columns: Iterable[str],
     update_columns: Iterable[str] | None = None,
 ) -> None:
-    """Insert `values` into `model`'s table; on a conflict on `conflict_columns` overwrite `update_columns` (every other
+    """Insert `values` into `model`'s table; on a conflict on `conflict_columns` overwrite `update_columns`
+    (every other
     column when None; nothing when empty). A name that is no column of the table is a ValueError."""
     dialect = session.get_bind().dialect.name
     if dialect not in INSERTS:
@@ -42,5 +43,7 @@ def _statement(dialect: str, table: Table, keys: tuple[str, ...], columns: tuple
     call, a result row's ~70 columns were Python work on the farm's path between two jobs."""
     statement = INSERTS[dialect](table)
     if columns:
-        return statement.on_conflict_do_update(index_elements=list(keys), set_={c: statement.excluded[c] for c in columns})
+        return statement.on_conflict_do_update(
+            index_elements=list(keys), set_={c: statement.excluded[c] for c in columns}
+        )
     return statement.on_conflict_do_nothing(index_elements=list(keys))

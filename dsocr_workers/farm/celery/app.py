@@ -48,34 +48,28 @@ def create_app(settings: Settings, *, events: bool = False) -> Celery:
         task_time_limit=settings.hard_time_limit_s,
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
-        # A worker must not take its siblings' or its own previous incarnation's state: no gossip, no
-        # mingle (farm/celery/worker.py). Monitoring is opt-in: Flower lists workers and tasks from task events
-        # and event heartbeats, and fills its worker pages (pool, queues, registered tasks) through
-        # remote-control inspection. Without a monitor nothing would listen, so by default workers send
-        # no events and keep no broadcast queue in Redis; with one, the cost is three small pub/sub
-        # messages per job (received, started, succeeded) and a heartbeat every 2 s, nothing next to
-        # jobs that take seconds. Both use the broker key prefix, so farms sharing a Redis stay apart.
+        # Monitoring is opt-in: Flower needs task events and remote control, and without a monitor
+        # nothing listens, so by default workers send no events and keep no broadcast queue in Redis.
         worker_enable_remote_control=events,
         worker_send_task_events=events,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
-    # Settings accept Redis URLs only (settings.check_broker_url): every one gets kombu's Redis transport
-    # with acknowledgements that survive a Redis restart (broker.py).
+    # Settings accept Redis URLs only: every one gets the Redis transport of broker.py.
     app.conf.broker_transport = TRANSPORT
     if urlparse(settings.broker_url).scheme == "rediss":
-        # kombu sets TLS up from the URL's scheme only when it picks the transport itself; naming ours
-        # skips that, so the URL's TLS options (ssl_cert_reqs, ssl_ca_certs, ...) are handed over here.
-        # Without any, the server's certificate is verified (kombu's own fallback verifies nothing).
-        app.conf.broker_use_ssl = parse_url(settings.broker_url).get("ssl") or {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+        # kombu sets TLS up from the URL only when it picks the transport itself, so the URL's options
+        # are handed over here; without any, the server's certificate is verified (kombu's are not).
+        app.conf.broker_use_ssl = parse_url(settings.broker_url).get("ssl") or {
+            "ssl_cert_reqs": ssl.CERT_REQUIRED
+        }
     return app
 
 
 def restore_sweep(visibility_timeout_s: int) -> dict[str, int]:
     """How often a worker looks for messages whose consumer died (kombu's `restore_visible`): about every
-    quarter of the visibility timeout, and never less often than kombu's default of 10 s x 10 polls. With
-    the default hour-long timeout nothing changes; a short one (tests, impatient farms) gets its
-    abandoned messages back in about the timeout rather than 100 s later."""
+    quarter of the visibility timeout, never less often than kombu's default, so that a short timeout
+    gets its abandoned messages back in about the timeout."""
     interval = max(1, min(10, visibility_timeout_s // 4))
     throttle = max(1, min(10, visibility_timeout_s // 4 // interval))
     return {"unacked_restore_interval": interval, "unacked_restore_throttle": throttle}
@@ -86,20 +80,17 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 5, 3
 
 
 def broker_keepalive() -> dict[str, object]:
-    """TCP keepalive for every Redis connection of the farm's Celery app. kombu passes
-    `socket_keepalive=None` to redis-py, so without this a connection whose server side is gone — the
-    server gave up on it during a network partition (its retransmissions time out after ~15 min by
-    default), a NAT or firewall forgot it — is never noticed by a client that only waits: an idle worker's
-    BRPOP (kombu < 5.7 has no BRPOP watchdog; with kombu 5.6.2 an idle worker cut off for 30 s while the
-    server dropped its connection never took a job again: R11), or a command whose reply was lost. With
-    keepalive the first probe after the partition gets a reset (or the probes time out) within
-    idle + interval x probes (45 s) of silence, the call fails, and Celery reconnects. A live connection
-    is never idle that long: BRPOP returns every second."""
+    """TCP keepalive for every Redis connection of the farm's Celery app. kombu passes no keepalive to
+    redis-py, so a connection whose server side is gone (a partition, a forgetful NAT) is never noticed
+    by a client that only waits, such as an idle worker's BRPOP; with it, the call fails within
+    idle + interval x probes of silence and Celery reconnects."""
     options = {
         getattr(socket, name): value
         for name, value in (
-            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-        )  # fmt: skip
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        )
         if hasattr(socket, name)
     }
     return {"socket_keepalive": True, "socket_keepalive_options": options}

@@ -1,20 +1,13 @@
 """kombu's Redis transport with two changes, and the farm's reads of what Redis holds.
 
 A message given back goes to the head of its queue, where it was taken from: stock kombu puts a message
-rejected with `requeue` (Celery's `reject_on_worker_lost`: the child running it was killed) at the back,
-behind every job queued since (issue 31: a killed job came back after the 6 jobs sent after it).
-kombu's own restores (a warm shutdown's prefetched message, the visibility timeout's) already go to the
-head; `take_back_messages` does the same for the messages of a dead worker, found by the ledger's sweep.
+rejected with `requeue` (Celery's `reject_on_worker_lost`) at the back, behind every job queued since.
+`take_back_messages` does the same for the messages of a dead worker, found by the ledger's sweep.
 
-An acknowledgement that fails because Redis is gone still releases the message in the worker.
-
-Stock kombu (5.7) acknowledges in two steps: remove the message from Redis's `unacked` index, then from
-the channel's own delivered set. When Redis is down the first step raises and the second never runs; the
-channel then believes it still holds the message, and once that fills its prefetch (1 message when this
-was found, 2 now) it never polls Redis again, never notices the dead connection, and the worker sits idle for good after Redis comes back (found by the reliability
-suite, scenario R4). Releasing the message locally is safe: if Redis lost it there is nothing left to
-remove; if Redis kept it (a blip), it is redelivered after the visibility timeout and the ledger's claim
-refuses the copy. The error is still raised, so Celery logs it as before.
+An acknowledgement that fails because Redis is gone still releases the message in the worker: stock
+kombu then keeps it in the channel's delivered set, and once that fills the prefetch the worker never
+polls Redis again, idle for good after Redis comes back. Releasing it is safe: a copy Redis kept is
+redelivered after the visibility timeout and refused by the ledger's claim. The error is still raised.
 """
 
 from __future__ import annotations
@@ -32,6 +25,8 @@ TRANSPORT = "dsocr_workers.farm.celery.broker:Transport"
 
 
 class QoS(kombu_redis.QoS):
+    # kombu has no option for where a requeued message goes, nor a hook after a failed ack; it loads a
+    # transport class by its path (TRANSPORT), so the change lives in this subclass of its Redis QoS.
     def ack(self, delivery_tag: Any) -> None:
         try:
             super().ack(delivery_tag)
@@ -54,6 +49,9 @@ class QoS(kombu_redis.QoS):
         """Move the unacknowledged message `delivery_tag` (another consumer's) to the head of its queue,
         as kombu's visibility timeout would, in one Redis transaction; False when it is no longer
         unacknowledged (its consumer acknowledged it, or another restore took it first)."""
+        # kombu's public `restore_by_tag` runs this same transaction but does not say whether the message
+        # was still there, which decides whether the caller sends a new one; `_do_restore_message` is the
+        # step it calls, with the same arguments.
         taken = False
 
         def transaction(pipe: Any) -> None:
@@ -128,8 +126,11 @@ def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -
     retry's countdown). Task ids are job ids (farm/submit.py)."""
     client = redis.Redis.from_url(broker_url)
     try:
-        waiting = {json.loads(raw)["headers"]["id"] for queue in set(queues)
-                   for raw in client.lrange(key_prefix + queue, 0, -1)}  # fmt: skip
+        waiting = {
+            json.loads(raw)["headers"]["id"]
+            for queue in set(queues)
+            for raw in client.lrange(key_prefix + queue, 0, -1)
+        }
         delivered = {json.loads(raw)[0]["headers"]["id"] for raw in client.hvals(key_prefix + "unacked")}
         return waiting, delivered
     finally:

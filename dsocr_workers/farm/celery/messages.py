@@ -1,8 +1,5 @@
 """The farm's one kind of message: a job id, sent to its queue as the task `RUN_JOB` (JSON, nothing
-else; the ledger holds the rest), labelled for monitors with the job's run, image and repeat. Sent by
-`dsocr submit` / `dsocr reconcile` (farm/submit.py) and by the parent of a child killed at the hard time
-limit (farm/celery/tasks.py); a sweep that takes back a dead worker's jobs puts the worker's own
-messages back (`bring_back_job_messages`)."""
+else; the ledger holds the rest), labelled for monitors with the job's run, image and repeat."""
 
 from __future__ import annotations
 
@@ -21,13 +18,13 @@ LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below ev
 
 def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
     """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
-    and repeat, so that a task in Flower or a worker's log reads as a page. The task itself takes only
-    the job id and reads everything else from the ledger. Read in the caller's transaction (a sweep
-    sends inside its own: a second transaction would wait on SQLite's write lock)."""
+    and repeat. Read in the caller's transaction: a second one would wait on SQLite's write lock."""
     labels: dict[str, str] = {}
     for start in range(0, len(job_ids), LABEL_BATCH):
         batch = job_ids[start : start + LABEL_BATCH]
-        for job in session.execute(select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))):
+        for job in session.execute(
+            select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))
+        ):
             labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
     return labels
 
@@ -35,24 +32,25 @@ def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
 def send_job_messages(
     app: Any, jobs: list[tuple[str, str]], sent: list[str], labels: Mapping[str, str]
 ) -> None:
-    """One message per (job id, queue), its task id the job id and its label for monitors the job's in
-    `labels` (`job_labels`); appends each job id to `sent` once its message is out. Raises the broker's
-    error."""
+    """One message per (job id, queue), its task id the job id and its label `labels[job id]`; appends
+    each job id to `sent` once its message is out. Raises the broker's error."""
     with app.producer_or_acquire() as producer:
         for job_id, queue in jobs:
             app.send_task(
-                RUN_JOB, args=[job_id], kwargsrepr=labels.get(job_id), queue=queue, task_id=job_id,
+                RUN_JOB,
+                args=[job_id],
+                kwargsrepr=labels.get(job_id),
+                queue=queue,
+                task_id=job_id,
                 producer=producer,
-            )  # fmt: skip
+            )
             sent.append(job_id)
 
 
 def bring_back_job_messages(app: Any, session: Session, jobs: list[tuple[str, str]]) -> None:
-    """Jobs (job id, queue) taken back from a worker that stopped beating (its lease or its reservation ran
-    out, store/ledger.py): the messages it held, unacknowledged, go back to the head of their queues, taken
-    before any job queued since, and no stale copy waits out the visibility timeout. A job whose message is
-    no longer held (acknowledged: its task had returned, its result was not yet written) gets a new one, at
-    the back. Raises the broker's error. `session`: the caller's transaction (the labels of new messages)."""
+    """Jobs (job id, queue) taken back from a worker that stopped beating: the messages it held go back to
+    the head of their queues; a job whose message is no longer held (acknowledged before its result was
+    written) gets a new one, at the back. Raises the broker's error."""
     taken = take_back_messages(app, [job_id for job_id, _ in jobs])
     if missing := [(job_id, queue) for job_id, queue in jobs if job_id not in taken]:
         send_job_messages(app, missing, [], job_labels(session, [job_id for job_id, _ in missing]))

@@ -1,26 +1,13 @@
 """Starting `dsocr worker`: one Celery worker per device slot (a lane), each a prefork parent with one
-child.
+child. The parents never import torch or touch CUDA; each child opens its own device, ledger connection
+and model after fork, from the one `WorkerSpec` its lane inherits.
 
-The parents never import torch or touch CUDA (GPUs are counted with `nvidia-smi`, farm/devices.py);
-each child opens its own device, ledger connection and model after fork. What a child needs to know
-comes in one `WorkerSpec`, set in its lane before the pool starts and inherited by the child it forks
-(replacements too: billiard forks them from the same parent), never through the environment.
+A worker per device, rather than one parent with a child per device: a lane fetches one message beyond
+the one its child runs, and with one child that message is surely the child's next job, so the child
+can prepare its page while the current job has the device (`NextMessage`, farm/job/prefetch.py).
 
-Why a Celery worker per device rather than one parent with a child per device: a lane fetches one
-message beyond the one its child runs (prefetch multiplier 2, concurrency 1; farm/celery/app.py), and
-with one child that message is the child's next job, for sure. Both stay in Redis's unacknowledged set
-until done: a lane that dies holds them until its child's lease and reservation run out and a live
-worker's sweep puts them back (farm/liveness.py). The parent tells its child which one (`NextMessage`, shared
-memory), and the child prepares that job's page while its current job has the device
-(farm/job/prefetch.py). One parent with several children hands a fetched message to whichever child
-frees first, so no child can know its next job; guessing it from the ledger was wrong often enough on
-real pages (2 x H100, issue 31: 59 of 72 pages prepared ahead, device idle p90 129 ms).
-
-With one slot the worker is its lane (this process runs Celery). With several, this process forks one
-lane per slot and waits: it passes SIGTERM and SIGQUIT on to every lane (SIGINT as SIGTERM: a terminal's
-Ctrl-C also reaches the lanes themselves, and a second SIGINT would be Celery's cold shutdown), and when
-one lane ends, it stops the others. A lane dies with this process (the parent-death signal, as a Celery
-child with its lane).
+With several slots this process forks one lane per slot, passes SIGTERM and SIGQUIT on to them (SIGINT
+as SIGTERM), and when one lane ends it stops the others; a lane dies with this process.
 """
 
 from __future__ import annotations
@@ -47,8 +34,8 @@ from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store.db import open_ledger
 
-# How long a child may load and warm up before it reports itself up (Celery's default is 4 s, after
-# which it kills the child). The fast engine compiles every shape of a mode: minutes, not seconds.
+# How long a child may load and warm up before it reports itself up (Celery's default kills it after
+# seconds): the fast engine compiles every shape of a mode.
 WARMUP_TIMEOUT_S = 3600
 DEFAULT_MODEL = ModelKey("tiny")
 REFUSAL_BYTES = 2048
@@ -56,8 +43,8 @@ EXIT_REFUSED = 2  # a child's exit status when it cannot work (billiard logs it)
 # Room in `NextMessage` for the ids (36 characters each, comma-separated) of the messages a lane lists:
 # two at most (prefetch 2), eight to spare.
 LISTED_BYTES = 8 * 37
-# How long a child's prefetch thread waits for its lane's next message to show: the lane fetches it within
-# milliseconds of handing over the current one, when the queue has one.
+# How long a child's prefetch thread waits for its lane's next message to show: the lane fetches it
+# right after handing over the current one, when the queue has one.
 NEXT_MESSAGE_WAIT_S = 0.5
 NEXT_MESSAGE_POLL_S = 0.002
 
@@ -66,19 +53,11 @@ log = logging.getLogger("dsocr.worker")
 
 @dataclass(frozen=True)
 class NextMessage:
-    """The job a lane has fetched for its child to run next, as the lane's parent tells the child.
-
-    The parent (Celery's consumer) lists, in order, the job messages it has received and its child has
-    not started: with one child and Celery's fair scheduling they go to it in that order. It writes them
-    to memory shared with the child and signals a semaphore. In the child, one thread reserves each job
-    listed in the ledger as soon as it shows (`follow`: milliseconds after its message came in, so that
-    a lane killed with it loses it to a sweep, not to the visibility timeout; both messages a lane fetches
-    at its start, while its child still imports and warms up, are named so), and the prefetch thread,
-    while a job runs, takes the first that is not that job (`after`). A message held back
-    for a retry's countdown (an ETA) is left out: it runs when due, in between, and the page prepared
-    for the listed job is then not used (a page of host work lost, nothing else). The child only reads
-    the memory (no lock: a child killed mid-read must not leave one held); a read that meets a write
-    halfway gets an id no job has, which the ledger finds no job for."""
+    """The jobs a lane has fetched and its child has not started, in the order the child gets them, as
+    the lane's parent writes them to memory shared with the child. In the child, one thread reserves each
+    in the ledger as soon as it shows (`follow`: a lane killed with it loses it to a sweep, not to the
+    visibility timeout), and the prefetch thread takes the next one (`after`). The child reads without a
+    lock (a child killed mid-read must not leave one held): a torn read is an id no job has."""
 
     slot: Any = field(default_factory=lambda: RawArray(ctypes.c_char, LISTED_BYTES), repr=False)
     changed: Any = field(default_factory=lambda: multiprocessing.get_context("fork").Semaphore(0), repr=False)
@@ -114,7 +93,8 @@ class NextMessage:
                     reserved.add(job_id)
 
     def after(self, job_id: str, wait_s: float = NEXT_MESSAGE_WAIT_S) -> str | None:
-        """In the child running `job_id`: the job it runs next, if its lane has fetched one within `wait_s`."""
+        """In the child running `job_id`: the job it runs next, if its lane has fetched one within
+        `wait_s`."""
         deadline = time.monotonic() + wait_s
         while True:
             if following := [listed for listed in self._read() if listed != job_id]:
@@ -138,18 +118,18 @@ class NextMessage:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What `dsocr worker` hands the child of each lane: the settings it read, the worker's device slots
-    (a device repeats with --concurrency-per-device) and the lane's index among them, the queues it
-    consumes (the ones its children sweep) and the start-up warm-up (None: `--warmup none`)."""
+    """What `dsocr worker` hands the child of each lane: its settings, the worker's device slots and the
+    lane's index among them, the queues it consumes and the start-up warm-up (None: `--warmup none`)."""
 
     settings: Settings
     slots: tuple[str, ...]
     lane: int
     queues: tuple[str, ...]
     warmup: Warmup | None
-    # Where a child that cannot work says why (`refuse_to_work`): memory shared with its lane and this
-    # process, read once Celery has stopped.
-    refusal: Any = field(default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False)
+    # Where a child that cannot work says why (`refuse_to_work`), read once Celery has stopped.
+    refusal: Any = field(
+        default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False
+    )
     next_message: NextMessage = field(default_factory=NextMessage, compare=False, repr=False)
 
     @property
@@ -173,10 +153,9 @@ def handed_spec() -> WorkerSpec:
 
 
 def refuse_to_work(reason: str) -> NoReturn:
-    """In a child that cannot run jobs (its device does not open): record why for `dsocr worker`, ask its
-    lane to stop (a warm shutdown; the other lanes are stopped too and finish their jobs), and exit before
-    this child takes a message. `dsocr worker` then exits with an input error (2) saying `reason`
-    (start_worker)."""
+    """In a child that cannot run jobs (its device does not open): record why, ask its lane to stop (a
+    warm shutdown) and exit before this child takes a message; `dsocr worker` then exits with an input
+    error saying `reason`."""
     handed_spec().refusal.value = reason.encode()[: REFUSAL_BYTES - 1]
     log.error("%s; stopping the worker", reason)
     os.kill(os.getppid(), signal.SIGTERM)
@@ -208,11 +187,10 @@ def start_worker(
     fallback_budget: int | None = None,
     events: bool = False,
 ) -> None:
-    """Run a Celery worker per device slot until shut down (SIGTERM: warm shutdown, the current jobs
-    finish). Each child loads and warms a model before it takes a message: `warmup` names the modes (or
-    `auto`: those of the runs open on its queues; `none`), `fallback_model` is loaded when no run is,
-    warmed for jobs of `fallback_budget` new tokens (None: the model's positions). `events`: visible in
-    Flower (task events, event heartbeats, inspection; farm/celery/app.py)."""
+    """Run a Celery worker per device slot until shut down (SIGTERM: warm shutdown). Each child loads and
+    warms a model before it takes a message: `warmup` names the modes (`auto`: those of the runs open on
+    its queues; `none`), `fallback_model` is loaded when no run is, warmed for jobs of `fallback_budget`
+    new tokens (None: the model's positions). `events`: visible in Flower."""
     if concurrency_per_device < 1:
         raise InputError("--concurrency-per-device must be at least 1")
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
@@ -246,8 +224,7 @@ def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
             f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
             "--without-gossip",
             "--without-mingle",
-            # Celery's event heartbeats (not the ledger's, farm/liveness.py) tell a monitor that the
-            # worker is alive; without one they go nowhere.
+            # Celery's event heartbeats (not the ledger's) only serve a monitor.
             *([] if events else ["--without-heartbeat"]),
             f"--loglevel={loglevel}",
         ]
@@ -265,8 +242,10 @@ def supervise_lanes(specs: list[WorkerSpec], loglevel: str, events: bool) -> str
     """Fork a lane per spec and wait for all of them; returns how the first lane to end on its own ended,
     if it failed ("" when every lane stopped cleanly or was asked to)."""
     context = multiprocessing.get_context("fork")
-    lanes = [context.Process(target=_lane_process, args=(spec, loglevel, events), name=f"dsocr-lane-{spec.lane}")
-             for spec in specs]  # fmt: skip
+    lanes = [
+        context.Process(target=_lane_process, args=(spec, loglevel, events), name=f"dsocr-lane-{spec.lane}")
+        for spec in specs
+    ]
     stopping: list[int] = []
 
     def pass_on(signum: int, _frame: object) -> None:
@@ -282,7 +261,11 @@ def supervise_lanes(specs: list[WorkerSpec], loglevel: str, events: bool) -> str
     failed = ""
     while running := [lane for lane in lanes if lane.exitcode is None]:
         wait([lane.sentinel for lane in running])
-        ended = [(lane, spec) for lane, spec in zip(lanes, specs, strict=True) if lane in running and lane.exitcode is not None]
+        ended = [
+            (lane, spec)
+            for lane, spec in zip(lanes, specs, strict=True)
+            if lane in running and lane.exitcode is not None
+        ]
         if ended and not stopping:  # a lane ended by itself: the worker stops, saying why
             lane, spec = ended[0]
             if lane.exitcode:

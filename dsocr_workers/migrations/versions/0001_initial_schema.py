@@ -2,7 +2,6 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-21
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ decode steps, cold results and the per-job memory split.
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-11-23
 """
 
 from __future__ import annotations
@@ -17,7 +16,14 @@ branch_labels = None
 depends_on = None
 
 # Rows written before this revision have no measured parts: 0 (or NULL for memory) says "not recorded".
-_FLOAT_PARTS = ("setup_ms", "first_token_ms", "wasted_decode_ms", "readback_ms", "postprocess_ms", "host_gap_ms")
+_FLOAT_PARTS = (
+    "setup_ms",
+    "first_token_ms",
+    "wasted_decode_ms",
+    "readback_ms",
+    "postprocess_ms",
+    "host_gap_ms",
+)
 
 
 def upgrade() -> None:
@@ -58,7 +64,15 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("results", schema=None) as batch_op:
         batch_op.drop_constraint("fk_results_worker_session_id", type_="foreignkey")
-        for name in ("worker_session_id", *_FLOAT_PARTS, "wasted_steps", "weights_bytes", "kv_cache_bytes",
-                     "activation_peak_bytes", "cold", "cold_reason"):  # fmt: skip
+        for name in (
+            "worker_session_id",
+            *_FLOAT_PARTS,
+            "wasted_steps",
+            "weights_bytes",
+            "kv_cache_bytes",
+            "activation_peak_bytes",
+            "cold",
+            "cold_reason",
+        ):
             batch_op.drop_column(name)
     op.drop_table("worker_sessions")

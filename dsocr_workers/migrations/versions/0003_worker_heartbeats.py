@@ -3,7 +3,6 @@ jobs' lease columns indexed for the heartbeat's renewals and sweeps.
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2026-11-23
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ repetition loop its output ends in and its edit distances to the reference.
 
 Revision ID: 0004
 Revises: 0003
-Create Date: 2026-11-23
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Prefetch (issue 10): per result whether its page was prepared while the previous job ran and how long
+"""Prefetch: per result whether its page was prepared while the previous job ran and how long
 it then waited, TTFT from the claim and from the job's start on the device, and when the device began
 and finished the job (the device's idle time between a worker's jobs).
 
 Revision ID: 0005
 Revises: 0004
-Create Date: 2026-11-24
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Table TEDS (issue 32): per result the tree-edit-distance similarity of its tables to the reference's,
+"""Table TEDS: per result the tree-edit-distance similarity of its tables to the reference's,
 with and without cell content, as OmniDocBench's end-to-end evaluator computes it.
 
 Revision ID: 0006
 Revises: 0005
-Create Date: 2026-11-26
 """
 
 from __future__ import annotations

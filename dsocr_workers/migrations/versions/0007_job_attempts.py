@@ -1,10 +1,9 @@
-"""Job attempts (issue 31 item 2, the report's part): one row per claim of a job — which worker process
+"""Job attempts: one row per claim of a job — which worker process
 took it, when — so that a report names every process that held a job of the run, the dead ones too,
 after another process took the job over.
 
 Revision ID: 0007
 Revises: 0006
-Create Date: 2026-11-26
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Kernel-level profiles (issue 33): which jobs run under torch.profiler (`jobs.profile`, set by submit's
+"""Kernel-level profiles: which jobs run under torch.profiler (`jobs.profile`, set by submit's
 `--profile N`), which results did (`results.profiled`: left out of latency statistics unless asked), and
 each profiled job's trace and kernels per stage (`job_profiles`).
 
 Revision ID: 0008
 Revises: 0007
-Create Date: 2026-11-26
 """
 
 from __future__ import annotations

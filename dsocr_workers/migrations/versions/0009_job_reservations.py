@@ -1,10 +1,9 @@
-"""Job reservations (issue 31 item 1): a worker child names the job its Celery worker has fetched for it
+"""Job reservations: a worker child names the job its Celery worker has fetched for it
 next (`jobs.reserved_by`, until `reserved_until`, renewed by its heartbeat) while it prepares that job's
 page, so that a sweep can bring the job's message back at once if that worker dies before claiming it.
 
 Revision ID: 0009
 Revises: 0008
-Create Date: 2026-11-27
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Serving measures (issue 34 item 3): each job's time per output token after the first (`tpot_ms`),
+"""Serving measures: each job's time per output token after the first (`tpot_ms`),
 and for a job of a run at `--concurrency` above 1 its wait in the worker for a slot of the batch
 (`queue_wait_ms`) and the pages decoding beside it, averaged over its steps (`batch_occupancy`).
 
 Revision ID: 0010
 Revises: 0009
-Create Date: 2026-11-27
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Batch steps (issue 34 item 3): each step of a worker's batched engine for a run at `--concurrency`
+"""Batch steps: each step of a worker's batched engine for a run at `--concurrency`
 above 1 (`batch_steps`): its kind (prefill or decode), occupancy, bucket, start and duration on the
 device, and a prefill's prompt tokens and vision time.
 
 Revision ID: 0011
 Revises: 0010
-Create Date: 2026-11-28
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report's kernel tables (issue 33): a run's profiled jobs, their kernels per stage aggregated, how busy
+"""The report's kernel tables: a run's profiled jobs, their kernels per stage aggregated, how busy
 the device was inside each stage, the cross-check of the summed kernel time against the stage's clock,
 what the profiler cost, and, with --vs, which kernels got faster or slower.
 
@@ -28,7 +28,10 @@ TITLE = "Kernels per stage"
 BUSY_TITLE = "Device busy and idle per stage"
 OVERHEAD_TITLE = "Profiler overhead"
 PAIRS_TITLE = "Kernels per stage, B vs A"
-WHAT = {"cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock", "cpu": "CPU operators, their self time"}
+WHAT = {
+    "cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock",
+    "cpu": "CPU operators, their self time",
+}
 
 
 @dataclass
@@ -49,8 +52,11 @@ class StageRuns:
 def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, KernelSummary]]:
     """(job id, summary) of the run's profiled jobs, in job order: warm ones unless `include_cold` (a cold
     job's kernels hold its compilation, its first use of a cache bucket, ...)."""
-    return [(j.id, data.profiles[j.id]) for j in data.jobs
-            if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)]  # fmt: skip
+    return [
+        (j.id, data.profiles[j.id])
+        for j in data.jobs
+        if j.id in data.profiles and j.id in data.results and (include_cold or not data.results[j.id].cold)
+    ]
 
 
 def activity_of(data: RunData) -> Activity | None:
@@ -65,7 +71,9 @@ def by_stage(summaries: list[KernelSummary]) -> dict[str, StageRuns]:
         for row in summary.stages:
             stage = stages.setdefault(row.stage, StageRuns(row.stage))
             listed = {k.name: k for k in row.kernels}
-            for name in listed.keys() - stage.kernel_us.keys():  # a kernel first seen here: 0 in the jobs before
+            for name in (
+                listed.keys() - stage.kernel_us.keys()
+            ):  # a kernel first seen here: 0 in the jobs before
                 stage.kernel_us[name] = [0.0] * len(stage.jobs)
             for name, values in stage.kernel_us.items():
                 values.append(listed[name].total_us if name in listed else 0.0)
@@ -88,14 +96,24 @@ def kernel_table(data: RunData, include_cold: bool = False) -> Table:
         for name in ranked:
             total_ms = sum(stage.kernel_us[name]) / 1e3
             calls = stage.calls[name]
-            rows.append([
-                stage.stage, KernelName(name), calls / len(stage.jobs), Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
-                total_ms * 1e3 / calls if calls else None, 100 * total_ms / clock_ms if clock_ms else None,
-            ])  # fmt: skip
-    cold = " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
-    note = (f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
-            "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
-            "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto.")  # fmt: skip
+            rows.append(
+                [
+                    stage.stage,
+                    KernelName(name),
+                    calls / len(stage.jobs),
+                    Summary.from_values([v / 1e3 for v in stage.kernel_us[name]]).mean,
+                    total_ms * 1e3 / calls if calls else None,
+                    100 * total_ms / clock_ms if clock_ms else None,
+                ]
+            )
+    cold = (
+        " (cold ones too: --include-cold)" if include_cold else " (warm ones: cold ones with --include-cold)"
+    )
+    note = (
+        f"{len(jobs)} profiled job(s){cold}; a kernel is what ran: {_what(data)}. ms/job: its time per profiled job; "
+        "share of stage: its time over the stage's clock time (CUDA events on a GPU). decode: the sampled "
+        "steps only. `dsocr trace --job ID` writes a job's trace for Perfetto."
+    )
     columns = ["stage", "kernel", "calls/job", "ms/job", "mean µs/call", "share of stage %"]
     return Table(TITLE, columns, rows, note)
 
@@ -106,20 +124,37 @@ def busy_table(data: RunData, include_cold: bool = False) -> Table:
     rows: list[list[Any]] = []
     for stage in by_stage([s for _, s in profiled(data, include_cold)]).values():
         mean = StageKernels.mean(stage.jobs)
-        rows.append([
-            stage.stage, len(stage.jobs), stage.per_job(lambda s: s.event_ms).mean,
-            stage.per_job(lambda s: s.kernel_ms).mean, stage.per_job(lambda s: s.busy_ms).mean,
-            stage.per_job(lambda s: s.idle_ms).mean,
-            100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
-            mean.kernel_ms / mean.event_ms if mean.event_ms else None, mean.crosscheck(activity),
-        ])  # fmt: skip
+        rows.append(
+            [
+                stage.stage,
+                len(stage.jobs),
+                stage.per_job(lambda s: s.event_ms).mean,
+                stage.per_job(lambda s: s.kernel_ms).mean,
+                stage.per_job(lambda s: s.busy_ms).mean,
+                stage.per_job(lambda s: s.idle_ms).mean,
+                100 * mean.busy_ms / mean.event_ms if mean.event_ms else None,
+                mean.kernel_ms / mean.event_ms if mean.event_ms else None,
+                mean.crosscheck(activity),
+            ]
+        )
     idle = "the GPU waiting for the host" if activity == "cuda" else "Python between the operators"
-    note = (f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
-            f"kernels ms: the sum of its kernels; busy: their union; idle = clock - busy ({idle}). Cross-check: "
-            "the kernels' sum within 5% of the clock (PASS), or the gap is idle time between kernels whose span "
-            "matches the clock (explained); stages under 1 ms are not judged.")  # fmt: skip
-    columns = ["stage", "jobs", "clock ms", "kernels ms", "busy ms", "idle ms", "busy %", "kernels / clock",
-               "cross-check"]  # fmt: skip
+    note = (
+        f"clock ms: the stage's own timing (CUDA events on a GPU, perf_counter on a CPU) in the profiled jobs; "
+        f"kernels ms: the sum of its kernels; busy: their union; idle = clock - busy ({idle}). Cross-check: "
+        "the kernels' sum within 5% of the clock (PASS), or the gap is idle time between kernels whose span "
+        "matches the clock (explained); stages under 1 ms are not judged."
+    )
+    columns = [
+        "stage",
+        "jobs",
+        "clock ms",
+        "kernels ms",
+        "busy ms",
+        "idle ms",
+        "busy %",
+        "kernels / clock",
+        "cross-check",
+    ]
     return Table(BUSY_TITLE, columns, rows, note)
 
 
@@ -143,8 +178,10 @@ def overhead_table(data: RunData, include_cold: bool) -> Table:
         ["e2e ms, not profiled", Summary.from_values([v for p in pages for v in plain_e2e[p]]).mean],
         ["e2e profiled / not profiled", ratio],
     ]
-    note = ("profiled jobs run under torch.profiler: their timings hold its cost, so they are left out of the "
-            "latency statistics unless --include-profiled, and always out of steady-state throughput")  # fmt: skip
+    note = (
+        "profiled jobs run under torch.profiler: their timings hold its cost, so they are left out of the "
+        "latency statistics unless --include-profiled, and always out of steady-state throughput"
+    )
     return Table(OVERHEAD_TITLE, ["measure", "value"], rows, note)
 
 
@@ -172,10 +209,14 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
             if not ms_a or not ms_b:
                 rows.append([name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
                 continue
-            ratio = paired_ratios(_page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)).mean
+            ratio = paired_ratios(
+                _page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)
+            ).mean
             rows.append([name, KernelName(kernel), ms_a, ms_b, ratio, change(ratio)])
-    note = (f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
-            "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only.")  # fmt: skip
+    note = (
+        f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
+        "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only."
+    )
     return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)
 
 
@@ -192,7 +233,9 @@ def _mean_ms(stage: StageRuns | None, kernel: str) -> float | None:
     return sum(values) / len(values) / 1e3 if values else None
 
 
-def _page_values(by_page: dict[str, list[KernelSummary]], pages: list[str], stage: str, kernel: str) -> list[list[float]]:
+def _page_values(
+    by_page: dict[str, list[KernelSummary]], pages: list[str], stage: str, kernel: str
+) -> list[list[float]]:
     """Per page, the kernel's ms in each of its profiled jobs (0 where a job's stage did not list it)."""
     out = []
     for page in pages:
