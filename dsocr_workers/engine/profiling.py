@@ -1,23 +1,14 @@
-"""Kernel-level profiles of one job (issue 33): torch.profiler around the job's device part, each stage a
-profiler range, the decode sampled.
+"""Kernel-level profiles of one job: torch.profiler around the job's device part, each stage a profiler
+range, the decode sampled.
 
-Who profiles which job is the caller's business (the farm: every N-th job of a run, farm/job/process.py;
-a benchmark: benchmarks/bench_profile.py): it hands a `JobProfiler` to
-`DeepSeekOCRSession.start_on_device`, which starts it before the job's setup and stops it once the
-output is read back. In between, the job's clock (engine/stages.py) opens a `record_function` range
-named `dsocr::<stage>` around every stage (around its NVTX range and clock marks), and the decode loop's step marks
-toggle the collection: only the sampled steps (`DecodeSample`: the first few and a few at later cache
-lengths) are recorded, each as a range `dsocr::decode step <n>`, so that a trace of an 8,000-step job
-stays a few megabytes. The farm's own work (the claim, the next page's preparation) runs on other
-threads, or outside the ranges.
-
-Once the job's clock is finished, `JobProfiler.collect` turns the profile into a `JobProfile`: the
-Chrome trace (gzip; Perfetto and chrome://tracing open it) and the kernel summary
-(dsocr_workers/kernels.py), computed from torch.profiler's own event list — on a GPU, the device
-activities whose launch (the runtime call with the same correlation id) happened inside the range, so a
-replayed CUDA graph's kernels count for the stage that replayed it; on the CPU, each range's operator tree
-(`FunctionEvent.cpu_children`). Nothing parses the trace file. This is host work: the farm does it on its
-results thread, while the device runs the next job.
+The caller (the farm, a benchmark) hands a `JobProfiler` to `DeepSeekOCRSession.run_on_device`, which
+starts it before the job's setup and stops it once the output is read back. The job's clock opens a
+`record_function` range `dsocr::<stage>` around every stage; only the sampled decode steps
+(`DecodeSample`) are recorded, so a long job's trace stays small. `JobProfiler.collect`, host work done
+off the device's path, turns the profile into a `JobProfile`: the Chrome trace (gzip) and the kernel
+summary per stage (dsocr_workers/kernels.py), read from torch.profiler's own events (on a GPU a device
+activity counts for the range its launch happened in, so a replayed CUDA graph's kernels count for the
+stage that replayed it).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from sqlalchemy import select
 
 from dsocr_workers.errors import FailuresError, InputError
 from dsocr_workers.farm.devices import parse_devices
-from dsocr_workers.farm.job.execute import BACK_IN_LINE, Outcome, execute_job
+from dsocr_workers.farm.job.claims import BACK_IN_LINE, Outcome
+from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.retries import ledger_retrying
 from dsocr_workers.farm.submit import RunRequest, SubmittedRun, prepare_run

@@ -233,7 +233,7 @@ def test_a_load_that_fails_stops_the_helpers_started_for_it(database, tmp_path, 
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         with pytest.raises(InputError, match="not a checkpoint directory"):
-            process.warm(Warmup(ModelKey(str(tmp_path / "missing"), "fast"), ("tiny",)), helpers)
+            process.models.warm(Warmup(ModelKey(str(tmp_path / "missing"), "fast"), ("tiny",)), helpers)
     finally:
         process.close()
     assert not any(running(pid) for pid in pids)

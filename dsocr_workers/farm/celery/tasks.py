@@ -34,12 +34,9 @@ from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messa
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.execute import execute_job
-from dsocr_workers.farm.job.process import (
-    JobProcess,
-    fork_compile_helpers,
-)
+from dsocr_workers.farm.job.execute import execute_job, run_in_batch
+from dsocr_workers.farm.job.opening import fork_compile_helpers
+from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.retries import job_retry_in_s
@@ -60,8 +57,7 @@ def _open_child(**_: object) -> None:
     index = getattr(current_process(), "index", 0) or 0
     device = spec.device
     # Each child gets its share of the host's cores for torch's CPU threads (preprocessing, CPU decode):
-    # with every child spinning a thread per core, N children oversubscribe the host N-fold, and on a
-    # 2-GPU host the eager engine's host-bound decode ran 13% slower per token at K = 2 than at K = 1.
+    # with every child spinning a thread per core, N children would oversubscribe the host N-fold.
     threads = max(1, (os.cpu_count() or 1) // len(spec.slots))
     if (chosen := read(CPU_THREADS)) is not None:
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
@@ -94,7 +90,7 @@ def _open_child(**_: object) -> None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
         try:
-            loaded = _process.warm(plan, helpers)
+            loaded = _process.models.warm(plan, helpers)
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:
@@ -189,7 +185,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     process, next_message = _process, handed_spec().next_message
-    options = process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
+    options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
 
     def upcoming(session: Session) -> ledger.WaitingJob | None:
         # On the prefetch thread, while this job runs: the job the lane fetched for this child next
