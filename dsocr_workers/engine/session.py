@@ -79,7 +79,7 @@ class PreparedJob:
 
 
 @dataclass
-class Job:
+class PageJob:
     """One job between the session's steps: its page on the device, its decode state and how far
     decoding went. `start_job` makes it; `prefill`, `decode` and `read_output` advance it."""
 
@@ -117,7 +117,7 @@ class Job:
 
 # Called with the job and its step (0: the first token, from the prefill; n: decode step n) once the
 # step's token is chosen (queued on the device): `DeepSeekOCRSession.run_on_device(after_step=...)`.
-StepHook = Callable[[Job, int], None]
+StepHook = Callable[[PageJob, int], None]
 
 
 def force_eos_at(step: int) -> StepHook:
@@ -125,7 +125,7 @@ def force_eos_at(step: int) -> StepHook:
     the compiled step is the same with or without it): the warm-up ends decode early with it, benchmarks
     and tests time the EOS path at a known length."""
 
-    def hook(job: Job, at: int) -> None:
+    def hook(job: PageJob, at: int) -> None:
         if at == step:
             job.write_token(step, EOS_TOKEN_ID)
 
@@ -384,7 +384,7 @@ class DeepSeekOCRSession:
 
     def start_job(
         self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock
-    ) -> Job:
+    ) -> PageJob:
         """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
         the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
         validate_options(options)
@@ -395,9 +395,9 @@ class DeepSeekOCRSession:
                 torch.manual_seed(options.seed)
             inputs = self.upload(page)
             ban = buffers.start(inputs.input_ids, options)
-        return Job(inputs, buffers, ban, options, budget, ceiling)
+        return PageJob(inputs, buffers, ban, options, budget, ceiling)
 
-    def prefill(self, job: Job, clock: StageClock) -> torch.Tensor:
+    def prefill(self, job: PageJob, clock: StageClock) -> torch.Tensor:
         """Vision + LM prefill, then the first token, chosen from the last position's logits (returned,
         for checks)."""
         inputs = job.inputs
@@ -420,7 +420,7 @@ class DeepSeekOCRSession:
         return self.runners.prefill(self.model, embeds, cache)
 
     def decode(
-        self, job: Job, clock: StageClock, after_step: Callable[[int], None] | None = None,
+        self, job: PageJob, clock: StageClock, after_step: Callable[[int], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Run decode steps (compiled and graphed in `fast`) until the budget is spent, EOS was seen
@@ -449,7 +449,7 @@ class DeepSeekOCRSession:
                     on_progress(steps, budget)
         job.steps = steps
 
-    def read_output(self, job: Job, clock: StageClock) -> tuple[list[int], StopReason]:
+    def read_output(self, job: PageJob, clock: StageClock) -> tuple[list[int], StopReason]:
         """Read the output back (waits for the device), trim what was computed past EOS and name the
         reason decoding stopped (EOS first: a loop seen after an EOS already written is past the end
         of the output)."""

@@ -11,7 +11,7 @@ from PIL import Image
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
-from dsocr_workers.engine.session import DeepSeekOCRSession, Job
+from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
 from dsocr_workers.engine.stages import VISION_STAGES, StageClock
 from dsocr_workers.model.config import DEFAULT_MODE
 
@@ -153,7 +153,7 @@ def teacher_forced_top1(
     options = replace(options, ignore_eos=True)  # one pick per forced token, EOS or not
     picks: list[int] = []
 
-    def pick_then_force(job: Job, step: int) -> None:
+    def pick_then_force(job: PageJob, step: int) -> None:
         picks.append(job.token(step))
         job.write_token(step, forced[step])
 

@@ -64,9 +64,9 @@ def _open_child(**_: object) -> None:
         threads = max(1, chosen)
     queues, settings, plan = spec.queues, spec.settings, spec.warmup
 
-    def bring_back(session: Session, jobs: list[tuple[str, str]]) -> None:
+    def bring_back(tx: Session, jobs: list[tuple[str, str]]) -> None:
         # Jobs taken back from a dead worker: its messages, back at the head of their queues.
-        bring_back_job_messages(run_job.app, session, jobs)
+        bring_back_job_messages(run_job.app, tx, jobs)
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
     # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
@@ -150,12 +150,12 @@ def _record_hard_timeout(
     # inherit an open database connection.
     db = open_database(settings.database_url)
     try:
-        with db.transaction() as session:
+        with db.transaction() as tx:
             recorded = ledger.record_timeout(
-                session, job_id, owner_prefix_of_pid(child_pid), limit_s,
+                tx, job_id, owner_prefix_of_pid(child_pid), limit_s,
                 max_attempts=settings.max_attempts,
             )  # fmt: skip
-            unclaimed = recorded is None and ledger.job_state(session, job_id) == "queued"
+            unclaimed = recorded is None and ledger.job_state(tx, job_id) == "queued"
     finally:
         db.dispose()
     if recorded is not None:
@@ -187,11 +187,11 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     process, next_message = _process, handed_spec().next_message
     options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
 
-    def upcoming(session: Session) -> ledger.WaitingJob | None:
+    def upcoming(tx: Session) -> ledger.WaitingJob | None:
         # On the prefetch thread, while this job runs: the job the lane fetched for this child next
         # (reserved already by the child's `NextMessage.follow` thread).
         next_job = next_message.after(job_id)
-        return None if next_job is None else ledger.waiting_job(session, next_job, process.owner)
+        return None if next_job is None else ledger.waiting_job(tx, next_job, process.owner)
 
     infer = partial(process.infer, upcoming=upcoming)
     try:

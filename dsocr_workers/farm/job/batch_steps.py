@@ -12,7 +12,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
-from dsocr_workers.farm.job.loaded import LoadedSession
+from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
@@ -51,7 +51,7 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
 class StepLog:
     """(The engine's thread.) The steps taken from the engine and not yet handed to the results thread."""
 
-    def __init__(self, ledger_threads: LedgerThreads, loaded: LoadedSession) -> None:
+    def __init__(self, ledger_threads: LedgerThreads, loaded: OpenModel) -> None:
         self._ledger_threads, self._loaded = ledger_threads, loaded  # its latest worker session: the batch's
         self._steps: list[ServedStep] = []
         self._last_runs: tuple[str, ...] = ()  # the runs of the latest step taken

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from dsocr_workers.farm.job.batch_steps import StepLog
 from dsocr_workers.farm.job.claims import job_failed
 from dsocr_workers.farm.job.execute import Ran, result_row
-from dsocr_workers.farm.job.loaded import JobHost, LoadedSession
+from dsocr_workers.farm.job.loaded import JobHost, OpenModel
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
@@ -54,7 +54,7 @@ class InFlight:
 class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
-    def __init__(self, process: JobHost, loaded: LoadedSession, options: RunOptions) -> None:
+    def __init__(self, process: JobHost, loaded: OpenModel, options: RunOptions) -> None:
         from dsocr_workers.engine.batched import BatchedEngine
 
         session = loaded.session

@@ -74,8 +74,8 @@ def start_claim(
         return Claiming(job_id, ledger_threads.claim(claim_job))
     done: Future[ledger.Claim | ledger.Refusal] = Future()
     try:
-        with db.transaction() as session:
-            done.set_result(claim_job(session))
+        with db.transaction() as tx:
+            done.set_result(claim_job(tx))
     except TransientError as exc:
         done.set_exception(exc)
     return Claiming(job_id, done)
@@ -94,8 +94,8 @@ def job_failed(db: Database, claim: ledger.Claim, exc: Exception, settings: Sett
     if isinstance(exc, InputError):
         return _record_failure(db, claim, exc, final=True, settings=settings)
     if isinstance(exc, TransientError):
-        with db.transaction() as session:
-            ledger.release_job(session, claim, exc)
+        with db.transaction() as tx:
+            ledger.release_job(tx, claim, exc)
         return Outcome(claim.job_id, "released", str(exc), job_retry_in_s(claim.attempt, settings))
     return _record_failure(db, claim, exc, final=False, settings=settings)
 
@@ -103,8 +103,8 @@ def job_failed(db: Database, claim: ledger.Claim, exc: Exception, settings: Sett
 def _record_failure(
     db: Database, claim: ledger.Claim, exc: Exception, *, final: bool, settings: Settings
 ) -> Outcome:
-    with db.transaction() as session:
-        state = ledger.fail_job(session, claim, exc, final=final, max_attempts=settings.max_attempts)
+    with db.transaction() as tx:
+        state = ledger.fail_job(tx, claim, exc, final=final, max_attempts=settings.max_attempts)
     detail = f"{type(exc).__name__}: {exc}"
     if state is None:
         return Outcome(claim.job_id, "lost", detail)

@@ -83,8 +83,8 @@ def execute_job(
         ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")
     row = build_row()
-    with db.transaction() as session:
-        written = ledger.complete_job(session, claim, row, now=finished_at)
+    with db.transaction() as tx:
+        written = ledger.complete_job(tx, claim, row, now=finished_at)
     if not written:
         return Outcome(job_id, "lost", "the lease was taken over before the result was written; discarded")
     return Outcome(job_id, "done")

@@ -108,8 +108,8 @@ class LedgerThreads:
         self._results.shutdown(wait=True)
 
     def _claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> ledger.Claim | ledger.Refusal:
-        with self._db.transaction() as session:
-            return claim_job(session)
+        with self._db.transaction() as tx:
+            return claim_job(tx)
 
     def _pause(self, seconds: float) -> None:
         self._closing.wait(seconds)  # cut short by close()
@@ -139,9 +139,9 @@ class LedgerThreads:
                 except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
                     log.exception("batch steps that could not be made into rows; not written")
 
-        def write(session: Session) -> list[bool]:
-            ledger.record_batch_steps(session, steps)
-            return [ledger.complete_job(session, c.claim, row, now=c.finished_at) for c, row in built]
+        def write(tx: Session) -> list[bool]:
+            ledger.record_batch_steps(tx, steps)
+            return [ledger.complete_job(tx, c.claim, row, now=c.finished_at) for c, row in built]
 
         outcomes = self._retrying(write) if built or steps else []
         if outcomes is None and steps:
@@ -176,8 +176,8 @@ class LedgerThreads:
         retrying = ledger_retrying(until=self._closing, sleep=self._pause)
         try:
             for attempt in retrying:
-                with attempt, self._db.transaction() as session:
-                    return write(session)
+                with attempt, self._db.transaction() as tx:
+                    return write(tx)
         except Exception:
             log.exception("a ledger write was given up")
         return None

@@ -1,5 +1,5 @@
 """What the batched jobs (farm/job/batched.py) read of the job process that holds them: its open model
-(`LoadedSession`) and the process itself (`JobHost`), apart from farm/job/process.py so that they read
+(`OpenModel`) and the process itself (`JobHost`), apart from farm/job/process.py so that they read
 them without importing it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class LoadedSession:
+class OpenModel:
     """A job process's open model: its session, what it is (its key, its environment fingerprint, its
     latest worker session) and the warm-ups it has run."""
 

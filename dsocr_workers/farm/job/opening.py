@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
-from dsocr_workers.farm.job.loaded import LoadedSession
+from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, job_warmup, ngram_options
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
 from dsocr_workers.store.db import Database
@@ -66,7 +66,7 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def unwarmed(loaded: LoadedSession, warmup: Warmup) -> list[tuple[str, int | None, NGram]]:
+def unwarmed(loaded: OpenModel, warmup: Warmup) -> list[tuple[str, int | None, NGram]]:
     """The (mode, budget, n-gram ban) combinations of `warmup` that `loaded` has not warmed yet."""
     return [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
             for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
@@ -81,7 +81,7 @@ class ModelOpener:
     device: str  # as the ledger names it
     runs_on: str  # as this process sees it
     register: Callable[[], None]  # the process's `worker_processes` row, before a worker session points at it
-    loaded: LoadedSession | None = None
+    loaded: OpenModel | None = None
     # Why the latest opening of a model (or a run's batch) failed: its jobs fail with it, not go back in line.
     failures: dict[ModelKey | RunOptions, Exception] = field(default_factory=dict)
 
@@ -92,11 +92,11 @@ class ModelOpener:
     def is_warm_for(self, options: RunOptions) -> bool:
         return self.is_warm(job_warmup(options))
 
-    def warm_for(self, options: RunOptions) -> LoadedSession:
+    def warm_for(self, options: RunOptions) -> OpenModel:
         """What a job of a run with `options` needs: its model, mode, token budget and n-gram ban."""
         return self.warm(job_warmup(options))
 
-    def warm_up(self, options: RunOptions, loaded: LoadedSession, start: Callable[[], Warming]) -> Warming:
+    def warm_up(self, options: RunOptions, loaded: OpenModel, start: Callable[[], Warming]) -> Warming:
         """`start()` a warm-up of `loaded` for a run with `options` (its batched engine), recorded as a
         worker session that says what it made (`describe()`)."""
         began_at, began = utcnow(), time.perf_counter()
@@ -114,7 +114,7 @@ class ModelOpener:
         loaded = self.loaded
         return loaded is not None and loaded.key == warmup.key and not unwarmed(loaded, warmup)
 
-    def opened(self, key: ModelKey) -> LoadedSession:
+    def opened(self, key: ModelKey) -> OpenModel:
         """The open model a job runs on; raises NotOpen, or why opening it failed."""
         if self.loaded is not None and self.loaded.key == key:
             return self.loaded
@@ -123,7 +123,7 @@ class ModelOpener:
         log.warning("%s is not open in this process; the job goes back in line to be opened first", key.model)
         raise NotOpen(f"{key.model} is not open in this process")
 
-    def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> LoadedSession:
+    def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> OpenModel:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
         met yet, and record the cost as a new worker session; a no-op when all is warm already. `helpers`:
         the compile helpers forked for this warm-up, handed to its first part; stopped if the load fails."""
@@ -135,7 +135,7 @@ class ModelOpener:
         self.failures.pop(warmup.key, None)
         return loaded
 
-    def _warm(self, warmup: Warmup, helpers: CompileHelpers | None) -> LoadedSession:
+    def _warm(self, warmup: Warmup, helpers: CompileHelpers | None) -> OpenModel:
         from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
 
         began_at, began = utcnow(), time.perf_counter()
@@ -174,7 +174,7 @@ class ModelOpener:
         self.record(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)
         return loaded
 
-    def record(self, loaded: LoadedSession, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float) -> None:
+    def record(self, loaded: OpenModel, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float) -> None:
         """Record what was just loaded or warmed as a new worker session, ready now: the jobs after it
         point at it, and the report counts them from its `ready_at` on."""
         self.register()
@@ -189,7 +189,7 @@ class ModelOpener:
             tx.add(row)
         loaded.worker_session_id = row.id
 
-    def _load(self, key: ModelKey) -> LoadedSession:
+    def _load(self, key: ModelKey) -> OpenModel:
         from dsocr_workers.engine.session import DeepSeekOCRSession
 
         session = DeepSeekOCRSession.from_local(key.model, device=self.runs_on, dtype=key.dtype, engine=key.engine,
@@ -197,4 +197,4 @@ class ModelOpener:
         fingerprint = environment_fingerprint(self.device, session.source, runs_on=self.runs_on)
         with self.db.transaction() as tx:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])
-        return LoadedSession(key, session, fingerprint["id"], worker_session_id="")
+        return OpenModel(key, session, fingerprint["id"], worker_session_id="")

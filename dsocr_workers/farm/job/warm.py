@@ -70,14 +70,14 @@ def plan_warmup(
     modes = parse_modes(spec)
     if modes == ():
         return None
-    with db.transaction() as session:
-        counts = dict(session.execute(
+    with db.transaction() as tx:
+        counts = dict(tx.execute(
             select(Job.run_id, func.count())
             .join(Run, Job.run_id == Run.id)
             .where(Run.queue.in_(queues), Job.state.in_(("queued", "running")))
             .group_by(Job.run_id)
         ).all())  # fmt: skip
-        rows = session.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
+        rows = tx.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
     runs = [RunOptions.from_parameters(model, parameters) for _, model, parameters in rows]
     open_jobs: Counter[ModelKey] = Counter()
     for (run_id, _, _), options in zip(rows, runs, strict=True):
