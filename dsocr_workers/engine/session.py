@@ -149,7 +149,6 @@ class BatchFigures:
 
     metrics: SequenceMetrics
     ttft_from_s: float
-    occupancy: float | None
 
     def timings(self, own: StageTimings) -> StageTimings:
         """The page's own stages, with its serving figures; its inter-token gaps stand for its decode
@@ -191,7 +190,7 @@ class DeviceRun:
         return cls(session, prepared.page, prepared.clock, output.token_ids, output.stop_reason,
                    kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
                    wasted_steps=output.wasted_steps,
-                   batch=BatchFigures(output.metrics, ttft_from_s, output.metrics.mean_occupancy))  # fmt: skip
+                   batch=BatchFigures(output.metrics, ttft_from_s))  # fmt: skip
 
     def finish(self) -> InferenceResult:
         session, page, clock, generated, batch = self.session, self.page, self.clock, self.generated, self.batch
@@ -223,7 +222,7 @@ class DeviceRun:
             kv_length=self.kv_length,
             vision_calls=self.vision_calls,
             wasted_steps=self.wasted_steps,
-            batch_occupancy=None if batch is None else batch.occupancy,
+            batch_occupancy=None if batch is None else batch.metrics.mean_occupancy,
             cold_reasons=self.cold_reasons,
             loop=loop,
             device_span=clock.device_span() if batch is None else batch.span(),
