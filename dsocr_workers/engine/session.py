@@ -6,8 +6,8 @@
 A job: `prepare_job` (preprocess, any thread) → `run_on_device` (setup, prefill into a cache and the
 first token, decode, readback and the stop rule; hooks where the farm waits for its claim and where checks
 read or force a token) → `DeviceRun.finish` (the one result assembly, on any thread). The farm, `dsocr
-infer`/`verify`, the warm-up and the benchmarks all run it; the batched engine prefills through
-`lm_prefill` and assembles its pages' results through `DeviceRun.batched`.
+infer`/`verify`, the warm-up and the benchmarks all run it. The batched engine prefills through
+`lm_prefill`; its pages' results are assembled by the same `finish` (`DeviceRun.batched`).
 How the model runs is its engine's (engine/variants/), how a process gets warm the cold start's.
 """
 

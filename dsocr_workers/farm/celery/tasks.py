@@ -1,19 +1,11 @@
-"""The Celery task: a job id in, `execute_job`, and the retry it asks for. Thin on purpose.
+"""The Celery task: a job id in, `execute_job` (or `run_in_batch`), and the retry it asks for. Thin on purpose.
 
-Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`
-(farm/celery/worker.py), so the parent never touches CUDA; a replacement child gets the same device. A
-child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those of cuda:0, one
-compile cache for all of them.
-
-The lane's parent tells its child which job it has fetched for it next (`NextMessage`): it lists each
-message it receives (`task_received`) until the child starts it or the message is acknowledged or given
-back (`JobRequest`). A thread of the child reserves that job in the ledger as soon as it shows, and the
-prefetch thread prepares its page while the current job runs.
-
-A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
-the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
-sent again after the backoff, or poisoned at the cap, at once rather than after its lease expires and a
-live worker's heartbeat sweeps it (farm/liveness.py).
+Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`, so the
+parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`). The lane's parent tells
+its child which job it fetched for it next (`NextMessage`): the child reserves it in the ledger and
+prefetches its page while the current job runs. A child killed at the hard time limit cannot record
+anything, so the parent does (`JobRequest.on_timeout`): the attempt is recorded and the job sent again
+after the backoff (or poisoned at the cap) at once, rather than after its lease expires.
 """
 
 from __future__ import annotations
