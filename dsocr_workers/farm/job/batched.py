@@ -78,10 +78,10 @@ class BatchedJobs:
         self._engine_thread.start()
 
     def describe(self) -> str:
-        """Its concurrency, KV plan and step, for the worker session that records its start."""
+        """What it is (concurrency, KV plan, step), for the worker session that records its start."""
         engine, graphs = self.engine, self.engine.runner.cuda_graphs
         step = f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)" if graphs else "eager steps"
-        return f"concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
+        return f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
