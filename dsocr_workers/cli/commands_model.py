@@ -190,7 +190,7 @@ def infer_command(
 
     from dsocr_workers.engine.result import DecodeOptions
     from dsocr_workers.engine.standalone import (
-        PageRequest,
+        InferPage,
         SessionOptions,
         check_page,
         infer_page,
@@ -202,7 +202,7 @@ def infer_command(
     if ignore_eos and max_new_tokens is None:
         raise click.UsageError("--ignore-eos needs --max-new-tokens")
     console = Console(stderr=as_json)
-    request = PageRequest(
+    request = InferPage(
         image=image,
         out_dir=out_dir if out_dir is not None else Path("out") / image.stem,
         prompt=prompt if prompt is not None else prompt_name,

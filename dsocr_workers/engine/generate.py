@@ -76,9 +76,8 @@ class DecodeBuffers:
         )
         cache_bytes = 2 * len(cache.layers) * text.num_key_value_heads * capacity * text.head_dim * dtype.itemsize
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
-        # One compiled decode step for every bucket: the capacity is a symbol from the first compilation
-        # instead of a constant that the second bucket would compile again (dynamo would then make it
-        # symbolic anyway: 13 s of a cold start on an H200 went to that second graph).
+        # One compiled decode step for every bucket: the capacity is a symbol from the first compilation,
+        # not a constant that the second bucket would compile again.
         torch._dynamo.maybe_mark_dynamic(tokens, 0)
         for layer in cache.layers:
             if type(layer) is StaticLayer:  # every layer of this model: full attention

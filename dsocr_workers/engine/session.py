@@ -1,17 +1,14 @@
-"""`DeepSeekOCRSession`: a loaded model on one device plus the split inference loop with stage timings.
+"""`DeepSeekOCRSession`: a loaded model on one device and the one job sequence, timed by stage.
 
     session = DeepSeekOCRSession.from_local("tiny" | "full" | "/path/to/DeepSeek-OCR", device="cuda:0")
     result = session.run_inference("page.png", mode="gundam", max_new_tokens=512)
 
-A job is one sequence of steps, written once here: `start_job` (setup: cache bucket, inputs to the
-device, n-gram state) → `prefill` (vision, LM prefill, first token) → `decode` → `read_output`.
-`run_inference` times and reports them; `dsocr verify`, the warm-up and the benchmarks call the same
-steps, with a hook after the first token and each decode step where they read the cache or force the
-next token.
-
-How the model runs (kernels, module swaps, compiled or not) is its engine's (engine/variants/); how a
-process gets warm before its first job is the cold start's (engine/coldstart/). The session knows
-neither: it loads the model with its engine's kernels and runs the job's steps through its runners.
+A job: `prepare_job` (preprocess, any thread) → `run_on_device` (setup, prefill into a cache and the
+first token, decode, readback and the stop rule; hooks where the farm waits for its claim and where checks
+read or force a token) → `DeviceRun.finish` (the one result assembly, on any thread). The farm, `dsocr
+infer`/`verify`, the warm-up and the benchmarks all run it. The batched engine prefills through
+`lm_prefill`; its pages' results are assembled by the same `finish` (`DeviceRun.batched`).
+How the model runs is its engine's (engine/variants/), how a process gets warm the cold start's.
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -34,7 +31,14 @@ from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWat
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
 from dsocr_workers.engine.regions import Compiler
-from dsocr_workers.engine.result import DecodeOptions, InferenceResult, JobMemory, ModelSource, StopReason
+from dsocr_workers.engine.result import (
+    DecodeOptions,
+    DeviceSpan,
+    InferenceResult,
+    JobMemory,
+    ModelSource,
+    StopReason,
+)
 from dsocr_workers.engine.sampling import NGramBan, validate_options
 from dsocr_workers.engine.stages import STEP_CAPACITY, StageClock
 from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL, stop_reason, trim_at_eos
@@ -46,6 +50,11 @@ from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_check
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
+from dsocr_workers.stages import StageTimings
+
+if TYPE_CHECKING:  # the batched engine imports this module
+    from dsocr_workers.engine.batched import BatchedOutput
+    from dsocr_workers.engine.batched.metrics import SequenceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +72,14 @@ class DevicePage:
 @dataclass(frozen=True)
 class PreparedJob:
     """A job's page, preprocessed, and the job's clock holding that `preprocess` stage, timed where it
-    ran: `run_on_device(prepared.page, clock=prepared.clock).finish()` runs the rest of the job. Made on any
-    thread (host work only: the page reaches the device in the job's setup), e.g. while another job
-    has the device."""
+    ran (any thread: host work only), e.g. while another job has the device."""
 
     page: preprocess.PreparedPage
     clock: StageClock
 
 
 @dataclass
-class Job:
+class PageJob:
     """One job between the session's steps: its page on the device, its decode state and how far
     decoding went. `start_job` makes it; `prefill`, `decode` and `read_output` advance it."""
 
@@ -110,7 +117,7 @@ class Job:
 
 # Called with the job and its step (0: the first token, from the prefill; n: decode step n) once the
 # step's token is chosen (queued on the device): `DeepSeekOCRSession.run_on_device(after_step=...)`.
-StepHook = Callable[[Job, int], None]
+StepHook = Callable[[PageJob, int], None]
 
 
 def force_eos_at(step: int) -> StepHook:
@@ -118,14 +125,14 @@ def force_eos_at(step: int) -> StepHook:
     the compiled step is the same with or without it): the warm-up ends decode early with it, benchmarks
     and tests time the EOS path at a known length."""
 
-    def hook(job: Job, at: int) -> None:
+    def hook(job: PageJob, at: int) -> None:
         if at == step:
             job.write_token(step, EOS_TOKEN_ID)
 
     return hook
 
 
-@dataclass
+@dataclass(frozen=True)
 class _ColdProbe:
     """What a job can find changed when it meets a cold path: counted before, compared after."""
 
@@ -136,45 +143,57 @@ class _ColdProbe:
 
 
 @dataclass(frozen=True)
-class RunningJob:
-    """A job started on the device (`DeepSeekOCRSession.start_on_device`), not yet finished there."""
+class BatchFigures:
+    """A page decoded in the batched engine: its serving figures, and where its TTFT starts (the
+    farm's claim, on the same perf_counter clock as its tokens)."""
 
-    page: preprocess.PreparedPage
-    job: Job
-    clock: StageClock
-    before: _ColdProbe
-    resident: int  # bytes allocated on the device once the job was set up
-    return_text: bool
+    metrics: SequenceMetrics
+    ttft_from_s: float
 
-    @contextmanager
-    def stopping_profiler_on_error(self) -> Iterator[None]:
-        """A profiled job that fails stops its profiler: the process's next job may be profiled too."""
-        try:
-            yield
-        except BaseException:
-            if self.clock.profiler is not None:
-                self.clock.profiler.stop()
-            raise
+    def timings(self, own: StageTimings) -> StageTimings:
+        """The page's own stages, with its serving figures; its inter-token gaps stand for its decode
+        steps (the batch's prefill and decode stages are no one page's)."""
+        metrics = self.metrics
+        return replace(own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
+                       ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
+                       queue_wait_ms=metrics.queue_wait_ms)  # fmt: skip
+
+    def span(self) -> DeviceSpan:
+        metrics = self.metrics
+        return DeviceSpan(metrics.prefill_started_s, metrics.token_s[0], metrics.token_s[-1])
 
 
 @dataclass(frozen=True)
 class DeviceRun:
-    """A job whose device part is done (`DeepSeekOCRSession.run_on_device`): its tokens are on the host.
-    `finish()` is the host's part (decoding and parsing the text, the timings resolved from the job's
-    CUDA events, the loop analysis); it reads nothing the device's next job changes."""
+    """A page whose device part is done: its tokens are on the host. `finish()` is the host's part and
+    the one place a result is assembled (the text decoded and parsed, the timings resolved from the
+    job's CUDA events, the loop analysis); it reads nothing the device's next job changes, so it runs
+    on any thread while the device runs the next job."""
 
     session: DeepSeekOCRSession
     page: preprocess.PreparedPage
-    job: Job
     clock: StageClock
     generated: list[int]
     stop_reason: StopReason
-    memory: JobMemory | None
-    cold_reasons: tuple[str, ...]
+    kv_length: int
+    vision_calls: int
+    wasted_steps: int
+    memory: JobMemory | None = None
+    cold_reasons: tuple[str, ...] = ()
     return_text: bool = True
+    batch: BatchFigures | None = None
+
+    @classmethod
+    def batched(cls, session: DeepSeekOCRSession, prepared: PreparedJob, output: BatchedOutput,
+                ttft_from_s: float) -> DeviceRun:  # fmt: skip
+        """A page the batched engine finished (`output`), its TTFT counted from `ttft_from_s`."""
+        return cls(session, prepared.page, prepared.clock, output.token_ids, output.stop_reason,
+                   kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
+                   wasted_steps=output.wasted_steps,
+                   batch=BatchFigures(output.metrics, ttft_from_s))  # fmt: skip
 
     def finish(self) -> InferenceResult:
-        session, page, clock, generated = self.session, self.page, self.clock, self.generated
+        session, page, clock, generated, batch = self.session, self.page, self.clock, self.generated, self.batch
         with clock.stage("postprocess"):
             text = session.decode_text(generated) if self.return_text else ""
             parsed = postprocess.parse_markup(text, *page.original.size)
@@ -182,6 +201,7 @@ class DeviceRun:
         # Analysis, not inference: outside the stages, so it is no part of the job's timings.
         loop = None if self.stop_reason == "eos" else find_loop(generated)
         profile = clock.profiler.collect(clock) if clock.profiler is not None else None
+        timings = clock.stage_timings(kept_steps=len(generated) - 1 if batch is None else 0)
         return InferenceResult(
             text=text,
             token_ids=generated,
@@ -191,7 +211,7 @@ class DeviceRun:
             crop_grid=page.crop_grid,
             mode=page.mode.name,
             image_size=page.original.size,
-            timings=clock.stage_timings(kept_steps=len(generated) - 1),
+            timings=timings if batch is None else batch.timings(timings),
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
             memory=self.memory,
@@ -199,12 +219,13 @@ class DeviceRun:
             device=str(session.device),
             dtype=str(session.dtype).removeprefix("torch."),
             model=session.source,
-            kv_length=self.job.kv_length,
-            vision_calls=self.job.vision_calls,
-            wasted_steps=self.job.steps + 1 - len(generated),
+            kv_length=self.kv_length,
+            vision_calls=self.vision_calls,
+            wasted_steps=self.wasted_steps,
+            batch_occupancy=None if batch is None else batch.metrics.mean_occupancy,
             cold_reasons=self.cold_reasons,
             loop=loop,
-            device_span=clock.device_span(),
+            device_span=clock.device_span() if batch is None else batch.span(),
             profile=profile,
         )
 
@@ -305,10 +326,9 @@ class DeepSeekOCRSession:
     # --- one job ------------------------------------------------------------------------------------
 
     def new_clock(self, job_id: str | None = None, *, marks_steps: bool = True) -> StageClock:
-        """A job's clock, instrumented as this session is. `marks_steps` False: a job whose decode steps
-        are the batched engine's (it times them), so the clock holds no step events: every clock alive at
-        once would otherwise hold `STEP_CAPACITY` of them, made on the threads preparing the pages under
-        the GIL that the engine's thread needs to launch its steps (docs/benchmarks.md, 2026-11-27 17:15)."""
+        """A job's clock, instrumented as this session is. `marks_steps` False: a page whose decode steps
+        the batched engine times; step events made on the preparing threads would hold the GIL that the
+        engine's thread needs to launch its steps."""
         return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented,
                           step_capacity=STEP_CAPACITY if marks_steps else 0)  # fmt: skip
 
@@ -363,7 +383,7 @@ class DeepSeekOCRSession:
 
     def start_job(
         self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock
-    ) -> Job:
+    ) -> PageJob:
         """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
         the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
         validate_options(options)
@@ -374,9 +394,9 @@ class DeepSeekOCRSession:
                 torch.manual_seed(options.seed)
             inputs = self.upload(page)
             ban = buffers.start(inputs.input_ids, options)
-        return Job(inputs, buffers, ban, options, budget, ceiling)
+        return PageJob(inputs, buffers, ban, options, budget, ceiling)
 
-    def prefill(self, job: Job, clock: StageClock) -> torch.Tensor:
+    def prefill(self, job: PageJob, clock: StageClock) -> torch.Tensor:
         """Vision + LM prefill, then the first token, chosen from the last position's logits (returned,
         for checks)."""
         inputs = job.inputs
@@ -399,7 +419,7 @@ class DeepSeekOCRSession:
         return self.runners.prefill(self.model, embeds, cache)
 
     def decode(
-        self, job: Job, clock: StageClock, after_step: Callable[[int], None] | None = None,
+        self, job: PageJob, clock: StageClock, after_step: Callable[[int], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Run decode steps (compiled and graphed in `fast`) until the budget is spent, EOS was seen
@@ -428,7 +448,7 @@ class DeepSeekOCRSession:
                     on_progress(steps, budget)
         job.steps = steps
 
-    def read_output(self, job: Job, clock: StageClock) -> tuple[list[int], StopReason]:
+    def read_output(self, job: PageJob, clock: StageClock) -> tuple[list[int], StopReason]:
         """Read the output back (waits for the device), trim what was computed past EOS and name the
         reason decoding stopped (EOS first: a loop seen after an EOS already written is past the end
         of the output)."""
@@ -472,69 +492,51 @@ class DeepSeekOCRSession:
         return_text: bool = True,
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,
+        before_decode: Callable[[], None] | None = None,
         profiler: JobProfiler | None = None,
     ) -> DeviceRun:
-        """`run_inference` from setup on, for a page prepared already: the job's part on the device, up
-        to its output read back (and what must be read before the device's next job: its peak memory,
-        its cold paths); `DeviceRun.finish()` does the rest on the host, on any thread, while the
-        device runs the next job. `clock` holds its `preprocess` stage where that was timed
-        (`prepare_job`: a page prepared ahead, e.g. while the previous job ran; the time it waited since
-        is `page_wait_ms`, outside e2e); on a fresh clock the job's timings start at setup.
-        `after_step(job, step)`: after the first token (step 0) and each decode step, for the warm-up,
-        checks and benchmarks (`force_eos_at`); jobs have none. `profiler`: profile this job
-        (`start_on_device`). The same three steps a caller with work of its own between prefill and decode
-        (the farm) calls itself: `start_on_device`, `prefill` and `decode`, `finish_on_device`."""
-        running = self.start_on_device(page, max_new_tokens, infer, clock or self.new_clock(job_id), return_text,
-                                       profiler)  # fmt: skip
-        with running.stopping_profiler_on_error(), torch.inference_mode():
-            self.prefill(running.job, running.clock)
-            if after_step is not None:
-                after_step(running.job, 0)
-            each_step = None if after_step is None else (lambda steps: after_step(running.job, steps))
-            self.decode(running.job, running.clock, after_step=each_step, on_progress=on_decode_progress)
-        return self.finish_on_device(running)
-
-    def start_on_device(
-        self, page: preprocess.PreparedPage, max_new_tokens: int | None, infer: DecodeOptions | None,
-        clock: StageClock, return_text: bool = True, profiler: JobProfiler | None = None,
-    ) -> RunningJob:  # fmt: skip
-        """A job's setup on the device (`start_job`), with what its end compares against: the counters
-        that tell a cold path, this job's peak memory (the statistics reset here). Then `prefill` and
-        `decode` under `torch.inference_mode()`, and `finish_on_device`. `profiler`: the job runs under
-        it (engine/profiling.py), from here to its output read back; its trace and kernels come with the
-        result. A caller that stops early (an error) stops it: `RunningJob.stopping_profiler_on_error`."""
-        cuda = self.device.type == "cuda"
+        """The one job sequence from setup on, for a page prepared already: setup → prefill → decode →
+        readback and stop rule, with what must be read before the device's next job (its peak memory,
+        its cold paths). `DeviceRun.finish()` does the rest on the host, on any thread, while the device
+        runs the next job. `clock` holds its `preprocess` stage where that was timed (`prepare_job`: a
+        page prepared ahead; the time it waited since is `page_wait_ms`, outside e2e); on a fresh clock
+        the job's timings start at setup.
+        Hooks: `before_decode()` once the prefill is queued (the farm waits there for the job's claim;
+        raising ends the job); `after_step(job, step)` after the first token (step 0) and each decode
+        step, for the warm-up, checks and benchmarks (`force_eos_at`); `on_decode_progress(steps,
+        budget)` at the EOS watch's cadence. `profiler`: the job runs under it (engine/profiling.py) from
+        its setup to its readback; its trace and kernels come with the result."""
+        clock = clock or self.new_clock(job_id)
         if profiler is not None:
             clock.profiler = profiler
             profiler.start()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
-        before = self._cold_probe()
-        self._new_buckets.clear()
         try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
+            before = self._cold_probe()
+            self._new_buckets.clear()
             with torch.inference_mode():
                 job = self.start_job(page, infer or DecodeOptions(), max_new_tokens, clock)
-        except BaseException:
+                resident = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+                self.prefill(job, clock)
+                if after_step is not None:
+                    after_step(job, 0)
+                if before_decode is not None:
+                    before_decode()
+                each_step = None if after_step is None else (lambda steps: after_step(job, steps))
+                self.decode(job, clock, after_step=each_step, on_progress=on_decode_progress)
+                generated, stop = self.read_output(job, clock)
+        finally:  # a profiled job that fails stops its profiler: the process's next job may be profiled too
             if profiler is not None:
                 profiler.stop()
-            raise
-        resident = torch.cuda.memory_allocated(self.device) if cuda else 0
-        return RunningJob(page, job, clock, before, resident, return_text)
-
-    def finish_on_device(self, running: RunningJob) -> DeviceRun:
-        """The output read back (waits for the device), the job's peak memory and its cold paths."""
-        job = running.job
-        with running.stopping_profiler_on_error(), torch.inference_mode():
-            generated, stop_reason = self.read_output(job, running.clock)
-        if running.clock.profiler is not None:
-            running.clock.profiler.stop()
         memory = None
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-            memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - running.resident)
+            memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
         self.jobs_run += 1
-        return DeviceRun(self, running.page, job, running.clock, generated, stop_reason, memory,
-                         self._cold_reasons(running.before), running.return_text)  # fmt: skip
+        return DeviceRun(self, page, clock, generated, stop, kv_length=job.kv_length, vision_calls=job.vision_calls,
+                         wasted_steps=job.steps + 1 - len(generated), memory=memory,
+                         cold_reasons=self._cold_reasons(before), return_text=return_text)  # fmt: skip
 
     def capture_prefill(self, length: int, max_new_tokens: int | None) -> bool:
         """Capture the LM prefill graph of a `length`-token prompt in the cache bucket its job will use,

@@ -56,7 +56,7 @@ def open_session(options: SessionOptions) -> DeepSeekOCRSession:
 
 
 @dataclass(frozen=True)
-class PageRequest:
+class InferPage:
     """One page for `dsocr infer`: how it is read and decoded, and where its outputs go."""
 
     image: Path
@@ -68,7 +68,7 @@ class PageRequest:
     max_crops: int = MAX_CROPS
 
 
-def check_page(request: PageRequest) -> Image.Image:
+def check_page(request: InferPage) -> Image.Image:
     """The page's EXIF-corrected original (also the boxes' frame), once the decode options and the prompt
     have been checked: bad input fails before a model is loaded."""
     validate_options(request.decode)
@@ -88,7 +88,7 @@ class PageOutputs:
 
 def infer_page(
     session: DeepSeekOCRSession,
-    request: PageRequest,
+    request: InferPage,
     original: Image.Image,
     on_decode_progress: Callable[[int, int], None] | None = None,
 ) -> PageOutputs:

@@ -11,7 +11,7 @@ from PIL import Image
 
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
-from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
 from dsocr_workers.engine.stages import VISION_STAGES, StageClock
 from dsocr_workers.model.config import DEFAULT_MODE
 
@@ -89,15 +89,11 @@ def split_kv_growth(
     """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
     every step."""
     options = replace(options, ignore_eos=True)  # every step runs
-    clock = session.new_clock()
     fills: list[int] = []
-    with torch.inference_mode():
-        job = session.start_job(session.prepare(image, None, mode, 9), options, steps + 1, clock)
-        session.prefill(job, clock)
-        after_prefill = job.buffers.kv_length
-        session.decode(job, clock, after_step=lambda _: fills.append(job.buffers.kv_length))
-    clock.finish()
-    return KvGrowth(job.prompt_tokens, after_prefill, fills, clock)
+    run = session.run_on_device(session.prepare(image, None, mode, 9), steps + 1, options, return_text=False,
+                                after_step=lambda job, _: fills.append(job.buffers.kv_length))  # fmt: skip
+    run.finish()  # finishes the clock
+    return KvGrowth(run.page.prompt_tokens, fills[0], fills[1:], run.clock)
 
 
 def run_checks(
@@ -155,18 +151,15 @@ def teacher_forced_top1(
     """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
     picks at every step, each from the forced prefix."""
     options = replace(options, ignore_eos=True)  # one pick per forced token, EOS or not
-    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     picks: list[int] = []
-    with torch.inference_mode():
-        job = session.start_job(session.prepare(image, None, mode, 9), options, len(forced), clock)
 
-        def pick_then_force(step: int) -> None:
-            picks.append(job.token(step))
-            job.write_token(step, forced[step])
+    def pick_then_force(job: PageJob, step: int) -> None:
+        picks.append(job.token(step))
+        job.write_token(step, forced[step])
 
-        session.prefill(job, clock)
-        pick_then_force(0)
-        session.decode(job, clock, after_step=pick_then_force)
+    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    session.run_on_device(session.prepare(image, None, mode, 9), len(forced), options, clock=clock,
+                          return_text=False, after_step=pick_then_force)  # fmt: skip
     return picks
 
 

@@ -17,7 +17,8 @@ from sqlalchemy import select
 
 from dsocr_workers.errors import FailuresError, InputError
 from dsocr_workers.farm.devices import parse_devices
-from dsocr_workers.farm.job.execute import BACK_IN_LINE, Outcome, execute_job
+from dsocr_workers.farm.job.claims import BACK_IN_LINE, Outcome
+from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.retries import ledger_retrying
 from dsocr_workers.farm.submit import RunRequest, SubmittedRun, prepare_run
@@ -81,9 +82,9 @@ def raise_for_failures(local: LocalRun, finals: list[Outcome]) -> None:
     failures = [outcome for outcome in finals if outcome.status != "done"]
     if not failures:
         return
-    with local.db.transaction() as session:
+    with local.db.transaction() as tx:
         ids = [outcome.job_id for outcome in failures]
-        images = dict(session.execute(select(Job.id, Job.image).where(Job.id.in_(ids))).all())
+        images = dict(tx.execute(select(Job.id, Job.image).where(Job.id.in_(ids))).all())
     counts = ", ".join(f"{count} {status}" for status, count in Counter(o.status for o in failures).items())
     which = "; ".join(f"{images.get(o.job_id, o.job_id)}: {o.status} ({o.detail})" for o in failures[:FAILURES_NAMED])
     more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""

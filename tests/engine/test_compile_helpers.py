@@ -216,7 +216,7 @@ def test_a_share_another_process_compiles_is_waited_for_not_compiled_again(tmp_p
 
 
 def test_a_load_that_fails_stops_the_helpers_started_for_it(database, tmp_path, monkeypatch, subprocess_env):
-    """A worker child forks its helpers before it loads its model (farm/job/process.py fork_compile_helpers):
+    """A worker child forks its helpers before it loads its model (farm/job/opening.py fork_compile_helpers):
     when the load fails, none of them is left compiling for a warm-up that will not happen (here they
     would compile every mode for minutes)."""
     from dsocr_workers.farm.job.process import JobProcess
@@ -233,7 +233,7 @@ def test_a_load_that_fails_stops_the_helpers_started_for_it(database, tmp_path, 
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         with pytest.raises(InputError, match="not a checkpoint directory"):
-            process.warm(Warmup(ModelKey(str(tmp_path / "missing"), "fast"), ("tiny",)), helpers)
+            process.models.warm(Warmup(ModelKey(str(tmp_path / "missing"), "fast"), ("tiny",)), helpers)
     finally:
         process.close()
     assert not any(running(pid) for pid in pids)

@@ -68,10 +68,12 @@ def test_a_profiled_job_has_its_stages_as_ranges_and_only_its_sampled_decode_ste
 def test_a_job_that_fails_stops_its_profiler_and_the_next_one_can_be_profiled(session):
     page = session.prepare(Image.new("RGB", (640, 480), "white"), None, "tiny", 9)
     profiler = JobProfiler(session.device)
-    running = session.start_on_device(page, 8, PLAIN, session.new_clock(), profiler=profiler)
-    with pytest.raises(RuntimeError, match="boom"), running.stopping_profiler_on_error(), torch.inference_mode():
-        session.prefill(running.job, running.clock)
+
+    def boom() -> None:  # where the farm waits for the job's claim: after the prefill, under the profiler
         raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        session.run_on_device(page, 8, PLAIN, profiler=profiler, before_decode=boom)
     assert torch.autograd.profiler._is_profiler_enabled is False  # noqa: SLF001 (torch's own flag)
     assert profiled_job(session, 4, DecodeSample()).profile is not None
 

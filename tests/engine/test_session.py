@@ -635,3 +635,12 @@ def test_a_jobs_host_part_can_finish_after_the_next_job_ran_on_the_device(device
         timings = result.timings
         assert timings.postprocess_ms > 0 and timings.decode_ms > 0 and len(timings.decode_step_ms) == 5
         assert result.kv_length == result.prompt_tokens + 5
+
+
+def test_the_hook_before_decode_runs_once_the_first_token_is_queued(session):
+    """Where the farm waits for a job's claim: after the prefill's first token, before any decode step."""
+    order: list[int | str] = []
+    session.run_on_device(session.prepare_job(page(600, 480), mode="tiny").page, 4, DecodeOptions(ignore_eos=True),
+                          after_step=lambda job, step: order.append(step),
+                          before_decode=lambda: order.append("claimed"))  # fmt: skip
+    assert order == [0, "claimed", 1, 2, 3]

@@ -13,7 +13,7 @@ from dsocr_workers.engine.result import (
     StageTimings,
     result_document,
 )
-from dsocr_workers.engine.standalone import DEMO_PAGE_SIZE, PageRequest, check_page, demo_page, verify_page
+from dsocr_workers.engine.standalone import DEMO_PAGE_SIZE, InferPage, check_page, demo_page, verify_page
 from dsocr_workers.errors import InputError
 
 
@@ -50,14 +50,14 @@ def test_result_document_without_decode_steps_has_no_rate():
 def test_check_page_refuses_options_and_prompt_before_it_reads_the_image(tmp_path):
     missing = tmp_path / "missing.png"
     with pytest.raises(InputError, match="top_p"):
-        check_page(PageRequest(missing, tmp_path, decode=DecodeOptions(temperature=1.0, top_p=0.0)))
+        check_page(InferPage(missing, tmp_path, decode=DecodeOptions(temperature=1.0, top_p=0.0)))
     with pytest.raises(InputError, match="<image>"):
-        check_page(PageRequest(missing, tmp_path, prompt="no placeholder"))
+        check_page(InferPage(missing, tmp_path, prompt="no placeholder"))
     with pytest.raises(InputError, match="no such file"):
-        check_page(PageRequest(missing, tmp_path, prompt="ocr"))
+        check_page(InferPage(missing, tmp_path, prompt="ocr"))
     page = tmp_path / "page.png"
     Image.new("RGBA", (40, 30)).save(page)
-    original = check_page(PageRequest(page, tmp_path))
+    original = check_page(InferPage(page, tmp_path))
     assert original.size == (40, 30) and original.mode == "RGB"
 
 

@@ -14,9 +14,10 @@ from sqlalchemy import event, select
 
 from dsocr_workers.cli import main
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job import batched
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job import batch_steps
+from dsocr_workers.farm.job.execute import run_in_batch
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
@@ -40,7 +41,7 @@ def report_json(url: str, args: list[str], monkeypatch) -> dict:
 def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_reports_them(
     database, tmp_path, make_png, monkeypatch
 ):  # fmt: skip
-    monkeypatch.setattr(batched, "STEPS_PER_WRITE", STEPS_PER_WRITE)
+    monkeypatch.setattr(batch_steps, "STEPS_PER_WRITE", STEPS_PER_WRITE)
     runs = {}
     for name, pages in (("a", PAGES_A), ("b", PAGES_B)):
         for image, size in pages.items():
@@ -60,7 +61,8 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
 
     event.listen(process.db.engine, "before_cursor_execute", count)
     try:
-        process.warm(job_warmup(OPTIONS))
+        process.models.warm(job_warmup(OPTIONS))
+        process.start_batch(OPTIONS)  # before the claims, as `prepare_for` does
         for i, job_id in enumerate(order):
             outcome = run_in_batch(process, job_id, OPTIONS, more_coming=i < len(order) - 1)
             assert outcome.status == "decoding", outcome

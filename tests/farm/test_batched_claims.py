@@ -13,8 +13,9 @@ import time
 from sqlalchemy import select
 
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job.execute import run_in_batch
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
@@ -37,7 +38,8 @@ def test_the_batch_decodes_while_a_claim_waits_for_the_ledger(sqlite_url, tmp_pa
     holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=30, isolation_level=None,
                              check_same_thread=False)
     try:
-        process.warm(job_warmup(OPTIONS))
+        process.models.warm(job_warmup(OPTIONS))
+        process.start_batch(OPTIONS)  # before the claims, as `prepare_for` does
         assert run_in_batch(process, first, OPTIONS, more_coming=True).status == "decoding"
         batch = process.batch
         assert batch is not None and first in batch.jobs  # 24 tokens to decode on the engine's thread

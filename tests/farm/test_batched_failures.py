@@ -8,11 +8,12 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job import batched
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job.execute import run_in_batch
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
+from dsocr_workers.model import postprocess
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.models import Job
 
@@ -26,7 +27,7 @@ def test_a_batched_job_whose_result_cannot_be_built_fails_alone(database, tmp_pa
     listing = tmp_path / "list.txt"
     listing.write_text("\n".join(PAGES) + "\n")
     run = record_run(database, read_filelist(listing), OPTIONS, queue="q", name="r")
-    parse = batched.postprocess.parse_markup
+    parse = postprocess.parse_markup
     calls: list[int] = []
 
     def first_one_breaks(*args, **kwargs):
@@ -38,8 +39,9 @@ def test_a_batched_job_whose_result_cannot_be_built_fails_alone(database, tmp_pa
     url = database.engine.url.render_as_string(hide_password=False)
     process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
     try:
-        process.warm(job_warmup(OPTIONS))
-        monkeypatch.setattr(batched.postprocess, "parse_markup", first_one_breaks)  # after the warm-up's pages
+        process.models.warm(job_warmup(OPTIONS))
+        process.start_batch(OPTIONS)  # before the claims, as `prepare_for` does
+        monkeypatch.setattr(postprocess, "parse_markup", first_one_breaks)  # after the warm-up's pages
         for i, job_id in enumerate(run.job_ids):
             outcome = run_in_batch(process, job_id, OPTIONS, more_coming=i < len(run.job_ids) - 1)
             assert outcome.status == "decoding", outcome

@@ -9,7 +9,8 @@ import threading
 from sqlalchemy import event
 
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
@@ -30,7 +31,7 @@ def test_prepare_for_a_prefetched_job_reads_nothing_more(database, tmp_path, mak
         with process.db.transaction() as tx:
             waiting = ledger.waiting_job(tx, prefetched_job, process.owner)
         assert waiting is not None
-        loaded = process.warm(job_warmup(RunOptions.from_parameters(waiting.model, waiting.parameters)))
+        loaded = process.models.warm(job_warmup(RunOptions.from_parameters(waiting.model, waiting.parameters)))
         process.prefetcher.start(lambda tx: ledger.waiting_job(tx, prefetched_job, process.owner),
                                  loaded.key, loaded.session)  # fmt: skip
 

@@ -12,8 +12,9 @@ import time
 from sqlalchemy import select
 
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job.execute import run_in_batch
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
@@ -46,7 +47,8 @@ def test_results_finished_together_are_written_in_one_transaction(sqlite_url, tm
     holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=30, isolation_level=None,
                              check_same_thread=False)  # fmt: skip
     try:
-        process.warm(job_warmup(OPTIONS))
+        process.models.warm(job_warmup(OPTIONS))
+        process.start_batch(OPTIONS)  # before the claims, as `prepare_for` does
         counted = process.ledger_threads._db = CountedTransactions(process.ledger_threads._db)
         for job_id in run.job_ids:
             assert run_in_batch(process, job_id, OPTIONS, more_coming=True).status == "decoding"

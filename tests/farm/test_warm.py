@@ -49,7 +49,7 @@ def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         unfrozen = gc.get_freeze_count()
-        process.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
+        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
         assert gc.get_freeze_count() > unfrozen + 100_000  # the model's, the tokenizer's, torch's own
     finally:
         process.close()

@@ -25,7 +25,8 @@ from sqlalchemy.engine import make_url
 
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job.execute import Ran, execute_job
-from dsocr_workers.farm.job.process import JobProcess, job_warmup
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
@@ -59,7 +60,7 @@ def setup(postgres_url, tmp_path, make_png) -> Iterator[Setup]:
     settings = Settings(database_url=proxied, queue="writer")
     process = JobProcess.open(settings, "cpu", queues=("writer",))
     try:
-        process.warm(job_warmup(OPTIONS))
+        process.models.warm(job_warmup(OPTIONS))
         yield Setup(process, settings, proxy, run.job_ids, postgres_url)
     finally:
         if not proxy.up:
@@ -172,7 +173,7 @@ def test_closing_in_an_outage_gives_the_write_up_and_leaves_the_job_to_be_swept(
 
 def prefetch(s: Setup, job_id: str) -> None:
     """Prepare `job_id`'s page on the prefetch thread, as while a previous job runs."""
-    loaded = s.process.loaded
+    loaded = s.process.models.loaded
     assert loaded is not None
     s.process.prefetcher.start(lambda tx: ledger.waiting_job(tx, job_id, s.process.owner), loaded.key, loaded.session)
 
@@ -238,7 +239,7 @@ def test_a_result_that_cannot_be_built_fails_its_job_instead_of_holding_it(setup
 
     def infer(claiming):
         claiming.result()
-        return Ran(UnfinishableRun(), setup.process.loaded.worker_id)  # type: ignore[arg-type, union-attr]
+        return Ran(UnfinishableRun(), setup.process.models.loaded.worker_id)  # type: ignore[arg-type, union-attr]
 
     outcome = execute_job(setup.process.db, job_id, owner=setup.process.owner, settings=setup.settings, infer=infer,
                           ledger_threads=setup.process.ledger_threads)  # fmt: skip

@@ -1,19 +1,11 @@
-"""The Celery task: a job id in, `execute_job`, and the retry it asks for. Thin on purpose.
+"""The Celery task: a job id in, `execute_job` (or `run_in_batch`), and the retry it asks for. Thin on purpose.
 
-Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`
-(farm/celery/worker.py), so the parent never touches CUDA; a replacement child gets the same device. A
-child sees only its own GPU (`see_only_this_gpu`): every child's compiled graphs are those of cuda:0, one
-compile cache for all of them.
-
-The lane's parent tells its child which job it has fetched for it next (`NextMessage`): it lists each
-message it receives (`task_received`) until the child starts it or the message is acknowledged or given
-back (`JobRequest`). A thread of the child reserves that job in the ledger as soon as it shows, and the
-prefetch thread prepares its page while the current job runs.
-
-A child killed at the hard time limit cannot record anything, and Celery acknowledges its message, so
-the parent does it (`JobRequest.on_timeout`): the attempt is recorded as `TimeLimitExceeded` and the job
-sent again after the backoff, or poisoned at the cap, at once rather than after its lease expires and a
-live worker's heartbeat sweeps it (farm/liveness.py).
+Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`, so the
+parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`). The lane's parent tells
+its child which job it fetched for it next (`NextMessage`): the child reserves it in the ledger and
+prefetches its page while the current job runs. A child killed at the hard time limit cannot record
+anything, so the parent does (`JobRequest.on_timeout`): the attempt is recorded and the job sent again
+after the backoff (or poisoned at the cap) at once, rather than after its lease expires.
 """
 
 from __future__ import annotations
@@ -34,12 +26,9 @@ from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messa
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
-from dsocr_workers.farm.job.batched import run_in_batch
-from dsocr_workers.farm.job.execute import execute_job
-from dsocr_workers.farm.job.process import (
-    JobProcess,
-    fork_compile_helpers,
-)
+from dsocr_workers.farm.job.execute import execute_job, run_in_batch
+from dsocr_workers.farm.job.opening import fork_compile_helpers
+from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
 from dsocr_workers.farm.retries import job_retry_in_s
@@ -60,17 +49,16 @@ def _open_child(**_: object) -> None:
     index = getattr(current_process(), "index", 0) or 0
     device = spec.device
     # Each child gets its share of the host's cores for torch's CPU threads (preprocessing, CPU decode):
-    # with every child spinning a thread per core, N children oversubscribe the host N-fold, and on a
-    # 2-GPU host the eager engine's host-bound decode ran 13% slower per token at K = 2 than at K = 1.
+    # with every child spinning a thread per core, N children would oversubscribe the host N-fold.
     threads = max(1, (os.cpu_count() or 1) // len(spec.slots))
     if (chosen := read(CPU_THREADS)) is not None:
         # An explicit OMP_NUM_THREADS wins (several workers on one host: each would divide all the cores).
         threads = max(1, chosen)
     queues, settings, plan = spec.queues, spec.settings, spec.warmup
 
-    def bring_back(session: Session, jobs: list[tuple[str, str]]) -> None:
+    def bring_back(tx: Session, jobs: list[tuple[str, str]]) -> None:
         # Jobs taken back from a dead worker: its messages, back at the head of their queues.
-        bring_back_job_messages(run_job.app, session, jobs)
+        bring_back_job_messages(run_job.app, tx, jobs)
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
     # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
@@ -94,7 +82,7 @@ def _open_child(**_: object) -> None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
         try:
-            loaded = _process.warm(plan, helpers)
+            loaded = _process.models.warm(plan, helpers)
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:
@@ -154,12 +142,12 @@ def _record_hard_timeout(
     # inherit an open database connection.
     db = open_database(settings.database_url)
     try:
-        with db.transaction() as session:
+        with db.transaction() as tx:
             recorded = ledger.record_timeout(
-                session, job_id, owner_prefix_of_pid(child_pid), limit_s,
+                tx, job_id, owner_prefix_of_pid(child_pid), limit_s,
                 max_attempts=settings.max_attempts,
             )  # fmt: skip
-            unclaimed = recorded is None and ledger.job_state(session, job_id) == "queued"
+            unclaimed = recorded is None and ledger.job_state(tx, job_id) == "queued"
     finally:
         db.dispose()
     if recorded is not None:
@@ -189,13 +177,13 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     process, next_message = _process, handed_spec().next_message
-    options = process.prepare_for(job_id)  # loading and warming up happen here, before the job's claim
+    options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
 
-    def upcoming(session: Session) -> ledger.WaitingJob | None:
+    def upcoming(tx: Session) -> ledger.WaitingJob | None:
         # On the prefetch thread, while this job runs: the job the lane fetched for this child next
         # (reserved already by the child's `NextMessage.follow` thread).
         next_job = next_message.after(job_id)
-        return None if next_job is None else ledger.waiting_job(session, next_job, process.owner)
+        return None if next_job is None else ledger.waiting_job(tx, next_job, process.owner)
 
     infer = partial(process.infer, upcoming=upcoming)
     try:

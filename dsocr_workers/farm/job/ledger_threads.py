@@ -1,53 +1,14 @@
-"""A Celery child's ledger writes on threads of their own, off the path between two jobs (issue 10).
+"""A Celery child's ledger writes on threads of their own, off the path between two jobs.
 
-Between two jobs of a Celery child the device waited for the host (bench_scaling's split, on an H200
-host, docs/benchmarks.md): the finished job's host part and result row (2.6 ms), its transaction with
-Celery's hand-over of the next message (5.5 ms; the hand-over alone ~3 ms, probe_celery_handover.py: the
-child reports back, the parent acknowledges and fetches the next message) and the next job's claim
-transaction with its setup (3.5 ms). Neither transaction needs the main thread:
-
-- **The result** (`complete`): the row is built and written on one thread while the task returns and
-  the next message is delivered; the child waits in a pipe read meanwhile (the GIL is free), so the write
-  overlaps the hand-over instead of preceding it. Building the row includes the engine's host part after
-  the device (`DeviceRun.finish`: the text decoded and parsed, the timings read from the job's CUDA
-  events). A row that cannot be built (a bug: it would fail again) fails the job.
-- **A batched engine's steps** (`record_steps`, farm/job/batched.py): a few hundred `batch_steps` rows
-  at a time, in one insert, on the results thread in turn with the results: the engine's thread, the
-  only one on the device, only hands them over.
-- **The claim** (`claim`): a job whose page was prefetched starts on the device while its claim is
-  written on the other thread; the job waits for its claim before its first decode step
-  (farm/job/process.py), so only its prefill can run before the lease is its own, and a refused claim drops
-  that prefill and writes nothing. The message was delivered to this process: a refusal is a duplicate
-  delivery, rare. A batched job's engine goes on, on its own thread, while its claim is written
-  (farm/job/batched.py).
-
-Two threads, one for claims and one for results: a claim must never wait behind a result whose write is
-waiting out a ledger outage (the job would sit unclaimed past its time limit). On SQLite the two take
-turns at the single writer's lock (`busy_timeout`), a fraction of a millisecond each.
-
-Results and steps handed over while the results thread is busy are written together, in one transaction
-(`Pending`): a batched engine's pages that joined together finish together, and on SQLite 128 results
-written one transaction each held the writer's lock ~10 ms apiece, 1.1-1.7 s per batch on an H200 (1.8-4.2 s
-for two workers on one ledger), while the next pages' claims waited their turn at it. Each result keeps
-its own lease guard inside the transaction; a row that cannot be built fails its own job, as before.
-
-What a crash loses: nothing. A job's message is acknowledged when its task returns, possibly before its
-result is written; a process that dies in between leaves the job `running` under its dead lease, as a
-crash during inference does, and a live worker's sweep (farm/liveness.py) puts it back in line once the
-lease has run out: its inference runs again. A result written late keeps the time the job finished
-(`finished_at` is taken when the task hands it over), so throughput and the gaps between jobs do not
-move with the write.
-
-A ledger outage: a claim fails at once (TransientError from `Claiming.result()`: the task retries the
-message, as before). A result is tried again (2 s, then doubling to 30 s) until it goes through or the
-process closes. Any other error of the write (none that a retry would cure) gives it up: the job is let
-go (`Heartbeat.let_go`: its lease is no longer renewed), so that it runs out and a sweep puts the job back
-in line, instead of the heartbeat keeping it `running` under a live lease for good. If
-the outage outlasts the lease, a sweep may give the job to another worker meanwhile; the late write
-then finds the lease gone and writes nothing (the ledger's guard). `close()` lets the write under way
-finish, or, in an outage, gives it up after its current try: the process exits and the job is put back
-in line as after a crash. A warm shutdown with the ledger up writes every result it has. Batch steps
-are tried again as results are; steps given up are lost (logged), their jobs are not.
+- The claim (`claim`), on the claims thread: a prefetched job starts on the device while its claim is
+  written, and waits for it before its first decode step; a refused claim drops its prefill.
+- Results (`complete`) and a batched engine's steps (`record_steps`), on the results thread: a row is
+  built (the engine's host part, `DeviceRun.finish`, included) and written while the next message is
+  handed over; what is handed over while the thread is busy is written in one transaction (`Pending`).
+  A row that cannot be built fails its job. Two threads: a claim never waits behind a result's write.
+- A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
+  through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
+  a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
 """
 
 from __future__ import annotations
@@ -147,8 +108,8 @@ class LedgerThreads:
         self._results.shutdown(wait=True)
 
     def _claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> ledger.Claim | ledger.Refusal:
-        with self._db.transaction() as session:
-            return claim_job(session)
+        with self._db.transaction() as tx:
+            return claim_job(tx)
 
     def _pause(self, seconds: float) -> None:
         self._closing.wait(seconds)  # cut short by close()
@@ -178,9 +139,9 @@ class LedgerThreads:
                 except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
                     log.exception("batch steps that could not be made into rows; not written")
 
-        def write(session: Session) -> list[bool]:
-            ledger.record_batch_steps(session, steps)
-            return [ledger.complete_job(session, c.claim, row, now=c.finished_at) for c, row in built]
+        def write(tx: Session) -> list[bool]:
+            ledger.record_batch_steps(tx, steps)
+            return [ledger.complete_job(tx, c.claim, row, now=c.finished_at) for c, row in built]
 
         outcomes = self._retrying(write) if built or steps else []
         if outcomes is None and steps:
@@ -215,8 +176,8 @@ class LedgerThreads:
         retrying = ledger_retrying(until=self._closing, sleep=self._pause)
         try:
             for attempt in retrying:
-                with attempt, self._db.transaction() as session:
-                    return write(session)
+                with attempt, self._db.transaction() as tx:
+                    return write(tx)
         except Exception:
             log.exception("a ledger write was given up")
         return None

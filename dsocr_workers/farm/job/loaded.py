@@ -1,19 +1,43 @@
-"""A job process's model: the session it opened and what that session is (its key, its fingerprint, its
-latest worker session, the warm-ups it has run). Apart from farm/job/process.py so that the batched
-jobs (farm/job/batched.py), which the process drives, read it without importing the process."""
+"""What the batched jobs (farm/job/batched.py) read of the job process that holds them: its open model
+(`OpenModel`) and the process itself (`JobHost`), apart from farm/job/process.py so that they read
+them without importing it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dsocr_workers.farm.run_options import ModelKey, NGram
+from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
+from dsocr_workers.settings import Settings
+from dsocr_workers.store.db import Database
+
+if TYPE_CHECKING:
+    from dsocr_workers.farm.job.batched import BatchedJobs
 
 
 @dataclass
-class LoadedSession:
+class OpenModel:
+    """A job process's open model: its session, what it is (its key, its environment fingerprint, its
+    latest worker session) and the warm-ups it has run."""
+
     key: ModelKey
     session: Any  # DeepSeekOCRSession
     worker_id: str  # the environment fingerprint
     worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
     warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
+
+
+class JobHost(Protocol):
+    """What the batched jobs use of their job process (farm/job/process.py `JobProcess`)."""
+
+    db: Database
+    settings: Settings
+    owner: str
+    device: str
+    ledger_threads: LedgerThreads
+    batch: BatchedJobs | None
+
+    def joinable_batch(self, options: RunOptions) -> BatchedJobs: ...
+
+    def send_again(self, job_ids: list[str]) -> None: ...

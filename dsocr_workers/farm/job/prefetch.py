@@ -1,25 +1,11 @@
-"""The next job's page, prepared while this job has the device (issue 10).
+"""The next job's page, prepared on a thread while this job has the device.
 
-A job process (farm/job/process.py) runs one job at a time, and a job begins with host work: reading the
-image, EXIF, tiling, normalising to bytes, the prompt's tokens (`model.preprocess.prepare_page`, about
-100 ms for a gundam page) before the device has anything to do. So while a job runs, one background
-thread prepares the page of the job this process runs next:
-
-- Which job: `Upcoming` reads it from the ledger, in the thread's own transaction. `dsocr run` knows
-  its line (`ledger.waiting_job`); a Celery child is told by its lane's parent which message it has
-  fetched for it next (farm/celery/worker.py `NextMessage`), which another thread of the child has
-  reserved (`ledger.reserve_job`: so that a sweep brings the message back if the lane dies with it).
-- Nothing is claimed or leased: the page is kept for its job id, and a job takes it only if it is
-  its own (same job, image, prompt, mode and model); any other job drops it (a retry whose countdown
-  ended in between), costing one page of host work. A process that dies loses a page, never a job.
-- Timing: the page's `preprocess` stage is timed on the job's own clock where it ran, on this thread
-  (engine `prepare_job`); the job records that it was prefetched, and the time its page then waited
-  (`page_wait_ms`) stays outside its e2e.
-- Errors: a page whose preparation fails (a bad image) keeps its error, and its job raises it when it
-  runs, as if it had prepared the page itself. Nothing the thread meets reaches the running job.
-
-The thread takes the GIL only between PIL's and torch's own work (both release it while decoding,
-resizing and copying), while the running job mostly waits on the device.
+Which job: `Upcoming` reads it from the ledger in the thread's own transaction (`dsocr run` knows its
+line; a Celery child is told by its lane's parent which message it fetched for it next). Nothing is
+claimed: the page is kept for its job id and taken only by that job as it is claimed (same image,
+prompt, mode and model: `PagePlan`); any other job drops it. The page's `preprocess` stage is timed on
+the job's own clock, on this thread; the time it then waits (`page_wait_ms`) stays outside its e2e. A
+page whose preparation fails keeps its error, which its job raises when it runs.
 """
 
 from __future__ import annotations
@@ -29,16 +15,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dsocr_workers.farm.run_options import ModelKey, RunOptions
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.ledger import WaitingJob
+from dsocr_workers.store.models import Job, Run
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.session import PreparedJob
+    from dsocr_workers.farm.job.claims import Claiming
 
 log = logging.getLogger("dsocr.worker")
 
@@ -46,9 +35,24 @@ log = logging.getLogger("dsocr.worker")
 Upcoming = Callable[[Session], WaitingJob | None]
 
 
+class JobFacts(Protocol):
+    """A job as read from the ledger: its claim, or as a waiting job before its claim."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def image_path(self) -> Path: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def parameters(self) -> dict[str, Any]: ...
+    @property
+    def profile(self) -> bool: ...
+
+
 @dataclass(frozen=True)
-class PageRequest:
-    """What a job's prepared page depends on: a page prepared for one request serves no other."""
+class PagePlan:
+    """What a job's prepared page depends on: a page prepared for one plan serves no other."""
 
     job_id: str
     image_path: Path
@@ -57,15 +61,19 @@ class PageRequest:
     model: ModelKey  # the tokenizer that made the prompt's ids
 
     @classmethod
-    def of_job(cls, job_id: str, image_path: Path, options: RunOptions) -> PageRequest:
-        return cls(job_id, image_path, options.prompt, options.mode, options.model_key)
+    def of_job(cls, job: JobFacts) -> PagePlan:
+        options = RunOptions.from_parameters(job.model, job.parameters)
+        return cls(job.job_id, job.image_path, options.prompt, options.mode, options.model_key)
+
+    def prepare(self, session: Any) -> PreparedJob:
+        return session.prepare_job(str(self.image_path), self.prompt, self.mode, job_id=self.job_id)
 
 
 @dataclass(frozen=True)
 class Prefetched:
-    """A page prepared ahead for `request`, or the error preparing it met, and its job as read then."""
+    """A page prepared ahead for `plan`, or the error preparing it met, and its job as read then."""
 
-    request: PageRequest
+    plan: PagePlan
     outcome: PreparedJob | Exception
     job: WaitingJob
 
@@ -95,17 +103,39 @@ class Prefetcher:
         the thread if it is still at work: the job's own run would wait for its page anyway). Its
         run's model and parameters then need no second read before the claim."""
         prefetched = None if self._next is None else self._next.result()
-        return prefetched.job if prefetched is not None and prefetched.request.job_id == job_id else None
+        return prefetched.job if prefetched is not None and prefetched.plan.job_id == job_id else None
+
+    def run_of(self, job_id: str) -> RunOptions | None:
+        """The options of `job_id`'s run: as read with its prefetched page, else from the ledger; None for
+        a job that is gone or unknown."""
+        run: Any = self.job(job_id)  # a WaitingJob or a row: both have .model, .parameters
+        if run is None:
+            with self._db.transaction() as tx:
+                run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
+        return None if run is None else RunOptions.from_parameters(run.model, run.parameters)
+
+    def job_to_run(self, claiming: Claiming, open_model: ModelKey | None) -> tuple[JobFacts, Prefetched | None]:
+        """The job `claiming` claims, and its page if one was prefetched for it as it is. A job whose page
+        was prefetched for the open model starts before its claim is written, from what the prefetch
+        read (a run's settings and a job's image never change); any other waits for its claim here."""
+        prefetched = self.take_job(claiming.job_id)
+        if (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
+                and prefetched.plan.model == open_model):  # fmt: skip
+            return prefetched.job, prefetched
+        claim = claiming.result()
+        if prefetched is not None and prefetched.plan != PagePlan.of_job(claim):
+            prefetched = None
+        return claim, prefetched
 
     def take_job(self, job_id: str) -> Prefetched | None:
         """The page prefetched for `job_id` (waiting for the thread if it is still at work), or None;
         either way nothing stays prefetched. The caller checks that it was prepared for the job as it
-        is claimed (`Prefetched.request`)."""
+        is claimed (`Prefetched.plan`)."""
         future, self._next = self._next, None
         if future is None:
             return None
         prefetched = future.result()
-        return prefetched if prefetched is not None and prefetched.request.job_id == job_id else None
+        return prefetched if prefetched is not None and prefetched.plan.job_id == job_id else None
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -119,12 +149,11 @@ class Prefetcher:
             return None
         if waiting is None:
             return None
-        options = RunOptions.from_parameters(waiting.model, waiting.parameters)
-        request = PageRequest.of_job(waiting.job_id, waiting.image_path, options)
-        if request.model != model:
+        plan = PagePlan.of_job(waiting)
+        if plan.model != model:
             return None
         try:
-            prepared = session.prepare_job(str(request.image_path), request.prompt, request.mode, job_id=request.job_id)
+            prepared = plan.prepare(session)
         except Exception as exc:  # the job raises it when it runs (a bad image: its InputError)
-            return Prefetched(request, exc, waiting)
-        return Prefetched(request, prepared, waiting)
+            return Prefetched(plan, exc, waiting)
+        return Prefetched(plan, prepared, waiting)

@@ -1,13 +1,6 @@
-"""What a worker process loads and warms before it takes a job, and the record of it.
-
-Loading a model and warming it up (eager: every page shape once; fast: compilation and graph capture
-for every shape of the modes named) belong to the worker, never to a job: the time goes into a
-`worker_sessions` row, and a job's timings start only after its session is ready.
-
-Two moments: at process start (`dsocr worker --warmup`), for the runs open on the worker's queues;
-and before a job is claimed, when its run asks for a model or mode this process has not warmed (a run
-submitted after the worker started). Either way no job pays for it.
-"""
+"""What a worker process warms before it takes a job (farm/job/opening.py does it): at process start
+(`dsocr worker --warmup`), the modes of the runs open on its queues; before a job's claim, what its run
+needs. Either way no job pays for it."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
+from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
 from dsocr_workers.model.config import DEFAULT_MODE, MODES
@@ -33,13 +27,24 @@ DEFAULT_NGRAM: NGram = RunOptions().ngram
 @dataclass(frozen=True)
 class Warmup:
     """Modes to warm for one model, with the token budgets that size its KV cache buckets (None: the
-    model's positions) and the n-gram bans its decode step is compiled for (a run without the ban met
-    a decode step warmed with it and compiled on its first job: 14.8 s on an H200)."""
+    model's positions) and the n-gram bans its decode step is compiled for (the compiled step is
+    specialised on the ban: a run with another one would compile on its first job)."""
 
     key: ModelKey
     modes: tuple[str, ...]
     budgets: tuple[int | None, ...] = (None,)
     ngrams: tuple[NGram, ...] = (DEFAULT_NGRAM,)
+
+
+def job_warmup(options: RunOptions) -> Warmup:
+    """What one job needs warm: its run's model, mode, token budget and n-gram ban."""
+    return Warmup(options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,))
+
+
+def ngram_options(ngram: NGram) -> DecodeOptions:
+    """The decode options a warm-up of jobs with this n-gram ban runs with: the same in the compile
+    helpers' plan and in the warm-up, or the helpers compile another decode step."""
+    return DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
 
 
 def parse_modes(spec: str) -> tuple[str, ...] | None:
@@ -65,14 +70,14 @@ def plan_warmup(
     modes = parse_modes(spec)
     if modes == ():
         return None
-    with db.transaction() as session:
-        counts = dict(session.execute(
+    with db.transaction() as tx:
+        counts = dict(tx.execute(
             select(Job.run_id, func.count())
             .join(Run, Job.run_id == Run.id)
             .where(Run.queue.in_(queues), Job.state.in_(("queued", "running")))
             .group_by(Job.run_id)
         ).all())  # fmt: skip
-        rows = session.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
+        rows = tx.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
     runs = [RunOptions.from_parameters(model, parameters) for _, model, parameters in rows]
     open_jobs: Counter[ModelKey] = Counter()
     for (run_id, _, _), options in zip(rows, runs, strict=True):

@@ -1,0 +1,48 @@
+"""The `results` columns a job's result row adds to its engine result: accuracy against its reference,
+its device times on the ledger's clock, and a profiled job's trace."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+from dsocr_workers.engine.result import DeviceSpan, InferenceResult
+from dsocr_workers.model.postprocess import render_mmd
+from dsocr_workers.quality.omnidocbench import PageReference
+from dsocr_workers.quality.scoring import PageScores, score_page
+from dsocr_workers.store import ledger
+from dsocr_workers.store.models import utcnow
+
+
+def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | None]:
+    """The job's edit distances and table TEDS to its reference (quality/scoring.py), on the markdown
+    the model's markup renders to (its `result.mmd`); all None without a reference."""
+    scores = (PageScores(None, None, None, None) if reference is None
+              else score_page(render_mmd(markup), PageReference.from_json(reference)))  # fmt: skip
+    return {"text_edit": scores.text, "formula_edit": scores.formula, "table_edit": scores.table,
+            "reading_order_edit": scores.reading_order, "table_teds": scores.table_teds,
+            "table_teds_structure": scores.table_teds_structure}  # fmt: skip
+
+
+def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
+    """TTFT from the claim (`claimed_s`, this process's perf_counter like the span) and when the device
+    began and finished the job, as UTC times; None without timings."""
+    if span is None:
+        return {"ttft_from_claim_ms": None, "device_started_at": None, "device_finished_at": None}
+    now_s, now = time.perf_counter(), utcnow()
+    return {
+        "ttft_from_claim_ms": (span.first_token_s - claimed_s) * 1e3,
+        "device_started_at": now - timedelta(seconds=now_s - span.started_s),
+        "device_finished_at": now - timedelta(seconds=now_s - span.finished_s),
+    }
+
+
+def profile_columns(result: InferenceResult) -> dict[str, Any]:
+    """A profiled job's trace and kernel summary, as its `job_profiles` row (under ledger.PROFILE: written
+    with the result, in its transaction); nothing for any other job."""
+    profile = result.profile
+    if profile is None:
+        return {}
+    return {ledger.PROFILE: {"activity": profile.summary.activity, "trace_gz": profile.trace_gz,
+                             "trace_bytes": profile.trace_bytes, "summary": profile.summary.to_json()}}  # fmt: skip
