@@ -1,9 +1,9 @@
 """Kernel-level profiles of one job: torch.profiler around the job's device part, each stage a profiler
 range, the decode sampled.
 
-The caller picks the jobs and hands a `JobProfiler` to `DeepSeekOCRSession.run_on_device`, which starts it before the job's
-setup and stops it once the output is read back. The job's clock opens a `dsocr::<stage>` range around
-every stage, and only the sampled decode steps (`DecodeSample`) are recorded, so that a long job's trace
+The caller picks the jobs and hands a `JobProfiler` to `DeepSeekOCRSession.run_on_device`, which
+starts it before the job's setup and stops it once the output is read back. The job's clock opens a
+`dsocr::<stage>` range around every stage, and only the sampled decode steps (`DecodeSample`) are recorded, so that a long job's trace
 stays small. `JobProfiler.collect` (host work, run after the clock finished) turns the profile into a
 `JobProfile`: the gzipped Chrome trace and the kernel summary, from torch.profiler's own event list. On a
 GPU a stage's kernels are those launched inside its range, so a replayed CUDA graph's kernels count for

@@ -61,10 +61,10 @@ class BatchedJobs:
         self.process, self.loaded, self.options = process, loaded, options
         longest = min(session.longest_prompt(options.mode, options.prompt), session.max_positions - 1)
         budget = options.max_new_tokens or session.max_positions - longest
-        # The eager engine's routed experts read counts back to the host: no CUDA graphs there.
-        self.engine = BatchedEngine.create(session, max_batch=options.concurrency, max_prompt_tokens=longest,
-                                           max_new_tokens=budget, options=options.decode_options,
-                                           cuda_graphs=None if session.engine == "fast" else False)  # fmt: skip
+        self.engine = BatchedEngine.create(
+            session, max_batch=options.concurrency, max_prompt_tokens=longest, max_new_tokens=budget,
+            options=options.decode_options,
+        )
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps = StepLog(process.ledger_threads, loaded)
