@@ -5,6 +5,7 @@
 #   bash scripts/test.sh -n 0 tests/x    any pytest arguments; `-n 0` runs pytest in one process
 # pytest-xdist runs 3 test processes: most of the long tests wait on worker subprocesses, leases,
 # outages and compilation, so on 2 cores a third process keeps the CPUs busy while one of them waits.
+# They take tests one by one in collection order, the longest first (tests/conftest.py LONGEST).
 # mypy (one core, ~40 s from a fresh clone) runs beside pytest for the same reason; its output is
 # shown only when it finds something, so that pytest's summary stays the last line.
 set -euo pipefail
@@ -23,7 +24,8 @@ mypy_pid=$!
 trap 'kill "$mypy_pid" 2>/dev/null || true; rm -f "$mypy_out"' EXIT
 
 status=0
-"$PY" -m pytest -q -n 3 --dist loadgroup "$@" || status=$?
+# The slowest tests are listed before the summary: what to look at when the suite gets slower.
+"$PY" -m pytest -q -n 3 --dist loadgroup --durations=15 "$@" || status=$?
 if ! wait "$mypy_pid"; then
   cat "$mypy_out" >&2
   echo "mypy dsocr_workers failed (above)" >&2

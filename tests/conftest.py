@@ -9,8 +9,8 @@ queue, so parallel runs on one machine never see each other's rows or messages.
 - `make_png`: writes small PNG pages with Pillow.
 - `write_omnidocbench`: writes a hand-made annotation file in OmniDocBench's JSON layout.
 
-Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`. The long folders are
-collected first (LONG_FIRST), for pytest-xdist's sake.
+Tests marked `slow` (the long reliability scenarios) run only with `--run-slow`. The longest tests and
+folders are collected first (LONGEST, LONG_FIRST), for pytest-xdist's sake.
 """
 
 from __future__ import annotations
@@ -37,9 +37,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# The folders whose tests wait on worker processes, leases, outages and compilation: tens of seconds
-# each. pytest-xdist (scripts/test.sh runs the suite with `-n`) hands tests out in collection order,
-# so these go first; one of them started last would leave the other xdist workers idle at the end.
+# The longest tests, longest first (one to four minutes each on this machine, waiting on worker processes,
+# leases, compilation or Chromium), then the folders whose tests do the same for tens of seconds each.
+# pytest-xdist (scripts/test.sh: `-n 3 --dist loadgroup`) hands tests out one by one in collection order:
+# one of these started last would leave the other processes idle at the end.
+LONGEST = (
+    "engine/test_coldstart_build.py::test_a_build_makes_packages",
+    "reliability/test_r2_r3_kills.py",
+    "engine/test_batched.py",
+    "farm/test_workers.py",
+    "reliability/test_r7_to_r10_jobs.py",
+    "report/test_html.py::test_html_report_of_a_cpu_run",
+    "reliability/test_batched_kills.py",
+    "engine/test_session.py",
+)
 LONG_FIRST = ("reliability", "engine", "farm")
 
 
@@ -47,8 +58,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests = Path(__file__).parent
 
     def rank(item: pytest.Item) -> int:
-        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
-        return LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST)
+        if not item.path.is_relative_to(tests):
+            return len(LONGEST) + len(LONG_FIRST)
+        nodeid = "::".join([item.path.relative_to(tests).as_posix(), *item.nodeid.split("::")[1:]])
+        longest = next((i for i, prefix in enumerate(LONGEST) if nodeid.startswith(prefix)), None)
+        if longest is not None:
+            return longest
+        folder = item.path.relative_to(tests).parts[0]
+        return len(LONGEST) + (LONG_FIRST.index(folder) if folder in LONG_FIRST else len(LONG_FIRST))
 
     items.sort(key=rank)  # stable: each folder keeps its own order
     if config.getoption("--run-slow"):

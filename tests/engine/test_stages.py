@@ -119,14 +119,20 @@ def fresh_job_timings(device: str):
     return clock.stage_timings()
 
 
-def small_host_gap(timings, again, tries: int = 3) -> bool:
-    """The host gap within 5% of e2e in one of `tries` jobs: a stage the clock misses leaves a gap in every
-    job, while the OS taking the core between two stages (a loaded CI machine: 3.7 ms of 17) hits one."""
+def in_one_of(tries: int, timings, again, holds) -> bool:
+    """Whether `holds(timings)` in one of `tries` jobs (`again()` runs the next): what the clock misses
+    shows in every job, while the OS taking the core between two stages (a loaded CI machine: 3.7 ms of
+    17) hits one."""
     for _ in range(tries):
-        if timings.host_gap_ms <= 0.05 * timings.e2e_ms:
+        if holds(timings):
             return True
         timings = again()
     return False
+
+
+def small_host_gap(timings, again, tries: int = 5) -> bool:
+    """The host gap within 5% of e2e in one of `tries` jobs."""
+    return in_one_of(tries, timings, again, lambda t: t.host_gap_ms <= 0.05 * t.e2e_ms)
 
 
 def waited_job_timings(device: str):
@@ -147,7 +153,9 @@ def test_a_page_prepared_ahead_waits_outside_end_to_end(device):
     inline = StageClock(device)
     run_job(inline, device)
     i = inline.stage_timings()
-    assert t.page_wait_ms >= 50 and i.page_wait_ms < 1
+    assert t.page_wait_ms >= 50
+    # Inline, only the clock's own work lies between preprocess and setup.
+    assert in_one_of(5, i, lambda: fresh_job_timings(device), lambda timings: timings.page_wait_ms < 1)
     # The wait is named and left out: the parts still add up, and the host gap stays small.
     for timings in (t, i):
         assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)

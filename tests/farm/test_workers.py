@@ -223,8 +223,9 @@ def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres
     queue = broker_env["DSOCR_QUEUE"] + "-lanes"
     env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue,
            "OMP_NUM_THREADS": "1"}  # fmt: skip
+    # Two repeats: each lane then runs jobs of several crop grids, after its first one, in whichever order.
     submitted = dsocr("submit", str(pages), "--max-new-tokens", "16", "--ignore-eos", "--mode", "gundam",
-                      "--repeats", "3", env=env)  # fmt: skip
+                      "--repeats", "2", env=env)  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.strip().splitlines()[-1]
     with open(tmp_path / "worker.log", "w") as log:
@@ -234,7 +235,7 @@ def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": 3 * len(PAGES)}
+            assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": 2 * len(PAGES)}
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=90)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import pwd
 import shutil
@@ -42,6 +43,7 @@ import redis
 from faulty_dsocr import NO_FAULTS, Faults
 from sqlalchemy import func, select
 
+from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database, open_database
 from dsocr_workers.store.models import Job, Result, WorkerProcess, WorkerSession, utcnow
 
@@ -59,6 +61,11 @@ TEST_SETTINGS = {
     # Several CPU workers share 2 cores: one thread per child, or spinning OpenMP threads slow jobs ~5x.
     "OMP_NUM_THREADS": "1",
 }
+# What no setting bounds, with the margin of a 2-core machine under a load of 6: a worker's (or a
+# replacement child's) start — Celery's boot, the fork, the tiny model's load and warm-up — and how late
+# a live worker's sweep may come past the heartbeat it is due at.
+WORKER_START_S = 60
+SWEEP_MARGIN_S = 10
 # The job of every scenario: the tiny preset (random weights) in `tiny` mode on a small page.
 FAST_JOB = ("--mode", "tiny", "--max-new-tokens", "2")
 # About a second of real decoding on this CPU: long enough to be killed mid-job.
@@ -176,6 +183,17 @@ class Farm:
         }
         return cls(root, database_url, env, prefix, queue, broker_url, faults)
 
+    def settings(self) -> Settings:
+        """The settings its workers run with."""
+        return Settings.from_env(self.env)
+
+    def run_budget_s(self, attempts: int, workers: int, starts: int = 1, waits_s: float = 0) -> float:
+        """How long a run may take before a wait for it fails: `starts` worker (or child) starts one after
+        the other, each worker's share of the run's `attempts` (each one ended by the hard time limit at
+        the latest), and `waits_s` spent waiting out leases."""
+        hard = self.settings().hard_time_limit_s
+        return starts * WORKER_START_S + math.ceil(attempts / workers) * hard + waits_s
+
     # --- commands ---------------------------------------------------------------------------------------
 
     def dsocr(self, *args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
@@ -282,8 +300,10 @@ class Farm:
                 return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 states = {s: sum(j.state == s for j in jobs) for s in {j.state for j in jobs}}
+                limits = self.settings()
                 raise AssertionError(
-                    f"run {run_id} not final after {timeout:.0f} s: {states}\n{self.open_jobs(jobs)}\n"
+                    f"run {run_id} not final after {timeout:.0f} s (hard time limit {limits.hard_time_limit_s} s, "
+                    f"lease {limits.lease_s} s, heartbeat {limits.heartbeat_s} s): {states}\n{self.open_jobs(jobs)}\n"
                     f"{self.logs()[-4000:]}"
                 )
             time.sleep(poll)

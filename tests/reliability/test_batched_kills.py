@@ -5,7 +5,9 @@ back on the queue (farm/liveness.py), and it finishes every job, none twice."""
 
 from __future__ import annotations
 
-from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record
+from reliability_harness import SECOND_JOB, SWEEP_MARGIN_S, check_invariants, make_pages, owner_pid, record
+
+from dsocr_workers.farm.liveness import orphaned_after_s
 
 LEASE_S, HEARTBEAT_S = 15, 3
 
@@ -28,9 +30,12 @@ def test_a_batched_worker_killed_with_jobs_in_flight_loses_none(new_farm, tmp_pa
             in_flight.extend(held)
             farm.start_worker()
 
-    # A next message the lane fetched in the milliseconds before the kill, not yet reserved, comes back 2 min
-    # after its delivery (docs/reliability.md): such a run takes ~190 s on a loaded 2-core host.
-    wall = farm.wait_until_final(run_id, timeout=400, tick=kill_with_jobs_in_flight, poll=0.1)
+    # A next message the lane fetched in the milliseconds before the kill, not yet reserved, comes back once
+    # it counts as orphaned (docs/reliability.md), at a sweep. The batch runs 3 attempts at once.
+    settings = farm.settings()
+    orphan_s = orphaned_after_s(settings) + settings.heartbeat_s + SWEEP_MARGIN_S
+    budget = farm.run_budget_s(attempts=jobs + 3, workers=3, starts=2, waits_s=orphan_s)
+    wall = farm.wait_until_final(run_id, timeout=budget, tick=kill_with_jobs_in_flight, poll=0.1)
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
     assert len(in_flight) >= 2
     by_id = {job.id: job for job in farm.jobs(run_id)}
@@ -53,7 +58,9 @@ def test_a_batch_that_fails_puts_every_job_in_flight_back_in_line(new_farm, tmp_
     listing = make_pages(tmp_path / "pages", jobs)
     run_id = farm.submit(listing, "--mode", "tiny", "--max-new-tokens", "2000", "--ignore-eos", "--concurrency", "3")
     farm.start_worker()
-    farm.wait_until_final(run_id, timeout=240)
+    # Three attempts of each job, the batch's three at once, and a retry's backoff between two.
+    backoff_s = 2 * farm.settings().retry_backoff_max_s
+    farm.wait_until_final(run_id, timeout=farm.run_budget_s(attempts=3 * jobs, workers=3, waits_s=backoff_s))
     tally = check_invariants(farm, run_id, max_attempts=3)
     assert tally.poisoned == jobs, tally
     for job in farm.jobs(run_id):

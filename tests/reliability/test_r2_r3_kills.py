@@ -8,15 +8,25 @@ seconds of its last beat, with nothing typed (farm/liveness.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from datetime import datetime
 
 import pytest
-from reliability_harness import SECOND_JOB, check_invariants, make_pages, owner_pid, record, seconds_since
+from reliability_harness import (
+    SECOND_JOB,
+    SWEEP_MARGIN_S,
+    check_invariants,
+    make_pages,
+    owner_pid,
+    record,
+    seconds_since,
+)
 from sqlalchemy import select
 
+from dsocr_workers.settings import Settings
 from dsocr_workers.store.models import JobAttempt, utcnow
 
 
@@ -46,7 +56,9 @@ def child_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> Non
                 last_kill[0] = time.monotonic()
                 return
 
-    wall = farm.wait_until_final(run_id, timeout=120 + jobs * 4, tick=kill_a_child, poll=0.1)
+    # Each kill costs an attempt and a replacement child's start.
+    budget = farm.run_budget_s(attempts=jobs + kills, workers=len(workers), starts=1 + math.ceil(kills / len(workers)))
+    wall = farm.wait_until_final(run_id, timeout=budget, tick=kill_a_child, poll=0.1)
     tally = check_invariants(farm, run_id, max_attempts=3)
     assert len(killed) == kills
     by_id = {j.id: j for j in farm.jobs(run_id)}
@@ -79,11 +91,13 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
     # The hard limit stays the harness's 30 s: the lease no longer has to outlast it (heartbeats renew it),
     # and a 1 s job can take several on a loaded 2-core machine.
     farm = new_farm(DSOCR_LEASE_SECONDS=str(LEASE_S), DSOCR_HEARTBEAT_SECONDS=str(HEARTBEAT_S))
+    requeue_within_s = farm.settings().requeue_within_s
     listing = make_pages(tmp_path / "pages", jobs)
     run_id = farm.submit(listing, *SECOND_JOB)
     workers = [farm.start_worker() for _ in range(3)]
     killed: dict[str, float] = {}  # job id -> time of the kill (monotonic)
     killed_at: dict[str, datetime] = {}  # the same in the ledger's clock (naive UTC)
+    lease_seen: dict[str, datetime] = {}  # job id -> its lease's expiry as last read before the kill
 
     def kill_a_worker(current) -> None:
         now = time.monotonic()
@@ -96,11 +110,13 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
             fresh = job.id not in killed
             if fresh and job.state == "running" and victim is not None and seconds_since(job.started_at) < 0.4:
                 victim.kill_all()
-                killed[job.id], killed_at[job.id] = time.monotonic(), utcnow()
+                killed[job.id], killed_at[job.id], lease_seen[job.id] = time.monotonic(), utcnow(), job.lease_expires_at
                 workers.append(farm.start_worker())  # the capacity comes back, as a supervisor would do
                 return
 
-    wall = farm.wait_until_final(run_id, timeout=120 + jobs * 4, tick=kill_a_worker, poll=0.2)
+    # The killed workers' replacements start while the others work; each killed job waits out its lease.
+    budget = farm.run_budget_s(attempts=jobs + kills, workers=3, starts=2, waits_s=requeue_within_s + SWEEP_MARGIN_S)
+    wall = farm.wait_until_final(run_id, timeout=budget, tick=kill_a_worker, poll=0.2)
     finished = {j.id: j for j in farm.jobs(run_id)}
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=90)
     assert len(killed) == kills
@@ -112,9 +128,12 @@ def worker_kills(new_farm, tmp_path, jobs: int, kills: int, scenario: str) -> No
         assert job.last_error_class == "LeaseExpired", job.last_error_message  # taken back by a sweep
         recovery.append(round((job.finished_at - at).total_seconds(), 1))
         requeued.append(round((job.queued_at - at).total_seconds(), 1))
-    # The holder's last beat was at most one heartbeat before the kill; its lease ran out LEASE_S after
-    # that beat, and the next sweep of a live worker (every heartbeat) took the job back.
-    assert all(LEASE_S - HEARTBEAT_S - 1 < r < LEASE_S + HEARTBEAT_S + 3 for r in requeued), requeued
+        # Not before the lease last seen ran out (renewals only move it later); its holder's last beat
+        # renewed it to at most LEASE_S past the kill, and a live worker's sweep (every heartbeat) took it.
+        assert job.queued_at >= lease_seen[job_id], (job.queued_at, lease_seen[job_id])
+        assert requeued[-1] <= requeue_within_s + SWEEP_MARGIN_S, (
+            f"requeued {requeued[-1]} s after the kill: lease {LEASE_S} s + heartbeat {HEARTBEAT_S} s "
+            f"+ {SWEEP_MARGIN_S} s for a late sweep")  # fmt: skip
     assert tally.done == jobs and tally.results == jobs
     record(scenario, workers=3, faults=f"{kills} whole-worker kills", lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S,
            lost=jobs - tally.done, duplicated=tally.duplicates, requeued_after_kill_s=requeued,
@@ -132,11 +151,20 @@ def test_r3_worker_kills_3(new_farm, tmp_path):
     worker_kills(new_farm, tmp_path, jobs=60, kills=3, scenario="R3 kill -9 of a whole worker")
 
 
-def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path):
-    """What a newcomer sees: default lease (60 s) and heartbeat (10 s), two workers, one killed with its
-    child mid-job, no visibility-timeout shortcut (the default hour), nothing typed: its job is done by the
-    other worker within 90 s of the kill."""
-    farm = new_farm(DSOCR_HARD_TIME_LIMIT="600", DSOCR_LEASE_SECONDS="60", DSOCR_HEARTBEAT_SECONDS="10")
+# The promise at the defaults: a dead worker's job is done by another within 90 s of the kill. Its bound
+# is the requeue (lease + heartbeat) and one run of the job on a warm worker (about a second).
+PROMISE_S, RERUN_S = 90, 20
+
+
+def test_r3_worker_kill_recovered_within_lease_and_heartbeat(new_farm, tmp_path):
+    """What a newcomer sees: two workers, one killed with its child mid-job, no visibility-timeout shortcut
+    (the default hour), nothing typed: its job is taken back by the other worker's sweep within lease +
+    heartbeat of the kill and done. At the defaults that bound keeps the 90 s promise; the run itself
+    uses a short lease, so that its wait is seconds instead of a minute."""
+    defaults = Settings.from_env({})
+    assert defaults.requeue_within_s + RERUN_S <= PROMISE_S, (defaults.lease_s, defaults.heartbeat_s)
+    farm = new_farm(DSOCR_LEASE_SECONDS="12", DSOCR_HEARTBEAT_SECONDS="3")
+    requeue_within_s = farm.settings().requeue_within_s
     listing = make_pages(tmp_path / "pages", 8)
     run_id = farm.submit(listing, *SECOND_JOB)
     workers = [farm.start_worker() for _ in range(2)]
@@ -152,20 +180,23 @@ def test_r3_worker_kill_recovered_within_90_s_at_the_defaults(new_farm, tmp_path
                 killed[job.id] = utcnow()
                 return
 
-    farm.wait_until_final(run_id, timeout=240, tick=kill_one, poll=0.2)
+    budget = farm.run_budget_s(attempts=9, workers=1, waits_s=requeue_within_s + SWEEP_MARGIN_S)
+    farm.wait_until_final(run_id, timeout=budget, tick=kill_one, poll=0.2)
     (job_id, at), = killed.items()
     tally = check_invariants(farm, run_id, max_attempts=3)  # the killed worker's messages were put back, none left
     job = {j.id: j for j in farm.jobs(run_id)}[job_id]
-    done_after = (job.finished_at - at).total_seconds()
+    requeued_after, done_after = (job.queued_at - at).total_seconds(), (job.finished_at - at).total_seconds()
     assert (job.state, job.attempts, job.last_error_class) == ("done", 2, "LeaseExpired")
-    assert done_after < 90, done_after
+    # The sweep may come late on a loaded machine; the job's second run ends within the hard time limit.
+    assert requeued_after <= requeue_within_s + SWEEP_MARGIN_S, (requeued_after, requeue_within_s)
+    assert done_after <= requeue_within_s + SWEEP_MARGIN_S + farm.settings().hard_time_limit_s, done_after
     assert tally.done == tally.jobs == tally.results == 8
     status = farm.dsocr("status", "--run", run_id)
     assert status.returncode == 0, status.stderr
     assert "1 live worker(s)" in status.stdout and "silent" in status.stdout, status.stdout
-    record("R3 kill -9 of a whole worker at the default lease and heartbeat", workers=2, lost=0,
-           duplicated=tally.duplicates, requeued_after_kill_s=round((job.queued_at - at).total_seconds(), 1),
-           done_after_kill_s=round(done_after, 1), tally=tally)  # fmt: skip
+    record("R3 kill -9 of a whole worker, recovered within lease + heartbeat", workers=2, lost=0,
+           lease_s=farm.settings().lease_s, heartbeat_s=farm.settings().heartbeat_s, duplicated=tally.duplicates,
+           requeued_after_kill_s=round(requeued_after, 1), done_after_kill_s=round(done_after, 1), tally=tally)  # fmt: skip
 
 
 def test_r3_a_killed_workers_messages_come_back_at_once_and_first(new_farm, tmp_path):
@@ -197,7 +228,8 @@ def test_r3_a_killed_workers_messages_come_back_at_once_and_first(new_farm, tmp_
                 reserved.update(fetched)
                 return
 
-    farm.wait_until_final(run_id, timeout=240, tick=kill_the_victim, poll=0.1)
+    budget = farm.run_budget_s(attempts=26, workers=1, waits_s=farm.settings().requeue_within_s + SWEEP_MARGIN_S)
+    farm.wait_until_final(run_id, timeout=budget, tick=kill_the_victim, poll=0.1)
     assert killed and reserved, "the victim was never caught running one job with the next one fetched"
     # No stale copy of either message is left for the visibility timeout: drained, nothing abandoned.
     tally = check_invariants(farm, run_id, max_attempts=3, drain_timeout=20)

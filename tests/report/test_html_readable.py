@@ -6,13 +6,16 @@ stretch after a long warm-up still shows its rate over several bins, not one."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
 from browser import chromium_path, drawn_like, layout, screenshot
 from fakes import Page, add_session, make_run, set_times
+from PIL import Image
 from test_html import embedded_pngs, report
 
+from dsocr_workers.store.db import open_database, upgrade
 from dsocr_workers.store.models import Result, job_id_for
 
 T0 = datetime(2026, 11, 26, 8, 0, 0)
@@ -27,9 +30,22 @@ def blue_rows(png: np.ndarray) -> np.ndarray:
     return np.flatnonzero(near.any(axis=1))
 
 
-@pytest.fixture
-def page_of_a_real_looking_run(database, tmp_path, make_png, monkeypatch):
+def make_png(name: str, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (320, 420), "white").save(folder / name)
+    return folder / name
+
+
+@pytest.fixture(scope="module")
+def page_of_a_real_looking_run(tmp_path_factory):
+    """The page and its plots, as Chromium drew them, built once for the tests below, which only read it
+    (two Chromium starts and a report each, for every test and ledger, cost minutes of CI's CPUs). On
+    SQLite: the page is under test here; test_html.py draws reports from both ledgers."""
     chromium_path()  # skips where there is no Chromium
+    tmp_path = tmp_path_factory.mktemp("real-looking-run")
+    url = f"sqlite:///{tmp_path / 'dsocr.db'}"
+    database = open_database(url)
+    upgrade(database)
     add_session(database, "s-long", T0, T0 + timedelta(seconds=74))  # a 74 s load and warm-up
     pages = {(name, 0): Page(1.0, steps=40, session="s-long") for name in LONG_NAMES}
     run = make_run(database, tmp_path / "pages", make_png, pages)
@@ -43,8 +59,10 @@ def page_of_a_real_looking_run(database, tmp_path, make_png, monkeypatch):
             if i == 3:
                 steps[17] = 358.0
             result.decode_step_ms = steps
+    database.dispose()
     out = tmp_path / "real.html"
-    report(["--run", run, "--html", str(out)], database.url, monkeypatch)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        report(["--run", run, "--html", str(out)], url, monkeypatch)
     seen = layout(out, tmp_path)
     shot = screenshot(out, seen.height, tmp_path / "real.png", tmp_path)
     pngs = dict(zip([image.alt for image in seen.images], embedded_pngs(out.read_text(encoding="utf-8")), strict=True))
