@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import environment, environment_line, synthetic_page  # noqa: E402
+from dsocr_workers.engine.device import dtype_name  # noqa: E402
 from dsocr_workers.engine.profiling import JobProfiler  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> int:
     log(f"loaded {args.model} on {session.device} ({session.engine}, {session.dtype})")
     report: dict[str, Any] = {
         "environment": environment(), "model": session.source.label, "engine": session.engine,
-        "dtype": str(session.dtype).removeprefix("torch."), "mode": args.mode, "tokens": args.tokens,
+        "dtype": dtype_name(session.dtype), "mode": args.mode, "tokens": args.tokens,
         "command": "python3 benchmarks/bench_profile.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip
     rng = random.Random(SEED)

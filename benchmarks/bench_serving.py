@@ -64,6 +64,7 @@ from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
 from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
 from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
+from dsocr_workers.engine.device import dtype_name  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -157,14 +158,8 @@ def load_pages(
         if filelist.bad:
             left_out.append(filelist.describe_bad())
         for image in filelist.images:
-            # Pinned, as the farm's batched jobs prepare them (farm/job/batched.py).
             prepared = session.prepare_job(
-                image.path,
-                None,
-                mode,
-                max_crops=max_crops,
-                pinned=True,
-                clock=session.new_clock(marks_steps=False),
+                image.path, None, mode, max_crops=max_crops, clock=session.new_clock(marks_steps=False)
             )
             pages.append((image.image, prepared.page))
     if not pages:
@@ -514,7 +509,7 @@ def main() -> int:
         "environment": env,
         "model": session.source.label,
         "engine": session.engine,
-        "dtype": str(session.dtype).removeprefix("torch."),
+        "dtype": dtype_name(session.dtype),
         "peak_tbps": peak_tbps,
         "options": options.__dict__,
         "levels": [],

@@ -26,7 +26,7 @@ from PIL import Image
 from transformers import StaticCache
 
 from dsocr_workers import settings
-from dsocr_workers.engine.device import make_current, resolve_device, resolve_dtype, set_numerics
+from dsocr_workers.engine.device import dtype_name, make_current, resolve_device, resolve_dtype, set_numerics
 from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWatch, cache_bucket, choose_token
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
@@ -47,7 +47,7 @@ from dsocr_workers.engine.variants.base import Engine, Runners
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
-from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
+from dsocr_workers.model.config import EOS_TOKEN_ID, MAX_CROPS, PRESETS
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
 from dsocr_workers.stages import StageTimings
@@ -150,13 +150,18 @@ class BatchFigures:
     metrics: SequenceMetrics
     ttft_from_s: float
 
-    def timings(self, own: StageTimings) -> StageTimings:
+    def timings(self, own: StageTimings, finished_s: float) -> StageTimings:
         """The page's own stages, with its serving figures; its inter-token gaps stand for its decode
-        steps (the batch's prefill and decode stages are no one page's)."""
+        steps (the batch's prefill and decode stages are no one page's). TTFT and end-to-end both run
+        from `ttft_from_s` (end-to-end to `finished_s`), so TTFT ≤ e2e; the time in between that no
+        stage of the page's own names is its host gap."""
         metrics = self.metrics
-        return replace(own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
-                       ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
-                       queue_wait_ms=metrics.queue_wait_ms)  # fmt: skip
+        e2e_ms = (finished_s - self.ttft_from_s) * 1e3
+        return replace(
+            own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
+            ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
+            queue_wait_ms=metrics.queue_wait_ms, e2e_ms=e2e_ms, host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
+        )
 
     def span(self) -> DeviceSpan:
         metrics = self.metrics
@@ -211,13 +216,13 @@ class DeviceRun:
             crop_grid=page.crop_grid,
             mode=page.mode.name,
             image_size=page.original.size,
-            timings=timings if batch is None else batch.timings(timings),
+            timings=timings if batch is None else batch.timings(timings, clock.finished_s()),
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
             memory=self.memory,
             engine=session.engine,
             device=str(session.device),
-            dtype=str(session.dtype).removeprefix("torch."),
+            dtype=dtype_name(session.dtype),
             model=session.source,
             kv_length=self.kv_length,
             vision_calls=self.vision_calls,
@@ -337,21 +342,21 @@ class DeepSeekOCRSession:
     ) -> preprocess.PreparedPage:
         return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
 
-    def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = 9) -> int:
+    def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = MAX_CROPS) -> int:
         """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""
         return preprocess.longest_prompt(self.tokenizer.encode, mode, prompt, max_crops)
 
     def prepare_job(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None, mode: str = "gundam",
-        job_id: str | None = None, max_crops: int = 9, clock: StageClock | None = None, pinned: bool = False,
-    ) -> PreparedJob:  # fmt: skip
+        job_id: str | None = None, max_crops: int = MAX_CROPS, clock: StageClock | None = None,
+    ) -> PreparedJob:
         """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
-        `run_inference`. `pinned`: on CUDA, the page's tensors page-locked (`PreparedPage.pinned`), for a
-        page whose upload is queued behind other work (the batched engine's decode steps)."""
+        `run_inference`. On CUDA the page's tensors are page-locked (`PreparedPage.pinned`): a pageable
+        upload would wait for the work queued before it (the previous job, the batch's decode steps)."""
         clock = clock or self.new_clock(job_id)
         with torch.inference_mode(), clock.stage("preprocess"):
             page = self.prepare(image, prompt, mode, max_crops)
-            if pinned and self.device.type == "cuda":
+            if self.device.type == "cuda":
                 page = page.pinned()
         return PreparedJob(page, clock)
 
@@ -468,7 +473,7 @@ class DeepSeekOCRSession:
         infer: DecodeOptions | None = None,
         job_id: str | None = None,
         return_text: bool = True,
-        max_crops: int = 9,
+        max_crops: int = MAX_CROPS,
         clock: StageClock | None = None,
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,

@@ -295,6 +295,11 @@ class StageClock:
         span = max(e.host_end for e in self.entries) - min(e.host_start for e in self.entries)
         return span * 1e3 - self._page_wait_ms()
 
+    def finished_s(self) -> float:
+        """When the job's last stage ended, on this process's perf_counter clock."""
+        self._require_finished()
+        return max((e.host_end for e in self.entries), default=0.0)
+
     def device_span(self) -> DeviceSpan | None:
         """When the device worked on the job (host clock); None without timings or device stages."""
         self._require_finished()

@@ -4,6 +4,8 @@ their budget or a loop; the KV plan and the refusal of a page that cannot fit; t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from PIL import Image, ImageDraw
@@ -22,7 +24,7 @@ from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buck
 from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
-from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
 from dsocr_workers.errors import InputError
 from tests.engine.test_session import fast_on_cpu, looping_head
 
@@ -427,7 +429,7 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     H100 (slots.py): its batch is every slot, and buckets below 32 leave rows that read no block."""
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
     options = DecodeOptions(ignore_eos=True)
-    prepared = [fast.prepare_job(page(w, h), None, mode, pinned=True).page for w, h, mode, _ in PAGES]
+    prepared = [fast.prepare_job(page(w, h), None, mode).page for w, h, mode, _ in PAGES]
     assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
     assert torch.equal(
@@ -475,3 +477,16 @@ def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch
     while engine.busy:
         outputs.extend(engine.step().finished)
     assert by_request(outputs) == {0: expected[0], 2: expected[2]}
+
+
+def test_a_batched_pages_ttft_and_end_to_end_run_from_one_start(session, prepared):
+    """A batched page's TTFT and end-to-end both run from its claim (here 10 s before its page was
+    prepared, as a page waits for a preparing thread), so TTFT ≤ e2e by construction; the time no stage
+    of the page names is its host gap, and the parts still add up."""
+    claimed_s = time.perf_counter() - 10.0
+    job = session.prepare_job(page(*PAGES[0][:2]), None, PAGES[0][2], clock=session.new_clock(marks_steps=False))
+    engine = engine_for(session, prepared, 1, DecodeOptions(ignore_eos=True))
+    (output,) = engine.run([PageRequest("p", job.page, 4)], 1)
+    timings = DeviceRun.batched(session, job, output, ttft_from_s=claimed_s).finish().timings
+    assert 10_000 < timings.ttft_ms <= timings.e2e_ms, (timings.ttft_ms, timings.e2e_ms)
+    assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)

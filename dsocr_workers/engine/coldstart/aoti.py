@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
 from dsocr_workers.engine.sampling import step_key
@@ -237,7 +238,7 @@ REGIONS: dict[str, _Region] = {region.name: region for region in
 
 def region_key(name: str, args: tuple, dtype: torch.dtype, dynamic_tiles: bool) -> str:
     """The package a call of region `name` needs, as text: the same in the build and at load."""
-    key = {"region": name, "dtype": str(dtype).removeprefix("torch."), **REGIONS[name].key(args, dynamic_tiles)}
+    key = {"region": name, "dtype": dtype_name(dtype), **REGIONS[name].key(args, dynamic_tiles)}
     return json.dumps(key, sort_keys=True)
 
 

@@ -42,7 +42,7 @@ from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.checkpoint import model_config
-from dsocr_workers.model.config import PRESETS, OCRConfig
+from dsocr_workers.model.config import MAX_CROPS, PRESETS, OCRConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class BuildRequest:
     max_new_tokens: int | None = None
     options: DecodeOptions = DecodeOptions()
     device: str = "cuda:0"
-    max_crops: int = 9
+    max_crops: int = MAX_CROPS
 
 
 @dataclass(frozen=True)

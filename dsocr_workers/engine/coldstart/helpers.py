@@ -67,7 +67,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.model.checkpoint import model_config
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.config import MAX_CROPS, PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[b
 
 def start_helpers(
     source: str | os.PathLike, device: str, dtype: str | None, engine: str | Engine, modes: Sequence[str],
-    max_new_tokens: int | None = None, infer: DecodeOptions | None = None, max_crops: int = 9,
+    max_new_tokens: int | None = None, infer: DecodeOptions | None = None, max_crops: int = MAX_CROPS,
 ) -> CompileHelpers | None:  # fmt: skip
     """Fork the compile helpers of a warm-up before its model is loaded: call after the imports, before
     anything initialises CUDA or starts a thread in this process; hand them to `warm(helpers=...)`. They

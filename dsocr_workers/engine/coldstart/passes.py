@@ -16,7 +16,7 @@ from dsocr_workers.engine.regions import PREFILL_BUCKET, padded_length
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
 from dsocr_workers.model import preprocess
-from dsocr_workers.model.config import get_mode
+from dsocr_workers.model.config import MAX_CROPS, get_mode
 
 # A warm-up's jobs end at this decode step: decode only has to be compiled and captured, in the bucket
 # jobs will use. Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
@@ -24,7 +24,7 @@ from dsocr_workers.model.config import get_mode
 WARMUP_EOS_STEP = 2
 
 
-def warmup_pages(modes: Sequence[str], max_crops: int = 9) -> list[tuple[str, Image.Image]]:
+def warmup_pages(modes: Sequence[str], max_crops: int = MAX_CROPS) -> list[tuple[str, Image.Image]]:
     """Synthetic pages that reach every compiled vision shape of `modes`: one page per fixed mode;
     for crop modes one page without tiles and one per tile count (a `n x 1` strip of 640-px tiles)."""
     pages = []
@@ -46,7 +46,7 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
 
 
 def warm_language(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = 9,
+    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = MAX_CROPS,
     infer: DecodeOptions | None = None, decode: bool = True,
 ) -> None:  # fmt: skip
     """One warm-up pass over the pages of `modes` without their images: the language model's graphs as

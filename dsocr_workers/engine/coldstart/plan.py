@@ -23,9 +23,10 @@ from typing import IO, Literal
 import torch
 
 from dsocr_workers import settings
+from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
-from dsocr_workers.model.config import get_mode
+from dsocr_workers.model.config import MAX_CROPS, get_mode
 from dsocr_workers.model.preprocess import TILE_SIZE
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class ShareLock:
 
 def compile_plan(
     source: str, device: torch.device, dtype: torch.dtype, kernels: dict[str, str], graphs: InductorGraphs | None,
-    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = 9, *,
+    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = MAX_CROPS, *,
     engine: str,
 ) -> CompilePlan | None:  # fmt: skip
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
@@ -252,7 +253,7 @@ def compile_plan(
     if graphs is None or not modes:
         return None
     return CompilePlan(
-        source=source, engine=engine, device=str(device), dtype=str(dtype).removeprefix("torch."), **kernels,
+        source=source, engine=engine, device=str(device), dtype=dtype_name(dtype), **kernels,
         backend=graphs.backend, dynamic_tiles=graphs.dynamic_tiles, cuda_graphs=graphs.cuda_graphs,
         max_crops=max_crops, modes=tuple(modes), max_new_tokens=max_new_tokens, options=infer or DecodeOptions(),
     )  # fmt: skip

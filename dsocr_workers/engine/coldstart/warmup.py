@@ -36,6 +36,7 @@ from dsocr_workers.engine.coldstart.plan import (
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.model.config import MAX_CROPS
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class WarmupReport:
 
 def session_plan(
     session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None,
-    max_crops: int = 9,
+    max_crops: int = MAX_CROPS,
 ) -> CompilePlan | None:  # fmt: skip
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
@@ -110,7 +111,7 @@ def use_packages(session: DeepSeekOCRSession, plan: CompilePlan, manifest: artif
 
 
 def warm(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = 9,
+    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = MAX_CROPS,
     infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None, found: artifacts.Lookup | None = None,
 ) -> WarmupReport:  # fmt: skip
     """Run every shape `modes` can produce on `session` until warm (`max_new_tokens` sizes the cache

@@ -90,9 +90,8 @@ class BatchedJobs:
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
         """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
         options, session = self.options, self.loaded.session
-        # Pinned: its upload is queued behind decode steps, which a pageable copy would make the engine's thread wait for.
         page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
-                                  clock=session.new_clock(claim.job_id, marks_steps=False), pinned=True)  # fmt: skip
+                                  clock=session.new_clock(claim.job_id, marks_steps=False))
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
             self._idle = False

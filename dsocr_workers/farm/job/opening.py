@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.job.loaded import OpenModel
@@ -182,7 +183,7 @@ class ModelOpener:
             id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
             host=socket.gethostname(), pid=os.getpid(),
             device=self.device, model=loaded.key.model, engine=loaded.session.engine,
-            dtype=str(loaded.session.dtype).removeprefix("torch."), warmup=warmup,
+            dtype=dtype_name(loaded.session.dtype), warmup=warmup,
             started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
         )  # fmt: skip
         with self.db.transaction() as tx:
