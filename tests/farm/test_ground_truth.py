@@ -65,7 +65,8 @@ def test_dsocr_run_scores_pages_reports_accuracy_and_exports_for_the_evaluator(
     out = tmp_path / "predictions"
     exported = dsocr("export", "--run", run.id, "--omnidocbench", str(out), env=env, timeout=60)
     assert exported.returncode == 0, exported.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["p1.md", "p2.md"]
+    # The pages, and beside them the note that a preset's pages are filler (random weights).
+    assert sorted(p.name for p in out.iterdir()) == ["RANDOM_WEIGHTS.txt", "p1.md", "p2.md"]
     markup = {job.image: result.markup for job, result in pairs}
     assert (out / "p2.md").read_text(encoding="utf-8") == render_mmd(markup["p2.png"])
     markdown = dsocr("report", "--run", run.id, "--format", "md", "--per-image", env=env, timeout=60).stdout
