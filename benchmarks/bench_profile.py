@@ -44,11 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import environment, environment_line, synthetic_page  # noqa: E402
-from dsocr_workers.engine.device import dtype_name  # noqa: E402
 from dsocr_workers.engine.profiling import JobProfiler  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.kernels import KernelSummary, StageKernels  # noqa: E402
+from dsocr_workers.model.config import dtype_name  # noqa: E402
 from dsocr_workers.report.stats import paired_ratios  # noqa: E402
 
 PLAIN = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)  # fixed-length jobs, as bench_trust's

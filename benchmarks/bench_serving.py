@@ -64,10 +64,10 @@ from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
 from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
 from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
-from dsocr_workers.engine.device import dtype_name  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
+from dsocr_workers.model.config import dtype_name  # noqa: E402
 from dsocr_workers.model.preprocess import PreparedPage  # noqa: E402
 
 DEFAULT_PAGES = ("datasets/samples/samples.txt", "datasets/omnidocbench/subsets/demo-18.txt")

@@ -22,11 +22,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise InputError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the name a result row and a cache key record."""
-    return str(dtype).removeprefix("torch.")
-
-
 def resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)

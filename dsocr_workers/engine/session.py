@@ -26,7 +26,7 @@ from PIL import Image
 from transformers import StaticCache
 
 from dsocr_workers import settings
-from dsocr_workers.engine.device import dtype_name, make_current, resolve_device, resolve_dtype, set_numerics
+from dsocr_workers.engine.device import make_current, resolve_device, resolve_dtype, set_numerics
 from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWatch, cache_bucket, choose_token
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
@@ -47,7 +47,7 @@ from dsocr_workers.engine.variants.base import Engine, Runners
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
-from dsocr_workers.model.config import EOS_TOKEN_ID, MAX_CROPS, PRESETS
+from dsocr_workers.model.config import EOS_TOKEN_ID, MAX_CROPS, PRESETS, dtype_name
 from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
 from dsocr_workers.stages import StageTimings

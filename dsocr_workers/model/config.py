@@ -254,3 +254,9 @@ MAX_CROPS = 9  # the vendor's `max_num` for its tiling: the most tiles a crop-mo
 # in (engine/session.py maps them to torch dtypes, with short aliases). The engines' names are the
 # engine's registry (engine/variants/).
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def dtype_name(dtype: object) -> str:
+    """"bfloat16" for torch.bfloat16: the name a result row and a cache key record (no torch import, so
+    that a worker's parent can name one)."""
+    return str(dtype).removeprefix("torch.")

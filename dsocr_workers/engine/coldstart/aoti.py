@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
 from dsocr_workers.engine.sampling import step_key
+from dsocr_workers.model.config import dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,9 @@ from typing import IO, Literal
 import torch
 
 from dsocr_workers import settings
-from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
-from dsocr_workers.model.config import MAX_CROPS, get_mode
+from dsocr_workers.model.config import MAX_CROPS, dtype_name, get_mode
 from dsocr_workers.model.preprocess import TILE_SIZE
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from dsocr_workers.engine.device import dtype_name
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, job_warmup, ngram_options
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
+from dsocr_workers.model.config import dtype_name
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
