@@ -15,12 +15,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 from sqlalchemy import select, update
 
 from dsocr_workers.errors import FailuresError, InputError
 from dsocr_workers.farm.devices import parse_devices
-from dsocr_workers.farm.job.claims import BACK_IN_LINE, Outcome
+from dsocr_workers.farm.job.claims import BACK_IN_LINE, Outcome, Status
 from dsocr_workers.farm.job.execute import execute_job, run_in_batch
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.retries import ledger_retrying
@@ -213,7 +214,7 @@ def _batch_ends(db: Database, decoding: list[str], *, all_over: bool) -> list[Ou
     for job_id, state, error_class, error in sorted(rows, key=lambda row: decoding.index(row.id)):
         detail = "" if state == "done" else f"{error_class}: {error}"
         if state in FINAL_STATES:
-            ends.append(Outcome(job_id, state, detail))
+            ends.append(Outcome(job_id, cast(Status, state), detail))
         elif state in ledger.WAITING_STATES:
             ends.append(Outcome(job_id, "queued", detail))
         elif all_over:
