@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,10 @@ LOGLEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # Celery's --logl
 if TYPE_CHECKING:
     from rich.console import Group
 
+    from dsocr_workers.farm.local_run import LocalRun
     from dsocr_workers.farm.submit import RunRequest
     from dsocr_workers.report.live import RunProgress
+    from dsocr_workers.settings import Settings
 
 
 def run_options(command: F) -> F:
@@ -111,8 +114,8 @@ def run_options(command: F) -> F:
             type=click.IntRange(min=1),
             default=1,
             show_default=True,
-            help="Jobs of the run each worker GPU keeps in flight, decoded together by the batched "
-            "engine; 1: one at a time (the batch-1 path). Workers only (`dsocr submit`).",
+            help="Jobs of the run each worker GPU (or `dsocr run`) keeps in flight, decoded together by "
+            "the batched engine; 1: one at a time (the batch-1 path).",
         ),
     ]
     for option in reversed(options):
@@ -257,6 +260,17 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
     )
 
 
+FORMAT_OPTION = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "md"]),
+    default="table",
+    show_default=True,
+    help="Format of the closing report (csv, one table per file: dsocr report --format csv).",
+)
+INTERRUPTED_EXIT = 130  # a shell's status for a command ended by Ctrl-C (SIGINT)
+
+
 @click.command()
 @click.argument("filelist", type=click.Path(dir_okay=False, path_type=Path))
 @run_options
@@ -265,51 +279,88 @@ def flower(port: int, address: str, basic_auth: str | None, flower_args: tuple[s
 @click.option("--queue", default=None,
               help="Queue name to record the run under (default: in-process). Name a worker queue to let "
                    "its workers take over the jobs this process leaves behind if it dies.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "json", "md"]),
-    default="table",
-    show_default=True,
-    help="Format of the closing report (csv, one table per file: dsocr report --format csv).",
-)
+@FORMAT_OPTION
 @exits_on_errors
 def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> None:
-    """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report.
+    """Submit FILELIST and run it here, without Redis (the embedded default: SQLite), then report. With
+    --concurrency N, N jobs at a time on the batched engine, as a worker runs them.
+
+    Ctrl-C hands back the jobs in flight (queued again, their attempts not counted), marks the run
+    interrupted and prints the command that runs the rest: `dsocr resume RUN`.
 
     Exit status: 0 every job done; 4 some job failed or was poisoned (the report is printed first, then
-    which); 2 bad input or settings; 3 the database unavailable."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from dsocr_workers.farm.local_run import raise_for_failures, record_local_run, work_local_run
-    from dsocr_workers.report.outputs import ReportRequest, write_report
+    which); 2 bad input or settings; 3 the database unavailable; 130 interrupted."""
+    from dsocr_workers.farm.local_run import record_local_run
     from dsocr_workers.settings import Settings
 
     settings = Settings.from_env()
-    local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
-    click.echo(
-        f"run {local.run.run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True
-    )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[last]}"),
-        console=stdout_console(stderr=True),
-    ) as progress:
-        bar = progress.add_task(f"run {local.run.run_id}", total=len(local.run.job_ids), last="")
-        finals = work_local_run(
-            settings,
-            local,
-            on_final=lambda outcome: progress.update(
-                bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]
-            ),
-        )
-    click.echo(
-        write_report(settings.database_url, ReportRequest(local.run.run_id, fmt=fmt, width=terminal_width())),
-        nl=False,
-    )
+    try:
+        local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
+    except KeyboardInterrupt:
+        sys.exit(INTERRUPTED_EXIT)
+    work_and_report(settings, local, fmt)
+
+
+@click.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--gpus", default="auto", show_default=True,
+              help="auto (the first GPU, else the CPU), one GPU index, or cpu.")
+@FORMAT_OPTION
+@exits_on_errors
+def resume(run_ref: str, gpus: str, fmt: str) -> None:
+    """Run the jobs of RUN (id, unique prefix or latest) that are not final here, as `dsocr run` does,
+    then report: the rest of an interrupted `dsocr run`, with the run's own options.
+
+    Exit status as `dsocr run`'s."""
+    from dsocr_workers.farm.local_run import resume_local_run
+    from dsocr_workers.settings import Settings
+
+    settings = Settings.from_env()
+    work_and_report(settings, resume_local_run(settings, run_ref, gpus=gpus), fmt)
+
+
+def work_and_report(settings: Settings, local: LocalRun, fmt: str) -> None:
+    """`dsocr run` and `resume` once the run is recorded: its jobs here with a progress bar, then the report
+    (FailuresError after it if a job failed). Interrupted: the run marked so, the way to resume printed,
+    exit 130."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dsocr_workers.farm.local_run import mark_interrupted, raise_for_failures, work_local_run
+    from dsocr_workers.report.outputs import ReportRequest, write_report
+    from dsocr_workers.store.models import FINAL_STATES
+
+    run_id = local.run.run_id
+    try:
+        click.echo(f"run {run_id}: {counted(len(local.run.job_ids), 'job')} on {local.device}", err=True)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[last]}"),
+            console=stdout_console(stderr=True),
+        ) as progress:
+            bar = progress.add_task(f"run {run_id}", total=len(local.run.job_ids), last="")
+            finals = work_local_run(
+                settings,
+                local,
+                on_final=lambda outcome: progress.update(
+                    bar, advance=1, last=f"{outcome.status} {outcome.detail}"[:60]
+                ),
+            )
+        report = write_report(settings.database_url, ReportRequest(run_id, fmt=fmt, width=terminal_width()))
+    except KeyboardInterrupt:
+        counts = mark_interrupted(local)
+        open_jobs = sum(count for state, count in counts.items() if state not in FINAL_STATES)
+        if open_jobs:
+            click.echo(f"run {run_id}: interrupted; {open_jobs} of {counts.total()} jobs not final, "
+                       "handed back. To run them:", err=True)  # fmt: skip
+            click.echo(f"  dsocr resume {run_id}", err=True)
+        else:
+            click.echo(f"run {run_id}: interrupted after its last job; its report: dsocr report --run {run_id}",
+                       err=True)  # fmt: skip
+        sys.exit(INTERRUPTED_EXIT)
+    click.echo(report, nl=False)
     raise_for_failures(local, finals)
 
 
@@ -375,6 +426,8 @@ def progress_view(progress: RunProgress) -> Group:
         pace = f"ETA {progress.eta_s:.0f} s at {progress.pages_per_s:.2f} pages/s"
     elif progress.finished:
         pace = "finished"
+    elif progress.interrupted:
+        pace = f"interrupted: its jobs were handed back; `dsocr resume {progress.run_id}` runs the rest"
     elif not progress.live_workers:
         pace = f"ETA - (no live worker on queue {progress.queue})"
     else:
@@ -441,5 +494,5 @@ def upgrade() -> None:
 
 
 def register(group: click.Group) -> None:
-    for command in (submit, worker, flower, run, runs, status, reconcile, db):
+    for command in (submit, worker, flower, run, resume, runs, status, reconcile, db):
         group.add_command(command)

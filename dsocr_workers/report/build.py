@@ -54,6 +54,10 @@ NEVER_SENT_WARNING = (
 NO_RESULT_WARNING = (
     "NO RESULT YET: {open} of {jobs} jobs of run {run} are waiting or running (`dsocr status --run {run}`)"
 )
+INTERRUPTED_WARNING = (
+    "INTERRUPTED: run {run} was interrupted with {open} of {jobs} jobs not finished, handed back; "
+    "`dsocr resume {run}` runs them"
+)
 MIB = 2**20
 
 
@@ -297,13 +301,16 @@ def _warnings(*runs: RunData) -> list[str]:
 
 
 def _progress_warnings(*runs: RunData) -> list[str]:
-    """What a report of a run that has not run says first: jobs a submit left unsent, or no result yet.
+    """What a report of a run that has not run says first: an interrupted run's jobs handed back, jobs a
+    submit left unsent, or no result yet.
     (`dsocr run`'s own jobs are pending until it claims them: never sent, by design.)"""
     warnings = []
     for d in runs:
         pending = sum(j.state == "pending" for j in d.jobs)
         open_jobs = sum(j.state in ("pending", "queued", "running") for j in d.jobs)
-        if pending and d.run.queue != IN_PROCESS_QUEUE:
+        if open_jobs and d.run.interrupted_at is not None:
+            warnings.append(INTERRUPTED_WARNING.format(open=open_jobs, jobs=len(d.jobs), run=d.run.id))
+        elif pending and d.run.queue != IN_PROCESS_QUEUE:
             warnings.append(
                 NEVER_SENT_WARNING.format(pending=pending, jobs=len(d.jobs), run=d.run.id, queue=d.run.queue)
             )

@@ -58,6 +58,7 @@ class RunProgress:
     workers: list[WorkerView]
     pages_per_s: float | None  # the live workers' pace together; None when unknown
     eta_s: float | None  # open jobs / pages_per_s; None when no live worker or no pace yet
+    interrupted: bool = False  # its in-process run was interrupted, its jobs handed back, and not resumed
 
     @property
     def total(self) -> int:
@@ -128,7 +129,7 @@ def run_progress(session: Session, run: Run, lease_s: float, now: datetime | Non
     rate = sum(1 / p for p in known) if known and len(known) == len(paces) else None
     open_jobs = sum(count for state, count in counts.items() if state not in FINAL_STATES)
     eta = open_jobs / rate if rate else None
-    return RunProgress(run.id, run.queue, counts, workers, rate, eta)
+    return RunProgress(run.id, run.queue, counts, workers, rate, eta, interrupted=run.interrupted_at is not None)
 
 
 def follow_progress(

@@ -300,6 +300,28 @@ def release_job(session: Session, claim: Claim, error: BaseException, now: datet
     return _rowcount(changed) == 1
 
 
+def release_held(session: Session, owner: str, now: datetime | None = None) -> list[str]:
+    """Every job `owner` holds back to `queued`, its attempt not counted: the process stops before it
+    could finish them (`dsocr run` interrupted). Returns their ids."""
+    held = (Job.state == "running") & (Job.lease_owner == owner)
+    job_ids = list(session.scalars(select(Job.id).where(held)))
+    session.execute(
+        update(Job)
+        .where(held)
+        .values(
+            state="queued",
+            attempts=Job.attempts - 1,
+            lease_owner=None,
+            lease_expires_at=None,
+            last_error_class="Interrupted",
+            last_error_message=f"the attempt by {owner} stopped before it finished (its process was interrupted); "
+            "not counted",
+            queued_at=now or utcnow(),
+        )
+    )
+    return job_ids
+
+
 def record_timeout(
     session: Session,
     job_id: str,

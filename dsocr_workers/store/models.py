@@ -56,6 +56,9 @@ class Run(Base):
     tags: Mapped[dict[str, Any]]
     # The OmniDocBench annotation file the run was submitted with (`--ground-truth`), as given.
     ground_truth: Mapped[str | None] = mapped_column(Text)
+    # When the process working through it in-process (`dsocr run`, `dsocr resume`) was interrupted with
+    # jobs not final, handing them back; None once resumed (or never interrupted).
+    interrupted_at: Mapped[datetime | None]
 
 
 class Job(Base):

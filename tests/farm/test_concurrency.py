@@ -147,8 +147,13 @@ def test_concurrency_is_checked_and_stored():
         RunOptions(concurrency=2, profile_every=1)
 
 
-def test_dsocr_run_refuses_a_concurrency_above_1(pages, tmp_path, subprocess_env):
-    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'refused.db'}"}
-    refused = dsocr("run", str(pages), "--mode", "tiny", "--concurrency", "2", env=env, timeout=60)
-    assert refused.returncode == 2 and "--concurrency above 1 needs workers (`dsocr submit`)" in refused.stderr
-    assert not (tmp_path / "refused.db").exists()  # refused before anything is recorded
+def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'embedded.db'}"}
+    done = dsocr("run", str(pages), "--mode", "tiny", "--max-new-tokens", str(TOKENS), "--repeats", str(REPEATS),
+                 "--concurrency", "3", "--gpus", "cpu", "--format", "json", env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tables = json.loads(done.stdout)["tables"]
+    serving = {row["measure"]: row["value"] for row in tables["Serving"]}
+    assert serving["concurrency (jobs in flight per GPU)"] == 3 and serving["mean batch occupancy"] > 1
+    batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
+    assert batch_steps["prefill steps (a page joining)"] == len(PAGES) * REPEATS and batch_steps["decode steps"] > 0

@@ -1,6 +1,7 @@
 """Preparing a run from a file list (farm/submit.py `prepare_run`) and `dsocr run`'s steps around its
 in-process loop (farm/local_run.py), called directly on SQLite; tests/farm/test_workers.py runs them
-through `dsocr run`. The loop prefetches the next page of its line (farm/job/prefetch.py)."""
+through `dsocr run`, tests/farm/test_interrupt.py interrupts it. The loop prefetches the next page of its
+line (farm/job/prefetch.py); a run at --concurrency above 1 runs on the farm's batched engine."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dsocr_workers.farm.local_run import (
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import RunRequest, prepare_run
 from dsocr_workers.settings import Settings
-from dsocr_workers.store.models import IN_PROCESS_QUEUE, Job, Result, Run
+from dsocr_workers.store.models import IN_PROCESS_QUEUE, BatchStep, Job, Result, Run
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_skip_invalid_leaves_bad_lines_out_and_a_clean_list_tells_nothing(listin
 
 
 def test_record_local_run_creates_the_embedded_ledger_and_records_one_device(listing, tmp_path):
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fresh' / 'dsocr.db'}")  # no schema yet
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'fresh.db'}")  # no file, no schema yet
     request = RunRequest(listing, RunOptions(repeats=2), name="here", skip_invalid=True)
     with pytest.raises(InputError, match="one device"):
         record_local_run(settings, request, gpus="0,1", queue=None, on_bad_lines=print)
@@ -135,3 +136,33 @@ def test_the_next_page_of_the_line_is_prefetched_and_a_bad_one_fails_its_own_job
     assert small.ttft_from_claim_ms >= small.ttft_ms
     # One device, one job at a time: each job's span ends before the next one's begins.
     assert small.device_finished_at <= large.device_started_at and large.device_finished_at <= small2.device_started_at
+
+
+def test_a_run_at_concurrency_3_decodes_its_jobs_together_on_the_batched_engine(tmp_path, make_png):
+    for name, size in (("a.png", (320, 420)), ("b.png", (640, 480)), ("c.png", (400, 900)), ("d.png", (500, 500))):
+        make_png(name, size, folder=tmp_path)
+    broken = make_png("broken.png", (640, 480), folder=tmp_path)
+    broken.write_bytes(broken.read_bytes()[:120])  # its header passes the list check
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\nb.png\nbroken.png\nc.png\nd.png\n")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'dsocr.db'}")
+    request = RunRequest(listing, RunOptions(mode="tiny", max_new_tokens=16, concurrency=3))
+    local = record_local_run(settings, request, gpus="cpu", queue=None, on_bad_lines=print)
+    heard: list[Outcome] = []
+    finals = work_local_run(settings, local, on_final=heard.append)
+
+    assert heard == finals and len(finals) == 5
+    with local.db.transaction() as session:
+        jobs = session.scalars(select(Job)).all()
+        image_of = {j.id: j.image for j in jobs}
+        spans = [(j.started_at, j.finished_at) for j in jobs if j.state == "done"]
+        status = {image_of[o.job_id]: o.status for o in finals}
+        assert status == {"a.png": "done", "b.png": "done", "broken.png": "failed", "c.png": "done", "d.png": "done"}
+        assert next(o.detail for o in finals if image_of[o.job_id] == "broken.png").startswith("InputError: ")
+        results = session.scalars(select(Result)).all()
+        steps = session.scalars(select(BatchStep)).all()
+    local.db.dispose()
+    # Decoded together: several pages a step, their results and the engine's steps written as a worker's are.
+    assert len(results) == 4 and max(r.batch_occupancy for r in results) > 1
+    assert sum(step.kind == "prefill" for step in steps) == 4 and max(step.occupancy for step in steps) > 1
+    assert sorted(start for start, _ in spans)[1] < min(end for _, end in spans)  # two claimed before one ended

@@ -68,11 +68,12 @@ class BatchedJobs:
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps = StepLog(process.ledger_threads, loaded)
-        # Guards `jobs`, `failed`, `_idle`, `_stopping`; notified when one changes or a page is prepared.
+        # Guards `jobs`, `failed`, `_idle`, `_stopping`, `_abandoned`; notified when one changes or a page is prepared.
         self._changed = threading.Condition()
         self.failed: Exception | None = None  # what failed every job in flight: the batch is over
         self._idle = True  # the engine's thread found nothing to do (its steps read back and handed over)
         self._stopping = False
+        self._abandoned = False  # stop between two steps, the jobs in flight left unfinished
         self._aborted: Exception | None = None  # met by a waiting task (its soft time limit): fail the batch
         self._engine_thread = threading.Thread(target=self._serve, name="dsocr-batch-engine", daemon=True)
         self._engine_thread.start()
@@ -131,6 +132,15 @@ class BatchedJobs:
         self._engine_thread.join()
         self._pages.shutdown()
 
+    def abandon(self) -> None:
+        """Stop the engine's thread between two steps, the jobs in flight left as they are (still held
+        by this process, which hands them back: `dsocr run` interrupted), and the preparing threads."""
+        with self._changed:
+            self._abandoned = True
+            self._changed.notify_all()
+        self._engine_thread.join(timeout=ABORT_WAIT_S)
+        self._pages.shutdown(wait=False, cancel_futures=True)
+
     def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
@@ -139,7 +149,7 @@ class BatchedJobs:
         whatever the task's thread is doing, and waits otherwise."""
         while True:
             with self._changed:
-                while not self._stopping and self._aborted is None and not self._has_work():
+                while not self._stopping and self._aborted is None and not self._abandoned and not self._has_work():
                     if not self._idle:
                         self._fail_lost()
                         self._steps.write()
@@ -147,7 +157,7 @@ class BatchedJobs:
                         self._changed.notify_all()
                     self._changed.wait()
                 aborted = self._aborted
-                if aborted is None and not self._has_work():  # stopping, and nothing left
+                if self._abandoned or (aborted is None and not self._has_work()):  # or stopping, and nothing left
                     return
                 self._idle = False
             if aborted is not None:

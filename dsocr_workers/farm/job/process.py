@@ -64,15 +64,23 @@ class JobProcess:
                    prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
                    models=ModelOpener(db, owner, device, runs_on or device, register))  # fmt: skip
 
-    def close(self) -> None:
+    def close(self, *, hand_back: bool = False) -> None:
+        """Stop: the batch's jobs finish first. `hand_back`: this process stops before its jobs end
+        (`dsocr run` interrupted): the batch stops between two steps, and once the claims and results
+        under way are written, every job it still holds goes back in line, its attempt not counted."""
+        if hand_back and self.batch is not None:
+            self.batch.abandon()
+            self.batch = None
         self.end_batch()  # its jobs finish and their results are written before the threads stop
         self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
         self.prefetcher.close()
         try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
             with self.db.transaction() as tx:
                 ledger.drop_reservations(tx, self.owner)
+                if hand_back:
+                    ledger.release_held(tx, self.owner)
         except Exception:  # the ledger is down: the reservation runs out and a sweep brings the job back
-            log.warning("could not drop the reservation of %s", self.owner, exc_info=True)
+            log.warning("could not drop the reservation of %s (or hand back its jobs)", self.owner, exc_info=True)
         self.heartbeat.stop()
         self.db.dispose()
         gc.unfreeze()
