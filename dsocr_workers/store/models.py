@@ -267,6 +267,9 @@ class Result(TimingColumns, Base):
     # Table TEDS (higher is better), the page's tables averaged; `_structure`: cells without content.
     table_teds: Mapped[float | None] = mapped_column(Float)
     table_teds_structure: Mapped[float | None] = mapped_column(Float)
+    # The matching that paired the page's text and formulas (quality/matching.py): quick_match, or
+    # one_to_one where quick_match ran past DSOCR_MATCH_TIME_LIMIT; None without a reference.
+    matched_by: Mapped[str | None] = mapped_column(String(16))
 
 
 class JobProfile(Base):
