@@ -2,7 +2,7 @@
 beside a result, a profiled job's kernels (`job_profiles`), and a batched run's engine steps (`batch_steps`).
 
 Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
-Alembic owns the schema (`dsocr_workers/migrations/`); a change here needs a new migration.
+Alembic owns the schema (`migrations/`); a change here needs a new migration.
 """
 
 from __future__ import annotations
