@@ -69,17 +69,18 @@ def test_pages_quick_match_could_not_match_in_time_are_recorded_and_counted(data
     pages = {("exact.png", 0): Page(1.0, wrong(0)), ("off.png", 0): Page(1.0, wrong(5))}
     truth = ground_truth([image for image, _ in pages])
     within = make_run(database, tmp_path / "within", make_png, pages, truth)
-    # Too short for any page quick_match has to search (the exact page is paired before the search).
-    monkeypatch.setenv("DSOCR_MATCH_TIME_LIMIT", "1e-9")
+    monkeypatch.setenv("DSOCR_MATCH_TIME_LIMIT", "1e-9")  # too short for any page
     past = make_run(database, tmp_path / "past", make_png, pages, truth)
+    monkeypatch.setenv("DSOCR_MATCH_TIME_LIMIT", "none")
+    unlimited = make_run(database, tmp_path / "unlimited", make_png, pages, truth)
     with database.transaction() as session:
         matched = {(r.run_id, j.image): r.matched_by
                    for r, j in session.execute(select(Result, Job).join(Job, Job.id == Result.job_id))}  # fmt: skip
-    assert matched == {(within, "exact.png"): "quick_match", (within, "off.png"): "quick_match",
-                       (past, "exact.png"): "quick_match", (past, "off.png"): "one_to_one"}  # fmt: skip
+    assert matched == {(run, image): "one_to_one" if run == past else "quick_match"
+                       for run in (within, past, unlimited) for image in ("exact.png", "off.png")}  # fmt: skip
     title = "Accuracy and latency per mode (against the ground truth; edit distances: lower is better; TEDS: higher is better)"
     counted = "pages matched one-to-one (quick_match out of time)"
-    for run, fallback in ((within, 0), (past, 1)):
+    for run, fallback in ((within, 0), (past, 2), (unlimited, 0)):
         rows = by(report_json(database, ["--run", run], monkeypatch)["tables"][title], "mode", "metric")
         assert rows[("tiny", counted)]["jobs"] == fallback and rows[("tiny", counted)]["mean"] is None
 
