@@ -21,12 +21,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# The project as a source tree (editable install); the migrations ship inside the package
-# (dsocr_workers/migrations/). Copied in two steps so that code edits do not reinstall dependencies.
+# The project as a source tree (editable install, the migrations in /app/migrations/). The dependencies
+# first, read from pyproject.toml alone, so that code edits do not reinstall them.
 RUN python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
-COPY pyproject.toml README.md ./
-COPY dsocr_workers/__init__.py dsocr_workers/__init__.py
-RUN python -m pip install -e '.[postgres,flower,report]' \
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = p['optional-dependencies']; \
+print('\n'.join(p['dependencies'] + extras['postgres'] + extras['flower'] + extras['report']))" \
+        > /tmp/requirements.txt \
+    && python -m pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt \
     && python -c "import torch, transformers, celery, sqlalchemy, psycopg, flower, matplotlib"
 COPY . .
 RUN python -m pip install --no-deps -e . && dsocr --version
@@ -34,7 +37,7 @@ RUN python -m pip install --no-deps -e . && dsocr --version
 # PYTHONDONTWRITEBYTECODE, and without bytecode each worker start compiled torch's and transformers'
 # sources again (~5 s of its imports on an H100 host, docs/benchmarks.md).
 RUN python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-        /app/dsocr_workers
+        /app/dsocr_workers /app/migrations
 
 # An unprivileged user; results go to the database. The one thing a container writes is the fast engine's
 # compile cache (DSOCR_COMPILE_CACHE_DIR), on a volume.

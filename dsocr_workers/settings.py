@@ -11,6 +11,7 @@ sets them once (compose file, systemd unit, Kubernetes manifest). Credentials li
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -145,6 +146,30 @@ COMPILE_PROCESSES = Variable(
     "`4`",
 )
 
+
+def _match_time_limit(raw: str) -> float | None:
+    if raw.strip().lower() == "none":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise InputError(f"DSOCR_MATCH_TIME_LIMIT={raw!r}: expected seconds above 0, or none for no limit")
+    return seconds
+
+
+# OmniDocBench's evaluator gives quick_match 30 s a page; past them, a page is matched one-to-one.
+MATCH_TIME_LIMIT: Variable[float | None] = Variable(
+    "DSOCR_MATCH_TIME_LIMIT",
+    _match_time_limit,
+    30.0,
+    "seconds OmniDocBench's `quick_match` may take to match one page's text and formulas before the page "
+    "is matched one-to-one instead, as the official evaluator does (a result's `matched_by` says which "
+    "scored it); `none`: no limit, for scores that do not depend on the machine's speed",
+    "`30` (the evaluator's)",
+)
+
 CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
                        "CPU threads per CPU worker child; set it when several CPU workers share a host",
                        "cores ÷ CPU children")
@@ -194,6 +219,7 @@ VARIABLES: tuple[Variable, ...] = (
     INSTRUMENTATION,
     COMPILE_CACHE_DIR,
     COMPILE_PROCESSES,
+    MATCH_TIME_LIMIT,
     FLOWER_BASIC_AUTH,
     GIT_SHA,
     CPU_THREADS,

@@ -16,10 +16,10 @@ PY=${PYTHON:-python3}
 # spin while they wait — the engine tests took 5 min 10 s and 10 CPU-minutes that way, 2 min 26 s and
 # 4.4 CPU-minutes with one thread each (tests/engine/test_batched.py + test_session.py, -n 3, this machine).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"$PY" -m ruff check dsocr_workers tests benchmarks
+"$PY" -m ruff check dsocr_workers migrations tests benchmarks
 
 mypy_out=$(mktemp)
-"$PY" -m mypy dsocr_workers >"$mypy_out" 2>&1 &
+"$PY" -m mypy dsocr_workers migrations >"$mypy_out" 2>&1 &
 mypy_pid=$!
 trap 'kill "$mypy_pid" 2>/dev/null || true; rm -f "$mypy_out"' EXIT
 
@@ -28,7 +28,7 @@ status=0
 "$PY" -m pytest -q -n 3 --dist loadgroup --durations=15 "$@" || status=$?
 if ! wait "$mypy_pid"; then
   cat "$mypy_out" >&2
-  echo "mypy dsocr_workers failed (above)" >&2
+  echo "mypy dsocr_workers migrations failed (above)" >&2
   [ "$status" -ne 0 ] || status=1
 fi
 exit "$status"

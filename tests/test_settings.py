@@ -52,6 +52,15 @@ def test_read_parses_and_defaults() -> None:
         settings.read(settings.INSTRUMENTATION, {"DSOCR_INSTRUMENTATION": "off"})
 
 
+def test_the_match_time_limit_is_seconds_or_none() -> None:
+    assert settings.read(settings.MATCH_TIME_LIMIT, {}) == 30.0  # the official evaluator's
+    assert settings.read(settings.MATCH_TIME_LIMIT, {"DSOCR_MATCH_TIME_LIMIT": "0.5"}) == 0.5
+    assert settings.read(settings.MATCH_TIME_LIMIT, {"DSOCR_MATCH_TIME_LIMIT": "none"}) is None
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(InputError, match="DSOCR_MATCH_TIME_LIMIT"):
+            settings.read(settings.MATCH_TIME_LIMIT, {"DSOCR_MATCH_TIME_LIMIT": bad})
+
+
 def test_farm_settings_come_from_the_registry() -> None:
     farm = settings.Settings.from_env({"DSOCR_HARD_TIME_LIMIT": "100", "DSOCR_QUEUE": "q7"})
     assert (farm.hard_time_limit_s, farm.soft_time_limit_s, farm.queue) == (100, 90, "q7")

@@ -1,8 +1,9 @@
 """The package as users install it: a wheel built from the sources, installed into a fresh virtual
 environment (its dependencies taken from this interpreter's site-packages, so nothing is downloaded),
 migrates a database with `dsocr db upgrade` and runs a page with `dsocr run`, from outside the
-checkout and with the extras' modules unimportable: the migrations and everything the model loads must
-be inside the wheel or among its runtime dependencies."""
+checkout and with the extras' modules unimportable: the migrations (the checkout's top-level
+migrations/, mapped into the package) and everything the model loads must be inside the wheel or among
+its runtime dependencies."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 from PIL import Image
@@ -52,10 +54,20 @@ def test_a_built_wheel_migrates_and_runs_a_page_from_a_fresh_venv(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "dsocr_workers", source / "dsocr_workers", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("dsocr_workers", "migrations"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
          source, cwd=tmp_path)  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("dsocr_workers-*.whl")
+    # pyproject.toml lists the packages (the top-level migrations/ is mapped into the package): every
+    # module of the checkout must be in the wheel, the migrations as dsocr_workers/migrations/.
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    sources = {f"dsocr_workers/{p.relative_to(source / 'dsocr_workers')}" for p in (source / "dsocr_workers").rglob("*.py")}
+    migrations = {f"dsocr_workers/migrations/{p.relative_to(source / 'migrations')}"
+                  for p in (source / "migrations").rglob("*") if p.suffix in (".py", ".mako")}  # fmt: skip
+    assert "dsocr_workers/migrations/env.py" in migrations and "dsocr_workers/migrations/script.py.mako" in migrations
+    assert sources | migrations | {"dsocr_workers/py.typed"} <= shipped, sorted((sources | migrations) - shipped)
 
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv, cwd=tmp_path)

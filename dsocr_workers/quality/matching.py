@@ -14,6 +14,7 @@ every published end-to-end number went through them:
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import Counter, defaultdict
@@ -27,6 +28,7 @@ from scipy.optimize import linear_sum_assignment
 
 from dsocr_workers.quality.markdown import FORMULA, INLINE_FORMULA, TEXT, PredictedBlock
 from dsocr_workers.quality.normalize import normalize_formula, normalize_text
+from dsocr_workers.settings import MATCH_TIME_LIMIT
 
 TEXT_CATEGORIES = ("text_block", "title", "code_txt", "code_txt_caption", "reference")
 IGNORED = (
@@ -43,9 +45,10 @@ IGNORED = (
     "equation_caption",
 )
 FORMULA_CATEGORY = "equation_isolated"
-# The evaluator gives quick_match 30 s a page, then matches the page one-to-one instead
-# (`one_to_one_match`); a long repetition loop can take that long.
-QUICK_MATCH_TIME_LIMIT_S = 30.0
+# Which matching scored a page (a result's `matched_by`): quick_match, or the evaluator's fallback
+# past quick_match's time limit (settings.MATCH_TIME_LIMIT), `one_to_one_match`.
+QUICK_MATCH = "quick_match"
+ONE_TO_ONE = "one_to_one"
 
 
 class OutOfTime(Exception):
@@ -312,11 +315,11 @@ def _array_joined(lines: list[str]) -> str:
 def quick_match(
     gt_items: Sequence[ReferenceItem],
     pred_items: Sequence[PredictedBlock],
-    time_limit_s: float = QUICK_MATCH_TIME_LIMIT_S,
+    time_limit_s: float | None = MATCH_TIME_LIMIT.default,
 ) -> list[MatchedEntry]:
     """The evaluator's match list for one page's mixed text and formula blocks (entries it never fills
-    in are left out); OutOfTime past `time_limit_s`."""
-    deadline = time.monotonic() + time_limit_s
+    in are left out); OutOfTime past `time_limit_s` (None: no limit)."""
+    deadline = math.inf if time_limit_s is None else time.monotonic() + time_limit_s
     gt_items = split_reference_arrays(gt_items)
     pred_items = split_predicted_arrays(
         sorted(pred_items, key=lambda b: (b.fine == INLINE_FORMULA, b.position))
@@ -376,6 +379,8 @@ def quick_match(
             matches[i] = run
     contained: dict[int, list[int]] = {}
     for j, pred in enumerate(preds):
+        if time.monotonic() > deadline:  # the evaluator's limit covers the whole match, this search too
+            raise OutOfTime
         inside = [g for g in unmatched_gt if _gt_within(pred, gts[g]) < 0.4]
         if inside:
             contained[j] = inside

@@ -7,7 +7,8 @@ evaluator's stored outputs (tests/quality/test_official_agreement.py).
    table's leftover cells join the text. A page with more LaTeX than HTML tables scores its tables as
    missing (the evaluator's LaTeXML conversion is not reproduced).
 3. Reference text and display formulas matched in one pool against the predicted blocks by
-   `quick_match` (quality/matching.py); page furniture, captions and unmatched predictions are left
+   `quick_match` (quality/matching.py), or one-to-one where quick_match runs past its time limit (as
+   the evaluator falls back); page furniture, captions and unmatched predictions are left
    out; a reference formula answered by a text block is scored as text.
 4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
    structure-only TEDS; reading order: the edit distance between the reference's and the prediction's
@@ -26,6 +27,8 @@ from dsocr_workers.quality import markdown as md
 from dsocr_workers.quality.matching import (
     FORMULA_CATEGORY,
     IGNORED,
+    ONE_TO_ONE,
+    QUICK_MATCH,
     TEXT_CATEGORIES,
     MatchedEntry,
     OutOfTime,
@@ -37,6 +40,7 @@ from dsocr_workers.quality.matching import (
 from dsocr_workers.quality.normalize import clean_text, latex_to_unicode, normalize_table
 from dsocr_workers.quality.omnidocbench import TABLE_CATEGORY, PageReference
 from dsocr_workers.quality.teds import teds
+from dsocr_workers.settings import MATCH_TIME_LIMIT
 
 # The reference categories matched against predicted text and formulas, in the evaluator's order.
 _MIXED = TEXT_CATEGORIES + (
@@ -59,7 +63,8 @@ _FORMULA_KINDS = (md.INLINE_FORMULA, md.FORMULA, "")
 @dataclass(frozen=True)
 class PageScores:
     """One page's figures, None where the page has nothing of the category to score. Edit distances:
-    lower is better; TEDS: higher is better, one value per reference table averaged over the page."""
+    lower is better; TEDS: higher is better, one value per reference table averaged over the page.
+    `matched_by`: QUICK_MATCH or ONE_TO_ONE, the matching that paired its text and formulas."""
 
     text: float | None
     formula: float | None
@@ -67,6 +72,7 @@ class PageScores:
     reading_order: float | None
     table_teds: float | None = None
     table_teds_structure: float | None = None
+    matched_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class PageMatch:
     formula: list[EditPair]
     table: list[EditPair]
     reading_order: tuple[list[float], list[float]] | None  # (reference orders, orders as written)
+    matched_by: str  # QUICK_MATCH, or ONE_TO_ONE where quick_match ran out of time
 
 
 def page_edit_distance(pairs: Sequence[EditPair]) -> float | None:
@@ -126,7 +133,11 @@ def _reading_order(entries: Sequence[MatchedEntry]) -> tuple[list[float], list[f
     return (expected, as_written) if expected or as_written else None
 
 
-def match_page(markdown: str, reference: PageReference) -> PageMatch:
+def match_page(
+    markdown: str, reference: PageReference, time_limit_s: float | None = MATCH_TIME_LIMIT.default
+) -> PageMatch:
+    """The page's pairs; quick_match gets `time_limit_s` (None: no limit) before the page is matched
+    one-to-one instead."""
     blocks = md.split_markdown(markdown)
     # Grouped by category, categories in the order they first occur: the order ties in position keep.
     categories = list(
@@ -162,9 +173,9 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
     ]
     items.sort(key=lambda item: item.order or 0)
     try:
-        entries = quick_match(items, mixed)
+        entries, matched_by = quick_match(items, mixed, time_limit_s), QUICK_MATCH
     except OutOfTime:
-        entries = one_to_one_match(items, mixed)
+        entries, matched_by = one_to_one_match(items, mixed), ONE_TO_ONE
     text_entries = [e for e in entries if e.category in TEXT_CATEGORIES]
     formula_entries = [e for e in entries if e.category == FORMULA_CATEGORY]
     text_pairs = [_pair(e) for e in text_entries]
@@ -179,11 +190,14 @@ def match_page(markdown: str, reference: PageReference) -> PageMatch:
                 unicode = entry.gt  # evaluator then stops altogether: here the LaTeX is scored as written
 
             text_pairs.append(EditPair(clean_text(unicode) or unicode, entry.norm_pred or entry.pred))
-    return PageMatch(text_pairs, formula_pairs, table_pairs, _reading_order(text_entries))
+    return PageMatch(text_pairs, formula_pairs, table_pairs, _reading_order(text_entries), matched_by)
 
 
-def score_page(markdown: str, reference: PageReference) -> PageScores:
-    match = match_page(markdown, reference)
+def score_page(
+    markdown: str, reference: PageReference, time_limit_s: float | None = MATCH_TIME_LIMIT.default
+) -> PageScores:
+    """The page's scores (`time_limit_s`: quick_match's, see match_page)."""
+    match = match_page(markdown, reference, time_limit_s)
     order = match.reading_order
     tables = [(pair.prediction, pair.reference) for pair in match.table]
     return PageScores(
@@ -197,6 +211,7 @@ def score_page(markdown: str, reference: PageReference) -> PageScores:
         table_teds_structure=sum(teds(p, r, structure_only=True) for p, r in tables) / len(tables)
         if tables
         else None,
+        matched_by=match.matched_by,
     )
 
 

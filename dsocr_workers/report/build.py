@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dsocr_workers.engine.result import STOP_REASONS
+from dsocr_workers.quality.matching import ONE_TO_ONE
 from dsocr_workers.report import kernel_tables
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
@@ -137,6 +138,9 @@ ACCURACY = [
     Metric("reading order edit", _column("reading_order_edit")),
 ]
 ACCURACY_READING = "edit distances: lower is better; TEDS: higher is better"
+# Counted beside them: the pages quick_match could not match within DSOCR_MATCH_TIME_LIMIT, scored as
+# the evaluator scores them then, one-to-one.
+ONE_TO_ONE_PAGES = "pages matched one-to-one (quick_match out of time)"
 # OmniDocBench's page attributes its figures are broken down by, where the annotation has them.
 PAGE_GROUPS = ("data_source", "language", "layout")
 # Beside accuracy, per mode: what it cost.
@@ -393,6 +397,8 @@ def _accuracy_by_mode(data: RunData, measured_results: list[Result]) -> Table:
         for metric in ACCURACY:
             s = summarize(metric, [r for r in everything if r.mode == mode])
             rows.append([mode, metric.label, s.jobs, s.mean, s.p50, s.p90])
+        fallback = sum(r.mode == mode and r.matched_by == ONE_TO_ONE for r in everything)
+        rows.append([mode, ONE_TO_ONE_PAGES, fallback, None, None, None])
         for metric in SPEED:
             s = summarize(metric, [r for r in measured_results if r.mode == mode])
             rows.append([mode, metric.label, s.jobs, s.mean, s.p50, s.p90])

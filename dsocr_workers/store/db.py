@@ -23,7 +23,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.settings import redacted
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"  # package data: ships in the wheel
+
+def _migrations_dir() -> Path:
+    """The Alembic scripts: inside the package where a wheel installed them, else the checkout's
+    top-level migrations/ (which pyproject.toml maps into the package when it builds)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "migrations"
+    return installed if (installed / "env.py").is_file() else package.parent / "migrations"
+
+
+MIGRATIONS_DIR = _migrations_dir()
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # libpq's TCP keepalive (libpq otherwise leaves it to the OS: hours): a query whose reply was lost in a
 # partition would wait that long, a heartbeat that stops renewing leases; with it, the wait ends as a

@@ -2,7 +2,7 @@
 beside a result, a profiled job's kernels (`job_profiles`), and a batched run's engine steps (`batch_steps`).
 
 Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
-Alembic owns the schema (`dsocr_workers/migrations/`); a change here needs a new migration.
+Alembic owns the schema (`migrations/`); a change here needs a new migration.
 """
 
 from __future__ import annotations
@@ -270,6 +270,9 @@ class Result(TimingColumns, Base):
     # Table TEDS (higher is better), the page's tables averaged; `_structure`: cells without content.
     table_teds: Mapped[float | None] = mapped_column(Float)
     table_teds_structure: Mapped[float | None] = mapped_column(Float)
+    # The matching that paired the page's text and formulas (quality/matching.py): quick_match, or
+    # one_to_one where quick_match ran past DSOCR_MATCH_TIME_LIMIT; None without a reference.
+    matched_by: Mapped[str | None] = mapped_column(String(16))
 
 
 class JobProfile(Base):

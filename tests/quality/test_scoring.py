@@ -181,6 +181,30 @@ def test_past_its_time_limit_quick_match_gives_way_to_a_one_to_one_match():
     assert [e.pred_position for e in entries][0] is None
 
 
+SPLIT_PAGE = "alpha beta\n\ngamma\n\nsomething else entirely"  # quick_match merges its first two blocks
+
+
+def test_a_page_out_of_time_is_scored_one_to_one_and_says_so():
+    from dsocr_workers.quality.matching import ONE_TO_ONE, QUICK_MATCH
+
+    page = reference(("text_block", "alpha beta gamma", 1), ("text_block", "delta epsilon", 2))
+    within = score_page(SPLIT_PAGE, page)  # the evaluator's 30 s
+    assert within.matched_by == QUICK_MATCH and within.text == pytest.approx(17 / 35)
+    past = score_page(SPLIT_PAGE, page, time_limit_s=1e-9)
+    assert past.matched_by == ONE_TO_ONE and past.text == pytest.approx(22 / 35) and past.reading_order == 0.5
+
+
+def test_no_time_limit_never_falls_back():
+    from dsocr_workers.quality.markdown import split_markdown as split
+    from dsocr_workers.quality.matching import QUICK_MATCH, ReferenceItem, quick_match
+
+    page = reference(("text_block", "alpha beta gamma", 1), ("text_block", "delta epsilon", 2))
+    assert score_page(SPLIT_PAGE, page, time_limit_s=None).matched_by == QUICK_MATCH
+    items = [ReferenceItem("text_block", "alpha beta gamma", 1), ReferenceItem("text_block", "delta epsilon", 2)]
+    entries = quick_match(items, split(SPLIT_PAGE), time_limit_s=None)
+    assert ("alphabetagamma", "alphabetagamma") in [(e.norm_gt, e.norm_pred) for e in entries]
+
+
 def test_a_block_that_normalises_to_nothing_shifts_the_items_read_after_it():
     page = reference(("equation_isolated", "\\[a+b\\]", 1))
     assert score_page("$$a+b$$", page).formula == 0.0

@@ -9,9 +9,11 @@ import json
 
 import pytest
 from fakes import Page, make_run
+from sqlalchemy import select
 from test_report import by, invoke, report_json
 
 from dsocr_workers.engine.loops import RepetitionLoop
+from dsocr_workers.store.models import Job, Result
 
 REFERENCE_TEXT = "abcdefghij"  # every page reads this; a markup with k wrong letters scores k / 10
 
@@ -60,6 +62,27 @@ def test_accuracy_per_mode_beside_latency_with_the_random_weights_label(database
     assert f"## {title}\n\n> **RANDOM WEIGHTS" in markdown and "| tiny | text edit | 4 | 0.2 [" in markdown
     table = invoke(database, ["--run", run], monkeypatch)
     assert "text edit" in table and "Stop reasons" in table
+
+
+def test_pages_quick_match_could_not_match_in_time_are_recorded_and_counted(database, tmp_path, make_png,
+                                                                           ground_truth, monkeypatch):
+    pages = {("exact.png", 0): Page(1.0, wrong(0)), ("off.png", 0): Page(1.0, wrong(5))}
+    truth = ground_truth([image for image, _ in pages])
+    within = make_run(database, tmp_path / "within", make_png, pages, truth)
+    monkeypatch.setenv("DSOCR_MATCH_TIME_LIMIT", "1e-9")  # too short for any page
+    past = make_run(database, tmp_path / "past", make_png, pages, truth)
+    monkeypatch.setenv("DSOCR_MATCH_TIME_LIMIT", "none")
+    unlimited = make_run(database, tmp_path / "unlimited", make_png, pages, truth)
+    with database.transaction() as session:
+        matched = {(r.run_id, j.image): r.matched_by
+                   for r, j in session.execute(select(Result, Job).join(Job, Job.id == Result.job_id))}  # fmt: skip
+    assert matched == {(run, image): "one_to_one" if run == past else "quick_match"
+                       for run in (within, past, unlimited) for image in ("exact.png", "off.png")}  # fmt: skip
+    title = "Accuracy and latency per mode (against the ground truth; edit distances: lower is better; TEDS: higher is better)"
+    counted = "pages matched one-to-one (quick_match out of time)"
+    for run, fallback in ((within, 0), (past, 2), (unlimited, 0)):
+        rows = by(report_json(database, ["--run", run], monkeypatch)["tables"][title], "mode", "metric")
+        assert rows[("tiny", counted)]["jobs"] == fallback and rows[("tiny", counted)]["mean"] is None
 
 
 def test_a_run_without_ground_truth_has_no_accuracy_table(database, tmp_path, make_png, monkeypatch):

@@ -27,7 +27,7 @@ def test_newest_revisions_go_down_and_up(tmp_path):
         command.downgrade(config, "0002")
     columns = {c["name"] for c in inspect(db.engine).get_columns("results")}
     assert current_revision(db) == "0002" and "text_edit" not in columns and "cold" in columns
-    assert "prefetched" not in columns and "table_teds" not in columns
+    assert "prefetched" not in columns and "table_teds" not in columns and "matched_by" not in columns
     assert "reference" not in {c["name"] for c in inspect(db.engine).get_columns("jobs")}
     assert not {"worker_processes", "batch_steps"} & set(inspect(db.engine).get_table_names())
     assert upgrade(db) == head_revision() == current_revision(db)
@@ -37,5 +37,5 @@ def test_newest_revisions_go_down_and_up(tmp_path):
     columns = {c["name"] for c in inspect(db.engine).get_columns("results")}
     assert {"loop_start", "loop_period", "loop_wasted_steps", "text_edit", "reading_order_edit"} <= columns
     assert {"prefetched", "page_wait_ms", "ttft_from_claim_ms", "ttft_from_device_start_ms", "device_started_at",
-            "device_finished_at", "table_teds", "table_teds_structure"} <= columns  # fmt: skip
+            "device_finished_at", "table_teds", "table_teds_structure", "matched_by"} <= columns  # fmt: skip
     db.dispose()

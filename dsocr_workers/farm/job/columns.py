@@ -11,18 +11,20 @@ from dsocr_workers.engine.result import DeviceSpan, InferenceResult
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
+from dsocr_workers.settings import MATCH_TIME_LIMIT, read
 from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
 
 
-def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | None]:
+def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | str | None]:
     """The job's edit distances and table TEDS to its reference (quality/scoring.py), on the markdown
-    the model's markup renders to (its `result.mmd`); all None without a reference."""
+    the model's markup renders to (its `result.mmd`), and the matching that paired them (quick_match
+    within DSOCR_MATCH_TIME_LIMIT, or one-to-one past it); all None without a reference."""
     scores = (PageScores(None, None, None, None) if reference is None
-              else score_page(render_mmd(markup), PageReference.from_json(reference)))  # fmt: skip
+              else score_page(render_mmd(markup), PageReference.from_json(reference), read(MATCH_TIME_LIMIT)))  # fmt: skip
     return {"text_edit": scores.text, "formula_edit": scores.formula, "table_edit": scores.table,
             "reading_order_edit": scores.reading_order, "table_teds": scores.table_teds,
-            "table_teds_structure": scores.table_teds_structure}  # fmt: skip
+            "table_teds_structure": scores.table_teds_structure, "matched_by": scores.matched_by}  # fmt: skip
 
 
 def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
