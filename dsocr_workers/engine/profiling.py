@@ -29,6 +29,8 @@ from dsocr_workers.engine.result import JobProfile
 from dsocr_workers.kernels import DECODE, OTHER, Activity, KernelSummary, KernelTime, StageKernels
 from dsocr_workers.stages import HOST_STAGES
 
+KINETO_QUIET = "6"  # above kineto's highest level: nothing printed
+
 
 class StageTimes(Protocol):
     """What the summary reads of a finished job clock (engine/stages.py `StageClock`, which opens this
@@ -79,6 +81,9 @@ class JobProfiler:
         self._running = False
 
     def start(self) -> None:
+        # Kineto prints its stages on stderr at its default level (read when the profiler first starts):
+        # a worker's log is no place for them. A level set by the user is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         self._profile.start()
         self._running = True
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,3 +129,13 @@ def test_the_gpu_crosscheck_explains_idle_time_only_while_the_kernels_fill_the_s
 
     stage = StageKernels("vision/sam", event_ms, kernel_ms, kernel_ms, span_ms)
     assert stage.crosscheck("cuda").startswith(verdict)
+
+
+def test_a_profiled_job_prints_no_profiler_chatter(subprocess_env):
+    """Kineto's stage lines ("USDT: ... profiler_start") stay out of a worker's log."""
+    code = ("import torch; from dsocr_workers.engine.profiling import JobProfiler; p = JobProfiler(torch.device('cpu'));"
+            " p.start(); torch.randn(64, 64) @ torch.randn(64, 64); p.stop()")
+    env = {k: v for k, v in subprocess_env.items() if k != "KINETO_LOG_LEVEL"}
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "profiler_start" not in ran.stderr and "USDT" not in ran.stderr, ran.stderr
