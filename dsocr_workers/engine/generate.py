@@ -198,8 +198,9 @@ class RepetitionWatch:
         if not self.cuda:
             return self._loops(self.buffers.tokens[start : start + written])
         host = self.buffers.host_tokens
-        host[self._copied : written].copy_(self.buffers.tokens[start + self._copied : start + written],
-                                           non_blocking=True)  # fmt: skip
+        host[self._copied : written].copy_(
+            self.buffers.tokens[start + self._copied : start + written], non_blocking=True
+        )
         self._copied = written
         event = torch.cuda.Event()
         event.record()

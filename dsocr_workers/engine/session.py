@@ -189,13 +189,21 @@ class DeviceRun:
     batch: BatchFigures | None = None
 
     @classmethod
-    def batched(cls, session: DeepSeekOCRSession, prepared: PreparedJob, output: BatchedOutput,
-                ttft_from_s: float) -> DeviceRun:  # fmt: skip
+    def batched(
+        cls, session: DeepSeekOCRSession, prepared: PreparedJob, output: BatchedOutput, ttft_from_s: float
+    ) -> DeviceRun:
         """A page the batched engine finished (`output`), its TTFT counted from `ttft_from_s`."""
-        return cls(session, prepared.page, prepared.clock, output.token_ids, output.stop_reason,
-                   kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
-                   wasted_steps=output.wasted_steps,
-                   batch=BatchFigures(output.metrics, ttft_from_s))  # fmt: skip
+        return cls(
+            session,
+            prepared.page,
+            prepared.clock,
+            output.token_ids,
+            output.stop_reason,
+            kv_length=output.prompt_tokens + len(output.token_ids) - 1,
+            vision_calls=1,
+            wasted_steps=output.wasted_steps,
+            batch=BatchFigures(output.metrics, ttft_from_s),
+        )
 
     def finish(self) -> InferenceResult:
         session, page, clock, generated, batch = self.session, self.page, self.clock, self.generated, self.batch
@@ -334,8 +342,13 @@ class DeepSeekOCRSession:
         """A job's clock, instrumented as this session is. `marks_steps` False: a page whose decode steps
         the batched engine times; step events made on the preparing threads would hold the GIL that the
         engine's thread needs to launch its steps."""
-        return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented,
-                          step_capacity=STEP_CAPACITY if marks_steps else 0)  # fmt: skip
+        return StageClock(
+            self.device,
+            job_id=job_id,
+            nvtx_enabled=self.instrumented,
+            timing_enabled=self.instrumented,
+            step_capacity=STEP_CAPACITY if marks_steps else 0,
+        )
 
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
@@ -484,8 +497,15 @@ class DeepSeekOCRSession:
         the steps launched, which the device finishes shortly after), for a progress display. `after_step`:
         `run_on_device`'s."""
         prepared = self.prepare_job(image, prompt, mode, job_id, max_crops, clock)
-        return self.run_on_device(prepared.page, max_new_tokens, infer, clock=prepared.clock, return_text=return_text,
-                                  on_decode_progress=on_decode_progress, after_step=after_step).finish()  # fmt: skip
+        return self.run_on_device(
+            prepared.page,
+            max_new_tokens,
+            infer,
+            clock=prepared.clock,
+            return_text=return_text,
+            on_decode_progress=on_decode_progress,
+            after_step=after_step,
+        ).finish()
 
     def run_on_device(
         self,
@@ -539,9 +559,19 @@ class DeepSeekOCRSession:
             peak = torch.cuda.max_memory_allocated(self.device)
             memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
         self.jobs_run += 1
-        return DeviceRun(self, page, clock, generated, stop, kv_length=job.kv_length, vision_calls=job.vision_calls,
-                         wasted_steps=job.steps + 1 - len(generated), memory=memory,
-                         cold_reasons=self._cold_reasons(before), return_text=return_text)  # fmt: skip
+        return DeviceRun(
+            self,
+            page,
+            clock,
+            generated,
+            stop,
+            kv_length=job.kv_length,
+            vision_calls=job.vision_calls,
+            wasted_steps=job.steps + 1 - len(generated),
+            memory=memory,
+            cold_reasons=self._cold_reasons(before),
+            return_text=return_text,
+        )
 
     def capture_prefill(self, length: int, max_new_tokens: int | None) -> bool:
         """Capture the LM prefill graph of a `length`-token prompt in the cache bucket its job will use,

@@ -90,8 +90,13 @@ def split_kv_growth(
     every step."""
     options = replace(options, ignore_eos=True)  # every step runs
     fills: list[int] = []
-    run = session.run_on_device(session.prepare(image, None, mode, 9), steps + 1, options, return_text=False,
-                                after_step=lambda job, _: fills.append(job.buffers.kv_length))  # fmt: skip
+    run = session.run_on_device(
+        session.prepare(image, None, mode, 9),
+        steps + 1,
+        options,
+        return_text=False,
+        after_step=lambda job, _: fills.append(job.buffers.kv_length),
+    )
     run.finish()  # finishes the clock
     return KvGrowth(run.page.prompt_tokens, fills[0], fills[1:], run.clock)
 
@@ -158,8 +163,14 @@ def teacher_forced_top1(
         job.write_token(step, forced[step])
 
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
-    session.run_on_device(session.prepare(image, None, mode, 9), len(forced), options, clock=clock,
-                          return_text=False, after_step=pick_then_force)  # fmt: skip
+    session.run_on_device(
+        session.prepare(image, None, mode, 9),
+        len(forced),
+        options,
+        clock=clock,
+        return_text=False,
+        after_step=pick_then_force,
+    )
     return picks
 
 

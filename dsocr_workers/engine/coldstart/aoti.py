@@ -209,8 +209,11 @@ class _DecodeStep(_Region):
     @staticmethod
     def _slots(args: tuple) -> list[tuple[object, str]]:
         _, cache, ban, _ = args
-        slots: list[tuple[object, str]] = [(ban, name) for name in ("tokens", "length", "prompt_length", "whitelist")
-                                           if getattr(ban, name) is not None]  # fmt: skip
+        slots: list[tuple[object, str]] = [
+            (ban, name)
+            for name in ("tokens", "length", "prompt_length", "whitelist")
+            if getattr(ban, name) is not None
+        ]
         return slots + [(layer, name) for layer in cache.layers for name in _tensor_slots(layer)]
 
     def state(self, args: tuple) -> list[Tensor]:
@@ -232,8 +235,10 @@ class _DecodeStep(_Region):
         return dims
 
 
-REGIONS: dict[str, _Region] = {region.name: region for region in
-                               (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())}  # fmt: skip
+REGIONS: dict[str, _Region] = {
+    region.name: region
+    for region in (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())
+}
 
 
 def region_key(name: str, args: tuple, dtype: torch.dtype, dynamic_tiles: bool) -> str:
@@ -302,8 +307,10 @@ class _Exported(torch.nn.Module):
         state, weights = list(inputs[: self.count]), inputs[self.count :]
         from torch.nn.utils.stateless import _reparametrize_module
 
-        with (_reparametrize_module(call.args[0], dict(zip(self.names, weights, strict=True))),
-              region.holding(call.args, state) as args):  # fmt: skip
+        with (
+            _reparametrize_module(call.args[0], dict(zip(self.names, weights, strict=True))),
+            region.holding(call.args, state) as args,
+        ):
             return region.flatten(call.function(*args))
 
 
@@ -319,8 +326,12 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
         weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
         state = [tensor.clone() for tensor in call.state]
         dynamic = REGIONS[call.name].dynamic(call.args, limits, dynamic_tiles) + [None] * len(weights)
-        exported = torch.export.export(_Exported(call, [name for name, _ in named]), tuple(state + weights),
-                                       dynamic_shapes=(tuple(dynamic),), strict=False)  # fmt: skip
+        exported = torch.export.export(
+            _Exported(call, [name for name, _ in named]),
+            tuple(state + weights),
+            dynamic_shapes=(tuple(dynamic),),
+            strict=False,
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
     return path
@@ -351,8 +362,9 @@ class PackagedRegions:
     capturable: bool = True
 
     @classmethod
-    def load(cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
-             ) -> PackagedRegions:  # fmt: skip
+    def load(
+        cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
+    ) -> PackagedRegions:
         return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, dynamic_tiles)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:

@@ -92,8 +92,14 @@ class Environment:
     @classmethod
     def here(cls, device: Device, gpu: str | None = None) -> Environment:
         """This process's; `gpu` given: without asking CUDA (a process that must not initialise it yet)."""
-        return cls(gpu if gpu is not None else gpu_name(device), torch.__version__, _version("triton"),
-                   _version("transformers"), dsocr_workers.__version__, code_fingerprint())  # fmt: skip
+        return cls(
+            gpu if gpu is not None else gpu_name(device),
+            torch.__version__,
+            _version("triton"),
+            _version("transformers"),
+            dsocr_workers.__version__,
+            code_fingerprint(),
+        )
 
     @property
     def key(self) -> str:
@@ -147,9 +153,16 @@ class Manifest:
     def read(cls, path: Path) -> Manifest | None:
         try:
             data = json.loads(path.read_text())
-            return cls(data["plan"], Environment(**data["environment"]),
-                       tuple(Artifact(**entry) for entry in data["artifacts"]), data["built_by"], data["built_at"],
-                       data.get("seconds", 0.0), data.get("compiler", ""), data.get("format", 0))  # fmt: skip
+            return cls(
+                data["plan"],
+                Environment(**data["environment"]),
+                tuple(Artifact(**entry) for entry in data["artifacts"]),
+                data["built_by"],
+                data["built_at"],
+                data.get("seconds", 0.0),
+                data.get("compiler", ""),
+                data.get("format", 0),
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable artifact manifest %s (%s): ignored", path, exc)
             return None
@@ -238,12 +251,23 @@ def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Enviro
 
 
 def manifest(
-    plan: CompilePlan, config: OCRConfig, built: tuple[Artifact, ...], seconds: float, environment: Environment,
+    plan: CompilePlan,
+    config: OCRConfig,
+    built: tuple[Artifact, ...],
+    seconds: float,
+    environment: Environment,
     built_by: str = "dsocr precompile",
-) -> Manifest:  # fmt: skip
+) -> Manifest:
     """The manifest of `plan`'s artifacts `built` in `environment`, by the compiler here."""
-    return Manifest(plan_fields(plan, config), environment, built, built_by,
-                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), round(seconds, 1), compiler_version())  # fmt: skip
+    return Manifest(
+        plan_fields(plan, config),
+        environment,
+        built,
+        built_by,
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        round(seconds, 1),
+        compiler_version(),
+    )
 
 
 def write(manifest: Manifest, path: Path) -> None:

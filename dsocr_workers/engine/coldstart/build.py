@@ -79,9 +79,18 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
     device = torch.device(request.device)
     engine, note = (request.engine, "") if isinstance(request.engine, Engine) else make_engine(request.engine, device.type)
     source = request.model if request.model in PRESETS else str(Path(request.model).resolve())
-    plan = compile_plan(source, device, resolve_dtype(request.dtype, device), engine.kernels(), engine.compiled(),
-                        request.modes, request.max_new_tokens, request.options, request.max_crops,
-                        engine=engine.name)  # fmt: skip
+    plan = compile_plan(
+        source,
+        device,
+        resolve_dtype(request.dtype, device),
+        engine.kernels(),
+        engine.compiled(),
+        request.modes,
+        request.max_new_tokens,
+        request.options,
+        request.max_crops,
+        engine=engine.name,
+    )
     return plan, engine.name, note
 
 
@@ -111,16 +120,20 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
     cache = use_compile_cache()
     notes = []
     if cache is None:
-        notes.append(f"DSOCR_COMPILE_CACHE_DIR is not set: artifacts go to torch's default cache ({cache_root()}), "
-                     "which a container or a reboot loses")  # fmt: skip
+        notes.append(
+            f"DSOCR_COMPILE_CACHE_DIR is not set: artifacts go to torch's default cache ({cache_root()}), "
+            "which a container or a reboot loses"
+        )
     plan, engine_name, engine_note = _plan(request)
     notes += [engine_note] if engine_note else []
     for note in notes:
         progress(f"note: {note}")
     if plan is None:
         written = write_bytecode()
-        progress(f"the {engine_name} engine compiles nothing ahead of jobs"
-                 + (f"; bytecode of {written} modules written" if written else ""))  # fmt: skip
+        progress(
+            f"the {engine_name} engine compiles nothing ahead of jobs"
+            + (f"; bytecode of {written} modules written" if written else "")
+        )
         return BuildReport("nothing to compile", None, None, time.perf_counter() - began, None, written, notes)
     config = model_config(plan.source)
     progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
@@ -132,16 +145,21 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
                 return BuildReport("up to date", plan, found.path, time.perf_counter() - began, notes=notes)
             progress(found.summary)
         progress(f"loading {request.model}")
-        session = DeepSeekOCRSession.from_local(request.model, device=request.device, dtype=request.dtype,
-                                                engine=request.engine)  # fmt: skip
+        session = DeepSeekOCRSession.from_local(
+            request.model, device=request.device, dtype=request.dtype, engine=request.engine
+        )
         recorder = Recorder(plan.dynamic_tiles)
         session.use_compiler(recorder)
         with torch.inference_mode():
-            pages = [(name, session.prepare(image, None, name, request.max_crops))
-                     for name, image in warmup_pages(request.modes, request.max_crops)]  # fmt: skip
+            pages = [
+                (name, session.prepare(image, None, name, request.max_crops))
+                for name, image in warmup_pages(request.modes, request.max_crops)
+            ]
         warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), request.max_crops)
-        progress(f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
-                 f"for {', '.join(request.modes)}")  # fmt: skip
+        progress(
+            f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
+            f"for {', '.join(request.modes)}"
+        )
         here = artifacts.Environment.here(session.device)
         folder = artifacts.packages_folder(plan, config, here)
         limits = Limits(request.max_crops, session.max_positions)
@@ -156,13 +174,23 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         manifest = artifacts.manifest(plan, config, tuple(built), time.perf_counter() - began, here)
         path = artifacts.manifest_path(plan, config, here)
         # The worker's own start on these packages, before any worker may find them.
-        report = warm(session, request.modes, request.max_new_tokens, request.max_crops, request.options,
-                      found=artifacts.Lookup(manifest, path))  # fmt: skip
-        progress(f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, "
-                 f"{report.passes} passes")  # fmt: skip
+        report = warm(
+            session,
+            request.modes,
+            request.max_new_tokens,
+            request.max_crops,
+            request.options,
+            found=artifacts.Lookup(manifest, path),
+        )
+        progress(
+            f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, "
+            f"{report.passes} passes"
+        )
         if report.still_cold or report.packages_missed:
-            raise FailuresError("the warm-up on the packages still met cold paths, nothing recorded: "
-                                + "; ".join([*report.still_cold, *report.packages_missed]))  # fmt: skip
+            raise FailuresError(
+                "the warm-up on the packages still met cold paths, nothing recorded: "
+                + "; ".join([*report.still_cold, *report.packages_missed])
+            )
         written = write_bytecode()
         if written is not None:
             progress(f"bytecode of {written} modules written into {bytecode_directory()}")

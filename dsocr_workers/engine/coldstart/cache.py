@@ -118,8 +118,11 @@ def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
     count written, or None where there is no such directory (the installation's bytecode serves)."""
     if _writes_to is None:
         return None
-    sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
-               if _stale(source, _writes_to)]  # fmt: skip
+    sources = [
+        source
+        for source in _sources(list(sys.modules.values()) if modules is None else modules)
+        if _stale(source, _writes_to)
+    ]
     _writes_to.mkdir(parents=True, exist_ok=True)
     before = sys.pycache_prefix
     with open(_writes_to / BYTECODE_LOCK, "w") as lock:

@@ -61,8 +61,9 @@ def _pixel_groups(
 
 
 def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype) -> None:
-    model = build_vision_only(model_config(plan.source), device=device, dtype=dtype,
-                              attn_implementation=plan.attn_implementation)  # fmt: skip
+    model = build_vision_only(
+        model_config(plan.source), device=device, dtype=dtype, attn_implementation=plan.attn_implementation
+    )
     fast_vision_modules(model)
     regions = RegionalVision(model, TorchCompiler(plan.backend), plan.dynamic_tiles)
     with torch.inference_mode():  # as jobs run: a compiled block guards on it
@@ -82,11 +83,19 @@ def compile_language(plan: CompilePlan, share: CompileShare, device: torch.devic
     """The LM prefill's graphs (share "prefill"), or the decode step's (share "decode": the session
     compiles nothing else, its prefill runs eager)."""
     with torch.inference_mode():
-        loaded = build_zeroed(plan.source, device=device, dtype=dtype, attn_implementation=plan.attn_implementation,
-                              experts_implementation=plan.experts_implementation)  # fmt: skip
+        loaded = build_zeroed(
+            plan.source,
+            device=device,
+            dtype=dtype,
+            attn_implementation=plan.attn_implementation,
+            experts_implementation=plan.experts_implementation,
+        )
     decode = share.kind == "decode"
-    engine = FastEngine(FastCompile(plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles,
-                                    cuda_graphs=plan.cuda_graphs))  # fmt: skip
+    engine = FastEngine(
+        FastCompile(
+            plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles, cuda_graphs=plan.cuda_graphs
+        )
+    )
     with torch.inference_mode():
         engine.after_load(loaded.model)
     session = DeepSeekOCRSession(loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, engine)
@@ -120,8 +129,14 @@ def compile_share(task: HelperTask) -> HelperResult:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
-        return HelperResult(share.label, outcome, stats["unique_graphs"] - graphs_before,
-                            inductor["fxgraph_cache_hit"] - hits_before, time.perf_counter() - began, peak)  # fmt: skip
+        return HelperResult(
+            share.label,
+            outcome,
+            stats["unique_graphs"] - graphs_before,
+            inductor["fxgraph_cache_hit"] - hits_before,
+            time.perf_counter() - began,
+            peak,
+        )
 
     found = lookup(plan, model_config(plan.source))
     if found.manifest is not None:

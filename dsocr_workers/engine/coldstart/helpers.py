@@ -150,10 +150,18 @@ class CompileHelpers:
                 process = _fork(task, env, stdout, stderr)
             else:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "dsocr_workers.engine.coldstart.helper_process", task.to_json(),
-                     str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env={**os.environ, **env},
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "dsocr_workers.engine.coldstart.helper_process",
+                        task.to_json(),
+                        str(os.getpid()),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    env={**os.environ, **env},
+                )
             running.append(_Running(compile_share, process, stdout, stderr))
         return cls(plan, "forked" if fork else "spawned", running, time.perf_counter())
 
@@ -183,8 +191,12 @@ class CompileHelpers:
                 continue
             why = f"no result in {timeout_s:.0f} s, killed" if code is None else f"exit code {code}"
             self._failures.append(f"{helper.share.label}: {why}")
-            log.warning("compile helper (%s) failed, %s; the worker compiles its graphs itself:\n%s",
-                        helper.share.label, why, err[-2000:])  # fmt: skip
+            log.warning(
+                "compile helper (%s) failed, %s; the worker compiles its graphs itself:\n%s",
+                helper.share.label,
+                why,
+                err[-2000:],
+            )
         return self.report()
 
     def stop(self) -> None:
@@ -198,8 +210,13 @@ class CompileHelpers:
 
     def report(self) -> PrecompileReport:
         processes = len(self._results) + len(self._failures) + len(self._running)
-        return PrecompileReport(processes, self.how, max(0.0, self._ended - self._began), tuple(self._results),
-                                tuple(self._failures))  # fmt: skip
+        return PrecompileReport(
+            processes,
+            self.how,
+            max(0.0, self._ended - self._began),
+            tuple(self._results),
+            tuple(self._failures),
+        )
 
 
 def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[bytes]) -> _Forked:
@@ -230,9 +247,15 @@ def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[b
 
 
 def start_helpers(
-    source: str | os.PathLike, device: str, dtype: str | None, engine: str | Engine, modes: Sequence[str],
-    max_new_tokens: int | None = None, infer: DecodeOptions | None = None, max_crops: int = MAX_CROPS,
-) -> CompileHelpers | None:  # fmt: skip
+    source: str | os.PathLike,
+    device: str,
+    dtype: str | None,
+    engine: str | Engine,
+    modes: Sequence[str],
+    max_new_tokens: int | None = None,
+    infer: DecodeOptions | None = None,
+    max_crops: int = MAX_CROPS,
+) -> CompileHelpers | None:
     """Fork the compile helpers of a warm-up before its model is loaded: call after the imports, before
     anything initialises CUDA or starts a thread in this process; hand them to `warm(helpers=...)`. They
     begin compiling at once, with the imports done, while this process loads its checkpoint. None where
@@ -247,8 +270,18 @@ def start_helpers(
     variant = engine if isinstance(engine, Engine) else make_engine(engine, resolved.type)[0]
     path = os.fspath(source)
     path = path if path in PRESETS else str(Path(path).resolve())  # as from_local names a checkpoint
-    plan = compile_plan(path, resolved, resolve_dtype(dtype, resolved), variant.kernels(), variant.compiled(), modes,
-                        max_new_tokens, infer, max_crops, engine=variant.name)  # fmt: skip
+    plan = compile_plan(
+        path,
+        resolved,
+        resolve_dtype(dtype, resolved),
+        variant.kernels(),
+        variant.compiled(),
+        modes,
+        max_new_tokens,
+        infer,
+        max_crops,
+        engine=variant.name,
+    )
     processes = helper_processes()
     if plan is None or processes == 0 or torch.cuda.is_initialized():
         return None

@@ -46,9 +46,13 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
 
 
 def warm_language(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = MAX_CROPS,
-    infer: DecodeOptions | None = None, decode: bool = True,
-) -> None:  # fmt: skip
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    max_crops: int = MAX_CROPS,
+    infer: DecodeOptions | None = None,
+    decode: bool = True,
+) -> None:
     """One warm-up pass over the pages of `modes` without their images: the language model's graphs as
     `warm` meets them (the LM prefill's layers and captures; the decode step per cache bucket), in the
     same order. `decode=False`: the prefills only. What the language compile helpers run
@@ -59,9 +63,14 @@ def warm_language(
 
 
 def warm_pass(
-    session: DeepSeekOCRSession, prepared: list[tuple[str, preprocess.PreparedPage]], max_new_tokens: int | None,
-    options: DecodeOptions, max_crops: int, images: bool = True, decode: bool = True,
-) -> tuple[list[str], list[str], tuple[int, int]]:  # fmt: skip
+    session: DeepSeekOCRSession,
+    prepared: list[tuple[str, preprocess.PreparedPage]],
+    max_new_tokens: int | None,
+    options: DecodeOptions,
+    max_crops: int,
+    images: bool = True,
+    decode: bool = True,
+) -> tuple[list[str], list[str], tuple[int, int]]:
     """Every prepared page's job once (without its image, or its decode, when asked), then the prefill
     captures: the shapes met, the cold paths met, and the prompt lengths whose prefill is captured."""
     shapes: list[str] = []

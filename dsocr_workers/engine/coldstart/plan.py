@@ -118,8 +118,13 @@ class CompilePlan:
     @classmethod
     def from_json(cls, fields: dict) -> CompilePlan:
         options = fields["options"]
-        return cls(**{**fields, "modes": tuple(fields["modes"]),
-                      "options": DecodeOptions(**{**options, "ngram_whitelist": tuple(options["ngram_whitelist"])})})  # fmt: skip
+        return cls(
+            **{
+                **fields,
+                "modes": tuple(fields["modes"]),
+                "options": DecodeOptions(**{**options, "ngram_whitelist": tuple(options["ngram_whitelist"])}),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -243,17 +248,34 @@ class ShareLock:
 
 
 def compile_plan(
-    source: str, device: torch.device, dtype: torch.dtype, kernels: dict[str, str], graphs: InductorGraphs | None,
-    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = MAX_CROPS, *,
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: dict[str, str],
+    graphs: InductorGraphs | None,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    infer: DecodeOptions | None,
+    max_crops: int = MAX_CROPS,
+    *,
     engine: str,
-) -> CompilePlan | None:  # fmt: skip
+) -> CompilePlan | None:
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
     (`Engine.compiled()`)."""
     if graphs is None or not modes:
         return None
     return CompilePlan(
-        source=source, engine=engine, device=str(device), dtype=dtype_name(dtype), **kernels,
-        backend=graphs.backend, dynamic_tiles=graphs.dynamic_tiles, cuda_graphs=graphs.cuda_graphs,
-        max_crops=max_crops, modes=tuple(modes), max_new_tokens=max_new_tokens, options=infer or DecodeOptions(),
-    )  # fmt: skip
+        source=source,
+        engine=engine,
+        device=str(device),
+        dtype=dtype_name(dtype),
+        **kernels,
+        backend=graphs.backend,
+        dynamic_tiles=graphs.dynamic_tiles,
+        cuda_graphs=graphs.cuda_graphs,
+        max_crops=max_crops,
+        modes=tuple(modes),
+        max_new_tokens=max_new_tokens,
+        options=infer or DecodeOptions(),
+    )

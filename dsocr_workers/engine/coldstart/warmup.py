@@ -73,20 +73,36 @@ class WarmupReport:
 
 
 def session_plan(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None,
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    infer: DecodeOptions | None,
     max_crops: int = MAX_CROPS,
-) -> CompilePlan | None:  # fmt: skip
+) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
     kernels = {"attn_implementation": text._attn_implementation, "experts_implementation": text._experts_implementation}
-    return compile_plan(session.source.name, session.device, session.dtype, kernels, session.variant.compiled(),
-                        modes, max_new_tokens, infer, max_crops, engine=session.engine)  # fmt: skip
+    return compile_plan(
+        session.source.name,
+        session.device,
+        session.dtype,
+        kernels,
+        session.variant.compiled(),
+        modes,
+        max_new_tokens,
+        infer,
+        max_crops,
+        engine=session.engine,
+    )
 
 
 def plan_helpers(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int,
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    max_crops: int,
     infer: DecodeOptions | None,
-) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:  # fmt: skip
+) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:
     """The compile plan of this warm-up (None when inductor compiles nothing for it), its artifacts'
     lookup, and why no helper should start now (empty: they should)."""
     plan = session_plan(session, modes, max_new_tokens, infer, max_crops)
@@ -111,9 +127,14 @@ def use_packages(session: DeepSeekOCRSession, plan: CompilePlan, manifest: artif
 
 
 def warm(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = MAX_CROPS,
-    infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None, found: artifacts.Lookup | None = None,
-) -> WarmupReport:  # fmt: skip
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None = None,
+    max_crops: int = MAX_CROPS,
+    infer: DecodeOptions | None = None,
+    helpers: CompileHelpers | None = None,
+    found: artifacts.Lookup | None = None,
+) -> WarmupReport:
     """Run every shape `modes` can produce on `session` until warm (`max_new_tokens` sizes the cache
     buckets, as jobs will). `infer`: the jobs' decode options (default: the vendor's), since the compiled
     decode step is specialised on how tokens are chosen (the n-gram ban's size and window, sampling or
@@ -180,9 +201,14 @@ def warm(
         raise
     precompiled = helpers.report() if helpers is not None else None
     if precompiled is not None:
-        log.info("compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed", precompiled.how,
-                 precompiled.processes, precompiled.seconds, sum(r.graphs for r in precompiled.results),
-                 len(precompiled.failures))  # fmt: skip
+        log.info(
+            "compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed",
+            precompiled.how,
+            precompiled.processes,
+            precompiled.seconds,
+            sum(r.graphs for r in precompiled.results),
+            len(precompiled.failures),
+        )
     passes = 0
     still_cold: list[str] = []
     shapes: list[str] = []
@@ -194,9 +220,16 @@ def warm(
         if not still_cold:
             break
     log.info("warm-up: %.2f s (%s)", mark - began, ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()))
-    return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
-                        precompiled, skipped, found.summary if found is not None else "",
-                        len(regions.packages) if regions else 0, tuple(regions.missed) if regions else (),
-                        phases)  # fmt: skip
-
-
+    return WarmupReport(
+        (mark - began) * 1e3,
+        shapes,
+        passes,
+        tuple(still_cold),
+        (shortest, longest),
+        precompiled,
+        skipped,
+        found.summary if found is not None else "",
+        len(regions.packages) if regions else 0,
+        tuple(regions.missed) if regions else (),
+        phases,
+    )

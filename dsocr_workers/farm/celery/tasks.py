@@ -70,12 +70,24 @@ def _open_child(**_: object) -> None:
             helpers.stop()
         refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
-        settings, device, queues=queues, cpu_threads=threads, runs_on=runs_on,
-        sweep=Sweep(queues, bring_back, delivered=partial(delivered_messages, run_job.app, queues),
-                    take_back=partial(take_back_messages, run_job.app)),
-    )  # fmt: skip
-    threading.Thread(target=spec.next_message.follow, args=(_process.reserve, _stopping), daemon=True,
-                     name="dsocr-next-message").start()  # fmt: skip
+        settings,
+        device,
+        queues=queues,
+        cpu_threads=threads,
+        runs_on=runs_on,
+        sweep=Sweep(
+            queues,
+            bring_back,
+            delivered=partial(delivered_messages, run_job.app, queues),
+            take_back=partial(take_back_messages, run_job.app),
+        ),
+    )
+    threading.Thread(
+        target=spec.next_message.follow,
+        args=(_process.reserve, _stopping),
+        daemon=True,
+        name="dsocr-next-message",
+    ).start()
     seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
     log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
     if plan is not None:
@@ -144,9 +156,12 @@ def _record_hard_timeout(
     try:
         with db.transaction() as tx:
             recorded = ledger.record_timeout(
-                tx, job_id, owner_prefix_of_pid(child_pid), limit_s,
+                tx,
+                job_id,
+                owner_prefix_of_pid(child_pid),
+                limit_s,
                 max_attempts=settings.max_attempts,
-            )  # fmt: skip
+            )
             unclaimed = recorded is None and ledger.job_state(tx, job_id) == "queued"
     finally:
         db.dispose()
@@ -196,9 +211,13 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
             # The claim and the result are written on the child's ledger threads: the job starts on the device
             # while its claim is written, and its result is written while the parent hands over the next message.
             outcome = execute_job(
-                process.db, job_id, owner=process.owner, settings=process.settings, infer=infer,
+                process.db,
+                job_id,
+                owner=process.owner,
+                settings=process.settings,
+                infer=infer,
                 ledger_threads=process.ledger_threads,
-            )  # fmt: skip
+            )
     except TransientError as exc:
         delay = job_retry_in_s(self.request.retries, process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

@@ -242,8 +242,15 @@ class BatchedJobs:
         from dsocr_workers.engine.session import DeviceRun
 
         loaded = self.loaded
-        result = DeviceRun.batched(loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s).finish()  # fmt: skip
+        result = DeviceRun.batched(
+            loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s
+        ).finish()
         ran = Ran(result, loaded.worker_id, loaded.worker_session_id, device=self.process.device)
         self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow())
-        log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
-                 len(output.token_ids), output.stop_reason, output.metrics.mean_occupancy or 1.0)  # fmt: skip
+        log.info(
+            "job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)",
+            job.claim.job_id,
+            len(output.token_ids),
+            output.stop_reason,
+            output.metrics.mean_occupancy or 1.0,
+        )

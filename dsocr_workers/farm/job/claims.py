@@ -68,8 +68,14 @@ def start_claim(
 ) -> Claiming:
     """The one way a job is claimed (batch-1 and batched): on the claims thread of `ledger_threads`,
     under way when this returns, or here without one (its TransientError then kept for `result()`)."""
-    claim_job = partial(ledger.claim_job, job_id=job_id, owner=owner, lease_s=settings.lease_s,
-                        max_attempts=settings.max_attempts, is_dead=owner_is_dead)  # fmt: skip
+    claim_job = partial(
+        ledger.claim_job,
+        job_id=job_id,
+        owner=owner,
+        lease_s=settings.lease_s,
+        max_attempts=settings.max_attempts,
+        is_dead=owner_is_dead,
+    )
     if ledger_threads is not None:
         return Claiming(job_id, ledger_threads.claim(claim_job))
     done: Future[ledger.Claim | ledger.Refusal] = Future()

@@ -159,8 +159,13 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
         return Outcome(job_id, "refused", "already in flight in this process's batch")
     claimed_s = time.perf_counter()
     # The batch's engine goes on meanwhile on its own thread.
-    claiming = start_claim(process.db, job_id, owner=process.owner, settings=process.settings,
-                           ledger_threads=process.ledger_threads)  # fmt: skip
+    claiming = start_claim(
+        process.db,
+        job_id,
+        owner=process.owner,
+        settings=process.settings,
+        ledger_threads=process.ledger_threads,
+    )
     try:
         claimed = claiming.result()  # TransientError when the ledger is out of reach: the task retries
     except Refused as refusal:

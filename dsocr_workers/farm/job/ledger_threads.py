@@ -155,8 +155,10 @@ class LedgerThreads:
                 log.warning("job %s: lost: the lease was taken over before the result was written; discarded", job_id)
             else:
                 self._let_go(job_id)
-                log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
-                            job_id)  # fmt: skip
+                log.warning(
+                    "job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
+                    job_id,
+                )
             completion.written.set_result(bool(written))
 
     def _built(self, completion: Completion) -> dict[str, Any] | None:

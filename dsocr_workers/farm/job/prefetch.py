@@ -119,8 +119,12 @@ class Prefetcher:
         was prefetched for the open model starts before its claim is written, from what the prefetch
         read (a run's settings and a job's image never change); any other waits for its claim here."""
         prefetched = self.take_job(claiming.job_id)
-        if (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
-                and prefetched.plan.model == open_model):  # fmt: skip
+        if (
+            prefetched is not None
+            and not claiming.claim.done()
+            and not isinstance(prefetched.outcome, Exception)
+            and prefetched.plan.model == open_model
+        ):
             return prefetched.job, prefetched
         claim = claiming.result()
         if prefetched is not None and prefetched.plan != PagePlan.of_job(claim):

@@ -42,9 +42,15 @@ class JobProcess:
 
     @classmethod
     def open(
-        cls, settings: Settings, device: str, *, queues: tuple[str, ...], sweep: Sweep | None = None,
-        cpu_threads: int | None = None, runs_on: str = "",
-    ) -> JobProcess:  # fmt: skip
+        cls,
+        settings: Settings,
+        device: str,
+        *,
+        queues: tuple[str, ...],
+        sweep: Sweep | None = None,
+        cpu_threads: int | None = None,
+        runs_on: str = "",
+    ) -> JobProcess:
         """Open the ledger and start beating (farm/liveness.py): from here on this process renews the
         leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues. `runs_on`:
         the device as this process sees it, where that is not `device` (see_only_this_gpu)."""
@@ -60,9 +66,16 @@ class JobProcess:
             if not heartbeat.registered:
                 heartbeat.beat()
 
-        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner,
-                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
-                   models=ModelOpener(db, owner, device, runs_on or device, register))  # fmt: skip
+        return cls(
+            settings=settings,
+            device=device,
+            db=db,
+            heartbeat=heartbeat,
+            owner=owner,
+            prefetcher=Prefetcher(db),
+            ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
+            models=ModelOpener(db, owner, device, runs_on or device, register),
+        )
 
     def close(self) -> None:
         self.end_batch()  # its jobs finish and their results are written before the threads stop
@@ -161,7 +174,12 @@ class JobProcess:
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        run = session.run_on_device(prepared.page, options.max_new_tokens, options.decode_options, prepared.clock,
-                                    before_decode=lambda: claiming.wait_then(prefetch_next),
-                                    profiler=JobProfiler(session.device) if job.profile else None)  # fmt: skip
+        run = session.run_on_device(
+            prepared.page,
+            options.max_new_tokens,
+            options.decode_options,
+            prepared.clock,
+            before_decode=lambda: claiming.wait_then(prefetch_next),
+            profiler=JobProfiler(session.device) if job.profile else None,
+        )
         return Ran(run, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None, device=self.device)
