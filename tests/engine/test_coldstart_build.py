@@ -25,7 +25,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.model.config import PRESETS
 
-ENGINE = FastEngine(FastCompile("inductor", cuda_graphs=False))
+ENGINE = FastEngine(FastCompile(cuda_graphs=False))
 KERNELS = {**ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
 H100 = "NVIDIA H100 80GB HBM3 (sm_90)"
 H200 = "NVIDIA H200 (sm_90)"
@@ -112,7 +112,7 @@ class CpuFast(FastEngine):
     def kernels(self):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 
-engine = CpuFast(FastCompile("inductor", cuda_graphs=False))
+engine = CpuFast(FastCompile(cuda_graphs=False))
 request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3)
 found = {}
 if sys.argv[1] == "refused":

@@ -37,7 +37,7 @@ from dsocr_workers.model.checkpoint import build_preset
 from dsocr_workers.model.config import PRESETS
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
-CPU_ENGINE = FastEngine(FastCompile("inductor", cuda_graphs=False))
+CPU_ENGINE = FastEngine(FastCompile(cuda_graphs=False))
 CPU_KERNELS = {**CPU_ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
 
 
@@ -131,7 +131,7 @@ from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 from dsocr_workers.engine.coldstart.plan import compile_plan
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 
-engine = FastEngine(FastCompile("inductor", cuda_graphs=False))
+engine = FastEngine(FastCompile(cuda_graphs=False))
 kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 plan = compile_plan("tiny", torch.device("cpu"), torch.float32, kernels, engine.compiled(),
                     ["gundam", "tiny", "small", "base", "large"], 8, None, 9, engine="fast")

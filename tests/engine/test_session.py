@@ -16,7 +16,7 @@ from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.checkpoint import build_preset, save_preset
+from dsocr_workers.model.checkpoint import save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
 from dsocr_workers.model.modeling import CACHE_ARGUMENT
 
@@ -183,21 +183,27 @@ def test_auto_engine_is_eager_on_a_cpu_without_a_note():
     assert auto.engine == "eager" and auto.engine_note == ""
 
 
+class CpuFast(FastEngine):
+    """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its compiled
+    regions on the CPU. dynamo's aot_eager traces without generating code (inductor takes minutes over a
+    whole model on a CPU). The routed experts are transformers' batched GEMMs: the selected-experts Triton
+    kernels run on a CPU only in Triton's interpreter, which a compiled graph cannot trace
+    (tests/model/test_fast_kernels.py checks them uncompiled here, compiled on a GPU)."""
+
+    def kernels(self) -> dict[str, str]:
+        return {**super().kernels(), "experts_implementation": "batched_mm"}
+
+    def compile_backend(self) -> str:
+        return "aot_eager"
+
+
 def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSession:
-    """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its decode
-    step compiled as the engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
-    generating code (inductor takes minutes over a whole model on a CPU); with `decode_only` vision and
-    prefill stay uncompiled.
-    The routed experts are transformers' batched GEMMs: the selected-experts Triton kernels run on a CPU
-    only in Triton's interpreter, which a compiled graph cannot trace (tests/model/test_fast_kernels.py
-    checks them uncompiled here, compiled on a GPU)."""
-    cpu, fp32 = torch.device("cpu"), torch.float32
-    engine = FastEngine(FastCompile("aot_eager", decode_only))
-    kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
-    with torch.inference_mode():
-        loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
-        engine.after_load(loaded.model)
-    return DeepSeekOCRSession(loaded, source, cpu, fp32, engine)
+    """`source`'s preset on the fast engine (`CpuFast`) in float32, its decode step compiled as the engine
+    compiles it (one graph, fullgraph); with `decode_only` vision and prefill stay uncompiled."""
+    engine = CpuFast(FastCompile(decode_only=decode_only))
+    return DeepSeekOCRSession.from_local(
+        source.name, device="cpu", dtype=torch.float32, engine=engine, seed=source.seed or 0, instrumented=True
+    )
 
 
 def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
