@@ -1,28 +1,14 @@
 """The fast engine's regions as AOTInductor packages: built ahead of time (`dsocr precompile`), loaded at a
 worker's start with no dynamo, no tracing and no compiler.
 
-A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM block (windowed or
-global) or a CLIP block per view size, CLIP over a page's two view groups at once, an LM prefill layer
-(dense or MoE) and the decode step. Building:
-
-1. `Recorder` stands in for dynamo while the warm-up's pages run eagerly once: each region kind and
-   shape met (its `key`) is kept with its first call's arguments;
-2. `build_package` exports each (torch.export, non-strict) with the call's state as inputs (hidden
-   states; an LM layer's cache layer; the decode step's token buffer, counters and every cache layer)
-   and its weights as inputs too, so one package serves every layer of a kind and holds no weights; the
-   dimensions jobs vary are dynamic (the tile count, the padded prompt length, the cache bucket); then
-   compiles it into a .pt2 (`aoti_compile_and_package`).
-
-Loading (`PackagedRegions`): each package is opened with its C++ loader directly. `aoti_load_package`
-would first compare the package's CPU vector ISA with this host's, which inductor finds by compiling and
-running test programs: 25–40 s of a fresh process on the GPU hosts (benchmarks/results/aoti-2026-11-26-
-summary.md), for packages that run no CPU kernel there; the artifact key (artifacts.py: GPU, torch,
-Triton, project code) is the check that matters. A call flattens its arguments the way the build did
-and runs the package in place: the KV cache, token buffer and counters it writes are the caller's.
-A shape nothing was built for falls back to dynamo for that region (the job then reads "compiled").
-
-What the packages call outside themselves: SAM's `dsocr::linear_gelu_tanh` (model/sam_mlp.py, registered
-when the model's modules are imported); the Triton operators are compiled in.
+A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM or CLIP block per view
+size, CLIP over a page's two view groups, an LM prefill layer (dense or MoE) and the decode step.
+`Recorder` stands in for dynamo while the warm-up's pages run eagerly once, keeping each region kind and
+shape met (its `key`) with its first call's arguments; `build_package` exports each with its state and
+its weights as inputs (one package serves every layer of a kind), the dimensions jobs vary dynamic.
+`PackagedRegions` opens each package with its C++ loader and runs it in place on the caller's cache and
+buffers; a shape nothing was built for falls back to dynamo (the job then reads "compiled").
+The packages call `dsocr::linear_gelu_tanh` (model/sam_mlp.py); the Triton operators are compiled in.
 """
 
 from __future__ import annotations
@@ -122,7 +108,11 @@ class _Block(_Region):
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
         layer, hidden = args
-        kind = ("windowed" if getattr(layer, "window_size", 0) > 0 else "global") if self.name == "sam_block" else ""
+        kind = (
+            ("windowed" if getattr(layer, "window_size", 0) > 0 else "global")
+            if self.name == "sam_block"
+            else ""
+        )
         return {"kind": kind, "views": [[_tiles(hidden.shape[0], dynamic_tiles), *_shape(hidden)]]}
 
     def state(self, args: tuple) -> list[Tensor]:
@@ -165,11 +155,15 @@ class _ClipViews(_Region):
 
 
 def _positions_dim(limits: Limits) -> Any:
-    return PREFILL_BUCKET * torch.export.Dim("blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2))
+    return PREFILL_BUCKET * torch.export.Dim(
+        "blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2)
+    )
 
 
 def _capacity_dim(limits: Limits) -> Any:
-    return torch.export.Dim("capacity", min=min(MIN_CACHE_BUCKET, limits.max_positions), max=limits.max_positions)
+    return torch.export.Dim(
+        "capacity", min=min(MIN_CACHE_BUCKET, limits.max_positions), max=limits.max_positions
+    )
 
 
 class _LmLayer(_Region):
@@ -341,10 +335,10 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
 
 
 def load_package(path: Path, device: torch.device) -> Any:
-    """The package's runner, from its C++ loader (no host ISA check: the module docstring says why).
-    Single-threaded: the runner pool's own stream synchronisation is refused inside a CUDA graph
-    capture ("operation not permitted when stream is capturing", an H100), and a session runs one
-    region at a time anyway."""
+    """The package's runner, from its C++ loader: `aoti_load_package` would first check the host's CPU
+    vector ISA by compiling test programs, slow at every start and moot for packages that run no CPU
+    kernel (the artifact key is the check that matters). Single-threaded: the runner pool's own stream
+    synchronisation is refused inside a CUDA graph capture, and a session runs one region at a time."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
 

@@ -1,20 +1,17 @@
 """The build step: everything a worker's cold start needs for one plan, made ahead of its start.
 
-    CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 --modes gundam --max-new-tokens 2048
+    CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 \\
+        --modes gundam --max-new-tokens 2048
 
 loads the model as a worker will, runs the warm-up's pages once with a recorder in place of dynamo
-(aoti.py `Recorder`: every region kind and shape the worker's jobs meet), builds each as an AOTInductor
-package (aoti.py `build_package`), then checks them as a worker's start uses them: the warm-up itself,
-on the packages, must come clean. Only then the plan's manifest (artifacts.py) is written, beside the
-packages, with the Python bytecode of every module it imported where the installation has none
-(cache.py). A worker that then finds the manifest for its plan and its environment loads the packages
-and captures its graphs, with no dynamo. Idempotent: a plan whose manifest is there for this environment,
-with every artifact this build would make, is "up to date" without loading the model; two builds of one
-plan on one host take turns (a lock), and the second finds the first's result.
-
-CXX: AOTInductor compiles each package's wrapper with the C++ compiler `CXX` names (else `c++`); on the
-lent GPU image /opt/gcc's built packages that segfault at load, /usr/bin/g++'s load (benchmarks/results/
-aoti-2026-11-26-summary.md). The check above runs them in this process before any manifest exists.
+(aoti.py `Recorder`), builds each region and shape met as an AOTInductor package (aoti.py
+`build_package`), then checks them as a worker's start uses them: the warm-up itself, on the packages,
+must come clean. Only then is the plan's manifest (artifacts.py) written, beside the packages, with the
+Python bytecode of every module it imported where the installation has none (cache.py). Idempotent: a
+plan whose manifest is there for this environment, with every artifact this build would make, is "up to
+date" without loading the model; two builds of one plan on one host take turns (a lock).
+`CXX` names the C++ compiler of each package's wrapper (else `c++`): one whose packages do not load fails
+the check above, before any manifest exists (docs/architecture.md, the cold start).
 """
 
 from __future__ import annotations
@@ -77,7 +74,11 @@ class BuildReport:
 
 def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
     device = torch.device(request.device)
-    engine, note = (request.engine, "") if isinstance(request.engine, Engine) else make_engine(request.engine, device.type)
+    engine, note = (
+        (request.engine, "")
+        if isinstance(request.engine, Engine)
+        else make_engine(request.engine, device.type)
+    )
     source = request.model if request.model in PRESETS else str(Path(request.model).resolve())
     plan = compile_plan(
         source,
@@ -134,7 +135,9 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
             f"the {engine_name} engine compiles nothing ahead of jobs"
             + (f"; bytecode of {written} modules written" if written else "")
         )
-        return BuildReport("nothing to compile", None, None, time.perf_counter() - began, None, written, notes)
+        return BuildReport(
+            "nothing to compile", None, None, time.perf_counter() - began, None, written, notes
+        )
     config = model_config(plan.source)
     progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
     with _build_lock(plan, config, progress):
@@ -183,8 +186,8 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
             found=artifacts.Lookup(manifest, path),
         )
         progress(
-            f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, "
-            f"{report.passes} passes"
+            f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, "
+            f"{len(report.shapes)} shapes, {report.passes} passes"
         )
         if report.still_cold or report.packages_missed:
             raise FailuresError(

@@ -1,34 +1,16 @@
 """A cold start's graphs, compiled by helper processes while the worker starts.
 
-With an empty compile cache, a fast worker spent most of its start in torch.compile, one graph after
-another: on an H200, 88 s from launch to ready, 60 of them compiling (SAM 30.6 s in 10 graphs, two kinds
-of block × five view sizes; the decode step 16.3; the LM layers 7.2; CLIP 5.8: docs/benchmarks.md).
-Dynamo, AOTAutograd and inductor's lowering are Python, on one core of a host that has many, and
-inductor's on-disk cache (coldstart/cache.py) is shared by every process of the host. So helper
-processes compile the graphs into the cache, each a share of them (`CompileShare`): the SAM and CLIP
-graphs of some view sizes (a vision share), or the language model's (the LM prefill's layers and the
-decode step, over the warm-up's prompts: the language share). The worker then traces each graph once
-and loads what the helpers compiled instead of compiling it.
-
-A helper compiles from zeros, not the checkpoint (`checkpoint.build_vision_only`, `build_zeroed`): a
-graph depends on the weights' shapes, dtypes and devices, never their values. It runs the warm-up's
-pages as the worker will (same modules, dtype, compile settings, inference mode, order), or the cache
-misses and the worker compiles those graphs itself: slower, never wrong. A helper that fails or overruns
-costs a warning and the same.
-
-Started before the worker loads its checkpoint (`CompileHelpers.start(..., fork=True)`, while CUDA is not
-yet initialised in the worker), helpers are forked: they begin with the worker's imports done (a spawned
-helper spent ~15 s of an H200 host's start importing torch and transformers). A warm-up that starts
-them itself, with CUDA initialised, spawns them instead.
-
-A warm-up that completed leaves a marker in the compile cache for its plan (`CompilePlan`: the torch
-version, the GPU, the model's architecture, the modes, the jobs' budget and decode options, this
-package's code); a helper that finds it compiles nothing, and a warm-up that finds it starts no helper.
-Each share is compiled once per host: a helper holds its share's lock while compiling and leaves a done
-file; another process's helper of the same share waits for the lock and takes the done file as its
-answer (a worker's other GPUs, which see their GPU as cuda:0 too: farm/devices.py). A helper dies with the
-process that started it (`exit_with_the_worker`): a forked helper knows its parent's pid, a spawned one is
-given it on its command line.
+Compiling is Python on one core of a host that has many, and inductor's on-disk cache (cache.py) is shared
+by every process of the host: so helper processes compile the warm-up's graphs into the cache, each a
+share (`CompileShare`: some vision view sizes, the LM prefill, or the decode step), and the worker then
+traces each graph once and loads it. A helper compiles from zeros (`checkpoint.build_vision_only`,
+`build_zeroed`: a graph depends on shapes, dtypes and devices, never values) and runs the warm-up's pages
+as the worker will, or the cache misses and the worker compiles: slower, never wrong. A helper that fails
+or overruns costs a warning and the same. Started before the worker's load, while CUDA is not yet
+initialised, helpers are forked with the worker's imports done; a warm-up with CUDA up spawns them.
+A completed warm-up's marker (`CompilePlan`) stops helpers; each share is compiled once per host
+(`ShareLock` and a done file: a worker's other GPUs see theirs as cuda:0 too, farm/devices.py). A
+helper dies with the process that started it (`exit_with_the_worker`).
 """
 
 from __future__ import annotations
@@ -143,7 +125,8 @@ class CompileHelpers:
             if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
                 count = threads * (1 if compile_share.kind == "vision" else 2)
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = str(count)
-            # Files, not pipes: a helper's output can fill a pipe nobody reads until `wait`, which closes them.
+            # Files, not pipes: a helper's output can fill a pipe nobody reads until `wait`, which
+            # closes them.
             stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
             process: _Process
             if fork:
@@ -286,6 +269,8 @@ def start_helpers(
     if plan is None or processes == 0 or torch.cuda.is_initialized():
         return None
     if listed_without_gpu(plan, model_config(path)):
-        log.info("artifacts are listed for this warm-up; no compile helper forked (the warm-up checks the GPU)")
+        log.info(
+            "artifacts are listed for this warm-up; no compile helper forked (the warm-up checks the GPU)"
+        )
         return None
     return CompileHelpers.start(plan, processes, fork=True)

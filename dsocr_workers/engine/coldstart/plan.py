@@ -1,7 +1,8 @@
 """What a warm-up compiles, as data shared by the worker and its compile helpers: the plan (`CompilePlan`:
 the session's settings, the modes, the jobs' budget and decode options), its shares (`CompileShare`: a
 helper's part), and the lock by which one helper per host compiles a share (`ShareLock`); the manifest
-a completed warm-up leaves in the compile cache is artifacts.py's. helpers.py starts the processes, helper_process.py is one.
+a completed warm-up leaves in the compile cache is artifacts.py's. helpers.py starts the processes,
+helper_process.py is one.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from dsocr_workers.model.preprocess import TILE_SIZE
 log = logging.getLogger(__name__)
 
 PROCESSES_ENV = settings.COMPILE_PROCESSES.name
-# A helper's graphs took 18-28 s on an H100, forked beside five others (docs/benchmarks.md); far past
-# that it is stuck, and the worker compiles without it.
+# Far past a helper's usual compile time (docs/benchmarks.md, cold start): it is stuck, and the worker
+# compiles without it.
 HELPER_TIMEOUT_S = 300.0
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -57,8 +58,8 @@ class VisionShapes:
 
     @property
     def cost(self) -> float:
-        """Compile time, relative: on an H200 (2026-11-26) the global views of 512 / 640 / 1024 / 1280
-        px took 3.7 / 4.2 / 9.0 (the process's first graphs) / 7.8 s with CLIP, the tiles 6.0."""
+        """Compile time, relative: a global view's grows with its size, the tiles' (SAM and CLIP over a
+        dynamic tile batch) cost about as much as the largest global view's."""
         return 3.0 if self.tiles else 1.0 + self.size / TILE_SIZE
 
 
@@ -90,7 +91,8 @@ def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) ->
 class CompilePlan:
     """One warm-up (coldstart/warmup.py `warm`) as its graphs depend on it: the session's settings, the
     modes, and the jobs' token budget and decode options (the decode step is compiled per cache bucket
-    and per n-gram ban). Helpers compile for it; its manifest (artifacts.py) says its graphs are in the cache."""
+    and per n-gram ban). Helpers compile for it; its manifest (artifacts.py) says its graphs are in the
+    cache."""
 
     source: str  # preset name or checkpoint directory: its architecture only
     engine: str  # the engine's registry name
@@ -109,7 +111,9 @@ class CompilePlan:
     def shares(self, processes: int) -> list[CompileShare]:
         """The language model's two shares (the decode step, the longest to compile; the LM prefill),
         then the vision view sizes in `processes` shares."""
-        vision = [CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)]
+        vision = [
+            CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)
+        ]
         return [CompileShare("decode"), CompileShare("prefill"), *vision]
 
     def to_json(self) -> dict:
@@ -212,7 +216,9 @@ class ShareLock:
     @staticmethod
     def paths(manifest: Path, share: CompileShare) -> tuple[Path, Path]:
         key = hashlib.sha256(share.label.encode()).hexdigest()[:12]
-        return manifest.with_name(f"{manifest.name}.{key}.lock"), manifest.with_name(f"{manifest.name}.{key}.done")
+        return manifest.with_name(f"{manifest.name}.{key}.lock"), manifest.with_name(
+            f"{manifest.name}.{key}.done"
+        )
 
     @classmethod
     def take(cls, path: Path) -> ShareLock | None:

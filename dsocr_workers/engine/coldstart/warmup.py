@@ -45,6 +45,12 @@ WARMUP_MAX_PASSES = 4
 
 @dataclass(frozen=True)
 class WarmupReport:
+    """What a warm-up did. `phases_ms`: where `ms` went, in order, its parts adding up to it: "load
+    packages" (prebuilt AOTInductor packages opened), "prepare" (the pages' preprocessing, once for every
+    pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision stages traced,
+    loaded from the cache, captured), "prefill helper", "prefill" (likewise, with the prefill captures),
+    "decode helper"; then "pass 1", "pass 2", ... (each with its prefill captures)."""
+
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
     passes: int  # over all shapes, until one met no cold path
@@ -63,12 +69,6 @@ class WarmupReport:
     # AOTInductor packages loaded (prebuilt artifacts), and the regions none was built for (dynamo's).
     packages: int = 0
     packages_missed: tuple[str, ...] = ()
-    # Where `ms` went, in order; the parts add up to it: "load packages" (prebuilt artifacts: the
-    # AOTInductor packages opened), "prepare" (the pages' preprocessing, once for
-    # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
-    # stages: their graphs traced and loaded from the cache, captured), "prefill helper", "prefill"
-    # (each page's LM prefill and the prefill captures, likewise), "decode helper"; then "pass 1",
-    # "pass 2", ... (each with its prefill captures).
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -81,7 +81,10 @@ def session_plan(
 ) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
-    kernels = {"attn_implementation": text._attn_implementation, "experts_implementation": text._experts_implementation}
+    kernels = {
+        "attn_implementation": text._attn_implementation,
+        "experts_implementation": text._experts_implementation,
+    }
     return compile_plan(
         session.source.name,
         session.device,
@@ -118,10 +121,14 @@ def plan_helpers(
     return plan, found, ""
 
 
-def use_packages(session: DeepSeekOCRSession, plan: CompilePlan, manifest: artifacts.Manifest) -> PackagedRegions:
+def use_packages(
+    session: DeepSeekOCRSession, plan: CompilePlan, manifest: artifacts.Manifest
+) -> PackagedRegions:
     """The session's regions run `manifest`'s packages from now on; a region none was built for compiles
     with dynamo (and says so)."""
-    regions = PackagedRegions.load(manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles)
+    regions = PackagedRegions.load(
+        manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles
+    )
     session.use_compiler(regions)
     return regions
 
@@ -164,7 +171,9 @@ def warm(
     if helpers is not None:
         skipped = ""
         if helpers.plan != plan:  # their graphs may not be this warm-up's: what they miss compiles here
-            log.warning("compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan)
+            log.warning(
+                "compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan
+            )
     elif plan is not None and not skipped:
         helpers = CompileHelpers.start(plan, helper_processes())
     mark = began + sum(phases.values()) / 1e3
@@ -215,11 +224,17 @@ def warm(
     shortest = longest = 0
     while passes < WARMUP_MAX_PASSES:
         passes += 1
-        shapes, still_cold, (shortest, longest) = warm_pass(session, prepared, max_new_tokens, options, max_crops)
+        shapes, still_cold, (shortest, longest) = warm_pass(
+            session, prepared, max_new_tokens, options, max_crops
+        )
         phase_ends(f"pass {passes}")
         if not still_cold:
             break
-    log.info("warm-up: %.2f s (%s)", mark - began, ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()))
+    log.info(
+        "warm-up: %.2f s (%s)",
+        mark - began,
+        ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()),
+    )
     return WarmupReport(
         (mark - began) * 1e3,
         shapes,
