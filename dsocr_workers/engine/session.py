@@ -158,9 +158,14 @@ class BatchFigures:
         metrics = self.metrics
         e2e_ms = (finished_s - self.ttft_from_s) * 1e3
         return replace(
-            own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
-            ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
-            queue_wait_ms=metrics.queue_wait_ms, e2e_ms=e2e_ms, host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
+            own,
+            decode_step_ms=metrics.itl_ms,
+            ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
+            ttft_from_device_start_ms=metrics.prefill_ms,
+            tpot_ms=metrics.tpot_ms or 0.0,
+            queue_wait_ms=metrics.queue_wait_ms,
+            e2e_ms=e2e_ms,
+            host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
         )
 
     def span(self) -> DeviceSpan:
@@ -206,7 +211,13 @@ class DeviceRun:
         )
 
     def finish(self) -> InferenceResult:
-        session, page, clock, generated, batch = self.session, self.page, self.clock, self.generated, self.batch
+        session, page, clock, generated, batch = (
+            self.session,
+            self.page,
+            self.clock,
+            self.generated,
+            self.batch,
+        )
         with clock.stage("postprocess"):
             text = session.decode_text(generated) if self.return_text else ""
             parsed = postprocess.parse_markup(text, *page.original.size)
@@ -266,7 +277,9 @@ class DeepSeekOCRSession:
         model = self.loaded.model
         make_current(self.device)
         set_numerics(self.device, self.dtype)
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        self.weights_bytes = sum(
+            t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+        )
         self.runners = self.variant.runners(model, self.device)
 
     @classmethod
@@ -353,7 +366,9 @@ class DeepSeekOCRSession:
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
     ) -> preprocess.PreparedPage:
-        return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
+        return preprocess.prepare_page(
+            image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops
+        )
 
     def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = MAX_CROPS) -> int:
         """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""
@@ -400,7 +415,11 @@ class DeepSeekOCRSession:
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
 
     def start_job(
-        self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock
+        self,
+        page: preprocess.PreparedPage,
+        options: DecodeOptions,
+        max_new_tokens: int | None,
+        clock: StageClock,
     ) -> PageJob:
         """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
         the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
@@ -428,7 +447,9 @@ class DeepSeekOCRSession:
             choose_token(logits, job.ban, job.options)
         return logits
 
-    def lm_prefill(self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache) -> torch.Tensor:
+    def lm_prefill(
+        self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache
+    ) -> torch.Tensor:
         """The prompt's embeddings with the image's placed at its placeholders, through the language
         model into `cache` (a batch-1 job's, or the batched engine's scratch); the last position's logits."""
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
@@ -593,7 +614,9 @@ class DeepSeekOCRSession:
         """The job's token budget and the most the model's positions allow."""
         ceiling = self.max_positions - prompt_tokens
         if ceiling < 1:
-            raise InputError(f"the prompt takes {prompt_tokens} positions; the model has {self.max_positions}")
+            raise InputError(
+                f"the prompt takes {prompt_tokens} positions; the model has {self.max_positions}"
+            )
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return min(ceiling if max_new_tokens is None else max_new_tokens, ceiling), ceiling
@@ -614,7 +637,9 @@ class DeepSeekOCRSession:
         reasons = []
         if self.jobs_run == 1:
             reasons.append("first job of this model in its process (not warmed up)")
-        reasons.extend(f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets)
+        reasons.extend(
+            f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets
+        )
         if after.graphs > before.graphs:
             reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
         if after.prefill_graphs > before.prefill_graphs:

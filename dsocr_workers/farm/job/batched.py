@@ -43,7 +43,8 @@ ABORT_WAIT_S = 10.0
 
 @dataclass
 class InFlight:
-    """A claimed job (its claim started at `claimed_s`, perf_counter): its page being prepared, then in the engine."""
+    """A claimed job (its claim started at `claimed_s`, perf_counter): its page being prepared, then in
+    the engine."""
 
     claim: ledger.Claim
     claimed_s: float
@@ -80,8 +81,15 @@ class BatchedJobs:
     def describe(self) -> str:
         """What it is (concurrency, KV plan, step), for the worker session that records its start."""
         engine, graphs = self.engine, self.engine.runner.cuda_graphs
-        step = f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)" if graphs else "eager steps"
-        return f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
+        step = (
+            f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)"
+            if graphs
+            else "eager steps"
+        )
+        return (
+            f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, "
+            f"{engine.attention} attention, {step}"
+        )
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
@@ -212,7 +220,8 @@ class BatchedJobs:
             self._fail_alone(job, RuntimeError("the batched engine finished without this job's output"))
 
     def _fail(self, job: InFlight, exc: Exception) -> str | None:
-        """Record the job's failure; its id if it is queued again, so needing a message (its own was acked)."""
+        """Record the job's failure; its id if it is queued again, so needing a message (its own was
+        acked)."""
         outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
         log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
         return outcome.job_id if outcome.retry_in_s is not None else None
@@ -221,11 +230,14 @@ class BatchedJobs:
         self.process.send_again([again] if (again := self._fail(job, exc)) else [])
 
     def _hand_over(self) -> None:
-        """Prepared pages into the engine; a page that could not be prepared or fit a slot fails its job alone."""
+        """Prepared pages into the engine; a page that could not be prepared or fit a slot fails its job
+        alone."""
         from dsocr_workers.engine.batched import PageRequest
 
         with self._changed:
-            ready = [(job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()]
+            ready = [
+                (job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()
+            ]
         for job_id, job in ready:
             try:
                 self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
@@ -238,7 +250,8 @@ class BatchedJobs:
                 job.handed_over = True
 
     def _finished(self, job: InFlight, output: BatchedOutput) -> None:
-        """Its result, built here (one that cannot be built fails its job alone), written on the results thread."""
+        """Its result, built here (one that cannot be built fails its job alone), written on the results
+        thread."""
         from dsocr_workers.engine.session import DeviceRun
 
         loaded = self.loaded
@@ -246,7 +259,9 @@ class BatchedJobs:
             loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s
         ).finish()
         ran = Ran(result, loaded.worker_id, loaded.worker_session_id, device=self.process.device)
-        self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow())
+        self.process.ledger_threads.complete(
+            job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow()
+        )
         log.info(
             "job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)",
             job.claim.job_id,

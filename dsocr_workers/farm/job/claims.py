@@ -20,7 +20,9 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 
 # "decoding": handed to the batched engine (farm/job/batched.py), its result written when it finishes.
-Status = Literal["done", "completing", "decoding", "failed", "queued", "poisoned", "refused", "released", "lost"]
+Status = Literal[
+    "done", "completing", "decoding", "failed", "queued", "poisoned", "refused", "released", "lost"
+]
 # Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
 BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 

@@ -51,7 +51,13 @@ Infer = Callable[[Claiming], Ran]
 
 
 def execute_job(
-    db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, ledger_threads: LedgerThreads | None = None
+    db: Database,
+    job_id: str,
+    *,
+    owner: str,
+    settings: Settings,
+    infer: Infer,
+    ledger_threads: LedgerThreads | None = None,
 ) -> Outcome:
     """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
     under this owner's lease, and a later delivery to this process continues the same attempt. With
@@ -78,7 +84,8 @@ def execute_job(
     except Refused as refusal:
         return refused(refusal.refusal)
     finished_at = utcnow()
-    build_row = partial(result_row, ran, claim, claimed_s)  # scored outside the transaction holding the job's row
+    # Scored outside the transaction holding the job's row.
+    build_row = partial(result_row, ran, claim, claimed_s)
     if ledger_threads is not None:
         ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")

@@ -170,7 +170,9 @@ class ModelOpener:
         warmup_ms, shapes, cold_start = 0.0, [], []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
-            report = run_warmup(loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
+            report = run_warmup(
+                loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers
+            )
             helpers = None
             warmup_ms += report.ms
             if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
@@ -182,7 +184,11 @@ class ModelOpener:
                     report.passes,
                     "; ".join(report.still_cold),
                 )
-            ban = "" if ngram == DEFAULT_NGRAM else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
+            ban = (
+                ""
+                if ngram == DEFAULT_NGRAM
+                else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
+            )
             shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
@@ -191,7 +197,9 @@ class ModelOpener:
         self.record(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)
         return loaded
 
-    def record(self, loaded: OpenModel, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float) -> None:
+    def record(
+        self, loaded: OpenModel, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float
+    ) -> None:
         """Record what was just loaded or warmed as a new worker session, ready now: the jobs after it
         point at it, and the report counts them from its `ready_at` on."""
         self.register()

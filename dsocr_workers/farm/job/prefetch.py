@@ -114,7 +114,9 @@ class Prefetcher:
                 run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
         return None if run is None else RunOptions.from_parameters(run.model, run.parameters)
 
-    def job_to_run(self, claiming: Claiming, open_model: ModelKey | None) -> tuple[JobFacts, Prefetched | None]:
+    def job_to_run(
+        self, claiming: Claiming, open_model: ModelKey | None
+    ) -> tuple[JobFacts, Prefetched | None]:
         """The job `claiming` claims, and its page if one was prefetched for it as it is. A job whose page
         was prefetched for the open model starts before its claim is written, from what the prefetch
         read (a run's settings and a job's image never change); any other waits for its claim here."""

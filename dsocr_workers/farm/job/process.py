@@ -79,9 +79,11 @@ class JobProcess:
 
     def close(self) -> None:
         self.end_batch()  # its jobs finish and their results are written before the threads stop
-        self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
+        # Before the heartbeat stops: the leases of the results it writes stay renewed.
+        self.ledger_threads.close()
         self.prefetcher.close()
-        try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
+        # A clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them).
+        try:
             with self.db.transaction() as tx:
                 ledger.drop_reservations(tx, self.owner)
         except Exception:  # the ledger is down: the reservation runs out and a sweep brings the job back
@@ -91,7 +93,8 @@ class JobProcess:
         gc.unfreeze()
 
     def reserve(self, job_id: str) -> None:
-        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py `reserve_job`)."""
+        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py
+        `reserve_job`)."""
         with self.db.transaction() as tx:
             ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
 
@@ -101,7 +104,8 @@ class JobProcess:
         for a job that is gone or unknown (left to the claim to refuse) or whose run could not be read."""
         try:
             options = self.prefetcher.run_of(job_id)
-        except Exception:  # a ledger outage, a run's bad options: the job's own path meets it again and records it
+        # A ledger outage, a run's bad options: the job's own path meets it again and records it.
+        except Exception:
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None:
@@ -168,7 +172,9 @@ class JobProcess:
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
-        prefetch_next = partial(self.prefetcher.start, upcoming, loaded.key, session) if upcoming else lambda: None
+        prefetch_next = (
+            partial(self.prefetcher.start, upcoming, loaded.key, session) if upcoming else lambda: None
+        )
         try:
             prepared = prefetched.page() if prefetched is not None else PagePlan.of_job(job).prepare(session)
         except Exception:
@@ -182,4 +188,10 @@ class JobProcess:
             before_decode=lambda: claiming.wait_then(prefetch_next),
             profiler=JobProfiler(session.device) if job.profile else None,
         )
-        return Ran(run, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None, device=self.device)
+        return Ran(
+            run,
+            loaded.worker_id,
+            loaded.worker_session_id,
+            prefetched=prefetched is not None,
+            device=self.device,
+        )
