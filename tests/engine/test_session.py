@@ -225,7 +225,7 @@ def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
 
 def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
     """The compiled decode step is specialised on the n-gram ban: a warm-up with the vendor's ban left a
-    run without it to compile on its first job (14.8 s on an H200). Warmed with the jobs' options, it
+    run without it to compile on its first job. Warmed with the jobs' options, it
     meets nothing cold; a job with another ban still does, and says so."""
     fast = fast_on_cpu(session.source)
     # Bans no other test compiles: dynamo keeps a compiled step per code object, across sessions.
@@ -239,7 +239,7 @@ def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
 
 def test_one_compiled_decode_step_serves_every_cache_bucket(session):
     """A cache bucket is a new length for the cache and the token buffer: the second bucket a worker
-    met used to compile the decode step again (13 s of a cold start on an H200). The capacity is a
+    met used to compile the decode step again. The capacity is a
     symbol from the first compilation now; each bucket still decodes what eager decodes."""
     fast = fast_on_cpu(session.source)
     graphs = torch._dynamo.utils.counters["stats"]
@@ -259,7 +259,7 @@ def test_one_compiled_decode_step_serves_every_cache_bucket(session):
 
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
-    """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
+    """Each tile count used to be a graph of its own: the tile
     batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs.
     And the encoders are compiled block by block: a graph per kind of block (SAM windowed, SAM global,
     CLIP) and view group, not one per encoder holding every layer."""
@@ -287,8 +287,7 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
 
 
 def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
-    """The LM prefill compiled whole was one graph of every decoder layer (31.7 s of a cold start on an
-    H200). Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
+    """The LM prefill compiled whole was one graph of every decoder layer. Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
     prompt length and cache bucket, and over the prompt padded to its bucket it leaves what the
     uncompiled prefill leaves: the logits of the last position, every layer's cache for the prompt's
     positions and its fill count."""
@@ -529,7 +528,7 @@ def test_cuda_fast_engine_follows_eager_in_float32():
 def test_cuda_fast_engine_on_a_second_gpu_runs_there():
     """A worker child on cuda:1 in a process whose current device was cuda:0: its warm-up captured CUDA
     graphs on a stream of cuda:0 while the kernels ran on cuda:1 and failed ("operation not permitted
-    when stream is capturing", found on 2 × H200). The session makes its device current: the warm-up
+    when stream is capturing"). The session makes its device current: the warm-up
     and a job run, the job's device times come from events on cuda:1, nothing lands on cuda:0."""
     torch.cuda.set_device(0)
     on_first = torch.cuda.memory_allocated(0)
