@@ -94,9 +94,7 @@ def compile_language(
             experts_implementation=plan.experts_implementation,
         )
     decode = share.kind == "decode"
-    engine = FastEngine(
-        FastCompile(decode_only=decode, dynamic_tiles=plan.dynamic_tiles, cuda_graphs=plan.cuda_graphs)
-    )
+    engine = FastEngine(FastCompile(decode_only=decode, dynamic_tiles=plan.dynamic_tiles))
     with torch.inference_mode():
         engine.after_load(loaded.model)
     session = DeepSeekOCRSession(

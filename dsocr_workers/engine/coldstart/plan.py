@@ -102,7 +102,6 @@ class CompilePlan:
     experts_implementation: str
     backend: str
     dynamic_tiles: bool
-    cuda_graphs: bool
     max_crops: int
     modes: tuple[str, ...]
     max_new_tokens: int | None
@@ -279,7 +278,6 @@ def compile_plan(
         **kernels,
         backend=graphs.backend,
         dynamic_tiles=graphs.dynamic_tiles,
-        cuda_graphs=graphs.cuda_graphs,
         max_crops=max_crops,
         modes=tuple(modes),
         max_new_tokens=max_new_tokens,

@@ -33,16 +33,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class FastCompile:
     """What the fast engine compiles. The defaults are the engine: the vision encoders, the LM prefill and
-    the decode step, which it replays as a CUDA graph. `decode_only`: the decode step alone, vision and
-    prefill eager (the cold start's decode share)."""
+    the decode step; on CUDA all three are replayed as CUDA graphs (engine/regions.py GraphedVision,
+    GraphedPrefill, GraphedDecode). `decode_only`: the decode step alone, vision and prefill eager (the
+    cold start's decode share)."""
 
     decode_only: bool = False
     # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count
     # (the cold start keys its artifacts by it).
     dynamic_tiles: bool = True
-    # On CUDA, vision replayed as a CUDA graph per page shape and the LM prefill per padded prompt length
-    # (engine/regions.py GraphedVision, GraphedPrefill); False: the compiled blocks called one by one.
-    cuda_graphs: bool = True
 
 
 def fast_vision_modules(model: DeepSeekOCR) -> None:
@@ -88,7 +86,7 @@ class FastEngine(Engine):
         compiler = compiler or TorchCompiler(backend)
         mode = "reduce-overhead" if backend == "inductor" else None
         decode = compiler.region("decode_step", self.decode_function(), mode=mode, fullgraph=True)
-        graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
+        graphs = device.type == "cuda" and compiler.capturable
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
         if settings.decode_only:
@@ -112,4 +110,4 @@ class FastEngine(Engine):
         backend = self.compile_backend()
         if self.compile.decode_only or backend != "inductor":
             return None
-        return InductorGraphs(backend, self.compile.dynamic_tiles, self.compile.cuda_graphs)
+        return InductorGraphs(backend, self.compile.dynamic_tiles)
