@@ -40,7 +40,8 @@ def model_options(func: Any) -> Any:
                 show_default=True,
                 envvar=settings.MODEL.name,
                 metavar="DIR|tiny|full",
-                help="A vendor checkpoint directory, or a random-weight preset (tiny: CPU tests; full: real dims).",
+                help="A vendor checkpoint directory, or a random-weight preset "
+                "(tiny: CPU tests; full: real dims).",
             ),
             click.option(
                 "--device", default=None, metavar="cpu|cuda[:N]", help="Default: cuda if available, else cpu."
@@ -111,12 +112,14 @@ def timing_table(result: InferenceResult, title: str) -> Any:
     for name, ms, part, stage in rows:
         table.add_row(name, "-" if ms is None else f"{ms:.2f}", part, stage)
     table.caption = (
-        f"clock: {t.clock}; {result.decode_tokens} tokens (stop: {result.stop_reason}), {result.wasted_steps} decode "
-        f"steps past EOS; mode {result.mode}, crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
+        f"clock: {t.clock}; {result.decode_tokens} tokens (stop: {result.stop_reason}), "
+        f"{result.wasted_steps} decode steps past EOS; mode {result.mode}, "
+        f"crop grid {result.crop_grid[0]}x{result.crop_grid[1]}, "
         f"{result.image_tokens} image / {result.prompt_tokens} prompt tokens"
         + (
             f"; job peak memory {result.memory.peak_bytes / 2**30:.2f} GiB (weights "
-            f"{result.memory.weights_bytes / 2**30:.2f}, KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
+            f"{result.memory.weights_bytes / 2**30:.2f}, "
+            f"KV cache {result.memory.kv_cache_bytes / 2**30:.2f}, "
             f"activations {result.memory.activation_peak_bytes / 2**30:.2f})"
             if result.memory
             else ""
@@ -150,7 +153,8 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--seed", type=int, default=None, help="Sampling seed.")
 @click.option("--no-repeat-ngram-size", type=int, default=20, show_default=True, help="0: off.")
 @click.option("--ngram-window", type=int, default=None,
-              help="Search n-grams only in the last N generated tokens (vendor vLLM); default: whole sequence.")
+              help="Search n-grams only in the last N generated tokens (vendor vLLM); "
+              "default: whole sequence.")
 @click.option("--ngram-whitelist", default="", metavar="ID,ID",
               help="Token ids never banned (vendor vLLM: 128821,128822 = <td>,</td>).")
 @click.option("--stop-on-repetition", is_flag=True,

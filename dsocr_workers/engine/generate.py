@@ -72,9 +72,15 @@ class DecodeBuffers:
         # Allocate (and mark static) now rather than lazily at the first update, which would happen
         # inside the compiled prefill where static addresses cannot be marked.
         cache.early_initialization(
-            batch_size=1, num_heads=text.num_key_value_heads, head_dim=text.head_dim, dtype=dtype, device=device,
+            batch_size=1,
+            num_heads=text.num_key_value_heads,
+            head_dim=text.head_dim,
+            dtype=dtype,
+            device=device,
         )
-        cache_bytes = 2 * len(cache.layers) * text.num_key_value_heads * capacity * text.head_dim * dtype.itemsize
+        cache_bytes = (
+            2 * len(cache.layers) * text.num_key_value_heads * capacity * text.head_dim * dtype.itemsize
+        )
         tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
         # One compiled decode step for every bucket: the capacity is a symbol from the first compilation,
         # not a constant that the second bucket would compile again.
@@ -106,7 +112,9 @@ class DecodeBuffers:
         if key not in self._bans:
             whitelist = None
             if options.ngram_whitelist:
-                whitelist = torch.tensor(options.ngram_whitelist, dtype=torch.int64, device=self.tokens.device)
+                whitelist = torch.tensor(
+                    options.ngram_whitelist, dtype=torch.int64, device=self.tokens.device
+                )
             self._bans[key] = NGramBan(self.tokens, self.length, self.prompt_length, *key[:2], whitelist)
         return self._bans[key]
 
@@ -198,8 +206,9 @@ class RepetitionWatch:
         if not self.cuda:
             return self._loops(self.buffers.tokens[start : start + written])
         host = self.buffers.host_tokens
-        host[self._copied : written].copy_(self.buffers.tokens[start + self._copied : start + written],
-                                           non_blocking=True)  # fmt: skip
+        host[self._copied : written].copy_(
+            self.buffers.tokens[start + self._copied : start + written], non_blocking=True
+        )
         self._copied = written
         event = torch.cuda.Event()
         event.record()

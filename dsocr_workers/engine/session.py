@@ -158,9 +158,14 @@ class BatchFigures:
         metrics = self.metrics
         e2e_ms = (finished_s - self.ttft_from_s) * 1e3
         return replace(
-            own, decode_step_ms=metrics.itl_ms, ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
-            ttft_from_device_start_ms=metrics.prefill_ms, tpot_ms=metrics.tpot_ms or 0.0,
-            queue_wait_ms=metrics.queue_wait_ms, e2e_ms=e2e_ms, host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
+            own,
+            decode_step_ms=metrics.itl_ms,
+            ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
+            ttft_from_device_start_ms=metrics.prefill_ms,
+            tpot_ms=metrics.tpot_ms or 0.0,
+            queue_wait_ms=metrics.queue_wait_ms,
+            e2e_ms=e2e_ms,
+            host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
         )
 
     def span(self) -> DeviceSpan:
@@ -189,16 +194,30 @@ class DeviceRun:
     batch: BatchFigures | None = None
 
     @classmethod
-    def batched(cls, session: DeepSeekOCRSession, prepared: PreparedJob, output: BatchedOutput,
-                ttft_from_s: float) -> DeviceRun:  # fmt: skip
+    def batched(
+        cls, session: DeepSeekOCRSession, prepared: PreparedJob, output: BatchedOutput, ttft_from_s: float
+    ) -> DeviceRun:
         """A page the batched engine finished (`output`), its TTFT counted from `ttft_from_s`."""
-        return cls(session, prepared.page, prepared.clock, output.token_ids, output.stop_reason,
-                   kv_length=output.prompt_tokens + len(output.token_ids) - 1, vision_calls=1,
-                   wasted_steps=output.wasted_steps,
-                   batch=BatchFigures(output.metrics, ttft_from_s))  # fmt: skip
+        return cls(
+            session,
+            prepared.page,
+            prepared.clock,
+            output.token_ids,
+            output.stop_reason,
+            kv_length=output.prompt_tokens + len(output.token_ids) - 1,
+            vision_calls=1,
+            wasted_steps=output.wasted_steps,
+            batch=BatchFigures(output.metrics, ttft_from_s),
+        )
 
     def finish(self) -> InferenceResult:
-        session, page, clock, generated, batch = self.session, self.page, self.clock, self.generated, self.batch
+        session, page, clock, generated, batch = (
+            self.session,
+            self.page,
+            self.clock,
+            self.generated,
+            self.batch,
+        )
         with clock.stage("postprocess"):
             text = session.decode_text(generated) if self.return_text else ""
             parsed = postprocess.parse_markup(text, *page.original.size)
@@ -258,7 +277,9 @@ class DeepSeekOCRSession:
         model = self.loaded.model
         make_current(self.device)
         set_numerics(self.device, self.dtype)
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        self.weights_bytes = sum(
+            t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+        )
         self.runners = self.variant.runners(model, self.device)
 
     @classmethod
@@ -334,13 +355,20 @@ class DeepSeekOCRSession:
         """A job's clock, instrumented as this session is. `marks_steps` False: a page whose decode steps
         the batched engine times; step events made on the preparing threads would hold the GIL that the
         engine's thread needs to launch its steps."""
-        return StageClock(self.device, job_id=job_id, nvtx_enabled=self.instrumented, timing_enabled=self.instrumented,
-                          step_capacity=STEP_CAPACITY if marks_steps else 0)  # fmt: skip
+        return StageClock(
+            self.device,
+            job_id=job_id,
+            nvtx_enabled=self.instrumented,
+            timing_enabled=self.instrumented,
+            step_capacity=STEP_CAPACITY if marks_steps else 0,
+        )
 
     def prepare(
         self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
     ) -> preprocess.PreparedPage:
-        return preprocess.prepare_page(image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops)
+        return preprocess.prepare_page(
+            image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops
+        )
 
     def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = MAX_CROPS) -> int:
         """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""
@@ -387,7 +415,11 @@ class DeepSeekOCRSession:
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
 
     def start_job(
-        self, page: preprocess.PreparedPage, options: DecodeOptions, max_new_tokens: int | None, clock: StageClock
+        self,
+        page: preprocess.PreparedPage,
+        options: DecodeOptions,
+        max_new_tokens: int | None,
+        clock: StageClock,
     ) -> PageJob:
         """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
         the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
@@ -415,7 +447,9 @@ class DeepSeekOCRSession:
             choose_token(logits, job.ban, job.options)
         return logits
 
-    def lm_prefill(self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache) -> torch.Tensor:
+    def lm_prefill(
+        self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache
+    ) -> torch.Tensor:
         """The prompt's embeddings with the image's placed at its placeholders, through the language
         model into `cache` (a batch-1 job's, or the batched engine's scratch); the last position's logits."""
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
@@ -484,8 +518,15 @@ class DeepSeekOCRSession:
         the steps launched, which the device finishes shortly after), for a progress display. `after_step`:
         `run_on_device`'s."""
         prepared = self.prepare_job(image, prompt, mode, job_id, max_crops, clock)
-        return self.run_on_device(prepared.page, max_new_tokens, infer, clock=prepared.clock, return_text=return_text,
-                                  on_decode_progress=on_decode_progress, after_step=after_step).finish()  # fmt: skip
+        return self.run_on_device(
+            prepared.page,
+            max_new_tokens,
+            infer,
+            clock=prepared.clock,
+            return_text=return_text,
+            on_decode_progress=on_decode_progress,
+            after_step=after_step,
+        ).finish()
 
     def run_on_device(
         self,
@@ -539,9 +580,19 @@ class DeepSeekOCRSession:
             peak = torch.cuda.max_memory_allocated(self.device)
             memory = JobMemory(peak, self.weights_bytes, job.buffers.cache_bytes, peak - resident)
         self.jobs_run += 1
-        return DeviceRun(self, page, clock, generated, stop, kv_length=job.kv_length, vision_calls=job.vision_calls,
-                         wasted_steps=job.steps + 1 - len(generated), memory=memory,
-                         cold_reasons=self._cold_reasons(before), return_text=return_text)  # fmt: skip
+        return DeviceRun(
+            self,
+            page,
+            clock,
+            generated,
+            stop,
+            kv_length=job.kv_length,
+            vision_calls=job.vision_calls,
+            wasted_steps=job.steps + 1 - len(generated),
+            memory=memory,
+            cold_reasons=self._cold_reasons(before),
+            return_text=return_text,
+        )
 
     def capture_prefill(self, length: int, max_new_tokens: int | None) -> bool:
         """Capture the LM prefill graph of a `length`-token prompt in the cache bucket its job will use,
@@ -563,7 +614,9 @@ class DeepSeekOCRSession:
         """The job's token budget and the most the model's positions allow."""
         ceiling = self.max_positions - prompt_tokens
         if ceiling < 1:
-            raise InputError(f"the prompt takes {prompt_tokens} positions; the model has {self.max_positions}")
+            raise InputError(
+                f"the prompt takes {prompt_tokens} positions; the model has {self.max_positions}"
+            )
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return min(ceiling if max_new_tokens is None else max_new_tokens, ceiling), ceiling
@@ -584,7 +637,9 @@ class DeepSeekOCRSession:
         reasons = []
         if self.jobs_run == 1:
             reasons.append("first job of this model in its process (not warmed up)")
-        reasons.extend(f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets)
+        reasons.extend(
+            f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets
+        )
         if after.graphs > before.graphs:
             reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
         if after.prefill_graphs > before.prefill_graphs:

@@ -31,7 +31,11 @@ NEAR_TIE = {torch.float32: 2.0**-16, torch.float16: 2.0**-8, torch.bfloat16: 2.0
 
 
 def one_shot_scores(
-    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
+    session: DeepSeekOCRSession,
+    image: ImageInput,
+    tokens: list[int],
+    options: DecodeOptions,
+    mode: str = DEFAULT_MODE,
 ) -> torch.Tensor:
     """The scores one-shot generation picks from at every step given the same prefix: a single
     cache-free forward over prompt + `tokens` (teacher forcing), each step's logits after the n-gram
@@ -48,7 +52,9 @@ def one_shot_scores(
         mask[: page.prompt_tokens] = page.images_seq_mask
         embeds[0, mask.to(session.device)] = image_embeds.to(embeds.dtype)
         positions = torch.arange(ids.numel(), device=session.device).unsqueeze(0)
-        hidden = model.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False).last_hidden_state
+        hidden = model.language_model(
+            inputs_embeds=embeds, position_ids=positions, use_cache=False
+        ).last_hidden_state
         logits = model.logits(hidden[0, page.prompt_tokens - 1:])
         ban = NGramBan.create(page.input_ids.to(session.device), ids.numel() + 1, options)
         scores = []
@@ -59,7 +65,11 @@ def one_shot_scores(
 
 
 def one_shot_choices(
-    session: DeepSeekOCRSession, image: ImageInput, tokens: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
+    session: DeepSeekOCRSession,
+    image: ImageInput,
+    tokens: list[int],
+    options: DecodeOptions,
+    mode: str = DEFAULT_MODE,
 ) -> list[tuple[int, float, float]]:
     """What one-shot generation picks at every step given the same prefix (`one_shot_scores`). If every
     pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
@@ -84,14 +94,23 @@ class KvGrowth:
 
 
 def split_kv_growth(
-    session: DeepSeekOCRSession, image: ImageInput, steps: int, options: DecodeOptions, mode: str = DEFAULT_MODE
+    session: DeepSeekOCRSession,
+    image: ImageInput,
+    steps: int,
+    options: DecodeOptions,
+    mode: str = DEFAULT_MODE,
 ) -> KvGrowth:
     """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
     every step."""
     options = replace(options, ignore_eos=True)  # every step runs
     fills: list[int] = []
-    run = session.run_on_device(session.prepare(image, None, mode, 9), steps + 1, options, return_text=False,
-                                after_step=lambda job, _: fills.append(job.buffers.kv_length))  # fmt: skip
+    run = session.run_on_device(
+        session.prepare(image, None, mode, 9),
+        steps + 1,
+        options,
+        return_text=False,
+        after_step=lambda job, _: fills.append(job.buffers.kv_length),
+    )
     run.finish()  # finishes the clock
     return KvGrowth(run.page.prompt_tokens, fills[0], fills[1:], run.clock)
 
@@ -127,7 +146,9 @@ def run_checks(
     ))
 
     counts = {name: clock.count(name) for name in VISION_STAGES}
-    outside_prefill = [e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"]
+    outside_prefill = [
+        e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"
+    ]
     checks.append(CheckResult(
         "vision stages ran exactly once per job, inside prefill",
         all(count == 1 for count in counts.values()) and not outside_prefill and result.vision_calls == 1,
@@ -146,7 +167,11 @@ def run_checks(
 
 
 def teacher_forced_top1(
-    session: DeepSeekOCRSession, image: ImageInput, forced: list[int], options: DecodeOptions, mode: str = DEFAULT_MODE
+    session: DeepSeekOCRSession,
+    image: ImageInput,
+    forced: list[int],
+    options: DecodeOptions,
+    mode: str = DEFAULT_MODE,
 ) -> list[int]:
     """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
     picks at every step, each from the forced prefix."""
@@ -158,8 +183,14 @@ def teacher_forced_top1(
         job.write_token(step, forced[step])
 
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
-    session.run_on_device(session.prepare(image, None, mode, 9), len(forced), options, clock=clock,
-                          return_text=False, after_step=pick_then_force)  # fmt: skip
+    session.run_on_device(
+        session.prepare(image, None, mode, 9),
+        len(forced),
+        options,
+        clock=clock,
+        return_text=False,
+        after_step=pick_then_force,
+    )
     return picks
 
 

@@ -425,8 +425,8 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
     batch-1 greedy tokens in float32, and its steps are timed with CUDA events. Its pages are pinned, as
     the farm's batched jobs prepare them: their uploads queue behind the decode steps. Either attention:
-    the filled one's kernel, compiled with its batch dynamic, read rows longer than one block wrongly on an
-    H100 (slots.py): its batch is every slot, and buckets below 32 leave rows that read no block."""
+    the filled one's kernel, compiled with its batch dynamic, read rows longer than one block wrongly on a
+    GPU (slots.py): its batch is every slot, and buckets below 32 leave rows that read no block."""
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
     options = DecodeOptions(ignore_eos=True)
     prepared = [fast.prepare_job(page(w, h), None, mode).page for w, h, mode, _ in PAGES]

@@ -22,10 +22,10 @@ from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.artifacts import Environment
 from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
+from dsocr_workers.engine.variants.fast import FastEngine
 from dsocr_workers.model.config import PRESETS
 
-ENGINE = FastEngine(FastCompile("inductor", cuda_graphs=False))
+ENGINE = FastEngine()
 KERNELS = {**ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
 H100 = "NVIDIA H100 80GB HBM3 (sm_90)"
 H200 = "NVIDIA H200 (sm_90)"
@@ -106,13 +106,13 @@ from dsocr_workers.engine.coldstart.warmup import session_plan, warm
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
+from dsocr_workers.engine.variants.fast import FastEngine
 
 class CpuFast(FastEngine):
     def kernels(self):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 
-engine = CpuFast(FastCompile("inductor", cuda_graphs=False))
+engine = CpuFast()
 request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3)
 found = {}
 if sys.argv[1] == "refused":

@@ -91,7 +91,7 @@ def run_bytecode_process(env: dict[str, str], *args: str) -> list[str]:
 
 def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_compile_cache(tmp_path, subprocess_env):
     """PYTHONDONTWRITEBYTECODE and no bytecode shipped (a container image's usual state): every process
-    compiled every source again, ~5 s of a worker's imports on the H100 host. Starts before a build
+    compiled every source again, a large part of a worker's imports. Starts before a build
     change nothing; the build writes what it imported (after another build's writer, under its lock);
     the starts after it read it (and tell the processes they start)."""
     sources = tmp_path / "sources"

@@ -31,13 +31,13 @@ from dsocr_workers.engine.coldstart.plan import (
 from dsocr_workers.engine.coldstart.warmup import plan_helpers
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
+from dsocr_workers.engine.variants.fast import FastEngine
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset
 from dsocr_workers.model.config import PRESETS
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
-CPU_ENGINE = FastEngine(FastCompile("inductor", cuda_graphs=False))
+CPU_ENGINE = FastEngine()
 CPU_KERNELS = {**CPU_ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
 
 
@@ -129,9 +129,9 @@ DYING_WORKER = """
 import os, sys, torch
 from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 from dsocr_workers.engine.coldstart.plan import compile_plan
-from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
+from dsocr_workers.engine.variants.fast import FastEngine
 
-engine = FastEngine(FastCompile("inductor", cuda_graphs=False))
+engine = FastEngine()
 kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 plan = compile_plan("tiny", torch.device("cpu"), torch.float32, kernels, engine.compiled(),
                     ["gundam", "tiny", "small", "base", "large"], 8, None, 9, engine="fast")

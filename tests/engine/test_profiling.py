@@ -116,7 +116,7 @@ def test_a_replayed_cuda_graphs_kernels_count_for_the_range_that_replayed_it():
 @pytest.mark.parametrize(
     ("event_ms", "kernel_ms", "span_ms", "verdict"),
     [
-        (9.089, 8.537, 9.051, "explained: GPU idle between kernels"),  # SAM on an H100 (docs/benchmarks.md)
+        (9.089, 8.537, 9.051, "explained: GPU idle between kernels"),  # a SAM stage's figures
         (13.528, 9.929, 11.167, "explained: GPU idle 3.6 ms (1.24 between kernels, 2.36 waiting on the host)"),
         (9.230, 0.018, 0.018, "FAIL"),  # SAM's replayed graph attributed to no stage: must not pass as idle
         (2.815, 1.064, 2.335, "FAIL"),  # setup: the page's copies wait on the host for most of it

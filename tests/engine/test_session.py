@@ -16,7 +16,7 @@ from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.checkpoint import build_preset, save_preset
+from dsocr_workers.model.checkpoint import save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
 from dsocr_workers.model.modeling import CACHE_ARGUMENT
 
@@ -183,21 +183,27 @@ def test_auto_engine_is_eager_on_a_cpu_without_a_note():
     assert auto.engine == "eager" and auto.engine_note == ""
 
 
+class CpuFast(FastEngine):
+    """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its compiled
+    regions on the CPU. dynamo's aot_eager traces without generating code (inductor takes minutes over a
+    whole model on a CPU). The routed experts are transformers' batched GEMMs: the selected-experts Triton
+    kernels run on a CPU only in Triton's interpreter, which a compiled graph cannot trace
+    (tests/model/test_fast_kernels.py checks them uncompiled here, compiled on a GPU)."""
+
+    def kernels(self) -> dict[str, str]:
+        return {**super().kernels(), "experts_implementation": "batched_mm"}
+
+    def compile_backend(self) -> str:
+        return "aot_eager"
+
+
 def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSession:
-    """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its decode
-    step compiled as the engine compiles it (one graph, fullgraph), on the CPU in float32. The backend traces without
-    generating code (inductor takes minutes over a whole model on a CPU); with `decode_only` vision and
-    prefill stay uncompiled.
-    The routed experts are transformers' batched GEMMs: the selected-experts Triton kernels run on a CPU
-    only in Triton's interpreter, which a compiled graph cannot trace (tests/model/test_fast_kernels.py
-    checks them uncompiled here, compiled on a GPU)."""
-    cpu, fp32 = torch.device("cpu"), torch.float32
-    engine = FastEngine(FastCompile("aot_eager", decode_only))
-    kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
-    with torch.inference_mode():
-        loaded = build_preset(source.name, seed=source.seed or 0, device=cpu, dtype=fp32, **kernels)
-        engine.after_load(loaded.model)
-    return DeepSeekOCRSession(loaded, source, cpu, fp32, engine)
+    """`source`'s preset on the fast engine (`CpuFast`) in float32, its decode step compiled as the engine
+    compiles it (one graph, fullgraph); with `decode_only` vision and prefill stay uncompiled."""
+    engine = CpuFast(FastCompile(decode_only=decode_only))
+    return DeepSeekOCRSession.from_local(
+        source.name, device="cpu", dtype=torch.float32, engine=engine, seed=source.seed or 0, instrumented=True
+    )
 
 
 def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
@@ -219,7 +225,7 @@ def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
 
 def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
     """The compiled decode step is specialised on the n-gram ban: a warm-up with the vendor's ban left a
-    run without it to compile on its first job (14.8 s on an H200). Warmed with the jobs' options, it
+    run without it to compile on its first job. Warmed with the jobs' options, it
     meets nothing cold; a job with another ban still does, and says so."""
     fast = fast_on_cpu(session.source)
     # Bans no other test compiles: dynamo keeps a compiled step per code object, across sessions.
@@ -233,7 +239,7 @@ def test_the_warm_up_compiles_the_decode_step_the_jobs_will_run(session):
 
 def test_one_compiled_decode_step_serves_every_cache_bucket(session):
     """A cache bucket is a new length for the cache and the token buffer: the second bucket a worker
-    met used to compile the decode step again (13 s of a cold start on an H200). The capacity is a
+    met used to compile the decode step again. The capacity is a
     symbol from the first compilation now; each bucket still decodes what eager decodes."""
     fast = fast_on_cpu(session.source)
     graphs = torch._dynamo.utils.counters["stats"]
@@ -253,7 +259,7 @@ def test_one_compiled_decode_step_serves_every_cache_bucket(session):
 
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
-    """Each tile count used to be a graph of its own (30–80 s of compilation each on an H200): the tile
+    """Each tile count used to be a graph of its own: the tile
     batch is dynamic now, so the first gundam page with tiles compiles and other grids reuse its graphs.
     And the encoders are compiled block by block: a graph per kind of block (SAM windowed, SAM global,
     CLIP) and view group, not one per encoder holding every layer."""
@@ -281,8 +287,7 @@ def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):
 
 
 def test_fast_lm_prefill_compiles_a_graph_per_kind_of_layer_on_cpu(session):
-    """The LM prefill compiled whole was one graph of every decoder layer (31.7 s of a cold start on an
-    H200). Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
+    """The LM prefill compiled whole was one graph of every decoder layer. Layer by layer it is one graph for the dense first layer and one for the MoE layers, for every
     prompt length and cache bucket, and over the prompt padded to its bucket it leaves what the
     uncompiled prefill leaves: the logits of the last position, every layer's cache for the prompt's
     positions and its fill count."""
@@ -523,7 +528,7 @@ def test_cuda_fast_engine_follows_eager_in_float32():
 def test_cuda_fast_engine_on_a_second_gpu_runs_there():
     """A worker child on cuda:1 in a process whose current device was cuda:0: its warm-up captured CUDA
     graphs on a stream of cuda:0 while the kernels ran on cuda:1 and failed ("operation not permitted
-    when stream is capturing", found on 2 × H200). The session makes its device current: the warm-up
+    when stream is capturing"). The session makes its device current: the warm-up
     and a job run, the job's device times come from events on cuda:1, nothing lands on cuda:0."""
     torch.cuda.set_device(0)
     on_first = torch.cuda.memory_allocated(0)

@@ -137,8 +137,8 @@ def small_host_gap(timings, again, tries: int = 5) -> bool:
 
 def waited_job_timings(device: str):
     """A job whose page was prepared 50 ms before its device work starts. 40 decode steps: with the default
-    5 its end-to-end on an H100 host was ~6 ms, and the clock's own work between stages (0.3-0.46 ms in
-    six tries) was past 5% of it every time."""
+    5 its end-to-end on a GPU host was a few milliseconds, and the clock's own work between stages was
+    past 5% of it."""
     clock = StageClock(device)
     with clock.stage("preprocess"):  # on another thread, in the farm, while the device has another job
         time.sleep(0.002)

@@ -1,28 +1,14 @@
 """The fast engine's regions as AOTInductor packages: built ahead of time (`dsocr precompile`), loaded at a
 worker's start with no dynamo, no tracing and no compiler.
 
-A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM block (windowed or
-global) or a CLIP block per view size, CLIP over a page's two view groups at once, an LM prefill layer
-(dense or MoE) and the decode step. Building:
-
-1. `Recorder` stands in for dynamo while the warm-up's pages run eagerly once: each region kind and
-   shape met (its `key`) is kept with its first call's arguments;
-2. `build_package` exports each (torch.export, non-strict) with the call's state as inputs (hidden
-   states; an LM layer's cache layer; the decode step's token buffer, counters and every cache layer)
-   and its weights as inputs too, so one package serves every layer of a kind and holds no weights; the
-   dimensions jobs vary are dynamic (the tile count, the padded prompt length, the cache bucket); then
-   compiles it into a .pt2 (`aoti_compile_and_package`).
-
-Loading (`PackagedRegions`): each package is opened with its C++ loader directly. `aoti_load_package`
-would first compare the package's CPU vector ISA with this host's, which inductor finds by compiling and
-running test programs: 25–40 s of a fresh process on the GPU hosts (benchmarks/results/aoti-2026-11-26-
-summary.md), for packages that run no CPU kernel there; the artifact key (artifacts.py: GPU, torch,
-Triton, project code) is the check that matters. A call flattens its arguments the way the build did
-and runs the package in place: the KV cache, token buffer and counters it writes are the caller's.
-A shape nothing was built for falls back to dynamo for that region (the job then reads "compiled").
-
-What the packages call outside themselves: SAM's `dsocr::linear_gelu_tanh` (model/sam_mlp.py, registered
-when the model's modules are imported); the Triton operators are compiled in.
+A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM or CLIP block per view
+size, CLIP over a page's two view groups, an LM prefill layer (dense or MoE) and the decode step.
+`Recorder` stands in for dynamo while the warm-up's pages run eagerly once, keeping each region kind and
+shape met (its `key`) with its first call's arguments; `build_package` exports each with its state and
+its weights as inputs (one package serves every layer of a kind), the dimensions jobs vary dynamic.
+`PackagedRegions` opens each package with its C++ loader and runs it in place on the caller's cache and
+buffers; a shape nothing was built for falls back to dynamo (the job then reads "compiled").
+The packages call `dsocr::linear_gelu_tanh` (model/sam_mlp.py); the Triton operators are compiled in.
 """
 
 from __future__ import annotations
@@ -122,7 +108,11 @@ class _Block(_Region):
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
         layer, hidden = args
-        kind = ("windowed" if getattr(layer, "window_size", 0) > 0 else "global") if self.name == "sam_block" else ""
+        kind = (
+            ("windowed" if getattr(layer, "window_size", 0) > 0 else "global")
+            if self.name == "sam_block"
+            else ""
+        )
         return {"kind": kind, "views": [[_tiles(hidden.shape[0], dynamic_tiles), *_shape(hidden)]]}
 
     def state(self, args: tuple) -> list[Tensor]:
@@ -165,11 +155,15 @@ class _ClipViews(_Region):
 
 
 def _positions_dim(limits: Limits) -> Any:
-    return PREFILL_BUCKET * torch.export.Dim("blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2))
+    return PREFILL_BUCKET * torch.export.Dim(
+        "blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2)
+    )
 
 
 def _capacity_dim(limits: Limits) -> Any:
-    return torch.export.Dim("capacity", min=min(MIN_CACHE_BUCKET, limits.max_positions), max=limits.max_positions)
+    return torch.export.Dim(
+        "capacity", min=min(MIN_CACHE_BUCKET, limits.max_positions), max=limits.max_positions
+    )
 
 
 class _LmLayer(_Region):
@@ -209,8 +203,11 @@ class _DecodeStep(_Region):
     @staticmethod
     def _slots(args: tuple) -> list[tuple[object, str]]:
         _, cache, ban, _ = args
-        slots: list[tuple[object, str]] = [(ban, name) for name in ("tokens", "length", "prompt_length", "whitelist")
-                                           if getattr(ban, name) is not None]  # fmt: skip
+        slots: list[tuple[object, str]] = [
+            (ban, name)
+            for name in ("tokens", "length", "prompt_length", "whitelist")
+            if getattr(ban, name) is not None
+        ]
         return slots + [(layer, name) for layer in cache.layers for name in _tensor_slots(layer)]
 
     def state(self, args: tuple) -> list[Tensor]:
@@ -232,8 +229,10 @@ class _DecodeStep(_Region):
         return dims
 
 
-REGIONS: dict[str, _Region] = {region.name: region for region in
-                               (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())}  # fmt: skip
+REGIONS: dict[str, _Region] = {
+    region.name: region
+    for region in (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())
+}
 
 
 def region_key(name: str, args: tuple, dtype: torch.dtype, dynamic_tiles: bool) -> str:
@@ -302,8 +301,10 @@ class _Exported(torch.nn.Module):
         state, weights = list(inputs[: self.count]), inputs[self.count :]
         from torch.nn.utils.stateless import _reparametrize_module
 
-        with (_reparametrize_module(call.args[0], dict(zip(self.names, weights, strict=True))),
-              region.holding(call.args, state) as args):  # fmt: skip
+        with (
+            _reparametrize_module(call.args[0], dict(zip(self.names, weights, strict=True))),
+            region.holding(call.args, state) as args,
+        ):
             return region.flatten(call.function(*args))
 
 
@@ -319,8 +320,12 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
         weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
         state = [tensor.clone() for tensor in call.state]
         dynamic = REGIONS[call.name].dynamic(call.args, limits, dynamic_tiles) + [None] * len(weights)
-        exported = torch.export.export(_Exported(call, [name for name, _ in named]), tuple(state + weights),
-                                       dynamic_shapes=(tuple(dynamic),), strict=False)  # fmt: skip
+        exported = torch.export.export(
+            _Exported(call, [name for name, _ in named]),
+            tuple(state + weights),
+            dynamic_shapes=(tuple(dynamic),),
+            strict=False,
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
     return path
@@ -330,10 +335,10 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
 
 
 def load_package(path: Path, device: torch.device) -> Any:
-    """The package's runner, from its C++ loader (no host ISA check: the module docstring says why).
-    Single-threaded: the runner pool's own stream synchronisation is refused inside a CUDA graph
-    capture ("operation not permitted when stream is capturing", an H100), and a session runs one
-    region at a time anyway."""
+    """The package's runner, from its C++ loader: `aoti_load_package` would first check the host's CPU
+    vector ISA by compiling test programs, slow at every start and moot for packages that run no CPU
+    kernel (the artifact key is the check that matters). Single-threaded: the runner pool's own stream
+    synchronisation is refused inside a CUDA graph capture, and a session runs one region at a time."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
 
@@ -351,8 +356,9 @@ class PackagedRegions:
     capturable: bool = True
 
     @classmethod
-    def load(cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
-             ) -> PackagedRegions:  # fmt: skip
+    def load(
+        cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
+    ) -> PackagedRegions:
         return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, dynamic_tiles)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:

@@ -1,26 +1,17 @@
 """What a cold start finds ready: the artifacts built for a plan, the manifest that lists them, and the
 refusal of those built for something else.
 
-`dsocr precompile` (coldstart/build.py) builds a plan's regions as AOTInductor packages (coldstart/aoti.py)
-and then writes the manifest that lists them, in the compile cache (DSOCR_COMPILE_CACHE_DIR):
+`dsocr precompile` (coldstart/build.py) writes, in the compile cache (DSOCR_COMPILE_CACHE_DIR):
 
     <cache>/dsocr-artifacts/<plan key>/<environment key>.json      the manifest
     <cache>/dsocr-artifacts/<plan key>/<environment key>/*.pt2     its packages
 
-The plan key (`plan_key`): the warm-up's plan (model source, device, dtype, kernels, what the engine
-compiles and how, modes, crops, token budget, decode options), the model's configuration and the
-engine. The environment (`Environment`): the GPU (name and compute capability), torch, Triton and
-transformers, this package's version and a fingerprint of its code. A worker looks its plan up at start
-(`lookup`): a manifest of its environment is used (its warm-up loads the packages, nothing compiles);
-one of another environment is never used, and the reason says why ("built for NVIDIA H200 (sm_90),
-this is NVIDIA H100 80GB HBM3 (sm_90)"; "torch 2.10.0 vs 2.11.0"); no manifest at all says that too.
-The manifest also names the C++ compiler that built the packages (`compiler`): recorded, not matched,
-since a worker compiles nothing; a compiler that builds packages which do not load (the GPU image's
-/opt/gcc: every package's loader segfaulted) fails the build's own check, before any manifest exists.
-
-Each manifest lists its artifacts by kind: "aoti-package" (one per region and shape; its note is the
-region's key, coldstart/aoti.py `region_key`), "python-bytecode" (cache.py). `FORMAT` changes when an
-entry's meaning does, and a manifest of another format is refused like any mismatch.
+The plan key (`plan_key`): the warm-up's plan, the model's configuration and the engine. The environment
+(`Environment`): the GPU (name and compute capability), torch, Triton, transformers, this package's version
+and code fingerprint. A worker's `lookup` uses a manifest of its environment and never one of another,
+saying why ("built for <GPU>, this is <GPU>", "torch A vs B"). The C++ compiler is recorded, not matched.
+A manifest lists its artifacts by kind: "aoti-package" (noted by `aoti.region_key`), "python-bytecode"
+(cache.py). `FORMAT` changes when an entry's meaning does; another format is refused like any mismatch.
 """
 
 from __future__ import annotations
@@ -68,7 +59,7 @@ def _version(distribution: str) -> str:
 
 
 def gpu_name(device: torch.device) -> str:
-    """"NVIDIA H100 80GB HBM3 (sm_90)", or "cpu". Initialises CUDA."""
+    """The device's name with its compute capability ("<name> (sm_90)"), or "cpu". Initialises CUDA."""
     if device.type != "cuda":
         return "cpu"
     major, minor = torch.cuda.get_device_capability(device)
@@ -92,8 +83,14 @@ class Environment:
     @classmethod
     def here(cls, device: Device, gpu: str | None = None) -> Environment:
         """This process's; `gpu` given: without asking CUDA (a process that must not initialise it yet)."""
-        return cls(gpu if gpu is not None else gpu_name(device), torch.__version__, _version("triton"),
-                   _version("transformers"), dsocr_workers.__version__, code_fingerprint())  # fmt: skip
+        return cls(
+            gpu if gpu is not None else gpu_name(device),
+            torch.__version__,
+            _version("triton"),
+            _version("transformers"),
+            dsocr_workers.__version__,
+            code_fingerprint(),
+        )
 
     @property
     def key(self) -> str:
@@ -119,7 +116,9 @@ def compiler_version() -> str:
     """The C++ compiler AOTInductor builds with here (`CXX`, else `c++`): its path and version line."""
     cxx = read(CXX) or "c++"
     try:
-        line = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        line = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         line = "version unknown"
     return f"{cxx}: {line}"
@@ -147,9 +146,16 @@ class Manifest:
     def read(cls, path: Path) -> Manifest | None:
         try:
             data = json.loads(path.read_text())
-            return cls(data["plan"], Environment(**data["environment"]),
-                       tuple(Artifact(**entry) for entry in data["artifacts"]), data["built_by"], data["built_at"],
-                       data.get("seconds", 0.0), data.get("compiler", ""), data.get("format", 0))  # fmt: skip
+            return cls(
+                data["plan"],
+                Environment(**data["environment"]),
+                tuple(Artifact(**entry) for entry in data["artifacts"]),
+                data["built_by"],
+                data["built_at"],
+                data.get("seconds", 0.0),
+                data.get("compiler", ""),
+                data.get("format", 0),
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable artifact manifest %s (%s): ignored", path, exc)
             return None
@@ -159,7 +165,11 @@ class Manifest:
 
     def packages(self) -> dict[str, Path]:
         """The AOTInductor packages, by region key."""
-        return {artifact.note: Path(artifact.path) for artifact in self.artifacts if artifact.kind == "aoti-package"}
+        return {
+            artifact.note: Path(artifact.path)
+            for artifact in self.artifacts
+            if artifact.kind == "aoti-package"
+        }
 
 
 def plan_fields(plan: CompilePlan, config: OCRConfig) -> dict:
@@ -167,7 +177,9 @@ def plan_fields(plan: CompilePlan, config: OCRConfig) -> dict:
 
 
 def plan_key(plan: CompilePlan, config: OCRConfig) -> str:
-    return hashlib.sha256(json.dumps(plan_fields(plan, config), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps(plan_fields(plan, config), sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
 
 
 def manifest_path(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
@@ -232,18 +244,33 @@ def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Enviro
     folder = cache_root() / MANIFESTS / plan_key(plan, config)
     for path in folder.glob("*.json"):
         manifest = Manifest.read(path)
-        if manifest is not None and manifest.format == FORMAT and not manifest.environment.differences(here, gpu=False):
+        if (
+            manifest is not None
+            and manifest.format == FORMAT
+            and not manifest.environment.differences(here, gpu=False)
+        ):
             return True
     return False
 
 
 def manifest(
-    plan: CompilePlan, config: OCRConfig, built: tuple[Artifact, ...], seconds: float, environment: Environment,
+    plan: CompilePlan,
+    config: OCRConfig,
+    built: tuple[Artifact, ...],
+    seconds: float,
+    environment: Environment,
     built_by: str = "dsocr precompile",
-) -> Manifest:  # fmt: skip
+) -> Manifest:
     """The manifest of `plan`'s artifacts `built` in `environment`, by the compiler here."""
-    return Manifest(plan_fields(plan, config), environment, built, built_by,
-                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), round(seconds, 1), compiler_version())  # fmt: skip
+    return Manifest(
+        plan_fields(plan, config),
+        environment,
+        built,
+        built_by,
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        round(seconds, 1),
+        compiler_version(),
+    )
 
 
 def write(manifest: Manifest, path: Path) -> None:

@@ -1,20 +1,17 @@
 """The build step: everything a worker's cold start needs for one plan, made ahead of its start.
 
-    CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 --modes gundam --max-new-tokens 2048
+    CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 \\
+        --modes gundam --max-new-tokens 2048
 
 loads the model as a worker will, runs the warm-up's pages once with a recorder in place of dynamo
-(aoti.py `Recorder`: every region kind and shape the worker's jobs meet), builds each as an AOTInductor
-package (aoti.py `build_package`), then checks them as a worker's start uses them: the warm-up itself,
-on the packages, must come clean. Only then the plan's manifest (artifacts.py) is written, beside the
-packages, with the Python bytecode of every module it imported where the installation has none
-(cache.py). A worker that then finds the manifest for its plan and its environment loads the packages
-and captures its graphs, with no dynamo. Idempotent: a plan whose manifest is there for this environment,
-with every artifact this build would make, is "up to date" without loading the model; two builds of one
-plan on one host take turns (a lock), and the second finds the first's result.
-
-CXX: AOTInductor compiles each package's wrapper with the C++ compiler `CXX` names (else `c++`); on the
-lent GPU image /opt/gcc's built packages that segfault at load, /usr/bin/g++'s load (benchmarks/results/
-aoti-2026-11-26-summary.md). The check above runs them in this process before any manifest exists.
+(aoti.py `Recorder`), builds each region and shape met as an AOTInductor package (aoti.py
+`build_package`), then checks them as a worker's start uses them: the warm-up itself, on the packages,
+must come clean. Only then is the plan's manifest (artifacts.py) written, beside the packages, with the
+Python bytecode of every module it imported where the installation has none (cache.py). Idempotent: a
+plan whose manifest is there for this environment, with every artifact this build would make, is "up to
+date" without loading the model; two builds of one plan on one host take turns (a lock).
+`CXX` names the C++ compiler of each package's wrapper (else `c++`): one whose packages do not load fails
+the check above, before any manifest exists (docs/architecture.md, the cold start).
 """
 
 from __future__ import annotations
@@ -77,11 +74,24 @@ class BuildReport:
 
 def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
     device = torch.device(request.device)
-    engine, note = (request.engine, "") if isinstance(request.engine, Engine) else make_engine(request.engine, device.type)
+    engine, note = (
+        (request.engine, "")
+        if isinstance(request.engine, Engine)
+        else make_engine(request.engine, device.type)
+    )
     source = request.model if request.model in PRESETS else str(Path(request.model).resolve())
-    plan = compile_plan(source, device, resolve_dtype(request.dtype, device), engine.kernels(), engine.compiled(),
-                        request.modes, request.max_new_tokens, request.options, request.max_crops,
-                        engine=engine.name)  # fmt: skip
+    plan = compile_plan(
+        source,
+        device,
+        resolve_dtype(request.dtype, device),
+        engine.kernels(),
+        engine.compiled(),
+        request.modes,
+        request.max_new_tokens,
+        request.options,
+        request.max_crops,
+        engine=engine.name,
+    )
     return plan, engine.name, note
 
 
@@ -111,17 +121,23 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
     cache = use_compile_cache()
     notes = []
     if cache is None:
-        notes.append(f"DSOCR_COMPILE_CACHE_DIR is not set: artifacts go to torch's default cache ({cache_root()}), "
-                     "which a container or a reboot loses")  # fmt: skip
+        notes.append(
+            f"DSOCR_COMPILE_CACHE_DIR is not set: artifacts go to torch's default cache ({cache_root()}), "
+            "which a container or a reboot loses"
+        )
     plan, engine_name, engine_note = _plan(request)
     notes += [engine_note] if engine_note else []
     for note in notes:
         progress(f"note: {note}")
     if plan is None:
         written = write_bytecode()
-        progress(f"the {engine_name} engine compiles nothing ahead of jobs"
-                 + (f"; bytecode of {written} modules written" if written else ""))  # fmt: skip
-        return BuildReport("nothing to compile", None, None, time.perf_counter() - began, None, written, notes)
+        progress(
+            f"the {engine_name} engine compiles nothing ahead of jobs"
+            + (f"; bytecode of {written} modules written" if written else "")
+        )
+        return BuildReport(
+            "nothing to compile", None, None, time.perf_counter() - began, None, written, notes
+        )
     config = model_config(plan.source)
     progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
     with _build_lock(plan, config, progress):
@@ -132,16 +148,21 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
                 return BuildReport("up to date", plan, found.path, time.perf_counter() - began, notes=notes)
             progress(found.summary)
         progress(f"loading {request.model}")
-        session = DeepSeekOCRSession.from_local(request.model, device=request.device, dtype=request.dtype,
-                                                engine=request.engine)  # fmt: skip
+        session = DeepSeekOCRSession.from_local(
+            request.model, device=request.device, dtype=request.dtype, engine=request.engine
+        )
         recorder = Recorder(plan.dynamic_tiles)
         session.use_compiler(recorder)
         with torch.inference_mode():
-            pages = [(name, session.prepare(image, None, name, request.max_crops))
-                     for name, image in warmup_pages(request.modes, request.max_crops)]  # fmt: skip
+            pages = [
+                (name, session.prepare(image, None, name, request.max_crops))
+                for name, image in warmup_pages(request.modes, request.max_crops)
+            ]
         warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), request.max_crops)
-        progress(f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
-                 f"for {', '.join(request.modes)}")  # fmt: skip
+        progress(
+            f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
+            f"for {', '.join(request.modes)}"
+        )
         here = artifacts.Environment.here(session.device)
         folder = artifacts.packages_folder(plan, config, here)
         limits = Limits(request.max_crops, session.max_positions)
@@ -156,13 +177,23 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         manifest = artifacts.manifest(plan, config, tuple(built), time.perf_counter() - began, here)
         path = artifacts.manifest_path(plan, config, here)
         # The worker's own start on these packages, before any worker may find them.
-        report = warm(session, request.modes, request.max_new_tokens, request.max_crops, request.options,
-                      found=artifacts.Lookup(manifest, path))  # fmt: skip
-        progress(f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, {len(report.shapes)} shapes, "
-                 f"{report.passes} passes")  # fmt: skip
+        report = warm(
+            session,
+            request.modes,
+            request.max_new_tokens,
+            request.max_crops,
+            request.options,
+            found=artifacts.Lookup(manifest, path),
+        )
+        progress(
+            f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, "
+            f"{len(report.shapes)} shapes, {report.passes} passes"
+        )
         if report.still_cold or report.packages_missed:
-            raise FailuresError("the warm-up on the packages still met cold paths, nothing recorded: "
-                                + "; ".join([*report.still_cold, *report.packages_missed]))  # fmt: skip
+            raise FailuresError(
+                "the warm-up on the packages still met cold paths, nothing recorded: "
+                + "; ".join([*report.still_cold, *report.packages_missed])
+            )
         written = write_bytecode()
         if written is not None:
             progress(f"bytecode of {written} modules written into {bytecode_directory()}")

@@ -1,21 +1,14 @@
 """Where the fast engine's compilations persist between process starts.
 
 torch keeps what inductor builds (FX graphs, AOTAutograd graphs, Triton kernels and their autotuning
-choices) in an on-disk cache keyed by the graph, the device and the versions, so a process that compiles
-the same model again loads kernels instead of building them. By default that cache sits in /tmp, which a
-container or a rebooted host loses: every worker start then compiles from nothing. DSOCR_COMPILE_CACHE_DIR
-names a directory that outlives the process (a volume per host in docker-compose.yml and Kubernetes,
+choices) in an on-disk cache, by default in /tmp, which a container or a rebooted host loses.
+DSOCR_COMPILE_CACHE_DIR names a directory that outlives the process (a volume per host,
 deploy/README.md); the fast engine points torch's cache there before its first compilation.
 
-Python's own compilation is the other cost of every start: an installation that ships no bytecode and
-may not write it (PYTHONDONTWRITEBYTECODE, as many container images set, or a read-only image) compiles
-torch's, transformers' and this package's sources again in every process. On the H100 host's image that
-was half of a worker's imports (10.4–10.9 s against 5.1–5.6 s with a bytecode cache) and half of its
-checkpoint load (4.7–5.3 s against 2.6–2.8 s: inductor's modules imported on first use). There the
-bytecode is kept beside the compiled kernels, in the same directory: the build step (`dsocr precompile`,
-coldstart/build.py) writes the bytecode of every module a worker imports (`write_bytecode`), and every
-start reads it (`use_bytecode_cache`). An image build covers its own sources with `python -m compileall`
-(the Dockerfile); this is for installations that ship none.
+Python's own bytecode is the other cost of every start where the installation ships none and may not
+write it (PYTHONDONTWRITEBYTECODE, a read-only image): the build step (`dsocr precompile`) writes the
+bytecode of every module a worker imports into the same directory (`write_bytecode`), and every start
+reads it (`use_bytecode_cache`). An image build covers its own sources with `python -m compileall`.
 """
 
 from __future__ import annotations
@@ -76,16 +69,19 @@ def use_compile_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -
     return directory
 
 
-def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, probe: str = "torch") -> Path | None:
+def use_bytecode_cache(
+    environ: dict[str, str] | os._Environ[str] = os.environ, probe: str = "torch"
+) -> Path | None:
     """Keep Python's bytecode in DSOCR_COMPILE_CACHE_DIR/python-bytecode when the installation has none
     for `probe` (the largest import of a worker) and this process may not write it beside the sources:
-    the build step writes there (`write_bytecode`), and from then on, imports read from there. The directory, or None where Python's own behaviour stands (bytecode present or writable,
-    no DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the heavy
+    the build step writes there (`write_bytecode`), and from then on, imports read from there. The
+    directory, or None where Python's own behaviour stands (bytecode present or writable, no
+    DSOCR_COMPILE_CACHE_DIR, or PYTHONPYCACHEPREFIX chosen by the user). Called before the heavy
     imports; processes this one starts inherit the reading (the environment).
 
     Nothing changes before a build has written it: reading from a directory Python would also ignore
-    the bytecode the system ships for the standard library (+5 s of a cold start's imports on the GPU
-    host), and writing as the imports go added 8–12 s there."""
+    the bytecode the system ships for the standard library, and writing as the imports go is slower
+    still."""
     global _writes_to
     raw = settings.read(settings.COMPILE_CACHE_DIR, environ)
     if raw is None or settings.read(settings.BYTECODE_PREFIX, environ) or sys.pycache_prefix:
@@ -107,7 +103,8 @@ def use_bytecode_cache(environ: dict[str, str] | os._Environ[str] = os.environ, 
 
 
 def bytecode_directory() -> Path | None:
-    """Where this process keeps bytecode (`use_bytecode_cache` chose it), or None: the installation's serves."""
+    """Where this process keeps bytecode (`use_bytecode_cache` chose it), or None: the installation's
+    serves."""
     return _writes_to
 
 
@@ -118,8 +115,11 @@ def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
     count written, or None where there is no such directory (the installation's bytecode serves)."""
     if _writes_to is None:
         return None
-    sources = [source for source in _sources(list(sys.modules.values()) if modules is None else modules)
-               if _stale(source, _writes_to)]  # fmt: skip
+    sources = [
+        source
+        for source in _sources(list(sys.modules.values()) if modules is None else modules)
+        if _stale(source, _writes_to)
+    ]
     _writes_to.mkdir(parents=True, exist_ok=True)
     before = sys.pycache_prefix
     with open(_writes_to / BYTECODE_LOCK, "w") as lock:

@@ -41,8 +41,7 @@ from dsocr_workers.engine.variants.fast import FastCompile, FastEngine, fast_vis
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config
 
-# Vision shares finished in 25-31 s beside the language share's 49 s on an H100 host (16 cores, every
-# helper compiling at once): they run at a lower priority.
+# The language shares take longest, with every helper compiling at once: vision runs at a lower priority.
 VISION_NICENESS = 5
 
 
@@ -56,13 +55,16 @@ def _pixel_groups(
         page = preprocess.prepare_page(image, lambda _text: [], mode=mode, max_crops=max_crops)
         group = page.tile_pixels if shapes.tiles else page.global_pixels
         if group is not None and (shapes.tiles or page.tile_pixels is None):
-            whole = preprocess.normalize_pixels(page.global_pixels.to(device), dtype) if shapes.tiles else None
+            whole = (
+                preprocess.normalize_pixels(page.global_pixels.to(device), dtype) if shapes.tiles else None
+            )
             yield whole, preprocess.normalize_pixels(group.to(device), dtype)
 
 
 def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype) -> None:
-    model = build_vision_only(model_config(plan.source), device=device, dtype=dtype,
-                              attn_implementation=plan.attn_implementation)  # fmt: skip
+    model = build_vision_only(
+        model_config(plan.source), device=device, dtype=dtype, attn_implementation=plan.attn_implementation
+    )
     fast_vision_modules(model)
     regions = RegionalVision(model, TorchCompiler(plan.backend), plan.dynamic_tiles)
     with torch.inference_mode():  # as jobs run: a compiled block guards on it
@@ -78,18 +80,26 @@ def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device,
                     regions.encode_clip([model.encode_sam(whole), *features])
 
 
-def compile_language(plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype) -> None:
+def compile_language(
+    plan: CompilePlan, share: CompileShare, device: torch.device, dtype: torch.dtype
+) -> None:
     """The LM prefill's graphs (share "prefill"), or the decode step's (share "decode": the session
     compiles nothing else, its prefill runs eager)."""
     with torch.inference_mode():
-        loaded = build_zeroed(plan.source, device=device, dtype=dtype, attn_implementation=plan.attn_implementation,
-                              experts_implementation=plan.experts_implementation)  # fmt: skip
+        loaded = build_zeroed(
+            plan.source,
+            device=device,
+            dtype=dtype,
+            attn_implementation=plan.attn_implementation,
+            experts_implementation=plan.experts_implementation,
+        )
     decode = share.kind == "decode"
-    engine = FastEngine(FastCompile(plan.backend, decode_only=decode, dynamic_tiles=plan.dynamic_tiles,
-                                    cuda_graphs=plan.cuda_graphs))  # fmt: skip
+    engine = FastEngine(FastCompile(decode_only=decode, dynamic_tiles=plan.dynamic_tiles))
     with torch.inference_mode():
         engine.after_load(loaded.model)
-    session = DeepSeekOCRSession(loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, engine)
+    session = DeepSeekOCRSession(
+        loaded, ModelSource("preset", "zeros", random_weights=True), device, dtype, engine
+    )
     warm_language(session, plan.modes, plan.max_new_tokens, plan.max_crops, plan.options, decode=decode)
 
 
@@ -99,8 +109,7 @@ def compile_share(task: HelperTask) -> HelperResult:
     began = time.perf_counter()
     plan, share = task.plan, task.share
     # The worker's cache: a helper forked before the worker's session pointed torch at it has no
-    # TORCHINDUCTOR_CACHE_DIR yet, and filled torch's default cache instead (an H100: every vision graph
-    # compiled again by the worker).
+    # TORCHINDUCTOR_CACHE_DIR yet, and would fill torch's default cache, which the worker never reads.
     use_compile_cache()
     threads = settings.read(settings.TORCH_COMPILE_THREADS)
     if threads is not None:  # a forked helper imported inductor's settings with the worker's count
@@ -120,8 +129,14 @@ def compile_share(task: HelperTask) -> HelperResult:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
-        return HelperResult(share.label, outcome, stats["unique_graphs"] - graphs_before,
-                            inductor["fxgraph_cache_hit"] - hits_before, time.perf_counter() - began, peak)  # fmt: skip
+        return HelperResult(
+            share.label,
+            outcome,
+            stats["unique_graphs"] - graphs_before,
+            inductor["fxgraph_cache_hit"] - hits_before,
+            time.perf_counter() - began,
+            peak,
+        )
 
     found = lookup(plan, model_config(plan.source))
     if found.manifest is not None:

@@ -1,34 +1,16 @@
 """A cold start's graphs, compiled by helper processes while the worker starts.
 
-With an empty compile cache, a fast worker spent most of its start in torch.compile, one graph after
-another: on an H200, 88 s from launch to ready, 60 of them compiling (SAM 30.6 s in 10 graphs, two kinds
-of block × five view sizes; the decode step 16.3; the LM layers 7.2; CLIP 5.8: docs/benchmarks.md).
-Dynamo, AOTAutograd and inductor's lowering are Python, on one core of a host that has many, and
-inductor's on-disk cache (coldstart/cache.py) is shared by every process of the host. So helper
-processes compile the graphs into the cache, each a share of them (`CompileShare`): the SAM and CLIP
-graphs of some view sizes (a vision share), or the language model's (the LM prefill's layers and the
-decode step, over the warm-up's prompts: the language share). The worker then traces each graph once
-and loads what the helpers compiled instead of compiling it.
-
-A helper compiles from zeros, not the checkpoint (`checkpoint.build_vision_only`, `build_zeroed`): a
-graph depends on the weights' shapes, dtypes and devices, never their values. It runs the warm-up's
-pages as the worker will (same modules, dtype, compile settings, inference mode, order), or the cache
-misses and the worker compiles those graphs itself: slower, never wrong. A helper that fails or overruns
-costs a warning and the same.
-
-Started before the worker loads its checkpoint (`CompileHelpers.start(..., fork=True)`, while CUDA is not
-yet initialised in the worker), helpers are forked: they begin with the worker's imports done (a spawned
-helper spent ~15 s of an H200 host's start importing torch and transformers). A warm-up that starts
-them itself, with CUDA initialised, spawns them instead.
-
-A warm-up that completed leaves a marker in the compile cache for its plan (`CompilePlan`: the torch
-version, the GPU, the model's architecture, the modes, the jobs' budget and decode options, this
-package's code); a helper that finds it compiles nothing, and a warm-up that finds it starts no helper.
-Each share is compiled once per host: a helper holds its share's lock while compiling and leaves a done
-file; another process's helper of the same share waits for the lock and takes the done file as its
-answer (a worker's other GPUs, which see their GPU as cuda:0 too: farm/devices.py). A helper dies with the
-process that started it (`exit_with_the_worker`): a forked helper knows its parent's pid, a spawned one is
-given it on its command line.
+Compiling is Python on one core of a host that has many, and inductor's on-disk cache (cache.py) is shared
+by every process of the host: so helper processes compile the warm-up's graphs into the cache, each a
+share (`CompileShare`: some vision view sizes, the LM prefill, or the decode step), and the worker then
+traces each graph once and loads it. A helper compiles from zeros (`checkpoint.build_vision_only`,
+`build_zeroed`: a graph depends on shapes, dtypes and devices, never values) and runs the warm-up's pages
+as the worker will, or the cache misses and the worker compiles: slower, never wrong. A helper that fails
+or overruns costs a warning and the same. Started before the worker's load, while CUDA is not yet
+initialised, helpers are forked with the worker's imports done; a warm-up with CUDA up spawns them.
+A completed warm-up's marker (`CompilePlan`) stops helpers; each share is compiled once per host
+(`ShareLock` and a done file: a worker's other GPUs see theirs as cuda:0 too, farm/devices.py). A
+helper dies with the process that started it (`exit_with_the_worker`).
 """
 
 from __future__ import annotations
@@ -143,17 +125,26 @@ class CompileHelpers:
             if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
                 count = threads * (1 if compile_share.kind == "vision" else 2)
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = str(count)
-            # Files, not pipes: a helper's output can fill a pipe nobody reads until `wait`, which closes them.
+            # Files, not pipes: a helper's output can fill a pipe nobody reads until `wait`, which
+            # closes them.
             stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
             process: _Process
             if fork:
                 process = _fork(task, env, stdout, stderr)
             else:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "dsocr_workers.engine.coldstart.helper_process", task.to_json(),
-                     str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env={**os.environ, **env},
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "dsocr_workers.engine.coldstart.helper_process",
+                        task.to_json(),
+                        str(os.getpid()),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    env={**os.environ, **env},
+                )
             running.append(_Running(compile_share, process, stdout, stderr))
         return cls(plan, "forked" if fork else "spawned", running, time.perf_counter())
 
@@ -183,8 +174,12 @@ class CompileHelpers:
                 continue
             why = f"no result in {timeout_s:.0f} s, killed" if code is None else f"exit code {code}"
             self._failures.append(f"{helper.share.label}: {why}")
-            log.warning("compile helper (%s) failed, %s; the worker compiles its graphs itself:\n%s",
-                        helper.share.label, why, err[-2000:])  # fmt: skip
+            log.warning(
+                "compile helper (%s) failed, %s; the worker compiles its graphs itself:\n%s",
+                helper.share.label,
+                why,
+                err[-2000:],
+            )
         return self.report()
 
     def stop(self) -> None:
@@ -198,8 +193,13 @@ class CompileHelpers:
 
     def report(self) -> PrecompileReport:
         processes = len(self._results) + len(self._failures) + len(self._running)
-        return PrecompileReport(processes, self.how, max(0.0, self._ended - self._began), tuple(self._results),
-                                tuple(self._failures))  # fmt: skip
+        return PrecompileReport(
+            processes,
+            self.how,
+            max(0.0, self._ended - self._began),
+            tuple(self._results),
+            tuple(self._failures),
+        )
 
 
 def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[bytes]) -> _Forked:
@@ -230,9 +230,15 @@ def _fork(task: HelperTask, env: dict[str, str], stdout: IO[bytes], stderr: IO[b
 
 
 def start_helpers(
-    source: str | os.PathLike, device: str, dtype: str | None, engine: str | Engine, modes: Sequence[str],
-    max_new_tokens: int | None = None, infer: DecodeOptions | None = None, max_crops: int = MAX_CROPS,
-) -> CompileHelpers | None:  # fmt: skip
+    source: str | os.PathLike,
+    device: str,
+    dtype: str | None,
+    engine: str | Engine,
+    modes: Sequence[str],
+    max_new_tokens: int | None = None,
+    infer: DecodeOptions | None = None,
+    max_crops: int = MAX_CROPS,
+) -> CompileHelpers | None:
     """Fork the compile helpers of a warm-up before its model is loaded: call after the imports, before
     anything initialises CUDA or starts a thread in this process; hand them to `warm(helpers=...)`. They
     begin compiling at once, with the imports done, while this process loads its checkpoint. None where
@@ -247,12 +253,24 @@ def start_helpers(
     variant = engine if isinstance(engine, Engine) else make_engine(engine, resolved.type)[0]
     path = os.fspath(source)
     path = path if path in PRESETS else str(Path(path).resolve())  # as from_local names a checkpoint
-    plan = compile_plan(path, resolved, resolve_dtype(dtype, resolved), variant.kernels(), variant.compiled(), modes,
-                        max_new_tokens, infer, max_crops, engine=variant.name)  # fmt: skip
+    plan = compile_plan(
+        path,
+        resolved,
+        resolve_dtype(dtype, resolved),
+        variant.kernels(),
+        variant.compiled(),
+        modes,
+        max_new_tokens,
+        infer,
+        max_crops,
+        engine=variant.name,
+    )
     processes = helper_processes()
     if plan is None or processes == 0 or torch.cuda.is_initialized():
         return None
     if listed_without_gpu(plan, model_config(path)):
-        log.info("artifacts are listed for this warm-up; no compile helper forked (the warm-up checks the GPU)")
+        log.info(
+            "artifacts are listed for this warm-up; no compile helper forked (the warm-up checks the GPU)"
+        )
         return None
     return CompileHelpers.start(plan, processes, fork=True)

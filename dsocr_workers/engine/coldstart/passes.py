@@ -46,22 +46,34 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
 
 
 def warm_language(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int = MAX_CROPS,
-    infer: DecodeOptions | None = None, decode: bool = True,
-) -> None:  # fmt: skip
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    max_crops: int = MAX_CROPS,
+    infer: DecodeOptions | None = None,
+    decode: bool = True,
+) -> None:
     """One warm-up pass over the pages of `modes` without their images: the language model's graphs as
     `warm` meets them (the LM prefill's layers and captures; the decode step per cache bucket), in the
     same order. `decode=False`: the prefills only. What the language compile helpers run
     (helper_process.py): one the prefill, one the decode step of a session that compiles only that."""
     with torch.inference_mode():
-        prepared = [(name, session.prepare(image, None, name, max_crops)) for name, image in warmup_pages(modes, max_crops)]
+        prepared = [
+            (name, session.prepare(image, None, name, max_crops))
+            for name, image in warmup_pages(modes, max_crops)
+        ]
     warm_pass(session, prepared, max_new_tokens, warm_options(infer), max_crops, images=False, decode=decode)
 
 
 def warm_pass(
-    session: DeepSeekOCRSession, prepared: list[tuple[str, preprocess.PreparedPage]], max_new_tokens: int | None,
-    options: DecodeOptions, max_crops: int, images: bool = True, decode: bool = True,
-) -> tuple[list[str], list[str], tuple[int, int]]:  # fmt: skip
+    session: DeepSeekOCRSession,
+    prepared: list[tuple[str, preprocess.PreparedPage]],
+    max_new_tokens: int | None,
+    options: DecodeOptions,
+    max_crops: int,
+    images: bool = True,
+    decode: bool = True,
+) -> tuple[list[str], list[str], tuple[int, int]]:
     """Every prepared page's job once (without its image, or its decode, when asked), then the prefill
     captures: the shapes met, the cold paths met, and the prompt lengths whose prefill is captured."""
     shapes: list[str] = []
@@ -74,7 +86,9 @@ def warm_pass(
         shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
         shapes += [shape] if shape not in shapes else []
         if decode:
-            result = session.run_on_device(page, max_new_tokens, options, return_text=False, after_step=end_early).finish()
+            result = session.run_on_device(
+                page, max_new_tokens, options, return_text=False, after_step=end_early
+            ).finish()
             still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
         else:
             with torch.inference_mode():
@@ -88,12 +102,16 @@ def warm_pass(
     return shapes, still_cold, (shortest, longest)
 
 
-def capture_prefills(session: DeepSeekOCRSession, shortest: int, longest: int, max_new_tokens: int | None) -> None:
+def capture_prefills(
+    session: DeepSeekOCRSession, shortest: int, longest: int, max_new_tokens: int | None
+) -> None:
     """Capture the LM prefill graph of every padded prompt length from `shortest` to `longest`, in the
     cache bucket a prompt of that length will use. A grid's prompt length depends on its rows (a newline
     per row of tiles), not only on the tile count the warm-up's pages meet: every length between, not
     only theirs."""
-    for padded in range(padded_length(shortest, session.max_positions), longest + PREFILL_BUCKET, PREFILL_BUCKET):
+    for padded in range(
+        padded_length(shortest, session.max_positions), longest + PREFILL_BUCKET, PREFILL_BUCKET
+    ):
         # The bucket's shortest and longest prompts: their cache buckets may differ.
         for length in {max(shortest, padded - PREFILL_BUCKET + 1), min(longest, padded)}:
             if not session.capture_prefill(length, max_new_tokens):

@@ -1,7 +1,8 @@
 """What a warm-up compiles, as data shared by the worker and its compile helpers: the plan (`CompilePlan`:
 the session's settings, the modes, the jobs' budget and decode options), its shares (`CompileShare`: a
 helper's part), and the lock by which one helper per host compiles a share (`ShareLock`); the manifest
-a completed warm-up leaves in the compile cache is artifacts.py's. helpers.py starts the processes, helper_process.py is one.
+a completed warm-up leaves in the compile cache is artifacts.py's. helpers.py starts the processes,
+helper_process.py is one.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dsocr_workers.model.preprocess import TILE_SIZE
 log = logging.getLogger(__name__)
 
 PROCESSES_ENV = settings.COMPILE_PROCESSES.name
-# A helper's graphs took 18-28 s on an H100, forked beside five others (docs/benchmarks.md); far past
-# that it is stuck, and the worker compiles without it.
+# Far past a helper's usual compile time (docs/benchmarks.md, cold start): it is stuck, and the worker
+# compiles without it.
 HELPER_TIMEOUT_S = 300.0
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -56,8 +57,8 @@ class VisionShapes:
 
     @property
     def cost(self) -> float:
-        """Compile time, relative: on an H200 (2026-11-26) the global views of 512 / 640 / 1024 / 1280
-        px took 3.7 / 4.2 / 9.0 (the process's first graphs) / 7.8 s with CLIP, the tiles 6.0."""
+        """Compile time, relative: a global view's grows with its size, the tiles' (SAM and CLIP over a
+        dynamic tile batch) cost about as much as the largest global view's."""
         return 3.0 if self.tiles else 1.0 + self.size / TILE_SIZE
 
 
@@ -89,7 +90,8 @@ def helper_processes(environ: dict[str, str] | os._Environ[str] = os.environ) ->
 class CompilePlan:
     """One warm-up (coldstart/warmup.py `warm`) as its graphs depend on it: the session's settings, the
     modes, and the jobs' token budget and decode options (the decode step is compiled per cache bucket
-    and per n-gram ban). Helpers compile for it; its manifest (artifacts.py) says its graphs are in the cache."""
+    and per n-gram ban). Helpers compile for it; its manifest (artifacts.py) says its graphs are in the
+    cache."""
 
     source: str  # preset name or checkpoint directory: its architecture only
     engine: str  # the engine's registry name
@@ -99,7 +101,6 @@ class CompilePlan:
     experts_implementation: str
     backend: str
     dynamic_tiles: bool
-    cuda_graphs: bool
     max_crops: int
     modes: tuple[str, ...]
     max_new_tokens: int | None
@@ -108,7 +109,9 @@ class CompilePlan:
     def shares(self, processes: int) -> list[CompileShare]:
         """The language model's two shares (the decode step, the longest to compile; the LM prefill),
         then the vision view sizes in `processes` shares."""
-        vision = [CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)]
+        vision = [
+            CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)
+        ]
         return [CompileShare("decode"), CompileShare("prefill"), *vision]
 
     def to_json(self) -> dict:
@@ -117,8 +120,13 @@ class CompilePlan:
     @classmethod
     def from_json(cls, fields: dict) -> CompilePlan:
         options = fields["options"]
-        return cls(**{**fields, "modes": tuple(fields["modes"]),
-                      "options": DecodeOptions(**{**options, "ngram_whitelist": tuple(options["ngram_whitelist"])})})  # fmt: skip
+        return cls(
+            **{
+                **fields,
+                "modes": tuple(fields["modes"]),
+                "options": DecodeOptions(**{**options, "ngram_whitelist": tuple(options["ngram_whitelist"])}),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -206,7 +214,9 @@ class ShareLock:
     @staticmethod
     def paths(manifest: Path, share: CompileShare) -> tuple[Path, Path]:
         key = hashlib.sha256(share.label.encode()).hexdigest()[:12]
-        return manifest.with_name(f"{manifest.name}.{key}.lock"), manifest.with_name(f"{manifest.name}.{key}.done")
+        return manifest.with_name(f"{manifest.name}.{key}.lock"), manifest.with_name(
+            f"{manifest.name}.{key}.done"
+        )
 
     @classmethod
     def take(cls, path: Path) -> ShareLock | None:
@@ -242,17 +252,33 @@ class ShareLock:
 
 
 def compile_plan(
-    source: str, device: torch.device, dtype: torch.dtype, kernels: dict[str, str], graphs: InductorGraphs | None,
-    modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None, max_crops: int = MAX_CROPS, *,
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: dict[str, str],
+    graphs: InductorGraphs | None,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    infer: DecodeOptions | None,
+    max_crops: int = MAX_CROPS,
+    *,
     engine: str,
-) -> CompilePlan | None:  # fmt: skip
+) -> CompilePlan | None:
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
     (`Engine.compiled()`)."""
     if graphs is None or not modes:
         return None
     return CompilePlan(
-        source=source, engine=engine, device=str(device), dtype=dtype_name(dtype), **kernels,
-        backend=graphs.backend, dynamic_tiles=graphs.dynamic_tiles, cuda_graphs=graphs.cuda_graphs,
-        max_crops=max_crops, modes=tuple(modes), max_new_tokens=max_new_tokens, options=infer or DecodeOptions(),
-    )  # fmt: skip
+        source=source,
+        engine=engine,
+        device=str(device),
+        dtype=dtype_name(dtype),
+        **kernels,
+        backend=graphs.backend,
+        dynamic_tiles=graphs.dynamic_tiles,
+        max_crops=max_crops,
+        modes=tuple(modes),
+        max_new_tokens=max_new_tokens,
+        options=infer or DecodeOptions(),
+    )

@@ -45,6 +45,12 @@ WARMUP_MAX_PASSES = 4
 
 @dataclass(frozen=True)
 class WarmupReport:
+    """What a warm-up did. `phases_ms`: where `ms` went, in order, its parts adding up to it: "load
+    packages" (prebuilt AOTInductor packages opened), "prepare" (the pages' preprocessing, once for every
+    pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision stages traced,
+    loaded from the cache, captured), "prefill helper", "prefill" (likewise, with the prefill captures),
+    "decode helper"; then "pass 1", "pass 2", ... (each with its prefill captures)."""
+
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
     passes: int  # over all shapes, until one met no cold path
@@ -63,30 +69,43 @@ class WarmupReport:
     # AOTInductor packages loaded (prebuilt artifacts), and the regions none was built for (dynamo's).
     packages: int = 0
     packages_missed: tuple[str, ...] = ()
-    # Where `ms` went, in order; the parts add up to it: "load packages" (prebuilt artifacts: the
-    # AOTInductor packages opened), "prepare" (the pages' preprocessing, once for
-    # every pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision
-    # stages: their graphs traced and loaded from the cache, captured), "prefill helper", "prefill"
-    # (each page's LM prefill and the prefill captures, likewise), "decode helper"; then "pass 1",
-    # "pass 2", ... (each with its prefill captures).
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 def session_plan(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, infer: DecodeOptions | None,
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    infer: DecodeOptions | None,
     max_crops: int = MAX_CROPS,
-) -> CompilePlan | None:  # fmt: skip
+) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
-    kernels = {"attn_implementation": text._attn_implementation, "experts_implementation": text._experts_implementation}
-    return compile_plan(session.source.name, session.device, session.dtype, kernels, session.variant.compiled(),
-                        modes, max_new_tokens, infer, max_crops, engine=session.engine)  # fmt: skip
+    kernels = {
+        "attn_implementation": text._attn_implementation,
+        "experts_implementation": text._experts_implementation,
+    }
+    return compile_plan(
+        session.source.name,
+        session.device,
+        session.dtype,
+        kernels,
+        session.variant.compiled(),
+        modes,
+        max_new_tokens,
+        infer,
+        max_crops,
+        engine=session.engine,
+    )
 
 
 def plan_helpers(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None, max_crops: int,
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None,
+    max_crops: int,
     infer: DecodeOptions | None,
-) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:  # fmt: skip
+) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:
     """The compile plan of this warm-up (None when inductor compiles nothing for it), its artifacts'
     lookup, and why no helper should start now (empty: they should)."""
     plan = session_plan(session, modes, max_new_tokens, infer, max_crops)
@@ -102,18 +121,27 @@ def plan_helpers(
     return plan, found, ""
 
 
-def use_packages(session: DeepSeekOCRSession, plan: CompilePlan, manifest: artifacts.Manifest) -> PackagedRegions:
+def use_packages(
+    session: DeepSeekOCRSession, plan: CompilePlan, manifest: artifacts.Manifest
+) -> PackagedRegions:
     """The session's regions run `manifest`'s packages from now on; a region none was built for compiles
     with dynamo (and says so)."""
-    regions = PackagedRegions.load(manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles)
+    regions = PackagedRegions.load(
+        manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles
+    )
     session.use_compiler(regions)
     return regions
 
 
 def warm(
-    session: DeepSeekOCRSession, modes: Sequence[str], max_new_tokens: int | None = None, max_crops: int = MAX_CROPS,
-    infer: DecodeOptions | None = None, helpers: CompileHelpers | None = None, found: artifacts.Lookup | None = None,
-) -> WarmupReport:  # fmt: skip
+    session: DeepSeekOCRSession,
+    modes: Sequence[str],
+    max_new_tokens: int | None = None,
+    max_crops: int = MAX_CROPS,
+    infer: DecodeOptions | None = None,
+    helpers: CompileHelpers | None = None,
+    found: artifacts.Lookup | None = None,
+) -> WarmupReport:
     """Run every shape `modes` can produce on `session` until warm (`max_new_tokens` sizes the cache
     buckets, as jobs will). `infer`: the jobs' decode options (default: the vendor's), since the compiled
     decode step is specialised on how tokens are chosen (the n-gram ban's size and window, sampling or
@@ -143,7 +171,9 @@ def warm(
     if helpers is not None:
         skipped = ""
         if helpers.plan != plan:  # their graphs may not be this warm-up's: what they miss compiles here
-            log.warning("compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan)
+            log.warning(
+                "compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan
+            )
     elif plan is not None and not skipped:
         helpers = CompileHelpers.start(plan, helper_processes())
     mark = began + sum(phases.values()) / 1e3
@@ -180,23 +210,41 @@ def warm(
         raise
     precompiled = helpers.report() if helpers is not None else None
     if precompiled is not None:
-        log.info("compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed", precompiled.how,
-                 precompiled.processes, precompiled.seconds, sum(r.graphs for r in precompiled.results),
-                 len(precompiled.failures))  # fmt: skip
+        log.info(
+            "compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed",
+            precompiled.how,
+            precompiled.processes,
+            precompiled.seconds,
+            sum(r.graphs for r in precompiled.results),
+            len(precompiled.failures),
+        )
     passes = 0
     still_cold: list[str] = []
     shapes: list[str] = []
     shortest = longest = 0
     while passes < WARMUP_MAX_PASSES:
         passes += 1
-        shapes, still_cold, (shortest, longest) = warm_pass(session, prepared, max_new_tokens, options, max_crops)
+        shapes, still_cold, (shortest, longest) = warm_pass(
+            session, prepared, max_new_tokens, options, max_crops
+        )
         phase_ends(f"pass {passes}")
         if not still_cold:
             break
-    log.info("warm-up: %.2f s (%s)", mark - began, ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()))
-    return WarmupReport((mark - began) * 1e3, shapes, passes, tuple(still_cold), (shortest, longest),
-                        precompiled, skipped, found.summary if found is not None else "",
-                        len(regions.packages) if regions else 0, tuple(regions.missed) if regions else (),
-                        phases)  # fmt: skip
-
-
+    log.info(
+        "warm-up: %.2f s (%s)",
+        mark - began,
+        ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()),
+    )
+    return WarmupReport(
+        (mark - began) * 1e3,
+        shapes,
+        passes,
+        tuple(still_cold),
+        (shortest, longest),
+        precompiled,
+        skipped,
+        found.summary if found is not None else "",
+        len(regions.packages) if regions else 0,
+        tuple(regions.missed) if regions else (),
+        phases,
+    )

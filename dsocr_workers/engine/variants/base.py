@@ -64,7 +64,6 @@ class InductorGraphs:
 
     backend: str
     dynamic_tiles: bool
-    cuda_graphs: bool
 
 
 class Engine(ABC):

@@ -32,22 +32,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FastCompile:
-    """What the fast engine compiles, and with which backend. The defaults are the engine: inductor
-    compiles the vision encoders, the LM prefill and the decode step, which it replays as a CUDA graph.
-    `decode_only`: the decode step alone, vision and prefill eager (the cold start's decode share)."""
+    """What the fast engine compiles. The defaults are the engine: the vision encoders, the LM prefill and
+    the decode step; on CUDA all three are replayed as CUDA graphs (engine/regions.py GraphedVision,
+    GraphedPrefill, GraphedDecode). `decode_only`: the decode step alone, vision and prefill eager (the
+    cold start's decode share)."""
 
-    backend: str = "inductor"
     decode_only: bool = False
     # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count
     # (the cold start keys its artifacts by it).
     dynamic_tiles: bool = True
-    # On CUDA, vision replayed as a CUDA graph per page shape and the LM prefill per padded prompt length
-    # (engine/regions.py GraphedVision, GraphedPrefill); False: the compiled blocks called one by one.
-    cuda_graphs: bool = True
-
-    @property
-    def decode_mode(self) -> str | None:
-        return "reduce-overhead" if self.backend == "inductor" else None
 
 
 def fast_vision_modules(model: DeepSeekOCR) -> None:
@@ -84,16 +77,16 @@ class FastEngine(Engine):
     def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
         """Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
         block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
-        projector (a concatenation and one linear layer) stays eager: compiled, it ran slower. LM prefill: compiled layer by layer, one graph per kind
-        of layer, dynamic in the prompt length. Decode: one graph per cache bucket (fullgraph: a break
-        would be a host round trip per token), replayed as a CUDA graph. `compiler`: what makes those
-        regions, dynamo by default; AOTInductor packages built ahead (engine/coldstart/aoti.py)."""
-        settings = self.compile
-        compiler = compiler or TorchCompiler(settings.backend)
-        decode = compiler.region(
-            "decode_step", self.decode_function(), mode=settings.decode_mode, fullgraph=True
-        )
-        graphs = device.type == "cuda" and settings.cuda_graphs and compiler.capturable
+        projector (a concatenation and one linear layer) stays eager: compiled, it ran slower. LM
+        prefill: compiled layer by layer, one graph per kind of layer, dynamic in the prompt length.
+        Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per token),
+        replayed as a CUDA graph. `compiler`: what makes those regions, dynamo by default; AOTInductor
+        packages built ahead (engine/coldstart/aoti.py)."""
+        settings, backend = self.compile, self.compile_backend()
+        compiler = compiler or TorchCompiler(backend)
+        mode = "reduce-overhead" if backend == "inductor" else None
+        decode = compiler.region("decode_step", self.decode_function(), mode=mode, fullgraph=True)
+        graphs = device.type == "cuda" and compiler.capturable
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
         if settings.decode_only:
@@ -109,13 +102,12 @@ class FastEngine(Engine):
         )
 
     def decode_function(self) -> Callable[..., torch.Tensor]:
-        """The decode step it compiles (engine/generate.py); a subclass may compile another of its signature."""
+        """The decode step it compiles (engine/generate.py); a subclass may compile another of its
+        signature."""
         return decode_one_token
 
-    def compile_backend(self) -> str:
-        return self.compile.backend
-
     def compiled(self) -> InductorGraphs | None:
-        if self.compile.decode_only or self.compile.backend != "inductor":
+        backend = self.compile_backend()
+        if self.compile.decode_only or backend != "inductor":
             return None
-        return InductorGraphs(self.compile.backend, self.compile.dynamic_tiles, self.compile.cuda_graphs)
+        return InductorGraphs(backend, self.compile.dynamic_tiles)

@@ -1,4 +1,5 @@
-"""The Celery task: a job id in, `execute_job` (or `run_in_batch`), and the retry it asks for. Thin on purpose.
+"""The Celery task: a job id in, `execute_job` (or `run_in_batch`), and the retry it asks for. Thin on
+purpose.
 
 Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`, so the
 parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`). The lane's parent tells
@@ -70,13 +71,29 @@ def _open_child(**_: object) -> None:
             helpers.stop()
         refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
-        settings, device, queues=queues, cpu_threads=threads, runs_on=runs_on,
-        sweep=Sweep(queues, bring_back, delivered=partial(delivered_messages, run_job.app, queues),
-                    take_back=partial(take_back_messages, run_job.app)),
-    )  # fmt: skip
-    threading.Thread(target=spec.next_message.follow, args=(_process.reserve, _stopping), daemon=True,
-                     name="dsocr-next-message").start()  # fmt: skip
-    seen = f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if runs_on != device else ""
+        settings,
+        device,
+        queues=queues,
+        cpu_threads=threads,
+        runs_on=runs_on,
+        sweep=Sweep(
+            queues,
+            bring_back,
+            delivered=partial(delivered_messages, run_job.app, queues),
+            take_back=partial(take_back_messages, run_job.app),
+        ),
+    )
+    threading.Thread(
+        target=spec.next_message.follow,
+        args=(_process.reserve, _stopping),
+        daemon=True,
+        name="dsocr-next-message",
+    ).start()
+    seen = (
+        f" (seen as {runs_on}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+        if runs_on != device
+        else ""
+    )
     log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
@@ -86,7 +103,12 @@ def _open_child(**_: object) -> None:
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:
-            log.info("child %s: %s warm (%s)", index, plan.key.model, ", ".join(sorted({m for m, _, _ in loaded.warmed})))
+            log.info(
+                "child %s: %s warm (%s)",
+                index,
+                plan.key.model,
+                ", ".join(sorted({m for m, _, _ in loaded.warmed})),
+            )
 
 
 @worker_process_shutdown.connect
@@ -103,6 +125,9 @@ def _fetched(request: Request, **_: object) -> None:
         handed_spec().next_message.fetched(request.id)
 
 
+# A custom Request (Task.Request) is Celery's documented hook. Its signals do not serve: nothing in the
+# parent fires when the pool accepts, acks or gives back a message, and task_failure on a hard time
+# limit carries no child pid to check the lease against.
 class JobRequest(Request):
     """A job's request as the lane's parent process sees it."""
 
@@ -125,11 +150,12 @@ class JobRequest(Request):
             try:
                 _record_hard_timeout(self.task, job_id, self.worker_pid, timeout, self.kwargsrepr, queue)
             except Exception:
-                # The ledger is down: a job claimed by the child is recovered by lease expiry and a live
-                # worker's sweep, but one whose claim was not written (stuck in that outage) would stay
-                # queued without a message, Celery acknowledging this one. Sent again: a delivery too
-                # many is refused by the claim, one too few is a job lost until `dsocr reconcile`.
-                log.exception("job %s: could not record the hard time limit; its message is sent again", job_id)
+                # The ledger is down: a job whose claim was not written would stay queued with no message
+                # (Celery acknowledges this one), so it is sent again: a delivery too many is refused by
+                # the claim, one too few is a job lost until `dsocr reconcile`.
+                log.exception(
+                    "job %s: could not record the hard time limit; its message is sent again", job_id
+                )
                 _send_again(self.task, job_id, self.kwargsrepr, queue, handed_spec().settings)
         super().on_timeout(soft, timeout)
 
@@ -144,9 +170,12 @@ def _record_hard_timeout(
     try:
         with db.transaction() as tx:
             recorded = ledger.record_timeout(
-                tx, job_id, owner_prefix_of_pid(child_pid), limit_s,
+                tx,
+                job_id,
+                owner_prefix_of_pid(child_pid),
+                limit_s,
                 max_attempts=settings.max_attempts,
-            )  # fmt: skip
+            )
             unclaimed = recorded is None and ledger.job_state(tx, job_id) == "queued"
     finally:
         db.dispose()
@@ -158,7 +187,9 @@ def _record_hard_timeout(
     elif unclaimed:
         # Killed before its claim was written: nothing ran, no attempt counts, and Celery acknowledges
         # the message of a task that timed out.
-        log.warning("job %s: not claimed when its process was killed at the hard time limit; sent again", job_id)
+        log.warning(
+            "job %s: not claimed when its process was killed at the hard time limit; sent again", job_id
+        )
         _send_again(task, job_id, label, queue, settings)
 
 
@@ -190,15 +221,21 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
         if options is not None and options.concurrency > 1:
             # Its result is written when the batched engine finishes it (farm/job/batched.py); the engine
             # runs to the end when the lane has no next message for this child.
-            outcome = run_in_batch(process, job_id, options, more_coming=next_message.after(job_id) is not None)
+            outcome = run_in_batch(
+                process, job_id, options, more_coming=next_message.after(job_id) is not None
+            )
         else:
             process.end_batch()  # a batch left in flight (its run's next job unreadable) finishes first
-            # The claim and the result are written on the child's ledger threads: the job starts on the device
-            # while its claim is written, and its result is written while the parent hands over the next message.
+            # The claim and the result are written on the child's ledger threads: the job starts on the
+            # device while its claim is written, and its result while the parent hands over the next message.
             outcome = execute_job(
-                process.db, job_id, owner=process.owner, settings=process.settings, infer=infer,
+                process.db,
+                job_id,
+                owner=process.owner,
+                settings=process.settings,
+                infer=infer,
                 ledger_threads=process.ledger_threads,
-            )  # fmt: skip
+            )
     except TransientError as exc:
         delay = job_retry_in_s(self.request.retries, process.settings)
         log.warning("job %s: %s; retrying in %.0f s", job_id, exc, delay)

@@ -38,13 +38,20 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
     rows = []
     for step in steps:
         record, prefill = step.record, step.record.kind == "prefill"
-        rows.append({
-            "run_id": step.run_id, "worker_session_id": worker_session_id, "step_index": record.index,
-            "kind": record.kind, "occupancy": record.occupancy, "bucket": record.bucket,
-            "started_at": now - timedelta(seconds=now_s - record.started_s), "duration_ms": record.ms,
-            "prompt_tokens": record.prompt_tokens if prefill else None,
-            "vision_ms": record.vision_ms if prefill else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "run_id": step.run_id,
+                "worker_session_id": worker_session_id,
+                "step_index": record.index,
+                "kind": record.kind,
+                "occupancy": record.occupancy,
+                "bucket": record.bucket,
+                "started_at": now - timedelta(seconds=now_s - record.started_s),
+                "duration_ms": record.ms,
+                "prompt_tokens": record.prompt_tokens if prefill else None,
+                "vision_ms": record.vision_ms if prefill else None,
+            }
+        )
     return rows
 
 

@@ -1,10 +1,7 @@
-"""Jobs of a run with `--concurrency N` above 1: up to N of them in flight on the batched engine
-(engine/batched/), decoding together on the process's open model. A job's task claims it (the one claim
-path), hands its page to the preparing threads, waits while N jobs are in flight and returns; the lane's
-next message joins the batch. The engine's own thread, the only one on the device (`_serve`), steps
-while pages are in flight or a prepared page waits to join. A job's result (`DeviceRun.batched`) is
-written when the engine finishes it, on the results thread under the job's lease, as a batch-1 job's.
-"""
+"""Jobs of a run with `--concurrency N` above 1, up to N in flight on the batched engine (engine/batched/).
+A job's task claims it, hands its page to the preparing threads, waits while N jobs are in flight and
+returns, so the lane's next message joins the batch. The engine's own thread (`_serve`), the only one on
+the device, steps while it has work; each result is written on the results thread, as a batch-1 job's."""
 
 from __future__ import annotations
 
@@ -31,19 +28,18 @@ if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this mo
 
 log = logging.getLogger("dsocr.worker")
 
-# Threads preparing the batch's pages (PIL and torch's CPU ops release the GIL): a batch that finished
-# together is refilled together, and one thread would refill it slower than it decodes. Half the host's
-# cores at most: the engine's thread keeps the GIL it needs to launch steps.
+# A batch that finished together is refilled together, faster than one thread prepares pages (PIL and
+# torch's CPU ops release the GIL); half the cores at most, so the engine's thread keeps the GIL it needs.
 PREPARE_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 
-# How long a task interrupted while it waits waits for the engine's thread to fail the batch's jobs: a
-# step or two; a step that hangs is the hard time limit's.
+# An interrupted task's wait for the engine's thread to fail the batch: a step or two (a hung one: the
+# hard time limit's).
 ABORT_WAIT_S = 10.0
 
 
 @dataclass
 class InFlight:
-    """A claimed job (its claim started at `claimed_s`, perf_counter): its page being prepared, then in the engine."""
+    """A claimed job (its claim began at `claimed_s`): its page being prepared, then in the engine."""
 
     claim: ledger.Claim
     claimed_s: float
@@ -81,8 +77,10 @@ class BatchedJobs:
     def describe(self) -> str:
         """What it is (concurrency, KV plan, step), for the worker session that records its start."""
         engine, graphs = self.engine, self.engine.runner.cuda_graphs
-        step = f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)" if graphs else "eager steps"
-        return f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, {engine.attention} attention, {step}"
+        step = (f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)"
+                if graphs else "eager steps")
+        return (f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, "
+                f"{engine.attention} attention, {step}")
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
@@ -105,8 +103,7 @@ class BatchedJobs:
         self._wait(lambda: len(self.jobs) < self.options.concurrency)
 
     def drain(self) -> None:
-        """Wait until every job in flight is finished and every step launched is read back, their rows
-        handed to the results thread."""
+        """Wait until every job in flight is finished and every step launched read back and handed over."""
         self._wait(lambda: not self.jobs and self._idle)
 
     def _wait(self, done: Callable[[], bool]) -> None:
@@ -144,9 +141,9 @@ class BatchedJobs:
     def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
+
     def _serve(self) -> None:
-        """The engine's thread: it steps while the engine has work or a prepared page waits to join,
-        whatever the task's thread is doing, and waits otherwise."""
+        """The engine's thread: steps while the engine has work or a prepared page waits, else waits."""
         while True:
             with self._changed:
                 while not self._stopping and self._aborted is None and not self._abandoned and not self._has_work():
@@ -174,9 +171,8 @@ class BatchedJobs:
         return self.engine.busy or any(not job.handed_over and job.page.done() for job in self.jobs.values())
 
     def step(self) -> None:
-        """(The engine's thread.) Hand the prepared pages to the engine, then one engine step; each finished
-        job's result is written. A step that raises fails every job in flight (an attempt each) and ends
-        this batch."""
+        """(The engine's thread.) The prepared pages into the engine, then one step; each finished job's
+        result is written. A step that raises fails every job in flight (an attempt each): the batch ends."""
         self._hand_over()
         if not self.engine.busy:
             return
@@ -214,15 +210,15 @@ class BatchedJobs:
         self.process.send_again(again)
 
     def _fail_lost(self) -> None:
-        """(Under `_changed`, the engine idle.) Jobs handed to an engine that has nothing left fail: none
-        should be, and a bug here would otherwise keep `drain` waiting for ever."""
+        """(Under `_changed`, the engine idle.) Jobs handed to an engine with nothing left fail: none should
+        be, and a bug would otherwise keep `drain` waiting for ever."""
         for job_id, job in [(job_id, job) for job_id, job in self.jobs.items() if job.handed_over]:
             self.jobs.pop(job_id)
             log.error("job %s: the batched engine finished without its output", job_id)
             self._fail_alone(job, RuntimeError("the batched engine finished without this job's output"))
 
     def _fail(self, job: InFlight, exc: Exception) -> str | None:
-        """Record the job's failure; its id if it is queued again, so needing a message (its own was acked)."""
+        """Record the job's failure; its id if it is queued again and so needs a new message."""
         outcome = job_failed(self.process.db, job.claim, exc, self.process.settings)
         log.info("job %s: %s %s", outcome.job_id, outcome.status, outcome.detail)
         return outcome.job_id if outcome.retry_in_s is not None else None
@@ -231,11 +227,13 @@ class BatchedJobs:
         self.process.send_again([again] if (again := self._fail(job, exc)) else [])
 
     def _hand_over(self) -> None:
-        """Prepared pages into the engine; a page that could not be prepared or fit a slot fails its job alone."""
+        """Prepared pages into the engine; a page not prepared or fitting no slot fails its job alone."""
         from dsocr_workers.engine.batched import PageRequest
 
         with self._changed:
-            ready = [(job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()]
+            ready = [
+                (job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()
+            ]
         for job_id, job in ready:
             try:
                 self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
@@ -248,12 +246,14 @@ class BatchedJobs:
                 job.handed_over = True
 
     def _finished(self, job: InFlight, output: BatchedOutput) -> None:
-        """Its result, built here (one that cannot be built fails its job alone), written on the results thread."""
+        """Its result, built here (or its job alone fails), written on the results thread."""
         from dsocr_workers.engine.session import DeviceRun
 
         loaded = self.loaded
-        result = DeviceRun.batched(loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s).finish()  # fmt: skip
+        result = DeviceRun.batched(loaded.session, job.page.result(), output,
+                                   ttft_from_s=job.claimed_s).finish()
         ran = Ran(result, loaded.worker_id, loaded.worker_session_id, device=self.process.device)
-        self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s), utcnow())
+        self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s),
+                                             utcnow())
         log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
-                 len(output.token_ids), output.stop_reason, output.metrics.mean_occupancy or 1.0)  # fmt: skip
+                 len(output.token_ids), output.stop_reason, output.metrics.mean_occupancy or 1.0)

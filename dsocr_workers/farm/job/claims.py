@@ -20,7 +20,9 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database
 
 # "decoding": handed to the batched engine (farm/job/batched.py), its result written when it finishes.
-Status = Literal["done", "completing", "decoding", "failed", "queued", "poisoned", "refused", "released", "lost"]
+Status = Literal[
+    "done", "completing", "decoding", "failed", "queued", "poisoned", "refused", "released", "lost"
+]
 # Outcomes that put a job back in line (delivered or tried again later): not an end of the job.
 BACK_IN_LINE: tuple[Status, ...] = ("queued", "released")
 
@@ -68,8 +70,14 @@ def start_claim(
 ) -> Claiming:
     """The one way a job is claimed (batch-1 and batched): on the claims thread of `ledger_threads`,
     under way when this returns, or here without one (its TransientError then kept for `result()`)."""
-    claim_job = partial(ledger.claim_job, job_id=job_id, owner=owner, lease_s=settings.lease_s,
-                        max_attempts=settings.max_attempts, is_dead=owner_is_dead)  # fmt: skip
+    claim_job = partial(
+        ledger.claim_job,
+        job_id=job_id,
+        owner=owner,
+        lease_s=settings.lease_s,
+        max_attempts=settings.max_attempts,
+        is_dead=owner_is_dead,
+    )
     if ledger_threads is not None:
         return Claiming(job_id, ledger_threads.claim(claim_job))
     done: Future[ledger.Claim | ledger.Refusal] = Future()

@@ -51,7 +51,13 @@ Infer = Callable[[Claiming], Ran]
 
 
 def execute_job(
-    db: Database, job_id: str, *, owner: str, settings: Settings, infer: Infer, ledger_threads: LedgerThreads | None = None
+    db: Database,
+    job_id: str,
+    *,
+    owner: str,
+    settings: Settings,
+    infer: Infer,
+    ledger_threads: LedgerThreads | None = None,
 ) -> Outcome:
     """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
     under this owner's lease, and a later delivery to this process continues the same attempt. With
@@ -78,7 +84,8 @@ def execute_job(
     except Refused as refusal:
         return refused(refusal.refusal)
     finished_at = utcnow()
-    build_row = partial(result_row, ran, claim, claimed_s)  # scored outside the transaction holding the job's row
+    # Scored outside the transaction holding the job's row.
+    build_row = partial(result_row, ran, claim, claimed_s)
     if ledger_threads is not None:
         ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")
@@ -159,8 +166,13 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
         return Outcome(job_id, "refused", "already in flight in this process's batch")
     claimed_s = time.perf_counter()
     # The batch's engine goes on meanwhile on its own thread.
-    claiming = start_claim(process.db, job_id, owner=process.owner, settings=process.settings,
-                           ledger_threads=process.ledger_threads)  # fmt: skip
+    claiming = start_claim(
+        process.db,
+        job_id,
+        owner=process.owner,
+        settings=process.settings,
+        ledger_threads=process.ledger_threads,
+    )
     try:
         claimed = claiming.result()  # TransientError when the ledger is out of reach: the task retries
     except Refused as refusal:

@@ -79,11 +79,15 @@ class LedgerThreads:
         self._pending = Pending()
         self._last_write: Future[bool] | None = None
 
-    def claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> Future[ledger.Claim | ledger.Refusal]:
+    def claim(
+        self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]
+    ) -> Future[ledger.Claim | ledger.Refusal]:
         """`claim_job` in a transaction of its own: its Claim or Refusal, or its TransientError."""
         return self._claims.submit(self._claim, claim_job)
 
-    def complete(self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime) -> None:
+    def complete(
+        self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime
+    ) -> None:
         """Mark `claim`'s job done with the result `build_row()` makes, after this call returns."""
         completion = Completion(claim, build_row, finished_at)
         self._last_write = completion.written
@@ -107,7 +111,9 @@ class LedgerThreads:
         self._claims.shutdown(wait=True)
         self._results.shutdown(wait=True)
 
-    def _claim(self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]) -> ledger.Claim | ledger.Refusal:
+    def _claim(
+        self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]
+    ) -> ledger.Claim | ledger.Refusal:
         with self._db.transaction() as tx:
             return claim_job(tx)
 
@@ -152,11 +158,16 @@ class LedgerThreads:
             if written:
                 log.info("job %s: done", job_id)
             elif written is not None:
-                log.warning("job %s: lost: the lease was taken over before the result was written; discarded", job_id)
+                log.warning(
+                    "job %s: lost: the lease was taken over before the result was written; discarded", job_id
+                )
             else:
                 self._let_go(job_id)
-                log.warning("job %s: its result was given up; its lease is let run out and a sweep puts it back in line",
-                            job_id)  # fmt: skip
+                log.warning(
+                    "job %s: its result was given up; its lease is let run out and a sweep puts it back "
+                    "in line",
+                    job_id,
+                )
             completion.written.set_result(bool(written))
 
     def _built(self, completion: Completion) -> dict[str, Any] | None:
@@ -166,7 +177,9 @@ class LedgerThreads:
             return completion.build_row()
         except Exception as exc:  # the engine's host part or the scoring
             log.exception("job %s: its result could not be built; the job fails", claim.job_id)
-            self._retrying(partial(ledger.fail_job, claim=claim, error=exc, final=True, max_attempts=claim.attempt))
+            self._retrying(
+                partial(ledger.fail_job, claim=claim, error=exc, final=True, max_attempts=claim.attempt)
+            )
             completion.written.set_result(False)
             return None
 

@@ -25,7 +25,8 @@ class OpenModel:
     session: Any  # DeepSeekOCRSession
     worker_id: str  # the environment fingerprint
     worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
-    warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)  # (mode, token budget, n-gram ban)
+    # (mode, token budget, n-gram ban)
+    warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)
 
 
 class JobHost(Protocol):

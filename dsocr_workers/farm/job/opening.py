@@ -52,8 +52,15 @@ def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
     from dsocr_workers.engine.coldstart.helpers import start_helpers
 
     try:
-        return start_helpers(warmup.key.model, runs_on, warmup.key.dtype, warmup.key.engine, warmup.modes,
-                             warmup.budgets[0], ngram_options(warmup.ngrams[0]))  # fmt: skip
+        return start_helpers(
+            warmup.key.model,
+            runs_on,
+            warmup.key.dtype,
+            warmup.key.engine,
+            warmup.modes,
+            warmup.budgets[0],
+            ngram_options(warmup.ngrams[0]),
+        )
     except Exception:  # a bad model or setting: the warm-up meets it again and says so
         log.warning("could not start the compile helpers before the load", exc_info=True)
         return None
@@ -69,8 +76,13 @@ def settle_heap() -> None:
 
 def unwarmed(loaded: OpenModel, warmup: Warmup) -> list[tuple[str, int | None, NGram]]:
     """The (mode, budget, n-gram ban) combinations of `warmup` that `loaded` has not warmed yet."""
-    return [(mode, budget, ngram) for budget in warmup.budgets for ngram in warmup.ngrams
-            for mode in warmup.modes if (mode, budget, ngram) not in loaded.warmed]  # fmt: skip
+    return [
+        (mode, budget, ngram)
+        for budget in warmup.budgets
+        for ngram in warmup.ngrams
+        for mode in warmup.modes
+        if (mode, budget, ngram) not in loaded.warmed
+    ]
 
 
 @dataclass
@@ -158,15 +170,25 @@ class ModelOpener:
         warmup_ms, shapes, cold_start = 0.0, [], []
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
-            report = run_warmup(loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers)
+            report = run_warmup(
+                loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers
+            )
             helpers = None
             warmup_ms += report.ms
             if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
                 cold_start.append(report.artifacts)
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
-                log.warning("warm-up of %s stopped after %d passes still meeting: %s", ", ".join(modes),
-                            report.passes, "; ".join(report.still_cold))  # fmt: skip
-            ban = "" if ngram == DEFAULT_NGRAM else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
+                log.warning(
+                    "warm-up of %s stopped after %d passes still meeting: %s",
+                    ", ".join(modes),
+                    report.passes,
+                    "; ".join(report.still_cold),
+                )
+            ban = (
+                ""
+                if ngram == DEFAULT_NGRAM
+                else f", no-repeat {ngram[0]}-grams" + (f" in {ngram[1]}" if ngram[1] else "")
+            )
             shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
@@ -175,17 +197,29 @@ class ModelOpener:
         self.record(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)
         return loaded
 
-    def record(self, loaded: OpenModel, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float) -> None:
+    def record(
+        self, loaded: OpenModel, warmup: str, began_at: datetime, load_ms: float, warmup_ms: float
+    ) -> None:
         """Record what was just loaded or warmed as a new worker session, ready now: the jobs after it
         point at it, and the report counts them from its `ready_at` on."""
         self.register()
         row = WorkerSession(
-            id=uuid.uuid4().hex, worker_id=loaded.worker_id, worker_process_id=self.owner,
-            host=socket.gethostname(), pid=os.getpid(),
-            device=self.device, model=loaded.key.model, engine=loaded.session.engine,
-            dtype=dtype_name(loaded.session.dtype), warmup=warmup,
-            started_at=began_at, load_ms=load_ms, warmup_ms=warmup_ms, ready_at=utcnow(), last_seen_at=utcnow(),
-        )  # fmt: skip
+            id=uuid.uuid4().hex,
+            worker_id=loaded.worker_id,
+            worker_process_id=self.owner,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=self.device,
+            model=loaded.key.model,
+            engine=loaded.session.engine,
+            dtype=dtype_name(loaded.session.dtype),
+            warmup=warmup,
+            started_at=began_at,
+            load_ms=load_ms,
+            warmup_ms=warmup_ms,
+            ready_at=utcnow(),
+            last_seen_at=utcnow(),
+        )
         with self.db.transaction() as tx:
             tx.add(row)
         loaded.worker_session_id = row.id
@@ -193,8 +227,9 @@ class ModelOpener:
     def _load(self, key: ModelKey) -> OpenModel:
         from dsocr_workers.engine.session import DeepSeekOCRSession
 
-        session = DeepSeekOCRSession.from_local(key.model, device=self.runs_on, dtype=key.dtype, engine=key.engine,
-                                                seed=key.seed)  # fmt: skip
+        session = DeepSeekOCRSession.from_local(
+            key.model, device=self.runs_on, dtype=key.dtype, engine=key.engine, seed=key.seed
+        )
         fingerprint = environment_fingerprint(self.device, session.source, runs_on=self.runs_on)
         with self.db.transaction() as tx:
             upsert(tx, Worker, {**fingerprint, "last_seen": utcnow()}, ["id"], ["last_seen"])

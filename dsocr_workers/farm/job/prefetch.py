@@ -114,13 +114,19 @@ class Prefetcher:
                 run = tx.execute(select(Run.model, Run.parameters).join(Job).where(Job.id == job_id)).first()
         return None if run is None else RunOptions.from_parameters(run.model, run.parameters)
 
-    def job_to_run(self, claiming: Claiming, open_model: ModelKey | None) -> tuple[JobFacts, Prefetched | None]:
+    def job_to_run(
+        self, claiming: Claiming, open_model: ModelKey | None
+    ) -> tuple[JobFacts, Prefetched | None]:
         """The job `claiming` claims, and its page if one was prefetched for it as it is. A job whose page
         was prefetched for the open model starts before its claim is written, from what the prefetch
         read (a run's settings and a job's image never change); any other waits for its claim here."""
         prefetched = self.take_job(claiming.job_id)
-        if (prefetched is not None and not claiming.claim.done() and not isinstance(prefetched.outcome, Exception)
-                and prefetched.plan.model == open_model):  # fmt: skip
+        if (
+            prefetched is not None
+            and not claiming.claim.done()
+            and not isinstance(prefetched.outcome, Exception)
+            and prefetched.plan.model == open_model
+        ):
             return prefetched.job, prefetched
         claim = claiming.result()
         if prefetched is not None and prefetched.plan != PagePlan.of_job(claim):

@@ -42,9 +42,15 @@ class JobProcess:
 
     @classmethod
     def open(
-        cls, settings: Settings, device: str, *, queues: tuple[str, ...], sweep: Sweep | None = None,
-        cpu_threads: int | None = None, runs_on: str = "",
-    ) -> JobProcess:  # fmt: skip
+        cls,
+        settings: Settings,
+        device: str,
+        *,
+        queues: tuple[str, ...],
+        sweep: Sweep | None = None,
+        cpu_threads: int | None = None,
+        runs_on: str = "",
+    ) -> JobProcess:
         """Open the ledger and start beating (farm/liveness.py): from here on this process renews the
         leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues. `runs_on`:
         the device as this process sees it, where that is not `device` (see_only_this_gpu)."""
@@ -60,9 +66,16 @@ class JobProcess:
             if not heartbeat.registered:
                 heartbeat.beat()
 
-        return cls(settings=settings, device=device, db=db, heartbeat=heartbeat, owner=owner,
-                   prefetcher=Prefetcher(db), ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
-                   models=ModelOpener(db, owner, device, runs_on or device, register))  # fmt: skip
+        return cls(
+            settings=settings,
+            device=device,
+            db=db,
+            heartbeat=heartbeat,
+            owner=owner,
+            prefetcher=Prefetcher(db),
+            ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
+            models=ModelOpener(db, owner, device, runs_on or device, register),
+        )
 
     def close(self, *, hand_back: bool = False) -> None:
         """Stop: the batch's jobs finish first. `hand_back`: this process stops before its jobs end
@@ -72,9 +85,11 @@ class JobProcess:
             self.batch.abandon()
             self.batch = None
         self.end_batch()  # its jobs finish and their results are written before the threads stop
-        self.ledger_threads.close()  # before the heartbeat stops: the leases of the results it writes stay renewed
+        # Before the heartbeat stops: the leases of the results it writes stay renewed.
+        self.ledger_threads.close()
         self.prefetcher.close()
-        try:  # a clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them)
+        # A clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them).
+        try:
             with self.db.transaction() as tx:
                 ledger.drop_reservations(tx, self.owner)
                 if hand_back:
@@ -86,7 +101,8 @@ class JobProcess:
         gc.unfreeze()
 
     def reserve(self, job_id: str) -> None:
-        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py `reserve_job`)."""
+        """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py
+        `reserve_job`)."""
         with self.db.transaction() as tx:
             ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
 
@@ -96,7 +112,8 @@ class JobProcess:
         for a job that is gone or unknown (left to the claim to refuse) or whose run could not be read."""
         try:
             options = self.prefetcher.run_of(job_id)
-        except Exception:  # a ledger outage, a run's bad options: the job's own path meets it again and records it
+        # A ledger outage, a run's bad options: the job's own path meets it again and records it.
+        except Exception:
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None:
@@ -163,13 +180,26 @@ class JobProcess:
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
-        prefetch_next = partial(self.prefetcher.start, upcoming, loaded.key, session) if upcoming else lambda: None
+        prefetch_next = (
+            partial(self.prefetcher.start, upcoming, loaded.key, session) if upcoming else lambda: None
+        )
         try:
             prepared = prefetched.page() if prefetched is not None else PagePlan.of_job(job).prepare(session)
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        run = session.run_on_device(prepared.page, options.max_new_tokens, options.decode_options, prepared.clock,
-                                    before_decode=lambda: claiming.wait_then(prefetch_next),
-                                    profiler=JobProfiler(session.device) if job.profile else None)  # fmt: skip
-        return Ran(run, loaded.worker_id, loaded.worker_session_id, prefetched=prefetched is not None, device=self.device)
+        run = session.run_on_device(
+            prepared.page,
+            options.max_new_tokens,
+            options.decode_options,
+            prepared.clock,
+            before_decode=lambda: claiming.wait_then(prefetch_next),
+            profiler=JobProfiler(session.device) if job.profile else None,
+        )
+        return Ran(
+            run,
+            loaded.worker_id,
+            loaded.worker_session_id,
+            prefetched=prefetched is not None,
+            device=self.device,
+        )

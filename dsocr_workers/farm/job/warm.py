@@ -71,12 +71,14 @@ def plan_warmup(
     if modes == ():
         return None
     with db.transaction() as tx:
-        counts = dict(tx.execute(
-            select(Job.run_id, func.count())
-            .join(Run, Job.run_id == Run.id)
-            .where(Run.queue.in_(queues), Job.state.in_(("queued", "running")))
-            .group_by(Job.run_id)
-        ).all())  # fmt: skip
+        counts = dict(
+            tx.execute(
+                select(Job.run_id, func.count())
+                .join(Run, Job.run_id == Run.id)
+                .where(Run.queue.in_(queues), Job.state.in_(("queued", "running")))
+                .group_by(Job.run_id)
+            ).all()
+        )
         rows = tx.execute(select(Run.id, Run.model, Run.parameters).where(Run.id.in_(counts))).all()
     runs = [RunOptions.from_parameters(model, parameters) for _, model, parameters in rows]
     open_jobs: Counter[ModelKey] = Counter()
@@ -88,5 +90,9 @@ def plan_warmup(
     runs = [options for options in runs if options.model_key == key]
     if modes is None:
         modes = tuple(dict.fromkeys(options.mode for options in runs))
-    return Warmup(key, modes, tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
-                  tuple(dict.fromkeys(options.ngram for options in runs)))  # fmt: skip
+    return Warmup(
+        key,
+        modes,
+        tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
+        tuple(dict.fromkeys(options.ngram for options in runs)),
+    )
