@@ -32,8 +32,7 @@ log = logging.getLogger("dsocr.worker")
 # torch's CPU ops release the GIL); half the cores at most, so the engine's thread keeps the GIL it needs.
 PREPARE_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 
-# An interrupted task's wait for the engine's thread to fail the batch: a step or two (a hung one: the
-# hard time limit's).
+# An interrupted task's wait for the engine's thread to fail the batch: a step or two.
 ABORT_WAIT_S = 10.0
 
 
@@ -64,7 +63,7 @@ class BatchedJobs:
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps = StepLog(process.ledger_threads, loaded)
-        # Guards `jobs`, `failed`, `_idle`, `_stopping`, `_abandoned`; notified when one changes or a page is prepared.
+        # Guards `jobs` and the flags below; notified when one changes or a page is prepared.
         self._changed = threading.Condition()
         self.failed: Exception | None = None  # what failed every job in flight: the batch is over
         self._idle = True  # the engine's thread found nothing to do (its steps read back and handed over)
@@ -107,8 +106,7 @@ class BatchedJobs:
         self._wait(lambda: not self.jobs and self._idle)
 
     def _wait(self, done: Callable[[], bool]) -> None:
-        """Wait until `done()` or the batch failed. Interrupted (the task's soft time limit), the batch
-        fails every job in flight, as a step that raises does, before the interruption goes on."""
+        """Wait until `done()` or the batch failed; interrupted (a soft time limit), fail the batch first."""
         with self._changed:
             try:
                 while not done() and self.failed is None:
@@ -130,8 +128,7 @@ class BatchedJobs:
         self._pages.shutdown()
 
     def abandon(self) -> None:
-        """Stop the engine's thread between two steps, the jobs in flight left as they are (still held
-        by this process, which hands them back: `dsocr run` interrupted), and the preparing threads."""
+        """Stop the engine's thread between two steps: its jobs stay this process's to hand back."""
         with self._changed:
             self._abandoned = True
             self._changed.notify_all()
@@ -146,7 +143,7 @@ class BatchedJobs:
         """The engine's thread: steps while the engine has work or a prepared page waits, else waits."""
         while True:
             with self._changed:
-                while not self._stopping and self._aborted is None and not self._abandoned and not self._has_work():
+                while not (self._stopping or self._abandoned or self._aborted or self._has_work()):
                     if not self._idle:
                         self._fail_lost()
                         self._steps.write()
@@ -154,7 +151,7 @@ class BatchedJobs:
                         self._changed.notify_all()
                     self._changed.wait()
                 aborted = self._aborted
-                if self._abandoned or (aborted is None and not self._has_work()):  # or stopping, and nothing left
+                if self._abandoned or (aborted is None and not self._has_work()):  # stopping, nothing left
                     return
                 self._idle = False
             if aborted is not None:
@@ -171,8 +168,7 @@ class BatchedJobs:
         return self.engine.busy or any(not job.handed_over and job.page.done() for job in self.jobs.values())
 
     def step(self) -> None:
-        """(The engine's thread.) The prepared pages into the engine, then one step; each finished job's
-        result is written. A step that raises fails every job in flight (an attempt each): the batch ends."""
+        """(The engine's thread.) Prepared pages in, one step, results out; a step that raises ends all."""
         self._hand_over()
         if not self.engine.busy:
             return
@@ -197,8 +193,7 @@ class BatchedJobs:
         self._steps.write(when_full=True)
 
     def _fail_batch(self, exc: Exception) -> None:
-        """(The engine's thread.) Every job in flight fails (an attempt each; a new message for each one
-        retried: their own were acknowledged) and the batch is over."""
+        """(The engine's thread.) Every job in flight fails, an attempt each, and the batch is over."""
         with self._changed:
             jobs = list(self.jobs.values())
             self.jobs.clear()
@@ -210,8 +205,7 @@ class BatchedJobs:
         self.process.send_again(again)
 
     def _fail_lost(self) -> None:
-        """(Under `_changed`, the engine idle.) Jobs handed to an engine with nothing left fail: none should
-        be, and a bug would otherwise keep `drain` waiting for ever."""
+        """(Under `_changed`, idle.) Jobs an engine with nothing left still holds fail: `drain` must end."""
         for job_id, job in [(job_id, job) for job_id, job in self.jobs.items() if job.handed_over]:
             self.jobs.pop(job_id)
             log.error("job %s: the batched engine finished without its output", job_id)
@@ -231,9 +225,7 @@ class BatchedJobs:
         from dsocr_workers.engine.batched import PageRequest
 
         with self._changed:
-            ready = [
-                (job_id, job) for job_id, job in self.jobs.items() if not job.handed_over and job.page.done()
-            ]
+            ready = [(i, job) for i, job in self.jobs.items() if not job.handed_over and job.page.done()]
         for job_id, job in ready:
             try:
                 self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
@@ -250,9 +242,8 @@ class BatchedJobs:
         from dsocr_workers.engine.session import DeviceRun
 
         loaded = self.loaded
-        result = DeviceRun.batched(loaded.session, job.page.result(), output,
-                                   ttft_from_s=job.claimed_s).finish()
-        ran = Ran(result, loaded.worker_id, loaded.worker_session_id, device=self.process.device)
+        run = DeviceRun.batched(loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s)
+        ran = Ran(run.finish(), loaded.worker_id, loaded.worker_session_id, device=self.process.device)
         self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s),
                                              utcnow())
         log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
+from dsocr_workers.model.config import dtype_name
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 
@@ -27,6 +28,11 @@ class OpenModel:
     worker_session_id: str  # the latest `worker_sessions` row: the state the next job runs in
     # (mode, token budget, n-gram ban)
     warmed: set[tuple[str, int | None, NGram]] = field(default_factory=set)
+
+    @property
+    def dtype(self) -> str:
+        """The session's dtype by name, as the ledger records it."""
+        return dtype_name(self.session.dtype)
 
 
 class JobHost(Protocol):

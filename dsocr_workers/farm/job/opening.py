@@ -21,7 +21,6 @@ from dsocr_workers.farm.job.fingerprint import environment_fingerprint
 from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, job_warmup, ngram_options
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
-from dsocr_workers.model.config import dtype_name
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
@@ -212,7 +211,7 @@ class ModelOpener:
             device=self.device,
             model=loaded.key.model,
             engine=loaded.session.engine,
-            dtype=dtype_name(loaded.session.dtype),
+            dtype=loaded.dtype,
             warmup=warmup,
             started_at=began_at,
             load_ms=load_ms,
