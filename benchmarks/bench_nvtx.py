@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsocr_workers.engine.stages import NVTX_DOMAIN, StageClock  # noqa: E402
+from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock  # noqa: E402
 
 N = 20_000
 

@@ -74,8 +74,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import environment, environment_line, fmt, synthetic_page  # noqa: E402
+from dsocr_workers.engine.clock import HOST_STAGES, STAGES, StageClock  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
-from dsocr_workers.engine.stages import HOST_STAGES, STAGES, StageClock  # noqa: E402
 
 ANNOTATION = "dsocr::"
 # Same-length timing jobs: no n-gram ban (as bench_engine and the anchors' vendor decode).

@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import synthetic_page  # noqa: E402
+from dsocr_workers.engine.clock import StageClock  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
-from dsocr_workers.engine.stages import StageClock  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_agreement  # noqa: E402
 
 T = TypeVar("T")

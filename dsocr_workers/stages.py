@@ -1,7 +1,7 @@
 """The measured stages of one job, in one place: `StageTimings` is the registry.
 
 Each of its millisecond fields carries a `Timing` that says what the figure is and where it is shown;
-the engine's clock (engine/stages.py), the result row and the `results` columns, the report's tables and
+the engine's clock (engine/clock.py), the result row and the `results` columns, the report's tables and
 plots and `dsocr infer`'s timing table are all derived from it. A new stage is a new field here plus an
 Alembic migration adding its nullable column, and the engine's `with clock.stage(name):` around the work.
 

@@ -33,7 +33,7 @@ KINETO_QUIET = "6"  # above kineto's highest level: nothing printed
 
 
 class StageTimes(Protocol):
-    """What the summary reads of a finished job clock (engine/stages.py `StageClock`, which opens this
+    """What the summary reads of a finished job clock (engine/clock.py `StageClock`, which opens this
     module's ranges: a protocol, not an import of it)."""
 
     timing_enabled: bool

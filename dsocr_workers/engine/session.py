@@ -26,6 +26,7 @@ from PIL import Image
 from transformers import StaticCache
 
 from dsocr_workers import settings
+from dsocr_workers.engine.clock import STEP_CAPACITY, StageClock
 from dsocr_workers.engine.device import make_current, resolve_device, resolve_dtype, set_numerics
 from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWatch, cache_bucket, choose_token
 from dsocr_workers.engine.loops import find_loop
@@ -40,7 +41,6 @@ from dsocr_workers.engine.result import (
     StopReason,
 )
 from dsocr_workers.engine.sampling import NGramBan, validate_options
-from dsocr_workers.engine.stages import STEP_CAPACITY, StageClock
 from dsocr_workers.engine.stopping import EOS_CHECK_INTERVAL, stop_reason, trim_at_eos
 from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine, Runners

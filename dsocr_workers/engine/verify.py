@@ -9,10 +9,10 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
+from dsocr_workers.engine.clock import VISION_STAGES, StageClock
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
-from dsocr_workers.engine.stages import VISION_STAGES, StageClock
 from dsocr_workers.model.config import DEFAULT_MODE
 
 ImageInput = str | os.PathLike | bytes | Image.Image

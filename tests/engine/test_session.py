@@ -9,10 +9,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from dsocr_workers.engine import generate
+from dsocr_workers.engine.clock import StageClock
 from dsocr_workers.engine.coldstart.warmup import warm
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
-from dsocr_workers.engine.stages import StageClock
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError

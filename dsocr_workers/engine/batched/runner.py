@@ -30,9 +30,9 @@ from dsocr_workers.engine.batched.slots import (
     decode_slots,
     reads_filled_slots,
 )
+from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
 from dsocr_workers.engine.regions import capture_graph
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.stages import NVTX_DOMAIN, StageClock
 from dsocr_workers.errors import InputError
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsocr_workers import settings
+from dsocr_workers.engine.clock import _STEP_EVENT_POOL, STAGES, StageClock
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.engine.stages import _STEP_EVENT_POOL, STAGES, StageClock
 from dsocr_workers.stages import TIMINGS
 
 # CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
