@@ -41,7 +41,7 @@ def main() -> int:
     page = synthetic_page().resize((1600, 2000))
     options = DecodeOptions(no_repeat_ngram_size=20, ignore_eos=True)
     budgets = [int(tokens) for tokens in args.tokens.split(",")]
-    report: dict = {"repo": str(REPO), "model": args.model, "engine": session.engine, "dtype": dtype,
+    report: dict = {"repo": str(REPO), "model": args.model, "engine": session.engine_name, "dtype": dtype,
                     "random_weights": session.source.random_weights}  # fmt: skip
     modes = args.modes.split(",")
     for mode in modes:  # every bucket once: compiles and captures whatever it meets first

@@ -136,7 +136,7 @@ def child(args: argparse.Namespace) -> int:
         "compilations": compilations(torch),
         "precompile": dataclasses.asdict(first.helpers) if first.helpers else None,
         "precompile_skipped": first.helpers_skipped,
-        "engine_ran": session.engine, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "engine_ran": session.engine_name, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "bytecode_cache": str(bytecode) if bytecode else None,
         "bytecode_written_s": written_s,
         "torch": torch.__version__, "pages": pages,

@@ -236,7 +236,7 @@ def bench_instrumentation(session: Any, page: Path, args: argparse.Namespace, op
     ratios = [a / b for a, b in zip(walls["on"], walls["off"], strict=True)]
     ratio = statistics.median(ratios)
     return {
-        "engine": session.engine,
+        "engine": session.engine_name,
         "pairs": args.instrumentation_pairs,
         "wall_ms_on": walls["on"],
         "wall_ms_off": walls["off"],
@@ -412,7 +412,7 @@ def main() -> int:
 
         target = sessions.get("fast") or sessions.get("eager")
         if target is not None and left() > 30:
-            print(f"[{time.perf_counter() - began:6.1f}s] instrumentation on/off ({target.engine})", flush=True)
+            print(f"[{time.perf_counter() - began:6.1f}s] instrumentation on/off ({target.engine_name})", flush=True)
             try:
                 report["instrumentation"] = bench_instrumentation(target, page, args, plain)
             except Exception as exc:

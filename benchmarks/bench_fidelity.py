@@ -71,7 +71,7 @@ def compare_page(eager: DeepSeekOCRSession, fast: DeepSeekOCRSession, page: Path
         "teacher_forced_agree": sum(a == b for a, b in zip(reference.token_ids, forced, strict=True)),
         "disagreements": disagreements(scores, reference.token_ids, forced, eager.dtype),
         "eager_one_shot_agree": int((scores.argmax(dim=-1) == torch.tensor(reference.token_ids)).sum()),
-        "steps": steps, "fast_engine_ran": free.engine,
+        "steps": steps, "fast_engine_ran": free.engine_name,
     }  # fmt: skip
 
 

@@ -144,9 +144,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M")
     session = DeepSeekOCRSession.from_local(args.model, device=args.device, engine=args.engine)
-    log(f"loaded {args.model} on {session.device} ({session.engine}, {session.dtype})")
+    log(f"loaded {args.model} on {session.device} ({session.engine_name}, {session.dtype})")
     report: dict[str, Any] = {
-        "environment": environment(), "model": session.source.label, "engine": session.engine,
+        "environment": environment(), "model": session.source.label, "engine": session.engine_name,
         "dtype": dtype_name(session.dtype), "mode": args.mode, "tokens": args.tokens,
         "command": "python3 benchmarks/bench_profile.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip

@@ -508,7 +508,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "environment": env,
         "model": session.source.label,
-        "engine": session.engine,
+        "engine": session.engine_name,
         "dtype": dtype_name(session.dtype),
         "peak_tbps": peak_tbps,
         "options": options.__dict__,

@@ -497,7 +497,7 @@ def section_crosscheck(
             sync()
         if index == 0:
             continue
-        path = tmp / f"trace-{session.engine}-{index}.json"
+        path = tmp / f"trace-{session.engine_name}-{index}.json"
         prof.export_chrome_trace(str(path))
         size_mb = path.stat().st_size / 2**20
         gpu = stage_gpu_times(path)
@@ -712,7 +712,7 @@ def run_engine(name: str, page: Path, args: argparse.Namespace, engine_s: float,
     )  # fmt: skip
     sync()
     entry["load_s"] = time.perf_counter() - began
-    entry["engine_ran"] = session.engine
+    entry["engine_ran"] = session.engine_name
     entry["engine_note"] = getattr(session, "engine_note", "")
     walls, reasons = [], []
     for _ in range(max(1, args.warmup if args.warmup is not None else WARMUP[name])):

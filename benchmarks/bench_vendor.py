@@ -114,7 +114,7 @@ def bench_ours(engine: str, args: argparse.Namespace, checkpoint: Path, image: P
     session = DeepSeekOCRSession.from_local(checkpoint, device=args.device, dtype=args.dtype, engine=engine)
     if cuda:
         torch.cuda.synchronize()
-    report: dict[str, Any] = {"load_s": time.perf_counter() - began, "engine_ran": session.engine,
+    report: dict[str, Any] = {"load_s": time.perf_counter() - began, "engine_ran": session.engine_name,
                               "model": session.source.label}  # fmt: skip
     options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
 

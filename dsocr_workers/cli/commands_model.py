@@ -71,7 +71,7 @@ def model_options(func: Any) -> Any:
 
 def model_banner(console: Console, session: DeepSeekOCRSession) -> None:
     source = session.source
-    console.print(f"model: {source.label}  engine: {session.engine}  device: {session.device}")
+    console.print(f"model: {source.label}  engine: {session.engine_name}  device: {session.device}")
     if source.random_weights:
         console.print("[bold red]RANDOM WEIGHTS: outputs are noise; timings are real.[/bold red]")
 

@@ -239,7 +239,7 @@ class DeviceRun:
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
             memory=self.memory,
-            engine=session.engine,
+            engine=session.engine_name,
             device=str(session.device),
             dtype=dtype_name(session.dtype),
             model=session.source,
@@ -256,14 +256,14 @@ class DeviceRun:
 
 @dataclass
 class DeepSeekOCRSession:
-    """A loaded model on one device and its engine (`variant`: engine/variants/, whose `runners` a job's
-    steps call; `engine`: its name, as results record it)."""
+    """A loaded model on one device and its engine (engine/variants/: its `runners` are what a job's steps
+    call; `engine_name` is what results record)."""
 
     loaded: LoadedModel
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
-    variant: Engine
+    engine: Engine
     engine_note: str = ""  # why the engine that runs is not the one asked for
     # NVTX ranges and stage timings for its jobs' clocks (`new_clock`); off only to measure what they cost.
     instrumented: bool = True
@@ -280,7 +280,7 @@ class DeepSeekOCRSession:
         self.weights_bytes = sum(
             t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
         )
-        self.runners = self.variant.runners(model, self.device)
+        self.runners = self.engine.runners(model, self.device)
 
     @classmethod
     def from_local(
@@ -321,8 +321,9 @@ class DeepSeekOCRSession:
         return cls(loaded, model_source, resolved, torch_dtype, variant, note, instrumented)
 
     @property
-    def engine(self) -> str:
-        return self.variant.name
+    def engine_name(self) -> str:
+        """The engine's registered name, as results record it."""
+        return self.engine.name
 
     @property
     def model(self) -> DeepSeekOCR:
@@ -339,7 +340,7 @@ class DeepSeekOCRSession:
     def use_compiler(self, compiler: Compiler) -> None:
         """Run the engine's compiled regions through `compiler` from now on (AOTInductor packages loaded by
         the cold start, engine/coldstart/): new runners, so graphs captured before are dropped."""
-        self.runners = self.variant.runners(self.model, self.device, compiler)
+        self.runners = self.engine.runners(self.model, self.device, compiler)
 
     def buffers_for(self, needed: int) -> DecodeBuffers:
         """The static decode state (KV cache, token buffer) of the bucket that holds `needed` positions."""

@@ -190,7 +190,7 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
     for attention in ("masked", "filled"):
         before = graphs["unique_graphs"]
         engine = engine_for(fast, prepared, 4, options, compiled=True, attention=attention)
-        assert engine.config.backend == fast.variant.compile_backend() == "aot_eager"
+        assert engine.config.backend == fast.engine.compile_backend() == "aot_eager"
         first = engine.run(requests(prepared)[:1], 1)  # bucket 1
         assert by_request(first) == {0: expected[0]}
         # Bucket 2 before the full one, as the engine captures them on CUDA (smallest first).

@@ -174,13 +174,13 @@ def test_teacher_forced_agreement_with_itself_is_total(session):
 
 def test_fast_engine_on_cpu_says_so_and_runs_eager():
     fast = DeepSeekOCRSession.from_local("tiny", engine="fast")
-    assert fast.engine == "eager" and "CUDA" in fast.engine_note
+    assert fast.engine_name == "eager" and "CUDA" in fast.engine_note
 
 
 def test_auto_engine_is_eager_on_a_cpu_without_a_note():
     """A run's default: fast where the job meets a GPU, the eager reference on a CPU, as asked."""
     auto = DeepSeekOCRSession.from_local("tiny", engine="auto")
-    assert auto.engine == "eager" and auto.engine_note == ""
+    assert auto.engine_name == "eager" and auto.engine_note == ""
 
 
 class CpuFast(FastEngine):
@@ -207,7 +207,7 @@ def fast_on_cpu(source: ModelSource, decode_only: bool = True) -> DeepSeekOCRSes
 
 
 def test_fast_kernels_and_compiled_decode_follow_eager_on_cpu(session):
-    assert session.dtype == torch.float32 and session.engine == "eager"
+    assert session.dtype == torch.float32 and session.engine_name == "eager"
     fast = fast_on_cpu(session.source)
     options = DecodeOptions(ignore_eos=True)  # the vendor's n-gram ban stays on: it runs inside the step
     reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=16, infer=options)
@@ -598,7 +598,7 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_engine_is_fast():
-    assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine == "fast"
+    assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine_name == "fast"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's graphs")

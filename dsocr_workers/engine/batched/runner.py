@@ -67,20 +67,20 @@ class StepConfig:
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
     ) -> StepConfig:
-        """None: the engine's defaults on this device (the session's `variant` declares what it allows).
+        """None: the engine's defaults on this device (the session's engine declares what it allows).
         `compiled`: on CUDA where the engine compiles its batched step. `cuda_graphs`: on CUDA where its
         kernels allow them. `attention`: "filled" where the step is compiled on CUDA over the fast
         attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow)."""
-        variant, model = session.variant, session.model
+        engine, model = session.engine, session.model
         cuda = session.device.type == "cuda"
-        compiled = (cuda and variant.compiles_batched_step) if compiled is None else compiled
-        cuda_graphs = (cuda and variant.graphs_batched_step) if cuda_graphs is None else cuda_graphs
+        compiled = (cuda and engine.compiles_batched_step) if compiled is None else compiled
+        cuda_graphs = (cuda and engine.graphs_batched_step) if cuda_graphs is None else cuda_graphs
         if cuda_graphs and not cuda:
             raise InputError("CUDA graphs need a CUDA device; the batched engine runs eager on a CPU")
-        if cuda_graphs and not variant.graphs_batched_step:
+        if cuda_graphs and not engine.graphs_batched_step:
             raise InputError(
                 f"the batched engine's CUDA graphs need kernels that read nothing back to the host; "
-                f"the {variant.name} engine's do: load the session with another engine or pass "
+                f"the {engine.name} engine's do: load the session with another engine or pass "
                 "cuda_graphs=False"
             )
         if attention is None:
@@ -88,9 +88,9 @@ class StepConfig:
         if attention == "filled" and not reads_filled_slots(model):
             raise InputError(
                 f"reading only the slots' filled positions needs the fast engine's attention modules; "
-                f"the {variant.name} engine's attend under a mask (attention='masked')"
+                f"the {engine.name} engine's attend under a mask (attention='masked')"
             )
-        return cls(variant.compile_backend() if compiled else None, cuda_graphs, attention)
+        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention)
 
 
 @dataclass

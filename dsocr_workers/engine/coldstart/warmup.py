@@ -90,12 +90,12 @@ def session_plan(
         session.device,
         session.dtype,
         kernels,
-        session.variant.compiled(),
+        session.engine.compiled(),
         modes,
         max_new_tokens,
         infer,
         max_crops,
-        engine=session.engine,
+        engine=session.engine_name,
     )
 
 

@@ -210,7 +210,7 @@ class ModelOpener:
             pid=os.getpid(),
             device=self.device,
             model=loaded.key.model,
-            engine=loaded.session.engine,
+            engine=loaded.session.engine_name,
             dtype=loaded.dtype,
             warmup=warmup,
             started_at=began_at,
