@@ -255,7 +255,7 @@ def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: i
 
 def worker_command(args: argparse.Namespace, engine: str, k: int, queue: str, options: set[str]) -> list[str]:
     if args.gpus == "cpu":
-        devices = ["--gpus", "cpu", "--concurrency-per-device", str(k)]
+        devices = ["--gpus", ",".join(["cpu"] * k)]
     else:
         devices = ["--gpus", ",".join(str(i) for i in range(k))]
     command = [*DSOCR, "worker", *devices, "--queue", queue, "--loglevel", args.worker_loglevel]

@@ -187,15 +187,9 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 
 @click.command(epilog=LEDGER_AND_BROKER_HELP)
 @click.option("--gpus", default="auto", show_default=True,
-              help="auto (every GPU, else the CPU), all (every GPU), GPU indices like 0,1, or cpu.")
+              help="auto (every GPU, else the CPU), all (every GPU), GPU indices like 0,1, or cpu (cpu,cpu: two "
+                   "lanes on the CPU).")
 @click.option("--queue", "queues", multiple=True, help="Queue(s) to consume (default: DSOCR_QUEUE or dsocr).")
-@click.option(
-    "--concurrency-per-device",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Children per device (1 for profiling; more only for tests on CPU).",
-)
 @click.option("--loglevel", type=click.Choice(LOGLEVELS, case_sensitive=False), default="INFO", show_default=True)
 @click.option("--warmup", default="auto", show_default=True,
               help="Modes to load and warm before the first job (e.g. gundam,base): auto = those of the runs "
@@ -212,7 +206,7 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
                    "answer inspection.")
 @exits_on_errors
 def worker(
-    gpus: str, queues: tuple[str, ...], concurrency_per_device: int, loglevel: str, warmup: str, model: str,
+    gpus: str, queues: tuple[str, ...], loglevel: str, warmup: str, model: str,
     engine: str, dtype: str | None, max_new_tokens: int | None, events: bool,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
@@ -228,7 +222,6 @@ def worker(
     start_worker(
         Settings.from_env(),
         parse_devices(gpus),
-        concurrency_per_device=concurrency_per_device,
         queues=queues,
         loglevel=loglevel,
         warmup=warmup,

@@ -34,10 +34,12 @@ def _visible_entries(environ: Mapping[str, str]) -> list[str]:
 def parse_devices(gpus: str, environ: Mapping[str, str] = os.environ) -> list[str]:
     """`auto` → every GPU, or the CPU where there is none; `all` → every GPU (none found: an error);
     `0,1` → those GPUs, each of which must be there (a worker told to use a GPU it cannot see would
-    otherwise say it is ready and fail every job); `cpu` → the CPU."""
+    otherwise say it is ready and fail every job); `cpu` → the CPU, `cpu,cpu` → two lanes on it (a
+    CPU is shared; a GPU is named once)."""
     text = gpus.strip().lower()
-    if text == "cpu":
-        return ["cpu"]
+    lanes = [part.strip() for part in text.split(",") if part.strip()]
+    if lanes and set(lanes) == {"cpu"}:
+        return lanes
     if text == "auto":
         count = count_gpus(environ)
         return [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
@@ -49,7 +51,7 @@ def parse_devices(gpus: str, environ: Mapping[str, str] = os.environ) -> list[st
     try:
         indices = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise InputError(f"--gpus {gpus!r}: expected auto, all, cpu, or GPU indices like 0,1") from None
+        raise InputError(f"--gpus {gpus!r}: expected auto, all, cpu (cpu,cpu: two lanes), or GPU indices like 0,1") from None
     if not indices or len(set(indices)) != len(indices) or min(indices) < 0:
         raise InputError(f"--gpus {gpus!r}: expected distinct GPU indices like 0,1")
     count = count_gpus(environ)

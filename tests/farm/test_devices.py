@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dsocr_workers.errors import InputError
 from dsocr_workers.farm.devices import count_gpus, parse_devices
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
@@ -43,6 +44,9 @@ def test_gpus_auto_falls_back_to_the_cpu_and_indices_must_be_there():
     assert parse_devices(",".join(str(i) for i in range(count)) or "cpu") == (
         [f"cuda:{i}" for i in range(count)] or ["cpu"]
     )
+    assert parse_devices("cpu,cpu") == ["cpu", "cpu"]  # two lanes on the CPU
+    with pytest.raises(InputError):
+        parse_devices("cpu,0")  # a GPU is named once, beside no CPU lane
 
 
 def test_cuda_visible_devices_narrows_what_gpus_may_name(listed_gpus):

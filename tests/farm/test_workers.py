@@ -216,7 +216,7 @@ def test_a_worker_with_jobs_queued_prefetches_the_next_page(pages, postgres_url,
 @pytest.mark.redis
 def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres_url, broker_env, subprocess_env,
                                                                  tmp_path):  # fmt: skip
-    """Two CPU lanes (`--concurrency-per-device 2`) on one queue, pages whose crop grids make their jobs
+    """Two CPU lanes (`--gpus cpu,cpu`) on one queue, pages whose crop grids make their jobs
     take different times: each child is told which job its lane fetched for it next, so every job after a
     child's first ran on a page its own child prepared while the previous job ran (a guess at the next
     message, as before, missed whenever the jobs ended in another order than they started)."""
@@ -230,7 +230,7 @@ def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres
     run_id = submitted.stdout.strip().splitlines()[-1]
     with open(tmp_path / "worker.log", "w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu", "--concurrency-per-device", "2",
+            [sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu,cpu",
              "--loglevel", "INFO"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -179,7 +179,6 @@ def start_worker(
     settings: Settings,
     devices: list[str],
     *,
-    concurrency_per_device: int = 1,
     queues: Iterable[str] = (),
     loglevel: str = "INFO",
     warmup: str = "auto",
@@ -191,11 +190,9 @@ def start_worker(
     warms a model before it takes a message: `warmup` names the modes (`auto`: those of the runs open on
     its queues; `none`), `fallback_model` is loaded when no run is, warmed for jobs of `fallback_budget`
     new tokens (None: the model's positions). `events`: visible in Flower."""
-    if concurrency_per_device < 1:
-        raise InputError("--concurrency-per-device must be at least 1")
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
-    slots = tuple(device for device in devices for _ in range(concurrency_per_device))
+    slots = tuple(devices)
     specs = [WorkerSpec(settings, slots, lane, tuple(queue_names), plan) for lane in range(len(slots))]
     if len(specs) == 1:
         run_lane(specs[0], loglevel, events)
