@@ -100,17 +100,17 @@ class Heartbeat:
             "started_at": now,
             "heartbeat_at": now,
         }
-        with self.db.transaction() as session:
-            upsert(session, WorkerProcess, row, ["id"], ["heartbeat_at"])
+        with self.db.transaction() as tx:
+            upsert(tx, WorkerProcess, row, ["id"], ["heartbeat_at"])
             renewed = ledger.renew_leases(
-                session, self.owner, self.settings.lease_s, now, let_go=list(self._let_go)
+                tx, self.owner, self.settings.lease_s, now, let_go=list(self._let_go)
             )
         self.registered = True
         if self.sweep is None:
             return Beat(renewed, [], [], [], [])
-        with self.db.transaction() as session:
+        with self.db.transaction() as tx:
             expired = ledger.expire_leases(
-                session,
+                tx,
                 max_attempts=self.settings.max_attempts,
                 now=now,
                 queues=self.sweep.queues,
@@ -118,7 +118,7 @@ class Heartbeat:
             )
             if expired.to_bring_back:
                 self.sweep.publish(
-                    session, expired.to_bring_back
+                    tx, expired.to_bring_back
                 )  # raises: rolled back, the next sweep tries again
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
@@ -148,8 +148,8 @@ class Heartbeat:
         ]
         if not held:
             return []
-        with self.db.transaction() as session:
-            orphans = ledger.unattended(session, held, now)
+        with self.db.transaction() as tx:
+            orphans = ledger.unattended(tx, held, now)
         return sorted(self.sweep.take_back(orphans)) if orphans else []
 
     def let_go(self, job_id: str) -> None:
@@ -170,8 +170,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=self.settings.heartbeat_s + 5)
         try:
-            with self.db.transaction() as session:
-                session.execute(
+            with self.db.transaction() as tx:
+                tx.execute(
                     update(WorkerProcess).where(WorkerProcess.id == self.owner).values(stopped_at=utcnow())
                 )
         except Exception:  # the ledger is down: the row goes silent and reads as dead after the lease

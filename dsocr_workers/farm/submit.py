@@ -118,8 +118,8 @@ def record_run(
     ]
     for ordinal, job in enumerate(jobs, start=1):  # file-list order: the N-th, 2N-th, ... job is profiled
         job["profile"] = options.profiles(ordinal)
-    with db.transaction() as session:
-        session.add(
+    with db.transaction() as tx:
+        tx.add(
             Run(
                 id=run_id,
                 name=name or filelist.path.stem,
@@ -135,8 +135,8 @@ def record_run(
                 ground_truth=None if ground_truth is None else str(ground_truth.absolute()),
             )
         )
-        session.flush()
-        session.execute(insert(Job), jobs)
+        tx.flush()
+        tx.execute(insert(Job), jobs)
     skipped = [f"line {b.line}: {b.text}: {b.reason}" for b in filelist.bad]
     return SubmittedRun(run_id, [j["id"] for j in jobs], queue, skipped=skipped)
 
@@ -225,8 +225,8 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
     raises TransientError when the broker fails (the rest stay pending for `dsocr reconcile`)."""
     from kombu.exceptions import OperationalError
 
-    with db.transaction() as session:
-        labels = job_labels(session, [job_id for job_id, _ in jobs])
+    with db.transaction() as tx:
+        labels = job_labels(tx, [job_id for job_id, _ in jobs])
     sent: list[str] = []
     try:
         send_job_messages(app, jobs, sent, labels)
@@ -236,8 +236,8 @@ def enqueue(db: Database, app: Any, jobs: list[tuple[str, str]]) -> int:
             "the rest are recorded as pending, run `dsocr reconcile` when the broker is back"
         ) from exc
     finally:
-        with db.transaction() as session:
-            ledger.mark_queued(session, sent)
+        with db.transaction() as tx:
+            ledger.mark_queued(tx, sent)
     return len(sent)
 
 
@@ -247,8 +247,8 @@ def reconcile_and_enqueue(
     """Expire stale leases and reservations, then send a message for every open job that Redis holds none
     for; a delivered message whose holder just expired is put back at the head of its queue. Returns the
     plan and the messages sent or put back."""
-    with db.transaction() as session:
-        plan = ledger.reconcile(session, max_attempts=settings.max_attempts, run_id=run_id)
+    with db.transaction() as tx:
+        plan = ledger.reconcile(tx, max_attempts=settings.max_attempts, run_id=run_id)
     try:
         waiting, delivered = job_ids_in_broker(
             settings.broker_url, settings.broker_key_prefix, (queue for _, queue in plan.requeue)
@@ -266,8 +266,8 @@ def reconcile_and_enqueue(
         from kombu.exceptions import OperationalError
 
         try:
-            with db.transaction() as session:
-                bring_back_job_messages(app, session, abandoned)
+            with db.transaction() as tx:
+                bring_back_job_messages(app, tx, abandoned)
         except (OperationalError, OSError, redis.RedisError) as exc:
             raise TransientError(
                 f"broker unavailable while putting back {len(abandoned)} messages: {exc}"
@@ -283,6 +283,6 @@ def reconcile_run(settings: Settings, run_ref: str | None) -> tuple[ledger.Recon
     db = open_ledger(settings.database_url)
     run_id = None
     if run_ref:
-        with db.transaction() as session:
-            run_id = resolve_run(session, run_ref).id
+        with db.transaction() as tx:
+            run_id = resolve_run(tx, run_ref).id
     return reconcile_and_enqueue(db, create_app(settings), settings, run_id=run_id)

@@ -28,8 +28,8 @@ def export_predictions(
 ) -> PredictionsWritten:
     """Write every page of the run (`run_ref`: id, unique prefix or latest) that has a result in repeat
     `repeat` to `directory`/<image name without extension>.md."""
-    with open_ledger(database_url).transaction() as session:
-        data = load_run(session, run_ref)
+    with open_ledger(database_url).transaction() as tx:
+        data = load_run(tx, run_ref)
     if not any(j.repeat == repeat for j in data.jobs):
         raise InputError(f"run {data.run.id} has no repeat {repeat}")
     pages = {

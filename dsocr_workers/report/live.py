@@ -77,16 +77,16 @@ class RunProgress:
         return self.final == self.total
 
 
-def run_progress(session: Session, run: Run, lease_s: float, now: datetime | None = None) -> RunProgress:
+def run_progress(tx: Session, run: Run, lease_s: float, now: datetime | None = None) -> RunProgress:
     now = now or utcnow()
-    jobs = session.execute(
+    jobs = tx.execute(
         select(Job.id, Job.image, Job.state, Job.lease_owner, Job.started_at, Job.finished_at).where(
             Job.run_id == run.id
         )
     ).all()
     counts = Counter(job.state for job in jobs)
     holding = {job.lease_owner: job.image for job in jobs if job.state == "running" and job.lease_owner}
-    done_by = session.execute(
+    done_by = tx.execute(
         select(WorkerSession.worker_process_id, Job.started_at, Job.finished_at)
         .join(Result, Result.worker_session_id == WorkerSession.id)
         .join(Job, Job.id == Result.job_id)
@@ -98,7 +98,7 @@ def run_progress(session: Session, run: Run, lease_s: float, now: datetime | Non
             durations.setdefault(process_id, []).append((finished, (finished - started).total_seconds()))
     run_median = statistics.median(s for pairs in durations.values() for _, s in pairs) if durations else None
 
-    processes = session.scalars(
+    processes = tx.scalars(
         select(WorkerProcess).where(WorkerProcess.heartbeat_at >= now - SHOW_SILENT_FOR)
     ).all()
     workers = []
@@ -139,8 +139,8 @@ def follow_progress(
     again every `interval_s` seconds until every job of it is final (`dsocr status [--watch]`)."""
     db = open_ledger(database_url)
     while True:
-        with db.transaction() as session:
-            progress = run_progress(session, resolve_run(session, run_ref), lease_s)
+        with db.transaction() as tx:
+            progress = run_progress(tx, resolve_run(tx, run_ref), lease_s)
         yield progress
         if interval_s is None or progress.finished:
             return

@@ -43,9 +43,9 @@ def write_report(
         except ModuleNotFoundError as exc:
             package = (exc.name or "matplotlib").partition(".")[0]
             raise InputError(f"--html needs {package}: pip install 'dsocr-workers[report]'") from exc
-    with open_ledger(database_url).transaction() as session:
-        a = load_run(session, request.run)
-        b = load_run(session, request.vs) if request.vs else None
+    with open_ledger(database_url).transaction() as tx:
+        a = load_run(tx, request.run)
+        b = load_run(tx, request.vs) if request.vs else None
         if b is not None:
             document = comparison_report(
                 a,

@@ -282,9 +282,9 @@ def worker_timeline(sides: Sequence[Side]) -> Plot:
         data = side.data
         for y, (_, lane) in enumerate(sorted(lanes.items())):
             ids = dict.fromkeys(s.result.worker_session_id for s in lane)
-            for session in (data.sessions[i] for i in ids if i in data.sessions):
-                start = _seconds(data, session.started_at)
-                load, warm = (session.load_ms or 0) / 1000, (session.warmup_ms or 0) / 1000
+            for worker_session in (data.sessions[i] for i in ids if i in data.sessions):
+                start = _seconds(data, worker_session.started_at)
+                load, warm = (worker_session.load_ms or 0) / 1000, (worker_session.warmup_ms or 0) / 1000
                 ax.broken_barh([(start, load)], (y - 0.4, 0.8), color="#7f7f7f")
                 ax.broken_barh([(start + load, warm)], (y - 0.4, 0.8), color="#c5b0d5")
                 # A worker up long before the submit would squash the run: show at most a quarter of

@@ -61,18 +61,18 @@ class RunData:
     steps: list[StepTime] = field(default_factory=list)
 
 
-def load_run(session: Session, ref: str) -> RunData:
-    run = resolve_run(session, ref)
-    jobs = list(session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat)))
-    results = {r.job_id: r for r in session.scalars(select(Result).where(Result.run_id == run.id))}
+def load_run(tx: Session, ref: str) -> RunData:
+    run = resolve_run(tx, ref)
+    jobs = list(tx.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat)))
+    results = {r.job_id: r for r in tx.scalars(select(Result).where(Result.run_id == run.id))}
     worker_ids = {r.worker_id for r in results.values()}
     session_ids = {r.worker_session_id for r in results.values() if r.worker_session_id is not None}
-    workers = {w.id: w for w in session.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
+    workers = {w.id: w for w in tx.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
     sessions = {
-        s.id: s for s in session.scalars(select(WorkerSession).where(WorkerSession.id.in_(session_ids)))
+        s.id: s for s in tx.scalars(select(WorkerSession).where(WorkerSession.id.in_(session_ids)))
     }
     elsewhere: dict[str, list[datetime]] = {}
-    for session_id, finished in session.execute(
+    for session_id, finished in tx.execute(
         select(Result.worker_session_id, Job.finished_at)
         .join(Job, Job.id == Result.job_id)
         .where(
@@ -84,15 +84,15 @@ def load_run(session: Session, ref: str) -> RunData:
         if session_id is not None and finished is not None:
             elsewhere.setdefault(session_id, []).append(finished)
     attempts = list(
-        session.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id))
+        tx.scalars(select(JobAttempt).where(JobAttempt.run_id == run.id).order_by(JobAttempt.id))
     )
     owners = {a.owner for a in attempts} | {
         s.worker_process_id for s in sessions.values() if s.worker_process_id
     }
-    processes = {p.id: p for p in session.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
+    processes = {p.id: p for p in tx.scalars(select(WorkerProcess).where(WorkerProcess.id.in_(owners)))}
     profiles = {
         job_id: KernelSummary.from_json(summary)
-        for job_id, summary in session.execute(
+        for job_id, summary in tx.execute(
             select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
         )
     }
@@ -103,7 +103,7 @@ def load_run(session: Session, ref: str) -> RunData:
         BatchStep.duration_ms,
         BatchStep.started_at,
     )
-    steps = [StepTime(*row) for row in session.execute(select(*columns).where(BatchStep.run_id == run.id))]
+    steps = [StepTime(*row) for row in tx.execute(select(*columns).where(BatchStep.run_id == run.id))]
     return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps)
 
 
@@ -119,11 +119,11 @@ class RunSummary:
 
 def list_runs(database_url: str, limit: int = 20) -> list[RunSummary]:
     """The newest `limit` runs with their job counts (`dsocr runs`)."""
-    with open_ledger(database_url).transaction() as session:
-        runs = list(session.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
+    with open_ledger(database_url).transaction() as tx:
+        runs = list(tx.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
         counts: dict[str, dict[str, int]] = {r.id: {} for r in runs}
         if runs:
-            rows = session.execute(
+            rows = tx.execute(
                 select(Job.run_id, Job.state, func.count())
                 .where(Job.run_id.in_(list(counts)))
                 .group_by(Job.run_id, Job.state)

@@ -30,12 +30,12 @@ from dsocr_workers.store.models import Job, Result, WorkerSession
 
 def lane_key(data: RunData, result: Result) -> str:
     """The worker process behind a result, or its worker fingerprint for results older than sessions."""
-    session = data.sessions.get(result.worker_session_id or "")
-    return _process_lane(session) if session is not None else result.worker_id
+    worker_session = data.sessions.get(result.worker_session_id or "")
+    return _process_lane(worker_session) if worker_session is not None else result.worker_id
 
 
-def _process_lane(session: WorkerSession) -> str:
-    return f"{session.host}:{session.pid}:{session.device}"
+def _process_lane(worker_session: WorkerSession) -> str:
+    return f"{worker_session.host}:{worker_session.pid}:{worker_session.device}"
 
 
 def waiting_since(job: Job) -> datetime:
@@ -63,8 +63,8 @@ def services(data: RunData) -> dict[str, list[Service]]:
     for job in data.jobs:
         result = data.results.get(job.id)
         if result is not None and job.started_at is not None and job.finished_at is not None:
-            session = data.sessions.get(result.worker_session_id or "")
-            ready_at = session.ready_at if session is not None else None
+            worker_session = data.sessions.get(result.worker_session_id or "")
+            ready_at = worker_session.ready_at if worker_session is not None else None
             by_lane[lane_key(data, result)].append((job.finished_at, job.started_at, ready_at, job, result))
     elsewhere: dict[str, list[datetime]] = defaultdict(list)  # per lane, finishes of other runs' jobs
     for session_id, finishes in data.elsewhere.items():
@@ -120,9 +120,9 @@ def batched_rates(
     steps_by_lane: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
     slots: dict[str, int] = defaultdict(int)  # per lane, the most pages a decode step held
     for step in data.steps:
-        session = data.sessions.get(step.worker_session_id)
-        if session is not None:
-            on = _process_lane(session)
+        worker_session = data.sessions.get(step.worker_session_id)
+        if worker_session is not None:
+            on = _process_lane(worker_session)
             steps_by_lane[on].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
             if step.kind == "decode":
                 slots[on] = max(slots[on], step.occupancy)

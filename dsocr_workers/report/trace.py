@@ -41,11 +41,11 @@ class TraceWritten:
 def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
     if (request.job is None) == (request.run is None or request.image is None):
         raise InputError("name one job: --job ID, or --run ID --image NAME")
-    with open_ledger(database_url).transaction() as session:
-        job = _job(session, request)
-        trace = session.scalar(select(JobProfile.trace_gz).where(JobProfile.job_id == job.id))
+    with open_ledger(database_url).transaction() as tx:
+        job = _job(tx, request)
+        trace = tx.scalar(select(JobProfile.trace_gz).where(JobProfile.job_id == job.id))
         if trace is None:
-            profiled = session.scalars(
+            profiled = tx.scalars(
                 select(Job.image)
                 .join(JobProfile, JobProfile.job_id == Job.id)
                 .where(Job.run_id == job.run_id)
@@ -63,9 +63,9 @@ def write_trace(database_url: str, request: TraceRequest) -> TraceWritten:
     return TraceWritten(job.id, job.image, job.repeat, path, len(data))
 
 
-def _job(session: Session, request: TraceRequest) -> Job:
+def _job(tx: Session, request: TraceRequest) -> Job:
     if request.job is not None:
-        matches = session.scalars(
+        matches = tx.scalars(
             select(Job).where(Job.id.startswith(request.job, autoescape=True)).limit(2)
         ).all()
         if len(matches) != 1:
@@ -74,11 +74,11 @@ def _job(session: Session, request: TraceRequest) -> Job:
             )
         return matches[0]
     assert request.run is not None and request.image is not None
-    run = resolve_run(session, request.run)
+    run = resolve_run(tx, request.run)
     image = request.image
     jobs = [
         j
-        for j in session.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
+        for j in tx.scalars(select(Job).where(Job.run_id == run.id).order_by(Job.line, Job.repeat))
         if j.image == image or j.image.rsplit("/", 1)[-1] == image
     ]
     if not jobs:

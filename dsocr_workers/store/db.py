@@ -60,8 +60,8 @@ class Database:
         """A session in one transaction: committed on success, rolled back on error. A lost or refused
         connection comes out as TransientError so the caller can retry later."""
         try:
-            with self.sessions.begin() as session:
-                yield session
+            with self.sessions.begin() as tx:
+                yield tx
         except OperationalError as exc:
             raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
         except DBAPIError as exc:

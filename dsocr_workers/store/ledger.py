@@ -82,7 +82,7 @@ def _rowcount(result: Any) -> int:
 
 
 def claim_job(
-    session: Session,
+    tx: Session,
     job_id: str,
     owner: str,
     *,
@@ -99,7 +99,7 @@ def claim_job(
     now = now or utcnow()
     # The columns the claim reads, not the ORM objects: loading two entities into the session (and
     # flushing it at commit) is host time between one job's end and the next one's start on the device.
-    job = session.execute(
+    job = tx.execute(
         select(
             Job.state,
             Job.lease_owner,
@@ -155,7 +155,7 @@ def claim_job(
         else {}
     )
     if not continuing and job.attempts >= max_attempts:
-        session.execute(
+        tx.execute(
             update(Job)
             .where(unchanged)
             .values(
@@ -171,7 +171,7 @@ def claim_job(
 
     attempt = job.attempts if continuing else job.attempts + 1
     lease_expires_at = now + timedelta(seconds=lease_s)
-    changed = session.execute(
+    changed = tx.execute(
         update(Job)
         .where(unchanged)
         .values(
@@ -187,9 +187,9 @@ def claim_job(
     if _rowcount(changed) != 1:
         # A sweep that took the job back sends its message before it commits, so this delivery can read the
         # job still running and meet it queued at the UPDATE; refusing would drop its only message.
-        if again and session.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
+        if again and tx.scalar(select(Job.state).where(Job.id == job_id)) in WAITING_STATES:
             return claim_job(
-                session,
+                tx,
                 job_id,
                 owner,
                 lease_s=lease_s,
@@ -200,7 +200,7 @@ def claim_job(
             )
         return Refusal(job_id, "claimed concurrently by another worker", None)
     if not continuing:  # who held it, kept past a takeover (the job's row names only its latest holder)
-        session.execute(
+        tx.execute(
             insert(JobAttempt).values(
                 job_id=job_id, run_id=job.run_id, attempt=attempt, owner=owner, claimed_at=now
             )
@@ -225,10 +225,10 @@ def _held(claim: Claim) -> Any:
     return (Job.id == claim.job_id) & (Job.state == "running") & (Job.lease_owner == claim.owner)
 
 
-def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: datetime | None = None) -> bool:
+def complete_job(tx: Session, claim: Claim, result: dict[str, Any], now: datetime | None = None) -> bool:
     """Mark the job done and upsert its result (and a profiled job's profile, `PROFILE`), all or none.
     False (nothing written) when the claim's lease was lost to another worker."""
-    changed = session.execute(
+    changed = tx.execute(
         update(Job)
         .where(_held(claim))
         .values(state="done", lease_owner=None, lease_expires_at=None, finished_at=now or utcnow())
@@ -237,24 +237,24 @@ def complete_job(session: Session, claim: Claim, result: dict[str, Any], now: da
         return False
     columns = dict(result)
     profile = columns.pop(PROFILE, None)
-    upsert(session, Result, {**columns, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+    upsert(tx, Result, {**columns, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     if profile is not None:
-        upsert(session, JobProfile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+        upsert(tx, JobProfile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     return True
 
 
-def record_batch_steps(session: Session, steps: Sequence[dict[str, Any]]) -> int:
+def record_batch_steps(tx: Session, steps: Sequence[dict[str, Any]]) -> int:
     """Insert a batched engine's steps (`batch_steps` rows, farm/job/batched.py), in one statement;
     returns how many. No lease guards them: a step ran on the device whoever holds its jobs now."""
     if steps:
         # NULLs rendered: every row then has the same columns and all go in one statement. Without, the
         # ORM's bulk insert leaves a None out, and starts a statement at each switch of prefill and decode.
-        session.execute(insert(BatchStep).execution_options(render_nulls=True), list(steps))
+        tx.execute(insert(BatchStep).execution_options(render_nulls=True), list(steps))
     return len(steps)
 
 
 def fail_job(
-    session: Session,
+    tx: Session,
     claim: Claim,
     error: BaseException,
     *,
@@ -266,7 +266,7 @@ def fail_job(
     back to `queued` for another attempt. Returns the new state, None when the lease was lost."""
     now = now or utcnow()
     state = "failed" if final else "poisoned" if claim.attempt >= max_attempts else "queued"
-    changed = session.execute(
+    changed = tx.execute(
         update(Job)
         .where(_held(claim))
         .values(
@@ -282,9 +282,9 @@ def fail_job(
     return state if _rowcount(changed) == 1 else None
 
 
-def release_job(session: Session, claim: Claim, error: BaseException, now: datetime | None = None) -> bool:
+def release_job(tx: Session, claim: Claim, error: BaseException, now: datetime | None = None) -> bool:
     """Give the job back without counting the attempt (a transient failure: database, broker)."""
-    changed = session.execute(
+    changed = tx.execute(
         update(Job)
         .where(_held(claim))
         .values(
@@ -300,12 +300,12 @@ def release_job(session: Session, claim: Claim, error: BaseException, now: datet
     return _rowcount(changed) == 1
 
 
-def release_held(session: Session, owner: str, now: datetime | None = None) -> list[str]:
+def release_held(tx: Session, owner: str, now: datetime | None = None) -> list[str]:
     """Every job `owner` holds back to `queued`, its attempt not counted: the process stops before it
     could finish them (`dsocr run` interrupted). Returns their ids."""
     held = (Job.state == "running") & (Job.lease_owner == owner)
-    job_ids = list(session.scalars(select(Job.id).where(held)))
-    session.execute(
+    job_ids = list(tx.scalars(select(Job.id).where(held)))
+    tx.execute(
         update(Job)
         .where(held)
         .values(
@@ -323,7 +323,7 @@ def release_held(session: Session, owner: str, now: datetime | None = None) -> l
 
 
 def record_timeout(
-    session: Session,
+    tx: Session,
     job_id: str,
     owner_prefix: str,
     limit_s: float,
@@ -337,14 +337,14 @@ def record_timeout(
     now = now or utcnow()
     owned = Job.lease_owner.startswith(owner_prefix, autoescape=True)
     held = (Job.id == job_id) & (Job.state == "running") & owned
-    row = session.execute(
+    row = tx.execute(
         select(Job.attempts, Run.queue).join(Run, Job.run_id == Run.id).where(held)
     ).one_or_none()
     if row is None:
         return None
     attempts, queue = row
     state = "poisoned" if attempts >= max_attempts else "queued"
-    changed = session.execute(
+    changed = tx.execute(
         update(Job)
         .where(held & (Job.attempts == attempts))
         .values(
@@ -360,15 +360,15 @@ def record_timeout(
     return (state, queue) if _rowcount(changed) == 1 else None
 
 
-def job_state(session: Session, job_id: str) -> str | None:
+def job_state(tx: Session, job_id: str) -> str | None:
     """The job's state; None for no such job."""
-    return session.scalar(select(Job.state).where(Job.id == job_id))
+    return tx.scalar(select(Job.state).where(Job.id == job_id))
 
 
 # --- enqueue bookkeeping and reconcile ------------------------------------------------------------
 
 
-def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
+def mark_queued(tx: Session, job_ids: Iterable[str], now: datetime | None = None) -> None:
     """pending → queued for jobs whose message is now in the broker. A job a worker claimed before its
     batch was marked keeps its state and gets the time too: without it, throughput would count its wait
     from the row's creation, the submit's own work included (report/throughput.py `waiting_since`)."""
@@ -376,14 +376,14 @@ def mark_queued(session: Session, job_ids: Iterable[str], now: datetime | None =
     ids = list(job_ids)
     for start in range(0, len(ids), 500):
         batch = ids[start : start + 500]
-        session.execute(
+        tx.execute(
             update(Job).where(Job.id.in_(batch), Job.state == "pending").values(state="queued", queued_at=now)
         )
-        session.execute(update(Job).where(Job.id.in_(batch), Job.queued_at.is_(None)).values(queued_at=now))
+        tx.execute(update(Job).where(Job.id.in_(batch), Job.queued_at.is_(None)).values(queued_at=now))
 
 
 def renew_leases(
-    session: Session, owner: str, lease_s: float, now: datetime | None = None, let_go: Iterable[str] = ()
+    tx: Session, owner: str, lease_s: float, now: datetime | None = None, let_go: Iterable[str] = ()
 ) -> int:
     """Extend every lease `owner` holds but those of the jobs in `let_go` (ones it can no longer finish),
     and its reservation, to `lease_s` from now (its heartbeat). Returns how many leases."""
@@ -392,12 +392,12 @@ def renew_leases(
     held = (Job.state == "running") & (Job.lease_owner == owner)
     if dropped := list(let_go):
         held &= Job.id.not_in(dropped)
-    session.execute(
+    tx.execute(
         update(Job)
         .where(Job.reserved_by == owner, Job.state.in_(WAITING_STATES))
         .values(reserved_until=until)
     )
-    return _rowcount(session.execute(update(Job).where(held).values(lease_expires_at=until)))
+    return _rowcount(tx.execute(update(Job).where(held).values(lease_expires_at=until)))
 
 
 @dataclass(frozen=True)
@@ -414,7 +414,7 @@ class ExpiredLeases:
 
 
 def expire_leases(
-    session: Session,
+    tx: Session,
     *,
     max_attempts: int,
     now: datetime | None = None,
@@ -433,7 +433,7 @@ def expire_leases(
         stale &= Run.queue.in_(list(queues))
     if spare_owner is not None:
         stale &= Job.lease_owner != spare_owner
-    rows = session.execute(
+    rows = tx.execute(
         select(Job.id, Job.attempts, Job.lease_owner, Run.queue).join(Run, Job.run_id == Run.id).where(stale)
     ).all()
     requeued, poisoned = [], []
@@ -456,17 +456,17 @@ def expire_leases(
         values = (
             {"state": "poisoned", "finished_at": now} if at_cap else {"state": "queued", "queued_at": now}
         )
-        if _rowcount(session.execute(update(Job).where(unchanged).values(**values, **lost))) != 1:
+        if _rowcount(tx.execute(update(Job).where(unchanged).values(**values, **lost))) != 1:
             continue
         if at_cap:
             poisoned.append(job_id)
         else:
             requeued.append((job_id, queue))
-    return ExpiredLeases(requeued, poisoned, _expire_reservations(session, now, run_id, queues, spare_owner))
+    return ExpiredLeases(requeued, poisoned, _expire_reservations(tx, now, run_id, queues, spare_owner))
 
 
 def _expire_reservations(
-    session: Session, now: datetime, run_id: str | None, queues: Iterable[str] | None, spare_owner: str | None
+    tx: Session, now: datetime, run_id: str | None, queues: Iterable[str] | None, spare_owner: str | None
 ) -> list[tuple[str, str]]:
     stale = Job.state.in_(WAITING_STATES) & (Job.reserved_until <= now)
     if run_id is not None:
@@ -475,7 +475,7 @@ def _expire_reservations(
         stale &= Run.queue.in_(list(queues))
     if spare_owner is not None:
         stale &= Job.reserved_by != spare_owner
-    rows = session.execute(
+    rows = tx.execute(
         select(Job.id, Job.reserved_by, Run.queue).join(Run, Job.run_id == Run.id).where(stale)
     ).all()
     unreserved = []
@@ -486,18 +486,18 @@ def _expire_reservations(
             & (Job.reserved_by == owner)
             & (Job.reserved_until <= now)
         )
-        if _rowcount(session.execute(update(Job).where(unchanged).values(**UNRESERVED))) == 1:
+        if _rowcount(tx.execute(update(Job).where(unchanged).values(**UNRESERVED))) == 1:
             unreserved.append((job_id, queue))
     return unreserved
 
 
-def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[str, str]]:
+def waiting_on_queues(tx: Session, job_ids: Iterable[str]) -> list[tuple[str, str]]:
     """(job id, its run's queue) for those of `job_ids` waiting for a worker."""
     ids = list(job_ids)
     return [
         (job_id, queue)
         for start in range(0, len(ids), 500)
-        for job_id, queue in session.execute(
+        for job_id, queue in tx.execute(
             select(Job.id, Run.queue)
             .join(Run, Job.run_id == Run.id)
             .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES))
@@ -505,7 +505,7 @@ def waiting_on_queues(session: Session, job_ids: Iterable[str]) -> list[tuple[st
     ]
 
 
-def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
+def unattended(tx: Session, job_ids: Iterable[str], now: datetime | None = None) -> list[str]:
     """Of `job_ids` (jobs whose messages a worker has held for a while), the ones waiting with no live
     reservation: their worker died before its child could reserve or claim them (farm/liveness.py)."""
     now = now or utcnow()
@@ -514,7 +514,7 @@ def unattended(session: Session, job_ids: Iterable[str], now: datetime | None = 
     found: list[str] = []
     for start in range(0, len(ids), 500):
         batch = ids[start : start + 500]
-        found += session.scalars(select(Job.id).where(Job.id.in_(batch), Job.state.in_(WAITING_STATES), free))
+        found += tx.scalars(select(Job.id).where(Job.id.in_(batch), Job.state.in_(WAITING_STATES), free))
     return found
 
 
@@ -529,16 +529,16 @@ class ReconcilePlan:
 
 
 def reconcile(
-    session: Session, *, max_attempts: int, run_id: str | None = None, now: datetime | None = None
+    tx: Session, *, max_attempts: int, run_id: str | None = None, now: datetime | None = None
 ) -> ReconcilePlan:
     """Expire stale leases (poisoning jobs at the cap) and list every open job to enqueue again."""
     now = now or utcnow()
-    expired = expire_leases(session, max_attempts=max_attempts, now=now, run_id=run_id)
+    expired = expire_leases(tx, max_attempts=max_attempts, now=now, run_id=run_id)
     in_run = (Job.run_id == run_id) if run_id else true()
     running = (
-        session.scalar(select(func.count()).select_from(Job).where(in_run & (Job.state == "running"))) or 0
+        tx.scalar(select(func.count()).select_from(Job).where(in_run & (Job.state == "running"))) or 0
     )
-    requeue = session.execute(
+    requeue = tx.execute(
         select(Job.id, Run.queue)
         .join(Run, Job.run_id == Run.id)
         .where(in_run & Job.state.in_(WAITING_STATES))
@@ -553,8 +553,8 @@ def reconcile(
     )
 
 
-def job_counts(session: Session, run_id: str) -> Counter[str]:
-    rows = session.execute(select(Job.state, func.count()).where(Job.run_id == run_id).group_by(Job.state))
+def job_counts(tx: Session, run_id: str) -> Counter[str]:
+    rows = tx.execute(select(Job.state, func.count()).where(Job.run_id == run_id).group_by(Job.state))
     return Counter({state: count for state, count in rows})
 
 
@@ -583,32 +583,32 @@ def _waiting_columns() -> Any:
     )
 
 
-def waiting_job(session: Session, job_id: str, owner: str) -> WaitingJob | None:
+def waiting_job(tx: Session, job_id: str, owner: str) -> WaitingJob | None:
     """`job_id` if it is waiting for a worker, or claimed by `owner` already (it may have claimed it
     before this read: its previous job failed at once); None if it is unknown, final or another's."""
     mine = (Job.state == "running") & (Job.lease_owner == owner)
-    row = session.execute(
+    row = tx.execute(
         _waiting_columns().where(Job.id == job_id, Job.state.in_(WAITING_STATES) | mine)
     ).one_or_none()
     return None if row is None else _waiting(row)
 
 
 def reserve_job(
-    session: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
+    tx: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
 ) -> None:
     """Reserve `job_id`, if it is waiting, for `owner` (its worker fetched the job's message to run next)
     until `lease_s` from now; its reservations of jobs no longer waiting are given up here."""
     now = now or utcnow()
-    session.execute(
+    tx.execute(
         update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED)
     )
-    session.execute(
+    tx.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(WAITING_STATES))
         .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
     )
 
 
-def drop_reservations(session: Session, owner: str) -> None:
+def drop_reservations(tx: Session, owner: str) -> None:
     """`owner` stops cleanly: the messages of the jobs it reserved go back to the broker with its worker."""
-    session.execute(update(Job).where(Job.reserved_by == owner).values(**UNRESERVED))
+    tx.execute(update(Job).where(Job.reserved_by == owner).values(**UNRESERVED))

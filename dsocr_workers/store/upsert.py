@@ -16,7 +16,7 @@ INSERTS: dict[str, Any] = {"postgresql": postgresql.insert, "sqlite": sqlite.ins
 
 
 def upsert(
-    session: Session,
+    tx: Session,
     model: type[DeclarativeBase],
     values: Mapping[str, Any],
     conflict_columns: Iterable[str],
@@ -25,7 +25,7 @@ def upsert(
     """Insert `values` into `model`'s table; on a conflict on `conflict_columns` overwrite `update_columns`
     (every other
     column when None; nothing when empty). A name that is no column of the table is a ValueError."""
-    dialect = session.get_bind().dialect.name
+    dialect = tx.get_bind().dialect.name
     if dialect not in INSERTS:
         raise InputError(f"the ledger runs on SQLite or PostgreSQL; DSOCR_DATABASE_URL names {dialect}")
     table = cast(Table, model.__table__)
@@ -34,7 +34,7 @@ def upsert(
         raise ValueError(f"{table.name} has no column {', '.join(unknown)}")
     keys = tuple(conflict_columns)
     columns = tuple(c for c in values if c not in keys) if update_columns is None else tuple(update_columns)
-    session.execute(_statement(dialect, table, keys, columns), dict(values))
+    tx.execute(_statement(dialect, table, keys, columns), dict(values))
 
 
 @lru_cache(maxsize=64)

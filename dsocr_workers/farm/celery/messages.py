@@ -16,13 +16,13 @@ RUN_JOB = "dsocr.run_job"
 LABEL_BATCH = 500  # job ids per IN (...) when labelling messages: well below every dialect's limit
 
 
-def job_labels(session: Session, job_ids: list[str]) -> dict[str, str]:
+def job_labels(tx: Session, job_ids: list[str]) -> dict[str, str]:
     """What monitors show as each job's task keyword arguments (Celery's `kwargsrepr`): its run, image
     and repeat. Read in the caller's transaction: a second one would wait on SQLite's write lock."""
     labels: dict[str, str] = {}
     for start in range(0, len(job_ids), LABEL_BATCH):
         batch = job_ids[start : start + LABEL_BATCH]
-        for job in session.execute(
+        for job in tx.execute(
             select(Job.id, Job.run_id, Job.image, Job.repeat).where(Job.id.in_(batch))
         ):
             labels[job.id] = repr({"run": job.run_id, "image": job.image, "repeat": job.repeat})
@@ -47,10 +47,10 @@ def send_job_messages(
             sent.append(job_id)
 
 
-def bring_back_job_messages(app: Any, session: Session, jobs: list[tuple[str, str]]) -> None:
+def bring_back_job_messages(app: Any, tx: Session, jobs: list[tuple[str, str]]) -> None:
     """Jobs (job id, queue) taken back from a worker that stopped beating: the messages it held go back to
     the head of their queues; a job whose message is no longer held (acknowledged before its result was
     written) gets a new one, at the back. Raises the broker's error."""
     taken = take_back_messages(app, [job_id for job_id, _ in jobs])
     if missing := [(job_id, queue) for job_id, queue in jobs if job_id not in taken]:
-        send_job_messages(app, missing, [], job_labels(session, [job_id for job_id, _ in missing]))
+        send_job_messages(app, missing, [], job_labels(tx, [job_id for job_id, _ in missing]))
