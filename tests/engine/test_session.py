@@ -140,8 +140,9 @@ def test_a_page_prepared_ahead_runs_as_the_same_job(session):
     assert ahead.token_ids == untimed.token_ids == whole.token_ids
     assert ahead.timings.preprocess_ms > 0 and untimed.timings.preprocess_ms == 0
     assert ("push", "preprocess") in prepared.clock.nvtx_log and prepared.clock.job_id == "8"
-    # The wait is no part of the job: named, outside e2e (not in the host gap), and the parts add up.
-    assert ahead.timings.page_wait_ms >= 200 and whole.timings.page_wait_ms < 1
+    # The wait is no part of the job: named, outside e2e (not in the host gap), and the parts add up. A page
+    # run at once waits only for its thread to be scheduled (milliseconds on a loaded machine).
+    assert ahead.timings.page_wait_ms >= 200 and whole.timings.page_wait_ms < ahead.timings.page_wait_ms - 100
     for t in (ahead.timings, untimed.timings, whole.timings):
         assert sum(t.parts_ms.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
         assert 0 <= t.host_gap_ms <= max(5.0, 0.05 * t.e2e_ms)
