@@ -52,9 +52,9 @@ from dsocr_workers.model.modeling import DeepSeekOCR
 from dsocr_workers.model.tokenizer import OCRTokenizer
 from dsocr_workers.stages import StageTimings
 
-if TYPE_CHECKING:  # the batched engine imports this module
-    from dsocr_workers.engine.batched import BatchedOutput
+if TYPE_CHECKING:  # the batched engine (its runner) imports this module
     from dsocr_workers.engine.batched.metrics import SequenceMetrics
+    from dsocr_workers.engine.batched.scheduler import BatchedOutput
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ them without importing it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,7 +15,7 @@ from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 
 if TYPE_CHECKING:
-    from dsocr_workers.farm.job.batched import BatchedJobs
+    from dsocr_workers.store.ledger import Claim
 
 
 @dataclass
@@ -35,6 +36,19 @@ class OpenModel:
         return dtype_name(self.session.dtype)
 
 
+class Batch(Protocol):
+    """What a job's task uses of its process's batch (farm/job/batched.py `BatchedJobs`)."""
+
+    @property
+    def jobs(self) -> Mapping[str, object]: ...
+
+    def add(self, claim: Claim, claimed_s: float) -> None: ...
+
+    def wait_for_room(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+
 class JobHost(Protocol):
     """What the batched jobs use of their job process (farm/job/process.py `JobProcess`)."""
 
@@ -43,8 +57,9 @@ class JobHost(Protocol):
     owner: str
     device: str
     ledger_threads: LedgerThreads
-    batch: BatchedJobs | None
+    @property
+    def batch(self) -> Batch | None: ...
 
-    def joinable_batch(self, options: RunOptions) -> BatchedJobs: ...
+    def joinable_batch(self, options: RunOptions) -> Batch: ...
 
     def send_again(self, job_ids: list[str]) -> None: ...
