@@ -7,9 +7,9 @@ evaluator's stored outputs (tests/quality/test_official_agreement.py).
    table's leftover cells join the text. A page with more LaTeX than HTML tables scores its tables as
    missing (the evaluator's LaTeXML conversion is not reproduced).
 3. Reference text and display formulas matched in one pool against the predicted blocks by
-   `quick_match` (quality/matching.py), or one-to-one where quick_match runs past its time limit (as
-   the evaluator falls back); page furniture, captions and unmatched predictions are left
-   out; a reference formula answered by a text block is scored as text.
+   `quick_match` (quality/matching.py), or one-to-one past its time limit (the evaluator's fallback);
+   page furniture, captions and unmatched predictions are left out; a reference formula answered by a
+   text block is scored as text.
 4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
    structure-only TEDS; reading order: the edit distance between the reference's and the prediction's
    orders of the reference text blocks.
