@@ -1,16 +1,15 @@
-"""A page's markdown against its OmniDocBench reference, scored as OmniDocBench's official end-to-end
-evaluator scores it (`pdf_validation.py`, `match_method: quick_match`); tested page by page against the
-evaluator's stored outputs (tests/quality/test_official_agreement.py).
+"""A page's markdown scored against its OmniDocBench reference as the official end-to-end evaluator does
+(`pdf_validation.py`, quick_match; tested page by page against its stored outputs in
+tests/quality/test_official_agreement.py): the markdown cut into blocks (quality/markdown.py), then:
 
-1. The markdown is cut into blocks (quality/markdown.py).
-2. Tables first, paired one-to-one by the Hungarian method on the raw HTML's edit distance; a predicted
+1. Tables first, paired one-to-one by the Hungarian method on the raw HTML's edit distance; a predicted
    table's leftover cells join the text. A page with more LaTeX than HTML tables scores its tables as
    missing (the evaluator's LaTeXML conversion is not reproduced).
-3. Reference text and display formulas matched in one pool against the predicted blocks by
+2. Reference text and display formulas matched in one pool against the predicted blocks by
    `quick_match` (quality/matching.py), or one-to-one past its time limit (the evaluator's fallback);
    page furniture, captions and unmatched predictions are left out; a reference formula answered by a
    text block is scored as text.
-4. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
+3. Per page, per category: Σ edits / Σ max(len(reference), len(prediction)); tables also TEDS and
    structure-only TEDS; reading order: the edit distance between the reference's and the prediction's
    orders of the reference text blocks.
 """
