@@ -5,7 +5,7 @@ every published end-to-end number went through them:
 
 - blocks whose normalised content is empty leave the line lists but not the item lists, so the
   category of a prediction and the reading order of a reference are read at the wrong index after one;
-- reference page furniture and captions (IGNORED) take out of the pool every prediction within 0.25
+- reference page furniture and captions (IGNORED_TEXT_CATEGORIES) take out of the pool every prediction within 0.25
   of one of them, before the real matching;
 - a pair further apart than 0.7 is undone, its reference then re-attached to any prediction that
   contains it (substring distance under 0.4); predictions left over after that are paired with the
@@ -28,23 +28,9 @@ from scipy.optimize import linear_sum_assignment
 
 from dsocr_workers.quality.markdown import FORMULA, INLINE_FORMULA, TEXT, PredictedBlock
 from dsocr_workers.quality.normalize import normalize_formula, normalize_text
+from dsocr_workers.quality.omnidocbench import FORMULA_CATEGORY, IGNORED_TEXT_CATEGORIES
 from dsocr_workers.settings import MATCH_TIME_LIMIT
 
-TEXT_CATEGORIES = ("text_block", "title", "code_txt", "code_txt_caption", "reference")
-IGNORED = (
-    "figure_caption",
-    "figure_footnote",
-    "table_caption",
-    "table_footnote",
-    "code_algorithm",
-    "code_algorithm_caption",
-    "header",
-    "footer",
-    "page_footnote",
-    "page_number",
-    "equation_caption",
-)
-FORMULA_CATEGORY = "equation_isolated"
 # Which matching scored a page (a result's `matched_by`): quick_match, or the evaluator's fallback
 # past quick_match's time limit (settings.MATCH_TIME_LIMIT), `one_to_one_match`.
 QUICK_MATCH = "quick_match"
@@ -347,8 +333,8 @@ def quick_match(
             )
         ]
 
-    kept_gt = [i for i in range(len(gt_norm)) if gt_cats[i] not in IGNORED]
-    ignored_gt = [i for i in range(len(gt_norm)) if gt_cats[i] in IGNORED]
+    kept_gt = [i for i in range(len(gt_norm)) if gt_cats[i] not in IGNORED_TEXT_CATEGORIES]
+    ignored_gt = [i for i in range(len(gt_norm)) if gt_cats[i] in IGNORED_TEXT_CATEGORIES]
     taken_by_ignored: set[int] = set()
     if ignored_gt:
         close = np.argwhere(_distances([gt_norm[i] for i in ignored_gt], pred_norm) < 0.25)

@@ -24,11 +24,8 @@ from rapidfuzz.distance import Levenshtein
 
 from dsocr_workers.quality import markdown as md
 from dsocr_workers.quality.matching import (
-    FORMULA_CATEGORY,
-    IGNORED,
     ONE_TO_ONE,
     QUICK_MATCH,
-    TEXT_CATEGORIES,
     MatchedEntry,
     OutOfTime,
     ReferenceItem,
@@ -37,7 +34,12 @@ from dsocr_workers.quality.matching import (
     simple_match,
 )
 from dsocr_workers.quality.normalize import clean_text, latex_to_unicode, normalize_table
-from dsocr_workers.quality.omnidocbench import TABLE_CATEGORY, PageReference
+from dsocr_workers.quality.omnidocbench import (
+    FORMULA_CATEGORY,
+    TABLE_CATEGORY,
+    TEXT_CATEGORIES,
+    PageReference,
+)
 from dsocr_workers.quality.teds import teds
 from dsocr_workers.settings import MATCH_TIME_LIMIT
 
@@ -214,4 +216,4 @@ def score_page(
     )
 
 
-__all__ = ["IGNORED", "PageMatch", "PageScores", "match_page", "page_edit_distance", "score_page"]
+__all__ = ["PageMatch", "PageScores", "match_page", "page_edit_distance", "score_page"]
