@@ -25,11 +25,14 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from dsocr_workers.engine.native_stderr import Dropping
 from dsocr_workers.engine.result import JobProfile
 from dsocr_workers.kernels import DECODE, OTHER, Activity, KernelSummary, KernelTime, StageKernels
 from dsocr_workers.stages import HOST_STAGES
 
 KINETO_QUIET = "6"  # above kineto's highest level: nothing printed
+# What c10 logs at every toggle of the collection, whatever the activities (profiler_kineto.cpp).
+TOGGLE_WARNINGS = ("Toggling CPU activity with GPU activity on", "Toggling GPU activity with CPU activity on")
 
 
 class StageTimes(Protocol):
@@ -41,6 +44,7 @@ class StageTimes(Protocol):
     def ms(self, name: str) -> float: ...
 
     def step_ms(self) -> list[float]: ...
+
 
 RANGE_PREFIX = "dsocr::"
 STEP_RANGE = f"{DECODE} step "  # + the step's index: `dsocr::decode step 17`
@@ -79,6 +83,7 @@ class JobProfiler:
         self._step: record_function | None = None
         self._collecting = True
         self._running = False
+        self._toggle_warnings = Dropping(*TOGGLE_WARNINGS)
 
     def start(self) -> None:
         # Kineto prints its stages on stderr at its default level (read when the profiler first starts):
@@ -92,6 +97,7 @@ class JobProfiler:
             self._close_step()
             self._profile.stop()
             self._running = False
+            self._toggle_warnings.close()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -131,7 +137,10 @@ class JobProfiler:
 
     def _collect(self, on: bool) -> None:
         if on != self._collecting:
-            self._profile.toggle_collection_dynamic(on, self.activities)
+            # Warnings no torch switch silences but the process-wide TORCH_CPP_LOG_LEVEL: a worker's
+            # log would get two per sampled stretch of every profiled job.
+            with self._toggle_warnings.around():
+                self._profile.toggle_collection_dynamic(on, self.activities)
             self._collecting = on
 
     def collect(self, clock: StageTimes) -> JobProfile:

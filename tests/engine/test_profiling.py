@@ -139,3 +139,40 @@ def test_a_profiled_job_prints_no_profiler_chatter(subprocess_env):
     ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert "profiler_start" not in ran.stderr and "USDT" not in ran.stderr, ran.stderr
+
+
+TOGGLED_JOB = """
+import os, sys
+import torch
+from PIL import Image
+from torch.profiler import profile
+
+from dsocr_workers.engine.profiling import DecodeSample, JobProfiler
+from dsocr_workers.engine.result import DecodeOptions
+from dsocr_workers.engine.session import DeepSeekOCRSession
+
+toggle = profile.toggle_collection_dynamic
+
+def toggle_beside_another_line(self, enable, activities):  # a line of another thread's, meanwhile
+    os.write(2, b"another line on stderr\\n")
+    toggle(self, enable, activities)
+
+profile.toggle_collection_dynamic = toggle_beside_another_line
+session = DeepSeekOCRSession.from_local("tiny")
+prepared = session.prepare_job(Image.new("RGB", (640, 480), "white"), mode="tiny")
+run = session.run_on_device(prepared.page, 10, DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True),
+                            clock=prepared.clock, profiler=JobProfiler(session.device, DecodeSample(2, (6,), 1)))
+print(run.finish().profile.summary.decode_steps)
+"""
+
+
+def test_a_profiled_job_drops_the_toggle_warnings_and_keeps_every_other_line(subprocess_env):
+    """c10 logs "Toggling CPU activity with GPU activity on ..." at each switch of the sampled decode's
+    collection: none of it in a profiled CPU job's stderr, while what else was written there stays."""
+    env = {k: v for k, v in subprocess_env.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    ran = subprocess.run([sys.executable, "-c", TOGGLED_JOB], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-3:] == ["[0,", "1,", "6]"], ran.stdout  # collection went off and on again
+    assert "Toggling" not in ran.stderr, ran.stderr
+    assert ran.stderr.count("another line on stderr") == 4, ran.stderr  # off after 1, on at 6, off, on
