@@ -101,13 +101,12 @@ class DecodeBuffers:
         eos_flags = torch.zeros(EOS_LOOKAHEAD + 2, dtype=torch.bool, pin_memory=pinned)
         return cls(cache, tokens, length, prompt_length, host_tokens, eos_flags, cache_bytes)
 
-    def start(self, prompt_ids: torch.Tensor, options: DecodeOptions) -> NGramBan:
-        """Reset for a new job and return the job's n-gram state over these buffers."""
-        self.cache.reset()
-        count = prompt_ids.numel()
-        self.tokens[:count].copy_(prompt_ids, non_blocking=True)
-        self.length.fill_(count)
-        self.prompt_length.fill_(count)
+    def start(self, prompt_tokens: int, options: DecodeOptions) -> NGramBan:
+        """A new job whose prompt's ids are in `tokens[:prompt_tokens]` (`DeepSeekOCRSession.upload` puts
+        them there): its n-gram state over these buffers. The cache keeps what the last job left: a prefill
+        fills it from slot 0, and no query reads a slot past its own position before decoding writes it."""
+        self.length.fill_(prompt_tokens)
+        self.prompt_length.fill_(prompt_tokens)
         key = (options.no_repeat_ngram_size, options.ngram_window, options.ngram_whitelist)
         if key not in self._bans:
             whitelist = None
@@ -226,7 +225,11 @@ class RepetitionWatch:
 
 
 def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-    """One forward over the whole prompt (positions 0..L-1); returns the last position's logits [1, V]."""
+    """One forward over the whole prompt (positions 0..L-1) into `cache` from slot 0, whatever it held;
+    returns the last position's logits [1, V]."""
+    layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates
+    for layer in layers:
+        layer.cumulative_length.zero_()
     positions = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
     hidden = model.language_model(
         inputs_embeds=embeds, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache}

@@ -272,6 +272,7 @@ class DeepSeekOCRSession:
     weights_bytes: int = field(init=False, default=0)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
     _new_buckets: list[int] = field(init=False, default_factory=list)  # allocated since the last job began
+    _pixel_table: torch.Tensor | None = field(init=False, default=None)  # `upload`'s on CUDA, made once
 
     def __post_init__(self) -> None:
         model = self.loaded.model
@@ -389,19 +390,30 @@ class DeepSeekOCRSession:
                 page = page.pinned()
         return PreparedJob(page, clock)
 
-    def upload(self, page: preprocess.PreparedPage) -> DevicePage:
+    def upload(self, page: preprocess.PreparedPage, input_ids: torch.Tensor | None = None) -> DevicePage:
         """The page's inputs to the device, asynchronously (without waiting for the queued work only
-        where the page is pinned). Bytes cross as uint8 and are normalised there (eager ops:
-        bit-identical to the CPU)."""
+        where the page is pinned); the ids into `input_ids` where given (a job's token buffer). Bytes
+        cross as uint8 and are normalised there: `normalize_pixels`, or on CUDA a table of the 256 values
+        it makes on the device (its bits: two launches per group instead of five)."""
         groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
-        return DevicePage(
-            page,
-            page.input_ids.to(self.device, non_blocking=True),
-            [preprocess.normalize_pixels(g.to(self.device, non_blocking=True), self.dtype) for g in groups],
-            # Placeholder positions come from the host copy of the mask: a boolean index on the device
-            # would sync (nonzero) and stall the GPU between vision and LM.
-            page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True),
-        )
+        # The pixels first: the device copies them while the host queues the rest.
+        pixels = [g.to(self.device, non_blocking=True) for g in groups]
+        if self.device.type == "cuda":
+            if self._pixel_table is None:
+                byte_values = torch.arange(256, dtype=torch.uint8, device=self.device)
+                self._pixel_table = preprocess.normalize_pixels(byte_values, self.dtype)
+            table = self._pixel_table
+            pixels = [table.index_select(0, g.flatten().int()).view(g.shape) for g in pixels]
+        else:  # no launches to save, and a gather costs the CPU more than the five operations
+            pixels = [preprocess.normalize_pixels(g, self.dtype) for g in pixels]
+        if input_ids is None:
+            ids = page.input_ids.to(self.device, non_blocking=True)
+        else:
+            ids = input_ids.copy_(page.input_ids, non_blocking=True)
+        # Placeholder positions come from the host copy of the mask: a boolean index on the device
+        # would sync (nonzero) and stall the GPU between vision and LM.
+        positions = page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True)
+        return DevicePage(page, ids, pixels, positions)
 
     def encode_image(self, inputs: DevicePage, clock: StageClock) -> torch.Tensor:
         """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
@@ -422,16 +434,18 @@ class DeepSeekOCRSession:
         max_new_tokens: int | None,
         clock: StageClock,
     ) -> PageJob:
-        """Setup: the job's token budget, its cache bucket (reset), the page's inputs to the device and
-        the n-gram state. Call this and the next steps under `torch.inference_mode()`."""
+        """Setup: the job's token budget, its cache bucket, the page's inputs to the device (the ids
+        straight into the bucket's token buffer) and the n-gram state: a few asynchronous copies and
+        launches, no reset of the cache (`DecodeBuffers.start`). Call this and the next steps under
+        `torch.inference_mode()`."""
         validate_options(options)
         budget, ceiling = self._budget(page.prompt_tokens, max_new_tokens)
         with clock.stage("setup"):
             buffers = self.buffers_for(page.prompt_tokens + budget)
             if options.seed is not None:
                 torch.manual_seed(options.seed)
-            inputs = self.upload(page)
-            ban = buffers.start(inputs.input_ids, options)
+            inputs = self.upload(page, buffers.tokens[: page.prompt_tokens])
+            ban = buffers.start(page.prompt_tokens, options)
         return PageJob(inputs, buffers, ban, options, budget, ceiling)
 
     def prefill(self, job: PageJob, clock: StageClock) -> torch.Tensor:

@@ -129,6 +129,25 @@ def test_a_job_that_reaches_the_models_positions_stops_there(monkeypatch):
         short.run_inference(page(600, 480), mode="small")
 
 
+def test_a_job_reads_nothing_an_earlier_job_left_in_the_cache(session):
+    """Setup resets no cache: a prefill fills it from slot 0, and no query reads a slot past its own
+    position. A short job after a long one in the same bucket writes what it writes on a fresh session,
+    bit for bit, over the long job's keys and values still lying past it."""
+    options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
+    session.run_inference(page(1600, 2000), max_new_tokens=40, infer=options)  # ~950 positions of 1024
+    short = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=24, infer=options)
+    fresh = DeepSeekOCRSession.from_local("tiny")
+    alone = fresh.run_inference(page(600, 480), mode="tiny", max_new_tokens=24, infer=options)
+    assert short.token_ids == alone.token_ids
+    length = short.kv_length
+    layers = zip(session.buffers_for(length).cache.layers, fresh.buffers_for(length).cache.layers, strict=True)
+    for used, clean in layers:
+        assert torch.equal(used.keys[:, :, :length], clean.keys[:, :, :length])
+        assert torch.equal(used.values[:, :, :length], clean.values[:, :, :length])
+        assert int(used.cumulative_length) == length
+        assert used.keys[:, :, length + 100].abs().sum() > 0 and clean.keys[:, :, length:].abs().sum() == 0
+
+
 def test_a_page_prepared_ahead_runs_as_the_same_job(session):
     whole = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=6)
     # Where the farm's prefetch prepares it, on a thread of its own while another job runs.
