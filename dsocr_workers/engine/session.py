@@ -393,15 +393,16 @@ class DeepSeekOCRSession:
     def upload(self, page: preprocess.PreparedPage, input_ids: torch.Tensor | None = None) -> DevicePage:
         """The page's inputs to the device, asynchronously (without waiting for the queued work only
         where the page is pinned); the ids into `input_ids` where given (a job's token buffer). Bytes
-        cross as uint8 and are normalised there: `normalize_pixels`, or on CUDA a table of the 256 values
-        it makes on the device (its bits: two launches per group instead of five)."""
+        cross as uint8 and are normalised there by `normalize_pixels`, or on CUDA by a table of the 256
+        values it makes on the CPU: the vendor's bits, which CUDA's division by a scalar (a product with
+        its reciprocal) does not give, in two launches per group instead of five."""
         groups = [page.global_pixels] if page.tile_pixels is None else [page.global_pixels, page.tile_pixels]
         # The pixels first: the device copies them while the host queues the rest.
         pixels = [g.to(self.device, non_blocking=True) for g in groups]
         if self.device.type == "cuda":
             if self._pixel_table is None:
-                byte_values = torch.arange(256, dtype=torch.uint8, device=self.device)
-                self._pixel_table = preprocess.normalize_pixels(byte_values, self.dtype)
+                byte_values = torch.arange(256, dtype=torch.uint8)
+                self._pixel_table = preprocess.normalize_pixels(byte_values, self.dtype).to(self.device)
             table = self._pixel_table
             pixels = [table.index_select(0, g.flatten().int()).view(g.shape) for g in pixels]
         else:  # no launches to save, and a gather costs the CPU more than the five operations

@@ -191,10 +191,10 @@ def longest_prompt(
 
 
 def normalize_pixels(pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The vendor's ToTensor + Normalize(0.5, 0.5), same float32 ops on any device: true division by
-    255 (multiplying by 1/255 differs in 126 of the 256 values after the bf16 cast), then
-    (x - 0.5) / 0.5, then the cast. IEEE float32 division is correctly rounded on CPU and CUDA alike,
-    so normalising on the GPU gives the CPU's bits."""
+    """The vendor's ToTensor + Normalize(0.5, 0.5) in float32: true division by 255 (multiplying by
+    1/255 differs in 126 of the 256 values after the bf16 cast), then (x - 0.5) / 0.5, then the cast.
+    The CPU's bits; on CUDA a division by a scalar is that multiplication, so the engine normalises
+    there through a table of these 256 values made on the CPU."""
     return pixels.to(torch.float32).div_(255).sub_(0.5).div_(0.5).to(dtype)
 
 

@@ -616,6 +616,23 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
     torch.testing.assert_close(embeds[4], embeds[0], rtol=0, atol=0)  # and a replay is deterministic
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a division by a scalar multiplies there")
+def test_cuda_pixels_are_the_cpus_bits():
+    """A page's pixels uploaded to CUDA (global view and tiles) are the CPU's `normalize_pixels`, bit for
+    bit: the vendor's true division, not CUDA's product with the reciprocal."""
+    from dsocr_workers.model.preprocess import normalize_pixels
+
+    gradient = Image.linear_gradient("L").convert("RGB").resize((1600, 2000))  # every byte value
+    for dtype in ("bfloat16", "float32"):
+        gpu = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype=dtype)
+        prepared = gpu.prepare_job(gradient, mode="gundam").page
+        with torch.inference_mode():
+            uploaded = gpu.upload(prepared)
+        assert len(uploaded.pixels) == 2
+        for ours, raw in zip(uploaded.pixels, (prepared.global_pixels, prepared.tile_pixels), strict=True):
+            assert torch.equal(ours.cpu(), normalize_pixels(raw, gpu.dtype)), dtype
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_engine_is_fast():
     assert DeepSeekOCRSession.from_local("tiny", device="cuda", engine="auto").engine_name == "fast"
