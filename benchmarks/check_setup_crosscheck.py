@@ -1,5 +1,7 @@
 """The setup stage's kernel cross-check on a GPU, batch-1: a page prepared as the farm prepares it (pinned
-on CUDA) is set up with asynchronous copies, so the stage's clock is its copies' time.
+on CUDA) is set up with a few asynchronous copies and launches (no cache reset), so the stage's clock is
+its device work's. Per profiled job: the stage's clock, its kernels' sum and span, the device activities
+it launched and the report's verdict; then the setup clock of as many jobs run without the profiler.
 
     python3 benchmarks/check_setup_crosscheck.py [--model full] [--jobs 3]
 """
@@ -39,9 +41,11 @@ def main() -> None:
         setup = next(stage for stage in summary.stages if stage.stage == "setup")
         rows.append({"pinned": prepared.page.input_ids.is_pinned(), "event_ms": setup.event_ms,
                      "kernel_ms": setup.kernel_ms, "span_ms": setup.span_ms,
+                     "launches": sum(k.calls for k in setup.kernels),
                      "crosscheck": setup.crosscheck(summary.activity)})
+    plain = [session.run_inference(page, max_new_tokens=16).timings.setup_ms for _ in range(args.jobs)]
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-                      "setup": rows}, indent=2))
+                      "setup": rows, "setup_ms_unprofiled": plain}, indent=2))
 
 
 if __name__ == "__main__":
