@@ -144,19 +144,22 @@ class BucketSteps:
         return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, visible)
 
     def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
-        """Capture every bucket's graph (compiling the step first where dynamo compiles it). Only while no
-        slot holds a page: each capture runs one real step first. Returns each capture's milliseconds."""
+        """Run every bucket's step once (compiling it where it is compiled, loading a package's kernels)
+        and, where graphs are on, capture it. Only while no slot holds a page: each run is a real step.
+        Returns each bucket's milliseconds."""
         took: dict[int, float] = {}
-        if not self.config.cuda_graphs:
-            return took
         for n in buckets:
-            if n not in self._graphs:
+            if n in self._graphs:
+                continue
+            began = time.perf_counter()
+            if self.config.cuda_graphs:
                 assert self._pool is not None
-                began = time.perf_counter()
                 graph, (out,) = capture_graph(lambda n=n: [self._eager(n)], self._pool)  # type: ignore[misc]
                 torch.cuda.synchronize()
                 self._graphs[n] = (graph, out)
-                took[n] = (time.perf_counter() - began) * 1e3
+            else:
+                self._eager(n)
+            took[n] = (time.perf_counter() - began) * 1e3
         return took
 
     @property

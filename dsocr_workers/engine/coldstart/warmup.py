@@ -222,25 +222,30 @@ def start_batched(
     mode: str,
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
-    prompt_lengths: tuple[int, int],
     prompt: str | None = None,
+    max_crops: int = MAX_CROPS,
     *,
+    compiled: bool | None = None,
     cuda_graphs: bool | None = None,
 ) -> tuple[BatchedEngine, BatchedStart]:
     """The batched engine for `concurrency` pages of `mode`, started on a warm `session`: its step per
     bucket compiled where nothing was built for it and captured, then the LM prefill graphs its
-    admissions replay (`prompt_lengths`: the warm-up's; a scratch cache sized by the engine's budget may
-    be a bucket the batch-1 warm-up did not use)."""
+    admissions replay, from the mode's shortest prompt to its longest (a scratch cache sized by the
+    engine's budget may be a bucket the batch-1 warm-up did not use). `compiled`, `cuda_graphs`:
+    `StepConfig.decide`'s."""
     from dsocr_workers.engine.batched import BatchedEngine
 
     began, compiled = time.perf_counter(), _graphs_compiled()
     regions = session.compiler if isinstance(session.compiler, PackagedRegions) else None
     missed = len(regions.missed) if regions is not None else 0
     engine = BatchedEngine.for_mode(
-        session, concurrency, mode, prompt, max_new_tokens, infer, cuda_graphs=cuda_graphs
+        session, concurrency, mode, prompt, max_new_tokens, infer, compiled=compiled, cuda_graphs=cuda_graphs
     )
     admitting = time.perf_counter()
-    capture_prefills(session, *prompt_lengths, engine.plan.max_new_tokens)
+    with torch.inference_mode():
+        smallest = session.prepare(warmup_pages([mode], max_crops)[0][1], prompt, mode, max_crops)
+    longest = min(session.longest_prompt(mode, prompt, max_crops), session.max_positions - 1)
+    capture_prefills(session, smallest.prompt_tokens, longest, engine.plan.max_new_tokens)
     session.synchronize()
     ended = time.perf_counter()
     graphs = "CUDA graphs" if engine.runner.cuda_graphs else "no CUDA graphs"

@@ -24,6 +24,7 @@ from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
     from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput
+    from dsocr_workers.engine.coldstart.warmup import BatchedStart
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
@@ -49,9 +50,11 @@ class InFlight:
 class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
-    def __init__(self, process: JobHost, loaded: OpenModel, options: RunOptions, engine: BatchedEngine) -> None:
-        """`engine`: started for `options` (engine/coldstart/warmup.py `warm_batched`)."""
-        self.process, self.loaded, self.options, self.engine = process, loaded, options, engine
+    def __init__(
+        self, process: JobHost, loaded: OpenModel, options: RunOptions, engine: BatchedEngine, started: BatchedStart
+    ) -> None:
+        """`engine`: started for `options`, as `started` says (`start`)."""
+        self.process, self.loaded, self.options, self.engine, self.started = process, loaded, options, engine, started
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps = StepLog(process.ledger_threads, loaded)
@@ -64,6 +67,22 @@ class BatchedJobs:
         self._aborted: Exception | None = None  # met by a waiting task (its soft time limit): fail the batch
         self._engine_thread = threading.Thread(target=self._serve, name="dsocr-batch-engine", daemon=True)
         self._engine_thread.start()
+
+    @classmethod
+    def start(cls, process: JobHost, loaded: OpenModel, options: RunOptions) -> BatchedJobs:
+        """The batched engine for a run with `options`, started on its warm model (its step per bucket
+        captured, from the packages built for its concurrency where there are)."""
+        from dsocr_workers.engine.coldstart.warmup import start_batched
+
+        engine, started = start_batched(
+            loaded.session, options.concurrency, options.mode, options.max_new_tokens, options.decode_options,
+            options.prompt,
+        )  # fmt: skip
+        return cls(process, loaded, options, engine, started)
+
+    def describe(self) -> str:
+        """Its start, for the worker session that records it."""
+        return self.started.describe()
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended):
