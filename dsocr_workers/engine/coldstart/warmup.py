@@ -193,7 +193,8 @@ class BatchedStart:
     captured, the regions no package was built for (dynamo compiled them here)."""
 
     ms: float
-    captures_ms: dict[int, float]  # bucket → its capture (the step's first run included)
+    captures_ms: dict[int, float]  # bucket → its capture (the step's first run included), or first run
+    graphs: bool  # CUDA graphs captured (else each bucket's step was run once)
     admission_ms: float  # the prefill graphs of the cache buckets its pages' scratch caches use
     compiled: int  # graphs dynamo compiled meanwhile (0 from packages)
     packages_missed: tuple[str, ...] = ()
@@ -201,12 +202,13 @@ class BatchedStart:
 
     def describe(self) -> str:
         """One line for the worker session's record."""
-        captures = ", ".join(f"{bucket} {ms:.0f} ms" for bucket, ms in self.captures_ms.items())
+        steps = ", ".join(f"{bucket} {ms:.0f} ms" for bucket, ms in self.captures_ms.items()) or "none"
         made = (
             f"{self.compiled} graphs compiled by dynamo" if self.compiled else "no graph compiled"
         ) + (f" (no package for {'; '.join(self.packages_missed)})" if self.packages_missed else "")
         return (
-            f"{self.engine}; started in {self.ms / 1e3:.2f} s: captures {captures or 'none'}, "
+            f"{self.engine}; started in {self.ms / 1e3:.2f} s: "
+            f"{'captures' if self.graphs else 'first steps'} by bucket {steps}, "
             f"admission {self.admission_ms / 1e3:.2f} s, {made}"
         )
 
@@ -252,6 +254,7 @@ def start_batched(
     started = BatchedStart(
         (ended - began) * 1e3,
         engine.captures_ms,
+        engine.runner.cuda_graphs,
         (ended - admitting) * 1e3,
         _graphs_compiled() - compiled,
         tuple(regions.missed[missed:]) if regions is not None else (),
