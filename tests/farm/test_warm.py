@@ -7,10 +7,10 @@ from __future__ import annotations
 import gc
 import uuid
 
-from dsocr_workers.farm.job.process import JobProcess
-from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, plan_warmup
 from sqlalchemy import select
 
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, plan_warmup
 from dsocr_workers.farm.run_options import ModelKey, RunOptions
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database

@@ -203,14 +203,14 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         cold = [*report.still_cold, *report.packages_missed]
         batched = []
         for mode in request.modes if request.concurrency > 1 else ():
-            engine, started = start_batched(
+            engine, checked = start_batched(
                 session, request.concurrency, mode, request.max_new_tokens, request.options,
                 max_crops=request.max_crops, compiled=request.batched_compiled,
             )  # fmt: skip
             del engine  # its KV cache, before the next mode's
-            progress(f"checked: {mode}'s {started.describe()}")
-            cold += [*started.packages_missed] + ([f"{started.compiled} graphs compiled"] if started.compiled else [])
-            batched.append(started)
+            progress(f"checked: {mode}'s {checked.describe()}")
+            cold += [*checked.packages_missed] + ([f"{checked.compiled} graphs compiled"] if checked.compiled else [])
+            batched.append(checked)
         if cold:
             raise FailuresError(
                 "the warm-up on the packages still met cold paths, nothing recorded: " + "; ".join(cold)

@@ -237,7 +237,7 @@ def start_batched(
     `StepConfig.decide`'s."""
     from dsocr_workers.engine.batched import BatchedEngine
 
-    began, compiled = time.perf_counter(), _graphs_compiled()
+    began, graphs_before = time.perf_counter(), _graphs_compiled()
     regions = session.compiler if isinstance(session.compiler, PackagedRegions) else None
     missed = len(regions.missed) if regions is not None else 0
     engine = BatchedEngine.for_mode(
@@ -256,7 +256,7 @@ def start_batched(
         engine.captures_ms,
         engine.runner.cuda_graphs,
         (ended - admitting) * 1e3,
-        _graphs_compiled() - compiled,
+        _graphs_compiled() - graphs_before,
         tuple(regions.missed[missed:]) if regions is not None else (),
         f"batched engine: concurrency {concurrency}, {engine.plan.describe()}, {engine.attention} attention, "
         f"{graphs} for buckets {', '.join(map(str, engine.buckets))}",
