@@ -1,12 +1,13 @@
 """A worker's start from prebuilt AOTInductor packages (issue 29): `dsocr precompile`, then `dsocr worker`
 launch → ready, on one GPU.
 
-1. `dsocr precompile --model M --engine fast --modes MODES --max-new-tokens N --gpus 0` into a fresh
+1. `dsocr precompile --model M --engine fast --modes MODES --max-new-tokens N --concurrency C --gpus 0` into a fresh
    DSOCR_COMPILE_CACHE_DIR (CXX=/usr/bin/g++ on the lent GPU image: its /opt/gcc builds packages that
    segfault at load); its wall time and progress lines;
-2. `--starts` times `dsocr worker --gpus 0 --warmup MODES --model M --engine fast --max-new-tokens N` (its
-   own redis-server and SQLite ledger): launch → Celery's "ready" line → the child's "warm" line, and the
-   child's worker session (load s, warm-up s, what was warmed and from which artifacts);
+2. `--starts` times `dsocr worker --gpus 0 --warmup MODES --model M --engine fast --max-new-tokens N
+   --concurrency C` (its own redis-server and SQLite ledger): launch → Celery's "ready" line → the child's
+   "warm" line, and the child's worker session (load s, warm-up s, what was warmed and from which
+   artifacts; with C above 1 the batched engine's start: each bucket's capture, its admission);
 3. `--without-artifacts`: one more start with an empty cache (dynamo compiles, as without a build).
 
     source benchmarks/device_env.sh && CXX=/usr/bin/g++ python3 benchmarks/bench_aoti_start.py --out $OUT
@@ -87,6 +88,8 @@ def main() -> int:
     parser.add_argument("--modes", default="gundam")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--starts", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=1, help="the batched engine's, built and started too")
+    parser.add_argument("--build-timeout-s", type=float, default=480)
     parser.add_argument("--without-artifacts", action="store_true")
     parser.add_argument("--timeout-s", type=float, default=240)
     args = parser.parse_args()
@@ -98,7 +101,8 @@ def main() -> int:
 
     report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu[0], "torch": torch.__version__,
                               "CXX": os.environ.get("CXX", "")}  # fmt: skip
-    plan = ["--model", args.model, "--engine", "fast", "--max-new-tokens", str(args.max_new_tokens)]
+    plan = ["--model", args.model, "--engine", "fast", "--max-new-tokens", str(args.max_new_tokens),
+            "--concurrency", str(args.concurrency)]
     redis_bin = shutil.which("redis-server")
     assert redis_bin, "no redis-server: carry .redis"
     with tempfile.TemporaryDirectory() as scratch:
@@ -114,7 +118,7 @@ def main() -> int:
             subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
             began = time.perf_counter()
             built = subprocess.run([*DSOCR, "precompile", *plan, "--modes", args.modes, "--gpus", "0"], env=env,
-                                   cwd=REPO, capture_output=True, text=True, timeout=480)  # fmt: skip
+                                   cwd=REPO, capture_output=True, text=True, timeout=args.build_timeout_s)  # fmt: skip
             report["precompile"] = {"rc": built.returncode, "wall_s": round(time.perf_counter() - began, 1),
                                     "stdout": built.stdout[-2000:]}  # fmt: skip
             (out / "precompile.log").write_text(built.stdout + built.stderr)

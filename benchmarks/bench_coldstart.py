@@ -6,13 +6,11 @@ the four fixed modes, with an empty and with a warm compile cache; and whether w
 Each measurement is a fresh process (`--child`), as a worker start is: it loads a checkpoint directory
 with the fast engine in bf16 (by default the `full` preset, RANDOM WEIGHTS, saved once in the vendor layout
 before any start and not timed: a worker loads a checkpoint from disk, while generating the preset's 3.3 B
-random numbers on the host takes ~20 s that no real start has; its compile helpers forked after the imports,
-before the load, as a worker child forks them), runs `warm(session, ...)` (engine/coldstart/warmup.py) over every shape of the modes (the
+random numbers on the host takes ~20 s that no real start has), runs `warm(session, ...)` (engine/coldstart/warmup.py) over every shape of the modes (the
 worker's warm-up: a page per tile count of gundam, one per fixed mode, repeated until a pass meets no cold
 path; all modes in one call, as a worker warms them, or one at a time with `--per-mode`), then times jobs on a few pages (2 warm-up runs each, then `--repeats`, 64 tokens, EOS ignored).
-  A0. (`--without-helpers-too`) A with DSOCR_COMPILE_PROCESSES=0 in a cache of its own: the cold start
-     without the compile helpers (engine/coldstart/helpers.py), side by side with A
-  A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start (target ≤ 60 s to ready)
+  A. dynamic tile batch, empty DSOCR_COMPILE_CACHE_DIR  — the cold start without artifacts, dynamo in the
+     process (target ≤ 60 s to ready)
   B. dynamic tile batch, the cache A filled               — a restart (target ≤ 10 s to ready); where the
      installation ships no Python bytecode, also the bytecode A wrote after its timed jobs (as the
      build step `dsocr precompile` does, engine/coldstart/cache.py)
@@ -29,7 +27,6 @@ CPU smoke (fast runs eager there, numbers meaningless): `--device cpu --model ti
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -65,7 +62,6 @@ def child(args: argparse.Namespace) -> int:
 
     torch_imported = time.time()
     from benchmarks.bench_engine import synthetic_page
-    from dsocr_workers.engine.coldstart.helpers import start_helpers
     from dsocr_workers.engine.coldstart.warmup import warm as warm_up
     from dsocr_workers.engine.generate import cache_bucket
     from dsocr_workers.engine.result import DecodeOptions
@@ -75,28 +71,22 @@ def child(args: argparse.Namespace) -> int:
     imported = time.time()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     # Warmed with the timed jobs' decode options (the decode step is compiled per n-gram ban). All modes
-    # in one warm-up, as a worker warms them (its compile helpers take every view size at once);
-    # `--per-mode`: one mode at a time, so that each mode's share of the warm-up is known.
+    # in one warm-up, as a worker warms them; `--per-mode`: one mode at a time, so that each mode's share of the warm-up is known.
     options = DecodeOptions(no_repeat_ngram_size=0, ignore_eos=True)
     modes = [mode for mode in args.modes.split(",") if mode]
     groups = [[mode] for mode in modes] if args.per_mode else [modes]
-    # As a worker child starts: its compile helpers forked before the load, their imports done.
-    fast_compile = FastCompile(dynamic_tiles=args.tiles == "dynamic")
-    engine = FastEngine(fast_compile)
-    helpers = start_helpers(args.model, args.device, dtype, engine, groups[0], args.tokens, options) if groups else None
+    engine = FastEngine(FastCompile(dynamic_tiles=args.tiles == "dynamic"))
     session = DeepSeekOCRSession.from_local(args.model, device=args.device, dtype=dtype, engine=engine)
     loaded = time.time()
     warm = {}
     compile_s = {}
     for group in groups:
         name = ",".join(group)
-        warm[name] = warm_up(session, group, max_new_tokens=args.tokens, infer=options, helpers=helpers)
-        helpers = None
+        warm[name] = warm_up(session, group, max_new_tokens=args.tokens, infer=options)
         compile_s[name] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
         # A progress line per warm-up: what the parent keeps if the start overruns its budget.
         print(json.dumps({"progress": name, "since_launch_s": time.time() - began, "warmup_s": warm[name].ms / 1e3,
                           "shapes": warm[name].shapes, "compile_times": compile_s[name]}), flush=True)  # fmt: skip
-    first = next(iter(warm.values()))
     ready = time.time()
     # What a worker's first full collection would scan and cost (farm/job/process.py settle_heap), after ready.
     heap_objects = len(gc.get_objects())
@@ -134,8 +124,6 @@ def child(args: argparse.Namespace) -> int:
         "compile_times": torch._dynamo.utils.compile_times(repr="str", aggregate=True),
         "compile_times_after_mode": compile_s,
         "compilations": compilations(torch),
-        "precompile": dataclasses.asdict(first.helpers) if first.helpers else None,
-        "precompile_skipped": first.helpers_skipped,
         "engine_ran": session.engine_name, "dtype": dtype, "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "bytecode_cache": str(bytecode) if bytecode else None,
         "bytecode_written_s": written_s,
@@ -168,15 +156,13 @@ def compilations_table(runs: dict[str, Any]) -> list[str]:
 
 
 def run_child(
-    args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float, helpers: str
+    args: argparse.Namespace, model: str, tiles: str, modes: str, cache: Path, timeout: float
 ) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tiles", tiles, "--modes", modes,
                "--model", model, "--device", args.device, "--tokens", str(args.tokens),
                "--repeats", str(args.repeats), *(["--per-mode"] if args.per_mode else [])]  # fmt: skip
     env = {**os.environ, "DSOCR_COMPILE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    if helpers:
-        env["DSOCR_COMPILE_PROCESSES"] = helpers
     launched = time.time()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -191,22 +177,6 @@ def run_child(
     result["ready_s"] = result["ready_unix"] - launched
     result["process_s"] = time.time() - launched
     return result
-
-
-def helpers_cell(run: dict[str, Any]) -> str:
-    pre = run.get("precompile")
-    if not pre:
-        return f"none: {run.get('precompile_skipped') or '-'}"
-    results = pre["results"]
-    graphs = sum(r["graphs"] for r in results)
-    language = ("LM prefill", "decode step")
-    vision = max((r["seconds"] for r in results if r["share"] not in language), default=0.0)
-    times = ", ".join(f"{r['share']} {r['seconds']:.1f} s" for r in results if r["share"] in language) or "-"
-    peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0) / 2**30
-    outcomes = ", ".join(sorted({r["outcome"] for r in results}))
-    failed = f", failed: {'; '.join(pre['failures'])}" if pre["failures"] else ""
-    return (f"{pre['processes']} {pre['how']} ({outcomes}), done {pre['seconds']:.1f} s after their start: "
-            f"{times}, slowest vision {vision:.1f} s; {graphs} graphs, largest GPU peak {peak:.2f} GiB{failed}")
 
 
 def fmt(value: float | None) -> str:
@@ -229,26 +199,23 @@ def markdown(report: dict[str, Any]) -> str:
         + f"Command: `{report['command']}`",
         "",
         "| start | launch → ready s | of which load s | warm-up s | shapes warmed | passes "
-        "| warm-up by mode: its parts s | compile helpers |",
-        "|---|---:|---:|---:|---|---:|---|---|",
+        "| warm-up by mode: its parts s |",
+        "|---|---:|---:|---:|---|---:|---|",
     ]
-    starts = (("cold_no_helpers", "A0. empty compile cache, no helpers (before)"),
-              ("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)"))
+    starts = (("cold", "A. empty compile cache (target ≤ 60 s)"), ("warm_cache", "B. warm compile cache (target ≤ 10 s)"))
     for key, label in starts:
-        if key == "cold_no_helpers" and key not in runs:
-            continue
         r = runs.get(key, {})
         if "error" in r or not r:
             progress = ", ".join(f"{p['progress']} {p['warmup_s']:.1f} s (at {p['since_launch_s']:.1f} s)"
                                  for p in r.get("progress", []))  # fmt: skip
-            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} | |")
+            lines.append(f"| {label} | {r.get('error', 'not run')} | | | | | {progress or '-'} |")
             continue
         lines.append(f"| {label} | {r['ready_s']:.1f} | {r['load_s']:.1f} | {r['warmup_s']:.1f} | {len(r['shapes'])} | {r['passes']} |")
         phases = r.get("warmup_phases_s", {})
         by_mode = "; ".join(f"{mode} {seconds:.1f} s" + (": " + ", ".join(f"{phase} {s:.1f}" for phase, s in phases[mode].items())
                                                         if mode in phases else "")
                             for mode, seconds in r.get("warmup_s_by_mode", {}).items())  # fmt: skip
-        lines[-1] += f" {by_mode or '-'} | {helpers_cell(r)} |"
+        lines[-1] += f" {by_mode or '-'} |"
     heaps = [f"{label.split('.')[0]}: {r['heap_objects'] / 1e6:.2f} M objects, a full collection {r['full_collect_s'] * 1e3:.0f} ms"
              for key, label in starts if "heap_objects" in (r := runs.get(key, {}))]  # fmt: skip
     if heaps:
@@ -287,9 +254,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=560)
     parser.add_argument("--per-mode", action="store_true", help="warm one mode at a time (each mode's share)")
-    parser.add_argument("--helpers", default="", help="DSOCR_COMPILE_PROCESSES for the starts (default: the engine's)")
-    parser.add_argument("--without-helpers-too", action="store_true",
-                        help="first a cold start with DSOCR_COMPILE_PROCESSES=0 in a cache of its own (the before)")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = parser.parse_args()
     if args.child:
@@ -312,7 +276,7 @@ def main() -> int:
     from dsocr_workers.model.config import PRESETS
 
     with (tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache,
-          tempfile.TemporaryDirectory() as before_cache, tempfile.TemporaryDirectory() as scratch):  # fmt: skip
+          tempfile.TemporaryDirectory() as scratch):  # fmt: skip
         model = args.model
         if model in PRESETS:
             from dsocr_workers.model.checkpoint import save_preset
@@ -320,19 +284,16 @@ def main() -> int:
             saving = time.perf_counter()
             model = str(save_preset(args.model, Path(scratch) / args.model))
             report["preset_saved_s"] = time.perf_counter() - saving
-        plan = [("cold", "dynamic", args.modes, dynamic_cache, args.helpers),
-                ("warm_cache", "dynamic", args.modes, dynamic_cache, args.helpers),
-                ("static", "static", "", static_cache, args.helpers)]  # fmt: skip
-        if args.without_helpers_too:
-            plan.insert(0, ("cold_no_helpers", "dynamic", args.modes, before_cache, "0"))
-        for key, tiles, modes, cache, helpers in plan:
+        plan = [("cold", "dynamic", args.modes, dynamic_cache), ("warm_cache", "dynamic", args.modes, dynamic_cache),
+                ("static", "static", "", static_cache)]  # fmt: skip
+        for key, tiles, modes, cache in plan:
             left = args.budget_s - (time.perf_counter() - began)
             if key == "static" and left < 240:  # a compile per timed page's tile count: minutes
                 report["runs"][key] = {"error": f"skipped: {left:.0f} s of budget left"}
                 continue
             print(f"[{time.perf_counter() - began:6.1f}s] {key}", flush=True)
             try:
-                report["runs"][key] = run_child(args, model, tiles, modes, Path(cache), max(left, 1), helpers)
+                report["runs"][key] = run_child(args, model, tiles, modes, Path(cache), max(left, 1))
             except Exception as exc:  # keep what the other starts measured
                 report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
             save()

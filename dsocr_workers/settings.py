@@ -127,26 +127,6 @@ COMPILE_CACHE_DIR = Variable(
 )
 
 
-def _processes(raw: str) -> int:
-    if not raw.strip().isdigit():
-        raise InputError(
-            f"DSOCR_COMPILE_PROCESSES={raw!r}: expected a count of processes, 0 to compile in the worker only"
-        )
-    return int(raw)
-
-
-COMPILE_PROCESSES = Variable(
-    "DSOCR_COMPILE_PROCESSES",
-    _processes,
-    4,
-    "vision helper processes that compile the fast engine's graphs while a worker with nothing built for "
-    "its plan (`dsocr precompile`) loads its checkpoint, beside two that compile the language model's; each holds zeros for "
-    "weights on its GPU (~1 GiB a vision helper, ~6.6 GiB a language one) and exits when done; `0`: the "
-    "worker compiles everything itself",
-    "`4`",
-)
-
-
 def _match_time_limit(raw: str) -> float | None:
     if raw.strip().lower() == "none":
         return None
@@ -190,9 +170,6 @@ TORCH_CACHE_DIR = Variable(
     "torch's compile cache; set from DSOCR_COMPILE_CACHE_DIR for the commands that open a model",
     "under /tmp",
 )
-TORCH_COMPILE_THREADS = Variable(
-    "TORCHINDUCTOR_COMPILE_THREADS", _integer("TORCHINDUCTOR_COMPILE_THREADS"), None,
-    "torch's compile threads; a forked compile helper takes it again from the environment", "torch's choice")
 BYTECODE_PREFIX = Variable(
     "PYTHONPYCACHEPREFIX", _path, None,
     "Python's: where bytecode is kept; set to DSOCR_COMPILE_CACHE_DIR/python-bytecode where the "
@@ -218,14 +195,12 @@ VARIABLES: tuple[Variable, ...] = (
     VISIBILITY_TIMEOUT,
     INSTRUMENTATION,
     COMPILE_CACHE_DIR,
-    COMPILE_PROCESSES,
     MATCH_TIME_LIMIT,
     FLOWER_BASIC_AUTH,
     GIT_SHA,
     CPU_THREADS,
     VISIBLE_GPUS,
     TORCH_CACHE_DIR,
-    TORCH_COMPILE_THREADS,
     BYTECODE_PREFIX,
     CXX,
 )

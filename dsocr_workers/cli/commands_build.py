@@ -41,6 +41,14 @@ from dsocr_workers.model.config import DTYPES
     help="The jobs' token budget (it sizes the KV cache buckets warmed); default: the model's positions.",
 )
 @click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="The jobs in flight per GPU the workers serve (`dsocr worker --concurrency`): above 1, the batched "
+    "engine's step for every bucket up to it (of each mode) is built and checked too.",
+)
+@click.option(
     "--gpus",
     default="auto",
     show_default=True,
@@ -49,10 +57,11 @@ from dsocr_workers.model.config import DTYPES
 )
 @exits_on_errors
 def precompile(
-    model: str, engine: str, dtype: str | None, modes: str, max_new_tokens: int | None, gpus: str
+    model: str, engine: str, dtype: str | None, modes: str, max_new_tokens: int | None, concurrency: int, gpus: str
 ) -> None:
     """Build what a worker's start needs for this plan into DSOCR_COMPILE_CACHE_DIR: every region the fast
-    engine compiles as an AOTInductor package (checked by the worker's warm-up run on them), Python
+    engine compiles as an AOTInductor package, with `--concurrency N` the batched engine's step too
+    (checked by the worker's warm-up and batched engine's start run on them), Python
     bytecode where the installation has none, and a manifest keyed by the GPU type, the versions of
     torch, Triton, transformers and this package, the model's configuration and the plan. A worker that
     finds the manifest for its plan and GPU loads the packages, no dynamo; one that finds none, or one
@@ -76,7 +85,10 @@ def precompile(
         click.echo(f"[{time.perf_counter() - began:6.1f} s] {line}", err=True)
 
     report = build(
-        BuildRequest(model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device),
+        BuildRequest(
+            model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device,
+            concurrency=concurrency,
+        ),  # fmt: skip
         progress,
     )
     click.echo(f"{report.outcome}: {report.manifest or '-'}")

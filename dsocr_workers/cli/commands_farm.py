@@ -201,13 +201,17 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="With --model: the token budget of the jobs to come (it sizes the KV cache warmed).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --model: the jobs in flight per GPU of the runs to come (`dsocr submit --concurrency`); "
+                   "above 1 each child starts its batched engine before its first job, from the artifacts "
+                   "`dsocr precompile --concurrency` built.")
 @click.option("--events", is_flag=True,
               help="Show this worker and its jobs in Flower (`dsocr flower`): send task events and heartbeats, "
                    "answer inspection.")
 @exits_on_errors
 def worker(
     gpus: str, queues: tuple[str, ...], loglevel: str, warmup: str, model: str,
-    engine: str, dtype: str | None, max_new_tokens: int | None, events: bool,
+    engine: str, dtype: str | None, max_new_tokens: int | None, concurrency: int, events: bool,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
     it takes a job (the cost is stored per worker process, never in a job).
@@ -227,6 +231,7 @@ def worker(
         warmup=warmup,
         fallback_model=ModelKey(model, engine, dtype),
         fallback_budget=max_new_tokens,
+        fallback_concurrency=concurrency,
         events=events,
     )
 

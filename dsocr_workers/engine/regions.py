@@ -58,8 +58,7 @@ REGION_RECOMPILE_LIMIT = 32
 
 
 def configure_dynamo() -> None:
-    """dynamo's settings for the fast engine's graphs, in every process that compiles them (the worker
-    and its vision compile helpers, engine/coldstart/: their graphs must be the same)."""
+    """dynamo's settings for the fast engine's graphs, set before its first compilation."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     # Python floats as constants: the dynamic prefill otherwise traces them as symbolic floats, then
     # specialises them and traces the whole language model again (`TensorifyScalarRestartAnalysis`).

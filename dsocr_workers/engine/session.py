@@ -268,6 +268,9 @@ class DeepSeekOCRSession:
     # NVTX ranges and stage timings for its jobs' clocks (`new_clock`); off only to measure what they cost.
     instrumented: bool = True
     runners: Runners = field(init=False)
+    # What makes its engine's regions, where not the engine's own (`use_compiler`); the batched engine's
+    # step is made by it too.
+    compiler: Compiler | None = field(init=False, default=None)
     jobs_run: int = field(init=False, default=0)
     weights_bytes: int = field(init=False, default=0)
     _buffers: dict[int, DecodeBuffers] = field(init=False, default_factory=dict)
@@ -341,6 +344,7 @@ class DeepSeekOCRSession:
     def use_compiler(self, compiler: Compiler) -> None:
         """Run the engine's compiled regions through `compiler` from now on (AOTInductor packages loaded by
         the cold start, engine/coldstart/): new runners, so graphs captured before are dropped."""
+        self.compiler = compiler
         self.runners = self.engine.runners(self.model, self.device, compiler)
 
     def buffers_for(self, needed: int) -> DecodeBuffers:

@@ -1,8 +1,9 @@
 """The build step and its artifacts (engine/coldstart/build.py, artifacts.py, aoti.py): a manifest keyed by
 all that changes compiled code, refused with its reason when built elsewhere; `dsocr precompile` builds a
-plan's AOTInductor packages once (on the CPU, the tiny preset), says "up to date" after, and a worker's
-warm-up in a fresh process then loads them, compiles nothing and decodes the tokens the compiled path
-decodes."""
+plan's AOTInductor packages once (on the CPU, the tiny preset), the batched engine's step for its
+concurrency included, says "up to date" after, and a worker's warm-up and batched engine's start in a
+fresh process then load them, compile nothing and decode the tokens the compiled path decodes. One
+process of a host compiles a plan at a time (`artifacts.host_lock`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,7 +47,7 @@ def test_the_plan_key_holds_all_that_changes_compiled_code():
     assert key != artifacts.plan_key(plan(), PRESETS["full"])
     for changed in ({"modes": ("gundam", "tiny")}, {"dtype": "float16"}, {"max_new_tokens": 9},
                     {"options": DecodeOptions(no_repeat_ngram_size=0)}, {"engine": "other"},
-                    {"dynamic_tiles": False}, {"device": "cuda:1"}):  # fmt: skip
+                    {"dynamic_tiles": False}, {"device": "cuda:1"}, {"concurrency": 128}):  # fmt: skip
         assert key != artifacts.plan_key(CompilePlan(**{**plan().__dict__, **changed}), PRESETS["tiny"]), changed
 
 
@@ -71,7 +74,9 @@ def test_artifacts_built_elsewhere_are_refused_with_the_reason(tmp_path, monkeyp
     assert artifacts.lookup(plan(), config, newer).reason == (
         f"artifacts refused (torch {on_h200.torch} vs 9.9.9; built by other code of this package (its sources changed))")
     assert artifacts.lookup(plan(("gundam",)), config, on_h200).reason.startswith("none built for this plan")
-    # Before CUDA is up (a worker child about to fork its helpers): listed if all but the GPU match.
+    batched = replace(plan(), concurrency=128)
+    assert artifacts.lookup(batched, config, on_h200).reason.endswith("modes tiny, 8 tokens, concurrency 128)")
+    # Before CUDA is up (the build, before it loads anything): listed if all but the GPU match.
     assert artifacts.listed_without_gpu(plan(), config, on_h100)
     assert not artifacts.listed_without_gpu(plan(), config, newer)
     # Another format: never read as this one.
@@ -102,7 +107,8 @@ from PIL import Image
 from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.build import BuildRequest, build
 from dsocr_workers.engine.coldstart.cache import use_compile_cache
-from dsocr_workers.engine.coldstart.warmup import session_plan, warm
+from dsocr_workers.engine.batched import PageRequest
+from dsocr_workers.engine.coldstart.warmup import session_plan, start_batched, warm
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -113,27 +119,35 @@ class CpuFast(FastEngine):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 
 engine = CpuFast()
-request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3)
+request = BuildRequest("tiny", engine, modes=("tiny",), max_new_tokens=8, device="cpu", max_crops=3, concurrency=2,
+                       batched_compiled=True)
 found = {}
 if sys.argv[1] == "refused":
     use_compile_cache()  # as the CLI does before a worker starts
     session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
-    plan = session_plan(session, ["tiny"], 8, None, 3)
+    plan = session_plan(session, ["tiny"], 8, None, 3, concurrency=2)
     print(json.dumps({"summary": artifacts.lookup(plan, session.loaded.config).summary}))
     sys.exit(0)
 report = build(request, progress=lambda line: print(line, file=sys.stderr))
-found = {"outcome": report.outcome, "manifest": str(report.manifest), "packages": sorted(report.packages)}
+found = {"outcome": report.outcome, "manifest": str(report.manifest), "packages": sorted(report.packages),
+         "checked": [dataclasses.asdict(started) for started in report.batched]}
 if sys.argv[1] == "worker":
     session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
-    found["warmup"] = dataclasses.asdict(warm(session, ["tiny"], max_new_tokens=8, max_crops=3))
-    found["dynamo"] = "torch._dynamo.utils" in sys.modules and torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    found["warmup"] = dataclasses.asdict(warm(session, ["tiny"], max_new_tokens=8, max_crops=3, concurrency=2))
     page, options = Image.new("RGB", (512, 512), "white"), DecodeOptions(ignore_eos=True)
+    batched, started = start_batched(session, 2, "tiny", 8, options, max_crops=3, compiled=True)
+    found["batched_start"] = dataclasses.asdict(started)
+    found["dynamo"] = "torch._dynamo.utils" in sys.modules and torch._dynamo.utils.counters["stats"]["unique_graphs"]
     found["tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
+    prepared = session.prepare(page, None, "tiny", 3)
+    outputs = batched.run([PageRequest(str(n), prepared, 8) for n in range(3)], 2)  # buckets 2, then 1
+    found["batched_tokens"] = [output.token_ids for output in outputs]
     session.use_compiler(TorchCompiler("aot_eager"))
     found["eager_tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
 print(json.dumps(found))
 """
-TINY_REGIONS = ["clip_block", "decode_step", "lm_layer", "lm_layer", "sam_block", "sam_block"]
+TINY_REGIONS = ["batched_step", "batched_step", "clip_block", "decode_step", "lm_layer", "lm_layer", "sam_block",
+                "sam_block"]  # fmt: skip
 
 
 # A build compiles six packages with inductor's C++ (~3 CPU-minutes); CI runs it beside other tests on 2 cores.
@@ -149,27 +163,93 @@ def run_build(how: str, env: dict[str, str]) -> dict:
 
 @pytest.mark.timeout(3 * PROCESS_TIMEOUT_S)  # its three processes, each under its own limit, not the suite's 600 s
 def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_eager(tmp_path, subprocess_env):
-    """`dsocr precompile` of a tiny-mode plan (the CPU, inductor's C++): the warm-up's pages recorded, one
-    AOTInductor package per region kind and shape (SAM's two block kinds, CLIP's, the LM's dense and MoE
-    layers, the decode step), checked by the warm-up on them, then the manifest. Built again: up to date,
-    nothing loaded. A worker's warm-up in a fresh process loads the packages (dynamo compiles nothing)
-    and decodes the greedy tokens the regions' eager kernels decode. A manifest built by another torch is
-    refused, saying so."""
+    """`dsocr precompile` of a tiny-mode plan at concurrency 2 (the CPU, inductor's C++): the warm-up's pages
+    and the batched step's buckets recorded, one AOTInductor package per region kind and shape (SAM's two
+    block kinds, CLIP's, the LM's dense and MoE layers, the decode step, the batched step at bucket 1 and
+    dynamic from 2), checked by the warm-up and the batched engine's start on them, then the manifest.
+    Built again: up to date, nothing loaded. A worker's warm-up and batched start in a fresh process load
+    the packages (dynamo compiles nothing) and decode, alone and batched, the greedy tokens the regions'
+    eager kernels decode. A manifest built by another torch is refused, saying so."""
     cache = tmp_path / "cache"
-    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache), "DSOCR_COMPILE_PROCESSES": "0"}
+    env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)}
     built = run_build("build", env)
     assert built["outcome"] == "built" and "checked: the warm-up on the packages" in built["log"], built["log"][-2000:]
     assert sorted(name.split("-")[0] for name in built["packages"]) == TINY_REGIONS
     manifest = json.loads(Path(built["manifest"]).read_text())
     assert manifest["built_by"] == "dsocr precompile" and manifest["environment"]["gpu"] == "cpu"
-    assert sorted(a["kind"] for a in manifest["artifacts"] if a["kind"] == "aoti-package") == ["aoti-package"] * 6
+    assert sorted(a["kind"] for a in manifest["artifacts"] if a["kind"] == "aoti-package") == ["aoti-package"] * 8
+    assert [(list(c["captures_ms"]), c["compiled"], c["packages_missed"]) for c in built["checked"]] == [(["1", "2"], 0, [])]
     worker = run_build("worker", env)
     assert worker["outcome"] == "up to date" and worker["manifest"] == built["manifest"]
     warmup = worker["warmup"]
     assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
-    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (6, [], False)
+    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (8, [], False)
     assert list(warmup["phases_ms"])[:2] == ["load packages", "prepare"]
+    started = worker["batched_start"]
+    assert (list(started["captures_ms"]), started["compiled"], started["packages_missed"]) == (["1", "2"], 0, [])
+    assert "concurrency 2, 2 slots" in started["engine"]
     assert worker["tokens"] == worker["eager_tokens"] and len(worker["tokens"]) == 16
+    assert worker["batched_tokens"] == [worker["tokens"][:8]] * 3
     Path(built["manifest"]).write_text(json.dumps({**manifest, "environment": {**manifest["environment"], "torch": "0.0"}}))
     refused = run_build("refused", env)
     assert refused["summary"].startswith(f"no artifacts: artifacts refused (torch 0.0 vs {torch.__version__}")
+
+
+# Holds the plan's host lock (as a build or a compiling worker does) until killed.
+HOLDER = """
+import sys, time, torch
+from dsocr_workers.engine.coldstart import artifacts
+from dsocr_workers.engine.coldstart.plan import compile_plan
+from dsocr_workers.engine.variants.fast import FastEngine
+from dsocr_workers.model.config import PRESETS
+
+engine = FastEngine()
+kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
+plan = compile_plan("tiny", torch.device("cuda", 0), torch.bfloat16, kernels, engine.compiled(), ("tiny",), 8, None, 3,
+                    engine="fast")
+with artifacts.host_lock(plan, PRESETS["tiny"]) as held:
+    print(held, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_one_process_of_a_host_compiles_a_plan_at_a_time(tmp_path, monkeypatch, subprocess_env):
+    """A worker with nothing built compiles its plan in-process: while another process of the host (a build,
+    another GPU's worker) compiles it, it waits, then goes on beside the other waiters, its compilations
+    found in inductor's cache; a build waits its turn. The kernel frees the lock of a holder that dies
+    (killed during its start): nothing is left waiting on it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    config, said, got = PRESETS["tiny"], [], {}
+    released = threading.Event()
+
+    def worker(name: str, shared_wait: bool) -> None:
+        with artifacts.host_lock(plan(), config, said.append, shared_wait=shared_wait) as held:
+            got[name] = (held, released.is_set())
+            if name == "first waiter":
+                time.sleep(0.5)  # the second waiter goes on meanwhile: both hold it shared
+
+    with artifacts.host_lock(plan(), config) as held:
+        assert held
+        waiters = [threading.Thread(target=worker, args=(name, True)) for name in ("first waiter", "second waiter")]
+        for thread in waiters:
+            thread.start()
+        time.sleep(1.0)
+        assert all(thread.is_alive() for thread in waiters)
+        released.set()
+    for thread in waiters:
+        thread.join(60)
+    assert got == {"first waiter": (False, True), "second waiter": (False, True)}
+    assert said == ["another process of this host compiles this plan: waiting for it"] * 2
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
+                              env={**subprocess_env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
+        build = threading.Thread(target=worker, args=("build", False))
+        build.start()
+        time.sleep(1.0)
+        assert build.is_alive()  # its turn comes when the holder's ends
+    finally:
+        holder.kill()
+        holder.wait()
+    build.join(60)
+    assert got["build"] == (True, True)

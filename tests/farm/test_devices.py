@@ -84,7 +84,7 @@ def test_a_child_whose_gpu_does_not_open_takes_no_job_and_stops_the_worker(
     listed_gpus, make_png, tmp_path, subprocess_env, broker_env
 ):
     url = f"sqlite:///{tmp_path / 'd.db'}"
-    env = {**subprocess_env, **broker_env, **listed_gpus, "DSOCR_DATABASE_URL": url, "DSOCR_COMPILE_PROCESSES": "0"}
+    env = {**subprocess_env, **broker_env, **listed_gpus, "DSOCR_DATABASE_URL": url}
     make_png("p.png", folder=tmp_path / "pages")
     (tmp_path / "pages" / "list.txt").write_text("p.png\n")
     assert dsocr("-m", "dsocr_workers", "db", "upgrade", env=env).returncode == 0

@@ -1,17 +1,20 @@
-"""What a worker warms at start: the model, modes, token budgets and n-gram bans of the runs open on its
-queues (farm/job/warm.py), read from the real ledger, and carried to the children through the environment."""
+"""What a worker warms at start: the model, modes, token budgets, n-gram bans and concurrency of the runs
+open on its queues (farm/job/warm.py), read from the real ledger, and carried to the children through the
+environment; a worker serving a concurrency starts its batched engine in its start-up worker session."""
 
 from __future__ import annotations
 
 import gc
 import uuid
 
+from sqlalchemy import select
+
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.job.warm import DEFAULT_NGRAM, Warmup, plan_warmup
-from dsocr_workers.farm.run_options import ModelKey
+from dsocr_workers.farm.run_options import ModelKey, RunOptions
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
-from dsocr_workers.store.models import Job, Run, job_id_for
+from dsocr_workers.store.models import Job, Run, WorkerSession, job_id_for
 
 
 def open_run(db: Database, parameters: dict, jobs: int = 1, queue: str = "q") -> None:
@@ -40,6 +43,37 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     # (the order is the ledger's)
     assert set(plan.modes) == {"base", "tiny"} and set(plan.budgets) == {128, 256}
     assert set(plan.ngrams) == {(20, None), (0, None), (20, 90)}
+    assert plan.concurrency == 1
+    # The largest open run at concurrency 32: the batched engine started is its (mode, budget, ban first).
+    open_run(database, {"mode": "tiny", "max_new_tokens": 512, "concurrency": 32}, jobs=5)
+    plan = plan_warmup(database, ["q"], "auto", fallback)
+    assert plan is not None and plan.concurrency == 32
+    assert plan.batch_options() == RunOptions(mode="tiny", max_new_tokens=512, concurrency=32)
+    assert plan_warmup(database, ["none"], "auto", fallback, 64, 128) == Warmup(fallback, ("gundam",), (64,), concurrency=128)
+
+
+def test_a_worker_told_its_concurrency_starts_its_batched_engine_at_start(database: Database):
+    """`dsocr worker --concurrency 4` (the eager engine on the CPU, its batched step eager): the start-up
+    warm-up loads the model, warms it and starts the batched engine, each bucket's step run once, all in
+    one worker session whose record says so; a run at that concurrency joins that engine, starting none."""
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    try:
+        warmup = Warmup(ModelKey("tiny", "eager"), ("tiny",), (8,), concurrency=4)
+        process.warm_at_start(warmup)
+        batch = process.batch
+        assert batch is not None and batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager",
+                                                             concurrency=4, repeats=3))  # fmt: skip
+        assert not batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager", concurrency=2))
+        assert list(batch.started.captures_ms) == [1, 2, 4] and batch.started.compiled == 0
+        with database.transaction() as tx:
+            rows = tx.scalars(select(WorkerSession)).all()
+        assert len(rows) == 1 and rows[0].load_ms > 0
+        assert "tiny (8 tokens)" in rows[0].warmup and "batched engine: concurrency 4, 4 slots" in rows[0].warmup
+        assert "no CUDA graphs for buckets 1, 2, 4; started in " in rows[0].warmup
+        assert "first steps by bucket 1 " in rows[0].warmup and "no graph compiled" in rows[0].warmup
+    finally:
+        process.close()
 
 
 def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):

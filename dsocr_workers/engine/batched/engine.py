@@ -59,7 +59,8 @@ class BatchedEngine:
         self.session, self.plan, self.options, self.config = session, plan, options, config
         self.scheduler = Scheduler(plan, options, session._budget)
         self.runner = BatchRunner(session, plan, options, config)
-        self.runner.capture(self.scheduler.buckets)
+        # Each bucket's capture, in ms: the batched engine's start, which a worker records.
+        self.captures_ms = self.runner.capture(self.scheduler.buckets)
 
     @classmethod
     def create(
@@ -99,6 +100,27 @@ class BatchedEngine:
             session.max_positions,
         )
         return cls(session, plan, options, config)
+
+    @classmethod
+    def for_mode(
+        cls,
+        session: DeepSeekOCRSession,
+        concurrency: int,
+        mode: str,
+        prompt: str | None,
+        max_new_tokens: int | None,
+        options: DecodeOptions | None = None,
+        compiled: bool | None = None,
+        cuda_graphs: bool | None = None,
+    ) -> BatchedEngine:
+        """An engine for `concurrency` pages of `mode` (and `prompt`) at once: slots that hold its longest
+        prompt and `max_new_tokens` (None: what the model's positions leave), as a worker and the build
+        step size it."""
+        longest = min(session.longest_prompt(mode, prompt), session.max_positions - 1)
+        budget = max_new_tokens or session.max_positions - longest
+        return cls.create(
+            session, concurrency, longest, budget, options, compiled=compiled, cuda_graphs=cuda_graphs
+        )
 
     # --- the API --------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from dsocr_workers.engine.batched.slots import (
     reads_filled_slots,
 )
 from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
-from dsocr_workers.engine.regions import capture_graph
+from dsocr_workers.engine.regions import Compiler, TorchCompiler, capture_graph
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 
@@ -103,19 +103,21 @@ class BucketSteps:
     state: SlotState
     options: DecodeOptions
     config: StepConfig
+    compiler: Compiler | None = None  # what makes the step (dynamo, packages built ahead); None: eager
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
     _pool: _POOL_HANDLE | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        backend = self.config.backend
         # fullgraph: a graph break would be a host round trip inside every step.
         self._step = (
-            decode_slots if backend is None else torch.compile(decode_slots, fullgraph=True, backend=backend)
+            decode_slots
+            if self.compiler is None
+            else self.compiler.region("batched_step", decode_slots, fullgraph=True)
         )
         if self.config.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()
-        if self.config.attention == "filled":
+        if self.config.attention == "filled" and isinstance(self.compiler, TorchCompiler):
             # Its batch must stay static (`FilledSlotsCache` says why), even where dynamo would make it
             # dynamic because another engine's step compiled in this process.
             for tensor in (*self.cache.keys, *self.cache.values, self.state.visible):
@@ -135,22 +137,30 @@ class BucketSteps:
             keys = [k[:n] for k in self.cache.keys]
             values = [v[:n] for v in self.cache.values]
             bucketed += [*keys, *values]
-        if self.config.backend is not None:
+        if self.compiler is not None:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own).
             for tensor in bucketed:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                self.compiler.mark_dynamic(tensor, 0)
         return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, visible)
 
-    def capture(self, buckets: tuple[int, ...]) -> None:
-        """Capture every bucket's graph (compiling the step first where it is compiled). Only while no
-        slot holds a page: each capture runs one real step first."""
-        if not self.config.cuda_graphs:
-            return
+    def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
+        """Run every bucket's step once (compiling it where it is compiled, loading a package's kernels)
+        and, where graphs are on, capture it. Only while no slot holds a page: each run is a real step.
+        Returns each bucket's milliseconds."""
+        took: dict[int, float] = {}
         for n in buckets:
-            if n not in self._graphs:
+            if n in self._graphs:
+                continue
+            began = time.perf_counter()
+            if self.config.cuda_graphs:
                 assert self._pool is not None
                 graph, (out,) = capture_graph(lambda n=n: [self._eager(n)], self._pool)  # type: ignore[misc]
+                torch.cuda.synchronize()
                 self._graphs[n] = (graph, out)
+            else:
+                self._eager(n)
+            took[n] = (time.perf_counter() - began) * 1e3
+        return took
 
     @property
     def captured(self) -> int:
@@ -190,7 +200,10 @@ class BatchRunner:
         with torch.inference_mode():
             self.cache = SlotCache.allocate(session.model, plan.slots, plan.capacity, session.device)
             self.state = SlotState.allocate(plan.slots, plan.capacity, session.device, options)
-        self.steps = BucketSteps(session.model, self.cache, self.state, options, config)
+        compiler = None
+        if config.backend is not None:
+            compiler = session.compiler or TorchCompiler(config.backend)
+        self.steps = BucketSteps(session.model, self.cache, self.state, options, config, compiler)
         self._ring = torch.zeros(RING_ROWS, plan.slots, dtype=torch.int64, pin_memory=self.cuda)
         self._ring_next = 0
         self._pending: deque[_InFlight] = deque()
@@ -212,13 +225,14 @@ class BatchRunner:
     def captured(self) -> int:
         return self.steps.captured
 
-    def capture(self, buckets: tuple[int, ...]) -> None:
-        """Every bucket's graph (where graphs are on), then the clock anchor."""
+    def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
+        """Every bucket's graph (where graphs are on), then the clock anchor; each capture's ms."""
         with (
             torch.inference_mode()
         ):  # as every step runs: no autograd graph to trace (the expert ops have none)
-            self.steps.capture(buckets)
+            took = self.steps.capture(buckets)
         self._set_anchor()
+        return took
 
     # --- launching ------------------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 worker's start with no dynamo, no tracing and no compiler.
 
 A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM or CLIP block per view
-size, CLIP over a page's two view groups, an LM prefill layer (dense or MoE) and the decode step.
+size, CLIP over a page's two view groups, an LM prefill layer (dense or MoE), the decode step, and the
+batched engine's step over its slots (engine/batched/slots.py `decode_slots`: bucket 1, and one package
+dynamic in the bucket for the others).
 `Recorder` stands in for dynamo while the warm-up's pages run eagerly once, keeping each region kind and
 shape met (its `key`) with its first call's arguments; `build_package` exports each with its state and
 its weights as inputs (one package serves every layer of a kind), the dimensions jobs vary dynamic.
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dsocr_workers.engine.batched.slots import SlotRows
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
 from dsocr_workers.engine.sampling import step_key
@@ -229,9 +232,62 @@ class _DecodeStep(_Region):
         return dims
 
 
+def _slot_count(rows: SlotRows) -> int:
+    """The engine's slots: a bucket's rows are a view of the first rows of every slot's state."""
+    base = rows.tokens._base
+    return (base if base is not None else rows.tokens).shape[0]
+
+
+class _BatchedStep(_Region):
+    """The batched engine's step: `function(model, keys, values, rows, options, whitelist, visible)`,
+    writing the slots' tokens, lengths and cache. Its slots and capacity are static (the KV plan), its
+    bucket dynamic from 2 rows (bucket 1 is a package of its own, as dynamo specialises it); the options
+    are the package's."""
+
+    name = "batched_step"
+    prefixes = ("language_model.", "lm_head.")
+
+    def key(self, args: tuple, dynamic_tiles: bool) -> dict:
+        _, keys, _, rows, options, _, visible = args
+        count = rows.length.shape[0]
+        return {
+            "rows": 1 if count == 1 else "rows",
+            "slots": _slot_count(rows),
+            "capacity": keys[0].shape[2],
+            "attention": "masked" if visible is None else "filled",
+            "options": list(step_key(options)),
+        }
+
+    def state(self, args: tuple) -> list[Tensor]:
+        _, keys, values, rows, _, whitelist, visible = args
+        extra = [tensor for tensor in (visible, whitelist) if tensor is not None]
+        return [rows.tokens, rows.length, rows.prompt_length, rows.active, *keys, *values, *extra]
+
+    @contextmanager
+    def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
+        model, keys, _, _, options, whitelist, visible = args
+        layers = len(keys)
+        rest = iter(state[4 + 2 * layers :])
+        visible = next(rest) if visible is not None else None
+        whitelist = next(rest) if whitelist is not None else None
+        rows = SlotRows(*state[:4])
+        yield model, state[4 : 4 + layers], state[4 + layers : 4 + 2 * layers], rows, options, whitelist, visible
+
+    def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
+        _, keys, _, rows, _, _, visible = args
+        if rows.length.shape[0] == 1:
+            return [None] * len(self.state(args))
+        dim = torch.export.Dim("rows", min=2, max=max(_slot_count(rows), 3))
+        cache: dict | None = {0: dim} if visible is None else None  # "masked": the bucket's slots only
+        extra = len(self.state(args)) - 4 - 2 * len(keys)
+        return [{0: dim}] * 4 + [cache] * (2 * len(keys)) + [None] * extra
+
+
 REGIONS: dict[str, _Region] = {
     region.name: region
-    for region in (_Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep())
+    for region in (
+        _Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep(), _BatchedStep()
+    )
 }
 
 

@@ -6,16 +6,19 @@ refusal of those built for something else.
     <cache>/dsocr-artifacts/<plan key>/<environment key>.json      the manifest
     <cache>/dsocr-artifacts/<plan key>/<environment key>/*.pt2     its packages
 
-The plan key (`plan_key`): the warm-up's plan, the model's configuration and the engine. The environment
+The plan key (`plan_key`): the warm-up's plan (with the concurrency a batched worker serves), the model's
+configuration and the engine. The environment
 (`Environment`): the GPU (name and compute capability), torch, Triton, transformers, this package's version
 and code fingerprint. A worker's `lookup` uses a manifest of its environment and never one of another,
 saying why ("built for <GPU>, this is <GPU>", "torch A vs B"). The C++ compiler is recorded, not matched.
 A manifest lists its artifacts by kind: "aoti-package" (noted by `aoti.region_key`), "python-bytecode"
 (cache.py). `FORMAT` changes when an entry's meaning does; another format is refused like any mismatch.
+`host_lock`: one process of a host compiles a plan at a time, the build or a worker with nothing built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -24,6 +27,8 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -36,7 +41,7 @@ from dsocr_workers.settings import CXX, read
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 MANIFESTS = "dsocr-artifacts"
 
 
@@ -193,7 +198,8 @@ def packages_folder(plan: CompilePlan, config: OCRConfig, environment: Environme
 
 def describe(plan: CompilePlan) -> str:
     budget = f"{plan.max_new_tokens} tokens" if plan.max_new_tokens else "the model's positions"
-    return f"{plan.source}, {plan.engine} engine, {plan.dtype}, modes {','.join(plan.modes)}, {budget}"
+    batched = f", concurrency {plan.concurrency}" if plan.concurrency > 1 else ""
+    return f"{plan.source}, {plan.engine} engine, {plan.dtype}, modes {','.join(plan.modes)}, {budget}{batched}"
 
 
 @dataclass(frozen=True)
@@ -238,8 +244,7 @@ def lookup(plan: CompilePlan, config: OCRConfig, environment: Environment | None
 
 def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Environment | None = None) -> bool:
     """Whether a manifest of this plan matches this process (or `environment`) in all but the GPU, asked
-    without initialising CUDA: a worker child about to fork its compile helpers skips them then, and its
-    warm-up checks the GPU once CUDA is up (and compiles, with spawned helpers, if it differs)."""
+    without initialising CUDA: the build then asks `lookup`, GPU included, before it loads anything."""
     here = environment or Environment.here(torch.device(plan.device), gpu="")
     folder = cache_root() / MANIFESTS / plan_key(plan, config)
     for path in folder.glob("*.json"):
@@ -279,3 +284,31 @@ def write(manifest: Manifest, path: Path) -> None:
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
     partial.replace(path)
+
+
+@contextmanager
+def host_lock(
+    plan: CompilePlan, config: OCRConfig, waiting: Callable[[str], None] = log.info, shared_wait: bool = False
+) -> Iterator[bool]:
+    """One process of this host compiles `plan` at a time (an flock in the shared cache: the kernel frees
+    a dead holder's). Yields whether this process holds it. `shared_wait`: a process that finds it held
+    waits for the holder to finish, then goes on beside the other waiters without holding it (a worker's
+    dynamo then finds the holder's graphs in inductor's cache); otherwise it waits its turn (a build)."""
+    path = cache_root() / MANIFESTS / f"{plan_key(plan, config)}.build.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")  # noqa: SIM115
+    except OSError as exc:
+        log.warning("no host lock for this plan (%s): %s; compiled unshared", path, exc)
+        yield False
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting("another process of this host compiles this plan: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_SH if shared_wait else fcntl.LOCK_EX)
+            if shared_wait:
+                yield False
+                return
+        yield True

@@ -1,26 +1,26 @@
 """The build step: everything a worker's cold start needs for one plan, made ahead of its start.
 
     CXX=/usr/bin/g++ dsocr precompile --model full --engine fast --dtype bfloat16 \\
-        --modes gundam --max-new-tokens 2048
+        --modes gundam --max-new-tokens 2048 --concurrency 128
 
 loads the model as a worker will, runs the warm-up's pages once with a recorder in place of dynamo
-(aoti.py `Recorder`), builds each region and shape met as an AOTInductor package (aoti.py
-`build_package`), then checks them as a worker's start uses them: the warm-up itself, on the packages,
-must come clean. Only then is the plan's manifest (artifacts.py) written, beside the packages, with the
-Python bytecode of every module it imported where the installation has none (cache.py). Idempotent: a
-plan whose manifest is there for this environment, with every artifact this build would make, is "up to
-date" without loading the model; two builds of one plan on one host take turns (a lock).
+(aoti.py `Recorder`) and, for a concurrency above 1, the batched engine's step of each mode over every
+bucket, builds each region and shape met as an AOTInductor package (aoti.py `build_package`), then
+checks them as a worker's start uses them: the warm-up itself and the batched engine's start, on the
+packages, must come clean. Only then is the plan's manifest (artifacts.py) written, beside the packages,
+with the Python bytecode of every module it imported where the installation has none (cache.py).
+Idempotent: a plan whose manifest is there for this environment, with every artifact this build would
+make, is "up to date" without loading the model; two builds of one plan on one host take turns, and a
+worker that compiles it meanwhile waits for them (`artifacts.host_lock`).
 `CXX` names the C++ compiler of each package's wrapper (else `c++`): one whose packages do not load fails
 the check above, before any manifest exists (docs/architecture.md, the cold start).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from dsocr_workers.engine.coldstart.aoti import Limits, Recorder, build_package,
 from dsocr_workers.engine.coldstart.cache import bytecode_directory, use_compile_cache, write_bytecode
 from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root, compile_plan
-from dsocr_workers.engine.coldstart.warmup import WarmupReport, warm
+from dsocr_workers.engine.coldstart.warmup import BatchedStart, WarmupReport, start_batched, warm
 from dsocr_workers.engine.device import resolve_dtype
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
@@ -39,7 +39,7 @@ from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.checkpoint import model_config
-from dsocr_workers.model.config import MAX_CROPS, PRESETS, OCRConfig
+from dsocr_workers.model.config import MAX_CROPS, PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BuildRequest:
     """One plan to build, named as a worker's start-up warm-up names it (`dsocr worker --model --engine
-    --dtype --warmup --max-new-tokens`). `device`: where it is built, as the workers will see it
-    (cuda:0: every worker child sees its GPU as cuda:0)."""
+    --dtype --warmup --max-new-tokens --concurrency`). `device`: where it is built, as the workers will
+    see it (cuda:0: every worker child sees its GPU as cuda:0). `batched_compiled`: whether the batched
+    step is compiled (None: the engine's choice on this device, `StepConfig.decide`)."""
 
     model: str
     engine: str | Engine = AUTO  # a registered name, or an engine object (as from_local takes it)
@@ -58,6 +59,8 @@ class BuildRequest:
     options: DecodeOptions = DecodeOptions()
     device: str = "cuda:0"
     max_crops: int = MAX_CROPS
+    concurrency: int = 1
+    batched_compiled: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class BuildReport:
     bytecode_modules: int | None = None  # written now; None: the installation's bytecode serves
     notes: list[str] = field(default_factory=list)
     packages: dict[str, float] = field(default_factory=dict)  # package file name → seconds to build it
+    batched: list[BatchedStart] = field(default_factory=list)  # the check's batched start, per mode
 
 
 def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
@@ -91,6 +95,7 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
         request.options,
         request.max_crops,
         engine=engine.name,
+        concurrency=request.concurrency,
     )
     return plan, engine.name, note
 
@@ -101,17 +106,20 @@ def _wanted(found: artifacts.Lookup) -> bool:
     return found.manifest is not None and kinds <= found.manifest.kinds()
 
 
-@contextmanager
-def _build_lock(plan: CompilePlan, config: OCRConfig, progress: Callable[[str], None]) -> Iterator[None]:
-    path = cache_root() / artifacts.MANIFESTS / f"{artifacts.plan_key(plan, config)}.build.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress("another build of this plan is running on this host: waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def _record_batched(session: DeepSeekOCRSession, request: BuildRequest) -> None:
+    """Each mode's batched step over every bucket once, through the session's recorder: what a worker
+    serving `request.concurrency` compiles (its admission runs the regions the warm-up recorded)."""
+    from dsocr_workers.engine.batched import BatchedEngine
+
+    for mode in request.modes:
+        engine = BatchedEngine.for_mode(
+            session, request.concurrency, mode, None, request.max_new_tokens, request.options,
+            compiled=request.batched_compiled, cuda_graphs=False,
+        )  # fmt: skip
+        with torch.inference_mode():  # as its steps run
+            for bucket in engine.buckets:
+                engine.runner.steps.run(bucket)
+        del engine
 
 
 def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> BuildReport:
@@ -140,7 +148,7 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         )
     config = model_config(plan.source)
     progress(f"plan: {artifacts.describe(plan)} on {request.device}; artifacts in {cache_root()}")
-    with _build_lock(plan, config, progress):
+    with artifacts.host_lock(plan, config, progress):
         if artifacts.listed_without_gpu(plan, config):
             found = artifacts.lookup(plan, config)  # initialises CUDA: the GPU is part of the match
             if _wanted(found):
@@ -159,6 +167,8 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
                 for name, image in warmup_pages(request.modes, request.max_crops)
             ]
         warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), request.max_crops)
+        if request.concurrency > 1:
+            _record_batched(session, request)
         progress(
             f"loaded in {time.perf_counter() - began:.1f} s; {len(recorder.calls)} regions to build "
             f"for {', '.join(request.modes)}"
@@ -184,15 +194,26 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
             request.max_crops,
             request.options,
             found=artifacts.Lookup(manifest, path),
+            concurrency=request.concurrency,
         )
         progress(
             f"checked: the warm-up on the packages took {report.ms / 1e3:.1f} s, "
             f"{len(report.shapes)} shapes, {report.passes} passes"
         )
-        if report.still_cold or report.packages_missed:
+        cold = [*report.still_cold, *report.packages_missed]
+        batched = []
+        for mode in request.modes if request.concurrency > 1 else ():
+            engine, checked = start_batched(
+                session, request.concurrency, mode, request.max_new_tokens, request.options,
+                max_crops=request.max_crops, compiled=request.batched_compiled,
+            )  # fmt: skip
+            del engine  # its KV cache, before the next mode's
+            progress(f"checked: {mode}'s {checked.describe()}")
+            cold += [*checked.packages_missed] + ([f"{checked.compiled} graphs compiled"] if checked.compiled else [])
+            batched.append(checked)
+        if cold:
             raise FailuresError(
-                "the warm-up on the packages still met cold paths, nothing recorded: "
-                + "; ".join([*report.still_cold, *report.packages_missed])
+                "the warm-up on the packages still met cold paths, nothing recorded: " + "; ".join(cold)
             )
         written = write_bytecode()
         if written is not None:
@@ -205,4 +226,4 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         except OSError as exc:
             raise FailuresError(f"could not write the artifact manifest {path}: {exc}") from exc
         progress(f"built in {seconds:.1f} s: {path}")
-    return BuildReport("built", plan, path, seconds, report, written, notes, seconds_each)
+    return BuildReport("built", plan, path, seconds, report, written, notes, seconds_each, batched)

@@ -1,7 +1,6 @@
 """A warm-up's pages and passes: the synthetic pages that reach every compiled shape of some modes, and one
-pass of jobs over them as the worker's warm-up runs it (`warm_pass`) or a language compile helper does
-(`warm_language`: the same pages without their images). Shared by warmup.py and helper_process.py, so
-that the helpers compile exactly the graphs the warm-up will trace.
+pass of jobs over them (`warm_pass`), as the worker's warm-up runs it and the build step records it
+(warmup.py, build.py): the packages built are exactly the regions the warm-up meets.
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import torch
 from PIL import Image
 
 from dsocr_workers.engine.regions import PREFILL_BUCKET, padded_length
@@ -45,55 +43,27 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
     return replace(infer or DecodeOptions(), ignore_eos=False)
 
 
-def warm_language(
-    session: DeepSeekOCRSession,
-    modes: Sequence[str],
-    max_new_tokens: int | None,
-    max_crops: int = MAX_CROPS,
-    infer: DecodeOptions | None = None,
-    decode: bool = True,
-) -> None:
-    """One warm-up pass over the pages of `modes` without their images: the language model's graphs as
-    `warm` meets them (the LM prefill's layers and captures; the decode step per cache bucket), in the
-    same order. `decode=False`: the prefills only. What the language compile helpers run
-    (helper_process.py): one the prefill, one the decode step of a session that compiles only that."""
-    with torch.inference_mode():
-        prepared = [
-            (name, session.prepare(image, None, name, max_crops))
-            for name, image in warmup_pages(modes, max_crops)
-        ]
-    warm_pass(session, prepared, max_new_tokens, warm_options(infer), max_crops, images=False, decode=decode)
-
-
 def warm_pass(
     session: DeepSeekOCRSession,
     prepared: list[tuple[str, preprocess.PreparedPage]],
     max_new_tokens: int | None,
     options: DecodeOptions,
     max_crops: int,
-    images: bool = True,
-    decode: bool = True,
 ) -> tuple[list[str], list[str], tuple[int, int]]:
-    """Every prepared page's job once (without its image, or its decode, when asked), then the prefill
-    captures: the shapes met, the cold paths met, and the prompt lengths whose prefill is captured."""
+    """Every prepared page's job once, then the prefill captures: the shapes met, the cold paths met, and
+    the prompt lengths whose prefill is captured."""
     shapes: list[str] = []
     still_cold: list[str] = []
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
-        page = page if images else replace(page, injects_image=False)
         cols, rows = page.crop_grid
         shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
         shapes += [shape] if shape not in shapes else []
-        if decode:
-            result = session.run_on_device(
-                page, max_new_tokens, options, return_text=False, after_step=end_early
-            ).finish()
-            still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
-        else:
-            with torch.inference_mode():
-                clock = session.new_clock()
-                session.prefill(session.start_job(page, options, max_new_tokens, clock), clock)
+        result = session.run_on_device(
+            page, max_new_tokens, options, return_text=False, after_step=end_early
+        ).finish()
+        still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
         longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))

@@ -1,42 +1,43 @@
 """The warm-up: every shape a process's jobs can meet, run until warm, before its first job.
 
-    report = warm(session, ["gundam"], max_new_tokens=2048, infer=options, helpers=helpers)
+    report = warm(session, ["gundam"], max_new_tokens=2048, infer=options)
+    engine, started = start_batched(session, 128, "gundam", 2048, options, report.prompt_lengths)
 
 Called once a process has opened its model (a worker child at its start and before a claim that needs
 another model or mode, `dsocr precompile`): jobs then meet no compilation, no graph capture and no first
 use of a KV cache bucket, and the ones that still do are stored cold with the reason (the session's cold
 probes). Eager compiles nothing but runs every shape too: the allocator's pools grow to the largest page
-now. A compiled engine (`Engine.compiled()`) looks its plan's artifacts up first (artifacts.py): found
-for this environment, its regions run the AOTInductor packages built for them (aoti.py), loaded here
-with no dynamo, and the passes only capture their CUDA graphs; otherwise it says why and compiles with
-dynamo, with compile helpers (helpers.py) started before the load by the caller (`start_helpers`) or
-here.
+now. A compiled engine looks its plan's artifacts up first (artifacts.py): found for this environment,
+its regions run the AOTInductor packages built for them (aoti.py), loaded here with no dynamo, and the
+passes only capture their CUDA graphs; otherwise it says why and compiles with dynamo in this process,
+one process of the host at a time (`artifacts.host_lock`: the others then load its graphs from
+inductor's cache). `start_batched` starts the batched engine of a worker that serves a concurrency: its
+step per bucket captured (from the same packages), its admission's prefills captured.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.aoti import PackagedRegions
-from dsocr_workers.engine.coldstart.helpers import CompileHelpers
-from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
-from dsocr_workers.engine.coldstart.plan import (
-    PROCESSES_ENV,
-    CompilePlan,
-    PrecompileReport,
-    compile_plan,
-    helper_processes,
-)
+from dsocr_workers.engine.coldstart.passes import capture_prefills, warm_options, warm_pass, warmup_pages
+from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.model.config import MAX_CROPS
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.batched import BatchedEngine
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,9 @@ WARMUP_MAX_PASSES = 4
 @dataclass(frozen=True)
 class WarmupReport:
     """What a warm-up did. `phases_ms`: where `ms` went, in order, its parts adding up to it: "load
-    packages" (prebuilt AOTInductor packages opened), "prepare" (the pages' preprocessing, once for every
-    pass); with helpers, "vision helpers" (waiting for them), "vision" (each page's vision stages traced,
-    loaded from the cache, captured), "prefill helper", "prefill" (likewise, with the prefill captures),
-    "decode helper"; then "pass 1", "pass 2", ... (each with its prefill captures)."""
+    packages" (prebuilt AOTInductor packages opened), "wait for the host's compile" (another process
+    compiling this plan, without packages), "prepare" (the pages' preprocessing, once for every pass),
+    then "pass 1", "pass 2", ... (each with its prefill captures)."""
 
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
@@ -60,9 +60,6 @@ class WarmupReport:
     # The prompt lengths (the warm-up's prompt) whose LM prefill is ready: from its shortest page to the
     # longest prompt any crop grid of its modes makes, which its `n x 1` strips do not reach.
     prompt_lengths: tuple[int, int] = (0, 0)
-    # The compile helpers (helpers.py), when they ran; `helpers_skipped` says why not.
-    helpers: PrecompileReport | None = None
-    helpers_skipped: str = ""
     # What the start found (artifacts.py `Lookup.summary`): prebuilt artifacts, or why none were used and
     # the graphs compiled here. Empty where the engine compiles nothing.
     artifacts: str = ""
@@ -78,6 +75,7 @@ def session_plan(
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
     max_crops: int = MAX_CROPS,
+    concurrency: int = 1,
 ) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
@@ -96,29 +94,8 @@ def session_plan(
         infer,
         max_crops,
         engine=session.engine_name,
+        concurrency=concurrency,
     )
-
-
-def plan_helpers(
-    session: DeepSeekOCRSession,
-    modes: Sequence[str],
-    max_new_tokens: int | None,
-    max_crops: int,
-    infer: DecodeOptions | None,
-) -> tuple[CompilePlan | None, artifacts.Lookup | None, str]:
-    """The compile plan of this warm-up (None when inductor compiles nothing for it), its artifacts'
-    lookup, and why no helper should start now (empty: they should)."""
-    plan = session_plan(session, modes, max_new_tokens, infer, max_crops)
-    if plan is None:
-        return None, None, "no mode to warm" if not modes else "nothing compiled by inductor"
-    found = artifacts.lookup(plan, session.loaded.config)
-    if found.manifest is not None:
-        return plan, found, f"prebuilt artifacts ({found.path})"
-    if helper_processes() == 0:
-        return plan, found, f"{PROCESSES_ENV}=0"
-    if session.jobs_run:
-        return plan, found, "this session has compiled already"
-    return plan, found, ""
 
 
 def use_packages(
@@ -139,43 +116,33 @@ def warm(
     max_new_tokens: int | None = None,
     max_crops: int = MAX_CROPS,
     infer: DecodeOptions | None = None,
-    helpers: CompileHelpers | None = None,
     found: artifacts.Lookup | None = None,
+    concurrency: int = 1,
 ) -> WarmupReport:
     """Run every shape `modes` can produce on `session` until warm (`max_new_tokens` sizes the cache
     buckets, as jobs will). `infer`: the jobs' decode options (default: the vendor's), since the compiled
     decode step is specialised on how tokens are chosen (the n-gram ban's size and window, sampling or
-    greedy). `helpers`: compile helpers started for this warm-up before the model was loaded
-    (`start_helpers`); otherwise a compiled engine's warm-up with a cold cache starts them now. `found`:
-    the artifacts to use instead of looking them up (the build step checks its packages so before it
-    writes their manifest)."""
+    greedy). `concurrency`: what the worker serves, part of the plan its artifacts are looked up by
+    (`start_batched` then starts the batched engine from them). `found`: the artifacts to use instead of
+    looking them up (the build step checks its packages so before it writes their manifest)."""
     began = time.perf_counter()
     pages = warmup_pages(modes, max_crops)
     options = warm_options(infer)
-    plan, looked_up, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
-    found = found or looked_up
+    plan = session_plan(session, modes, max_new_tokens, infer, max_crops, concurrency)
+    if plan is not None and found is None:
+        found = artifacts.lookup(plan, session.loaded.config)
     phases: dict[str, float] = {}
     regions = None
     if plan is not None and found is not None and found.manifest is not None:
         try:
             regions = use_packages(session, plan, found.manifest)
-            skipped = f"prebuilt artifacts ({found.path})"
         except Exception as exc:  # a package that does not open: compiled as without artifacts
             log.exception("the prebuilt artifacts %s do not load", found.path)
             found = replace(found, manifest=None, reason=f"artifacts unusable ({type(exc).__name__}: {exc})")
-            skipped = "" if helper_processes() else f"{PROCESSES_ENV}=0"
         phases["load packages"] = (time.perf_counter() - began) * 1e3
     if plan is not None and found is not None:
         say = log.info if found.manifest is not None else log.warning
         say("warm-up of %s: %s", artifacts.describe(plan), found.summary)
-    if helpers is not None:
-        skipped = ""
-        if helpers.plan != plan:  # their graphs may not be this warm-up's: what they miss compiles here
-            log.warning(
-                "compile helpers were started for another warm-up (%s); this one is %s", helpers.plan, plan
-            )
-    elif plan is not None and not skipped:
-        helpers = CompileHelpers.start(plan, helper_processes())
     mark = began + sum(phases.values()) / 1e3
 
     def phase_ends(name: str) -> None:
@@ -183,53 +150,25 @@ def warm(
         now = time.perf_counter()
         phases[name], mark = (now - mark) * 1e3, now
 
-    try:
+    with ExitStack() as compiling:
+        if plan is not None and regions is None:  # dynamo compiles: one process of the host at a time
+            compiling.enter_context(artifacts.host_lock(plan, session.loaded.config, shared_wait=True))
+            phase_ends("wait for the host's compile")
         with torch.inference_mode():  # as run_inference prepares a page
             prepared = [(name, session.prepare(image, None, name, max_crops)) for name, image in pages]
         phase_ends("prepare")
-        if helpers is not None:
-            # Each part traced (its graphs loaded from the cache) and captured as soon as its helpers
-            # are done, while the others still compile: the vision stages of every page, then the
-            # LM prefills, then the passes once the decode step's helper is done too.
-            helpers.wait("vision")
-            phase_ends("vision helpers")
-            with torch.inference_mode():
-                for _, page in prepared:
-                    session.encode_image(session.upload(page), session.new_clock())
-            session.synchronize()
-            phase_ends("vision")
-            helpers.wait("prefill")
-            phase_ends("prefill helper")
-            warm_pass(session, prepared, max_new_tokens, options, max_crops, decode=False)
-            phase_ends("prefill")
-            helpers.wait()
-            phase_ends("decode helper")
-    except BaseException:
-        if helpers is not None:
-            helpers.stop()  # none outlives a failed warm-up
-        raise
-    precompiled = helpers.report() if helpers is not None else None
-    if precompiled is not None:
-        log.info(
-            "compile helpers (%s): %d in %.1f s, %d graphs compiled, %d failed",
-            precompiled.how,
-            precompiled.processes,
-            precompiled.seconds,
-            sum(r.graphs for r in precompiled.results),
-            len(precompiled.failures),
-        )
-    passes = 0
-    still_cold: list[str] = []
-    shapes: list[str] = []
-    shortest = longest = 0
-    while passes < WARMUP_MAX_PASSES:
-        passes += 1
-        shapes, still_cold, (shortest, longest) = warm_pass(
-            session, prepared, max_new_tokens, options, max_crops
-        )
-        phase_ends(f"pass {passes}")
-        if not still_cold:
-            break
+        passes = 0
+        still_cold: list[str] = []
+        shapes: list[str] = []
+        shortest = longest = 0
+        while passes < WARMUP_MAX_PASSES:
+            passes += 1
+            shapes, still_cold, (shortest, longest) = warm_pass(
+                session, prepared, max_new_tokens, options, max_crops
+            )
+            phase_ends(f"pass {passes}")
+            if not still_cold:
+                break
     log.info(
         "warm-up: %.2f s (%s)",
         mark - began,
@@ -241,10 +180,86 @@ def warm(
         passes,
         tuple(still_cold),
         (shortest, longest),
-        precompiled,
-        skipped,
         found.summary if found is not None else "",
         len(regions.packages) if regions else 0,
         tuple(regions.missed) if regions else (),
         phases,
     )
+
+
+@dataclass(frozen=True)
+class BatchedStart:
+    """What starting the batched engine did: each bucket's step captured, the admission's prefills
+    captured, the regions no package was built for (dynamo compiled them here)."""
+
+    ms: float
+    captures_ms: dict[int, float]  # bucket → its capture (the step's first run included), or first run
+    graphs: bool  # CUDA graphs captured (else each bucket's step was run once)
+    admission_ms: float  # the prefill graphs of the cache buckets its pages' scratch caches use
+    compiled: int  # graphs dynamo compiled meanwhile (0 from packages)
+    packages_missed: tuple[str, ...] = ()
+    engine: str = ""  # the engine's plan and step, in words
+
+    def describe(self) -> str:
+        """One line for the worker session's record."""
+        steps = ", ".join(f"{bucket} {ms:.0f} ms" for bucket, ms in self.captures_ms.items()) or "none"
+        made = (
+            f"{self.compiled} graphs compiled by dynamo" if self.compiled else "no graph compiled"
+        ) + (f" (no package for {'; '.join(self.packages_missed)})" if self.packages_missed else "")
+        return (
+            f"{self.engine}; started in {self.ms / 1e3:.2f} s: "
+            f"{'captures' if self.graphs else 'first steps'} by bucket {steps}, "
+            f"admission {self.admission_ms / 1e3:.2f} s, {made}"
+        )
+
+
+def _graphs_compiled() -> int:
+    dynamo = sys.modules.get("torch._dynamo.utils")  # a start from packages never imports it
+    return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
+
+
+def start_batched(
+    session: DeepSeekOCRSession,
+    concurrency: int,
+    mode: str,
+    max_new_tokens: int | None,
+    infer: DecodeOptions | None,
+    prompt: str | None = None,
+    max_crops: int = MAX_CROPS,
+    *,
+    compiled: bool | None = None,
+    cuda_graphs: bool | None = None,
+) -> tuple[BatchedEngine, BatchedStart]:
+    """The batched engine for `concurrency` pages of `mode`, started on a warm `session`: its step per
+    bucket compiled where nothing was built for it and captured, then the LM prefill graphs its
+    admissions replay, from the mode's shortest prompt to its longest (a scratch cache sized by the
+    engine's budget may be a bucket the batch-1 warm-up did not use). `compiled`, `cuda_graphs`:
+    `StepConfig.decide`'s."""
+    from dsocr_workers.engine.batched import BatchedEngine
+
+    began, graphs_before = time.perf_counter(), _graphs_compiled()
+    regions = session.compiler if isinstance(session.compiler, PackagedRegions) else None
+    missed = len(regions.missed) if regions is not None else 0
+    engine = BatchedEngine.for_mode(
+        session, concurrency, mode, prompt, max_new_tokens, infer, compiled=compiled, cuda_graphs=cuda_graphs
+    )
+    admitting = time.perf_counter()
+    with torch.inference_mode():
+        smallest = session.prepare(warmup_pages([mode], max_crops)[0][1], prompt, mode, max_crops)
+    longest = min(session.longest_prompt(mode, prompt, max_crops), session.max_positions - 1)
+    capture_prefills(session, smallest.prompt_tokens, longest, engine.plan.max_new_tokens)
+    session.synchronize()
+    ended = time.perf_counter()
+    graphs = "CUDA graphs" if engine.runner.cuda_graphs else "no CUDA graphs"
+    started = BatchedStart(
+        (ended - began) * 1e3,
+        engine.captures_ms,
+        engine.runner.cuda_graphs,
+        (ended - admitting) * 1e3,
+        _graphs_compiled() - graphs_before,
+        tuple(regions.missed[missed:]) if regions is not None else (),
+        f"batched engine: concurrency {concurrency}, {engine.plan.describe()}, {engine.attention} attention, "
+        f"{graphs} for buckets {', '.join(map(str, engine.buckets))}",
+    )
+    log.info("%s", started.describe())
+    return engine, started

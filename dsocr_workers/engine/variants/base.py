@@ -59,8 +59,8 @@ class Runners:
 
 @dataclass(frozen=True)
 class InductorGraphs:
-    """What an engine compiles with inductor, as the cold start must compile it too (the helpers, the
-    build step) and key its artifacts by: the backend and the settings its graphs depend on."""
+    """What an engine compiles with inductor, as the cold start must build it too (the build step) and key
+    its artifacts by: the backend and the settings its graphs depend on."""
 
     backend: str
     dynamic_tiles: bool

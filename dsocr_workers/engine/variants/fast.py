@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 class FastCompile:
     """What the fast engine compiles. The defaults are the engine: the vision encoders, the LM prefill and
     the decode step; on CUDA all three are replayed as CUDA graphs (engine/regions.py GraphedVision,
-    GraphedPrefill, GraphedDecode). `decode_only`: the decode step alone, vision and prefill eager (the
-    cold start's decode share)."""
+    GraphedPrefill, GraphedDecode). `decode_only`: the decode step alone, vision and prefill eager (what a
+    test of the compiled decode step needs)."""
 
     decode_only: bool = False
     # One graph per vision block kind for every tile count (engine/regions.py); False: a graph per count

@@ -28,7 +28,6 @@ from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
 from dsocr_workers.farm.job.execute import execute_job, run_in_batch
-from dsocr_workers.farm.job.opening import fork_compile_helpers
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.liveness import Sweep
 from dsocr_workers.farm.owners import owner_prefix_of_pid
@@ -62,13 +61,9 @@ def _open_child(**_: object) -> None:
         bring_back_job_messages(run_job.app, tx, jobs)
 
     runs_on = see_only_this_gpu(device)  # before anything here initialises CUDA
-    # Forked before the ledger's threads start and before CUDA does: they compile while the model loads.
-    helpers = fork_compile_helpers(plan, runs_on) if plan is not None else None
     try:
         open_device(runs_on)
     except InputError as exc:  # a child that cannot run a job takes none: the worker stops, saying why
-        if helpers is not None:
-            helpers.stop()
         refuse_to_work(f"child {spec.lane} on {device}: {exc}")
     _process = JobProcess.open(
         settings,
@@ -99,7 +94,7 @@ def _open_child(**_: object) -> None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
         try:
-            loaded = _process.models.warm(plan, helpers)
+            loaded = _process.warm_at_start(plan)
         except Exception:  # each model is then loaded and warmed before its first job instead
             log.exception("child %s: the start-up warm-up failed", index)
         else:

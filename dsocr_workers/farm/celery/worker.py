@@ -163,13 +163,18 @@ def refuse_to_work(reason: str) -> NoReturn:
 
 
 def check_ledger(
-    settings: Settings, queues: list[str], warmup: str, fallback: ModelKey, fallback_budget: int | None
+    settings: Settings,
+    queues: list[str],
+    warmup: str,
+    fallback: ModelKey,
+    fallback_budget: int | None,
+    fallback_concurrency: int = 1,
 ) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
     db = open_ledger(settings.database_url)
     try:
-        plan = plan_warmup(db, queues, warmup, fallback, fallback_budget)
+        plan = plan_warmup(db, queues, warmup, fallback, fallback_budget, fallback_concurrency)
     finally:
         db.dispose()
     return plan
@@ -184,14 +189,16 @@ def start_worker(
     warmup: str = "auto",
     fallback_model: ModelKey = DEFAULT_MODEL,
     fallback_budget: int | None = None,
+    fallback_concurrency: int = 1,
     events: bool = False,
 ) -> None:
     """Run a Celery worker per device slot until shut down (SIGTERM: warm shutdown). Each child loads and
     warms a model before it takes a message: `warmup` names the modes (`auto`: those of the runs open on
     its queues; `none`), `fallback_model` is loaded when no run is, warmed for jobs of `fallback_budget`
-    new tokens (None: the model's positions). `events`: visible in Flower."""
+    new tokens (None: the model's positions) at `fallback_concurrency` (above 1: its batched engine
+    started too). `events`: visible in Flower."""
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
-    plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget)
+    plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget, fallback_concurrency)
     slots = tuple(devices)
     specs = [WorkerSpec(settings, slots, lane, tuple(queue_names), plan) for lane in range(len(slots))]
     if len(specs) == 1:

@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,8 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
-    from dsocr_workers.engine.batched import BatchedOutput
+    from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput
+    from dsocr_workers.engine.coldstart.warmup import BatchedStart
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
@@ -49,17 +50,11 @@ class InFlight:
 class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
-    def __init__(self, process: JobHost, loaded: OpenModel, options: RunOptions) -> None:
-        from dsocr_workers.engine.batched import BatchedEngine
-
-        session = loaded.session
-        self.process, self.loaded, self.options = process, loaded, options
-        longest = min(session.longest_prompt(options.mode, options.prompt), session.max_positions - 1)
-        budget = options.max_new_tokens or session.max_positions - longest
-        self.engine = BatchedEngine.create(
-            session, max_batch=options.concurrency, max_prompt_tokens=longest, max_new_tokens=budget,
-            options=options.decode_options,
-        )
+    def __init__(
+        self, process: JobHost, loaded: OpenModel, options: RunOptions, engine: BatchedEngine, started: BatchedStart
+    ) -> None:
+        """`engine`: started for `options`, as `started` says (`start`)."""
+        self.process, self.loaded, self.options, self.engine, self.started = process, loaded, options, engine, started
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
         self._steps = StepLog(process.ledger_threads, loaded)
@@ -73,17 +68,26 @@ class BatchedJobs:
         self._engine_thread = threading.Thread(target=self._serve, name="dsocr-batch-engine", daemon=True)
         self._engine_thread.start()
 
+    @classmethod
+    def start(cls, process: JobHost, loaded: OpenModel, options: RunOptions) -> BatchedJobs:
+        """The batched engine for a run with `options`, started on its warm model (its step per bucket
+        captured, from the packages built for its concurrency where there are)."""
+        from dsocr_workers.engine.coldstart.warmup import start_batched
+
+        engine, started = start_batched(
+            loaded.session, options.concurrency, options.mode, options.max_new_tokens, options.decode_options,
+            options.prompt,
+        )  # fmt: skip
+        return cls(process, loaded, options, engine, started)
+
     def describe(self) -> str:
-        """What it is (concurrency, KV plan, step), for the worker session that records its start."""
-        engine, graphs = self.engine, self.engine.runner.cuda_graphs
-        step = (f"{engine.runner.captured} CUDA graphs ({', '.join(map(str, engine.buckets))} rows)"
-                if graphs else "eager steps")
-        return (f"batched engine: concurrency {self.options.concurrency}, {engine.plan.describe()}, "
-                f"{engine.attention} attention, {step}")
+        """Its start, for the worker session that records it."""
+        return self.started.describe()
 
     def serves(self, options: RunOptions) -> bool:
-        """Whether a job of a run with `options` can join this batch (not one that a failed step ended)."""
-        return options == self.options and self.failed is None
+        """Whether a job of a run with `options` can join this batch (not one that a failed step ended):
+        what the engine computes is the same (a run's repeats are not)."""
+        return replace(options, repeats=1) == replace(self.options, repeats=1) and self.failed is None
 
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
         """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""

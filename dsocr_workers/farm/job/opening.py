@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.fingerprint import environment_fingerprint
@@ -24,9 +24,6 @@ from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Worker, WorkerSession, utcnow
 from dsocr_workers.store.upsert import upsert
-
-if TYPE_CHECKING:
-    from dsocr_workers.engine.coldstart.helpers import CompileHelpers
 
 log = logging.getLogger("dsocr.worker")
 
@@ -41,28 +38,6 @@ Warming = TypeVar("Warming", bound=Described)
 class NotOpen(TransientError):
     """A claimed job's model is not open in this process: the job is given back without counting an
     attempt, and its model is opened before its next claim."""
-
-
-def fork_compile_helpers(warmup: Warmup, runs_on: str) -> CompileHelpers | None:
-    """The compile helpers of the start-up warm-up's first part (its modes at its first token budget and
-    n-gram ban), forked before this child loads its model, opens its ledger or starts a thread
-    (engine/coldstart/helpers.py): they compile while it loads. None where the engine compiles nothing
-    or this child cannot fork them; its warm-up then decides for itself."""
-    from dsocr_workers.engine.coldstart.helpers import start_helpers
-
-    try:
-        return start_helpers(
-            warmup.key.model,
-            runs_on,
-            warmup.key.dtype,
-            warmup.key.engine,
-            warmup.modes,
-            warmup.budgets[0],
-            ngram_options(warmup.ngrams[0]),
-        )
-    except Exception:  # a bad model or setting: the warm-up meets it again and says so
-        log.warning("could not start the compile helpers before the load", exc_info=True)
-        return None
 
 
 def settle_heap() -> None:
@@ -135,19 +110,20 @@ class ModelOpener:
         log.warning("%s is not open in this process; the job goes back in line to be opened first", key.model)
         raise NotOpen(f"{key.model} is not open in this process")
 
-    def warm(self, warmup: Warmup, helpers: CompileHelpers | None = None) -> OpenModel:
+    def warm(self, warmup: Warmup, then: Callable[[OpenModel], str] | None = None) -> OpenModel:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
-        met yet, and record the cost as a new worker session; a no-op when all is warm already. `helpers`:
-        the compile helpers forked for this warm-up, handed to its first part; stopped if the load fails."""
+        met yet, and record the cost as a new worker session; a no-op when all is warm already. `then`:
+        what the process starts on the warm model before it is ready (a worker's batched engine), its
+        time and what it says of itself in the same worker session."""
         try:
-            loaded = self._warm(warmup, helpers)
+            loaded = self._warm(warmup, then)
         except Exception as exc:
             self.failures[warmup.key] = exc
             raise
         self.failures.pop(warmup.key, None)
         return loaded
 
-    def _warm(self, warmup: Warmup, helpers: CompileHelpers | None) -> OpenModel:
+    def _warm(self, warmup: Warmup, then: Callable[[OpenModel], str] | None) -> OpenModel:
         from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
 
         began_at, began = utcnow(), time.perf_counter()
@@ -155,12 +131,7 @@ class ModelOpener:
         if self.loaded is None or self.loaded.key != warmup.key:
             gc.unfreeze()  # the previous model's objects may be collected again (settle_heap)
             self.loaded = None  # free the previous model before loading the next one
-            try:
-                self.loaded = self._load(warmup.key)
-            except BaseException:
-                if helpers is not None:
-                    helpers.stop()
-                raise
+            self.loaded = self._load(warmup.key)
             load_ms = (time.perf_counter() - began) * 1e3
         loaded = self.loaded
         missing = unwarmed(loaded, warmup)
@@ -170,9 +141,9 @@ class ModelOpener:
         for budget, ngram in dict.fromkeys((budget, ngram) for _, budget, ngram in missing):
             modes = [mode for mode, b, n in missing if (b, n) == (budget, ngram)]
             report = run_warmup(
-                loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram), helpers=helpers
-            )
-            helpers = None
+                loaded.session, modes, max_new_tokens=budget, infer=ngram_options(ngram),
+                concurrency=warmup.concurrency,
+            )  # fmt: skip
             warmup_ms += report.ms
             if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
                 cold_start.append(report.artifacts)
@@ -191,6 +162,8 @@ class ModelOpener:
             shapes += [f"{shape} ({budget or 'max'} tokens{ban})" for shape in report.shapes]
             loaded.warmed.update((mode, budget, ngram) for mode in modes)
         settling = time.perf_counter()
+        if then is not None:
+            cold_start.append(then(loaded))
         settle_heap()
         warmup_ms += (time.perf_counter() - settling) * 1e3
         self.record(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)

@@ -16,8 +16,10 @@ from functools import partial
 from dsocr_workers.farm.job.batched import BatchedJobs
 from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.opening import ModelOpener, NotOpen
 from dsocr_workers.farm.job.prefetch import PagePlan, Prefetcher, Upcoming
+from dsocr_workers.farm.job.warm import Warmup
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
 from dsocr_workers.farm.run_options import RunOptions
@@ -136,12 +138,31 @@ class JobProcess:
             log.warning("job %s: could not prepare its model before the claim", job_id, exc_info=True)
         return options
 
+    def warm_at_start(self, warmup: Warmup) -> OpenModel:
+        """The start-up warm-up (`warmup`), recorded as one worker session; a worker serving a concurrency
+        (`warmup.concurrency` above 1) starts its batched engine in it too, so its first batched job is
+        warm. A batched engine that does not start is logged and recorded: batch-1 jobs still run."""
+        if warmup.concurrency == 1:
+            return self.models.warm(warmup)
+        options = warmup.batch_options()
+
+        def start_batch(loaded: OpenModel) -> str:
+            try:
+                self.batch = BatchedJobs.start(self, loaded, options)
+            except Exception as exc:
+                self.models.failures[options] = exc
+                log.exception("the batched engine for concurrency %d did not start", options.concurrency)
+                return f"batched engine for concurrency {options.concurrency} not started: {exc}"
+            return self.batch.describe()
+
+        return self.models.warm(warmup, start_batch)
+
     def start_batch(self, options: RunOptions) -> None:
-        """Start the batched engine for jobs of a run with `options` on its open model: a warm-up (its KV
-        cache; on a GPU its step compiled and captured per bucket), recorded as a worker session."""
+        """Start the batched engine for jobs of a run with `options` on its open model (its KV cache; on a
+        GPU its step per bucket captured), recorded as a worker session."""
         loaded = self.models.opened(options.model_key)
         self.end_batch()
-        self.batch = self.models.warm_up(options, loaded, lambda: BatchedJobs(self, loaded, options))
+        self.batch = self.models.warm_up(options, loaded, lambda: BatchedJobs.start(self, loaded, options))
 
     def joinable_batch(self, options: RunOptions) -> BatchedJobs:
         """The batch a claimed job of a run with `options` joins, started before its claim; raises

@@ -1,6 +1,7 @@
 """What a worker process warms before it takes a job (farm/job/opening.py does it): at process start
-(`dsocr worker --warmup`), the modes of the runs open on its queues; before a job's claim, what its run
-needs. Either way no job pays for it."""
+(`dsocr worker --warmup --concurrency`), the modes of the runs open on its queues and the batched engine
+of the concurrency they (or the worker) serve; before a job's claim, what its run needs. Either way no
+job pays for it."""
 
 from __future__ import annotations
 
@@ -28,22 +29,37 @@ DEFAULT_NGRAM: NGram = RunOptions().ngram
 class Warmup:
     """Modes to warm for one model, with the token budgets that size its KV cache buckets (None: the
     model's positions) and the n-gram bans its decode step is compiled for (the compiled step is
-    specialised on the ban: a run with another one would compile on its first job)."""
+    specialised on the ban: a run with another one would compile on its first job). `concurrency` above
+    1: the batched engine is started too, for the first mode, budget and ban (`batch_options`), and the
+    artifacts looked up are those built for that concurrency."""
 
     key: ModelKey
     modes: tuple[str, ...]
     budgets: tuple[int | None, ...] = (None,)
     ngrams: tuple[NGram, ...] = (DEFAULT_NGRAM,)
+    concurrency: int = 1
+
+    def batch_options(self) -> RunOptions:
+        """The run options of the batched engine this warm-up starts (`concurrency` above 1)."""
+        key, (size, window) = self.key, self.ngrams[0]
+        return RunOptions(
+            model=key.model, engine=key.engine, dtype=key.dtype, seed=key.seed, mode=self.modes[0],
+            max_new_tokens=self.budgets[0], no_repeat_ngram_size=size, ngram_window=window,
+            concurrency=self.concurrency,
+        )  # fmt: skip
 
 
 def job_warmup(options: RunOptions) -> Warmup:
-    """What one job needs warm: its run's model, mode, token budget and n-gram ban."""
-    return Warmup(options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,))
+    """What one job needs warm: its run's model, mode, token budget and n-gram ban (and the artifacts of
+    its concurrency)."""
+    return Warmup(
+        options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,), options.concurrency
+    )
 
 
 def ngram_options(ngram: NGram) -> DecodeOptions:
-    """The decode options a warm-up of jobs with this n-gram ban runs with: the same in the compile
-    helpers' plan and in the warm-up, or the helpers compile another decode step."""
+    """The decode options a warm-up of jobs with this n-gram ban runs with: the same in the build step's
+    plan and in the worker's warm-up, or the worker finds no artifacts for its plan."""
     return DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
 
 
@@ -62,11 +78,17 @@ def parse_modes(spec: str) -> tuple[str, ...] | None:
 
 
 def plan_warmup(
-    db: Database, queues: list[str], spec: str, fallback: ModelKey, fallback_budget: int | None = None
+    db: Database,
+    queues: list[str],
+    spec: str,
+    fallback: ModelKey,
+    fallback_budget: int | None = None,
+    fallback_concurrency: int = 1,
 ) -> Warmup | None:
     """The start-up warm-up: the model of the run with the most open jobs on these queues (else
-    `fallback` with `fallback_budget` tokens), and the modes `spec` names, or with `auto` the modes of
-    that model's open runs (else DEFAULT_WARMUP_MODES). None with `--warmup none`."""
+    `fallback` with `fallback_budget` tokens at `fallback_concurrency`), and the modes `spec` names, or
+    with `auto` the modes of that model's open runs (else DEFAULT_WARMUP_MODES); the concurrency of its
+    run with the most open jobs. None with `--warmup none`."""
     modes = parse_modes(spec)
     if modes == ():
         return None
@@ -85,9 +107,14 @@ def plan_warmup(
     for (run_id, _, _), options in zip(rows, runs, strict=True):
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
-        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,))
+        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,), concurrency=fallback_concurrency)
     key = open_jobs.most_common(1)[0][0]
-    runs = [options for options in runs if options.model_key == key]
+    largest = max(
+        ((counts[run_id], options) for (run_id, _, _), options in zip(rows, runs, strict=True)
+         if options.model_key == key), key=lambda pair: pair[0],
+    )[1]  # fmt: skip
+    # The largest run first: its mode, budget and ban are the batched engine's (`Warmup.batch_options`).
+    runs = [largest, *(options for options in runs if options.model_key == key and options is not largest)]
     if modes is None:
         modes = tuple(dict.fromkeys(options.mode for options in runs))
     return Warmup(
@@ -95,4 +122,5 @@ def plan_warmup(
         modes,
         tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
         tuple(dict.fromkeys(options.ngram for options in runs)),
+        largest.concurrency,
     )
