@@ -257,7 +257,6 @@ class BatchRunner:
             image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
             vision_end = self._mark()
             scratch = session.buffers_for(prompt + plan.budget).cache
-            scratch.reset()
             logits = session.lm_prefill(inputs, image, scratch)
             self.cache.load_prompt(plan.slot, scratch, prompt)
             self.state.start(plan.slot, inputs.input_ids)
