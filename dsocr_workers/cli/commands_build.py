@@ -64,7 +64,7 @@ def precompile(
     from dsocr_workers.engine.coldstart.build import BuildRequest, build
     from dsocr_workers.errors import InputError
     from dsocr_workers.farm.devices import parse_devices, see_only_this_gpu
-    from dsocr_workers.farm.job.warm import DEFAULT_WARMUP_MODES, parse_modes
+    from dsocr_workers.farm.job.warm import default_modes, parse_modes
 
     chosen = parse_modes(modes)
     if chosen == ():
@@ -76,7 +76,7 @@ def precompile(
         click.echo(f"[{time.perf_counter() - began:6.1f} s] {line}", err=True)
 
     report = build(
-        BuildRequest(model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device),
+        BuildRequest(model, engine, dtype, chosen or default_modes(model), max_new_tokens, device=device),
         progress,
     )
     click.echo(f"{report.outcome}: {report.manifest or '-'}")

@@ -113,8 +113,15 @@ def beside(timings: tuple[Timing, ...], extra: dict[str, list[Metric]]) -> list[
 
 # The registry's latency figures (TTFT: preprocess + from the device start, a prefetched page's too),
 # TTFT from the claim after TTFT, the decode steps after decode.
-LATENCY = beside(shown_in(LATENCY_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]})
-PER_IMAGE = beside(shown_in(PER_IMAGE_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM]})
+def latency(results: list[Result]) -> list[Metric]:
+    """The latency figures of `results`: the stages their model families measured."""
+    return beside(
+        shown_in(LATENCY_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]}
+    )
+
+
+def per_image(results: list[Result]) -> list[Metric]:
+    return beside(shown_in(PER_IMAGE_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM]})
 OUTPUT = [
     TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
@@ -353,7 +360,7 @@ def single_report(
     if data.steps:  # a run at --concurrency above 1
         report.tables.append(batch_steps_table(data))
     rows = []
-    for metric in LATENCY + OUTPUT + MEMORY:
+    for metric in latency(results) + OUTPUT + MEMORY:
         s = summarize(metric, results)
         if s.n or metric not in MEMORY:
             rows.append([metric.label, s.jobs, s.n, s.mean, s.p50, s.p90, s.p99])
@@ -690,12 +697,13 @@ def _loop_cell(r: Result) -> str | None:
 
 
 def _per_image(data: RunData) -> Table:
+    figures = per_image(list(data.results.values()))
     job_columns = ["image", "repeat", "job id", "state", "attempts"]
     columns = [
         *job_columns,
         "worker",
         "device",
-        *(m.label.strip() for m in PER_IMAGE),
+        *(m.label.strip() for m in figures),
         "tokens",
         "wasted steps",
         "ms/token p50",
@@ -719,7 +727,7 @@ def _per_image(data: RunData) -> Table:
             [
                 lane_key(data, r),
                 r.device,
-                *(next(iter(m.values(r)), None) for m in PER_IMAGE),
+                *(next(iter(m.values(r)), None) for m in figures),
                 r.decode_tokens,
                 r.wasted_steps,
                 r.decode_ms_per_token_p50,
@@ -777,7 +785,7 @@ def comparison_report(
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
-    for metric in LATENCY + MEMORY[:1]:
+    for metric in latency(paired_a + paired_b) + MEMORY[:1]:
         sa, sb = summarize(metric, paired_a), summarize(metric, paired_b)
         if not (sa.n or sb.n):
             continue

@@ -48,6 +48,8 @@ class Run(Base):
     root: Mapped[str] = mapped_column(Text)  # absolute; job images are relative to it
     model: Mapped[str] = mapped_column(Text)  # preset name or checkpoint directory
     model_label: Mapped[str] = mapped_column(Text)
+    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
+    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     random_weights: Mapped[bool]
     queue: Mapped[str] = mapped_column(String(200))
     # Everything that decides what a job computes: mode, prompt, max_new_tokens, ignore_eos, engine,
@@ -129,6 +131,8 @@ class Worker(Base):
     project_version: Mapped[str] = mapped_column(String(32))
     git_sha: Mapped[str | None] = mapped_column(String(40))
     model_label: Mapped[str] = mapped_column(Text)
+    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
+    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     model_fingerprint: Mapped[str | None] = mapped_column(String(128))
     random_weights: Mapped[bool]
     first_seen: Mapped[datetime] = mapped_column(default=utcnow)
@@ -248,6 +252,8 @@ class Result(TimingColumns, Base):
     device: Mapped[str] = mapped_column(String(32))
     dtype: Mapped[str] = mapped_column(String(32))
     model_label: Mapped[str] = mapped_column(Text)
+    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
+    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     random_weights: Mapped[bool]
 
     markup: Mapped[str] = mapped_column(Text)

@@ -133,7 +133,7 @@ if sys.argv[1] == "worker":
     found["eager_tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
 print(json.dumps(found))
 """
-TINY_REGIONS = ["clip_block", "decode_step", "lm_layer", "lm_layer", "sam_block", "sam_block"]
+TINY_REGIONS = ["decode_step", "lm_layer", "lm_layer", "sam_block", "sam_block", "view_block"]
 
 
 # A build compiles six packages with inductor's C++ (~3 CPU-minutes); CI runs it beside other tests on 2 cores.

@@ -40,6 +40,7 @@ from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine, fast_vision_modules
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.checkpoint import build_vision_only, build_zeroed, model_config
+from dsocr_workers.model.families import FAMILIES
 
 # The language shares take longest, with every helper compiling at once: vision runs at a lower priority.
 VISION_NICENESS = 5
@@ -51,8 +52,9 @@ def _pixel_groups(
     """From each of the warm-up's pages that has the view group of `shapes`: the page's global view
     when the group is its tiles (else None), and the group, on the device and normalised as
     `DeepSeekOCRSession.upload` leaves them. The prompt's tokens play no part: none are made."""
-    for mode, image in warmup_pages([shapes.mode], max_crops):
-        page = preprocess.prepare_page(image, lambda _text: [], mode=mode, max_crops=max_crops)
+    family = FAMILIES[shapes.family]
+    for mode, image in warmup_pages(family, [shapes.mode], max_crops):
+        page = family.code().prepare_page(image, lambda _text: [], mode=mode, max_crops=max_crops)
         group = page.tile_pixels if shapes.tiles else page.global_pixels
         if group is not None and (shapes.tiles or page.tile_pixels is None):
             whole = (
@@ -72,12 +74,12 @@ def compile_vision(plan: CompilePlan, share: CompileShare, device: torch.device,
             for whole, pixels in _pixel_groups(shapes, plan.max_crops, device, dtype):
                 features = regions.encode_sam([pixels])
                 if whole is None:
-                    regions.encode_clip(features)
+                    regions.encode_views(features)
                 else:
                     # CLIP over the global view and the tiles together, as a tiled page runs it. The
                     # global view's SAM features come from the eager encoder: its graphs are another
                     # share's, and the features' shape and layout are all CLIP's graph depends on.
-                    regions.encode_clip([model.encode_sam(whole), *features])
+                    regions.encode_views([model.encode_sam(whole), *features])
 
 
 def compile_language(

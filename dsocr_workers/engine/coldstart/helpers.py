@@ -49,7 +49,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.model.checkpoint import model_config
-from dsocr_workers.model.config import MAX_CROPS, PRESETS
+from dsocr_workers.model.families import all_presets, family_of_model
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def start_helpers(
     modes: Sequence[str],
     max_new_tokens: int | None = None,
     infer: DecodeOptions | None = None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
 ) -> CompileHelpers | None:
     """Fork the compile helpers of a warm-up before its model is loaded: call after the imports, before
     anything initialises CUDA or starts a thread in this process; hand them to `warm(helpers=...)`. They
@@ -252,7 +252,7 @@ def start_helpers(
         resolved = torch.device("cuda", 0)  # as resolve_device names it; asking CUDA here would initialise it
     variant = engine if isinstance(engine, Engine) else make_engine(engine, resolved.type)[0]
     path = os.fspath(source)
-    path = path if path in PRESETS else str(Path(path).resolve())  # as from_local names a checkpoint
+    path = path if path in all_presets() else str(Path(path).resolve())  # as from_local names a checkpoint
     plan = compile_plan(
         path,
         resolved,
@@ -262,7 +262,7 @@ def start_helpers(
         modes,
         max_new_tokens,
         infer,
-        max_crops,
+        family_of_model(path).max_crops if max_crops is None else max_crops,
         engine=variant.name,
     )
     processes = helper_processes()

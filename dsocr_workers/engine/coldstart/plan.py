@@ -26,8 +26,8 @@ import torch
 from dsocr_workers import settings
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
-from dsocr_workers.model.config import MAX_CROPS, dtype_name, get_mode
-from dsocr_workers.model.preprocess import TILE_SIZE
+from dsocr_workers.model.config import ModeSpec, dtype_name
+from dsocr_workers.model.families import FAMILIES, ModelFamily, family_of_model
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,16 @@ class VisionShapes:
 
     mode: str  # a mode whose warm-up pages hold these views
     tiles: bool
+    family: str = "deepseek-ocr"  # the model family whose mode it is (model/families.py)
+
+    @property
+    def spec(self) -> ModeSpec:
+        return FAMILIES[self.family].mode(self.mode)
 
     @property
     def size(self) -> int:
-        return TILE_SIZE if self.tiles else get_mode(self.mode).global_size
+        # A crop mode's tiles are its `image_size` square.
+        return self.spec.image_size if self.tiles else self.spec.global_size
 
     @property
     def label(self) -> str:
@@ -59,17 +65,18 @@ class VisionShapes:
     def cost(self) -> float:
         """Compile time, relative: a global view's grows with its size, the tiles' (SAM and CLIP over a
         dynamic tile batch) cost about as much as the largest global view's."""
-        return 3.0 if self.tiles else 1.0 + self.size / TILE_SIZE
+        return 3.0 if self.tiles else 1.0 + self.size / 640
 
 
-def vision_shapes(modes: Sequence[str]) -> list[VisionShapes]:
-    """Every view size `modes` run through the vision encoders, once (gundam's global view is base's)."""
+def vision_shapes(family: ModelFamily, modes: Sequence[str]) -> list[VisionShapes]:
+    """Every view size `modes` of `family` run through the vision encoders, once (gundam's global view
+    is base's)."""
     found: dict[tuple[bool, int], VisionShapes] = {}
     for name in modes:
-        mode = get_mode(name)
-        found.setdefault((False, mode.global_size), VisionShapes(name, tiles=False))
+        mode = family.mode(name)
+        found.setdefault((False, mode.global_size), VisionShapes(name, tiles=False, family=family.name))
         if mode.crop_mode:
-            found.setdefault((True, TILE_SIZE), VisionShapes(name, tiles=True))
+            found.setdefault((True, mode.image_size), VisionShapes(name, tiles=True, family=family.name))
     return list(found.values())
 
 
@@ -110,7 +117,7 @@ class CompilePlan:
         """The language model's two shares (the decode step, the longest to compile; the LM prefill),
         then the vision view sizes in `processes` shares."""
         vision = [
-            CompileShare("vision", tuple(group)) for group in share(vision_shapes(self.modes), processes)
+            CompileShare("vision", tuple(group)) for group in share(vision_shapes(family_of_model(self.source), self.modes), processes)
         ]
         return [CompileShare("decode"), CompileShare("prefill"), *vision]
 
@@ -260,7 +267,7 @@ def compile_plan(
     modes: Sequence[str],
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int,
     *,
     engine: str,
 ) -> CompilePlan | None:

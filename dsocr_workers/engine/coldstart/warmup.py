@@ -36,7 +36,6 @@ from dsocr_workers.engine.coldstart.plan import (
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.model.config import MAX_CROPS
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ def session_plan(
     modes: Sequence[str],
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
 ) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
     text = session.model.language_model.config
@@ -94,7 +93,7 @@ def session_plan(
         modes,
         max_new_tokens,
         infer,
-        max_crops,
+        session.max_crops(max_crops),
         engine=session.engine_name,
     )
 
@@ -137,7 +136,7 @@ def warm(
     session: DeepSeekOCRSession,
     modes: Sequence[str],
     max_new_tokens: int | None = None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
     infer: DecodeOptions | None = None,
     helpers: CompileHelpers | None = None,
     found: artifacts.Lookup | None = None,
@@ -150,7 +149,8 @@ def warm(
     the artifacts to use instead of looking them up (the build step checks its packages so before it
     writes their manifest)."""
     began = time.perf_counter()
-    pages = warmup_pages(modes, max_crops)
+    max_crops = session.max_crops(max_crops)
+    pages = warmup_pages(session.family, modes, max_crops)
     options = warm_options(infer)
     plan, looked_up, skipped = plan_helpers(session, modes, max_new_tokens, max_crops, infer)
     found = found or looked_up

@@ -12,12 +12,15 @@ from sqlalchemy import func, select
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
-from dsocr_workers.model.config import DEFAULT_MODE, MODES
+from dsocr_workers.model.families import all_modes, family_of_model
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run
 
-# What users run most (the vendor's default mode) when nothing else says what to warm.
-DEFAULT_WARMUP_MODES = (DEFAULT_MODE,)
+
+def default_modes(model: str) -> tuple[str, ...]:
+    """What users run most (the vendor's default mode of the model's family) when nothing else says what
+    to warm."""
+    return (family_of_model(model).default_mode,)
 
 
 # The vendor's n-gram ban (RunOptions' default), the one a warm-up compiles for when no run says otherwise.
@@ -55,9 +58,9 @@ def parse_modes(spec: str) -> tuple[str, ...] | None:
     if text == "none":
         return ()
     modes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [mode for mode in modes if mode not in MODES]
+    unknown = [mode for mode in modes if mode not in all_modes()]
     if unknown or not modes:
-        raise InputError(f"--warmup {spec!r}: expected auto, none, or modes from {', '.join(MODES)}")
+        raise InputError(f"--warmup {spec!r}: expected auto, none, or modes from {', '.join(all_modes())}")
     return modes
 
 
@@ -66,7 +69,7 @@ def plan_warmup(
 ) -> Warmup | None:
     """The start-up warm-up: the model of the run with the most open jobs on these queues (else
     `fallback` with `fallback_budget` tokens), and the modes `spec` names, or with `auto` the modes of
-    that model's open runs (else DEFAULT_WARMUP_MODES). None with `--warmup none`."""
+    that model's open runs (else `default_modes`). None with `--warmup none`."""
     modes = parse_modes(spec)
     if modes == ():
         return None
@@ -85,7 +88,7 @@ def plan_warmup(
     for (run_id, _, _), options in zip(rows, runs, strict=True):
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
-        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,))
+        return Warmup(fallback, modes or default_modes(fallback.model), (fallback_budget,))
     key = open_jobs.most_common(1)[0][0]
     runs = [options for options in runs if options.model_key == key]
     if modes is None:

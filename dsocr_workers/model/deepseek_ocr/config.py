@@ -1,5 +1,6 @@
-"""Model dimensions: one dataclass per part, a name → dims table for the presets, and the mapping to and
-from the vendor's `config.json`.
+"""DeepSeek-OCR (v1)'s dimensions: one dataclass per part, a name → dims table for the presets, its modes,
+and the mapping to and from the vendor's `config.json`. Torch-free: the farm's parent names presets and
+modes from it.
 
 The vendor's HF code reads only the top-level language keys and hard-codes every vision size; we read
 the vision sizes from `vision_config.width` (whose values equal the hard-coded ones in the real file) so
@@ -13,29 +14,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsocr_workers.errors import CheckpointError, InputError
+from dsocr_workers.errors import CheckpointError
+from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, ModeSpec, SamDims, TextDims, pick_mode
 
-IMAGE_TOKEN_ID = 128815
-BOS_TOKEN_ID = 0
-EOS_TOKEN_ID = 1
-
-
-@dataclass(frozen=True)
-class SamDims:
-    width: int = 768
-    layers: int = 12
-    heads: int = 12
-    global_attn_indexes: tuple[int, ...] = (2, 5, 8, 11)
-    window_size: int = 14
-    neck_channels: int = 256
-    downsample_channels: tuple[int, int] = (512, 1024)
-    image_size: int = 1024  # size of the absolute position table (64×64 patches); resized for other inputs
-    patch_size: int = 16
-
-    @property
-    def out_channels(self) -> int:
-        return self.downsample_channels[-1]
-
+TITLE = "DeepSeek-OCR"
+ARCHITECTURE = "DeepseekOCRForCausalLM"  # the vendor remote code's class, in its config.json
 
 @dataclass(frozen=True)
 class ClipDims:
@@ -50,32 +33,6 @@ class ClipDims:
     @property
     def positions(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + 1
-
-
-@dataclass(frozen=True)
-class TextDims:
-    vocab_size: int = 129280
-    hidden_size: int = 1280
-    intermediate_size: int = 6848
-    moe_intermediate_size: int = 896
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 10
-    num_key_value_heads: int = 10
-    n_routed_experts: int = 64
-    num_experts_per_tok: int = 6
-    n_shared_experts: int = 2
-    first_k_dense_replace: int = 1
-    max_position_embeddings: int = 8192
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -151,7 +108,7 @@ class OCRConfig:
         }
         return {
             "_name_or_path": "deepseek-ai/DeepSeek-OCR",
-            "architectures": ["DeepseekOCRForCausalLM"],
+            "architectures": [ARCHITECTURE],
             "model_type": "deepseek_vl_v2",
             "candidate_resolutions": [[1024, 1024]],
             "global_view_pos": "head",
@@ -213,19 +170,7 @@ PRESETS: dict[str, OCRConfig] = {
 }
 
 
-# Resolution modes (spec §3): torch-free here, so the farm's parent processes can name them.
-@dataclass(frozen=True)
-class ModeSpec:
-    name: str
-    base_size: int  # global view side in crop mode
-    image_size: int  # global view side otherwise; the token grid of a tile in crop mode
-    crop_mode: bool
-
-    @property
-    def global_size(self) -> int:
-        return self.base_size if self.crop_mode else self.image_size
-
-
+# Resolution modes (spec §3).
 MODES: dict[str, ModeSpec] = {
     m.name: m
     for m in (
@@ -239,24 +184,16 @@ MODES: dict[str, ModeSpec] = {
 
 
 def get_mode(mode: str | ModeSpec) -> ModeSpec:
-    if isinstance(mode, ModeSpec):
-        return mode
-    try:
-        return MODES[mode]
-    except KeyError:
-        raise InputError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}") from None
+    return pick_mode(MODES, mode, TITLE)
 
 
 # The vendor's default mode: what a run, a warm-up or `dsocr infer` uses when nothing says otherwise.
 DEFAULT_MODE = "gundam"
 MAX_CROPS = 9  # the vendor's `max_num` for its tiling: the most tiles a crop-mode page is cut into
-# What a run may ask for (checked at submit, offered as CLI choices): the dtypes the engine loads weights
-# in (engine/session.py maps them to torch dtypes, with short aliases). The engines' names are the
-# engine's registry (engine/variants/).
-DTYPES = ("bfloat16", "float16", "float32")
 
 
-def dtype_name(dtype: object) -> str:
-    """"bfloat16" for torch.bfloat16: the name a result row and a cache key record (no torch import, so
-    that a worker's parent can name one)."""
-    return str(dtype).removeprefix("torch.")
+def matches(config_json: dict[str, Any]) -> str | None:
+    """The layout of a `config.json` if it describes DeepSeek-OCR: "vendor" (the HF remote code's,
+    whose architecture names the model), else None. transformers ships no DeepSeek-OCR (v1) layout."""
+    architectures = config_json.get("architectures") or []
+    return "vendor" if isinstance(architectures, list) and ARCHITECTURE in architectures else None
