@@ -131,8 +131,6 @@ class Worker(Base):
     project_version: Mapped[str] = mapped_column(String(32))
     git_sha: Mapped[str | None] = mapped_column(String(40))
     model_label: Mapped[str] = mapped_column(Text)
-    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
-    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     model_fingerprint: Mapped[str | None] = mapped_column(String(128))
     random_weights: Mapped[bool]
     first_seen: Mapped[datetime] = mapped_column(default=utcnow)
@@ -252,8 +250,6 @@ class Result(TimingColumns, Base):
     device: Mapped[str] = mapped_column(String(32))
     dtype: Mapped[str] = mapped_column(String(32))
     model_label: Mapped[str] = mapped_column(Text)
-    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
-    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     random_weights: Mapped[bool]
 
     markup: Mapped[str] = mapped_column(Text)
