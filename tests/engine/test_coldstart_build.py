@@ -23,7 +23,7 @@ from dsocr_workers.engine.coldstart.artifacts import Environment
 from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.fast import FastEngine
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 ENGINE = FastEngine()
 KERNELS = {**ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU

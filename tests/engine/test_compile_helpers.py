@@ -34,7 +34,7 @@ from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastEngine
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
 CPU_ENGINE = FastEngine()
