@@ -20,6 +20,7 @@ import numpy as np
 from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.quality.matching import ONE_TO_ONE
 from dsocr_workers.report import kernel_tables
+from dsocr_workers.report.models_compared import model_differences, page_differences
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
 from dsocr_workers.report.serving import (
@@ -273,7 +274,7 @@ def run_differences(a: RunData, b: RunData) -> list[str]:
                 "dtype that ran": ", ".join(sorted({r.dtype or "" for r in results})),
                 "GPU type": ", ".join(sorted(gpus))}
 
-    differences = [] if a.run.model == b.run.model else [f"model (A {a.run.model}, B {b.run.model})"]
+    differences = model_differences(a, b)
     for name in COMPARED_PARAMETERS:
         value_a, value_b = a.run.parameters.get(name), b.run.parameters.get(name)
         if value_a != value_b:
@@ -804,6 +805,8 @@ def comparison_report(
 
         report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
+    if a.run.model != b.run.model:
+        report.tables.append(page_differences(a, b, all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
     report.differences = run_differences(a, b)
