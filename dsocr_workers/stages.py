@@ -258,6 +258,13 @@ VISION_STAGES: tuple[str, ...] = tuple(s for s in STAGES if s.startswith(VISION_
 PARTS: tuple[Timing, ...] = tuple(t for t in TIMINGS if t.part)
 
 
+def session_vision_stages(encoder_stage: str) -> tuple[str, ...]:
+    """The vision stages a model whose view encoder is timed as `encoder_stage` runs: every vision stage
+    but the other families' encoders."""
+    families = {t.stage for t in TIMINGS if t.family_stage}
+    return tuple(s for s in VISION_STAGES if s not in families or s == encoder_stage)
+
+
 def depth(timing: Timing) -> int:
     """How deep a figure is nested (0: top level): tables indent it by this."""
     return 0 if timing.parent is None else 1 + depth(BY_COLUMN[timing.parent])

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from dsocr_workers.engine.clock import VISION_STAGES, StageClock
+from dsocr_workers.stages import session_vision_stages
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
@@ -144,7 +145,7 @@ def run_checks(
         f"{fills[-1:]}",
     ))
 
-    counts = {name: clock.count(name) for name in VISION_STAGES}
+    counts = {name: clock.count(name) for name in session_vision_stages(session.family.encoder_stage)}
     outside_prefill = [
         e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"
     ]
