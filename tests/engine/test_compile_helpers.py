@@ -34,6 +34,7 @@ from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastEngine
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.families import FAMILIES
 from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
@@ -50,7 +51,7 @@ def cpu_plan(modes: list[str], source: str = "tiny", max_crops: int = 3) -> Comp
 
 
 def test_every_view_size_is_compiled_once_and_shared_out_evenly():
-    shapes = vision_shapes(ALL_MODES)
+    shapes = vision_shapes(FAMILIES["deepseek-ocr"], ALL_MODES)
     # gundam's global view is base's: five sizes, not six.
     assert [s.label for s in shapes] == ["global 1024 px", "tiles 640 px", "global 512 px", "global 640 px",
                                          "global 1280 px"]  # fmt: skip
@@ -58,7 +59,7 @@ def test_every_view_size_is_compiled_once_and_shared_out_evenly():
     assert sorted(s.label for group in groups for s in group) == sorted(s.label for s in shapes)
     assert [[s.label for s in group] for group in groups] == [
         ["tiles 640 px"], ["global 1280 px"], ["global 1024 px"], ["global 640 px", "global 512 px"]]  # fmt: skip
-    assert len(share(shapes, 9)) == 5 and len(share(vision_shapes(["base"]), 4)) == 1
+    assert len(share(shapes, 9)) == 5 and len(share(vision_shapes(FAMILIES["deepseek-ocr"], ["base"]), 4)) == 1
     # The language model's two shares first: the decode step takes longest.
     assert [s.label for s in cpu_plan(ALL_MODES).shares(4)] == [
         "decode step", "LM prefill", "tiles 640 px", "global 1280 px", "global 1024 px", "global 640 px, global 512 px"]  # fmt: skip

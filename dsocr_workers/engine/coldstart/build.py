@@ -81,6 +81,7 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
         else make_engine(request.engine, device.type)
     )
     source = request.model if request.model in all_presets() else str(Path(request.model).resolve())
+    family = family_of_model(source)
     plan = compile_plan(
         source,
         device,
@@ -90,8 +91,9 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
         request.modes,
         request.max_new_tokens,
         request.options,
-        family_of_model(source).max_crops if request.max_crops is None else request.max_crops,
+        family.max_crops if request.max_crops is None else request.max_crops,
         engine=engine.name,
+        family=family.name,
     )
     return plan, engine.name, note
 

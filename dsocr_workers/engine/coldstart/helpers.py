@@ -253,6 +253,7 @@ def start_helpers(
     variant = engine if isinstance(engine, Engine) else make_engine(engine, resolved.type)[0]
     path = os.fspath(source)
     path = path if path in all_presets() else str(Path(path).resolve())  # as from_local names a checkpoint
+    family = family_of_model(path)
     plan = compile_plan(
         path,
         resolved,
@@ -262,8 +263,9 @@ def start_helpers(
         modes,
         max_new_tokens,
         infer,
-        family_of_model(path).max_crops if max_crops is None else max_crops,
+        family.max_crops if max_crops is None else max_crops,
         engine=variant.name,
+        family=family.name,
     )
     processes = helper_processes()
     if plan is None or processes == 0 or torch.cuda.is_initialized():

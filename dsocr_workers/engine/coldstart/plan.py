@@ -27,7 +27,7 @@ from dsocr_workers import settings
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
 from dsocr_workers.model.config import ModeSpec, dtype_name
-from dsocr_workers.model.families import FAMILIES, ModelFamily, family_of_model
+from dsocr_workers.model.families import FAMILIES, ModelFamily
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,13 @@ class CompilePlan:
     modes: tuple[str, ...]
     max_new_tokens: int | None
     options: DecodeOptions = DecodeOptions()
+    family: str = next(iter(FAMILIES))  # the model family whose modes `modes` are
 
     def shares(self, processes: int) -> list[CompileShare]:
         """The language model's two shares (the decode step, the longest to compile; the LM prefill),
         then the vision view sizes in `processes` shares."""
         vision = [
-            CompileShare("vision", tuple(group)) for group in share(vision_shapes(family_of_model(self.source), self.modes), processes)
+            CompileShare("vision", tuple(group)) for group in share(vision_shapes(FAMILIES[self.family], self.modes), processes)
         ]
         return [CompileShare("decode"), CompileShare("prefill"), *vision]
 
@@ -270,6 +271,7 @@ def compile_plan(
     max_crops: int,
     *,
     engine: str,
+    family: str = next(iter(FAMILIES)),
 ) -> CompilePlan | None:
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
@@ -288,4 +290,5 @@ def compile_plan(
         modes=tuple(modes),
         max_new_tokens=max_new_tokens,
         options=infer or DecodeOptions(),
+        family=family,
     )

@@ -95,6 +95,7 @@ def session_plan(
         infer,
         session.max_crops(max_crops),
         engine=session.engine_name,
+        family=session.family.name,
     )
 
 
