@@ -52,7 +52,7 @@ def vendor_grid(width: int, height: int, min_num: int = 2, max_num: int = 6, ima
         ratio_diff = abs(aspect_ratio - ratio[0] / ratio[1])
         if ratio_diff < best_ratio_diff:
             best_ratio_diff, best_ratio = ratio_diff, ratio
-        elif ratio_diff == best_ratio_diff:
+        elif ratio_diff == best_ratio_diff:  # noqa: SIM102 (the vendor's nesting, kept)
             if area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
                 best_ratio = ratio
     return best_ratio

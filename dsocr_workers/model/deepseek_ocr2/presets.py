@@ -74,8 +74,10 @@ def materialize(
         model = DeepSeekOCR2(config, attn_implementation, experts_implementation)
     model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in state.items()}, strict=True, assign=True)
     with torch.device(device):
-        for owner in (model.language_model, model.encoder):
-            owner.rotary_emb = type(owner.rotary_emb)(config=owner.config)
+        text, encoder = model.language_model, model.encoder
+        text.rotary_emb = type(text.rotary_emb)(config=text.config)
+        # transformers annotates the vision RoPE with the vision config; its encoder passes its own
+        encoder.rotary_emb = type(encoder.rotary_emb)(config=encoder.config)  # type: ignore[arg-type]
     leftover = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if leftover:
         raise RuntimeError(f"buffers left on the meta device: {leftover}")
