@@ -305,6 +305,15 @@ def test_only_768_and_1024_views_have_queries(model):
         model.encode_views(torch.zeros(1, TINY.encoder.hidden_size, 10, 10))
 
 
+def test_the_encoder_compiles_as_one_graph(model):
+    """No data-dependent Python in the encoder (mask, positions and query table from shapes): one
+    graph, what CUDA-graph capture needs later. aot_eager traces as inductor does without codegen."""
+    sam = torch.randn(2, TINY.encoder.hidden_size, 12, 12, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model.encode_views, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        assert torch.equal(compiled(sam), model.encode_views(sam))
+
+
 def test_layout_is_crops_then_global_then_separator(model):
     hidden = TINY.text.hidden_size
     local = torch.randn(6, 144, hidden)
