@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 from dsocr_workers.engine.clock import VISION_STAGES, StageClock
-from dsocr_workers.stages import session_vision_stages
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
+from dsocr_workers.stages import session_vision_stages
 
 ImageInput = str | os.PathLike | bytes | Image.Image
 

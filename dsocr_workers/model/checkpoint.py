@@ -273,9 +273,10 @@ def _materialize(
         model = family.code().model(config, attn_implementation, experts_implementation)
     state = {key: tensor.to(device=device, dtype=dtype) for key, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    rotary = type(model.language_model.rotary_emb)
-    with torch.device(device):
-        model.language_model.rotary_emb = rotary(config=model.language_model.config)
+    with torch.device(device):  # every RoPE table: the decoder's, and an encoder's that has one
+        for module in list(model.modules()):
+            if isinstance(getattr(module, "rotary_emb", None), torch.nn.Module) and hasattr(module, "config"):
+                module.rotary_emb = type(module.rotary_emb)(config=module.config)
     leftover = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if leftover:
         raise RuntimeError(f"buffers left on the meta device: {leftover}")

@@ -97,6 +97,7 @@ def _registry(*families: ModelFamily) -> dict[str, ModelFamily]:
 
 FAMILIES: dict[str, ModelFamily] = _registry(
     family("deepseek-ocr", "DeepSeek-OCR", "deepseek_ocr", "DeepSeekOCR", "vision/clip"),
+    family("deepseek-ocr2", "DeepSeek-OCR-2", "deepseek_ocr2", "DeepSeekOCR2", "vision/qwen2"),
 )
 
 

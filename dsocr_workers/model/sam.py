@@ -8,6 +8,7 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr
 
 from dsocr_workers.model.config import SamDims
 
+
 def build_sam(dims: SamDims) -> DeepseekOcr2SamVisionEncoder:
     """transformers' SAM encoder reproduces the vendor `sam_model` (spec §11) once keys are renamed."""
     config = DeepseekOcr2SamVisionConfig(

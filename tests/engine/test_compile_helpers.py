@@ -34,8 +34,8 @@ from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastEngine
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import build_preset
-from dsocr_workers.model.families import FAMILIES
 from dsocr_workers.model.deepseek_ocr.config import PRESETS
+from dsocr_workers.model.families import FAMILIES
 
 ALL_MODES = ["gundam", "tiny", "small", "base", "large"]
 CPU_ENGINE = FastEngine()

@@ -21,14 +21,13 @@ from transformers import Qwen2Config, Qwen2Model
 from transformers.cache_utils import DynamicCache
 
 from dsocr_workers.errors import CheckpointError, InputError
-from dsocr_workers.model.checkpoint import PRESET_METADATA_KEY
-from dsocr_workers.model.config import PRESETS as V1_PRESETS
+from dsocr_workers.model.checkpoint import PRESET_METADATA_KEY, build_preset, load_checkpoint, save_preset
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
+from dsocr_workers.model.deepseek_ocr.config import PRESETS as V1_PRESETS
 from dsocr_workers.model.deepseek_ocr2 import keys
 from dsocr_workers.model.deepseek_ocr2.config import PRESETS, OCR2Config, matches, read_config
 from dsocr_workers.model.deepseek_ocr2.modeling import DeepSeekOCR2
 from dsocr_workers.model.deepseek_ocr2.preprocess import prepare_page
-from dsocr_workers.model.deepseek_ocr2.presets import build_preset, materialize, save_preset
-from dsocr_workers.model.modeling import CACHE_ARGUMENT
 from dsocr_workers.model.preprocess import normalize_pixels
 
 DATA = Path(__file__).parent / "data" / "deepseek-ocr-2"
@@ -37,7 +36,7 @@ TINY = PRESETS["ocr2-tiny"]
 
 @pytest.fixture(scope="module")
 def model() -> DeepSeekOCR2:
-    return build_preset("ocr2-tiny", seed=1)
+    return build_preset("ocr2-tiny", seed=1, device=torch.device("cpu"), dtype=torch.float32).model
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +334,7 @@ def transformers_vision(model):
     config = DeepseekOcr2Config(**{k: v for k, v in TINY.to_transformers().items() if k != "architectures"})
     config.vision_config._attn_implementation = "sdpa"
     tower = DeepseekOcr2VisionModel(config.vision_config)
-    theirs = keys.to_transformers_state(model.state_dict())
+    theirs = {keys.transformers_key(k): t for k, t in model.state_dict().items()}
     prefix = "model.vision_tower."
     tower.load_state_dict({k.removeprefix(prefix): t for k, t in theirs.items() if k.startswith(prefix)})
     return tower.eval()
@@ -363,7 +362,7 @@ def test_transformers_vision_tower_equals_ours_and_picks_a_query_table_for_any_s
 def test_vendor_key_names_are_the_checkpoint_index():
     """The 2707 names of deepseek-ai/DeepSeek-OCR-2's `model.safetensors.index.json`, pinned by their
     hash (the index is not in this repository), and the names of the parts OCR-2 adds."""
-    shapes = keys.expected_vendor_shapes(PRESETS["ocr2-full"])
+    shapes = keys.expected_shapes(PRESETS["ocr2-full"])
     names = "\n".join(sorted(shapes)).encode()
     assert len(shapes) == 2707
     assert hashlib.sha256(names).hexdigest() == VENDOR_INDEX_SHA256
@@ -392,14 +391,8 @@ def test_transformers_names_are_its_modules(name):
         )
         ours = DeepSeekOCR2(config)
     expected = {k: tuple(t.shape) for k, t in theirs.state_dict().items()}
-    assert {k: tuple(t.shape) for k, t in keys.to_transformers_state(ours.state_dict()).items()} == expected
-    assert set(keys.from_transformers_state(theirs.state_dict())) == set(ours.state_dict())
-
-
-def test_vendor_state_round_trips(model):
-    state = model.state_dict()
-    back = keys.from_vendor_state(keys.to_vendor_state(state), TINY)
-    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert keys.expected_shapes(config, "transformers") == expected
+    assert {keys.to_ours(k, "transformers") for k in theirs.state_dict()} == set(ours.state_dict())
 
 
 def test_vendor_config_reads_as_the_full_preset():
@@ -428,8 +421,8 @@ def test_other_configs_are_not_ocr2():
 
 
 def test_unknown_preset_is_an_input_error():
-    with pytest.raises(InputError, match="ocr2-full, ocr2-tiny|ocr2-tiny, ocr2-full"):
-        build_preset("tiny")
+    with pytest.raises(InputError, match="unknown preset 'huge'; presets: .*ocr2-full, ocr2-tiny"):
+        build_preset("huge", device=torch.device("cpu"), dtype=torch.float32)
 
 
 def test_a_saved_preset_is_vendor_layout_labelled_random_and_reloads(model, tmp_path):
@@ -439,7 +432,8 @@ def test_a_saved_preset_is_vendor_layout_labelled_random_and_reloads(model, tmp_
     with safe_open(str(next(directory.glob("*.safetensors"))), framework="pt") as handle:
         assert handle.metadata()[PRESET_METADATA_KEY] == "ocr2-tiny:seed1"
         vendor = {key: handle.get_tensor(key) for key in handle.keys()}
-    assert {k: tuple(t.shape) for k, t in vendor.items()} == keys.expected_vendor_shapes(TINY)
-    reloaded = materialize(config, keys.from_vendor_state(vendor, config), torch.device("cpu"), torch.float32)
-    state = model.state_dict()
-    assert all(torch.equal(t, state[k]) for k, t in reloaded.state_dict().items())
+    assert {k: tuple(t.shape) for k, t in vendor.items()} == keys.expected_shapes(TINY)
+    loaded = load_checkpoint(directory, device=torch.device("cpu"), dtype=torch.float32)
+    assert (loaded.family.name, loaded.preset, loaded.seed) == ("deepseek-ocr2", "ocr2-tiny", 1)
+    state, reloaded = model.state_dict(), loaded.model.state_dict()
+    assert reloaded.keys() == state.keys() and all(torch.equal(t, state[k]) for k, t in reloaded.items())

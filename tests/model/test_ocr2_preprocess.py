@@ -19,7 +19,7 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID
 from dsocr_workers.model.deepseek_ocr2 import preprocess as pp
 from dsocr_workers.model.deepseek_ocr2.config import DEFAULT_MODE, MAX_CROPS, MIN_CROPS, MODES
-from dsocr_workers.model.preprocess import normalize_pixels
+from dsocr_workers.model.preprocess import longest_prompt, normalize_pixels
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
 DEMO = Path(os.environ.get("OMNIDOCBENCH_DEMO_DIR")
@@ -232,7 +232,7 @@ def test_the_most_image_tokens_come_from_six_crops():
     assert pp.most_image_tokens("gundam", max_crops=4) == 257 + 4 * 144
     assert pp.most_image_tokens("base") == 257 and pp.most_image_tokens("small") == 145
     prompt_ids = byte_encode("\nFree OCR.")
-    assert pp.longest_prompt(byte_encode, "gundam", "free") == 1 + 1121 + len(prompt_ids)
+    assert longest_prompt(byte_encode, "free", pp.most_image_tokens("gundam")) == 1 + 1121 + len(prompt_ids)
 
 
 def test_prompt_ids_with_the_preset_tokenizer():
@@ -270,7 +270,7 @@ def test_a_balanced_global_view_is_flagged_as_the_vendor_skips_it():
 
 
 def test_modes_are_this_familys():
-    from dsocr_workers.model.config import MODES as V1_MODES
+    from dsocr_workers.model.deepseek_ocr.config import MODES as V1_MODES
 
     with pytest.raises(InputError, match="gundam, base, small"):
         pp.prepare_page(noise(8, 8), byte_encode, mode="large")

@@ -17,7 +17,12 @@ from dsocr_workers.errors import InputError
 from dsocr_workers.model import preprocess as pp
 from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID
 from dsocr_workers.model.deepseek_ocr.config import MODES
-from dsocr_workers.model.deepseek_ocr.preprocess import count_image_tokens, crop_grid, most_image_tokens, prepare_page
+from dsocr_workers.model.deepseek_ocr.preprocess import (
+    count_image_tokens,
+    crop_grid,
+    most_image_tokens,
+    prepare_page,
+)
 from dsocr_workers.model.images import ImageProbe, load_image, probe_image
 from dsocr_workers.model.preprocess import DEFAULT_PROMPT, PROMPTS, build_prompt
 

@@ -24,8 +24,8 @@ from transformers.cache_utils import StaticLayer
 from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import ban_repeated_ngrams, select_token
-from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.decoder import CACHE_ARGUMENT
+from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
 from dsocr_workers.model.interface import OCRModel
 
 # How a decode step's attention reads the slots: the whole capacity under a mask, or each row's filled

@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 
 from dsocr_workers.model.deepseek_ocr.config import OCRConfig
-from dsocr_workers.model.keys import decoder_to_ours, decoder_to_vendor, sam_to_ours, sam_to_vendor, unstack_experts
+from dsocr_workers.model.keys import (
+    decoder_to_ours,
+    decoder_to_vendor,
+    sam_to_ours,
+    sam_to_vendor,
+    unstack_experts,
+)
 
 LAYOUTS = ("vendor",)  # the checkpoint layouts this family reads
 _VECTORS = ("image_newline", "view_seperator")  # sic: the vendor's spelling

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsocr_workers.model.decoder import build_decoder
 from dsocr_workers.model.deepseek_ocr.config import OCRConfig
 from dsocr_workers.model.deepseek_ocr.vision import ClipOnSam, layout_image_tokens
-from dsocr_workers.model.decoder import build_decoder
 from dsocr_workers.model.interface import ViewBlocks
 from dsocr_workers.model.sam import build_sam
 

@@ -7,7 +7,8 @@
 - transformers' `DeepseekOcr2ForConditionalGeneration` module names: `model.vision_tower.*`,
   `model.multi_modal_projector.*`, `model.view_separator`, `model.language_model.*` with the experts
   fused as ours are, `lm_head.weight`.
-The SAM renames and the expert (un)stacking are v1's (model/checkpoint.py): the same SAM and decoder.
+The SAM renames and the expert (un)stacking are shared (model/keys.py): the same SAM and decoder; the
+checkpoint reader (model/checkpoint.py) stacks the vendor's experts as it streams them.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from collections.abc import Mapping
 
 import torch
 
-from dsocr_workers.model.checkpoint import (
-    _OUR_EXPERTS,
-    _VENDOR_EXPERT,
-    _rename_to_ours,
-    _rename_to_vendor,
-)
-from dsocr_workers.model.checkpoint import to_vendor_state as _v1_to_vendor_state
 from dsocr_workers.model.deepseek_ocr2.config import OCR2Config
 from dsocr_workers.model.deepseek_ocr2.modeling import DeepSeekOCR2
+from dsocr_workers.model.keys import (
+    decoder_to_ours,
+    decoder_to_vendor,
+    sam_to_ours,
+    sam_to_vendor,
+    unstack_experts,
+)
+
+LAYOUTS = ("vendor", "transformers")  # the checkpoint layouts this family reads
 
 _ENCODER = "model.qwen2_model.model.model."
 # Our prefix → the vendor's, for the parts that are OCR-2's own (first match wins).
@@ -54,44 +57,41 @@ def _swap_prefix(key: str, pairs: tuple[tuple[str, str], ...], reverse: bool = F
 
 def vendor_key(ours: str) -> str:
     """Our name of any tensor but the stacked experts → the vendor's (`to_vendor_state` splits those)."""
-    return _swap_prefix(ours, _VENDOR_PREFIXES) or _rename_to_vendor(ours)
+    return _swap_prefix(ours, _VENDOR_PREFIXES) or sam_to_vendor(ours) or _projector_and_vectors(ours)
+
+
+def _projector_and_vectors(ours: str) -> str:
+    if ours.startswith("projector."):
+        return "model.projector.layers." + ours.removeprefix("projector.")
+    if ours == "view_seperator":
+        return "model.view_seperator"
+    return decoder_to_vendor(ours)
 
 
 def our_key(vendor: str) -> str:
-    """A vendor name of any tensor but a routed expert's → ours (`from_vendor_state` stacks those)."""
-    return _swap_prefix(vendor, _VENDOR_PREFIXES, reverse=True) or _rename_to_ours(vendor)
+    """A vendor name of any tensor but a routed expert's → ours (the reader stacks those)."""
+    found = _swap_prefix(vendor, _VENDOR_PREFIXES, reverse=True) or sam_to_ours(vendor)
+    if found is not None:
+        return found
+    if vendor.startswith("model.projector.layers."):
+        return "projector." + vendor.removeprefix("model.projector.layers.")
+    if vendor == "model.view_seperator":
+        return "view_seperator"
+    return decoder_to_ours(vendor)
+
+
+def to_ours(key: str, layout: str) -> str:
+    """Our state-dict name of a checkpoint key in `layout` ("vendor" or "transformers")."""
+    return our_key(key) if layout == "vendor" else from_transformers_key(key)
 
 
 def to_vendor_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict → the vendor's 2707-key layout (experts unstacked, as v1's)."""
-    vendor = {}
+    vendor: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if _OUR_EXPERTS.fullmatch(key):
-            vendor.update(_v1_to_vendor_state({key: tensor}))
-        else:
-            vendor[vendor_key(key)] = tensor
+        experts = unstack_experts(key, tensor)
+        vendor.update(experts if experts is not None else {vendor_key(key): tensor})
     return vendor
-
-
-def from_vendor_state(vendor: Mapping[str, torch.Tensor], config: OCR2Config) -> dict[str, torch.Tensor]:
-    """The vendor's tensors → our state dict, the routed experts stacked into the fused tensors."""
-    count = config.text.n_routed_experts
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for key, tensor in vendor.items():
-        match = _VENDOR_EXPERT.fullmatch(key)
-        if match is None:
-            state[our_key(key)] = tensor
-            continue
-        layer, expert, kind = match.groups()
-        experts.setdefault(f"{layer}.{kind}", {})[int(expert)] = tensor
-    layers = sorted({name.split(".")[0] for name in experts}, key=int)
-    for layer in layers:
-        prefix = f"language_model.layers.{layer}.mlp.experts"
-        gate, up, down = (experts[f"{layer}.{kind}"] for kind in ("gate", "up", "down"))
-        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]]) for e in range(count)])
-        state[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(count)])
-    return state
 
 
 def transformers_key(ours: str) -> str:
@@ -103,23 +103,11 @@ def from_transformers_key(theirs: str) -> str:
     return _swap_prefix(theirs, _TRANSFORMERS_PREFIXES, reverse=True) or theirs
 
 
-def to_transformers_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {transformers_key(key): tensor for key, tensor in state.items()}
-
-
-def from_transformers_state(theirs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {from_transformers_key(key): tensor for key, tensor in theirs.items()}
-
-
-def our_shapes(config: OCR2Config) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = DeepSeekOCR2(config)
-    return {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
-
-
-def expected_vendor_shapes(config: OCR2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of a vendor-layout checkpoint of `config` (what a loader checks
-    from the safetensors headers before reading any data)."""
+def expected_shapes(config: OCR2Config, layout: str = "vendor") -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of a checkpoint of `config` in `layout` (what the reader checks from
+    the safetensors headers before reading any data)."""
     with torch.device("meta"):
         state = DeepSeekOCR2(config).state_dict()
+    if layout == "transformers":
+        return {transformers_key(key): tuple(tensor.shape) for key, tensor in state.items()}
     return {key: tuple(tensor.shape) for key, tensor in to_vendor_state(state).items()}

@@ -12,14 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2VisionEncoderConfig
-from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
-    DeepseekOcr2TextModel,
-    DeepseekOcr2VisionEncoder,
-)
+from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2VisionEncoder
 
+from dsocr_workers.model.decoder import build_decoder
 from dsocr_workers.model.deepseek_ocr2.config import CROP_QUERIES, GLOBAL_QUERIES, EncoderDims, OCR2Config
-from dsocr_workers.model.modeling import text_config
-from dsocr_workers.model.vision import build_sam
+from dsocr_workers.model.interface import ViewBlocks
+from dsocr_workers.model.sam import build_sam
 
 
 def encoder_config(dims: EncoderDims) -> DeepseekOcr2VisionEncoderConfig:
@@ -51,6 +49,22 @@ def view_mask(views: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), blocked)[None, None]
 
 
+class EncoderBlock(nn.Module):
+    """One encoder layer as hidden → hidden over [visual ; queries]: its mask and rotary table come from
+    the hidden's static shape, as `encode_views` builds them once for all layers."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        views = hidden.shape[1] // 2
+        rotary = self.rotary(hidden, torch.arange(2 * views, device=hidden.device)[None])
+        mask = view_mask(views, hidden.dtype, hidden.device)
+        return self.layer(hidden, attention_mask=mask, position_embeddings=rotary)
+
+
 class DeepSeekOCR2(nn.Module):
     """The whole model. `attn_implementation` and `experts_implementation` pick the decoder's kernels
     as for v1's `DeepSeekOCR`; the encoder always runs sdpa, as the vendor's does."""
@@ -67,9 +81,7 @@ class DeepSeekOCR2(nn.Module):
         self.query_1024 = nn.Embedding(GLOBAL_QUERIES, width)
         self.projector = nn.Linear(config.projector_input, config.text.hidden_size)
         self.view_seperator = nn.Parameter(torch.empty(config.text.hidden_size))  # sic: the vendor key
-        self.language_model = DeepseekOcr2TextModel(
-            text_config(config.text, attn_implementation, experts_implementation)
-        )
+        self.language_model = build_decoder(config.text, attn_implementation, experts_implementation)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
 
     # --- vision stages: each one call per view group, timed separately by the engine -------------
@@ -80,6 +92,17 @@ class DeepSeekOCR2(nn.Module):
     def encode_views(self, sam_features: torch.Tensor) -> torch.Tensor:
         """SAM features (B, C, g, g) → the encoder's outputs at its g² queries, (B, g², C): the Qwen2
         stack over [visual tokens ; queries] at positions 0..2g²−1, final norm, visual outputs dropped."""
+        hidden = self._with_queries(sam_features)
+        views = hidden.shape[1] // 2
+        positions = torch.arange(2 * views, device=hidden.device)[None]
+        rotary = self.encoder.rotary_emb(hidden, positions)
+        mask = view_mask(views, hidden.dtype, hidden.device)
+        for layer in self.encoder.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary)
+        return self.encoder.norm(hidden[:, views:])
+
+    def _with_queries(self, sam_features: torch.Tensor) -> torch.Tensor:
+        """[visual tokens ; the view size's learned queries], (B, 2g², C)."""
         visual = sam_features.flatten(2).transpose(1, 2)
         batch, views, _ = visual.shape
         if views == CROP_QUERIES:
@@ -91,13 +114,16 @@ class DeepSeekOCR2(nn.Module):
                 f"a {int(views ** 0.5)}×{int(views ** 0.5)} SAM grid has no query table: DeepSeek-OCR-2 "
                 f"encodes 768-px views ({CROP_QUERIES} tokens) and 1024-px views ({GLOBAL_QUERIES})"
             )
-        hidden = torch.cat([visual, table.to(visual.dtype).expand(batch, -1, -1)], dim=1)
-        positions = torch.arange(2 * views, device=hidden.device)[None]
-        rotary = self.encoder.rotary_emb(hidden, positions)
-        mask = view_mask(views, hidden.dtype, hidden.device)
-        for layer in self.encoder.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary)
-        return self.encoder.norm(hidden[:, views:])
+        return torch.cat([visual, table.to(visual.dtype).expand(batch, -1, -1)], dim=1)
+
+    def view_blocks(self) -> ViewBlocks:
+        """The encoder layer by layer (`encode_views` in blocks), each made hidden → hidden by
+        `EncoderBlock`; the global view and the tiles run apart (their query counts differ)."""
+        return ViewBlocks(
+            self._with_queries,
+            [EncoderBlock(layer, self.encoder.rotary_emb) for layer in self.encoder.layers],
+            lambda hidden: self.encoder.norm(hidden[:, hidden.shape[1] // 2:]),
+        )
 
     def project(self, encoded: torch.Tensor, sam_features: torch.Tensor) -> torch.Tensor:
         """(B, g², C) query outputs → (B, g², hidden). `sam_features` is unused (v1's signature: its

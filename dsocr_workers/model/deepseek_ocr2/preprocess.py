@@ -13,22 +13,23 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, ModeSpec
+from dsocr_workers.model.config import ModeSpec
 from dsocr_workers.model.deepseek_ocr2.config import DEFAULT_MODE, MAX_CROPS, MIN_CROPS, MODES
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 from dsocr_workers.model.preprocess import (
-    PAD_COLOR,
     PreparedPage,
-    _sums_to_zero,
-    _text_ids,
     build_prompt,
     crop_candidates,
+    cut_tiles,
+    padded_view,
+    prompt_ids,
     select_crop_grid,
+    sums_to_zero,
+    to_tensor,
 )
 
 CROP_SIZE = 768  # `dynamic_preprocess(image_size=768)` and the crop threshold, whatever the mode says
@@ -71,33 +72,12 @@ def most_image_tokens(mode: str | ModeSpec, max_crops: int = MAX_CROPS) -> int:
     return max(count_image_tokens(spec, grid) for grid in [(1, 1), *grids])
 
 
-def longest_prompt(
-    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = MAX_CROPS
-) -> int:
-    """The most prompt tokens a page can make in `mode` with `prompt`: BOS, text, placeholders."""
-    ids_before, ids_after = _text_ids(build_prompt(prompt), encode)
-    return 1 + len(ids_before) + most_image_tokens(mode, max_crops) + len(ids_after)
-
-
-def _chw(hwc: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
-
-
-def _global_view(image: Image.Image, spec: ModeSpec) -> Image.Image:
+def _global_view(image: Image.Image, spec: ModeSpec) -> torch.Tensor:
     size = spec.global_size
     if not spec.crop_mode and size <= CROP_SIZE:
         # The vendor stretches to the square (`image.resize`, BICUBIC for RGB); its pad after is a no-op.
-        return image.resize((size, size), Image.Resampling.BICUBIC)
-    # Pillow's pad: aspect-preserving BICUBIC resize, grey fill, paste offset rounded half to even.
-    return ImageOps.pad(image, (size, size), Image.Resampling.BICUBIC, color=PAD_COLOR)
-
-
-def _crops(image: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
-    """The page stretched to the grid (aspect ignored), cut row-major: crop k at column k % cols."""
-    cols, rows = grid
-    stretched = np.asarray(image.resize((CROP_SIZE * cols, CROP_SIZE * rows), Image.Resampling.BICUBIC))
-    crops = stretched.reshape(rows, CROP_SIZE, cols, CROP_SIZE, 3).transpose(0, 2, 4, 1, 3)
-    return torch.from_numpy(np.ascontiguousarray(crops.reshape(rows * cols, 3, CROP_SIZE, CROP_SIZE)))
+        return to_tensor(image.resize((size, size), Image.Resampling.BICUBIC))
+    return padded_view(image, size)
 
 
 def prepare_page(
@@ -122,30 +102,27 @@ def prepare_page(
             original.width, original.height, min_crops=MIN_CROPS, max_crops=max_crops, tile=CROP_SIZE
         )
     if grid == (1, 1):
-        global_view, crops = _chw(np.asarray(_global_view(original, spec))).unsqueeze(0), None
+        global_view, crops = _global_view(original, spec), None
     else:
         # The crops' resize on a thread of its own while this one pads the global view (PIL resizes
         # without the GIL); one thread per call, no pool: nothing outlives the call into a later fork.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-crops") as side:
-            made = side.submit(_crops, original, grid)
-            global_view = _chw(np.asarray(_global_view(original, spec))).unsqueeze(0)
+            made = side.submit(cut_tiles, original, grid, CROP_SIZE)
+            global_view = _global_view(original, spec)
             crops = made.result()
 
     n_image = count_image_tokens(spec, grid)
-    ids_before, ids_after = _text_ids(text, encode)
-    ids = [BOS_TOKEN_ID, *ids_before, *([IMAGE_TOKEN_ID] * n_image), *ids_after]
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[1 + len(ids_before): 1 + len(ids_before) + n_image] = True
+    input_ids, mask = prompt_ids(text, encode, n_image)
     return PreparedPage(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
+        input_ids=input_ids,
         images_seq_mask=mask,
         global_pixels=global_view,
         tile_pixels=crops,
         crop_grid=grid,
         image_tokens=n_image,
-        prompt_tokens=len(ids),
+        prompt_tokens=len(input_ids),
         original=original,
         mode=spec,
         # The vendor skips the image when its normalised global view sums to exactly 0 (as v1's does).
-        injects_image=not _sums_to_zero(global_view),
+        injects_image=not sums_to_zero(global_view),
     )
