@@ -41,7 +41,17 @@ from dsocr_workers.report.throughput import (
     wall_clock_s,
 )
 from dsocr_workers.settings import LEASE_SECONDS, read
-from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
+from dsocr_workers.stages import (
+    BY_COLUMN,
+    LATENCY_TABLE,
+    PARTS,
+    PER_IMAGE_TABLE,
+    TIMINGS,
+    Timing,
+    depth,
+    shown_in,
+    unmeasured,
+)
 from dsocr_workers.store.models import IN_PROCESS_QUEUE, JobAttempt, Result, WorkerProcess, utcnow
 
 RANDOM_WEIGHTS_WARNING = (
@@ -786,9 +796,19 @@ def comparison_report(
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
+    # A model family's own stage that only one run measured (CLIP against the Qwen2 encoder): shown on
+    # the side that ran it, without a ratio.
+    hidden_a, hidden_b = unmeasured(paired_a), unmeasured(paired_b)
+    one_sided = {timing_metric(t).label: t.column in hidden_b for t in TIMINGS if t.column in hidden_a ^ hidden_b}
     for metric in latency(paired_a + paired_b) + MEMORY[:1]:
         sa, sb = summarize(metric, paired_a), summarize(metric, paired_b)
         if not (sa.n or sb.n):
+            continue
+        if metric.label in one_sided:
+            only_a = one_sided[metric.label]
+            for statistic, in_a, in_b in (("mean", sa.mean, sb.mean), ("p50", sa.p50, sb.p50)):
+                rows.append([metric.label, statistic, len(pairs), in_a if only_a else None,
+                             None if only_a else in_b, None, "one model's stage"])  # fmt: skip
             continue
         ratios = paired_ratios([metric.values(r) for r in paired_b], [metric.values(r) for r in paired_a])
         rows.append([metric.label, "mean", len(pairs), sa.mean, sb.mean, ratios.mean, verdict(ratios.mean)])
