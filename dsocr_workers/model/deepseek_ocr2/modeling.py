@@ -1,5 +1,6 @@
-"""DeepSeek-OCR-2 as one module, with v1's method names for the engine: `encode_sam`, `encode_views`
-(v1: `encode_clip`), `project`, `layout`, `embed`, `logits`, `language_model`, `lm_head`.
+"""DeepSeek-OCR-2 as one module, with the methods the engine calls on every family
+(model/interface.py): `encode_sam`, `encode_views`, `view_blocks`, `project`, `layout`, `embed`,
+`logits`, `language_model`, `lm_head`.
 
 transformers' `deepseek_ocr2` modules are reused where they equal the vendor: the SAM encoder, the
 encoder's Qwen2 layers, final norm and RoPE, and the decoder. Ours: the encoder's forward (the vendor's
