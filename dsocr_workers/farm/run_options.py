@@ -12,7 +12,7 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import AUTO, check_name
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.config import DTYPES
-from dsocr_workers.model.families import all_modes
+from dsocr_workers.model.families import all_modes, run_mode
 
 # A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window).
 NGram = tuple[int, int | None]
@@ -92,6 +92,11 @@ class RunOptions:
         default, and what it recorded that this version no longer knows is left out."""
         known = {f.name for f in fields(cls)}
         return cls(model=model, **{k: v for k, v in parameters.items() if k in known and k != "model"})
+
+    @property
+    def mode_name(self) -> str:
+        """The run's mode: as `dsocr submit`/`run` recorded it, else its model family's default."""
+        return self.mode if self.mode is not None else run_mode(self.model, None)
 
     @property
     def model_key(self) -> ModelKey:

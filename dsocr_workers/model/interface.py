@@ -13,11 +13,12 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionEncoder
 
 
 class OCRModel(Protocol):
     config: Any  # the family's config; `config.text` is the decoder's TextDims
-    sam: nn.Module
+    sam: DeepseekOcr2SamVisionEncoder  # model/sam.py
     language_model: Any  # model/decoder.py: transformers' DeepseekOcr2TextModel
     lm_head: nn.Linear
 

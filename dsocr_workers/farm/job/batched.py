@@ -54,7 +54,7 @@ class BatchedJobs:
 
         session = loaded.session
         self.process, self.loaded, self.options = process, loaded, options
-        longest = min(session.longest_prompt(options.mode, options.prompt), session.max_positions - 1)
+        longest = min(session.longest_prompt(options.mode_name, options.prompt), session.max_positions - 1)
         budget = options.max_new_tokens or session.max_positions - longest
         self.engine = BatchedEngine.create(
             session, max_batch=options.concurrency, max_prompt_tokens=longest, max_new_tokens=budget,
@@ -88,7 +88,7 @@ class BatchedJobs:
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
         """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
         options, session = self.options, self.loaded.session
-        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
+        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode_name,
                                   clock=session.new_clock(claim.job_id, marks_steps=False))
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)

@@ -41,7 +41,7 @@ class Warmup:
 
 def job_warmup(options: RunOptions) -> Warmup:
     """What one job needs warm: its run's model, mode, token budget and n-gram ban."""
-    return Warmup(options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,))
+    return Warmup(options.model_key, (options.mode_name,), (options.max_new_tokens,), (options.ngram,))
 
 
 def ngram_options(ngram: NGram) -> DecodeOptions:
@@ -92,7 +92,7 @@ def plan_warmup(
     key = open_jobs.most_common(1)[0][0]
     runs = [options for options in runs if options.model_key == key]
     if modes is None:
-        modes = tuple(dict.fromkeys(options.mode for options in runs))
+        modes = tuple(dict.fromkeys(options.mode_name for options in runs))
     return Warmup(
         key,
         modes,
