@@ -66,103 +66,59 @@ class OCR2Config:
     def from_vendor(cls, cfg: dict[str, Any]) -> OCR2Config:
         """Read the remote code's `config.json` (top-level language keys; vision sizes as above)."""
         try:
-            text = _text_dims(cfg)
             widths = cfg.get("vision_config", {}).get("width", {})
+            encoder = _read(EncoderDims, widths.get("qwen2-0-5b", {}), _VENDOR_ENCODER)
             sam_cfg = widths.get("sam_vit_b", {})
-            enc_cfg = widths.get("qwen2-0-5b", {})
-            enc_default = EncoderDims()
-            encoder = EncoderDims(
-                layers=enc_cfg.get("layers", enc_default.layers),
-                hidden_size=enc_cfg.get("dim", enc_default.hidden_size),
-                heads=enc_cfg.get("heads", enc_default.heads),
-                kv_heads=enc_cfg.get("kv_heads", enc_default.kv_heads),
-                intermediate_size=enc_cfg.get("intermediate_size", enc_default.intermediate_size),
-                rope_theta=float(enc_cfg.get("rope_theta", enc_default.rope_theta)),
-            )
-            sam_default = SamDims()
-            first = tuple(sam_cfg.get("downsample_channels", (512,)))[0]
-            sam = SamDims(
-                width=sam_cfg.get("width", sam_default.width),
-                layers=sam_cfg.get("layers", sam_default.layers),
-                heads=sam_cfg.get("heads", sam_default.heads),
-                global_attn_indexes=tuple(sam_cfg.get("global_attn_indexes", sam_default.global_attn_indexes)),
-                neck_channels=sam_cfg.get("neck_channels", sam_default.neck_channels),
-                downsample_channels=(first, encoder.hidden_size),
-            )
+            first = tuple(sam_cfg.get("downsample_channels", (512,)))[0]  # the second is stale: see above
+            sam = _read(SamDims, sam_cfg, _VENDOR_SAM, downsample_channels=(first, encoder.hidden_size))
             projector_input = cfg.get("projector_config", {}).get("input_dim", encoder.hidden_size)
+            config = cls(sam=sam, encoder=encoder, text=_text_dims(cfg))
         except (TypeError, AttributeError, IndexError) as exc:
             raise CheckpointError(f"config.json does not describe a DeepSeek-OCR-2 model: {exc}") from exc
         if projector_input != encoder.hidden_size:
             raise CheckpointError(
                 f"projector_config.input_dim {projector_input} is not the encoder width {encoder.hidden_size}"
             )
-        return cls(sam=sam, encoder=encoder, text=text)
+        return config
 
     @classmethod
     def from_transformers(cls, cfg: dict[str, Any]) -> OCR2Config:
-        """Read transformers' `deepseek_ocr2` config (`vision_config.{sam,encoder}_config`,
-        `text_config`). Its class defaults are placeholders (encoder 4096 wide, theta 10000), so every
-        size must be in the file; a missing one is an error, never a default."""
+        """Read transformers' `deepseek_ocr2` config. Its class defaults are placeholders (encoder 4096
+        wide, theta 10000), so every encoder size must be in the file: a missing one is an error."""
         try:
-            vision = cfg["vision_config"]
-            sam_cfg, enc_cfg = vision["sam_config"], vision["encoder_config"]
-            text = _text_dims(cfg["text_config"], layer_types=cfg["text_config"].get("mlp_layer_types"))
-            sam_default = SamDims()
-            sam = SamDims(
-                width=sam_cfg.get("hidden_size", sam_default.width),
-                layers=sam_cfg.get("num_hidden_layers", sam_default.layers),
-                heads=sam_cfg.get("num_attention_heads", sam_default.heads),
-                global_attn_indexes=tuple(sam_cfg.get("global_attn_indexes", sam_default.global_attn_indexes)),
-                window_size=sam_cfg.get("window_size", sam_default.window_size),
-                neck_channels=sam_cfg.get("output_channels", sam_default.neck_channels),
-                downsample_channels=tuple(sam_cfg.get("downsample_channels") or (512, 896)),
-            )
-            encoder = EncoderDims(
-                layers=enc_cfg["num_hidden_layers"],
-                hidden_size=enc_cfg["hidden_size"],
-                heads=enc_cfg["num_attention_heads"],
-                kv_heads=enc_cfg.get("num_key_value_heads") or enc_cfg["num_attention_heads"],
-                intermediate_size=enc_cfg["intermediate_size"],
-                rope_theta=float(_rope_theta(enc_cfg)),
-                rms_norm_eps=enc_cfg.get("rms_norm_eps", 1e-6),
-            )
+            vision, text = cfg["vision_config"], cfg["text_config"]
+            encoder_cfg = vision["encoder_config"]
+            missing = [key for key in _TRANSFORMERS_ENCODER.values() if key not in encoder_cfg]
+            if missing:
+                raise KeyError(", ".join(missing))
+            encoder = _read(EncoderDims, encoder_cfg, _TRANSFORMERS_ENCODER, rope_theta=_rope_theta(encoder_cfg))
+            sam = _read(SamDims, vision["sam_config"], _TRANSFORMERS_SAM)
+            text_dims = _text_dims(text, layer_types=text.get("mlp_layer_types"))
         except (KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"config.json is not a complete transformers deepseek_ocr2 config: {exc}") from exc
-        return cls(sam=sam, encoder=encoder, text=text)
+        return cls(sam=sam, encoder=encoder, text=text_dims)
 
     def to_transformers(self) -> dict[str, Any]:
         """A `config.json` in transformers' `deepseek_ocr2` layout."""
         text = self.text
+        layer_types = ["dense"] * text.first_k_dense_replace
+        layer_types += ["sparse"] * (text.num_hidden_layers - text.first_k_dense_replace)
         return {
             "architectures": ["DeepseekOcr2ForConditionalGeneration"],
             "model_type": TRANSFORMERS_MODEL_TYPE,
             "image_token_id": IMAGE_TOKEN_ID,
             "tie_word_embeddings": False,
             "vision_config": {
-                "sam_config": {
-                    "hidden_size": self.sam.width,
-                    "num_hidden_layers": self.sam.layers,
-                    "num_attention_heads": self.sam.heads,
-                    "global_attn_indexes": list(self.sam.global_attn_indexes),
-                    "window_size": self.sam.window_size,
-                    "output_channels": self.sam.neck_channels,
-                    "downsample_channels": list(self.sam.downsample_channels),
-                },
+                "sam_config": _write(self.sam, _TRANSFORMERS_SAM),
                 "encoder_config": {
-                    "hidden_size": self.encoder.hidden_size,
-                    "intermediate_size": self.encoder.intermediate_size,
-                    "num_hidden_layers": self.encoder.layers,
-                    "num_attention_heads": self.encoder.heads,
-                    "num_key_value_heads": self.encoder.kv_heads,
-                    "rms_norm_eps": self.encoder.rms_norm_eps,
+                    **_write(self.encoder, _TRANSFORMERS_ENCODER),
                     "rope_parameters": {"rope_type": "default", "rope_theta": self.encoder.rope_theta},
                 },
             },
             "text_config": {
                 **{k: v for k, v in dataclasses.asdict(text).items() if k not in ("rope_theta", "first_k_dense_replace")},
                 "rope_parameters": {"rope_type": "default", "rope_theta": text.rope_theta},
-                "mlp_layer_types": ["dense"] * text.first_k_dense_replace
-                + ["sparse"] * (text.num_hidden_layers - text.first_k_dense_replace),
+                "mlp_layer_types": layer_types,
                 "bos_token_id": BOS_TOKEN_ID,
                 "eos_token_id": EOS_TOKEN_ID,
             },
@@ -210,27 +166,45 @@ class OCR2Config:
                 "model_name": "deepencoderv2",
                 "model_type": "vision",
                 "width": {
-                    "qwen2-0-5b": {
-                        "dim": self.encoder.hidden_size,
-                        "layers": self.encoder.layers,
-                        "heads": self.encoder.heads,
-                        "kv_heads": self.encoder.kv_heads,
-                        "intermediate_size": self.encoder.intermediate_size,
-                        "rope_theta": self.encoder.rope_theta,
-                    },
+                    "qwen2-0-5b": _write(self.encoder, _VENDOR_ENCODER),
                     "sam_vit_b": {
+                        **_write(self.sam, _VENDOR_SAM),
                         "downsample_channels": list(self.sam.downsample_channels),
-                        "global_attn_indexes": list(self.sam.global_attn_indexes),
-                        "heads": self.sam.heads,
-                        "layers": self.sam.layers,
-                        "width": self.sam.width,
-                        "neck_channels": self.sam.neck_channels,
                     },
                 },
             },
             **{k: v for k, v in language.items() if k != "architectures"},
             "transformers_version": "4.46.3",
         }
+
+
+# Our field → the file's key, per layout and part.
+_VENDOR_SAM = {f: f for f in ("width", "layers", "heads", "global_attn_indexes", "neck_channels")}
+_VENDOR_ENCODER = {
+    "hidden_size": "dim", "layers": "layers", "heads": "heads", "kv_heads": "kv_heads",
+    "intermediate_size": "intermediate_size", "rope_theta": "rope_theta",
+}
+_TRANSFORMERS_SAM = {
+    "width": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+    "global_attn_indexes": "global_attn_indexes", "window_size": "window_size",
+    "neck_channels": "output_channels", "downsample_channels": "downsample_channels",
+}
+_TRANSFORMERS_ENCODER = {
+    "hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
+}
+
+
+def _read(cls: type, src: dict[str, Any], names: dict[str, str], **given: Any) -> Any:
+    """A dims dataclass from the keys of `src` named by `names` (absent keys: the class defaults)."""
+    values = {field: src[key] for field, key in names.items() if src.get(key) is not None}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**{**values, **given})
+
+
+def _write(dims: Any, names: dict[str, str]) -> dict[str, Any]:
+    values = {key: getattr(dims, field) for field, key in names.items()}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
