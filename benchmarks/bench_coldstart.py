@@ -273,7 +273,7 @@ def main() -> int:
             (args.out / "coldstart.json").write_text(json.dumps(report, indent=2) + "\n")
             (args.out / "coldstart.md").write_text(markdown(report))
 
-    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
     with (tempfile.TemporaryDirectory() as dynamic_cache, tempfile.TemporaryDirectory() as static_cache,
           tempfile.TemporaryDirectory() as scratch):  # fmt: skip

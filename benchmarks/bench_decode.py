@@ -132,7 +132,7 @@ def section_sweep(model: str, device: str) -> dict[str, Any]:
     """Block configurations of the two kernels, each swept with the other at its default, on one MoE
     layer of `model`'s shapes with random weights; the fastest of each is what the `fast` variant uses."""
     from dsocr_workers.model import selected_experts as se
-    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
     text = PRESETS[model].text
     experts, inter, hidden_size = text.n_routed_experts, text.moe_intermediate_size, text.hidden_size

@@ -46,7 +46,7 @@ from dsocr_workers.model.checkpoint import (  # noqa: E402
     preset_state,
     save_preset,
 )
-from dsocr_workers.model.config import PRESETS  # noqa: E402
+from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
 
 SEED = 0
 

@@ -52,7 +52,7 @@ from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_top1  # noqa: E402
 from dsocr_workers.model.checkpoint import save_preset  # noqa: E402
-from dsocr_workers.model.preprocess import prepare_page  # noqa: E402
+from dsocr_workers.model.deepseek_ocr.preprocess import prepare_page  # noqa: E402
 from dsocr_workers.model.tokenizer import OCRTokenizer  # noqa: E402
 
 PRESET = "full"  # the vendor code hard-codes every vision size and the 1280-wide projector

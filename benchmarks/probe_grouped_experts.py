@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 
 from dsocr_workers.engine.regions import capture_graph  # noqa: E402
-from dsocr_workers.model.config import PRESETS  # noqa: E402
+from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
 from dsocr_workers.model.grouped_experts import GroupedBlocks, launch_grouped_experts  # noqa: E402
 
 

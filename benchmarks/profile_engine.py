@@ -79,7 +79,7 @@ def profile_fast(page: Path, model: str, rows: int, steps: int = 32) -> None:
         # callables and compiled LM prefill: replayed CUDA graphs cannot be split by range afterwards).
         vision, lm_prefill, inputs, profiled = session.runners.vision, session.lm_prefill, job.inputs, job
         sam = profile_stage("SAM", lambda: vision.sam(inputs.pixels), rows)
-        profile_stage("CLIP", lambda: vision.clip(sam), rows)
+        profile_stage(session.family.encoder_stage, lambda: vision.views(sam), rows)
         image = session.encode_image(inputs, clock)  # all of vision again, unprofiled: the LM's input
         profile_stage("LM prefill", lambda: lm_prefill(inputs, image, profiled.buffers.cache), rows)
         # The decode below starts from a whole prefill of its own.

@@ -26,7 +26,7 @@ class InputError(DsocrError):
 
 
 class CheckpointError(InputError):
-    """A checkpoint directory whose files or tensors do not match the DeepSeek-OCR architecture."""
+    """A checkpoint directory whose config, files or tensors match no model family's architecture."""
 
 
 class TransientError(DsocrError):

@@ -13,6 +13,7 @@ and the report, which must not import the engine, read it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -41,6 +42,9 @@ class Timing:
     bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
     shown: frozenset[Place] = frozenset()
     nullable: bool = False  # its results column holds NULL in rows written before it was measured
+    # One model family's stage (its view encoder): a run of another family never measures it, so tables
+    # and plots show it only where a run did (`measured_in`).
+    family_stage: bool = False
     column: str = ""  # the field's name, which is its results column's: set by `TIMINGS`
 
     def field(self) -> Any:
@@ -130,11 +134,22 @@ class StageTimings:
     ).field()
     clip_ms: float = Timing(
         "CLIP",
-        "the CLIP trunk on SAM's features",
+        "the CLIP trunk on SAM's features (DeepSeek-OCR)",
         stage="vision/clip",
         parent="vision_ms",
         bar="CLIP",
         shown=_LATENCY,
+        family_stage=True,
+    ).field()
+    qwen2_ms: float = Timing(
+        "Qwen2 encoder",
+        "the Qwen2 encoder on SAM's features, whose learned queries' outputs are kept (DeepSeek-OCR-2)",
+        stage="vision/qwen2",
+        parent="vision_ms",
+        bar="Qwen2 encoder",
+        shown=_LATENCY,
+        nullable=True,
+        family_stage=True,
     ).field()
     projector_ms: float = Timing(
         "projector",
@@ -243,20 +258,37 @@ VISION_STAGES: tuple[str, ...] = tuple(s for s in STAGES if s.startswith(VISION_
 PARTS: tuple[Timing, ...] = tuple(t for t in TIMINGS if t.part)
 
 
+def session_vision_stages(encoder_stage: str) -> tuple[str, ...]:
+    """The vision stages a model whose view encoder is timed as `encoder_stage` runs: every vision stage
+    but the other families' encoders."""
+    families = {t.stage for t in TIMINGS if t.family_stage}
+    return tuple(s for s in VISION_STAGES if s not in families or s == encoder_stage)
+
+
 def depth(timing: Timing) -> int:
     """How deep a figure is nested (0: top level): tables indent it by this."""
     return 0 if timing.parent is None else 1 + depth(BY_COLUMN[timing.parent])
 
 
-def shown_in(place: Place) -> tuple[Timing, ...]:
-    return tuple(t for t in TIMINGS if place in t.shown)
+def shown_in(place: Place, rows: Iterable[object] | None = None) -> tuple[Timing, ...]:
+    """The figures shown in `place`; with `rows` (results), less the family stages none of them
+    measured (a DeepSeek-OCR run has no Qwen2 encoder time, a DeepSeek-OCR-2 run no CLIP time)."""
+    hidden = frozenset() if rows is None else unmeasured(rows)
+    return tuple(t for t in TIMINGS if place in t.shown and t.column not in hidden)
 
 
-def breakdown_bars() -> dict[str, tuple[str, ...]]:
-    """The stage breakdown's bars, in the order they happen: each bar's label and the columns it adds."""
+def unmeasured(rows: Iterable[object]) -> frozenset[str]:
+    """The columns of the family stages that no row measured (NULL or 0 in every one)."""
+    rows = list(rows)
+    return frozenset(t.column for t in TIMINGS if t.family_stage and not any(t.of(r) for r in rows))
+
+
+def breakdown_bars(hidden: frozenset[str] = frozenset()) -> dict[str, tuple[str, ...]]:
+    """The stage breakdown's bars, in the order they happen: each bar's label and the columns it adds;
+    none for the columns `hidden` (`unmeasured`)."""
     out: dict[str, tuple[str, ...]] = {}
     for t in TIMINGS:
-        if t.bar is not None:
+        if t.bar is not None and t.column not in hidden:
             out[t.bar] = (*out.get(t.bar, ()), t.column)
     return out
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dsocr_workers import settings
 from dsocr_workers.cli import main
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.families import all_presets
 
 
 def help_of(*command: str) -> str:
@@ -29,7 +29,7 @@ def test_help_names_the_ledger_and_the_broker_with_their_defaults(command):
 
 
 def test_max_new_tokens_says_what_is_decoded_without_it():
-    ceilings = {config.text.max_position_embeddings for config in PRESETS.values()}
+    ceilings = {config.text.max_position_embeddings for name, family in all_presets().items() for config in [family.presets[name]]}
     assert ceilings == {8192}  # the help names one ceiling: every preset has it
     for command in ("submit", "run"):
         assert ("Default: no cap, until EOS or the model's position ceiling (8,192); random weights (the presets) "

@@ -73,7 +73,7 @@ def precompile(
     from dsocr_workers.engine.coldstart.build import BuildRequest, build
     from dsocr_workers.errors import InputError
     from dsocr_workers.farm.devices import parse_devices, see_only_this_gpu
-    from dsocr_workers.farm.job.warm import DEFAULT_WARMUP_MODES, parse_modes
+    from dsocr_workers.farm.job.warm import default_modes, parse_modes
 
     chosen = parse_modes(modes)
     if chosen == ():
@@ -86,7 +86,7 @@ def precompile(
 
     report = build(
         BuildRequest(
-            model, engine, dtype, chosen or DEFAULT_WARMUP_MODES, max_new_tokens, device=device,
+            model, engine, dtype, chosen or default_modes(model), max_new_tokens, device=device,
             concurrency=concurrency,
         ),  # fmt: skip
         progress,

@@ -19,7 +19,8 @@ from dsocr_workers.cli import (
 )
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MODES, TextDims
+from dsocr_workers.model.config import DTYPES, TextDims
+from dsocr_workers.model.families import all_modes, all_presets
 
 LOGLEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # Celery's --loglevel
 
@@ -46,14 +47,16 @@ def run_options(command: F) -> F:
             "--model",
             default="tiny",
             show_default=True,
-            help="Preset (tiny, full: RANDOM weights) or a checkpoint directory.",
+            help=f"Preset ({', '.join(all_presets())}: RANDOM weights) or a checkpoint directory of "
+            "DeepSeek-OCR or DeepSeek-OCR-2.",
         ),
         click.option(
             "--mode",
-            type=click.Choice(tuple(MODES)),
-            default=DEFAULT_MODE,
-            show_default=True,
-            help="Resolution mode (tiny 512, small 640, base 1024, large 1280; gundam: 1024 + 640 tiles).",
+            type=click.Choice(all_modes()),
+            default=None,
+            help="Resolution mode of the model's family (default: its gundam). DeepSeek-OCR: tiny 512, "
+            "small 640, base 1024, large 1280, gundam 1024 + 640-px tiles; DeepSeek-OCR-2: see "
+            "docs/models.md.",
         ),
         click.option(
             "--max-new-tokens",

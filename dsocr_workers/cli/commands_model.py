@@ -13,7 +13,8 @@ from dsocr_workers import settings
 from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
 from dsocr_workers.errors import FailuresError
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, MAX_CROPS, MODES, PRESETS
+from dsocr_workers.model.config import DTYPES
+from dsocr_workers.model.families import all_modes, all_presets, most_crops, run_mode
 from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
 
 # Modes and presets come from the torch-free model.config; the prompts mirror model.preprocess (which
 # imports torch), kept literal so `--help` imports no torch: tests/engine/test_cli_model.py pins them.
-MODE_NAMES = tuple(MODES)
+MODE_NAMES = all_modes()
 PROMPT_NAMES = ("document", "ocr", "free", "figure", "describe")
-PRESET_NAMES = tuple(PRESETS)
+PRESET_NAMES = tuple(all_presets())
 
 
 def model_options(func: Any) -> Any:
@@ -138,12 +139,14 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.command("infer")
 @click.argument("image", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @model_options
-@click.option("--mode", type=click.Choice(MODE_NAMES), default=DEFAULT_MODE, show_default=True)
+@click.option("--mode", type=click.Choice(MODE_NAMES), default=None,
+              help="Resolution mode of the model's family (default: its default, gundam).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Default: up to the model's positions.")
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")
-@click.option("--max-crops", type=click.IntRange(2, MAX_CROPS), default=MAX_CROPS, show_default=True,
-              help="Most 640-px tiles in gundam mode (the vendor vLLM path uses 6).")
+@click.option("--max-crops", type=click.IntRange(2, most_crops()), default=None,
+              help="Most tiles in gundam mode (default: the family's: DeepSeek-OCR 9 640-px tiles, its "
+              "vendor vLLM path 6).")
 @click.option("--prompt", default=None, help="Prompt text; must contain <image> once.")
 @click.option("--prompt-name", type=click.Choice(PROMPT_NAMES), default=None,
               help="One of the vendor prompts (default: document).")
@@ -170,10 +173,10 @@ def infer_command(
     engine: str,
     dtype: str | None,
     preset_seed: int,
-    mode: str,
+    mode: str | None,
     max_new_tokens: int | None,
     ignore_eos: bool,
-    max_crops: int,
+    max_crops: int | None,
     prompt: str | None,
     prompt_name: str | None,
     temperature: float,
@@ -210,7 +213,7 @@ def infer_command(
         image=image,
         out_dir=out_dir if out_dir is not None else Path("out") / image.stem,
         prompt=prompt if prompt is not None else prompt_name,
-        mode=mode,
+        mode=run_mode(model, mode),  # a mode of the model's family, before the model loads
         max_new_tokens=max_new_tokens,
         decode=DecodeOptions(
             temperature=temperature,

@@ -20,7 +20,8 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.stopping import REPETITION_WINDOW, ends_in_loop, loop_check_due
 from dsocr_workers.model.config import EOS_TOKEN_ID
-from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
+from dsocr_workers.model.interface import OCRModel
 
 MIN_CACHE_BUCKET = 1024
 # Checks (engine/stopping.py's cadence) in flight before the host waits for the oldest: the device
@@ -65,7 +66,7 @@ class DecodeBuffers:
     _bans: dict[tuple, NGramBan] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, model: DeepSeekOCR, capacity: int, device: torch.device) -> DecodeBuffers:
+    def allocate(cls, model: OCRModel, capacity: int, device: torch.device) -> DecodeBuffers:
         config = model.language_model.config
         text, dtype = model.config.text, model.lm_head.weight.dtype
         cache = StaticCache(config=config, max_cache_len=capacity)
@@ -224,7 +225,7 @@ class RepetitionWatch:
         return ends_in_loop(tokens[-REPETITION_WINDOW:].tolist())
 
 
-def prefill(model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+def prefill(model: OCRModel, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
     """One forward over the whole prompt (positions 0..L-1) into `cache` from slot 0, whatever it held;
     returns the last position's logits [1, V]."""
     layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates
@@ -247,7 +248,7 @@ def choose_token(
 
 
 def decode_one_token(
-    model: DeepSeekOCR, cache: StaticCache, ban: NGramBan, options: DecodeOptions
+    model: OCRModel, cache: StaticCache, ban: NGramBan, options: DecodeOptions
 ) -> torch.Tensor:
     """Feed the last token of the buffer at its position, choose the next one. Everything it reads and
     writes is a device tensor at a fixed address; the Python arguments are fixed per job."""

@@ -20,8 +20,8 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from dsocr_workers.engine.sampling import step_key
-from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
-from dsocr_workers.model.vision import ClipLayer
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
+from dsocr_workers.model.interface import OCRModel
 
 if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
@@ -34,11 +34,11 @@ def _sam_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
 
-def _clip_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def _view_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
 
-def _clip_block_views(layer: ClipLayer, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def _view_block_views(layer: Any, groups: list[torch.Tensor]) -> list[torch.Tensor]:
     return layer.forward_views(groups)
 
 
@@ -107,17 +107,19 @@ class TorchCompiler:
 
 
 class RegionalVision:
-    """`encode_sam` and `encode_clip` of `model` with each block made by `compiler`, equal in function
-    to the model's own methods. `dynamic_tiles=False`: a graph per tile count (the engine before)."""
+    """`encode_sam` and `encode_views` of `model` with each block made by `compiler`, equal in function
+    to the model's own methods; the view encoder's blocks are the family's (`OCRModel.view_blocks`), or
+    its `encode_views` whole where it offers none. `dynamic_tiles=False`: a graph per tile count."""
 
-    def __init__(self, model: DeepSeekOCR, compiler: Compiler, dynamic_tiles: bool = True) -> None:
+    def __init__(self, model: OCRModel, compiler: Compiler, dynamic_tiles: bool = True) -> None:
         self.model = model
         self.compiler = compiler
         self.dynamic_tiles = dynamic_tiles
         self._positions: dict[tuple[int, int], torch.Tensor] = {}  # SAM's position table per patch grid
         self._sam_block = compiler.region("sam_block", _sam_block, dynamic=False)
-        self._clip_block = compiler.region("clip_block", _clip_block, dynamic=False)
-        self._clip_block_views = compiler.region("clip_block_views", _clip_block_views, dynamic=False)
+        self._blocks = model.view_blocks()
+        self._view_block = compiler.region("view_block", _view_block, dynamic=False)
+        self._view_block_views = compiler.region("view_block_views", _view_block_views, dynamic=False)
 
     def _mark(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dynamic_tiles and hidden.shape[0] > 1:
@@ -125,7 +127,7 @@ class RegionalVision:
         return hidden
 
     def encode_sam(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`DeepSeekOCR.encode_sam` of each view group's pixels, block by block."""
+        """`encode_sam` of each view group's pixels, block by block."""
         sam = self.model.sam
         hidden = [self._embed_patches(pixels) for pixels in groups]
         for layer in sam.layers:
@@ -143,17 +145,19 @@ class RegionalVision:
             hidden = hidden + self._positions[grid]
         return hidden
 
-    def encode_clip(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`DeepSeekOCR.encode_clip` of each view group's SAM features, layer by layer. Two groups (the
-        global view and the tiles) run each layer together (`ClipLayer.forward_views`)."""
-        clip = self.model.clip
-        hidden = [clip.pre_layrnorm(clip.embeddings(group)) for group in features]
-        for layer in clip.transformer.layers:
-            if len(hidden) == 1:
-                hidden = [self._clip_block(layer, self._mark(hidden[0]))]
+    def encode_views(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`encode_views` of each view group's SAM features, block by block. Where the layers pack
+        views, two groups (the global view and the tiles) run each layer together."""
+        blocks = self._blocks
+        if blocks is None:
+            return [self.model.encode_views(group) for group in features]
+        hidden = [blocks.enter(group) for group in features]
+        for layer in blocks.layers:
+            if len(hidden) > 1 and blocks.packs_views:
+                hidden = self._view_block_views(layer, [self._mark(group) for group in hidden])
             else:
-                hidden = self._clip_block_views(layer, [self._mark(group) for group in hidden])
-        return [group[:, 1:] for group in hidden]
+                hidden = [self._view_block(layer, self._mark(group)) for group in hidden]
+        return [blocks.leave(group) for group in hidden]
 
 
 # Prompts are padded to a multiple of this many positions for the LM prefill (a graph per padded length,
@@ -179,7 +183,7 @@ class RegionalPrefill:
         self.compiler = compiler
         self._layer = compiler.region("lm_layer", _lm_layer)
 
-    def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    def __call__(self, model: OCRModel, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """`generate.prefill`'s contract: the last position's logits [1, V]."""
         length = embeds.shape[1]
         padded = embeds.new_zeros(1, padded_length(length, cache.get_max_length()), embeds.shape[2])
@@ -187,7 +191,7 @@ class RegionalPrefill:
         return self.padded(model, padded, torch.tensor(length, device=embeds.device), cache)
 
     def padded(
-        self, model: DeepSeekOCR, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache
+        self, model: OCRModel, embeds: torch.Tensor, length: torch.Tensor, cache: StaticCache
     ) -> torch.Tensor:
         """The prefill of a prompt of `length` (a 0-d int64 device tensor: no host value, so a CUDA graph
         replays it for any length) padded to `embeds`' [1, P, hidden]."""
@@ -239,7 +243,7 @@ class GraphedPrefill:
     def captured(self) -> int:
         return len(self._graphs)
 
-    def _graph(self, model: DeepSeekOCR, padded: int, cache: StaticCache) -> _PrefillGraph:
+    def _graph(self, model: OCRModel, padded: int, cache: StaticCache) -> _PrefillGraph:
         key = (padded, id(cache))
         found = self._graphs.get(key)
         if found is not None and found.cache is cache:
@@ -253,11 +257,11 @@ class GraphedPrefill:
         self._graphs[key] = _PrefillGraph(embeds, length, cache, graph, logits)
         return self._graphs[key]
 
-    def capture(self, model: DeepSeekOCR, length: int, cache: StaticCache) -> None:
+    def capture(self, model: OCRModel, length: int, cache: StaticCache) -> None:
         """Capture the graph a `length`-token prompt into `cache` will replay, if it is new."""
         self._graph(model, padded_length(length, cache.get_max_length()), cache)
 
-    def __call__(self, model: DeepSeekOCR, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    def __call__(self, model: OCRModel, embeds: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """`generate.prefill`'s contract: the last position's logits [1, V]."""
         length = embeds.shape[1]
         found = self._graph(model, padded_length(length, cache.get_max_length()), cache)
@@ -289,18 +293,19 @@ def capture_graph(
 
 @dataclass
 class _PageGraphs:
-    """The CUDA graphs of one page shape: SAM over every view group, then CLIP over SAM's outputs."""
+    """The CUDA graphs of one page shape: SAM over every view group, then the view encoder over SAM's
+    outputs."""
 
     pixels: list[torch.Tensor]
     sam: torch.cuda.CUDAGraph
     sam_out: list[torch.Tensor]
-    clip: torch.cuda.CUDAGraph | None = None
-    clip_out: list[torch.Tensor] | None = None
+    views: torch.cuda.CUDAGraph | None = None
+    views_out: list[torch.Tensor] | None = None
 
 
 class GraphedVision:
-    """`RegionalVision` replayed as CUDA graphs, one pair (SAM, CLIP) per page shape: `sam(groups)` for
-    all of a page's view groups, then `clip(features)` with the list `sam` returned.
+    """`RegionalVision` replayed as CUDA graphs, one pair (SAM, view encoder) per page shape:
+    `sam(groups)` for all of a page's view groups, then `views(features)` with the list `sam` returned.
 
     A new shape runs the compiled blocks once and is then captured; replays copy the pixels into the
     graph's inputs. All graphs share one memory pool: they replay one at a time on one stream, each
@@ -326,21 +331,21 @@ class GraphedVision:
         self._current = page
         return list(page.sam_out)
 
-    def clip(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+    def views(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         page = self._current
         if (
             page is None
             or len(features) != len(page.sam_out)
             or any(f.data_ptr() != s.data_ptr() for f, s in zip(features, page.sam_out, strict=True))
         ):
-            raise RuntimeError("GraphedVision.clip takes the features its last sam() call returned")
-        if page.clip is None:
-            page.clip, page.clip_out = capture_graph(
-                lambda: self.regions.encode_clip(page.sam_out), self._pool
+            raise RuntimeError("GraphedVision.views takes the features its last sam() call returned")
+        if page.views is None:
+            page.views, page.views_out = capture_graph(
+                lambda: self.regions.encode_views(page.sam_out), self._pool
             )
-        page.clip.replay()
-        assert page.clip_out is not None
-        return list(page.clip_out)
+        page.views.replay()
+        assert page.views_out is not None
+        return list(page.views_out)
 
 
 @dataclass
@@ -365,7 +370,7 @@ class GraphedDecode:
     def captured(self) -> int:
         return len(self._graphs)
 
-    def __call__(self, model: DeepSeekOCR, cache: StaticCache, ban: Any, options: Any) -> torch.Tensor:
+    def __call__(self, model: OCRModel, cache: StaticCache, ban: Any, options: Any) -> torch.Tensor:
         key = (id(cache), id(ban), step_key(options))
         found = self._graphs.get(key)
         if found is None:

@@ -47,8 +47,9 @@ from dsocr_workers.engine.variants.base import Engine, Runners
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import postprocess, preprocess
 from dsocr_workers.model.checkpoint import LoadedModel, build_preset, load_checkpoint
-from dsocr_workers.model.config import EOS_TOKEN_ID, MAX_CROPS, PRESETS, dtype_name
-from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.model.config import EOS_TOKEN_ID, dtype_name
+from dsocr_workers.model.families import FamilyCode, ModelFamily, all_presets
+from dsocr_workers.model.interface import OCRModel
 from dsocr_workers.model.tokenizer import OCRTokenizer
 from dsocr_workers.stages import StageTimings
 
@@ -297,7 +298,8 @@ class DeepSeekOCRSession:
         seed: int = 0,
         instrumented: bool | None = None,
     ) -> DeepSeekOCRSession:
-        """Load a preset (`tiny`, `full`: seeded random weights) or a vendor checkpoint directory.
+        """Load a preset (`tiny`, `ocr2-tiny`, ...: seeded random weights) or a checkpoint directory of
+        any model family (model/families.py).
         `engine`: a registered name (engine/variants/: `auto` is fast on CUDA, eager on a CPU), or an
         engine object (a benchmark's or a test's settings). `instrumented`: None reads
         `DSOCR_INSTRUMENTATION`, here and only here."""
@@ -310,7 +312,7 @@ class DeepSeekOCRSession:
         kernels = variant.kernels()
         name = os.fspath(source)
         with torch.inference_mode():
-            if name in PRESETS:
+            if name in all_presets():
                 loaded = build_preset(name, seed=seed, device=resolved, dtype=torch_dtype, **kernels)
                 model_source = ModelSource("preset", name, random_weights=True, seed=seed,
                                            fingerprint=loaded.fingerprint)
@@ -330,8 +332,17 @@ class DeepSeekOCRSession:
         return self.engine.name
 
     @property
-    def model(self) -> DeepSeekOCR:
+    def model(self) -> OCRModel:
         return self.loaded.model
+
+    @property
+    def family(self) -> ModelFamily:
+        return self.loaded.family
+
+    @property
+    def code(self) -> FamilyCode:
+        """The family's preprocessing and token schedule."""
+        return self.loaded.family.code()
 
     @property
     def tokenizer(self) -> OCRTokenizer:
@@ -370,19 +381,30 @@ class DeepSeekOCRSession:
         )
 
     def prepare(
-        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str, max_crops: int
+        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str | None,
+        max_crops: int | None = None,
     ) -> preprocess.PreparedPage:
-        return preprocess.prepare_page(
-            image, self.tokenizer.encode, mode=mode, prompt=prompt, max_crops=max_crops
+        """The family's preprocessing of one page; None: the family's default mode, its own limit of
+        tiles."""
+        return self.code.prepare_page(
+            image, self.tokenizer.encode, mode=self.family.mode(mode or self.family.default_mode), prompt=prompt,
+            max_crops=self.max_crops(max_crops),
         )
 
-    def longest_prompt(self, mode: str, prompt: str | None, max_crops: int = MAX_CROPS) -> int:
+    def max_crops(self, asked: int | None = None) -> int:
+        """The most tiles a page is cut into: `asked`, or the family's limit."""
+        return self.family.max_crops if asked is None else asked
+
+    def longest_prompt(self, mode: str | None, prompt: str | None, max_crops: int | None = None) -> int:
         """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""
-        return preprocess.longest_prompt(self.tokenizer.encode, mode, prompt, max_crops)
+        spec = self.family.mode(mode or self.family.default_mode)
+        most = self.code.most_image_tokens(spec, self.max_crops(max_crops))
+        return preprocess.longest_prompt(self.tokenizer.encode, prompt, most)
 
     def prepare_job(
-        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None, mode: str = "gundam",
-        job_id: str | None = None, max_crops: int = MAX_CROPS, clock: StageClock | None = None,
+        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None,
+        mode: str | None = None, job_id: str | None = None, max_crops: int | None = None,
+        clock: StageClock | None = None,
     ) -> PreparedJob:
         """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
         `run_inference`. On CUDA the page's tensors are page-locked (`PreparedPage.pinned`): a pageable
@@ -421,14 +443,15 @@ class DeepSeekOCRSession:
         return DevicePage(page, ids, pixels, positions)
 
     def encode_image(self, inputs: DevicePage, clock: StageClock) -> torch.Tensor:
-        """Vision stages → the (N, hidden) image embeddings in the vendor's layout."""
+        """Vision stages → the (N, hidden) image embeddings in the vendor's layout. The view encoder is
+        timed as its family's stage (`vision/clip`, `vision/qwen2`)."""
         # The global view first, then the tiles (if any) as one batch: one call per view group.
         with clock.stage("vision/sam"):
             sam = self.runners.vision.sam(inputs.pixels)
-        with clock.stage("vision/clip"):
-            clip = self.runners.vision.clip(sam)
+        with clock.stage(self.family.encoder_stage):
+            encoded = self.runners.vision.views(sam)
         with clock.stage("vision/projector"):
-            tokens = [self.runners.vision.project(c, s) for c, s in zip(clip, sam, strict=True)]
+            tokens = [self.runners.vision.project(e, s) for e, s in zip(encoded, sam, strict=True)]
             global_tokens, local_tokens = tokens[0][0], (tokens[1] if len(tokens) > 1 else None)
             return self.model.layout(global_tokens, local_tokens, inputs.page.crop_grid)
 
@@ -522,12 +545,12 @@ class DeepSeekOCRSession:
         self,
         image: str | os.PathLike | bytes | Image.Image,
         prompt: str | None = None,
-        mode: str = "gundam",
+        mode: str | None = None,
         max_new_tokens: int | None = None,
         infer: DecodeOptions | None = None,
         job_id: str | None = None,
         return_text: bool = True,
-        max_crops: int = MAX_CROPS,
+        max_crops: int | None = None,
         clock: StageClock | None = None,
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,

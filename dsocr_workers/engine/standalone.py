@@ -20,7 +20,6 @@ from dsocr_workers.engine.result import DecodeOptions, InferenceResult, result_d
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants import AUTO
-from dsocr_workers.model.config import DEFAULT_MODE, MAX_CROPS
 from dsocr_workers.model.images import load_image
 from dsocr_workers.model.postprocess import parse_markup, write_outputs
 from dsocr_workers.model.preprocess import build_prompt
@@ -62,10 +61,10 @@ class InferPage:
     image: Path
     out_dir: Path
     prompt: str | None = None  # text with <image> once, or a vendor prompt's name; None: document
-    mode: str = DEFAULT_MODE
+    mode: str | None = None  # None: the model family's default
     max_new_tokens: int | None = None  # None: up to the model's positions
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    max_crops: int = MAX_CROPS
+    max_crops: int | None = None  # None: the model family's limit
 
 
 def check_page(request: InferPage) -> Image.Image:

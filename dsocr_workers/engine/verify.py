@@ -13,7 +13,7 @@ from dsocr_workers.engine.clock import VISION_STAGES, StageClock
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
-from dsocr_workers.model.config import DEFAULT_MODE
+from dsocr_workers.stages import session_vision_stages
 
 ImageInput = str | os.PathLike | bytes | Image.Image
 
@@ -35,12 +35,12 @@ def one_shot_scores(
     image: ImageInput,
     tokens: list[int],
     options: DecodeOptions,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
 ) -> torch.Tensor:
     """The scores one-shot generation picks from at every step given the same prefix: a single
     cache-free forward over prompt + `tokens` (teacher forcing), each step's logits after the n-gram
     ban of its own prefix. [len(tokens), vocab] float32 on the host."""
-    page = session.prepare(image, None, mode, 9)
+    page = session.prepare(image, None, mode)
     model = session.model
     with torch.inference_mode():
         clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
@@ -69,7 +69,7 @@ def one_shot_choices(
     image: ImageInput,
     tokens: list[int],
     options: DecodeOptions,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
 ) -> list[tuple[int, float, float]]:
     """What one-shot generation picks at every step given the same prefix (`one_shot_scores`). If every
     pick equals `tokens`, free-running one-shot generation reproduces them (by induction).
@@ -98,14 +98,14 @@ def split_kv_growth(
     image: ImageInput,
     steps: int,
     options: DecodeOptions,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
 ) -> KvGrowth:
     """Run the split path for `steps` decode steps, reading the cache fill after prefill and after
     every step."""
     options = replace(options, ignore_eos=True)  # every step runs
     fills: list[int] = []
     run = session.run_on_device(
-        session.prepare(image, None, mode, 9),
+        session.prepare(image, None, mode),
         steps + 1,
         options,
         return_text=False,
@@ -116,7 +116,7 @@ def split_kv_growth(
 
 
 def run_checks(
-    session: DeepSeekOCRSession, image: ImageInput, max_new_tokens: int = 32, mode: str = DEFAULT_MODE
+    session: DeepSeekOCRSession, image: ImageInput, max_new_tokens: int = 32, mode: str | None = None
 ) -> list[CheckResult]:
     options = DecodeOptions(ignore_eos=True)  # a fixed length makes the comparison total
     result = session.run_inference(image, mode=mode, max_new_tokens=max_new_tokens, infer=options)
@@ -145,7 +145,7 @@ def run_checks(
         f"{fills[-1:]}",
     ))
 
-    counts = {name: clock.count(name) for name in VISION_STAGES}
+    counts = {name: clock.count(name) for name in session_vision_stages(session.family.encoder_stage)}
     outside_prefill = [
         e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"
     ]
@@ -171,7 +171,7 @@ def teacher_forced_top1(
     image: ImageInput,
     forced: list[int],
     options: DecodeOptions,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
 ) -> list[int]:
     """The session's own split path (its kernels, its compiled step) fed `forced` tokens: the top-1 it
     picks at every step, each from the forced prefix."""
@@ -184,7 +184,7 @@ def teacher_forced_top1(
 
     clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
     session.run_on_device(
-        session.prepare(image, None, mode, 9),
+        session.prepare(image, None, mode),
         len(forced),
         options,
         clock=clock,
@@ -196,7 +196,7 @@ def teacher_forced_top1(
 
 def teacher_forced_agreement(
     session_a: DeepSeekOCRSession, session_b: DeepSeekOCRSession, image: ImageInput, steps: int = 256,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
 ) -> float:
     """Fraction of steps where B's top-1 equals A's greedy token, B teacher-forced on A's tokens."""
     options = DecodeOptions(ignore_eos=True)

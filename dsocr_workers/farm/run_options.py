@@ -11,7 +11,8 @@ from typing import Any
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import AUTO, check_name
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import DEFAULT_MODE, DTYPES, get_mode
+from dsocr_workers.model.config import DTYPES
+from dsocr_workers.model.families import all_modes, run_mode
 
 # A run's no-repeat n-gram ban as the compiled decode step sees it: (size, window).
 NGram = tuple[int, int | None]
@@ -32,7 +33,9 @@ class RunOptions:
     """What every job of a run computes; stored in the run row and read back by the worker."""
 
     model: str = "tiny"
-    mode: str = DEFAULT_MODE
+    # None: the model family's default; `dsocr submit`/`run` set it, checked against the model's family
+    # (farm/submit.py `prepare_run`), before anything is recorded.
+    mode: str | None = None
     prompt: str | None = None
     max_new_tokens: int | None = None
     ignore_eos: bool = False
@@ -52,7 +55,8 @@ class RunOptions:
     concurrency: int = 1
 
     def __post_init__(self) -> None:
-        get_mode(self.mode)  # InputError naming the valid modes
+        if self.mode is not None and self.mode not in all_modes():
+            raise InputError(f"unknown mode {self.mode!r}; modes: {', '.join(all_modes())}")
         check_name(self.engine)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; dtypes: {', '.join(DTYPES)}")
@@ -88,6 +92,11 @@ class RunOptions:
         default, and what it recorded that this version no longer knows is left out."""
         known = {f.name for f in fields(cls)}
         return cls(model=model, **{k: v for k, v in parameters.items() if k in known and k != "model"})
+
+    @property
+    def mode_name(self) -> str:
+        """The run's mode: as `dsocr submit`/`run` recorded it, else its model family's default."""
+        return self.mode if self.mode is not None else run_mode(self.model, None)
 
     @property
     def model_key(self) -> ModelKey:

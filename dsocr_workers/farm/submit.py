@@ -23,6 +23,7 @@ from dsocr_workers.farm.celery.broker import job_ids_in_broker
 from dsocr_workers.farm.celery.messages import bring_back_job_messages, job_labels, send_job_messages
 from dsocr_workers.farm.filelist import BadLine, FileList, read_filelist
 from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.model.families import all_presets, family_of_checkpoint, run_mode
 from dsocr_workers.settings import Settings, check_queue_name, redacted
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, open_ledger
@@ -38,18 +39,28 @@ class SubmittedRun:
     skipped: list[str] = field(default_factory=list)  # bad lines left out with --skip-invalid
 
 
-def model_label(model: str, seed: int) -> tuple[str, bool]:
-    """How a run names its model, and whether its weights are random (a preset)."""
-    from dsocr_workers.model.config import PRESETS
+@dataclass(frozen=True)
+class ModelNames:
+    """How a run names its model: its label, whether its weights are random (a preset), its family."""
 
-    if model in PRESETS:
-        return ModelSource("preset", model, random_weights=True, seed=seed).label, True
+    label: str
+    random_weights: bool
+    family: str
+
+
+def model_names(model: str, seed: int) -> ModelNames:
+    """A run's `--model` (a preset or a checkpoint directory of a known family), named."""
+    presets = all_presets()
+    if model in presets:
+        label = ModelSource("preset", model, random_weights=True, seed=seed).label
+        return ModelNames(label, True, presets[model].name)
     directory = Path(model)
     if not directory.is_dir():
         raise InputError(
-            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+            f"--model {model!r} is neither a preset ({', '.join(presets)}) nor a checkpoint directory"
         )
-    return ModelSource("checkpoint", str(directory.resolve()), random_weights=False).label, False
+    label = ModelSource("checkpoint", str(directory.resolve()), random_weights=False).label
+    return ModelNames(label, False, family_of_checkpoint(directory).name)
 
 
 def attach_ground_truth(filelist: FileList, path: Path) -> tuple[FileList, dict[str, dict[str, Any]]]:
@@ -98,7 +109,8 @@ def record_run(
     check_queue_name(queue)
     if not filelist.images:
         raise InputError(f"{filelist.path}: no valid image in the file list")
-    label, random_weights = model_label(options.model, options.seed)
+    names = model_names(options.model, options.seed)
+    options = replace(options, mode=run_mode(options.model, options.mode))
     run_id = uuid.uuid4().hex[:12]
     now = utcnow()
     jobs: list[dict[str, Any]] = [
@@ -127,8 +139,9 @@ def record_run(
                 filelist=str(filelist.path.absolute()),
                 root=str(filelist.root),
                 model=options.model,
-                model_label=label,
-                random_weights=random_weights,
+                model_label=names.label,
+                random_weights=names.random_weights,
+                model_family=names.family,
                 queue=queue,
                 parameters=options.parameters,
                 tags=tags or {},
@@ -183,6 +196,8 @@ def prepare_run(request: RunRequest, on_bad_lines: Callable[[str], None]) -> Pre
     recorded. Bad lines are described to `on_bad_lines`; then the list is refused (InputError) unless
     `skip_invalid` leaves them out."""
     tags = parse_tags(request.tags)
+    # The model and its family's mode first: a list is read only for a run that can be made.
+    options = replace(request.options, mode=run_mode(request.options.model, request.options.mode))
     listed = read_filelist(request.filelist, request.root)
     references: dict[str, dict[str, Any]] = {}
     if request.ground_truth is not None:
@@ -193,7 +208,7 @@ def prepare_run(request: RunRequest, on_bad_lines: Callable[[str], None]) -> Pre
             raise InputError(
                 f"{request.filelist}: refused, nothing was recorded or enqueued (--skip-invalid to leave them out)"
             )
-    return PreparedRun(listed, request.options, request.name, tags, request.ground_truth, references)
+    return PreparedRun(listed, options, request.name, tags, request.ground_truth, references)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Checkpoints in the vendor layout (`config.json`, safetensors with the vendor key names, tokenizer) and
-the random-weight presets.
+"""Checkpoint directories of any model family (`config.json`, safetensors, tokenizer) and the
+random-weight presets.
 
-Vendor keys ↔ our module names: the decoder keys lose their `model.` prefix and go under
-`language_model.`, with each layer's 64 routed experts stacked into transformers' fused tensors; SAM keys
-get transformers' names (spec §11); CLIP, projector and the two learned vectors keep theirs.
+The directory's `config.json` picks the family and its layout (model/families.py); the family gives its
+config, its key map (its keys.py: checkpoint names ↔ our module names) and the shapes to expect. The
+vendor layouts store each routed expert on its own; the reader stacks them into transformers' fused
+tensors as it streams them (model/keys.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,105 +22,28 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsocr_workers.errors import CheckpointError, InputError
-from dsocr_workers.model.config import PRESETS, OCRConfig
-from dsocr_workers.model.modeling import DeepSeekOCR
+from dsocr_workers.errors import CheckpointError
+from dsocr_workers.model.families import (
+    ModelFamily,
+    all_presets,
+    detect,
+    family_of_config,
+    family_of_preset,
+    read_config_json,
+)
+from dsocr_workers.model.keys import OUR_EXPERTS, VENDOR_EXPERT
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
 SAFETENSORS_FILE = "model-00001-of-000001.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PRESET_METADATA_KEY = "dsocr_preset"  # marks a saved preset: its weights are random
 
-# SAM: vendor module path → transformers' (spec §11); block-internal norms are renamed separately.
-_SAM_PATHS = {
-    "blocks": "layers",
-    "patch_embed.proj": "patch_embed.projection",
-    "neck.0": "neck.conv1",
-    "neck.1": "neck.layer_norm1",
-    "neck.2": "neck.conv2",
-    "neck.3": "neck.layer_norm2",
-    "net_2": "proj.conv1",
-    "net_3": "proj.conv2",
-}
-_SAM_BLOCK_NORMS = {"norm1": "layer_norm1", "norm2": "layer_norm2"}
-
-
-def _rename_sam(name: str, paths: dict[str, str], norms: dict[str, str]) -> str:
-    for old, new in paths.items():
-        if name == old or name.startswith(old + "."):
-            name = new + name[len(old):]
-            break
-    parts = name.split(".")
-    if parts[0] in ("layers", "blocks") and len(parts) > 2:
-        parts[2] = norms.get(parts[2], parts[2])
-    return ".".join(parts)
-
-
-_VENDOR_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_OUR_EXPERTS = re.compile(r"language_model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-
-
-def _rename_to_ours(key: str) -> str:
-    if key.startswith("model.sam_model."):
-        return "sam." + _rename_sam(key.removeprefix("model.sam_model."), _SAM_PATHS, _SAM_BLOCK_NORMS)
-    if key.startswith("model.vision_model."):
-        return "clip." + key.removeprefix("model.vision_model.")
-    if key.startswith("model.projector.layers."):
-        return "projector." + key.removeprefix("model.projector.layers.")
-    if key in ("model.image_newline", "model.view_seperator"):
-        return key.removeprefix("model.")
-    if key.startswith("model."):
-        return "language_model." + key.removeprefix("model.")
-    return key  # lm_head.weight
-
-
-def _rename_to_vendor(key: str) -> str:
-    if key.startswith("sam."):
-        inverse_paths = {new: old for old, new in _SAM_PATHS.items()}
-        inverse_norms = {new: old for old, new in _SAM_BLOCK_NORMS.items()}
-        return "model.sam_model." + _rename_sam(key.removeprefix("sam."), inverse_paths, inverse_norms)
-    if key.startswith("clip."):
-        return "model.vision_model." + key.removeprefix("clip.")
-    if key.startswith("projector."):
-        return "model.projector.layers." + key.removeprefix("projector.")
-    if key in ("image_newline", "view_seperator"):
-        return "model." + key
-    if key.startswith("language_model."):
-        return "model." + key.removeprefix("language_model.")
-    return key
-
-
-def to_vendor_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict → the vendor's 2,710-key layout (experts unstacked)."""
-    vendor: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        match = _OUR_EXPERTS.fullmatch(key)
-        if match is None:
-            vendor[_rename_to_vendor(key)] = tensor
-            continue
-        layer, kind = match.groups()
-        prefix = f"model.layers.{layer}.mlp.experts"
-        for expert, weight in enumerate(tensor.unbind(0)):
-            if kind == "gate_up_proj":
-                gate, up = weight.chunk(2, dim=0)
-                vendor[f"{prefix}.{expert}.gate_proj.weight"] = gate
-                vendor[f"{prefix}.{expert}.up_proj.weight"] = up
-            else:
-                vendor[f"{prefix}.{expert}.down_proj.weight"] = weight
-    return vendor
-
-
-def expected_vendor_shapes(config: OCRConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = DeepSeekOCR(config)
-    return {key: tuple(t.shape) for key, t in to_vendor_state(model.state_dict()).items()}
-
-
 @dataclass(frozen=True)
 class LoadedModel:
-    model: DeepSeekOCR
+    model: Any  # the family's model class (an nn.Module)
     tokenizer: OCRTokenizer
-    config: OCRConfig
+    config: Any  # the family's config (its `text` is the shared decoder's TextDims)
+    family: ModelFamily
     fingerprint: str  # presets: `preset_fingerprint`; checkpoints: a hash of config + tensor headers/samples
     preset: str | None = None  # set for presets, also when loaded from a `save_preset` directory
     seed: int | None = None
@@ -166,7 +89,7 @@ def _fingerprint(directory: Path, files: list[Path]) -> str:
 
 
 def _validate(
-    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path
+    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], directory: Path, title: str
 ) -> None:
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
@@ -188,7 +111,7 @@ def _validate(
             f"{len(misshaped)} tensors with the wrong shape: "
             + listing(misshaped, lambda k: f"{k} {list(found[k])} (expected {list(expected[k])})")
         )
-    raise CheckpointError(f"{directory} does not match the DeepSeek-OCR architecture: " + "; ".join(problems))
+    raise CheckpointError(f"{directory} does not match the {title} architecture: " + "; ".join(problems))
 
 
 def load_checkpoint(
@@ -202,7 +125,8 @@ def load_checkpoint(
     """Load a vendor-layout checkpoint directory offline. Validates every tensor name and shape from the
     safetensors headers before reading any data, then streams the tensors onto `device` (`_read_state`)."""
     directory = Path(directory)
-    config = _read_config(directory)
+    family, layout, config = _read_config(directory)
+    keys = family.code().keys
     tokenizer = OCRTokenizer.from_dir(directory)
     files = _safetensors_files(directory)
     with ExitStack() as opened:
@@ -218,20 +142,24 @@ def load_checkpoint(
                     found[key] = tuple(handle.get_slice(key).get_shape())
             except Exception as exc:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-        _validate(found, expected_vendor_shapes(config), directory)
-        state = _read_state(handles, config, device, dtype)
-    model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
+        _validate(found, keys.expected_shapes(config, layout), directory, family.title)
+        state = _read_state(handles, config, device, dtype, lambda key: keys.to_ours(key, layout))
+    model = _materialize(family, config, state, device, dtype, attn_implementation, experts_implementation)
     preset, seed = _preset_tag(metadata.get(PRESET_METADATA_KEY))
-    return LoadedModel(model, tokenizer, config, _fingerprint(directory, files), preset, seed)
+    return LoadedModel(model, tokenizer, config, family, _fingerprint(directory, files), preset, seed)
 
 
 def _read_state(
-    handles: dict[str, Any], config: OCRConfig, device: torch.device, dtype: torch.dtype
+    handles: dict[str, Any],
+    config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    to_ours: Callable[[str], str],
 ) -> dict[str, torch.Tensor]:
     """Our state dict, read tensor by tensor from open safetensors files (vendor key → handle, opened
     with `device=`): each tensor is converted to `dtype` on the device, so the process never holds a
     second copy of the model. The routed experts are copied into transformers' fused tensors
-    (`_OUR_EXPERTS`); the caller has validated the names and shapes, so every slice gets written."""
+    (`OUR_EXPERTS`); the caller has validated the names and shapes, so every slice gets written."""
     count = config.text.n_routed_experts
     state: dict[str, torch.Tensor] = {}
 
@@ -242,9 +170,9 @@ def _read_state(
 
     for key, handle in handles.items():
         tensor = handle.get_tensor(key)
-        match = _VENDOR_EXPERT.fullmatch(key)
+        match = VENDOR_EXPERT.fullmatch(key)
         if match is None:
-            state[_rename_to_ours(key)] = tensor.to(dtype)
+            state[to_ours(key)] = tensor.to(dtype)
             continue
         layer, expert, kind = match.groups()
         prefix = f"language_model.layers.{layer}.mlp.experts"
@@ -258,65 +186,22 @@ def _read_state(
     return state
 
 
-def _read_config(directory: Path) -> OCRConfig:
-    if not directory.is_dir():
-        raise InputError(f"{directory}: not a checkpoint directory (nor a preset: {', '.join(PRESETS)})")
+def _read_config(directory: Path) -> tuple[ModelFamily, str, Any]:
+    """The family, layout and config of a checkpoint directory, from its `config.json`."""
     config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json")
+    family, layout = detect(read_config_json(directory), str(config_path))
     try:
-        return OCRConfig.from_vendor(json.loads(config_path.read_text()))
+        return family, layout, family.config_from(json.loads(config_path.read_text()), layout)
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from exc
 
 
-def model_config(source: str) -> OCRConfig:
-    """The architecture of a preset name or a checkpoint directory, without reading any weights."""
-    return PRESETS[source] if source in PRESETS else _read_config(Path(source))
-
-
-def build_vision_only(
-    config: OCRConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    attn_implementation: str = "eager",
-    experts_implementation: str = "eager",
-) -> DeepSeekOCR:
-    """The model with zeros for the weights of its vision encoders and projector on `device`, and its
-    language model on the meta device: enough to compile the vision graphs, which depend on the weights'
-    shapes, dtypes and devices, never their values (zeros: an index read from a buffer stays in range)."""
-    with torch.device("meta"):
-        model = DeepSeekOCR(config, attn_implementation, experts_implementation)
-    vision = {
-        key: torch.zeros(tensor.shape, device=device, dtype=dtype)
-        for key, tensor in model.state_dict().items()
-        if not key.startswith(("language_model.", "lm_head."))
-    }
-    model.load_state_dict(vision, strict=False, assign=True)
-    return model.eval().requires_grad_(False)
-
-
-def build_zeroed(
-    source: str,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    attn_implementation: str = "eager",
-    experts_implementation: str = "eager",
-) -> LoadedModel:
-    """The whole model of a preset or checkpoint directory with zeros for every weight, as a load leaves
-    it (`_materialize`), and its tokenizer; no weight is read. What the language compile helper compiles
-    the LM prefill and the decode step on (engine/coldstart/helpers.py): a graph depends on the weights'
-    shapes,
-    dtypes and devices, never their values."""
-    config = model_config(source)
-    with torch.device("meta"):
-        shapes = {key: tensor.shape for key, tensor in DeepSeekOCR(config).state_dict().items()}
-    state = {key: torch.zeros(shape, device=device, dtype=dtype) for key, shape in shapes.items()}
-    model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
-    tokenizer = OCRTokenizer.build_preset() if source in PRESETS else OCRTokenizer.from_dir(Path(source))
-    return LoadedModel(model, tokenizer, config, "zeros", None, None)
+def model_config(source: str) -> Any:
+    """The architecture (its family's config) of a preset name or a checkpoint directory, without
+    reading any weights."""
+    if source in all_presets():
+        return family_of_preset(source).presets[source]
+    return _read_config(Path(source))[2]
 
 
 def _preset_tag(tag: str | None) -> tuple[str | None, int | None]:
@@ -328,22 +213,24 @@ def _preset_tag(tag: str | None) -> tuple[str | None, int | None]:
 
 
 def _materialize(
-    config: OCRConfig,
+    family: ModelFamily,
+    config: Any,
     state: dict[str, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
     attn_implementation: str,
     experts_implementation: str,
-) -> DeepSeekOCR:
+) -> Any:
     """Build the module on the meta device (no wasted init of 3.3 B parameters), assign the tensors,
     then rebuild the non-persistent buffers (RoPE frequencies) on the target device."""
     with torch.device("meta"):
-        model = DeepSeekOCR(config, attn_implementation, experts_implementation)
+        model = family.code().model(config, attn_implementation, experts_implementation)
     state = {key: tensor.to(device=device, dtype=dtype) for key, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    rotary = type(model.language_model.rotary_emb)
-    with torch.device(device):
-        model.language_model.rotary_emb = rotary(config=model.language_model.config)
+    with torch.device(device):  # every RoPE table: the decoder's, and an encoder's that has one
+        for module in list(model.modules()):
+            if isinstance(getattr(module, "rotary_emb", None), torch.nn.Module) and hasattr(module, "config"):
+                module.rotary_emb = type(module.rotary_emb)(config=module.config)
     leftover = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if leftover:
         raise RuntimeError(f"buffers left on the meta device: {leftover}")
@@ -370,7 +257,7 @@ def _init_std(key: str, shape: tuple[int, ...]) -> float | None:
         return 0.1
     if len(shape) == 1:  # biases
         return 0.02
-    if _OUR_EXPERTS.fullmatch(key):
+    if OUR_EXPERTS.fullmatch(key):
         return shape[-1] ** -0.5
     fan_in = 1
     for size in shape[1:]:
@@ -433,7 +320,7 @@ def _fill_random_(flat: torch.Tensor, table: torch.Tensor, seed: int, key: str) 
 
 
 def preset_state(
-    config: OCRConfig,
+    config: Any,
     seed: int,
     *,
     device: torch.device = _CPU,
@@ -443,8 +330,9 @@ def preset_state(
     """Seeded random weights, tensor by tensor in state-dict order (or `keys`, in their order), made on
     `device` in `dtype` (`_fill_random_`). The values are bfloat16's whatever `dtype` (the
     vendor's storage dtype: a saved preset reloads bit-identically), and the same on every device."""
+    model_class = family_of_config(config).code().model
     with torch.device("meta"):
-        shapes = {key: tuple(t.shape) for key, t in DeepSeekOCR(config).state_dict().items()}
+        shapes = {key: tuple(t.shape) for key, t in model_class(config).state_dict().items()}
     stds = {key: _init_std(key, shapes[key]) for key in (shapes if keys is None else keys)}
     scales = sorted({std for std in stds.values() if std is not None})
     # Every table at once: a handful of operations, not a handful per tensor.
@@ -474,25 +362,25 @@ def build_preset(
     experts_implementation: str = "eager",
 ) -> LoadedModel:
     """A preset's model with its seeded random weights made on `device` (no host copy, no checkpoint)."""
-    if name not in PRESETS:
-        raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    config = PRESETS[name]
+    family = family_of_preset(name)
+    config = family.presets[name]
     state = dict(preset_state(config, seed, device=device, dtype=dtype))
-    model = _materialize(config, state, device, dtype, attn_implementation, experts_implementation)
-    return LoadedModel(model, OCRTokenizer.build_preset(), config, preset_fingerprint(name, seed), name, seed)
+    model = _materialize(family, config, state, device, dtype, attn_implementation, experts_implementation)
+    return LoadedModel(
+        model, OCRTokenizer.build_preset(), config, family, preset_fingerprint(name, seed), name, seed
+    )
 
 
 def save_preset(name: str, directory: str | Path, *, seed: int = 0, device: torch.device = _CPU) -> Path:
     """Write a preset as a checkpoint directory in the vendor layout; it then loads through
     `load_checkpoint` to the same values `build_preset` makes. The weights are made on `device` (a GPU
     writes the same bytes; the CPU by default: no CUDA context behind a caller's back)."""
-    if name not in PRESETS:
-        raise InputError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    config = PRESETS[name]
+    family = family_of_preset(name)
+    config = family.presets[name]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = dict(preset_state(config, seed, device=device))
-    vendor = {key: tensor.contiguous().cpu() for key, tensor in to_vendor_state(state).items()}
+    vendor = {key: t.contiguous().cpu() for key, t in family.code().keys.to_vendor_state(state).items()}
     del state  # on a GPU: the device's copy goes before the file is written
     save_file(
         vendor,

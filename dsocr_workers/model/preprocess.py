@@ -1,17 +1,15 @@
-"""Image and prompt preprocessing with the vendor's numerics (spec §3–5).
+"""What every family's preprocessing shares (spec §3–5): the prepared page, the vendor's pixel
+normalisation, the prompt and its ids, and the tiling rule both vendors' remote code use (only the tile
+size and the crop limits differ).
 
-Every resampling step goes through Pillow, as the vendor's does, so the pixels fed to the model are
+Every resampling step goes through Pillow, as the vendors' does, so the pixels fed to the model are
 bit-identical; only the uint8 → float normalisation is ours (vectorised in torch, same float32 ops).
-Untrusted files are opened by model/images.py (a format allowlist and a pixel limit; anything wrong is an
-`InputError` with a reason a person can act on).
+A family's own schedule (modes, tile size, token counts) is its package's `preprocess.py`.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -19,15 +17,7 @@ import torch
 from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import (
-    BOS_TOKEN_ID,
-    DEFAULT_MODE,
-    IMAGE_TOKEN_ID,
-    MAX_CROPS,
-    ModeSpec,
-    get_mode,
-)
-from dsocr_workers.model.images import MAX_PIXELS, load_image
+from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, ModeSpec
 
 DEFAULT_PROMPT = "<image>\n<|grounding|>Convert the document to markdown."
 # The vendor's prompt list (README / vLLM config); "locate" needs an argument and is left to callers.
@@ -39,11 +29,8 @@ PROMPTS: dict[str, str] = {
     "describe": "<image>\nDescribe this image in detail.",
 }
 IMAGE_PLACEHOLDER = "<image>"
-
-TILE_SIZE = 640  # hard-wired in the vendor's tiling, whatever the mode's image_size
 PAD_COLOR = (127, 127, 127)  # int(0.5 * 255) per channel: the normalisation mean
-PATCH_SIZE = 16
-DOWNSAMPLE = 4  # SAM's 16-px patches, then the 4x (two stride-2 convs) compressor
+
 
 @dataclass(frozen=True)
 class PreparedPage:
@@ -53,7 +40,7 @@ class PreparedPage:
     input_ids: torch.Tensor  # int64 [L]: BOS, text before <image>, N placeholders, text after
     images_seq_mask: torch.Tensor  # bool [L], True exactly at the N placeholders
     global_pixels: torch.Tensor  # uint8 [1, 3, S, S]
-    tile_pixels: torch.Tensor | None  # uint8 [cols*rows, 3, 640, 640] row-major; None without tiles
+    tile_pixels: torch.Tensor | None  # uint8 [cols*rows, 3, T, T] row-major; None without tiles
     crop_grid: tuple[int, int]  # (cols, rows); (1, 1) without tiles
     image_tokens: int  # N
     prompt_tokens: int  # L
@@ -79,15 +66,15 @@ class PreparedPage:
 
     @property
     def tiles(self) -> torch.Tensor | None:
-        """float32 [cols*rows, 3, 640, 640] normalised tiles, or None."""
+        """float32 [cols*rows, 3, T, T] normalised tiles, or None."""
         return None if self.tile_pixels is None else normalize_pixels(self.tile_pixels)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tiling and token schedule
+# Tiling
 
 
-def crop_candidates(min_crops: int = 2, max_crops: int = MAX_CROPS) -> list[tuple[int, int]]:
+def crop_candidates(min_crops: int, max_crops: int) -> list[tuple[int, int]]:
     """(cols, rows) grids with min_crops <= cols*rows <= max_crops in the vendor's order.
 
     The vendor sorts a *set* by tile count, so among grids with the same count the order is CPython's
@@ -104,7 +91,7 @@ def crop_candidates(min_crops: int = 2, max_crops: int = MAX_CROPS) -> list[tupl
 
 
 def select_crop_grid(
-    width: int, height: int, *, min_crops: int = 2, max_crops: int = MAX_CROPS, tile: int = TILE_SIZE
+    width: int, height: int, *, tile: int, max_crops: int, min_crops: int = 2
 ) -> tuple[int, int]:
     """The (cols, rows) tile grid of crop mode (spec §3.5); (1, 1) when the image fits one tile."""
     if width <= 0 or height <= 0:
@@ -126,27 +113,32 @@ def select_crop_grid(
     return best
 
 
-def _queries(side: int) -> int:
-    return math.ceil((side // PATCH_SIZE) / DOWNSAMPLE)
+def cut_tiles(image: Image.Image, grid: tuple[int, int], tile: int) -> torch.Tensor:
+    """The whole image stretched to the grid (BICUBIC, aspect ignored), cut row-major: uint8
+    [cols*rows, 3, tile, tile]."""
+    cols, rows = grid
+    stretched = image.resize((tile * cols, tile * rows), Image.Resampling.BICUBIC)
+    hwc = np.asarray(stretched)  # [rows*tile, cols*tile, 3] uint8
+    # Cut row-major (tile k at column k % cols, row k // cols) while still uint8.
+    tiles = hwc.reshape(rows, tile, cols, tile, 3).transpose(0, 2, 4, 1, 3)
+    return _chw(tiles.reshape(rows * cols, 3, tile, tile))
 
 
-def count_image_tokens(mode: ModeSpec, crop_grid: tuple[int, int]) -> int:
-    """Placeholder count N (spec §4.1): rows of the global grid, each + image_newline, + view_seperator,
-    plus, with tiles, the local grid's rows (each + image_newline)."""
-    q = _queries(mode.global_size)
-    n = q * (q + 1) + 1
-    cols, rows = crop_grid
-    if cols > 1 or rows > 1:
-        qt = _queries(mode.image_size)
-        n += (rows * qt) * (cols * qt + 1)
-    return n
+def padded_view(image: Image.Image, size: int) -> torch.Tensor:
+    """The image padded to a `size` square around its aspect-preserving BICUBIC resize, grey fill: uint8
+    [1, 3, size, size]. Pillow's own pad: its paste offset is round-half-even (3000x500 → y 426), part
+    of parity."""
+    return to_tensor(ImageOps.pad(image, (size, size), Image.Resampling.BICUBIC, color=PAD_COLOR))
 
 
-def most_image_tokens(mode: ModeSpec, max_crops: int = MAX_CROPS) -> int:
-    """The most placeholders a page can take in `mode`: with tiles, the grid whose rows bring the most
-    newlines (1×9 takes 80 more than 9×1, for the same tiles)."""
-    grids = crop_candidates(2, max_crops) if mode.crop_mode else []
-    return max(count_image_tokens(mode, grid) for grid in [(1, 1), *grids])
+def _chw(uint8: np.ndarray) -> torch.Tensor:
+    # The channel-first copy is made on uint8 by numpy (several times faster than a strided torch copy).
+    return torch.from_numpy(np.require(uint8, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB image as uint8 [1, 3, H, W]."""
+    return _chw(np.asarray(image).transpose(2, 0, 1)).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,19 +163,30 @@ def build_prompt(prompt: str | None) -> str:
     return text
 
 
-def _text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
+def text_ids(text: str, encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
     """The prompt's ids before and after its image placeholder."""
     before, after = text.split(IMAGE_PLACEHOLDER)
     return (list(encode(before)) if before else []), (list(encode(after)) if after else [])
 
 
-def longest_prompt(
-    encode: Callable[[str], list[int]], mode: str | ModeSpec, prompt: str | None, max_crops: int = MAX_CROPS
-) -> int:
-    """The most prompt tokens a page can make in `mode` with `prompt`: BOS, the text, and the image
-    placeholders of its largest grid (`most_image_tokens`)."""
-    ids_before, ids_after = _text_ids(build_prompt(prompt), encode)
-    return 1 + len(ids_before) + most_image_tokens(get_mode(mode), max_crops) + len(ids_after)
+def prompt_ids(
+    text: str, encode: Callable[[str], list[int]], image_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page's ids (one BOS, the text with `image_tokens` placeholders for its image) and the mask
+    that is True exactly at the placeholders."""
+    ids_before, ids_after = text_ids(text, encode)
+    ids = [BOS_TOKEN_ID, *ids_before, *([IMAGE_TOKEN_ID] * image_tokens), *ids_after]
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    start = 1 + len(ids_before)
+    mask[start : start + image_tokens] = True
+    return torch.tensor(ids, dtype=torch.int64), mask
+
+
+def longest_prompt(encode: Callable[[str], list[int]], prompt: str | None, most_image_tokens: int) -> int:
+    """The most prompt tokens a page can make with `prompt` when its image takes at most
+    `most_image_tokens` placeholders: BOS, the text and the placeholders."""
+    ids_before, ids_after = text_ids(build_prompt(prompt), encode)
+    return 1 + len(ids_before) + most_image_tokens + len(ids_after)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,85 +204,7 @@ def normalize_pixels(pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -
 _NORMALIZED_BYTES = normalize_pixels(torch.arange(256, dtype=torch.uint8)).double()
 
 
-def _sums_to_zero(pixels: torch.Tensor) -> bool:
+def sums_to_zero(pixels: torch.Tensor) -> bool:
     """Whether the normalised pixels sum to exactly 0, from the byte histogram (no float copy)."""
     counts = torch.bincount(pixels.flatten(), minlength=256).double()
     return bool((counts * _NORMALIZED_BYTES).sum() == 0)
-
-
-def _chw(uint8: np.ndarray) -> torch.Tensor:
-    # The channel-first copy is made on uint8 by numpy (several times faster than a strided torch copy).
-    return torch.from_numpy(np.require(uint8, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
-
-
-def _global_view(image: Image.Image, mode: ModeSpec) -> Image.Image:
-    size = mode.global_size
-    if not mode.crop_mode and size <= TILE_SIZE:
-        # tiny/small: a direct, aspect-distorting resize (the vendor's pad after it is a no-op)
-        return image.resize((size, size), Image.Resampling.BICUBIC)
-    # Pillow's own pad: its paste offset is round-half-even (3000x500 → y 426), part of parity.
-    return ImageOps.pad(image, (size, size), Image.Resampling.BICUBIC, color=PAD_COLOR)
-
-
-def _tiles(image: Image.Image, grid: tuple[int, int]) -> torch.Tensor:
-    cols, rows = grid
-    stretched = image.resize((TILE_SIZE * cols, TILE_SIZE * rows), Image.Resampling.BICUBIC)
-    hwc = np.asarray(stretched)  # [rows*640, cols*640, 3] uint8
-    # Cut row-major (tile k at column k % cols, row k // cols) while still uint8.
-    tiles = hwc.reshape(rows, TILE_SIZE, cols, TILE_SIZE, 3).transpose(0, 2, 4, 1, 3)
-    return _chw(tiles.reshape(rows * cols, 3, TILE_SIZE, TILE_SIZE))
-
-
-def _to_tensor(image: Image.Image) -> torch.Tensor:
-    return _chw(np.asarray(image).transpose(2, 0, 1)).unsqueeze(0)
-
-
-def prepare_page(
-    image: str | os.PathLike | bytes | Image.Image,
-    encode: Callable[[str], list[int]],
-    *,
-    mode: str | ModeSpec = DEFAULT_MODE,
-    prompt: str | None = None,
-    max_crops: int = MAX_CROPS,
-    max_pixels: int = MAX_PIXELS,
-) -> PreparedPage:
-    """One page → model inputs. `encode` is the tokenizer's encode without added special tokens.
-
-    max_crops: 9 in the HF vendor path, 6 in the vendor vLLM path (crop mode only)."""
-    spec = get_mode(mode)
-    text = build_prompt(prompt)
-    original = load_image(image, max_pixels=max_pixels)
-
-    grid = (1, 1)
-    if spec.crop_mode:
-        grid = select_crop_grid(original.width, original.height, max_crops=max_crops)
-    if grid == (1, 1):
-        global_view, tiles = _to_tensor(_global_view(original, spec)), None
-    else:
-        # The tiles' resize on a thread of its own while this one makes the global view (PIL resizes
-        # without the GIL); a thread per call, no pool: nothing outlives the call into a later fork.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-tiles") as side:
-            tiles_made = side.submit(_tiles, original, grid)
-            global_view = _to_tensor(_global_view(original, spec))
-            tiles = tiles_made.result()
-
-    n_image = count_image_tokens(spec, grid)
-    ids_before, ids_after = _text_ids(text, encode)
-    ids = [BOS_TOKEN_ID, *ids_before, *([IMAGE_TOKEN_ID] * n_image), *ids_after]
-    input_ids = torch.tensor(ids, dtype=torch.int64)
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    start = 1 + len(ids_before)
-    mask[start : start + n_image] = True
-
-    return PreparedPage(
-        input_ids=input_ids,
-        images_seq_mask=mask,
-        global_pixels=global_view,
-        tile_pixels=tiles,
-        crop_grid=grid,
-        image_tokens=n_image,
-        prompt_tokens=len(ids),
-        original=original,
-        mode=spec,
-        injects_image=not _sums_to_zero(global_view),
-    )

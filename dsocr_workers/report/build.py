@@ -20,6 +20,7 @@ import numpy as np
 from dsocr_workers.engine.result import STOP_REASONS
 from dsocr_workers.quality.matching import ONE_TO_ONE
 from dsocr_workers.report import kernel_tables
+from dsocr_workers.report.models_compared import model_differences, page_differences
 from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import TERMS as SERVING_TERMS
 from dsocr_workers.report.serving import (
@@ -40,7 +41,17 @@ from dsocr_workers.report.throughput import (
     wall_clock_s,
 )
 from dsocr_workers.settings import LEASE_SECONDS, read
-from dsocr_workers.stages import BY_COLUMN, LATENCY_TABLE, PARTS, PER_IMAGE_TABLE, Timing, depth, shown_in
+from dsocr_workers.stages import (
+    BY_COLUMN,
+    LATENCY_TABLE,
+    PARTS,
+    PER_IMAGE_TABLE,
+    TIMINGS,
+    Timing,
+    depth,
+    shown_in,
+    unmeasured,
+)
 from dsocr_workers.store.models import IN_PROCESS_QUEUE, JobAttempt, Result, WorkerProcess, utcnow
 
 RANDOM_WEIGHTS_WARNING = (
@@ -113,8 +124,15 @@ def beside(timings: tuple[Timing, ...], extra: dict[str, list[Metric]]) -> list[
 
 # The registry's latency figures (TTFT: preprocess + from the device start, a prefetched page's too),
 # TTFT from the claim after TTFT, the decode steps after decode.
-LATENCY = beside(shown_in(LATENCY_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]})
-PER_IMAGE = beside(shown_in(PER_IMAGE_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM]})
+def latency(results: list[Result]) -> list[Metric]:
+    """The latency figures of `results`: the stages their model families measured."""
+    return beside(
+        shown_in(LATENCY_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]}
+    )
+
+
+def per_image(results: list[Result]) -> list[Metric]:
+    return beside(shown_in(PER_IMAGE_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM]})
 OUTPUT = [
     TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
@@ -266,7 +284,7 @@ def run_differences(a: RunData, b: RunData) -> list[str]:
                 "dtype that ran": ", ".join(sorted({r.dtype or "" for r in results})),
                 "GPU type": ", ".join(sorted(gpus))}
 
-    differences = [] if a.run.model == b.run.model else [f"model (A {a.run.model}, B {b.run.model})"]
+    differences = model_differences(a, b)
     for name in COMPARED_PARAMETERS:
         value_a, value_b = a.run.parameters.get(name), b.run.parameters.get(name)
         if value_a != value_b:
@@ -353,7 +371,7 @@ def single_report(
     if data.steps:  # a run at --concurrency above 1
         report.tables.append(batch_steps_table(data))
     rows = []
-    for metric in LATENCY + OUTPUT + MEMORY:
+    for metric in latency(results) + OUTPUT + MEMORY:
         s = summarize(metric, results)
         if s.n or metric not in MEMORY:
             rows.append([metric.label, s.jobs, s.n, s.mean, s.p50, s.p90, s.p99])
@@ -690,12 +708,13 @@ def _loop_cell(r: Result) -> str | None:
 
 
 def _per_image(data: RunData) -> Table:
+    figures = per_image(list(data.results.values()))
     job_columns = ["image", "repeat", "job id", "state", "attempts"]
     columns = [
         *job_columns,
         "worker",
         "device",
-        *(m.label.strip() for m in PER_IMAGE),
+        *(m.label.strip() for m in figures),
         "tokens",
         "wasted steps",
         "ms/token p50",
@@ -719,7 +738,7 @@ def _per_image(data: RunData) -> Table:
             [
                 lane_key(data, r),
                 r.device,
-                *(next(iter(m.values(r)), None) for m in PER_IMAGE),
+                *(next(iter(m.values(r)), None) for m in figures),
                 r.decode_tokens,
                 r.wasted_steps,
                 r.decode_ms_per_token_p50,
@@ -777,9 +796,19 @@ def comparison_report(
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
-    for metric in LATENCY + MEMORY[:1]:
+    # A model family's own stage that only one run measured (CLIP against the Qwen2 encoder): shown on
+    # the side that ran it, without a ratio.
+    hidden_a, hidden_b = unmeasured(paired_a), unmeasured(paired_b)
+    one_sided = {timing_metric(t).label: t.column in hidden_b for t in TIMINGS if t.column in hidden_a ^ hidden_b}
+    for metric in latency(paired_a + paired_b) + MEMORY[:1]:
         sa, sb = summarize(metric, paired_a), summarize(metric, paired_b)
         if not (sa.n or sb.n):
+            continue
+        if metric.label in one_sided:
+            only_a = one_sided[metric.label]
+            for statistic, in_a, in_b in (("mean", sa.mean, sb.mean), ("p50", sa.p50, sb.p50)):
+                rows.append([metric.label, statistic, len(pairs), in_a if only_a else None,
+                             None if only_a else in_b, None, "one model's stage"])  # fmt: skip
             continue
         ratios = paired_ratios([metric.values(r) for r in paired_b], [metric.values(r) for r in paired_a])
         rows.append([metric.label, "mean", len(pairs), sa.mean, sb.mean, ratios.mean, verdict(ratios.mean)])
@@ -796,6 +825,8 @@ def comparison_report(
 
         report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
+    if a.run.model != b.run.model:
+        report.tables.append(page_differences(a, b, all_a, all_b))
     if per_image:
         report.tables.append(_per_image_pairs(all_a, all_b))
     report.differences = run_differences(a, b)

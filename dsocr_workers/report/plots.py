@@ -24,7 +24,7 @@ from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import serving
 from dsocr_workers.report.tables import short_kernel_name
 from dsocr_workers.report.throughput import services, steady_state_throughput
-from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in
+from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in, unmeasured
 from dsocr_workers.store.models import Result
 
 DPI = 100
@@ -95,7 +95,8 @@ CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN
 
 def stage_ms(result: Result) -> dict[str, float]:
     """Milliseconds of each bar of one job; they add up to its e2e."""
-    bars = {label: sum(getattr(result, column) for column in columns) for label, columns in BARS.items()}
+    # A family's stage is NULL in rows measured before it existed, 0 in another family's.
+    bars = {label: sum(getattr(result, column) or 0.0 for column in columns) for label, columns in BARS.items()}
     bars[GAPS] = (E2E.of(result) or 0.0) - sum(bars.values())
     return bars
 
@@ -133,13 +134,16 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
     title = "Stage breakdown per image"
     figure = Figure(figsize=(WIDTH_IN, 1.2 + 3.4 * len(sides)), layout="constrained")
     axes = figure.subplots(len(sides), 1, squeeze=False, sharey=True)[:, 0]
+    # The bars of the stages the runs measured: a model family's own stage only where one of them ran it.
+    measured = breakdown_bars(unmeasured(r for side in sides for r in side.data.results.values()))
+    colors = {label: color for label, color in STAGE_COLORS.items() if label in measured or label == GAPS}
     for ax, side in zip(axes, sides, strict=True):
         jobs = [(j, side.data.results[j.id]) for j in side.data.jobs if j.id in side.data.results]
         repeats = 1 + max((j.repeat for j, _ in jobs), default=0)
         x = np.arange(len(jobs))
         bottom = np.zeros(len(jobs))
         per_job = [stage_ms(r) for _, r in jobs]
-        for label, color in STAGE_COLORS.items():
+        for label, color in colors.items():
             heights = np.array([bars[label] for bars in per_job])
             bars = ax.bar(x, heights, bottom=bottom, color=color, edgecolor="white", linewidth=0.3)
             for patch, (_, result) in zip(bars, jobs, strict=True):
@@ -160,7 +164,7 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
         if not jobs:
             ax.text(0.5, 0.5, "no results", transform=ax.transAxes, ha="center", color="#666666")
     # Patches of their own: the bars' would carry the first job's hatch into the legend.
-    legend = [Patch(color=color, label=label) for label, color in STAGE_COLORS.items()]
+    legend = [Patch(color=color, label=label) for label, color in colors.items()]
     legend.append(Patch(facecolor="white", edgecolor="#555555", hatch=COLD_HATCH, label="cold"))
     figure.legend(handles=legend, ncols=len(legend), fontsize=8, loc="outside lower center")
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")

@@ -48,6 +48,8 @@ class Run(Base):
     root: Mapped[str] = mapped_column(Text)  # absolute; job images are relative to it
     model: Mapped[str] = mapped_column(Text)  # preset name or checkpoint directory
     model_label: Mapped[str] = mapped_column(Text)
+    # The model family (model/families.py), e.g. "deepseek-ocr", "deepseek-ocr2".
+    model_family: Mapped[str] = mapped_column(String(64), server_default="deepseek-ocr")
     random_weights: Mapped[bool]
     queue: Mapped[str] = mapped_column(String(200))
     # Everything that decides what a job computes: mode, prompt, max_new_tokens, ignore_eos, engine,

@@ -26,7 +26,7 @@ from dsocr_workers.engine.coldstart.artifacts import Environment
 from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.fast import FastEngine
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 ENGINE = FastEngine()
 KERNELS = {**ENGINE.kernels(), "experts_implementation": "batched_mm"}  # no Triton on a CPU
@@ -146,8 +146,8 @@ if sys.argv[1] == "worker":
     found["eager_tokens"] = session.run_inference(page, mode="tiny", max_new_tokens=16, infer=options).token_ids
 print(json.dumps(found))
 """
-TINY_REGIONS = ["batched_step", "batched_step", "clip_block", "decode_step", "lm_layer", "lm_layer", "sam_block",
-                "sam_block"]  # fmt: skip
+TINY_REGIONS = ["batched_step", "batched_step", "decode_step", "lm_layer", "lm_layer", "sam_block", "sam_block",
+                "view_block"]  # fmt: skip
 
 
 # A build compiles six packages with inductor's C++ (~3 CPU-minutes); CI runs it beside other tests on 2 cores.

@@ -22,7 +22,8 @@ from dsocr_workers.engine.batched.scheduler import (
     buckets_for,
 )
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.model.config import EOS_TOKEN_ID, get_mode
+from dsocr_workers.model.config import EOS_TOKEN_ID
+from dsocr_workers.model.deepseek_ocr.config import get_mode
 
 POSITIONS = 200  # the model's
 

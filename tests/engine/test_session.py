@@ -17,8 +17,9 @@ from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 from dsocr_workers.engine.verify import run_checks, teacher_forced_agreement
 from dsocr_workers.errors import InputError
 from dsocr_workers.model.checkpoint import save_preset
-from dsocr_workers.model.config import EOS_TOKEN_ID, PRESETS
-from dsocr_workers.model.modeling import CACHE_ARGUMENT
+from dsocr_workers.model.config import EOS_TOKEN_ID
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 
 def page(width: int, height: int) -> Image.Image:

@@ -6,6 +6,7 @@ run them."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from sqlalchemy import select
@@ -15,6 +16,7 @@ from dsocr_workers.farm.job.execute import execute_job, run_in_batch
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 from dsocr_workers.settings import Settings
 from dsocr_workers.store.models import Job, WorkerSession
 
@@ -57,7 +59,9 @@ def test_a_job_whose_model_is_not_open_goes_back_in_line_and_runs_once_opened(da
 
 
 def test_a_model_that_failed_to_open_fails_its_job_with_that_error(database, tmp_path, make_png):
-    (tmp_path / "empty").mkdir()  # a directory without a checkpoint: its load raises a CheckpointError
+    # A directory with a family's config.json and no weights: recorded, its load raises a CheckpointError.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(PRESETS["tiny"].to_vendor()))
     broken = RunOptions(model=str(tmp_path / "empty"), mode="tiny", max_new_tokens=4, engine="eager")
     (job_id,) = recorded_run(database, tmp_path, make_png, broken).job_ids
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")

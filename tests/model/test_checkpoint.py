@@ -19,12 +19,12 @@ from dsocr_workers.model.checkpoint import (
     SAFETENSORS_FILE,
     _hash32_,
     build_preset,
-    expected_vendor_shapes,
     load_checkpoint,
     preset_state,
     save_preset,
 )
-from dsocr_workers.model.config import PRESETS, OCRConfig
+from dsocr_workers.model.deepseek_ocr.config import PRESETS, OCRConfig
+from dsocr_workers.model.deepseek_ocr.keys import expected_shapes as expected_vendor_shapes
 from dsocr_workers.model.tokenizer import OCRTokenizer, vendor_added_tokens
 
 VENDOR_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "deepseek-ocr"
@@ -93,8 +93,8 @@ def test_saved_preset_loads_with_identical_logits(tiny_dir):
         a = in_memory.logits(in_memory.language_model(input_ids=ids).last_hidden_state)
         b = loaded.model.logits(loaded.model.language_model(input_ids=ids).last_hidden_state)
         pixels = torch.randn(1, 3, 640, 640)
-        va = in_memory.encode_clip(in_memory.encode_sam(pixels))
-        vb = loaded.model.encode_clip(loaded.model.encode_sam(pixels))
+        va = in_memory.encode_views(in_memory.encode_sam(pixels))
+        vb = loaded.model.encode_views(loaded.model.encode_sam(pixels))
     assert torch.equal(a, b)
     assert torch.equal(va, vb)
 

@@ -9,8 +9,8 @@ import torch
 
 from dsocr_workers.engine.sampling import ARGMAX_ROWS, first_argmax
 from dsocr_workers.model.checkpoint import build_preset
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
 from dsocr_workers.model.fused import FusedGateUpMLP, FusedQKVAttention, fuse_projections
-from dsocr_workers.model.modeling import CACHE_ARGUMENT
 from dsocr_workers.model.selected_experts import MAX_PAIRS, SELECTED_EXPERTS, selected_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,9 +144,9 @@ def test_first_argmax_is_argmax_ties_included():
 def test_sam_with_folded_relative_positions_equals_transformers(size):
     """The full model's SAM dims (head dim 64; 14×14 windows and global blocks), float32: the relative
     positions as extra query/key channels give transformers' attention-bias result."""
-    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
+    from dsocr_workers.model.sam import build_sam
     from dsocr_workers.model.sam_attention import FoldedRelPosAttention, fold_relative_positions
-    from dsocr_workers.model.vision import build_sam
 
     torch.manual_seed(0)
     dims = PRESETS["full"].sam
@@ -216,9 +216,9 @@ def test_fold_kernel_builds_the_torch_operands(dtype, batch, height, width, chan
 def test_sam_mlp_with_gelu_in_the_gemm_follows_transformers(dtype):
     """SAM's MLP block with lin1's bias and GELU in one GEMM: on a GPU in bfloat16 cuBLASLt's epilogue
     (tanh GELU) within bfloat16's rounding of transformers' block; float32 (and a CPU) the exact GELU."""
-    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
+    from dsocr_workers.model.sam import build_sam
     from dsocr_workers.model.sam_mlp import FusedGeluMLP, fuse_gelu_into_lin1
-    from dsocr_workers.model.vision import build_sam
 
     torch.manual_seed(0)
     sam = build_sam(replace(PRESETS["full"].sam, layers=1, global_attn_indexes=())).to(DEVICE, dtype).eval()
@@ -247,9 +247,9 @@ def test_sam_mlp_with_gelu_in_the_gemm_follows_transformers(dtype):
 def test_patch_embedding_as_matmul_equals_the_convolution():
     """The full model's SAM patch embedding (16×16 at stride 16, 3 → 768), float32, a 1024-px view and
     two 640-px tiles: the GEMM over unfolded patches gives the convolution's output."""
-    from dsocr_workers.model.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
+    from dsocr_workers.model.sam import build_sam
     from dsocr_workers.model.sam_patches import PatchEmbeddingMatmul, embed_patches_by_matmul
-    from dsocr_workers.model.vision import build_sam
 
     torch.manual_seed(0)
     sam = build_sam(replace(PRESETS["full"].sam, layers=1, global_attn_indexes=())).eval()
@@ -272,8 +272,8 @@ def test_patch_embedding_as_matmul_equals_the_convolution():
 def test_clip_layer_over_view_groups_equals_each_group_alone():
     """The full model's CLIP layer, float32: a global view (257 positions) and three tiles (101 each)
     packed as rows give each group's own forward; attention never crosses views."""
-    from dsocr_workers.model.config import PRESETS
-    from dsocr_workers.model.vision import ClipLayer
+    from dsocr_workers.model.deepseek_ocr.config import PRESETS
+    from dsocr_workers.model.deepseek_ocr.vision import ClipLayer
 
     torch.manual_seed(0)
     layer = ClipLayer(PRESETS["full"].clip).eval()

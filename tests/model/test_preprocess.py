@@ -15,17 +15,16 @@ from PIL import Image, ImageOps
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.model import preprocess as pp
-from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID, MODES
-from dsocr_workers.model.images import ImageProbe, load_image, probe_image
-from dsocr_workers.model.preprocess import (
-    DEFAULT_PROMPT,
-    PROMPTS,
-    build_prompt,
+from dsocr_workers.model.config import BOS_TOKEN_ID, IMAGE_TOKEN_ID
+from dsocr_workers.model.deepseek_ocr.config import MODES
+from dsocr_workers.model.deepseek_ocr.preprocess import (
     count_image_tokens,
+    crop_grid,
     most_image_tokens,
     prepare_page,
-    select_crop_grid,
 )
+from dsocr_workers.model.images import ImageProbe, load_image, probe_image
+from dsocr_workers.model.preprocess import DEFAULT_PROMPT, PROMPTS, build_prompt
 
 
 def byte_encode(text: str) -> list[int]:
@@ -95,7 +94,7 @@ GUNDAM = MODES["gundam"]
     ],
 )
 def test_crop_grid_and_gundam_tokens(width, height, max_crops, grid, tokens):
-    assert select_crop_grid(width, height, max_crops=max_crops) == grid
+    assert crop_grid(width, height, max_crops) == grid
     assert count_image_tokens(GUNDAM, grid) == tokens
 
 
@@ -124,9 +123,9 @@ def test_crop_candidates_match_the_vendor_set_order():
 
 def test_crop_grid_rejects_bad_arguments():
     with pytest.raises(InputError):
-        select_crop_grid(0, 100)
+        crop_grid(0, 100)
     with pytest.raises(InputError):
-        select_crop_grid(1000, 1000, max_crops=1)
+        crop_grid(1000, 1000, 1)
 
 
 # --- prompt --------------------------------------------------------------------------------------------

@@ -52,20 +52,26 @@ class Page:
     stop_reason: StopReason = "max_new_tokens"
     loop: RepetitionLoop | None = None
     mode: str = "tiny"
+    encoder: str = "clip_ms"  # the model family's view encoder stage: "qwen2_ms" for DeepSeek-OCR-2
+    image_tokens: int = 16
 
 
 def fake_result(page: Page) -> InferenceResult:
     s = page.scale
     parts = StageTimings(
         clock="perf_counter", preprocess_ms=1 * s, setup_ms=0.5 * s, prefill_ms=10 * s, vision_ms=6 * s,
-        sam_ms=3 * s, clip_ms=2 * s, projector_ms=1 * s, lm_prefill_ms=4 * s, first_token_ms=0.5 * s,
+        sam_ms=3 * s, projector_ms=1 * s, lm_prefill_ms=4 * s, first_token_ms=0.5 * s,
         decode_ms=page.steps * 2 * s, decode_step_ms=[2 * s] * page.steps, wasted_decode_ms=page.wasted * 2 * s,
         readback_ms=0.2 * s, postprocess_ms=0.3 * s, host_gap_ms=0.1 * s,
     )  # fmt: skip
+    parts = replace(parts, **{page.encoder: 2 * s})
     # A nested figure named nowhere above (a stage added to the registry later) gets a time of its own, so
-    # that every figure has a spread over pages; nested figures are no parts, the identity holds.
-    named = {"vision_ms", "sam_ms", "clip_ms", "projector_ms", "lm_prefill_ms"}
-    parts = replace(parts, **{t.column: 0.1 * s for t in TIMINGS if t.parent is not None and t.column not in named})
+    # that every figure has a spread over pages; nested figures are no parts, the identity holds. Another
+    # family's view encoder stays unmeasured (0), as the engine leaves it.
+    named = {"vision_ms", "sam_ms", "clip_ms", "qwen2_ms", "projector_ms", "lm_prefill_ms"}
+    parts = replace(parts, **{
+        t.column: 0.1 * s for t in TIMINGS if t.parent is not None and t.column not in named and not t.family_stage
+    })
     from_start = parts.setup_ms + parts.prefill_ms + parts.first_token_ms
     timings = replace(parts, ttft_ms=parts.preprocess_ms + from_start, e2e_ms=sum(parts.parts_ms.values()),
                       ttft_from_device_start_ms=from_start, tpot_ms=2 * s)  # fmt: skip
@@ -75,7 +81,7 @@ def fake_result(page: Page) -> InferenceResult:
     span = DeviceSpan(started, started + from_start / 1e3, started + on_device / 1e3)
     return InferenceResult(
         text=page.markup, token_ids=list(range(page.steps + 1)), stop_reason=page.stop_reason,
-        prompt_tokens=20, image_tokens=16, crop_grid=(1, 1), mode=page.mode, image_size=(320, 420),
+        prompt_tokens=4 + page.image_tokens, image_tokens=page.image_tokens, crop_grid=(1, 1), mode=page.mode, image_size=(320, 420),
         timings=timings, boxes=[{"label": "text", "box": [0, 0, 1, 1]}] * page.boxes, skipped_spans=0,
         memory=memory(page.memory_mib), engine="eager", device="cpu", dtype="float32", model=SOURCE, kv_length=25,
         vision_calls=1, wasted_steps=page.wasted,

@@ -16,7 +16,8 @@ from sqlalchemy import Float, inspect
 
 from dsocr_workers.cli.commands_model import timing_table
 from dsocr_workers.farm.job.execute import Ran, result_row
-from dsocr_workers.report.build import LATENCY, single_report
+from dsocr_workers.report.build import latency as latency_figures
+from dsocr_workers.report.build import single_report
 from dsocr_workers.report.plots import CDF_METRICS, GAPS, stage_ms
 from dsocr_workers.report.queries import RunData, load_run
 from dsocr_workers.stages import (
@@ -86,11 +87,14 @@ def test_report_tables_show_the_registry_s_figures(run_data):
     expected = fake_result(PAGE).timings
 
     latency = rows_by_first_cell(tables["Latency and output"])
-    labels = [m.label for m in LATENCY]
-    registry_rows = [f"{'  ' * depth(t)}{t.label} ms" for t in shown_in(LATENCY_TABLE)]
+    results = list(run_data.results.values())
+    labels = [m.label for m in latency_figures(results)]
+    registry_rows = [f"{'  ' * depth(t)}{t.label} ms" for t in shown_in(LATENCY_TABLE, results)]
+    # A DeepSeek-OCR run: CLIP's stage, not the Qwen2 encoder's.
+    assert "CLIP ms" in {row.strip() for row in registry_rows} and not any("Qwen2" in row for row in registry_rows)
     assert [label for label in labels if label in registry_rows] == registry_rows
     assert set(labels) - set(registry_rows) == {"TTFT from claim ms", "decode ms/token"}
-    for t in shown_in(LATENCY_TABLE):
+    for t in shown_in(LATENCY_TABLE, results):
         jobs, n, mean, *_ = latency[f"{'  ' * depth(t)}{t.label} ms"]
         assert (jobs, n) == (2, 2) and mean.value == pytest.approx(getattr(expected, t.column)), t.column
 
@@ -110,6 +114,7 @@ def test_plots_draw_the_registry_s_bars_and_distributions(run_data):
     result = next(iter(run_data.results.values()))
     bars = stage_ms(result)
     assert list(bars) == [*breakdown_bars(), GAPS]
+    assert bars["Qwen2 encoder"] == 0  # another family's view encoder: unmeasured
     for label, columns in breakdown_bars().items():
         assert bars[label] == pytest.approx(sum(getattr(expected, c) for c in columns)), label
     assert sum(bars.values()) == pytest.approx(expected.e2e_ms)

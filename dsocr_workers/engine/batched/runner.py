@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
 
     from dsocr_workers.engine.session import DeepSeekOCRSession
-    from dsocr_workers.model.modeling import DeepSeekOCR
+    from dsocr_workers.model.interface import OCRModel
 
 # Steps whose tokens may be in flight before the host waits for the oldest: the device keeps this many
 # steps queued while the host reads one back.
@@ -98,7 +98,7 @@ class BucketSteps:
     """`run(n)`: one decode step over slots 0..n-1 (n a bucket); returns its chosen tokens, [n] int64 (on
     CUDA graphs, the graph's output tensor: read or copy it before the next step)."""
 
-    model: DeepSeekOCR
+    model: OCRModel
     cache: SlotCache
     state: SlotState
     options: DecodeOptions

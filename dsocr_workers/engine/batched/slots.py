@@ -24,8 +24,9 @@ from transformers.cache_utils import StaticLayer
 from dsocr_workers.engine.batched.memory import CAPACITY_ALIGN
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import ban_repeated_ngrams, select_token
+from dsocr_workers.model.decoder import CACHE_ARGUMENT
 from dsocr_workers.model.fused import AttendingCache, FusedQKVAttention
-from dsocr_workers.model.modeling import CACHE_ARGUMENT, DeepSeekOCR
+from dsocr_workers.model.interface import OCRModel
 
 # How a decode step's attention reads the slots: the whole capacity under a mask, or each row's filled
 # blocks only.
@@ -112,7 +113,7 @@ class SlotCache:
     values: list[Tensor]
 
     @classmethod
-    def allocate(cls, model: DeepSeekOCR, slots: int, capacity: int, device: torch.device) -> SlotCache:
+    def allocate(cls, model: OCRModel, slots: int, capacity: int, device: torch.device) -> SlotCache:
         text, dtype = model.config.text, model.lm_head.weight.dtype
         shape = (slots, text.num_key_value_heads, capacity, text.head_dim)
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
@@ -123,7 +124,7 @@ class SlotCache:
         return cls(keys, values)
 
     @staticmethod
-    def bytes_per_position(model: DeepSeekOCR) -> int:
+    def bytes_per_position(model: OCRModel) -> int:
         """Keys and values of one position in every layer."""
         text = model.config.text
         return (
@@ -242,14 +243,14 @@ def choose_tokens(logits: Tensor, rows: SlotRows, options: DecodeOptions, whitel
     return chosen
 
 
-def reads_filled_slots(model: DeepSeekOCR) -> bool:
+def reads_filled_slots(model: OCRModel) -> bool:
     """Whether the model's attention modules let the batched step read only each slot's filled positions
     (the fast engine's, model/fused.py)."""
     return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
 
 
 def decode_slots(
-    model: DeepSeekOCR,
+    model: OCRModel,
     keys: list[Tensor],
     values: list[Tensor],
     rows: SlotRows,

@@ -104,7 +104,7 @@ def _tile_dim(limits: Limits) -> Any:
 
 
 class _Block(_Region):
-    """A SAM or CLIP block: `function(layer, hidden)`."""
+    """A SAM or view encoder block: `function(layer, hidden)`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -129,10 +129,10 @@ class _Block(_Region):
         return [{0: _tile_dim(limits)} if _tiles(args[1].shape[0], dynamic_tiles) == "tiles" else None]
 
 
-class _ClipViews(_Region):
-    """CLIP over a page's view groups at once: `function(layer, groups)`."""
+class _ViewGroups(_Region):
+    """A view encoder's block over a page's view groups at once: `function(layer, groups)`."""
 
-    name = "clip_block_views"
+    name = "view_block_views"
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
         return {"views": [[_tiles(group.shape[0], dynamic_tiles), *_shape(group)] for group in args[1]]}
@@ -286,7 +286,7 @@ class _BatchedStep(_Region):
 REGIONS: dict[str, _Region] = {
     region.name: region
     for region in (
-        _Block("sam_block"), _Block("clip_block"), _ClipViews(), _LmLayer(), _DecodeStep(), _BatchedStep()
+        _Block("sam_block"), _Block("view_block"), _ViewGroups(), _LmLayer(), _DecodeStep(), _BatchedStep()
     )
 }
 

@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import dsocr_workers
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root
-from dsocr_workers.model.config import OCRConfig
 from dsocr_workers.settings import CXX, read
 
 log = logging.getLogger(__name__)
@@ -177,21 +177,21 @@ class Manifest:
         }
 
 
-def plan_fields(plan: CompilePlan, config: OCRConfig) -> dict:
+def plan_fields(plan: CompilePlan, config: Any) -> dict:
     return {**asdict(plan), "config": hashlib.sha256(repr(config).encode()).hexdigest()[:16]}
 
 
-def plan_key(plan: CompilePlan, config: OCRConfig) -> str:
+def plan_key(plan: CompilePlan, config: Any) -> str:
     return hashlib.sha256(
         json.dumps(plan_fields(plan, config), sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
 
 
-def manifest_path(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
+def manifest_path(plan: CompilePlan, config: Any, environment: Environment) -> Path:
     return cache_root() / MANIFESTS / plan_key(plan, config) / f"{environment.key}.json"
 
 
-def packages_folder(plan: CompilePlan, config: OCRConfig, environment: Environment) -> Path:
+def packages_folder(plan: CompilePlan, config: Any, environment: Environment) -> Path:
     """Where the build puts the plan's packages for `environment`, beside its manifest."""
     return manifest_path(plan, config, environment).with_suffix("")
 
@@ -219,7 +219,7 @@ class Lookup:
         return f"no artifacts: {self.reason}; compiled at start"
 
 
-def lookup(plan: CompilePlan, config: OCRConfig, environment: Environment | None = None) -> Lookup:
+def lookup(plan: CompilePlan, config: Any, environment: Environment | None = None) -> Lookup:
     """This plan's manifest for this environment (`Environment.here`, which initialises CUDA, unless
     given), or why none is used: none built, or built elsewhere (each such manifest's differences)."""
     here = environment or Environment.here(torch.device(plan.device))
@@ -242,7 +242,7 @@ def lookup(plan: CompilePlan, config: OCRConfig, environment: Environment | None
     return Lookup(None, path, f"none built for this plan ({describe(plan)})")
 
 
-def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Environment | None = None) -> bool:
+def listed_without_gpu(plan: CompilePlan, config: Any, environment: Environment | None = None) -> bool:
     """Whether a manifest of this plan matches this process (or `environment`) in all but the GPU, asked
     without initialising CUDA: the build then asks `lookup`, GPU included, before it loads anything."""
     here = environment or Environment.here(torch.device(plan.device), gpu="")
@@ -260,7 +260,7 @@ def listed_without_gpu(plan: CompilePlan, config: OCRConfig, environment: Enviro
 
 def manifest(
     plan: CompilePlan,
-    config: OCRConfig,
+    config: Any,
     built: tuple[Artifact, ...],
     seconds: float,
     environment: Environment,
@@ -288,7 +288,7 @@ def write(manifest: Manifest, path: Path) -> None:
 
 @contextmanager
 def host_lock(
-    plan: CompilePlan, config: OCRConfig, waiting: Callable[[str], None] = log.info, shared_wait: bool = False
+    plan: CompilePlan, config: Any, waiting: Callable[[str], None] = log.info, shared_wait: bool = False
 ) -> Iterator[bool]:
     """One process of this host compiles `plan` at a time (an flock in the shared cache: the kernel frees
     a dead holder's). Yields whether this process holds it. `shared_wait`: a process that finds it held

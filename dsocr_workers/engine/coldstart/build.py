@@ -39,7 +39,7 @@ from dsocr_workers.engine.variants import AUTO, make_engine
 from dsocr_workers.engine.variants.base import Engine
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.checkpoint import model_config
-from dsocr_workers.model.config import MAX_CROPS, PRESETS
+from dsocr_workers.model.families import all_presets, family_of_model
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class BuildRequest:
     max_new_tokens: int | None = None
     options: DecodeOptions = DecodeOptions()
     device: str = "cuda:0"
-    max_crops: int = MAX_CROPS
+    max_crops: int | None = None  # None: the model family's limit
     concurrency: int = 1
     batched_compiled: bool | None = None
 
@@ -83,7 +83,8 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
         if isinstance(request.engine, Engine)
         else make_engine(request.engine, device.type)
     )
-    source = request.model if request.model in PRESETS else str(Path(request.model).resolve())
+    source = request.model if request.model in all_presets() else str(Path(request.model).resolve())
+    family = family_of_model(source)
     plan = compile_plan(
         source,
         device,
@@ -93,9 +94,10 @@ def _plan(request: BuildRequest) -> tuple[CompilePlan | None, str, str]:
         request.modes,
         request.max_new_tokens,
         request.options,
-        request.max_crops,
+        family.max_crops if request.max_crops is None else request.max_crops,
         engine=engine.name,
         concurrency=request.concurrency,
+        family=family.name,
     )
     return plan, engine.name, note
 
@@ -163,10 +165,10 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         session.use_compiler(recorder)
         with torch.inference_mode():
             pages = [
-                (name, session.prepare(image, None, name, request.max_crops))
-                for name, image in warmup_pages(request.modes, request.max_crops)
+                (name, session.prepare(image, None, name, plan.max_crops))
+                for name, image in warmup_pages(session.family, request.modes, plan.max_crops)
             ]
-        warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), request.max_crops)
+        warm_pass(session, pages, request.max_new_tokens, warm_options(request.options), plan.max_crops)
         if request.concurrency > 1:
             _record_batched(session, request)
         progress(
@@ -175,7 +177,7 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         )
         here = artifacts.Environment.here(session.device)
         folder = artifacts.packages_folder(plan, config, here)
-        limits = Limits(request.max_crops, session.max_positions)
+        limits = Limits(plan.max_crops, session.max_positions)
         built, seconds_each = [], {}
         for number, (key, call) in enumerate(recorder.calls.items(), 1):
             started = time.perf_counter()
@@ -191,7 +193,7 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
             session,
             request.modes,
             request.max_new_tokens,
-            request.max_crops,
+            plan.max_crops,
             request.options,
             found=artifacts.Lookup(manifest, path),
             concurrency=request.concurrency,

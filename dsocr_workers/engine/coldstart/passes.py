@@ -14,7 +14,7 @@ from dsocr_workers.engine.regions import PREFILL_BUCKET, padded_length
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
 from dsocr_workers.model import preprocess
-from dsocr_workers.model.config import MAX_CROPS, get_mode
+from dsocr_workers.model.families import ModelFamily
 
 # A warm-up's jobs end at this decode step: decode only has to be compiled and captured, in the bucket
 # jobs will use. Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
@@ -22,16 +22,19 @@ from dsocr_workers.model.config import MAX_CROPS, get_mode
 WARMUP_EOS_STEP = 2
 
 
-def warmup_pages(modes: Sequence[str], max_crops: int = MAX_CROPS) -> list[tuple[str, Image.Image]]:
-    """Synthetic pages that reach every compiled vision shape of `modes`: one page per fixed mode;
-    for crop modes one page without tiles and one per tile count (a `n x 1` strip of 640-px tiles)."""
+def warmup_pages(
+    family: ModelFamily, modes: Sequence[str], max_crops: int
+) -> list[tuple[str, Image.Image]]:
+    """Synthetic pages that reach every compiled vision shape of `family`'s `modes`: one page per fixed
+    mode; for crop modes one page without tiles and one per tile count (a `n x 1` strip of tiles, each
+    the mode's `image_size` square)."""
     pages = []
     for name in modes:
-        mode = get_mode(name)
+        mode = family.mode(name)
         if not mode.crop_mode:
             pages.append((name, Image.new("RGB", (mode.image_size, mode.image_size), "white")))
             continue
-        side = preprocess.TILE_SIZE
+        side = mode.image_size
         pages.append((name, Image.new("RGB", (side, side), "white")))
         pages.extend((name, Image.new("RGB", (side * n, side), "white")) for n in range(2, max_crops + 1))
     return pages
@@ -66,7 +69,7 @@ def warm_pass(
         still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
-        longest = max(longest, text + preprocess.most_image_tokens(get_mode(name), max_crops))
+        longest = max(longest, text + session.code.most_image_tokens(session.family.mode(name), max_crops))
     capture_prefills(session, shortest, longest, max_new_tokens)
     session.synchronize()
     return shapes, still_cold, (shortest, longest)

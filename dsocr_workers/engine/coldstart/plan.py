@@ -14,7 +14,8 @@ import torch
 from dsocr_workers import settings
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants.base import InductorGraphs
-from dsocr_workers.model.config import MAX_CROPS, dtype_name
+from dsocr_workers.model.config import dtype_name
+from dsocr_workers.model.families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class CompilePlan:
     max_new_tokens: int | None
     options: DecodeOptions = DecodeOptions()
     concurrency: int = 1
+    family: str = next(iter(FAMILIES))  # the model family whose modes `modes` are
 
 
 def cache_root() -> Path:
@@ -58,10 +60,11 @@ def compile_plan(
     modes: Sequence[str],
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int,
     *,
     engine: str,
     concurrency: int = 1,
+    family: str = next(iter(FAMILIES)),
 ) -> CompilePlan | None:
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
@@ -81,4 +84,5 @@ def compile_plan(
         max_new_tokens=max_new_tokens,
         options=infer or DecodeOptions(),
         concurrency=concurrency,
+        family=family,
     )

@@ -34,7 +34,6 @@ from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.model.config import MAX_CROPS
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.batched import BatchedEngine
@@ -74,7 +73,7 @@ def session_plan(
     modes: Sequence[str],
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
     concurrency: int = 1,
 ) -> CompilePlan | None:
     """What a warm-up of `session`'s graphs depends on, or None when its engine compiles none."""
@@ -92,9 +91,10 @@ def session_plan(
         modes,
         max_new_tokens,
         infer,
-        max_crops,
+        session.max_crops(max_crops),
         engine=session.engine_name,
         concurrency=concurrency,
+        family=session.family.name,
     )
 
 
@@ -114,7 +114,7 @@ def warm(
     session: DeepSeekOCRSession,
     modes: Sequence[str],
     max_new_tokens: int | None = None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
     infer: DecodeOptions | None = None,
     found: artifacts.Lookup | None = None,
     concurrency: int = 1,
@@ -126,7 +126,8 @@ def warm(
     (`start_batched` then starts the batched engine from them). `found`: the artifacts to use instead of
     looking them up (the build step checks its packages so before it writes their manifest)."""
     began = time.perf_counter()
-    pages = warmup_pages(modes, max_crops)
+    max_crops = session.max_crops(max_crops)
+    pages = warmup_pages(session.family, modes, max_crops)
     options = warm_options(infer)
     plan = session_plan(session, modes, max_new_tokens, infer, max_crops, concurrency)
     if plan is not None and found is None:
@@ -225,7 +226,7 @@ def start_batched(
     max_new_tokens: int | None,
     infer: DecodeOptions | None,
     prompt: str | None = None,
-    max_crops: int = MAX_CROPS,
+    max_crops: int | None = None,
     *,
     compiled: bool | None = None,
     cuda_graphs: bool | None = None,
@@ -244,8 +245,10 @@ def start_batched(
         session, concurrency, mode, prompt, max_new_tokens, infer, compiled=compiled, cuda_graphs=cuda_graphs
     )
     admitting = time.perf_counter()
+    max_crops = session.max_crops(max_crops)
     with torch.inference_mode():
-        smallest = session.prepare(warmup_pages([mode], max_crops)[0][1], prompt, mode, max_crops)
+        page = warmup_pages(session.family, [mode], max_crops)[0][1]
+        smallest = session.prepare(page, prompt, mode, max_crops)
     longest = min(session.longest_prompt(mode, prompt, max_crops), session.max_positions - 1)
     capture_prefills(session, smallest.prompt_tokens, longest, engine.plan.max_new_tokens)
     session.synchronize()

@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.regions import Compiler, GraphedPrefill
-    from dsocr_workers.model.modeling import DeepSeekOCR
+    from dsocr_workers.model.interface import OCRModel
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,16 @@ class Vision:
     methods (eager), compiled block by block (fast), replayed as CUDA graphs (fast on CUDA)."""
 
     sam: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    clip: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    views: Callable[[list[torch.Tensor]], list[torch.Tensor]]  # the family's view encoder
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
-    def per_group(cls, model: DeepSeekOCR) -> Vision:
+    def per_group(cls, model: OCRModel) -> Vision:
         """The model's own methods, one call per view group."""
-        sam, clip = model.encode_sam, model.encode_clip
+        sam, views = model.encode_sam, model.encode_views
         return cls(
             lambda groups: [sam(g) for g in groups],
-            lambda features: [clip(f) for f in features],
+            lambda features: [views(f) for f in features],
             model.project,
         )
 
@@ -81,11 +81,11 @@ class Engine(ABC):
     def kernels(self) -> dict[str, str]:
         """`attn_implementation` and `experts_implementation` for loading the model."""
 
-    def after_load(self, model: DeepSeekOCR) -> None:  # noqa: B027 (a hook: most engines swap nothing)
+    def after_load(self, model: OCRModel) -> None:  # noqa: B027 (a hook: most engines swap nothing)
         """Module swaps once the weights are loaded; none by default."""
 
     @abstractmethod
-    def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
+    def runners(self, model: OCRModel, device: torch.device, compiler: Compiler | None = None) -> Runners:
         """The callables a job's steps run: vision, LM prefill, decode step (and prefill graphs).
         `compiler`: what makes the engine's compiled regions instead of its own (engine/regions.py
         `Compiler`: AOTInductor packages loaded at start, the build step's recorder); ignored by an

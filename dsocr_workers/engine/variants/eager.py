@@ -13,7 +13,7 @@ from dsocr_workers.model.experts import VENDOR_LOOP
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.regions import Compiler
-    from dsocr_workers.model.modeling import DeepSeekOCR
+    from dsocr_workers.model.interface import OCRModel
 
 
 class EagerEngine(Engine):
@@ -22,5 +22,5 @@ class EagerEngine(Engine):
     def kernels(self) -> dict[str, str]:
         return {"attn_implementation": "eager", "experts_implementation": VENDOR_LOOP}
 
-    def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
+    def runners(self, model: OCRModel, device: torch.device, compiler: Compiler | None = None) -> Runners:
         return Runners(Vision.per_group(model), prefill, decode_one_token)

@@ -27,7 +27,7 @@ from dsocr_workers.model.sam_mlp import fuse_gelu_into_lin1
 from dsocr_workers.model.sam_patches import embed_patches_by_matmul
 
 if TYPE_CHECKING:
-    from dsocr_workers.model.modeling import DeepSeekOCR
+    from dsocr_workers.model.interface import OCRModel
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,9 @@ class FastCompile:
     dynamic_tiles: bool = True
 
 
-def fast_vision_modules(model: DeepSeekOCR) -> None:
+def fast_vision_modules(model: OCRModel) -> None:
     """SAM's swaps: relative positions as query/key channels (`model.sam_attention`), the MLP's GELU in
-    the first GEMM (`model.sam_mlp`) and the patch embedding as a GEMM (`model.sam_patches`). Also what
-    a vision compile helper builds (engine/coldstart/helper_process.py)."""
+    the first GEMM (`model.sam_mlp`) and the patch embedding as a GEMM (`model.sam_patches`)."""
     fold_relative_positions(model.sam)
     fuse_gelu_into_lin1(model.sam)
     embed_patches_by_matmul(model.sam)
@@ -69,12 +68,12 @@ class FastEngine(Engine):
 
         return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
 
-    def after_load(self, model: DeepSeekOCR) -> None:
+    def after_load(self, model: OCRModel) -> None:
         """Fused decoder projections (`model.fused`), then SAM's swaps (`fast_vision_modules`)."""
         fuse_projections(model.language_model)
         fast_vision_modules(model)
 
-    def runners(self, model: DeepSeekOCR, device: torch.device, compiler: Compiler | None = None) -> Runners:
+    def runners(self, model: OCRModel, device: torch.device, compiler: Compiler | None = None) -> Runners:
         """Vision: SAM and CLIP compiled block by block (engine/regions.py), per view size and kind of
         block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
         projector (a concatenation and one linear layer) stays eager: compiled, it ran slower. LM
@@ -95,10 +94,10 @@ class FastEngine(Engine):
         if graphs:
             graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(compiler))
             return Runners(
-                Vision(graphed.sam, graphed.clip, model.project), prefill_graphs, decode, prefill_graphs
+                Vision(graphed.sam, graphed.views, model.project), prefill_graphs, decode, prefill_graphs
             )
         return Runners(
-            Vision(regions.encode_sam, regions.encode_clip, model.project), RegionalPrefill(compiler), decode
+            Vision(regions.encode_sam, regions.encode_views, model.project), RegionalPrefill(compiler), decode
         )
 
     def decode_function(self) -> Callable[..., torch.Tensor]:

@@ -75,7 +75,7 @@ class BatchedJobs:
         from dsocr_workers.engine.coldstart.warmup import start_batched
 
         engine, started = start_batched(
-            loaded.session, options.concurrency, options.mode, options.max_new_tokens, options.decode_options,
+            loaded.session, options.concurrency, options.mode_name, options.max_new_tokens, options.decode_options,
             options.prompt,
         )  # fmt: skip
         return cls(process, loaded, options, engine, started)
@@ -92,7 +92,7 @@ class BatchedJobs:
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
         """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
         options, session = self.options, self.loaded.session
-        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode,
+        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode_name,
                                   clock=session.new_clock(claim.job_id, marks_steps=False))
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)

@@ -63,7 +63,7 @@ class PagePlan:
     @classmethod
     def of_job(cls, job: JobFacts) -> PagePlan:
         options = RunOptions.from_parameters(job.model, job.parameters)
-        return cls(job.job_id, job.image_path, options.prompt, options.mode, options.model_key)
+        return cls(job.job_id, job.image_path, options.prompt, options.mode_name, options.model_key)
 
     def prepare(self, session: Any) -> PreparedJob:
         return session.prepare_job(str(self.image_path), self.prompt, self.mode, job_id=self.job_id)

@@ -13,12 +13,15 @@ from sqlalchemy import func, select
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
-from dsocr_workers.model.config import DEFAULT_MODE, MODES
+from dsocr_workers.model.families import all_modes, family_of_model
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run
 
-# What users run most (the vendor's default mode) when nothing else says what to warm.
-DEFAULT_WARMUP_MODES = (DEFAULT_MODE,)
+
+def default_modes(model: str) -> tuple[str, ...]:
+    """What users run most (the vendor's default mode of the model's family) when nothing else says what
+    to warm."""
+    return (family_of_model(model).default_mode,)
 
 
 # The vendor's n-gram ban (RunOptions' default), the one a warm-up compiles for when no run says otherwise.
@@ -53,7 +56,7 @@ def job_warmup(options: RunOptions) -> Warmup:
     """What one job needs warm: its run's model, mode, token budget and n-gram ban (and the artifacts of
     its concurrency)."""
     return Warmup(
-        options.model_key, (options.mode,), (options.max_new_tokens,), (options.ngram,), options.concurrency
+        options.model_key, (options.mode_name,), (options.max_new_tokens,), (options.ngram,), options.concurrency
     )
 
 
@@ -71,9 +74,9 @@ def parse_modes(spec: str) -> tuple[str, ...] | None:
     if text == "none":
         return ()
     modes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [mode for mode in modes if mode not in MODES]
+    unknown = [mode for mode in modes if mode not in all_modes()]
     if unknown or not modes:
-        raise InputError(f"--warmup {spec!r}: expected auto, none, or modes from {', '.join(MODES)}")
+        raise InputError(f"--warmup {spec!r}: expected auto, none, or modes from {', '.join(all_modes())}")
     return modes
 
 
@@ -87,7 +90,7 @@ def plan_warmup(
 ) -> Warmup | None:
     """The start-up warm-up: the model of the run with the most open jobs on these queues (else
     `fallback` with `fallback_budget` tokens at `fallback_concurrency`), and the modes `spec` names, or
-    with `auto` the modes of that model's open runs (else DEFAULT_WARMUP_MODES); the concurrency of its
+    with `auto` the modes of that model's open runs (else `default_modes`); the concurrency of its
     run with the most open jobs. None with `--warmup none`."""
     modes = parse_modes(spec)
     if modes == ():
@@ -107,7 +110,7 @@ def plan_warmup(
     for (run_id, _, _), options in zip(rows, runs, strict=True):
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
-        return Warmup(fallback, modes or DEFAULT_WARMUP_MODES, (fallback_budget,), concurrency=fallback_concurrency)
+        return Warmup(fallback, modes or default_modes(fallback.model), (fallback_budget,), concurrency=fallback_concurrency)
     key = open_jobs.most_common(1)[0][0]
     largest = max(
         ((counts[run_id], options) for (run_id, _, _), options in zip(rows, runs, strict=True)
@@ -116,7 +119,7 @@ def plan_warmup(
     # The largest run first: its mode, budget and ban are the batched engine's (`Warmup.batch_options`).
     runs = [largest, *(options for options in runs if options.model_key == key and options is not largest)]
     if modes is None:
-        modes = tuple(dict.fromkeys(options.mode for options in runs))
+        modes = tuple(dict.fromkeys(options.mode_name for options in runs))
     return Warmup(
         key,
         modes,
