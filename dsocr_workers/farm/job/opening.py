@@ -156,7 +156,10 @@ class ModelOpener:
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
-            gc.unfreeze()  # the previous model's objects may be collected again (settle_heap)
+            if self.loaded is not None:
+                # The previous model's objects may be collected again (settle_heap). Before a first load
+                # the frozen ones are `dsocr worker`'s imports: left frozen, never scanned nor copied.
+                gc.unfreeze()
             self.loaded = None  # free the previous model before loading the next one
             try:
                 self.loaded = self._load(warmup.key)
