@@ -3,11 +3,11 @@ purpose.
 
 Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`, so the
 parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`) and inherits the parent's
-imports (farm/celery/preimport.py). The lane's parent tells
-its child which job it fetched for it next (`NextMessage`): the child reserves it in the ledger and
-prefetches its page while the current job runs. A child killed at the hard time limit cannot record
-anything, so the parent does (`JobRequest.on_timeout`): the attempt is recorded and the job sent again
-after the backoff (or poisoned at the cap) at once, rather than after its lease expires.
+imports (farm/celery/preimport.py). The lane's parent tells its child which job it fetched for it next
+(`NextMessage`): the child reserves it in the ledger and prefetches its page while the current job runs.
+A child killed at the hard time limit cannot record anything, so the parent does
+(`JobRequest.on_timeout`): the attempt is recorded and the job sent again after the backoff (or poisoned
+at the cap) at once, rather than after its lease expires.
 """
 
 from __future__ import annotations
@@ -98,13 +98,9 @@ def _open_child(**_: object) -> None:
         if runs_on != device
         else ""
     )
-    log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
-    if imported.modules:
-        log.info("child %s: imported %d modules at its start in %.0f ms", index, imported.modules, imported.ms)
-    else:
-        parent = spec.preimported
-        log.info("child %s: its imports inherited (%d modules, %.0f ms in the worker's parent)",
-                 index, parent.modules, parent.ms)  # fmt: skip
+    imports = (f"imported {imported.modules} modules in {imported.ms:.0f} ms" if imported.modules
+               else f"imports inherited ({spec.preimported.ms:.0f} ms in the worker's parent)")  # fmt: skip
+    log.info("child %s (pid %d) on %s%s; %s", index, os.getpid(), device, seen, imports)
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).
