@@ -1,6 +1,6 @@
 """Which devices a host's worker runs jobs on (`--gpus`), and how a child sees its own.
 
-The worker's parent never imports torch or touches CUDA: GPUs are counted with `nvidia-smi`."""
+The worker's parent never touches CUDA: GPUs are counted with `nvidia-smi`."""
 
 from __future__ import annotations
 

@@ -171,6 +171,9 @@ class WorkerSession(Base):
     dtype: Mapped[str | None] = mapped_column(String(32))
     warmup: Mapped[str] = mapped_column(Text, default="")  # the shapes warmed, e.g. "gundam 2x3, base"
     started_at: Mapped[datetime] = mapped_column(default=utcnow)  # loading began
+    # What the process's start spent importing torch, transformers and the engine, on its first session
+    # (0: inherited from `dsocr worker`'s parent, and on later sessions); NULL: not measured.
+    import_ms: Mapped[float | None] = mapped_column(Float)
     load_ms: Mapped[float | None] = mapped_column(Float)
     warmup_ms: Mapped[float | None] = mapped_column(Float)
     ready_at: Mapped[datetime | None]  # loaded and warmed: from here on its jobs are steady state

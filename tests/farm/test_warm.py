@@ -88,3 +88,25 @@ def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
     finally:
         process.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_first_load_leaves_the_imports_frozen_by_the_parent_frozen(database: Database):
+    """`dsocr worker`'s parent freezes its imports before it forks (farm/celery/worker.py): a child's first
+    load and warm-up keep them frozen, so none of its collections scans them (or copies their pages)."""
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    gc.freeze()  # as the parent did
+    frozen, seen = gc.get_freeze_count(), []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(gc.get_freeze_count())
+
+    gc.callbacks.append(watch)
+    try:
+        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
+    finally:
+        gc.callbacks.remove(watch)
+        process.close()
+    # (a few frozen objects die on their own: their count only dips, it never drops to nothing)
+    assert frozen > 100_000 and seen and min(seen) > frozen // 2

@@ -123,6 +123,8 @@ def test_two_workers_one_result_per_job_and_duplicates_refused(
         # no job paid for it, and every job's parts add up to its end-to-end time.
         assert len({(w.host, w.pid) for w in worker_sessions}) == 2
         assert all(w.load_ms > 0 and w.warmup_ms > 0 and "tiny" in w.warmup for w in worker_sessions)
+        # Their imports were taken by `dsocr worker` before it started Celery: each child inherited them.
+        assert {w.import_ms for w in worker_sessions} == {0.0}
         ready = {w.id: w.ready_at for w in worker_sessions}
         for r in results:
             assert not r.cold and r.cold_reason is None
@@ -248,7 +250,11 @@ def test_two_lanes_on_one_queue_each_prepare_their_own_next_page(pages, postgres
             .where(Job.run_id == run_id).order_by(Job.started_at)
         ).all()  # fmt: skip
         reserved = session.scalars(select(Job.id).where(Job.run_id == run_id, Job.reserved_by.is_not(None))).all()
+        imports = session.scalars(
+            select(WorkerSession.import_ms).join(WorkerProcess).where(WorkerProcess.queues == queue)
+        ).all()
     db.dispose()
+    assert len(imports) >= 2 and set(imports) == {0.0}  # both children forked from lanes forked after the parent's imports
     by_process: dict[str, list[bool]] = {}
     for process, _, prefetched, page_wait_ms in ran:
         by_process.setdefault(process, []).append(prefetched)

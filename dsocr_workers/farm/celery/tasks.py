@@ -2,11 +2,12 @@
 purpose.
 
 Each lane's prefork child takes its device from the `WorkerSpec` handed down by `dsocr worker`, so the
-parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`). The lane's parent tells
-its child which job it fetched for it next (`NextMessage`): the child reserves it in the ledger and
-prefetches its page while the current job runs. A child killed at the hard time limit cannot record
-anything, so the parent does (`JobRequest.on_timeout`): the attempt is recorded and the job sent again
-after the backoff (or poisoned at the cap) at once, rather than after its lease expires.
+parent never touches CUDA; a child sees only its own GPU (`see_only_this_gpu`) and inherits the parent's
+imports (farm/celery/preimport.py). The lane's parent tells its child which job it fetched for it next
+(`NextMessage`): the child reserves it in the ledger and prefetches its page while the current job runs.
+A child killed at the hard time limit cannot record anything, so the parent does
+(`JobRequest.on_timeout`): the attempt is recorded and the job sent again after the backoff (or poisoned
+at the cap) at once, rather than after its lease expires.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 from dsocr_workers.errors import InputError, TransientError
 from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
+from dsocr_workers.farm.celery.preimport import import_for_jobs
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
 from dsocr_workers.farm.devices import open_device, see_only_this_gpu
 from dsocr_workers.farm.job.execute import execute_job, run_in_batch
@@ -45,6 +47,7 @@ _stopping = threading.Event()  # ends the child's thread that reserves its next 
 @worker_process_init.connect
 def _open_child(**_: object) -> None:
     global _process
+    imported = import_for_jobs()  # nothing, when this child forked from `dsocr worker`'s warm parent
     spec = handed_spec()
     index = getattr(current_process(), "index", 0) or 0
     device = spec.device
@@ -71,6 +74,7 @@ def _open_child(**_: object) -> None:
         queues=queues,
         cpu_threads=threads,
         runs_on=runs_on,
+        import_ms=imported.ms,
         sweep=Sweep(
             queues,
             bring_back,
@@ -89,7 +93,9 @@ def _open_child(**_: object) -> None:
         if runs_on != device
         else ""
     )
-    log.info("child %s (pid %d) on %s%s", index, os.getpid(), device, seen)
+    imports = (f"imported {imported.modules} modules in {imported.ms:.0f} ms" if imported.modules
+               else f"imports inherited ({spec.preimported.ms:.0f} ms in the worker's parent)")  # fmt: skip
+    log.info("child %s (pid %d) on %s%s; %s", index, os.getpid(), device, seen, imports)
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
         # it: `worker_proc_alive_timeout`, set by `dsocr worker`).

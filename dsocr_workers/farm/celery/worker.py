@@ -1,6 +1,8 @@
 """Starting `dsocr worker`: one Celery worker per device slot (a lane), each a prefork parent with one
-child. The parents never import torch or touch CUDA; each child opens its own device, ledger connection
-and model after fork, from the one `WorkerSpec` its lane inherits.
+child. The parents never touch CUDA; each child opens its own device, ledger connection and model after
+fork, from the one `WorkerSpec` its lane inherits. Before it starts the lanes, this process imports what
+the children need (torch, transformers, the engine: farm/celery/preimport.py), so that every lane and
+child forks with those imports done and a child's start goes straight to its model.
 
 A worker per device, rather than one parent with a child per device: a lane fetches one message beyond
 the one its child runs, and with one child that message is surely the child's next job, so the child
@@ -13,6 +15,7 @@ as SIGTERM), and when one lane ends it stops the others; a lane dies with this p
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing
 import os
@@ -30,6 +33,7 @@ from typing import Any, NoReturn
 from celery.platforms import set_pdeathsig
 
 from dsocr_workers.errors import InputError
+from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
 from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store.db import open_ledger
@@ -119,13 +123,15 @@ class NextMessage:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What `dsocr worker` hands the child of each lane: its settings, the worker's device slots and the
-    lane's index among them, the queues it consumes and the start-up warm-up (None: `--warmup none`)."""
+    lane's index among them, the queues it consumes, the start-up warm-up (None: `--warmup none`) and
+    what `dsocr worker` imported for it before starting the lanes."""
 
     settings: Settings
     slots: tuple[str, ...]
     lane: int
     queues: tuple[str, ...]
     warmup: Warmup | None
+    preimported: Imported
     # Where a child that cannot work says why (`refuse_to_work`), read once Celery has stopped.
     refusal: Any = field(
         default_factory=lambda: RawArray(ctypes.c_char, REFUSAL_BYTES), compare=False, repr=False
@@ -199,8 +205,14 @@ def start_worker(
     started too). `events`: visible in Flower."""
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
     plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget, fallback_concurrency)
+    imported = import_for_jobs()  # after the checks: a refused start pays no import
+    # Frozen, the imported objects are never scanned by a lane's collections nor copied by them into
+    # the lane's or the child's own pages (gc.freeze's documented use before fork).
+    gc.freeze()
     slots = tuple(devices)
-    specs = [WorkerSpec(settings, slots, lane, tuple(queue_names), plan) for lane in range(len(slots))]
+    specs = [
+        WorkerSpec(settings, slots, lane, tuple(queue_names), plan, imported) for lane in range(len(slots))
+    ]
     if len(specs) == 1:
         run_lane(specs[0], loglevel, events)
     else:

@@ -68,6 +68,9 @@ class ModelOpener:
     device: str  # as the ledger names it
     runs_on: str  # as this process sees it
     register: Callable[[], None]  # the process's `worker_processes` row, before a worker session points at it
+    # What the process's start spent importing: its first worker session's, 0 on the later ones (None:
+    # not measured).
+    import_ms: float | None = None
     loaded: OpenModel | None = None
     # Why the latest opening of a model (or a run's batch) failed: its jobs fail with it, not go back in line.
     failures: dict[ModelKey | RunOptions, Exception] = field(default_factory=dict)
@@ -129,7 +132,10 @@ class ModelOpener:
         began_at, began = utcnow(), time.perf_counter()
         load_ms = 0.0
         if self.loaded is None or self.loaded.key != warmup.key:
-            gc.unfreeze()  # the previous model's objects may be collected again (settle_heap)
+            if self.loaded is not None:
+                # The previous model's objects may be collected again (settle_heap). Before a first load
+                # the frozen ones are `dsocr worker`'s imports: left frozen, never scanned nor copied.
+                gc.unfreeze()
             self.loaded = None  # free the previous model before loading the next one
             self.loaded = self._load(warmup.key)
             load_ms = (time.perf_counter() - began) * 1e3
@@ -187,6 +193,7 @@ class ModelOpener:
             dtype=loaded.dtype,
             warmup=warmup,
             started_at=began_at,
+            import_ms=self.import_ms,
             load_ms=load_ms,
             warmup_ms=warmup_ms,
             ready_at=utcnow(),
@@ -195,6 +202,8 @@ class ModelOpener:
         with self.db.transaction() as tx:
             tx.add(row)
         loaded.worker_session_id = row.id
+        if self.import_ms is not None:
+            self.import_ms = 0.0
 
     def _load(self, key: ModelKey) -> OpenModel:
         from dsocr_workers.engine.session import DeepSeekOCRSession

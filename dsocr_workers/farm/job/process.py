@@ -52,10 +52,12 @@ class JobProcess:
         sweep: Sweep | None = None,
         cpu_threads: int | None = None,
         runs_on: str = "",
+        import_ms: float | None = None,
     ) -> JobProcess:
         """Open the ledger and start beating (farm/liveness.py): from here on this process renews the
         leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues. `runs_on`:
-        the device as this process sees it, where that is not `device` (see_only_this_gpu)."""
+        the device as this process sees it, where that is not `device` (see_only_this_gpu); `import_ms`:
+        what its start spent importing (farm/celery/preimport.py), recorded with its first model."""
         if cpu_threads:
             import torch
 
@@ -76,7 +78,7 @@ class JobProcess:
             owner=owner,
             prefetcher=Prefetcher(db),
             ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
-            models=ModelOpener(db, owner, device, runs_on or device, register),
+            models=ModelOpener(db, owner, device, runs_on or device, register, import_ms=import_ms),
         )
 
     def close(self, *, hand_back: bool = False) -> None:

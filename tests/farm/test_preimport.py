@@ -1,0 +1,47 @@
+"""`dsocr worker`'s parent imports what its children need before it forks them (farm/celery/preimport.py):
+in a fresh interpreter, as the parent does, the imports leave CUDA uninitialised and no Python thread
+running, a second call (a forked child's) imports nothing, and on a GPU host a child forked afterwards
+chooses its GPU and opens it. That a real worker's children inherit the imports is checked by their
+recorded `import_ms` (tests/farm/test_workers.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PARENT = """
+import json, os, sys, threading
+from dsocr_workers.farm.celery.preimport import import_for_jobs
+from dsocr_workers.farm.devices import count_gpus, open_device, see_only_this_gpu
+first = import_for_jobs()
+second = import_for_jobs()
+import torch
+seen = {
+    "first": [first.modules, first.ms], "second": [second.modules, second.ms],
+    "cuda_initialized": torch.cuda.is_initialized(), "python_threads": threading.active_count(),
+    "transformers_model": "transformers.models.deepseek_ocr2.modeling_deepseek_ocr2" in sys.modules,
+}
+if count_gpus():  # counted as the worker's parent counts them: nvidia-smi, not CUDA
+    pid = os.fork()
+    if pid == 0:  # as a Celery child does (farm/celery/tasks.py)
+        open_device(see_only_this_gpu("cuda:0"))
+        os._exit(0)
+    seen["forked_child_opened_its_gpu"] = os.waitpid(pid, 0)[1] == 0
+print(json.dumps(seen))
+"""
+
+
+def test_the_parents_imports_leave_cuda_alone_and_a_child_has_none_left(subprocess_env):
+    done = subprocess.run(
+        [sys.executable, "-c", PARENT], env=subprocess_env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    modules, ms = seen["first"]
+    assert modules > 1000 and ms > 0 and seen["transformers_model"]
+    assert seen["second"] == [0, 0.0]
+    # torch maps the CUDA libraries (and numpy's BLAS may start OS threads) at import; what a fork must
+    # not carry is CUDA's state or a Python thread in the middle of something.
+    assert not seen["cuda_initialized"] and seen["python_threads"] == 1, seen
+    assert seen.get("forked_child_opened_its_gpu", True), seen
