@@ -25,7 +25,11 @@ START_IMPORTS = (
     "dsocr_workers.engine.batched",
     *(target.partition(":")[0] for target in REGISTRY.values()),
     # every family's torch side (`ModelFamily.code`): a child may open any model
-    *(f"dsocr_workers.model.{f.package}.{module}" for f in FAMILIES.values() for module in ("modeling", "preprocess", "keys")),
+    *(
+        f"dsocr_workers.model.{f.package}.{module}"
+        for f in FAMILIES.values()
+        for module in ("modeling", "preprocess", "keys")
+    ),
 )
 
 
