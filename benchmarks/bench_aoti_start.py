@@ -1,4 +1,4 @@
-"""A worker's start from prebuilt AOTInductor packages (issue 29): `dsocr precompile`, then `dsocr worker`
+"""A worker's start from prebuilt AOTInductor packages: `dsocr precompile`, then `dsocr worker`
 launch → ready, on one GPU.
 
 1. `dsocr precompile --model M --engine fast --modes MODES --max-new-tokens N --concurrency C --gpus 0` into a fresh

@@ -1,4 +1,4 @@
-"""The model load (issue 29 item 4): a preset built in memory against the same weights loaded from a
+"""The model load: a preset built in memory against the same weights loaded from a
 checkpoint, side by side in one process on one device.
 
   1. `save_preset` writes the preset (random weights, seed 0) as a vendor-layout checkpoint into a

@@ -1,4 +1,4 @@
-"""The floor of a worker's start (issue 29): what importing costs before any model is loaded.
+"""The floor of a worker's start: what importing costs before any model is loaded.
 
 Fresh processes, each timed from launch to exit (`python -X importtime -c "import ..."`), for the import
 sets a worker's processes need: the interpreter alone, torch, a farm child's (Celery tasks + the

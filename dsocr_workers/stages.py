@@ -107,7 +107,7 @@ class StageTimings:
     ).field()
     setup_ms: float = Timing(
         "setup",
-        "inputs to the device, the cache reset: before the prefill",
+        "the page's inputs to the device and the decode state set: before the prefill",
         stage="setup",
         part=True,
     ).field()
