@@ -8,7 +8,9 @@ model/families.py names the families.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from dsocr_workers.errors import InputError
 
@@ -58,6 +60,24 @@ class TextDims:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def to_vendor(self) -> dict[str, Any]:
+        """The decoder's keys in both vendors' `config.json` (the same DeepSeek-V2 MHA decoder file)."""
+        return {
+            **dataclasses.asdict(self),
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "kv_lora_rank": None,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 0,
+            "qk_rope_head_dim": 0,
+            "v_head_dim": 0,
+            "use_mla": False,
+            "lm_head": True,
+            "rm_head": False,
+            "torch_dtype": "bfloat16",
+        }
 
 
 # A resolution mode: torch-free, so the farm's parent processes can name a family's modes.

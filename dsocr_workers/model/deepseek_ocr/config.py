@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsocr_workers.errors import CheckpointError
-from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, ModeSpec, SamDims, TextDims, pick_mode
+from dsocr_workers.model.config import ModeSpec, SamDims, TextDims, pick_mode
 
 TITLE = "DeepSeek-OCR"
 ARCHITECTURE = "DeepseekOCRForCausalLM"  # the vendor remote code's class, in its config.json
@@ -90,22 +90,7 @@ class OCRConfig:
 
     def to_vendor(self) -> dict[str, Any]:
         """A `config.json` in the vendor's layout (language keys at top level and under `language_config`)."""
-        text = dataclasses.asdict(self.text)
-        language = {
-            **text,
-            "architectures": ["DeepseekV2ForCausalLM"],
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            "kv_lora_rank": None,
-            "q_lora_rank": None,
-            "qk_nope_head_dim": 0,
-            "qk_rope_head_dim": 0,
-            "v_head_dim": 0,
-            "use_mla": False,
-            "lm_head": True,
-            "rm_head": False,
-            "torch_dtype": "bfloat16",
-        }
+        language = self.text.to_vendor()
         return {
             "_name_or_path": "deepseek-ai/DeepSeek-OCR",
             "architectures": [ARCHITECTURE],

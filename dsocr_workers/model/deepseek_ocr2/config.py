@@ -127,21 +127,7 @@ class OCR2Config:
     def to_vendor(self) -> dict[str, Any]:
         """A `config.json` in the remote code's layout; sizes the vendor file does not carry are added
         under `vision_config.width` (its code ignores them)."""
-        language = {
-            **dataclasses.asdict(self.text),
-            "architectures": ["DeepseekV2ForCausalLM"],
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            "kv_lora_rank": None,
-            "q_lora_rank": None,
-            "qk_nope_head_dim": 0,
-            "qk_rope_head_dim": 0,
-            "v_head_dim": 0,
-            "use_mla": False,
-            "lm_head": True,
-            "rm_head": False,
-            "torch_dtype": "bfloat16",
-        }
+        language = self.text.to_vendor()
         return {
             "_name_or_path": "deepseek-ai/DeepSeek-OCR-2",
             "architectures": [VENDOR_ARCHITECTURE],
