@@ -84,8 +84,11 @@ def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         unfrozen = gc.get_freeze_count()
-        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
+        # (a `then` with nothing to say adds no empty part to the worker session's warm-up text)
+        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)), then=lambda _: "")
         assert gc.get_freeze_count() > unfrozen + 100_000  # the model's, the tokenizer's, torch's own
+        with database.transaction() as tx:
+            assert [row.warmup for row in tx.scalars(select(WorkerSession))] == ["tiny (2 tokens)"]
     finally:
         process.close()
     assert gc.get_freeze_count() == 0
