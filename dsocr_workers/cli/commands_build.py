@@ -75,7 +75,7 @@ def precompile(
     from dsocr_workers.farm.devices import parse_devices, see_only_this_gpu
     from dsocr_workers.farm.job.warm import default_modes, parse_modes
 
-    chosen = parse_modes(modes)
+    chosen = parse_modes(modes, model)
     if chosen == ():
         raise InputError("--modes none: nothing to build")
     device = see_only_this_gpu(parse_devices(gpus)[0])

@@ -14,7 +14,7 @@ from dsocr_workers.cli import exits_on_errors, stdout_console
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
 from dsocr_workers.errors import FailuresError
 from dsocr_workers.model.config import DTYPES
-from dsocr_workers.model.families import all_modes, all_presets, most_crops, run_mode
+from dsocr_workers.model.families import all_modes, all_presets, family_of_model, run_mode
 from dsocr_workers.stages import PARTS, TIMINGS, depth
 
 if TYPE_CHECKING:
@@ -144,9 +144,9 @@ def timing_table(result: InferenceResult, title: str) -> Any:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Default: up to the model's positions.")
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new-tokens tokens (benchmarks).")
-@click.option("--max-crops", type=click.IntRange(2, most_crops()), default=None,
-              help="Most tiles in gundam mode (default: the family's: DeepSeek-OCR 9 640-px tiles, its "
-              "vendor vLLM path 6).")
+@click.option("--max-crops", type=click.IntRange(min=2), default=None,
+              help="Most tiles in gundam mode, up to the family's limit (its default: DeepSeek-OCR 9 640-px "
+              "tiles, its vendor vLLM path 6; DeepSeek-OCR-2 6 768-px tiles).")
 @click.option("--prompt", default=None, help="Prompt text; must contain <image> once.")
 @click.option("--prompt-name", type=click.Choice(PROMPT_NAMES), default=None,
               help="One of the vendor prompts (default: document).")
@@ -226,7 +226,7 @@ def infer_command(
             ignore_eos=ignore_eos,
             stop_on_repetition=stop_on_repetition,
         ),
-        max_crops=max_crops,
+        max_crops=family_of_model(model).crops(max_crops),  # the family's limit, before the model loads
     )
     original = check_page(request)
     session = open_session(SessionOptions(model, device, engine, dtype, preset_seed))

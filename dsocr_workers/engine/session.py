@@ -392,8 +392,8 @@ class DeepSeekOCRSession:
         )
 
     def max_crops(self, asked: int | None = None) -> int:
-        """The most tiles a page is cut into: `asked`, or the family's limit."""
-        return self.family.max_crops if asked is None else asked
+        """The most tiles a page is cut into: `asked` (checked against the family's limit), or the limit."""
+        return self.family.crops(asked)
 
     def longest_prompt(self, mode: str | None, prompt: str | None, max_crops: int | None = None) -> int:
         """The most prompt tokens a page can make in `mode` with `prompt` (its largest tile grid)."""

@@ -55,6 +55,18 @@ class ModelFamily:
         """`mode` as this family knows it: an InputError naming its modes otherwise."""
         return pick_mode(dict(self.modes), mode, self.title)
 
+    def crops(self, asked: int | None = None) -> int:
+        """The most tiles a page is cut into: `asked`, checked against this family's limit (an InputError
+        naming it otherwise), or the limit."""
+        if asked is None:
+            return self.max_crops
+        if not 2 <= asked <= self.max_crops:
+            raise InputError(
+                f"--max-crops {asked}: {self.title} cuts a page into at most {self.max_crops} tiles (2 to "
+                f"{self.max_crops})"
+            )
+        return asked
+
     def config_from(self, config_json: dict[str, Any], layout: str) -> Any:
         """The family's config from a `config.json` in `layout` (`matches` said which)."""
         config_class = type(next(iter(self.presets.values())))
@@ -170,11 +182,6 @@ def all_modes() -> tuple[str, ...]:
     """Every family's mode names, in registry order: what a command line offers before it knows the
     model (a run's model then checks its own, `run_mode`)."""
     return tuple(dict.fromkeys(mode for f in FAMILIES.values() for mode in f.modes))
-
-
-def most_crops() -> int:
-    """The largest crop limit of any family: the bound of a `--max-crops` option."""
-    return max(f.max_crops for f in FAMILIES.values())
 
 
 def run_mode(model: str, mode: str | None) -> str:

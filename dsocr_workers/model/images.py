@@ -137,13 +137,15 @@ def load_image(
     else:
         raise InputError(f"cannot load an image from a {type(source).__name__}")
     try:
-        return _decode_upright_rgb(im, name)
+        return _decode_upright_rgb(im, name, owned=im is not source)
     finally:
         if im is not source:
             im.close()  # multi-frame formats keep their file open until closed
 
 
-def _decode_upright_rgb(im: Image.Image, name: str) -> Image.Image:
+def _decode_upright_rgb(im: Image.Image, name: str, owned: bool = False) -> Image.Image:
+    """`im` decoded, upright and RGB: a new image. An `owned` one (opened here) is turned in place, so the
+    page is copied once (by `convert`), not twice."""
     try:
         im.load()
     except MemoryError:
@@ -153,7 +155,11 @@ def _decode_upright_rgb(im: Image.Image, name: str) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Corrupt EXIF data": tolerated, like the vendor does
-            upright = ImageOps.exif_transpose(im)
+            if owned:
+                ImageOps.exif_transpose(im, in_place=True)
+                upright = im
+            else:
+                upright = ImageOps.exif_transpose(im)
     except Exception:  # the vendor falls back to the image as stored on any EXIF trouble
         upright = im
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -212,11 +212,12 @@ FARM_TERMS = [
 ]
 
 
-def glossary() -> list[tuple[str, str]]:
-    """The legend of a report: every figure the latency and accounting tables show, as the stage registry
-    says what it is, then the report's own terms."""
+def glossary(results: Iterable[object]) -> list[tuple[str, str]]:
+    """The legend of a report: every figure the latency and accounting tables show for `results` (a
+    family stage only where one of them measured it), as the stage registry says what it is, then the
+    report's own terms."""
     timings = dict.fromkeys(
-        [*shown_in(LATENCY_TABLE), *PARTS, BY_COLUMN["queue_wait_ms"]]
+        [*shown_in(LATENCY_TABLE, results), *PARTS, BY_COLUMN["queue_wait_ms"]]
     )  # the last: Serving's
     return [(t.label, t.doc) for t in timings] + FARM_TERMS + SERVING_TERMS
 
@@ -402,7 +403,7 @@ def single_report(
         report.tables.append(Table("Failures", columns, failures))
     if per_image:
         report.tables.append(_per_image(data))
-    report.terms = glossary()
+    report.terms = glossary(data.results.values())
     return report
 
 
@@ -833,7 +834,7 @@ def comparison_report(
     if report.differences:
         report.warnings.insert(0, UNLIKE_WARNING.format(differences="; ".join(report.differences)))
         _mark_unlike(report.tables)
-    report.terms = glossary()
+    report.terms = glossary([*all_a.values(), *all_b.values()])
     return report
 
 

@@ -1,5 +1,5 @@
-"""The batched engine (engine/batched/) on the tiny preset in float32 on the CPU: a page's greedy tokens in
-a batch are its tokens alone, whichever pages share its steps and whenever it joins; pages leave at EOS,
+"""The batched engine (engine/batched/) on the tiny preset in float32 on the CPU (and DeepSeek-OCR-2's
+ocr2-tiny where cheap): a page's greedy tokens in a batch are its tokens alone, whichever pages share its steps and whenever it joins; pages leave at EOS,
 their budget or a loop; the KV plan and the refusal of a page that cannot fit; the serving metrics."""
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ PAGES = [
     (640, 1280, "gundam", 5),
     (900, 700, "tiny", 21),
 ]
+# DeepSeek-OCR-2's modes: its one view alone (small, base) and 768-px tiles beside its global view (gundam).
+OCR2_PAGES = [
+    (600, 480, "small", 12),
+    (1280, 640, "gundam", 7),
+    (800, 600, "base", 10),
+    (640, 1280, "gundam", 4),
+]
+PAGES_OF = {"tiny": PAGES, "ocr2-tiny": OCR2_PAGES}
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -54,36 +62,50 @@ def session() -> DeepSeekOCRSession:
 
 @pytest.fixture(scope="module")
 def prepared(session):
-    return [session.prepare(page(w, h), None, mode, 9) for w, h, mode, _ in PAGES]
+    return [session.prepare(page(w, h), None, mode) for w, h, mode, _ in PAGES]
 
 
-_ALONE: dict[DecodeOptions, list[InferenceResult]] = {}
+@pytest.fixture(scope="module", params=list(PAGES_OF))
+def family_case(request):
+    """(session, prepared pages, their PAGES) of each family's tiny preset; tiny's are the module's."""
+    if request.param == "tiny":
+        return request.getfixturevalue("session"), request.getfixturevalue("prepared"), PAGES
+    session = DeepSeekOCRSession.from_local(request.param)
+    pages = PAGES_OF[request.param]
+    return session, [session.prepare(page(w, h), None, mode) for w, h, mode, _ in pages], pages
 
 
-def alone_results(session: DeepSeekOCRSession, options: DecodeOptions) -> list[InferenceResult]:
-    """Each page through the batch-1 path (once per options: the module's session never changes)."""
-    if options not in _ALONE:
-        _ALONE[options] = [
+_ALONE: dict[tuple[str, DecodeOptions], list[InferenceResult]] = {}
+
+
+def alone_results(session: DeepSeekOCRSession, options: DecodeOptions, pages=PAGES) -> list[InferenceResult]:
+    """Each page through the batch-1 path (once per family and options: the module's sessions never
+    change)."""
+    key = (session.family.name, options)
+    if key not in _ALONE:
+        _ALONE[key] = [
             session.run_inference(page(w, h), mode=mode, max_new_tokens=tokens, infer=options)
-            for w, h, mode, tokens in PAGES
+            for w, h, mode, tokens in pages
         ]
-    return _ALONE[options]
+    return _ALONE[key]
 
 
-def alone(session: DeepSeekOCRSession, options: DecodeOptions) -> list[list[int]]:
-    return [result.token_ids for result in alone_results(session, options)]
+def alone(session: DeepSeekOCRSession, options: DecodeOptions, pages=PAGES) -> list[list[int]]:
+    return [result.token_ids for result in alone_results(session, options, pages)]
 
 
-def requests(prepared) -> list[PageRequest]:
-    return [PageRequest(str(i), p, PAGES[i][3]) for i, p in enumerate(prepared)]
+def requests(prepared, pages=PAGES) -> list[PageRequest]:
+    return [PageRequest(str(i), p, pages[i][3]) for i, p in enumerate(prepared)]
 
 
-def engine_for(session, prepared, max_batch: int, options: DecodeOptions, **kwargs) -> BatchedEngine:
+def engine_for(
+    session, prepared, max_batch: int, options: DecodeOptions, pages=PAGES, **kwargs
+) -> BatchedEngine:
     return BatchedEngine.create(
         session,
         max_batch,
         max(p.prompt_tokens for p in prepared),
-        max(t for *_, t in PAGES),
+        max(t for *_, t in pages),
         options,
         **kwargs,
     )
@@ -104,15 +126,16 @@ OPTIONS = [
 
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("concurrency", [2, 4])
-def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(session, prepared, options, concurrency):
-    """Six pages of four modes and six budgets through 3 slots at a concurrency of 2 or 4: pages join
-    whenever one leaves (at other steps, into other slots, beside other pages) and each one's tokens
-    are the batch-1 path's, stop reason included."""
-    expected = alone(session, options)
-    engine = engine_for(session, prepared, 3, options)
-    outputs = engine.run(requests(prepared), concurrency)
+def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(family_case, options, concurrency):
+    """Each family's pages of its modes and several budgets (DeepSeek-OCR: six, four modes) through 3
+    slots at a concurrency of 2 or 4: pages join whenever one leaves (at other steps, into other slots,
+    beside other pages) and each one's tokens are the batch-1 path's, stop reason included."""
+    session, prepared, pages = family_case
+    expected = alone(session, options, pages)
+    engine = engine_for(session, prepared, 3, options, pages)
+    outputs = engine.run(requests(prepared, pages), concurrency)
     assert by_request(outputs) == dict(enumerate(expected))
-    references = alone_results(session, options)
+    references = alone_results(session, options, pages)
     assert {int(o.request_id): o.stop_reason for o in outputs} == {
         i: r.stop_reason for i, r in enumerate(references)
     }
@@ -418,8 +441,9 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the compiled step and its graphs per bucket"
 )
+@pytest.mark.parametrize("preset", list(PAGES_OF))
 @pytest.mark.parametrize("attention", ["masked", "filled"])
-def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
+def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, preset):
     """The batched engine as shipped on CUDA (the fast engine's session, the step compiled with inductor
     and replayed as a CUDA graph per bucket; the routed experts' GEMVs up to 21 pages, the grouped GEMMs
     above: the tiny preset picks 3 experts a token, 64 pairs at most for the GEMVs) picks each page's
@@ -427,13 +451,14 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention):
     the farm's batched jobs prepare them: their uploads queue behind the decode steps. Either attention:
     the filled one's kernel, compiled with its batch dynamic, read rows longer than one block wrongly on a
     GPU (slots.py): its batch is every slot, and buckets below 32 leave rows that read no block."""
-    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    fast = DeepSeekOCRSession.from_local(preset, device="cuda", dtype="float32", engine="fast")
     options = DecodeOptions(ignore_eos=True)
+    PAGES = PAGES_OF[preset]  # noqa: N806 (the family's pages, under the name the test reads)
     prepared = [fast.prepare_job(page(w, h), None, mode).page for w, h, mode, _ in PAGES]
     assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
     assert torch.equal(
-        prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2], 9).global_pixels
+        prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2]).global_pixels
     )
     expected = [
         fast.run_on_device(p, PAGES[i][3], options).finish().token_ids for i, p in enumerate(prepared)

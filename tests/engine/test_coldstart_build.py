@@ -36,7 +36,7 @@ H200 = "NVIDIA H200 (sm_90)"
 
 def plan(modes: tuple[str, ...] = ("tiny",)) -> CompilePlan:
     made = compile_plan("tiny", torch.device("cuda", 0), torch.bfloat16, KERNELS, ENGINE.compiled(), modes, 8, None, 3,
-                        engine="fast")  # fmt: skip
+                        engine="fast", family="deepseek-ocr")  # fmt: skip
     assert made is not None
     return made
 
@@ -253,3 +253,33 @@ def test_one_process_of_a_host_compiles_a_plan_at_a_time(tmp_path, monkeypatch, 
         holder.wait()
     build.join(60)
     assert got["build"] == (True, True)
+
+
+def test_a_plan_names_its_family_and_a_deepseek_ocr_build_is_never_deepseek_ocr2_s(tmp_path, monkeypatch):
+    """The plan key holds the model family (and its config): artifacts built for DeepSeek-OCR are not
+    found for DeepSeek-OCR-2, which says none were built for its plan. `dsocr precompile --modes` takes the
+    family's modes (exit 2 naming them), and an eager OCR-2 build compiles nothing."""
+    from dsocr_workers.model.deepseek_ocr2.config import PRESETS as OCR2_PRESETS
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ocr2 = compile_plan("ocr2-tiny", torch.device("cuda", 0), torch.bfloat16, KERNELS, ENGINE.compiled(), ("gundam",),
+                        8, None, 3, engine="fast", family="deepseek-ocr2")  # fmt: skip
+    assert ocr2 is not None and (plan().family, ocr2.family) == ("deepseek-ocr", "deepseek-ocr2")
+    v1_as_gundam = replace(plan(("gundam",)), max_crops=ocr2.max_crops)
+    assert artifacts.plan_key(ocr2, OCR2_PRESETS["ocr2-tiny"]) != artifacts.plan_key(
+        replace(v1_as_gundam, source="ocr2-tiny"), OCR2_PRESETS["ocr2-tiny"]
+    )  # the family alone changes the key
+    on_h200 = Environment.here(torch.device("cpu"), gpu=H200)
+    package = artifacts.Artifact("aoti-package", str(tmp_path / "decode_step.pt2"), '{"region": "decode_step"}')
+    v1 = artifacts.manifest(v1_as_gundam, PRESETS["tiny"], (package,), 1.0, on_h200)
+    artifacts.write(v1, artifacts.manifest_path(v1_as_gundam, PRESETS["tiny"], on_h200))
+    found = artifacts.lookup(ocr2, OCR2_PRESETS["ocr2-tiny"], on_h200)
+    assert found.manifest is None and found.reason == (
+        "none built for this plan (ocr2-tiny, fast engine, bfloat16, modes gundam, 8 tokens)"
+    )
+    env = {"DSOCR_COMPILE_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": None}
+    precompile = ["precompile", "--model", "ocr2-tiny", "--gpus", "cpu", "--modes"]
+    bad = CliRunner().invoke(main, [*precompile, "tiny"], env=env)  # a DeepSeek-OCR mode
+    assert bad.exit_code == 2 and "modes of DeepSeek-OCR-2 (ocr2-tiny): gundam, base, small" in bad.output
+    eager = CliRunner().invoke(main, [*precompile, "gundam"], env=env)
+    assert eager.exit_code == 0 and eager.stdout.strip() == "nothing to compile: -", eager.output

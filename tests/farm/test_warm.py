@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import uuid
 
+import pytest
 from sqlalchemy import select
 
 from dsocr_workers.farm.job.process import JobProcess
@@ -83,8 +84,11 @@ def test_a_warm_process_freezes_its_heap_for_the_jobs(database: Database):
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         unfrozen = gc.get_freeze_count()
-        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)))
+        # (a `then` with nothing to say adds no empty part to the worker session's warm-up text)
+        process.models.warm(Warmup(ModelKey("tiny"), ("tiny",), (2,), (DEFAULT_NGRAM,)), then=lambda _: "")
         assert gc.get_freeze_count() > unfrozen + 100_000  # the model's, the tokenizer's, torch's own
+        with database.transaction() as tx:
+            assert [row.warmup for row in tx.scalars(select(WorkerSession))] == ["tiny (2 tokens)"]
     finally:
         process.close()
     assert gc.get_freeze_count() == 0
@@ -110,3 +114,18 @@ def test_a_first_load_leaves_the_imports_frozen_by_the_parent_frozen(database: D
         process.close()
     # (a few frozen objects die on their own: their count only dips, it never drops to nothing)
     assert frozen > 100_000 and seen and min(seen) > frozen // 2
+
+
+def test_warm_up_modes_are_the_warmed_model_s_family_s(database: Database):
+    """`dsocr worker --warmup MODES` names modes of the model it warms (the open runs' or --model's): a
+    mode only another family has is refused, naming this family's modes."""
+    from dsocr_workers.errors import InputError
+    from dsocr_workers.model.families import family_of_preset
+
+    ocr2 = ModelKey("ocr2-tiny")
+    assert plan_warmup(database, ["q"], "small", ocr2).modes == ("small",)
+    modes = ", ".join(family_of_preset("ocr2-tiny").modes)
+    with pytest.raises(InputError, match=f"modes of DeepSeek-OCR-2 \\(ocr2-tiny\\): {modes}$"):
+        plan_warmup(database, ["q"], "gundam,tiny", ocr2)  # tiny: a DeepSeek-OCR mode
+    open_run(database, {"mode": "large"})  # an open DeepSeek-OCR run: its model is warmed, and its modes
+    assert plan_warmup(database, ["q"], "tiny", ocr2).modes == ("tiny",)

@@ -122,3 +122,22 @@ def test_a_v1_mode_the_ocr2_family_lacks_is_refused_naming_its_modes(tmp_path):
     with pytest.raises(InputError, match="for DeepSeek-OCR-2; its modes"):
         # Refused before the list is read (its missing image would be another error).
         prepare_run(RunRequest(listing, RunOptions(model="ocr2-tiny", mode=missing)), print)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "ocr2-tiny"])
+def test_max_crops_is_capped_at_the_family_s_limit_before_the_model_loads(preset, tmp_path):
+    """`dsocr infer --max-crops` above the model family's MAX_CROPS: exit 2 naming the limit, no model
+    loaded, nothing written."""
+    from click.testing import CliRunner
+
+    from dsocr_workers.cli import main
+
+    family = family_of_preset(preset)
+    assert family.crops(None) == family.max_crops and family.crops(2) == 2
+    image = tmp_path / "page.png"
+    image.write_bytes(b"not read: the option is refused first")
+    args = ["infer", str(image), "--model", preset, "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, [*args, "--max-crops", str(family.max_crops + 1)])
+    assert result.exit_code == 2, result.output
+    assert f"{family.title} cuts a page into at most {family.max_crops} tiles" in result.output
+    assert not (tmp_path / "out").exists()

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from click.testing import CliRunner
 from fakes import Page, make_run
 
 from dsocr_workers.cli import main
 from dsocr_workers.model.deepseek_ocr.config import PRESETS
-from dsocr_workers.model.families import all_presets
 from dsocr_workers.store.db import Database
 
 OCR2 = "ocr2-tiny"
-needs_ocr2 = pytest.mark.skipif(
-    OCR2 not in all_presets(),
-    reason="needs the DeepSeek-OCR-2 family registered (model/deepseek_ocr2/, from branch wt-h46ocr2)",
-)
 
 
 def report_json(database: Database, args: list[str], monkeypatch) -> dict:
@@ -63,7 +57,6 @@ def test_one_model_has_no_per_model_table(database, tmp_path, make_png, monkeypa
     assert "Per page across models" not in document["tables"] and "unlike_runs" not in document
 
 
-@needs_ocr2
 def test_deepseek_ocr_against_deepseek_ocr2(database, tmp_path, make_png, monkeypatch):
     a = make_run(database, tmp_path / "a", make_png, pages(3, 273), mode="gundam")
     b = make_run(database, tmp_path / "b", make_png, pages(3, 545, "qwen2_ms"), model=OCR2, mode="gundam")
@@ -81,6 +74,8 @@ def test_deepseek_ocr_against_deepseek_ocr2(database, tmp_path, make_png, monkey
     paired = by_metric(document["tables"]["Paired latency"])
     assert (paired["CLIP ms"]["B"], paired["CLIP ms"]["verdict"]) == (None, "one model's stage (unlike runs)")
     assert paired["Qwen2 encoder ms"]["A"] is None and paired["Qwen2 encoder ms"]["B"] > 0
-    single = report_json(database, ["--run", b], monkeypatch)["tables"]["Latency and output"]
-    assert "Qwen2 encoder ms" in {r["metric"].strip() for r in single}
-    assert "CLIP ms" not in {r["metric"].strip() for r in single}
+    assert {"CLIP", "Qwen2 encoder"} <= set(document["terms"])
+    single = report_json(database, ["--run", b], monkeypatch)
+    assert "Qwen2 encoder ms" in {r["metric"].strip() for r in single["tables"]["Latency and output"]}
+    assert "CLIP ms" not in {r["metric"].strip() for r in single["tables"]["Latency and output"]}
+    assert "Qwen2 encoder" in single["terms"] and "CLIP" not in single["terms"]  # the legend: its stages

@@ -71,7 +71,7 @@ def test_redirected_report_lays_tables_out_whole(database, run_on_a_warmed_worke
 def test_report_explains_its_terms(database, run_on_a_warmed_worker, subprocess_env):
     text = report_text(database.url, run_on_a_warmed_worker, subprocess_env)
     legend = text[text.index("\nTerms\n") :]
-    terms = dict(glossary())
+    terms = dict(glossary(()))
     for term in ("TTFT from claim", "host gap", "device idle between jobs", "device share of a job between jobs",
                  "TTFT", "value [low, high]"):  # fmt: skip
         assert any(line.split() [: len(term.split())] == term.split() and terms[term] in line

@@ -64,11 +64,12 @@ def compile_plan(
     *,
     engine: str,
     concurrency: int = 1,
-    family: str = next(iter(FAMILIES)),
+    family: str,
 ) -> CompilePlan | None:
     """What a warm-up's graphs depend on, or None when inductor compiles none. `kernels`: the model's
     attention and expert implementations (`Engine.kernels()`); `graphs`: what its engine compiles
-    (`Engine.compiled()`); `concurrency`: the batched engine's slots a worker serves (1: batch-1 only)."""
+    (`Engine.compiled()`); `concurrency`: the batched engine's slots a worker serves (1: batch-1 only);
+    `family`: the model family's name, never assumed (its modes and view encoder shape the graphs)."""
     if graphs is None or not modes:
         return None
     return CompilePlan(

@@ -172,7 +172,8 @@ class ModelOpener:
             cold_start.append(then(loaded))
         settle_heap()
         warmup_ms += (time.perf_counter() - settling) * 1e3
-        self.record(loaded, "; ".join([", ".join(shapes), *cold_start]), began_at, load_ms, warmup_ms)
+        parts = [", ".join(shapes), *cold_start]  # no empty part (a load meeting no new shape, a silent `then`)
+        self.record(loaded, "; ".join(part for part in parts if part), began_at, load_ms, warmup_ms)
         return loaded
 
     def record(

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.run_options import ModelKey, NGram, RunOptions
-from dsocr_workers.model.families import all_modes, family_of_model
+from dsocr_workers.model.families import family_of_model
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import Job, Run
 
@@ -66,17 +66,22 @@ def ngram_options(ngram: NGram) -> DecodeOptions:
     return DecodeOptions(no_repeat_ngram_size=ngram[0], ngram_window=ngram[1])
 
 
-def parse_modes(spec: str) -> tuple[str, ...] | None:
-    """`auto` → None (decided from the open runs), `none` → (), else a comma list of mode names."""
+def parse_modes(spec: str, model: str) -> tuple[str, ...] | None:
+    """`auto` → None (decided from the open runs), `none` → (), else a comma list of modes of `model`'s
+    family (an InputError naming them otherwise)."""
     text = spec.strip().lower()
     if text == "auto":
         return None
     if text == "none":
         return ()
     modes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [mode for mode in modes if mode not in all_modes()]
+    family = family_of_model(model)
+    unknown = [mode for mode in modes if mode not in family.modes]
     if unknown or not modes:
-        raise InputError(f"--warmup {spec!r}: expected auto, none, or modes from {', '.join(all_modes())}")
+        raise InputError(
+            f"--warmup {spec!r}: expected auto, none, or modes of {family.title} ({model}): "
+            f"{', '.join(family.modes)}"
+        )
     return modes
 
 
@@ -92,8 +97,7 @@ def plan_warmup(
     `fallback` with `fallback_budget` tokens at `fallback_concurrency`), and the modes `spec` names, or
     with `auto` the modes of that model's open runs (else `default_modes`); the concurrency of its
     run with the most open jobs. None with `--warmup none`."""
-    modes = parse_modes(spec)
-    if modes == ():
+    if spec.strip().lower() == "none":
         return None
     with db.transaction() as tx:
         counts = dict(
@@ -110,8 +114,10 @@ def plan_warmup(
     for (run_id, _, _), options in zip(rows, runs, strict=True):
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
-        return Warmup(fallback, modes or default_modes(fallback.model), (fallback_budget,), concurrency=fallback_concurrency)
+        modes = parse_modes(spec, fallback.model) or default_modes(fallback.model)
+        return Warmup(fallback, modes, (fallback_budget,), concurrency=fallback_concurrency)
     key = open_jobs.most_common(1)[0][0]
+    modes = parse_modes(spec, key.model)  # the modes of the model warmed
     largest = max(
         ((counts[run_id], options) for (run_id, _, _), options in zip(rows, runs, strict=True)
          if options.model_key == key), key=lambda pair: pair[0],
