@@ -114,8 +114,8 @@ def plan_warmup(
     for (run_id, _, _), options in zip(rows, runs, strict=True):
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
-        modes = parse_modes(spec, fallback.model) or default_modes(fallback.model)
-        return Warmup(fallback, modes, (fallback_budget,), concurrency=fallback_concurrency)
+        fallback_modes = parse_modes(spec, fallback.model) or default_modes(fallback.model)
+        return Warmup(fallback, fallback_modes, (fallback_budget,), concurrency=fallback_concurrency)
     key = open_jobs.most_common(1)[0][0]
     modes = parse_modes(spec, key.model)  # the modes of the model warmed
     largest = max(
