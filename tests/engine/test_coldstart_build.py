@@ -201,12 +201,12 @@ import sys, time, torch
 from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.plan import compile_plan
 from dsocr_workers.engine.variants.fast import FastEngine
-from dsocr_workers.model.config import PRESETS
+from dsocr_workers.model.deepseek_ocr.config import PRESETS
 
 engine = FastEngine()
 kernels = {**engine.kernels(), "experts_implementation": "batched_mm"}
 plan = compile_plan("tiny", torch.device("cuda", 0), torch.bfloat16, kernels, engine.compiled(), ("tiny",), 8, None, 3,
-                    engine="fast")
+                    engine="fast", family="deepseek-ocr")
 with artifacts.host_lock(plan, PRESETS["tiny"]) as held:
     print(held, flush=True)
     time.sleep(600)

@@ -213,12 +213,17 @@ def start_worker(
     specs = [
         WorkerSpec(settings, slots, lane, tuple(queue_names), plan, imported) for lane in range(len(slots))
     ]
-    if len(specs) == 1:
-        run_lane(specs[0], loglevel, events)
-    else:
-        failed = supervise_lanes(specs, loglevel, events)
-        if failed and not any(spec.refused for spec in specs):
-            raise RuntimeError(f"dsocr worker stopped: {failed}")
+    try:
+        if len(specs) == 1:
+            run_lane(specs[0], loglevel, events)
+        else:
+            failed = supervise_lanes(specs, loglevel, events)
+            if failed and not any(spec.refused for spec in specs):
+                raise RuntimeError(f"dsocr worker stopped: {failed}")
+    finally:
+        # Frozen objects outlive the interpreter's teardown: nanobind (Triton's bindings) would report
+        # each of its still-referenced functions as a leak on stderr at exit.
+        gc.unfreeze()
     if refused := "; ".join(spec.refused for spec in specs if spec.refused):
         raise InputError(refused)
 
