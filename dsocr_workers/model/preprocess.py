@@ -10,6 +10,7 @@ A family's own schedule (modes, tile size, token counts) is its package's `prepr
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -129,6 +130,51 @@ def padded_view(image: Image.Image, size: int) -> torch.Tensor:
     [1, 3, size, size]. Pillow's own pad: its paste offset is round-half-even (3000x500 → y 426), part
     of parity."""
     return to_tensor(ImageOps.pad(image, (size, size), Image.Resampling.BICUBIC, color=PAD_COLOR))
+
+
+def global_view(image: Image.Image, mode: ModeSpec, stretch_up_to: int) -> torch.Tensor:
+    """The page's global view: without crop mode, sides up to `stretch_up_to` are a direct,
+    aspect-distorting BICUBIC resize (the vendors' pad after it is a no-op); otherwise `padded_view`."""
+    size = mode.global_size
+    if not mode.crop_mode and size <= stretch_up_to:
+        return to_tensor(image.resize((size, size), Image.Resampling.BICUBIC))
+    return padded_view(image, size)
+
+
+def assemble_page(
+    original: Image.Image,
+    mode: ModeSpec,
+    grid: tuple[int, int],
+    tile: int,
+    text: str,
+    encode: Callable[[str], list[int]],
+    image_tokens: int,
+) -> PreparedPage:
+    """A page's views and prompt ids: the global view (`tile` is also the side up to which a view without
+    crop mode is stretched) and, for a grid of 2 or more, its tiles; `image_tokens` placeholders."""
+    if grid == (1, 1):
+        view, tiles = global_view(original, mode, tile), None
+    else:
+        # The tiles' resize on a thread of its own while this one makes the global view (PIL resizes
+        # without the GIL); a thread per call, no pool: nothing outlives the call into a later fork.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-tiles") as side:
+            tiles_made = side.submit(cut_tiles, original, grid, tile)
+            view = global_view(original, mode, tile)
+            tiles = tiles_made.result()
+    input_ids, mask = prompt_ids(text, encode, image_tokens)
+    return PreparedPage(
+        input_ids=input_ids,
+        images_seq_mask=mask,
+        global_pixels=view,
+        tile_pixels=tiles,
+        crop_grid=grid,
+        image_tokens=image_tokens,
+        prompt_tokens=len(input_ids),
+        original=original,
+        mode=mode,
+        # Both vendors skip the image when its normalised global view sums to exactly 0.
+        injects_image=not sums_to_zero(view),
+    )
 
 
 def _chw(uint8: np.ndarray) -> torch.Tensor:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from PIL import Image
 
 from dsocr_workers.model.config import ModeSpec
@@ -19,14 +17,10 @@ from dsocr_workers.model.deepseek_ocr.config import DEFAULT_MODE, MAX_CROPS, get
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 from dsocr_workers.model.preprocess import (
     PreparedPage,
+    assemble_page,
     build_prompt,
     crop_candidates,
-    cut_tiles,
-    padded_view,
-    prompt_ids,
     select_crop_grid,
-    sums_to_zero,
-    to_tensor,
 )
 
 TILE_SIZE = 640  # hard-wired in the vendor's tiling, whatever the mode's image_size
@@ -62,14 +56,6 @@ def most_image_tokens(mode: ModeSpec, max_crops: int = MAX_CROPS) -> int:
     return max(count_image_tokens(mode, grid) for grid in [(1, 1), *grids])
 
 
-def _global_view(image: Image.Image, mode: ModeSpec) -> torch.Tensor:
-    size = mode.global_size
-    if not mode.crop_mode and size <= TILE_SIZE:
-        # tiny/small: a direct, aspect-distorting resize (the vendor's pad after it is a no-op)
-        return to_tensor(image.resize((size, size), Image.Resampling.BICUBIC))
-    return padded_view(image, size)
-
-
 def prepare_page(
     image: str | os.PathLike | bytes | Image.Image,
     encode: Callable[[str], list[int]],
@@ -87,27 +73,4 @@ def prepare_page(
     original = load_image(image, max_pixels=max_pixels)
 
     grid = crop_grid(original.width, original.height, max_crops) if spec.crop_mode else (1, 1)
-    if grid == (1, 1):
-        global_view, tiles = _global_view(original, spec), None
-    else:
-        # The tiles' resize on a thread of its own while this one makes the global view (PIL resizes
-        # without the GIL); a thread per call, no pool: nothing outlives the call into a later fork.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-tiles") as side:
-            tiles_made = side.submit(cut_tiles, original, grid, TILE_SIZE)
-            global_view = _global_view(original, spec)
-            tiles = tiles_made.result()
-
-    n_image = count_image_tokens(spec, grid)
-    input_ids, mask = prompt_ids(text, encode, n_image)
-    return PreparedPage(
-        input_ids=input_ids,
-        images_seq_mask=mask,
-        global_pixels=global_view,
-        tile_pixels=tiles,
-        crop_grid=grid,
-        image_tokens=n_image,
-        prompt_tokens=len(input_ids),
-        original=original,
-        mode=spec,
-        injects_image=not sums_to_zero(global_view),
-    )
+    return assemble_page(original, spec, grid, TILE_SIZE, text, encode, count_image_tokens(spec, grid))

@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from PIL import Image
 
 from dsocr_workers.errors import InputError
@@ -22,14 +20,10 @@ from dsocr_workers.model.deepseek_ocr2.config import DEFAULT_MODE, MAX_CROPS, MI
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 from dsocr_workers.model.preprocess import (
     PreparedPage,
+    assemble_page,
     build_prompt,
     crop_candidates,
-    cut_tiles,
-    padded_view,
-    prompt_ids,
     select_crop_grid,
-    sums_to_zero,
-    to_tensor,
 )
 
 CROP_SIZE = 768  # `dynamic_preprocess(image_size=768)` and the crop threshold, whatever the mode says
@@ -72,14 +66,6 @@ def most_image_tokens(mode: str | ModeSpec, max_crops: int = MAX_CROPS) -> int:
     return max(count_image_tokens(spec, grid) for grid in [(1, 1), *grids])
 
 
-def _global_view(image: Image.Image, spec: ModeSpec) -> torch.Tensor:
-    size = spec.global_size
-    if not spec.crop_mode and size <= CROP_SIZE:
-        # The vendor stretches to the square (`image.resize`, BICUBIC for RGB); its pad after is a no-op.
-        return to_tensor(image.resize((size, size), Image.Resampling.BICUBIC))
-    return padded_view(image, size)
-
-
 def prepare_page(
     image: str | os.PathLike | bytes | Image.Image,
     encode: Callable[[str], list[int]],
@@ -101,28 +87,4 @@ def prepare_page(
         grid = select_crop_grid(
             original.width, original.height, min_crops=MIN_CROPS, max_crops=max_crops, tile=CROP_SIZE
         )
-    if grid == (1, 1):
-        global_view, crops = _global_view(original, spec), None
-    else:
-        # The crops' resize on a thread of its own while this one pads the global view (PIL resizes
-        # without the GIL); one thread per call, no pool: nothing outlives the call into a later fork.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-crops") as side:
-            made = side.submit(cut_tiles, original, grid, CROP_SIZE)
-            global_view = _global_view(original, spec)
-            crops = made.result()
-
-    n_image = count_image_tokens(spec, grid)
-    input_ids, mask = prompt_ids(text, encode, n_image)
-    return PreparedPage(
-        input_ids=input_ids,
-        images_seq_mask=mask,
-        global_pixels=global_view,
-        tile_pixels=crops,
-        crop_grid=grid,
-        image_tokens=n_image,
-        prompt_tokens=len(input_ids),
-        original=original,
-        mode=spec,
-        # The vendor skips the image when its normalised global view sums to exactly 0 (as v1's does).
-        injects_image=not sums_to_zero(global_view),
-    )
+    return assemble_page(original, spec, grid, CROP_SIZE, text, encode, count_image_tokens(spec, grid))
