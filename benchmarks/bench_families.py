@@ -43,7 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import environment, fmt  # noqa: E402
-from benchmarks.bench_serving import PEAK_TBPS, SECONDS_PER_DAY, engine_level, load_pages, warm_batch1, weight_bytes  # noqa: E402
+from benchmarks.bench_serving import (  # noqa: E402
+    PEAK_TBPS,
+    SECONDS_PER_DAY,
+    engine_level,
+    load_pages,
+    warm_batch1,
+    weight_bytes,
+)
+from dsocr_workers.engine.batched.slots import SlotAttention  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.model.config import dtype_name  # noqa: E402
@@ -133,7 +141,7 @@ def batched(sessions: dict[str, DeepSeekOCRSession], pages: dict[str, list], arg
     peak_tbps = next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
     serving = argparse.Namespace(tokens=args.tokens, reserve_gib=args.reserve_gib, eager_step=False,
                                  no_graphs=False, min_requests=args.min_requests)  # fmt: skip
-    attention = "filled" if args.device.startswith("cuda") else "masked"
+    attention: SlotAttention = "filled" if args.device.startswith("cuda") else "masked"
     weights = {model: weight_bytes(s) for model, s in sessions.items()}
     names = list(sessions)
     for k, concurrency in enumerate(sorted({int(c) for c in args.concurrency.split(",")})):
@@ -167,7 +175,9 @@ def cell(e: dict[str, Any] | None, digits: int = 2) -> str:
         return "-"
     if e.get("low") is None:
         return fmt(float(e["value"]), digits)
-    return f"{fmt(float(e['value']), digits)} [{fmt(float(e['low']), digits)}, {fmt(float(e['high']), digits)}]"
+    return (
+        f"{fmt(float(e['value']), digits)} [{fmt(float(e['low']), digits)}, {fmt(float(e['high']), digits)}]"
+    )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -183,17 +193,24 @@ def markdown(report: dict[str, Any]) -> str:
         + ("CUDA events." if env.get("gpu") else "CPU smoke run: host clock, numbers meaningless."),
         f"Command: `{report['command']}`",
         "",
-        "| figure | " + " | ".join(f"`{m}`" for m in models) + (" | ratio (paired) |" if "ratio" in summary else " |"),
+        "| figure | "
+        + " | ".join(f"`{m}`" for m in models)
+        + (" | ratio (paired) |" if "ratio" in summary else " |"),
         "|---|" + "---|" * (len(models) + ("ratio" in summary)),
     ]
     for f in (*FIGURES, "visual tokens per page (min / median / max)", "batch-1 pages/day", "best batched output tok/s",
               "batched pages/day (at that concurrency)"):  # fmt: skip
         if f in FIGURES:
-            cells = [cell(summary.get(m, {}).get("figures", {}).get(f), 3 if "token" in f else 2) for m in models]
+            cells = [
+                cell(summary.get(m, {}).get("figures", {}).get(f), 3 if "token" in f else 2) for m in models
+            ]
             ratio = summary.get("ratio", {}).get(f)
             label = LABELS[f]
         elif f.startswith("visual"):
-            cells = [("{min} / {median} / {max}".format(**summary[m]["visual_tokens"]) if m in summary else "-") for m in models]
+            cells = [
+                ("{min} / {median} / {max}".format(**summary[m]["visual_tokens"]) if m in summary else "-")
+                for m in models
+            ]
             ratio, label = summary.get("ratio", {}).get("image_tokens"), f
         elif f == "batch-1 pages/day":
             cells = [fmt(summary.get(m, {}).get("batch1_pages_per_day"), 0) for m in models]
@@ -201,9 +218,13 @@ def markdown(report: dict[str, Any]) -> str:
         else:
             best = report.get("best_batched", {})
             key = "output_tokens_per_s" if f.startswith("best") else "pages_per_day"
-            cells = [f"{fmt(best[m][key], 0)} (c={best[m]['concurrency']})" if m in best else "-" for m in models]
+            cells = [
+                f"{fmt(best[m][key], 0)} (c={best[m]['concurrency']})" if m in best else "-" for m in models
+            ]
             ratio, label = None, f
-        lines.append(f"| {label} | " + " | ".join(cells) + (f" | {cell(ratio, 3)} |" if "ratio" in summary else " |"))
+        lines.append(
+            f"| {label} | " + " | ".join(cells) + (f" | {cell(ratio, 3)} |" if "ratio" in summary else " |")
+        )
     errors = [f"- {k}: {v}" for k, v in report.get("errors", {}).items()]
     errors += [f"- batched {r['model']} c={r['concurrency']}: {r.get('error') or r.get('skipped')}"
                for r in report.get("batched", []) if "error" in r or "skipped" in r]  # fmt: skip
@@ -215,8 +236,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="full,ocr2-full", help="two presets or checkpoints: A,B (ratios are B/A)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default="full,ocr2-full", help="two presets or checkpoints: A,B (ratios are B/A)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--pages", default=DEFAULT_PAGES, help="a file list")
@@ -226,8 +251,12 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
-    parser.add_argument("--budget-s", type=float, default=480, help="start no batched level past this many seconds")
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    parser.add_argument(
+        "--budget-s", type=float, default=480, help="start no batched level past this many seconds"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    )
     args = parser.parse_args()
     args.began = time.perf_counter()
     models = [m for m in args.models.split(",") if m]

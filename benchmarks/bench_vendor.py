@@ -55,8 +55,8 @@ from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_top1  # noqa: E402
 from dsocr_workers.model.checkpoint import save_preset  # noqa: E402
 from dsocr_workers.model.families import family_of_preset  # noqa: E402
-from dsocr_workers.stages import TIMINGS  # noqa: E402
 from dsocr_workers.model.tokenizer import OCRTokenizer  # noqa: E402
+from dsocr_workers.stages import TIMINGS  # noqa: E402
 
 # The vendor code hard-codes every vision size and the 1280-wide projector: only the full presets load.
 PRESETS = ("full", "ocr2-full")

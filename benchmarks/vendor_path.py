@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 
-
 @dataclass(frozen=True)
 class VendorFamily:
     """One family's remote code: its files, the module and class to load, the view encoder to time."""
