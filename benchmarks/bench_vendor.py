@@ -1,9 +1,11 @@
-"""Vendor side by side (issue 10 item 5): the vendor's HF remote code against our eager and fast engines,
-on one GPU, one command, the same random weights and the same page.
+"""Vendor side by side: the vendor's HF remote code against our eager and fast engines, on one GPU, one
+command, the same random weights and the same page; DeepSeek-OCR (`--model full`) or DeepSeek-OCR-2
+(`--model ocr2-full`).
 
-    python benchmarks/bench_vendor.py --vendor-code DIR --vendor-site DIR [--dtype bfloat16] [--out DIR]
+    python benchmarks/bench_vendor.py --vendor-code DIR --vendor-site DIR [--model ocr2-full] [--dtype bfloat16] [--out DIR]
 
-  --vendor-code  the five .py files of the vendor's HF repository (modeling_deepseekocr.py, deepencoder.py,
+  --vendor-code  the five .py files of the model's HF repository (DeepSeek-OCR: modeling_deepseekocr.py,
+                 deepencoder.py; DeepSeek-OCR-2: modeling_deepseekocr2.py, deepencoderv2.py; both:
                  modeling_deepseekv2.py, configuration_deepseek_v2.py, conversation.py); read from there,
                  never copied into this repository.
   --vendor-site  a directory holding transformers 4.46.3 and what it needs that the host lacks
@@ -12,9 +14,9 @@ on one GPU, one command, the same random weights and the same page.
                  transformers 4.48 on (spec §6.7), so its side runs in a child process with that directory
                  first on its path (benchmarks/vendor_path.py says what runs there and how it is timed).
 
-Steps: (1) the `full` preset (seeded random weights, labelled as such) is written once as a checkpoint
-in the vendor's layout and key names; (2) the page of anchors.md (synthetic 1600x2000, gundam, 2x3 tiles,
-916 prompt tokens) is preprocessed once by our code and handed to both sides; (3) the vendor path loads the
+Steps: (1) the `--model` preset (seeded random weights, labelled as such) is written once as a checkpoint
+in the vendor's layout and key names; (2) the page of anchors.md (synthetic 1600x2000, gundam; DeepSeek-OCR: 2x3 tiles,
+916 prompt tokens) is preprocessed once by our family's code and handed to both sides; (3) the vendor path loads the
 checkpoint with its own `from_pretrained` and runs warm-up + timed jobs on the split path; (4) each of our
 engines loads the same checkpoint through our vendor-layout loader, alone on the GPU (peak memory is each
 path's own, weights included), runs the same jobs, then is teacher-forced on the vendor's greedy tokens
@@ -52,13 +54,16 @@ from dsocr_workers.engine.result import DecodeOptions  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.verify import teacher_forced_top1  # noqa: E402
 from dsocr_workers.model.checkpoint import save_preset  # noqa: E402
-from dsocr_workers.model.deepseek_ocr.preprocess import prepare_page  # noqa: E402
+from dsocr_workers.model.families import family_of_preset  # noqa: E402
 from dsocr_workers.model.tokenizer import OCRTokenizer  # noqa: E402
+from dsocr_workers.stages import TIMINGS  # noqa: E402
 
-PRESET = "full"  # the vendor code hard-codes every vision size and the 1280-wide projector
+# The vendor code hard-codes every vision size and the 1280-wide projector: only the full presets load.
+PRESETS = ("full", "ocr2-full")
 EAGER_TOLERANCE = 0.05  # issue 10 item 5: eager within ±5% of the vendor path, or explained
 WARMUP = {"eager": 1, "fast": 2}  # fast: the first job compiles, the second captures the decode graph
-TIMED = ("prefill_ms", "vision_ms", "sam_ms", "clip_ms", "projector_ms", "lm_prefill_ms")
+# encoder_ms: the family's view encoder (CLIP, or OCR-2's Qwen2 encoder).
+TIMED = ("prefill_ms", "vision_ms", "sam_ms", "encoder_ms", "projector_ms", "lm_prefill_ms")
 _T0 = time.perf_counter()
 
 
@@ -94,7 +99,7 @@ def save_page(page: Any, path: Path) -> None:
 def run_vendor(args: argparse.Namespace, checkpoint: Path, inputs: Path, out: Path, timeout: float) -> dict[str, Any]:
     command = [
         sys.executable, str(REPO / "benchmarks" / "vendor_path.py"), "--vendor-code", str(args.vendor_code),
-        "--checkpoint", str(checkpoint), "--inputs", str(inputs), "--tokens", str(args.tokens),
+        "--family", family_of_preset(args.model).name, "--checkpoint", str(checkpoint), "--inputs", str(inputs), "--tokens", str(args.tokens),
         "--repeats", str(args.repeats), "--dtype", args.dtype, "--device", args.device, "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.vendor_site.resolve()), os.environ.get("PYTHONPATH", "")])}
@@ -132,8 +137,10 @@ def bench_ours(engine: str, args: argparse.Namespace, checkpoint: Path, image: P
     results = [job() for _ in range(args.repeats)]
     if cuda:
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    runs = [{**{key: getattr(r.timings, key) for key in TIMED}, "decode_step_ms": list(r.timings.decode_step_ms)}
-            for r in results]  # fmt: skip
+    encoder = next(t.column for t in TIMINGS if t.stage == session.family.encoder_stage)
+    ours = {key: encoder if key == "encoder_ms" else key for key in TIMED}
+    runs = [{**{key: getattr(r.timings, column) for key, column in ours.items()},
+             "decode_step_ms": list(r.timings.decode_step_ms)} for r in results]  # fmt: skip
     report.update(summarize(runs))
     report["token_ids"] = results[0].token_ids
     if vendor_tokens:
@@ -155,7 +162,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"GPU {env.get('gpu')} (driver {env.get('driver')}), CUDA {env.get('cuda_runtime')}, torch {env['torch']}; "
         f"ours on transformers {env['transformers']}, the vendor's HF code on transformers {vendor.get('transformers')}. "
-        f"Python {env['python']}, git {env.get('git_sha')}. Weights: the `{PRESET}` preset, RANDOM WEIGHTS (seed 0), "
+        f"Python {env['python']}, git {env.get('git_sha')}. Weights: the `{report['preset']}` preset ({report['family']}), RANDOM WEIGHTS (seed 0), "
         f"one checkpoint in the vendor layout loaded by both; {report['dtype']}. Page: synthetic 1600x2000, "
         f"{report['mode']}; {report['tokens']} decode tokens forced, no n-gram ban. Medians of {report['repeats']} "
         f"runs after warm-up; " + ("CUDA events." if env.get("gpu") else "CPU smoke run: host clock, numbers meaningless."),
@@ -170,7 +177,7 @@ def markdown(report: dict[str, Any]) -> str:
         return f"{a / b:.3f}" if a and b else "-"
 
     rows = [("prefill ms (vision + LM)", "prefill_ms", 2), ("vision ms", "vision_ms", 2), ("SAM ms", "sam_ms", 2),
-            ("CLIP ms", "clip_ms", 2), ("projector ms", "projector_ms", 3), ("LM prefill ms", "lm_prefill_ms", 2),
+            ("view encoder ms (CLIP / Qwen2)", "encoder_ms", 2), ("projector ms", "projector_ms", 3), ("LM prefill ms", "lm_prefill_ms", 2),
             ("decode ms/token", "decode_ms_per_token", 3), ("tokens/s", "tokens_per_s", 1),
             ("peak memory GiB (weights included)", "peak_memory_gib", 2), ("load s", "load_s", 1)]  # fmt: skip
     for label, key, digits in rows:
@@ -197,6 +204,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vendor-code", type=Path, required=True)
     parser.add_argument("--vendor-site", type=Path, required=True)
+    parser.add_argument("--model", choices=PRESETS, default="full", help="full: DeepSeek-OCR; ocr2-full: DeepSeek-OCR-2")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--mode", default="gundam")
@@ -213,7 +221,7 @@ def main() -> int:
 
     report: dict[str, Any] = {
         "environment": environment(), "command": shlex.join(["python", "benchmarks/bench_vendor.py", *sys.argv[1:]]),
-        "preset": PRESET, "dtype": args.dtype, "mode": args.mode, "tokens": args.tokens, "repeats": args.repeats,
+        "preset": args.model, "family": family_of_preset(args.model).title, "dtype": args.dtype, "mode": args.mode, "tokens": args.tokens, "repeats": args.repeats,
         "paths": {},
     }  # fmt: skip
 
@@ -226,11 +234,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        log(f"writing the {PRESET} preset as a vendor-layout checkpoint")
-        checkpoint = save_preset(PRESET, scratch / "checkpoint", seed=0)
+        log(f"writing the {args.model} preset as a vendor-layout checkpoint")
+        checkpoint = save_preset(args.model, scratch / "checkpoint", seed=0)
         image = scratch / "page.png"
         synthetic_page().save(image)
-        page = prepare_page(image, OCRTokenizer.build_preset().encode, mode=args.mode)
+        family = family_of_preset(args.model)
+        page = family.code().prepare_page(image, OCRTokenizer.build_preset().encode, mode=family.mode(args.mode))
         report["page"] = {"crop_grid": list(page.crop_grid), "image_tokens": page.image_tokens,
                           "prompt_tokens": page.prompt_tokens}  # fmt: skip
         save_page(page, scratch / "page.pt")

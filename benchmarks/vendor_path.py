@@ -1,13 +1,13 @@
-"""The vendor's side of bench_vendor.py: DeepSeek-OCR's HF remote code, run in its own process under the
+"""The vendor's side of bench_vendor.py: DeepSeek-OCR's or DeepSeek-OCR-2's HF remote code (`--family`), run in its own process under the
 transformers it was written for (4.46.3; from 4.48 its imports fail, spec §6.7), on a page that
 bench_vendor.py prepared. Run by bench_vendor.py, not by hand:
 
     PYTHONPATH=<site with transformers 4.46.3> python benchmarks/vendor_path.py --vendor-code DIR \
-        --checkpoint DIR --inputs page.pt --tokens 256 --repeats 3 --out vendor.json
+        --family deepseek-ocr --checkpoint DIR --inputs page.pt --tokens 256 --repeats 3 --out vendor.json
 
-What runs is the vendor's own model code, untouched, imported from DIR (the five .py files of the HF
-repository; nothing of it is copied into this repository):
-  - the model: `DeepseekOCRForCausalLM.from_pretrained(checkpoint)` with eager attention (the vendor's
+What runs is the vendor's own model code, untouched, imported from DIR (the five .py files of the family's HF
+repository, `FAMILIES`; nothing of it is copied into this repository):
+  - the model: `DeepseekOCRForCausalLM` / `DeepseekOCR2ForCausalLM` `.from_pretrained(checkpoint)` with eager attention (the vendor's
     fallback without flash-attn), in the dtype asked; in bfloat16 every forward runs under
     `torch.autocast("cuda", bfloat16)` + `no_grad`, as the vendor's `infer()` does;
   - the split path of anchors.md: one prefill forward over the page's prompt (vision inside it), then one
@@ -20,9 +20,10 @@ torchvision for those transforms only: where no torchvision built for the instal
 CPU development machine), a stand-in that fails if used takes its place.
 
 Timing: CUDA events around the prefill forward and every decode step; forward hooks put events around
-the vendor's `sam_model`, `vision_model` (CLIP) and `projector` calls, summed per prefill (gundam calls
+the vendor's `sam_model`, view encoder (`vision_model`: CLIP; `qwen2_model`: OCR-2's Qwen2 encoder) and
+`projector` calls, summed per prefill (gundam calls
 each twice: tiles, then the global view). LM prefill is the span from the last projector call's end to
-the end of the prefill forward (the embedding scatter and the 12 decoder layers). Peak memory is
+the end of the prefill forward (the embedding scatter and the decoder layers). Peak memory is
 torch.cuda.max_memory_allocated over the timed runs.
 """
 
@@ -37,15 +38,34 @@ import tempfile
 import time
 import types
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-VENDOR_FILES = (
-    "modeling_deepseekocr.py", "deepencoder.py", "modeling_deepseekv2.py", "configuration_deepseek_v2.py",
-    "conversation.py",
-)  # fmt: skip
+
+@dataclass(frozen=True)
+class VendorFamily:
+    """One family's remote code: its files, the module and class to load, the view encoder to time."""
+
+    files: tuple[str, ...]
+    module: str
+    model_class: str
+    encoder: str  # the attribute of the vendor's inner model that encodes a view after SAM
+
+
+# Keyed by our family names (model/families.py); bench_vendor.py passes the checkpoint's.
+FAMILIES = {
+    "deepseek-ocr": VendorFamily(
+        ("modeling_deepseekocr.py", "deepencoder.py", "modeling_deepseekv2.py", "configuration_deepseek_v2.py",
+         "conversation.py"), "modeling_deepseekocr", "DeepseekOCRForCausalLM", "vision_model",
+    ),
+    "deepseek-ocr2": VendorFamily(
+        ("modeling_deepseekocr2.py", "deepencoderv2.py", "modeling_deepseekv2.py", "configuration_deepseek_v2.py",
+         "conversation.py"), "modeling_deepseekocr2", "DeepseekOCR2ForCausalLM", "qwen2_model",
+    ),
+}  # fmt: skip
 PACKAGE = "deepseek_ocr_vendor_code"
 
 
@@ -76,21 +96,21 @@ def torchvision_or_stand_in() -> None:
     sys.modules.update(modules)
 
 
-def import_vendor(code_dir: Path, scratch: Path) -> types.ModuleType:
+def import_vendor(code_dir: Path, scratch: Path, family: VendorFamily) -> types.ModuleType:
     """The vendor's modeling module, imported as a package (its files import each other relatively)."""
-    missing = [name for name in VENDOR_FILES if not (code_dir / name).is_file()]
+    missing = [name for name in family.files if not (code_dir / name).is_file()]
     if missing:
         raise SystemExit(f"--vendor-code {code_dir}: missing {', '.join(missing)} (the HF repository's .py files)")
     package = scratch / PACKAGE
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in VENDOR_FILES:
+    for name in family.files:
         (package / name).symlink_to((code_dir / name).resolve())
     sys.path.insert(0, str(scratch))
     torchvision_or_stand_in()
     import importlib
 
-    return importlib.import_module(f"{PACKAGE}.modeling_deepseekocr")
+    return importlib.import_module(f"{PACKAGE}.{family.module}")
 
 
 def mark(cuda: bool) -> Any:
@@ -174,7 +194,7 @@ def run_once(model: Any, timer: ModuleTimer, page: dict[str, Any], tokens: int, 
     return {
         "prefill_ms": elapsed(start, prefill_end),
         "sam_ms": stages["sam"],
-        "clip_ms": stages["clip"],
+        "encoder_ms": stages["encoder"],
         "projector_ms": stages["projector"],
         "vision_ms": elapsed(start, vision_end),
         "lm_prefill_ms": elapsed(vision_end, prefill_end),
@@ -186,6 +206,7 @@ def run_once(model: Any, timer: ModuleTimer, page: dict[str, Any], tokens: int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vendor-code", type=Path, required=True)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="deepseek-ocr")
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--inputs", type=Path, required=True, help="the page, as bench_vendor.py saved it")
     parser.add_argument("--tokens", type=int, default=256)
@@ -203,12 +224,14 @@ def main() -> int:
     import transformers
 
     report: dict[str, Any] = {"transformers": transformers.__version__, "torch": torch.__version__,
-                              "dtype": args.dtype, "device": args.device, "tokens": args.tokens}  # fmt: skip
+                              "dtype": args.dtype, "device": args.device, "tokens": args.tokens,
+                              "family": args.family}  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
-        vendor = import_vendor(args.vendor_code, Path(scratch))
+        family = FAMILIES[args.family]
+        vendor = import_vendor(args.vendor_code, Path(scratch), family)
         dtype = getattr(torch, args.dtype)
         began = time.perf_counter()
-        model = vendor.DeepseekOCRForCausalLM.from_pretrained(
+        model = getattr(vendor, family.model_class).from_pretrained(
             str(args.checkpoint), torch_dtype=dtype, attn_implementation="eager", use_safetensors=True
         )
         model = model.eval().to(args.device).to(dtype)
@@ -226,7 +249,8 @@ def main() -> int:
         "images_spatial_crop": torch.tensor([saved["crop_grid"]], dtype=torch.long),
     }
     vision = model.model
-    timer = ModuleTimer({"sam": vision.sam_model, "clip": vision.vision_model, "projector": vision.projector}, cuda)
+    encoder = getattr(vision, family.encoder)
+    timer = ModuleTimer({"sam": vision.sam_model, "encoder": encoder, "projector": vision.projector}, cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and args.dtype == "bfloat16" else nullcontext()
 
     for _ in range(args.warmup):
