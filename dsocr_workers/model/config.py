@@ -80,6 +80,19 @@ class TextDims:
         }
 
 
+# The tiny presets' shared parts (both families): every topological feature of SAM (windowed + global
+# blocks, the 16x compressor) and of the decoder (a dense layer 0, then MoE with shared experts, the
+# vendor vocabulary) at widths that run a whole page on a CPU in seconds.
+TINY_SAM = SamDims(
+    width=32, layers=4, heads=2, global_attn_indexes=(1, 3), neck_channels=16, downsample_channels=(32, 64)
+)
+TINY_TEXT = TextDims(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+    n_shared_experts=2,
+)
+
+
 # A resolution mode: torch-free, so the farm's parent processes can name a family's modes.
 @dataclass(frozen=True)
 class ModeSpec:

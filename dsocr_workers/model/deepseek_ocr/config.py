@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsocr_workers.errors import CheckpointError
-from dsocr_workers.model.config import ModeSpec, SamDims, TextDims, pick_mode
+from dsocr_workers.model.config import TINY_SAM, TINY_TEXT, ModeSpec, SamDims, TextDims, pick_mode
 
 TITLE = "DeepSeek-OCR"
 ARCHITECTURE = "DeepseekOCRForCausalLM"  # the vendor remote code's class, in its config.json
@@ -141,16 +141,9 @@ class OCRConfig:
 PRESETS: dict[str, OCRConfig] = {
     "full": OCRConfig(),
     "tiny": OCRConfig(
-        sam=SamDims(
-            width=32, layers=4, heads=2, global_attn_indexes=(1, 3), neck_channels=16,
-            downsample_channels=(32, 64),
-        ),
+        sam=TINY_SAM,
         clip=ClipDims(width=64, layers=2, heads=2, ffn=128),
-        text=TextDims(
-            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
-            n_shared_experts=2,
-        ),
+        text=TINY_TEXT,
     ),
 }
 

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsocr_workers.errors import CheckpointError
-from dsocr_workers.model.config import BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID, ModeSpec, SamDims, TextDims
+from dsocr_workers.model.config import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    TINY_SAM,
+    TINY_TEXT,
+    ModeSpec,
+    SamDims,
+    TextDims,
+)
 
 # Queries per view: a 768-px crop (12×12 SAM grid) and the 1024-px global view (16×16).
 CROP_QUERIES = 144
@@ -224,16 +233,9 @@ def _text_dims(cfg: dict[str, Any], layer_types: list[str] | None = None) -> Tex
 PRESETS: dict[str, OCR2Config] = {
     "ocr2-full": OCR2Config(),
     "ocr2-tiny": OCR2Config(
-        sam=SamDims(
-            width=32, layers=4, heads=2, global_attn_indexes=(1, 3), neck_channels=16,
-            downsample_channels=(32, 64),
-        ),
+        sam=TINY_SAM,
         encoder=EncoderDims(layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128),
-        text=TextDims(
-            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
-            n_shared_experts=2,
-        ),
+        text=TINY_TEXT,
     ),
 }
 
