@@ -20,7 +20,6 @@ from dsocr_workers.store.models import Result, job_id_for
 
 T0 = datetime(2026, 11, 26, 8, 0, 0)
 BLUE = np.array([31, 119, 180])  # tab:blue, the first run's colour
-ORANGE = np.array([255, 127, 14])  # the decode bars of the stage breakdown
 LONG_NAMES = [f"docstructbench_dianzishu_zhongwenzaixian-o.O-{i:08d}-page-{i:04d}.png" for i in range(12)]
 
 
@@ -84,8 +83,11 @@ def test_one_slow_step_does_not_flatten_the_decode_plot(page_of_a_real_looking_r
 def test_long_page_names_leave_the_bars_their_room(page_of_a_real_looking_run):
     _, pngs = page_of_a_real_looking_run
     plot = pngs["Stage breakdown per image"]
-    orange = np.abs(plot - ORANGE).sum(axis=2) < 60
-    decode_rows = np.flatnonzero(orange.mean(axis=1) > 0.2)  # across the bars, not the legend's patch
+    from dsocr_workers.report.plots import STAGE_COLORS
+
+    decode = np.array([int(STAGE_COLORS["decode"][i : i + 2], 16) for i in (1, 3, 5)])  # "#rrggbb"
+    decode_colored = np.abs(plot - decode).sum(axis=2) < 60
+    decode_rows = np.flatnonzero(decode_colored.mean(axis=1) > 0.2)  # across the bars, not the legend's patch
     # The bars keep most of the figure's height: slanted names of 60-odd characters took more than half
     # of it, and the bars were squeezed into a third.
     assert decode_rows.max() - decode_rows.min() > 0.45 * plot.shape[0], (decode_rows.min(), decode_rows.max())
