@@ -15,7 +15,7 @@ from collections.abc import Callable
 from PIL import Image
 
 from dsocr_workers.errors import InputError
-from dsocr_workers.model.config import ModeSpec
+from dsocr_workers.model.config import ModeSpec, pick_mode
 from dsocr_workers.model.deepseek_ocr2.config import DEFAULT_MODE, MAX_CROPS, MIN_CROPS, MODES
 from dsocr_workers.model.images import MAX_PIXELS, load_image
 from dsocr_workers.model.preprocess import (
@@ -32,14 +32,9 @@ DOWNSAMPLE = 4  # SAM's 16-px patches, then the two stride-2 convs: one token pe
 
 
 def get_mode(mode: str | ModeSpec) -> ModeSpec:
-    if isinstance(mode, ModeSpec):
-        if MODES.get(mode.name) != mode:
-            raise InputError(f"mode {mode.name!r} is not a DeepSeek-OCR-2 mode; valid modes: {', '.join(MODES)}")
-        return mode
-    try:
-        return MODES[mode]
-    except KeyError:
-        raise InputError(f"unknown DeepSeek-OCR-2 mode {mode!r}; valid modes: {', '.join(MODES)}") from None
+    if isinstance(mode, ModeSpec) and MODES.get(mode.name) != mode:
+        raise InputError(f"mode {mode.name!r} is not a DeepSeek-OCR-2 mode; valid modes: {', '.join(MODES)}")
+    return pick_mode(MODES, mode, "DeepSeek-OCR-2")
 
 
 def _queries(side: int) -> int:
