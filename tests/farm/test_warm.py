@@ -50,6 +50,11 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     plan = plan_warmup(database, ["q"], "auto", fallback)
     assert plan is not None and plan.concurrency == 32
     assert plan.batch_options() == RunOptions(mode="tiny", max_new_tokens=512, concurrency=32)
+    # A batch-1 run as large: of equal runs the batched one's engine starts, whatever order the ledger
+    # gives (a batch-1 run needs no engine started).
+    open_run(database, {"mode": "base", "max_new_tokens": 128}, jobs=5)
+    for _ in range(5):
+        assert plan_warmup(database, ["q"], "auto", fallback).concurrency == 32
     assert plan_warmup(database, ["none"], "auto", fallback, 64, 128) == Warmup(fallback, ("gundam",), (64,), concurrency=128)
 
 

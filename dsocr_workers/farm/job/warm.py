@@ -120,9 +120,10 @@ def plan_warmup(
     modes = parse_modes(spec, key.model)  # the modes of the model warmed
     largest = max(
         ((counts[run_id], options) for (run_id, _, _), options in zip(rows, runs, strict=True)
-         if options.model_key == key), key=lambda pair: pair[0],
+         if options.model_key == key), key=lambda pair: (pair[0], pair[1].concurrency),
     )[1]  # fmt: skip
-    # The largest run first: its mode, budget and ban are the batched engine's (`Warmup.batch_options`).
+    # The largest run first (of equal ones the most concurrent: a batch-1 run needs no engine started):
+    # its mode, budget and ban are the batched engine's (`Warmup.batch_options`).
     runs = [largest, *(options for options in runs if options.model_key == key and options is not largest)]
     if modes is None:
         modes = tuple(dict.fromkeys(options.mode_name for options in runs))
