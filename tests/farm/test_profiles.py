@@ -17,7 +17,7 @@ from test_workers import dsocr, wait_until_final
 
 from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, JobProfile, Result
+from dsocr_workers.store.models import Job, Profile, Result
 
 PAGES = {"p1.png": (320, 420), "p2.png": (640, 480)}
 
@@ -63,7 +63,7 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
         jobs = session.execute(select(Job.id, Job.image, Job.repeat, Job.profile).where(Job.run_id == a)).all()
         profiled = dict(session.execute(select(Result.job_id, Result.profiled).where(Result.run_id == a)).all())
         profiles = {p.job_id: (p.activity, p.trace_bytes, KernelSummary.from_json(p.summary))
-                    for p in session.scalars(select(JobProfile).where(JobProfile.run_id == a))}  # fmt: skip
+                    for p in session.scalars(select(Profile).where(Profile.run_id == a))}  # fmt: skip
     db.dispose()
     # Every 2nd job in file-list order: with 2 repeats, repeat 1 of each page; flagged on job and result.
     chosen = {job_id for job_id, _, repeat, profile in jobs if profile}
