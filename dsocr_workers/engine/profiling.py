@@ -215,6 +215,13 @@ class StepProfiler:
         self.sample = sample
         self._launched: dict[str, int] = defaultdict(int)  # steps launched so far, by kind
         self._sampled: dict[int, SampledStep] = {}  # by step index, until taken
+        # Kineto starts up at a process's first profiler and, on a thread other than torch's (the engine's
+        # own), prints an error line: one started and stopped here, which also keeps that start-up (CUPTI's
+        # on a GPU) out of the first sampled step's time.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+        started = profile(activities=self.activities)
+        started.start()
+        started.stop()
 
     def around(self, index: int, kind: str) -> AbstractContextManager[None]:
         """The launch of step `index` of `kind`: under its own profiler if it is sampled."""
@@ -226,7 +233,9 @@ class StepProfiler:
     @contextmanager
     def _profiled(self, index: int, kind: str) -> Iterator[None]:
         os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # as `JobProfiler.start`
-        profiler = profile(activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False)
+        profiler = profile(
+            activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False
+        )
         profiler.start()
         try:
             with record_function(f"{RANGE_PREFIX}{BATCHED}{kind}"):

@@ -77,7 +77,9 @@ def profiled_steps(data: RunData) -> list[KernelSummary]:
         data.step_profiles, key=lambda s: (s.kind != "prefill", s.kind, bands.index(band_of(s.occupancy)))
     )
     return [
-        replace(step.summary, stages=[replace(stage, stage=step_stage(step)) for stage in step.summary.stages])
+        replace(
+            step.summary, stages=[replace(stage, stage=step_stage(step)) for stage in step.summary.stages]
+        )
         for step in ordered
     ]
 
@@ -312,7 +314,9 @@ def _step_pairs_table(a: RunData, b: RunData) -> Table:
         for kernel in ranked:
             ms_a, ms_b = mean_ms[kernel]
             if not ms_a or not ms_b:
-                rows.append([name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
+                rows.append(
+                    [name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"]
+                )
                 continue
             rows.append([name, KernelName(kernel), ms_a, ms_b, Estimate(ms_b / ms_a), UNPAIRED])
     note = (

@@ -109,7 +109,9 @@ def load_run(tx: Session, ref: str) -> RunData:
     profiles = {
         job_id: KernelSummary.from_json(summary)
         for job_id, summary in tx.execute(
-            select(Profile.job_id, Profile.summary).where(Profile.run_id == run.id, Profile.job_id.is_not(None))
+            select(Profile.job_id, Profile.summary).where(
+                Profile.run_id == run.id, Profile.job_id.is_not(None)
+            )
         )
     }
     columns = (

@@ -61,10 +61,7 @@ def _job_trace(tx: Session, job: Job) -> tuple[bytes, str, str]:
     trace = tx.scalar(select(Profile.trace_gz).where(Profile.job_id == job.id))
     if trace is None:
         profiled = tx.scalars(
-            select(Job.image)
-            .join(Profile, Profile.job_id == Job.id)
-            .where(Job.run_id == job.run_id)
-            .limit(3)
+            select(Job.image).join(Profile, Profile.job_id == Job.id).where(Job.run_id == job.run_id).limit(3)
         ).all()
         if profiled:
             hint = f"the run's profiled jobs include {', '.join(profiled)}"

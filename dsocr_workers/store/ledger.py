@@ -257,7 +257,9 @@ def record_batch_steps(tx: Session, steps: Sequence[dict[str, Any]]) -> int:
             columns = dict(step)
             profile = columns.pop(PROFILE)
             step_id = tx.scalar(insert(BatchStep).values(columns).returning(BatchStep.id))
-            tx.execute(insert(Profile).values({**profile, "run_id": columns["run_id"], "batch_step_id": step_id}))
+            tx.execute(
+                insert(Profile).values({**profile, "run_id": columns["run_id"], "batch_step_id": step_id})
+            )
     return len(steps)
 
 

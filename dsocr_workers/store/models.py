@@ -333,7 +333,9 @@ class Profile(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True, unique=True)
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True, unique=True
+    )
     batch_step_id: Mapped[int | None] = mapped_column(
         ForeignKey("batch_steps.id", ondelete="CASCADE"), index=True, unique=True
     )

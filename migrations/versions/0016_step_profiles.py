@@ -63,7 +63,9 @@ def downgrade() -> None:
         sa.PrimaryKeyConstraint("job_id"),
     )
     op.create_index("ix_job_profiles_run_id", "job_profiles", ["run_id"])
-    op.execute(f"INSERT INTO job_profiles ({PAYLOAD}) SELECT {PAYLOAD} FROM profiles WHERE job_id IS NOT NULL")
+    op.execute(
+        f"INSERT INTO job_profiles ({PAYLOAD}) SELECT {PAYLOAD} FROM profiles WHERE job_id IS NOT NULL"
+    )
     op.drop_index("ix_profiles_batch_step_id", table_name="profiles")
     op.drop_index("ix_profiles_job_id", table_name="profiles")
     op.drop_index("ix_profiles_run_id", table_name="profiles")

@@ -83,7 +83,9 @@ def test_a_job_that_fails_stops_its_profiler_and_the_next_one_can_be_profiled(se
 
 
 def test_a_batched_engine_runs_every_nth_step_of_each_kind_under_a_profiler_of_its_own(session):
-    pages = [session.prepare(Image.new("RGB", (640 + 80 * i, 480), "white"), None, "tiny", 7) for i in range(4)]
+    pages = [
+        session.prepare(Image.new("RGB", (640 + 80 * i, 480), "white"), None, "tiny", 7) for i in range(4)
+    ]
     engine = BatchedEngine.create(session, max_batch=2, max_prompt_tokens=max(p.prompt_tokens for p in pages),
                                   max_new_tokens=7, options=PLAIN)  # fmt: skip
     profiler = StepProfiler(session.device, StepSample(every=2))

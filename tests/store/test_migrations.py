@@ -51,7 +51,9 @@ def test_the_job_profiles_recorded_before_0016_are_kept_up_and_down(tmp_path, ma
     upgrade(db)
     make_png("a.png", folder=tmp_path / "pages")
     (tmp_path / "pages" / "list.txt").write_text("a.png\n")
-    run = record_run(db, read_filelist(tmp_path / "pages" / "list.txt"), RunOptions(profile_every=1), queue="q")
+    run = record_run(
+        db, read_filelist(tmp_path / "pages" / "list.txt"), RunOptions(profile_every=1), queue="q"
+    )
     (job_id,) = run.job_ids
     summary = {"activity": "cpu", "stages": [], "decode_steps": [], "format": 1}
     with db.transaction() as tx:
@@ -62,7 +64,9 @@ def test_the_job_profiles_recorded_before_0016_are_kept_up_and_down(tmp_path, ma
         config.attributes["connection"] = connection
         command.downgrade(config, "0015")
     with db.engine.connect() as connection:
-        kept = connection.execute(text("SELECT job_id, run_id, trace_gz, trace_bytes FROM job_profiles")).all()
+        kept = connection.execute(
+            text("SELECT job_id, run_id, trace_gz, trace_bytes FROM job_profiles")
+        ).all()
     assert kept == [(job_id, run.run_id, b"gz", 9)] and "profiles" not in inspect(db.engine).get_table_names()
     assert "profiled" not in {c["name"] for c in inspect(db.engine).get_columns("batch_steps")}
     upgrade(db)

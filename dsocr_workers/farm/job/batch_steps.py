@@ -68,7 +68,9 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
 class StepLog:
     """(The engine's thread.) The steps taken from the engine and not yet handed to the results thread."""
 
-    def __init__(self, ledger_threads: LedgerThreads, loaded: OpenModel, profiler: StepProfiler | None) -> None:
+    def __init__(
+        self, ledger_threads: LedgerThreads, loaded: OpenModel, profiler: StepProfiler | None
+    ) -> None:
         self._ledger_threads, self._loaded = ledger_threads, loaded  # its latest worker session: the batch's
         self._profiler = profiler  # the engine's, whose sampled steps' profiles are taken with the steps
         self._steps: list[ServedStep] = []
