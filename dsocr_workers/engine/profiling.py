@@ -186,8 +186,8 @@ class _StepTime:
 class SampledStep:
     """A batched engine's step that ran under torch.profiler, collected once its clock time is known."""
 
-    def __init__(self, index: int, kind: str, activity: Activity, profiler: profile) -> None:
-        self.index, self.kind, self.activity = index, kind, activity
+    def __init__(self, activity: Activity, profiler: profile) -> None:
+        self.activity = activity
         self._profile: profile | None = profiler
         self._capture: ProfileCapture | None = None
 
@@ -217,7 +217,7 @@ class StepProfiler:
         self._sampled: dict[int, SampledStep] = {}  # by step index, until taken
         # Kineto starts up at a process's first profiler and, on a thread other than torch's (the engine's
         # own), prints an error line: one started and stopped here, which also keeps that start-up (CUPTI's
-        # on a GPU) out of the first sampled step's time.
+        # on a GPU) out of the first sampled step's time. Quiet as `JobProfiler.start`.
         os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         started = profile(activities=self.activities)
         started.start()
@@ -232,7 +232,6 @@ class StepProfiler:
 
     @contextmanager
     def _profiled(self, index: int, kind: str) -> Iterator[None]:
-        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # as `JobProfiler.start`
         profiler = profile(
             activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False
         )
@@ -242,7 +241,7 @@ class StepProfiler:
                 yield
         finally:  # on a GPU, stop waits for the device: the step's kernels are in
             profiler.stop()
-        self._sampled[index] = SampledStep(index, kind, self.activity, profiler)
+        self._sampled[index] = SampledStep(self.activity, profiler)
 
     def take(self, index: int) -> SampledStep | None:
         """Step `index`'s profile, if it was sampled (once)."""

@@ -32,6 +32,7 @@ TITLE = "Kernels per stage"
 BUSY_TITLE = "Device busy and idle per stage"
 OVERHEAD_TITLE = "Profiler overhead"
 UNPAIRED = "no interval (unpaired steps)"
+TRACE_HINTS = 5  # sampled steps' indices the kernel table's note names
 PAIRS_TITLE = "Kernels per stage, B vs A"
 WHAT = {
     "cuda": "CUDA kernels, memcpys and memsets, on the GPU's clock",
@@ -152,9 +153,12 @@ def kernel_table(data: RunData, include_cold: bool = False) -> Table:
             "job's trace for Perfetto"
         )
     if data.step_profiles:
+        indices = ", ".join(str(s.step_index) for s in data.step_profiles[:TRACE_HINTS])
+        indices += ", …" if len(data.step_profiles) > TRACE_HINTS else ""
         said.append(
             f"{len(data.step_profiles)} profiled batch step(s) (every N-th of each kind: --profile N), by kind and "
-            "occupancy band (pages in the step). `dsocr trace --run ID --step N` writes a step's trace for Perfetto"
+            f"occupancy band (pages in the step). `dsocr trace --run {data.run.id} --step N` writes a step's trace "
+            f"for Perfetto (N: {indices})"
         )
     note = (
         f"{'; '.join(said)}. A kernel is what ran: {_what(data)}. ms/{each}: its time per profiled {each}; share of "
@@ -240,7 +244,7 @@ def _step_overhead_table(data: RunData) -> Table:
     for step in data.steps:
         if not step.profiled:
             plain[(step.kind, step.occupancy)].append(step.duration_ms)
-    groups: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (profiled ms, unprofiled mean ms)
+    groups: dict[str, list[tuple[float, float]]] = {}  # (profiled ms, unprofiled mean ms)
     for profiled_step in sorted(data.step_profiles, key=lambda s: (s.kind != "prefill", s.kind, s.occupancy)):
         alike = plain.get((profiled_step.kind, profiled_step.occupancy))
         label = step_stage(profiled_step)

@@ -51,7 +51,6 @@ class StepProfile:
     step_index: int  # the engine's (`dsocr trace --run ID --step N`)
     kind: str  # prefill | decode
     occupancy: int
-    bucket: int
     duration_ms: float
     summary: KernelSummary
 
@@ -124,15 +123,14 @@ def load_run(tx: Session, ref: str) -> RunData:
     )
     steps = [StepTime(*row) for row in tx.execute(select(*columns).where(BatchStep.run_id == run.id))]
     sampled = (
-        select(BatchStep.step_index, BatchStep.kind, BatchStep.occupancy, BatchStep.bucket, BatchStep.duration_ms,
-               Profile.summary)
+        select(BatchStep.step_index, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms, Profile.summary)
         .join(Profile, Profile.batch_step_id == BatchStep.id)
         .where(Profile.run_id == run.id)
         .order_by(BatchStep.started_at, BatchStep.id)
     )  # fmt: skip
     step_profiles = [
-        StepProfile(index, kind, occupancy, bucket, ms, KernelSummary.from_json(summary))
-        for index, kind, occupancy, bucket, ms, summary in tx.execute(sampled)
+        StepProfile(index, kind, occupancy, ms, KernelSummary.from_json(summary))
+        for index, kind, occupancy, ms, summary in tx.execute(sampled)
     ]
     return RunData(
         run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps, step_profiles
