@@ -1,6 +1,6 @@
-"""A profiled job's kernels per stage: the summary a worker stores beside the job's trace.
+"""A profiled job's (or batch step's) kernels per stage: the summary a worker stores beside its trace.
 
-The engine builds it (engine/profiling.py), the store keeps it as JSON (`job_profiles.summary`), the
+The engine builds it (engine/profiling.py), the store keeps it as JSON (`profiles.summary`), the
 report aggregates and compares it (report/kernel_tables.py); like the stage registry, this module
 imports nothing heavy. A "kernel" is, on a GPU (`cuda`), an activity (kernel, memcpy, memset) launched
 inside the stage's range, timed on the GPU's clock; on the CPU (`cpu`), an aten operator's self time.

@@ -110,7 +110,9 @@ def run_options(command: F) -> F:
             metavar="N",
             help="Run every N-th job (file-list order; N = --repeats: one repeat of each page) under "
             "torch.profiler: its trace (`dsocr trace`) and kernels per stage (the report) are stored "
-            "with it; profiled jobs are left out of latency statistics unless --include-profiled.",
+            "with it; profiled jobs are left out of latency statistics unless --include-profiled. With "
+            "--concurrency above 1: every N-th batch step of each kind (prefill, decode), left out of the "
+            "step statistics.",
         ),
         click.option(
             "--concurrency",

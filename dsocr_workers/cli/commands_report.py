@@ -1,6 +1,6 @@
 """`dsocr report --run ID [--vs ID] [--per-image] [--include-cold] [--include-profiled] [--exclude-loops]
 [--format …] [--table NAME] [--out FILE|DIR] [--html FILE]`, `dsocr export --run ID --omnidocbench DIR` and
-`dsocr trace --job ID | --run ID --image NAME`."""
+`dsocr trace --job ID | --run ID --image NAME | --run ID --step N`."""
 
 from __future__ import annotations
 
@@ -133,29 +133,38 @@ def export(run_ref: str, directory: Path, repeat: int) -> None:
     "--repeat", type=click.IntRange(min=0), help="With --image: which repeat (default: the profiled one)."
 )
 @click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    help="Or, with --run, a batched run's profiled batch step: the engine's step index (where several "
+    "workers' engines profiled one, the first to run).",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Where to write it (default dsocr-trace-<job id>.json.gz); a name not ending in .gz gets plain JSON.",
 )
 @exits_on_errors
 def trace(
-    job_ref: str | None, run_ref: str | None, image: str | None, repeat: int | None, out: Path | None
+    job_ref: str | None,
+    run_ref: str | None,
+    image: str | None,
+    repeat: int | None,
+    step: int | None,
+    out: Path | None,
 ) -> None:
-    """Write a profiled job's torch.profiler trace (runs submitted with --profile N) as Chrome trace JSON:
-    open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in the browser) or
-    chrome://tracing. The stages are the ranges dsocr::prefill, dsocr::vision/sam, ..., and the sampled
-    decode steps dsocr::decode step N."""
+    """Write a profiled job's or batch step's torch.profiler trace (runs submitted with --profile N) as
+    Chrome trace JSON: open it in Perfetto (https://ui.perfetto.dev, "Open trace file"; the file stays in
+    the browser) or chrome://tracing. A job's stages are the ranges dsocr::prefill, dsocr::vision/sam, ...,
+    and its sampled decode steps dsocr::decode step N; a batch step is one range, dsocr::batched/prefill or
+    dsocr::batched/decode."""
     from dsocr_workers.report.trace import TraceRequest, write_trace
     from dsocr_workers.settings import Settings
 
     written = write_trace(
         Settings.from_env().database_url,
-        TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, out=out),
+        TraceRequest(job=job_ref, run=run_ref, image=image, repeat=repeat, step=step, out=out),
     )
-    click.echo(
-        f"job {written.job_id} ({written.image}, repeat {written.repeat}): wrote {written.path} "
-        f"({written.bytes:,} bytes)"
-    )
+    click.echo(f"{written.what}: wrote {written.path} ({written.bytes:,} bytes)")
 
 
 def register(group: click.Group) -> None:

@@ -1,13 +1,18 @@
-"""Kernel-level profiles of one job: torch.profiler around the job's device part, each stage a profiler
-range, the decode sampled.
+"""Kernel-level profiles: torch.profiler around a profiled job's device part, each stage a profiler range,
+the decode sampled; and around the sampled steps of a batched engine, one profile per step.
 
-The caller picks the jobs and hands a `JobProfiler` to `DeepSeekOCRSession.run_on_device`, which
+A job: the caller picks the jobs and hands a `JobProfiler` to `DeepSeekOCRSession.run_on_device`, which
 starts it before the job's setup and stops it once the output is read back. The job's clock opens a
 `dsocr::<stage>` range around every stage, and only the sampled decode steps (`DecodeSample`) are recorded, so that a long job's trace
 stays small. `JobProfiler.collect` (host work, run after the clock finished) turns the profile into a
-`JobProfile`: the gzipped Chrome trace and the kernel summary, from torch.profiler's own event list. On a
+`ProfileCapture`: the gzipped Chrome trace and the kernel summary, from torch.profiler's own event list. On a
 GPU a stage's kernels are those launched inside its range, so a replayed CUDA graph's kernels count for
 the stage that replayed it; on the CPU, each range's operator tree.
+
+A batched engine's steps: the caller attaches a `StepProfiler` to the engine (`BatchedEngine.profile_steps`);
+the runner asks it at each launch, and a sampled step (`StepSample`) runs under a profiler of its own,
+started before its launch and stopped after it, its one range `dsocr::batched/<kind>`; the other steps run
+with none. `SampledStep.collect` makes the same `ProfileCapture` of it once its time is read back.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +31,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dsocr_workers.engine.native_stderr import Dropping
-from dsocr_workers.engine.result import JobProfile
+from dsocr_workers.engine.result import ProfileCapture
 from dsocr_workers.kernels import DECODE, OTHER, Activity, KernelSummary, KernelTime, StageKernels
 from dsocr_workers.stages import HOST_STAGES
 
@@ -48,6 +53,7 @@ class StageTimes(Protocol):
 
 RANGE_PREFIX = "dsocr::"
 STEP_RANGE = f"{DECODE} step "  # + the step's index: `dsocr::decode step 17`
+BATCHED = "batched/"  # + a batched engine's sampled step's kind: `dsocr::batched/decode`
 TOP_KERNELS = 30  # per stage in the summary; the rest are summed as one row
 MAX_NAME = 300  # characters of a kernel's name kept in the summary (templated names run to thousands)
 
@@ -143,20 +149,116 @@ class JobProfiler:
                 self._profile.toggle_collection_dynamic(on, self.activities)
             self._collecting = on
 
-    def collect(self, clock: StageTimes) -> JobProfile:
+    def collect(self, clock: StageTimes) -> ProfileCapture:
         """The trace and the kernel summary, once `clock` is finished (its stage times are the summary's
         `event_ms`). Host work: call it off the device's path."""
         self.stop()
-        handle, path = tempfile.mkstemp(suffix=".json", prefix="dsocr-trace-")
-        os.close(handle)
+        return _capture(self._profile, summarize(self._profile.events(), clock, self.activity, self.steps))
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """Which steps of a batched engine a `--profile N` run records: of each kind (a step that carries a
+    prefill, a decode-only step), the N-th, 2N-th, ... the engine launches. As the batch-1 path's every
+    N-th job: about 1/N of each kind, both kinds in any run with N of them, and the engine's first step
+    of a kind (the one most likely to meet a cold path) only at N = 1."""
+
+    every: int
+
+    def __contains__(self, ordinal: object) -> bool:
+        return isinstance(ordinal, int) and ordinal % self.every == 0
+
+
+@dataclass
+class _StepTime:
+    """A sampled step's clock for `summarize`: its one range's time."""
+
+    clock_ms: float
+    timing_enabled: bool = True
+
+    def ms(self, name: str) -> float:
+        return self.clock_ms
+
+    def step_ms(self) -> list[float]:
+        return []
+
+
+class SampledStep:
+    """A batched engine's step that ran under torch.profiler, collected once its clock time is known."""
+
+    def __init__(self, activity: Activity, profiler: profile) -> None:
+        self.activity = activity
+        self._profile: profile | None = profiler
+        self._capture: ProfileCapture | None = None
+
+    def collect(self, step_ms: float) -> ProfileCapture:
+        """Its trace and kernels, its clock time `step_ms` the summary's `event_ms` (the first call's: a
+        step that served two runs is collected once). Host work: call it off the device's path."""
+        if self._capture is None:
+            assert self._profile is not None
+            summary = summarize(self._profile.events(), _StepTime(step_ms), self.activity, [])
+            self._capture, self._profile = _capture(self._profile, summary), None
+        return self._capture
+
+
+class StepProfiler:
+    """torch.profiler around the sampled steps of a batched engine (`StepSample`), each step a profile
+    of its own and one range, `dsocr::batched/<kind>`: an unsampled step runs with no profiler at all.
+    The engine's runner calls `around` at each launch; `take` hands a step's profile over once it is read
+    back."""
+
+    def __init__(self, device: torch.device, sample: StepSample) -> None:
+        self.activity: Activity = "cuda" if device.type == "cuda" else "cpu"
+        self.activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.activity == "cuda" else []
+        )
+        self.sample = sample
+        self._launched: dict[str, int] = defaultdict(int)  # steps launched so far, by kind
+        self._sampled: dict[int, SampledStep] = {}  # by step index, until taken
+        # Kineto starts up at a process's first profiler and, on a thread other than torch's (the engine's
+        # own), prints an error line: one started and stopped here, which also keeps that start-up (CUPTI's
+        # on a GPU) out of the first sampled step's time. Quiet as `JobProfiler.start`.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+        started = profile(activities=self.activities)
+        started.start()
+        started.stop()
+
+    def around(self, index: int, kind: str) -> AbstractContextManager[None]:
+        """The launch of step `index` of `kind`: under its own profiler if it is sampled."""
+        self._launched[kind] += 1
+        if self._launched[kind] not in self.sample:
+            return nullcontext()
+        return self._profiled(index, kind)
+
+    @contextmanager
+    def _profiled(self, index: int, kind: str) -> Iterator[None]:
+        profiler = profile(
+            activities=self.activities, record_shapes=False, with_stack=False, profile_memory=False
+        )
+        profiler.start()
         try:
-            self._profile.export_chrome_trace(path)
-            with open(path, "rb") as raw:
-                trace = raw.read()
-        finally:
-            os.unlink(path)
-        summary = summarize(self._profile.events(), clock, self.activity, self.steps)
-        return JobProfile(gzip.compress(trace, compresslevel=6), len(trace), summary)
+            with record_function(f"{RANGE_PREFIX}{BATCHED}{kind}"):
+                yield
+        finally:  # on a GPU, stop waits for the device: the step's kernels are in
+            profiler.stop()
+        self._sampled[index] = SampledStep(self.activity, profiler)
+
+    def take(self, index: int) -> SampledStep | None:
+        """Step `index`'s profile, if it was sampled (once)."""
+        return self._sampled.pop(index, None)
+
+
+def _capture(profiler: profile, summary: KernelSummary) -> ProfileCapture:
+    """The profile's Chrome trace, gzipped, with `summary`."""
+    handle, path = tempfile.mkstemp(suffix=".json", prefix="dsocr-trace-")
+    os.close(handle)
+    try:
+        profiler.export_chrome_trace(path)
+        with open(path, "rb") as raw:
+            trace = raw.read()
+    finally:
+        os.unlink(path)
+    return ProfileCapture(gzip.compress(trace, compresslevel=6), len(trace), summary)
 
 
 def summarize(events: Any, clock: StageTimes, activity: Activity, steps: list[int]) -> KernelSummary:

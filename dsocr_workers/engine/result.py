@@ -15,8 +15,9 @@ STOP_REASONS: tuple[StopReason, ...] = ("eos", "max_new_tokens", "max_positions"
 
 
 @dataclass(frozen=True)
-class JobProfile:
-    """What a profiled job leaves: its trace (Chrome trace JSON, gzip) and its kernels per stage."""
+class ProfileCapture:
+    """What torch.profiler left of a profiled job or of a batched engine's sampled step: its trace (Chrome
+    trace JSON, gzip) and its kernels per stage."""
 
     trace_gz: bytes
     trace_bytes: int  # uncompressed
@@ -123,7 +124,7 @@ class InferenceResult:
     loop: RepetitionLoop | None = None
     device_span: DeviceSpan | None = None  # None when timing is off (`session.instrumented`)
     # A profiled job's trace and kernels per stage (engine/profiling.py); None for every other job.
-    profile: JobProfile | None = None
+    profile: ProfileCapture | None = None
 
     @property
     def cold(self) -> bool:

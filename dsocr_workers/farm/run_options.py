@@ -48,7 +48,8 @@ class RunOptions:
     no_repeat_ngram_size: int = DecodeOptions.no_repeat_ngram_size
     ngram_window: int | None = None
     # Kernel-level profiles (engine/profiling.py): every N-th job of the run, in file-list order (line,
-    # then repeat), runs under torch.profiler; None: none.
+    # then repeat), runs under torch.profiler; at a concurrency above 1, every N-th batch step of each kind
+    # (`StepSample`); None: none.
     profile_every: int | None = None
     # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
     # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
@@ -72,14 +73,13 @@ class RunOptions:
             raise InputError("--profile must be at least 1 (every N-th job)")
         if self.concurrency < 1:
             raise InputError("--concurrency must be at least 1")
-        if self.concurrency > 1 and self.profile_every is not None:
-            raise InputError("--profile runs jobs on the batch-1 path: not with --concurrency above 1")
 
     def profiles(self, ordinal: int) -> bool:
         """Whether the run's `ordinal`-th job (from 1, in file-list order) is profiled: the N-th, 2N-th,
         ... so that a run's first job, the one most likely to meet a cold path, is profiled only at N = 1,
-        and with N = --repeats, one repeat of each page (its last)."""
-        return self.profile_every is not None and ordinal % self.profile_every == 0
+        and with N = --repeats, one repeat of each page (its last). A batched run's jobs are not: its
+        engine samples its steps instead."""
+        return self.profile_every is not None and self.concurrency == 1 and ordinal % self.profile_every == 0
 
     @property
     def parameters(self) -> dict[str, Any]:

@@ -183,7 +183,8 @@ FARM_TERMS = [
     (
         "profiled",
         "a job run under torch.profiler (submit --profile N): its trace and kernels per stage are stored; "
-        "out of the statistics unless --include-profiled, and of steady-state throughput",
+        "out of the statistics unless --include-profiled, and of steady-state throughput; at a concurrency "
+        "above 1, every N-th batch step of each kind instead, out of the Batch steps table's step times",
     ),
     (
         "pages/s (steady state)",
@@ -385,7 +386,7 @@ def single_report(
     report.tables.append(_accounting(results))
     if facts["cold results"]:
         report.tables.append(_cold(data, include_cold))
-    if data.profiles:
+    if data.profiles or data.step_profiles:
         report.tables += [
             kernel_tables.kernel_table(data, include_cold),
             kernel_tables.busy_table(data, include_cold),
@@ -822,8 +823,7 @@ def comparison_report(
         report.tables.append(_paired_accuracy(all_a, all_b, _accuracy_note(a, b)))
         report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
-    if a.profiles and b.profiles:
-
+    if (a.profiles and b.profiles) or (a.step_profiles and b.step_profiles):
         report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
     report.tables.append(_agreement(all_a, all_b))
     if a.run.model != b.run.model:

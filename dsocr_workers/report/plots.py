@@ -425,13 +425,19 @@ def _short(name: str, limit: int) -> str:
     return f"{name[: keep - keep // 2]}…{name[-(keep // 2):]}"
 
 
-def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
-    """Per stage, its longest kernels and its idle time, in ms per profiled job (report/kernel_tables.py)."""
-    from dsocr_workers.kernels import OTHER
-    from dsocr_workers.report.kernel_tables import by_stage, profiled
+PROFILED = {"job": "jobs", "step": "batch steps", "profile": "jobs and batch steps"}
 
-    title = "Kernels per stage (profiled jobs)"
-    stages = [by_stage([s for _, s in profiled(side.data, include_cold)]) for side in sides]
+
+def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
+    """Per stage, its longest kernels and its idle time, in ms per profiled job or batch step
+    (report/kernel_tables.py)."""
+    from dsocr_workers.kernels import OTHER
+    from dsocr_workers.report.kernel_tables import by_stage, summaries, unit
+
+    units = {unit(side.data) for side in sides if side.data.profiles or side.data.step_profiles}
+    each = units.pop() if len(units) == 1 else "profile"
+    title = f"Kernels per stage (profiled {PROFILED[each]})"
+    stages = [by_stage(summaries(side.data, include_cold)) for side in sides]
     names = list(dict.fromkeys(name for per_side in stages for name in per_side))
     columns = 2 if len(names) > 1 else 1
     rows = -(-len(names) // columns)
@@ -478,7 +484,7 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
             )
         ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("ms per profiled job", fontsize=8)
+        ax.set_xlabel(f"ms per profiled {each}", fontsize=8)
         ax.set_title(f"{name}\n" + "; ".join(heading), loc="left", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
     for ax in axes[len(names):]:
@@ -490,8 +496,9 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
     caption = (
         f"Per stage, its {KERNELS_PER_PANEL} longest kernels (CUDA kernels on a GPU, CPU operators' self time on a "
         "CPU), the rest summed, and its idle time (the stage's clock time less the union of its kernels), in ms "
-        "per profiled job (warm ones, as the statistics); the heading gives the stage's clock time and how busy "
-        "the device was. decode: the sampled steps only."
+        f"per profiled {each} (warm ones, as the statistics); the heading gives the stage's clock time and how busy "
+        "the device was. decode: the sampled steps only; a batched run's rows are its sampled batch steps by kind "
+        "and occupancy band (pages in the step)."
     )
     return Plot(title, caption, _png(figure))
 
@@ -563,6 +570,6 @@ def all_plots(sides: Sequence[Side], include_cold: bool, include_profiled: bool 
         throughput_over_time(sides, include_cold),
         throughput_vs_latency(sides, include_cold),
     ]
-    if any(side.data.profiles for side in sides):
+    if any(side.data.profiles or side.data.step_profiles for side in sides):
         plots.append(kernel_breakdown(sides, include_cold))
     return plots

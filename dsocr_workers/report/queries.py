@@ -1,5 +1,6 @@
 """What a report reads from the ledger: one run, its jobs, their results, and the workers and worker
-sessions (loaded models) behind them; for a run at `--concurrency` above 1, its batched engine's steps."""
+sessions (loaded models) behind them; for a run at `--concurrency` above 1, its batched engine's steps;
+for a run with `--profile`, its profiles' kernel summaries."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dsocr_workers.store.models import (
     BatchStep,
     Job,
     JobAttempt,
-    JobProfile,
+    Profile,
     Result,
     Run,
     Worker,
@@ -35,11 +36,23 @@ class StepTime:
     occupancy: int
     duration_ms: float
     started_at: datetime  # on the device, as a UTC time
+    profiled: bool = False  # run under torch.profiler: its time holds the profiler's cost
 
     @property
     def ended_at(self) -> datetime:
         """When its tokens were chosen."""
         return self.started_at + timedelta(milliseconds=self.duration_ms)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """A batched run's sampled step (`profiles` row of a `batch_steps` row): the step and its kernels."""
+
+    step_index: int  # the engine's (`dsocr trace --run ID --step N`)
+    kind: str  # prefill | decode
+    occupancy: int
+    duration_ms: float
+    summary: KernelSummary
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,8 @@ class RunData:
     profiles: dict[str, KernelSummary] = field(default_factory=dict)
     # Its batched engine's steps (none at --concurrency 1, or before schema 0011).
     steps: list[StepTime] = field(default_factory=list)
+    # Its sampled batch steps' kernels, in the order they ran (a batched run with --profile).
+    step_profiles: list[StepProfile] = field(default_factory=list)
 
 
 def load_run(tx: Session, ref: str) -> RunData:
@@ -93,7 +108,9 @@ def load_run(tx: Session, ref: str) -> RunData:
     profiles = {
         job_id: KernelSummary.from_json(summary)
         for job_id, summary in tx.execute(
-            select(JobProfile.job_id, JobProfile.summary).where(JobProfile.run_id == run.id)
+            select(Profile.job_id, Profile.summary).where(
+                Profile.run_id == run.id, Profile.job_id.is_not(None)
+            )
         )
     }
     columns = (
@@ -102,9 +119,22 @@ def load_run(tx: Session, ref: str) -> RunData:
         BatchStep.occupancy,
         BatchStep.duration_ms,
         BatchStep.started_at,
+        BatchStep.profiled,
     )
     steps = [StepTime(*row) for row in tx.execute(select(*columns).where(BatchStep.run_id == run.id))]
-    return RunData(run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps)
+    sampled = (
+        select(BatchStep.step_index, BatchStep.kind, BatchStep.occupancy, BatchStep.duration_ms, Profile.summary)
+        .join(Profile, Profile.batch_step_id == BatchStep.id)
+        .where(Profile.run_id == run.id)
+        .order_by(BatchStep.started_at, BatchStep.id)
+    )  # fmt: skip
+    step_profiles = [
+        StepProfile(index, kind, occupancy, ms, KernelSummary.from_json(summary))
+        for index, kind, occupancy, ms, summary in tx.execute(sampled)
+    ]
+    return RunData(
+        run, jobs, results, workers, sessions, elsewhere, attempts, processes, profiles, steps, step_profiles
+    )
 
 
 @dataclass(frozen=True)

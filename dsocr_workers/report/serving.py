@@ -9,7 +9,8 @@ page's preparation and its wait for a slot. A day is 86,400 s of that steady sta
 The Batch steps table (a batched run's `batch_steps`): the device's side of the same jobs, step by
 step: pages joined, decode steps, pages per step, a decode step's time by occupancy band, the prefill
 steps' share, and the time in steps per GPU against the run's wall span (the rest went to the host or
-to waiting for work).
+to waiting for work). A step's time statistics leave out the steps a `--profile N` run sampled (run
+under torch.profiler); the counts and sums hold every step as it ran.
 """
 
 from __future__ import annotations
@@ -176,19 +177,17 @@ class BatchSteps:
 
     prefill_steps: int
     decode_steps: int
+    profiled_steps: int  # run under torch.profiler (--profile): out of the per-step times
     mean_occupancy: float | None  # pages per decode step
     prefill_p50_ms: float | None
     prefill_p90_ms: float | None
+    # Above the p50 where some prefills waited on the device inside their step (host contention).
+    prefill_mean_ms: float | None
     decode_bands: dict[str, BandSteps]  # by OCCUPANCY_BANDS label; a band without steps is left out
     prefill_ms: float  # device time in prefill steps
     decode_ms: float
     wall_span_s: float | None  # the run's first claim to its last finish
     gpus: int  # devices whose engines ran the steps
-
-    @property
-    def prefill_mean_ms(self) -> float | None:
-        """Above the p50 where some prefills waited on the device inside their step (host contention)."""
-        return self.prefill_ms / self.prefill_steps if self.prefill_steps else None
 
     @property
     def step_s(self) -> float:
@@ -205,23 +204,34 @@ class BatchSteps:
         return self.step_s / (self.wall_span_s * self.gpus) if self.wall_span_s and self.gpus else None
 
 
+def band_of(occupancy: int) -> str:
+    """The OCCUPANCY_BANDS label of a step of `occupancy` pages."""
+    return next(label for label, fewest, most in OCCUPANCY_BANDS if fewest <= occupancy <= most)
+
+
 def batch_steps(data: RunData) -> BatchSteps:
+    """Counts, occupancy and device time over every step; a step's time statistics (percentiles, the
+    prefill's mean) over the steps not run under torch.profiler."""
     prefill = [s.duration_ms for s in data.steps if s.kind == "prefill"]
+    timed_prefill = [s.duration_ms for s in data.steps if s.kind == "prefill" and not s.profiled]
     decode = [s for s in data.steps if s.kind == "decode"]
     bands: dict[str, BandSteps] = {}
     for label, fewest, most in OCCUPANCY_BANDS:
-        times = [s.duration_ms for s in decode if fewest <= s.occupancy <= most]
-        if times:
-            bands[label] = BandSteps(len(times), *plain_percentiles(times, (50, 90)))
+        steps = [s for s in decode if fewest <= s.occupancy <= most]
+        if steps:
+            times = [s.duration_ms for s in steps if not s.profiled]
+            bands[label] = BandSteps(len(steps), *plain_percentiles(times, (50, 90)))
     claims = [j.started_at for j in data.jobs if j.id in data.results and j.started_at]
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
     return BatchSteps(
         prefill_steps=len(prefill),
         decode_steps=len(decode),
+        profiled_steps=sum(s.profiled for s in data.steps),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
-        prefill_p50_ms=(quantiles := plain_percentiles(prefill, (50, 90)))[0],
+        prefill_p50_ms=(quantiles := plain_percentiles(timed_prefill, (50, 90)))[0],
         prefill_p90_ms=quantiles[1],
+        prefill_mean_ms=sum(timed_prefill) / len(timed_prefill) if timed_prefill else None,
         decode_bands=bands,
         prefill_ms=sum(prefill),
         decode_ms=sum(s.duration_ms for s in decode),
@@ -242,6 +252,7 @@ def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, obj
     rows: list[tuple[str, object]] = [
         ("prefill steps (a page joining)", figures.prefill_steps),
         ("decode steps", figures.decode_steps),
+        ("profiled steps (--profile: out of the step times)", figures.profiled_steps),
         ("mean occupancy (pages per decode step)", figures.mean_occupancy),
         ("p50 prefill step ms", figures.prefill_p50_ms),
         ("p90 prefill step ms", figures.prefill_p90_ms),
@@ -265,8 +276,9 @@ def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, obj
 
 STEPS_NOTE = (
     "every step of the run's batched engines, cold ones included; percentiles of the steps themselves, "
-    "without an interval (steps in flight together are no independent draws); a step that served jobs of "
-    "two runs (the same settings share a worker's batch) counts in both"
+    "without an interval (steps in flight together are no independent draws), and the prefill's mean, over "
+    "the steps not run under torch.profiler (--profile); a step that served jobs of two runs (the same "
+    "settings share a worker's batch) counts in both"
 )
 
 

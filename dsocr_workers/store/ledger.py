@@ -30,7 +30,7 @@ from dsocr_workers.store.models import (
     BatchStep,
     Job,
     JobAttempt,
-    JobProfile,
+    Profile,
     Result,
     Run,
     utcnow,
@@ -39,8 +39,8 @@ from dsocr_workers.store.upsert import upsert
 
 MAX_ERROR_MESSAGE = 4000
 WAITING_STATES = ("pending", "queued")  # waiting for a worker: not running, not final
-# A profiled job's result carries its `job_profiles` row (less its ids) under this key: `complete_job`
-# writes both in one transaction.
+# A profiled job's result, and a sampled batch step's row, carry their `profiles` row (less its ids) under
+# this key: `complete_job` and `record_batch_steps` write both in one transaction.
 PROFILE = "profile"
 UNRESERVED: dict[str, Any] = {"reserved_by": None, "reserved_until": None}
 
@@ -239,17 +239,27 @@ def complete_job(tx: Session, claim: Claim, result: dict[str, Any], now: datetim
     profile = columns.pop(PROFILE, None)
     upsert(tx, Result, {**columns, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     if profile is not None:
-        upsert(tx, JobProfile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
+        upsert(tx, Profile, {**profile, "job_id": claim.job_id, "run_id": claim.run_id}, ["job_id"])
     return True
 
 
 def record_batch_steps(tx: Session, steps: Sequence[dict[str, Any]]) -> int:
-    """Insert a batched engine's steps (`batch_steps` rows, farm/job/batched.py), in one statement;
-    returns how many. No lease guards them: a step ran on the device whoever holds its jobs now."""
-    if steps:
+    """Insert a batched engine's steps (`batch_steps` rows, farm/job/batched.py), in one statement, and a
+    sampled step (`PROFILE`) with its profile; returns how many. No lease guards them: a step ran on the
+    device whoever holds its jobs now."""
+    plain = [step for step in steps if PROFILE not in step]
+    if plain:
         # NULLs rendered: every row then has the same columns and all go in one statement. Without, the
         # ORM's bulk insert leaves a None out, and starts a statement at each switch of prefill and decode.
-        tx.execute(insert(BatchStep).execution_options(render_nulls=True), list(steps))
+        tx.execute(insert(BatchStep).execution_options(render_nulls=True), plain)
+    for step in steps:
+        if PROFILE in step:
+            columns = dict(step)
+            profile = columns.pop(PROFILE)
+            step_id = tx.scalar(insert(BatchStep).values(columns).returning(BatchStep.id))
+            tx.execute(
+                insert(Profile).values({**profile, "run_id": columns["run_id"], "batch_step_id": step_id})
+            )
     return len(steps)
 
 

@@ -1,5 +1,6 @@
 """The ledger's tables: runs, their jobs, one result per job, and the environments that produced them;
-beside a result, a profiled job's kernels (`job_profiles`), and a batched run's engine steps (`batch_steps`).
+beside a result, a batched run's engine steps (`batch_steps`), and the kernels of a profiled job or batch
+step (`profiles`).
 
 Times are naive UTC (`utcnow()`) on every dialect so that SQLite and PostgreSQL compare them alike.
 Alembic owns the schema (`migrations/`); a change here needs a new migration.
@@ -11,7 +12,19 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, LargeBinary, String, Text, false
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    LargeBinary,
+    String,
+    Text,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from dsocr_workers.stages import TIMINGS
@@ -95,7 +108,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None]
     # The page's ground truth (quality.omnidocbench.PageReference.to_json), when the run has one.
     reference: Mapped[dict[str, Any] | None]
-    # Run under torch.profiler (submit's `--profile N`); its trace and kernels go to `job_profiles`.
+    # Run under torch.profiler (submit's `--profile N`, batch-1 runs); its trace and kernels go to `profiles`.
     profile: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
@@ -245,7 +258,7 @@ class Result(TimingColumns, Base):
     # real but not steady state; reports leave it out of statistics unless asked.
     cold: Mapped[bool] = mapped_column(default=False, server_default=false())
     cold_reason: Mapped[str | None] = mapped_column(Text)
-    # Run under torch.profiler (its trace and kernels: `job_profiles`): its timings hold the profiler's
+    # Run under torch.profiler (its trace and kernels: `profiles`): its timings hold the profiler's
     # cost, so reports leave it out of the latency statistics unless asked, like a cold one.
     profiled: Mapped[bool] = mapped_column(default=False, server_default=false())
 
@@ -280,22 +293,6 @@ class Result(TimingColumns, Base):
     matched_by: Mapped[str | None] = mapped_column(String(16))
 
 
-class JobProfile(Base):
-    """A profiled job's torch.profiler trace (gzip-compressed Chrome trace JSON, for `dsocr trace`) and its
-    kernels per stage (`KernelSummary`). Beside its result, not in it: the result row stays small, and a
-    report reads the summaries without the traces."""
-
-    __tablename__ = "job_profiles"
-
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    activity: Mapped[str] = mapped_column(String(16))  # what a kernel is: cuda (GPU activities) or cpu (ops)
-    trace_gz: Mapped[bytes] = mapped_column(LargeBinary)
-    trace_bytes: Mapped[int] = mapped_column(BigInteger)  # uncompressed
-    summary: Mapped[dict[str, Any]]
-
-
 class BatchStep(Base):
     """One step of a worker's batched engine (a run at `--concurrency` above 1): a page's prefill into its
     slot, or one decode step over the batch; the device's side of the serving figures. A step that served
@@ -317,3 +314,33 @@ class BatchStep(Base):
     # decode step.
     prompt_tokens: Mapped[int | None]
     vision_ms: Mapped[float | None] = mapped_column(Float)
+    # Run under torch.profiler (a `--profile N` run's sampled step, engine/profiling.py `StepSample`): its
+    # trace and kernels are its `profiles` row; its time holds the profiler's cost, so the step statistics
+    # leave it out.
+    profiled: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class Profile(Base):
+    """What torch.profiler left of a profiled job or of a batched run's sampled step (one of the two): its
+    trace (gzip-compressed Chrome trace JSON, for `dsocr trace`) and its kernels per stage
+    (`KernelSummary`). Beside the result or step, not in it: those rows stay small, and a report reads
+    the summaries without the traces."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (
+        CheckConstraint("(job_id IS NULL) <> (batch_step_id IS NULL)", name="ck_profiles_job_or_step"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True, unique=True
+    )
+    batch_step_id: Mapped[int | None] = mapped_column(
+        ForeignKey("batch_steps.id", ondelete="CASCADE"), index=True, unique=True
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    activity: Mapped[str] = mapped_column(String(16))  # what a kernel is: cuda (GPU activities) or cpu (ops)
+    trace_gz: Mapped[bytes] = mapped_column(LargeBinary)
+    trace_bytes: Mapped[int] = mapped_column(BigInteger)  # uncompressed
+    summary: Mapped[dict[str, Any]]

@@ -1,5 +1,6 @@
 """A job under torch.profiler (engine/profiling.py) on the CPU: the stages as ranges, the decode sampled,
-the trace and the kernels per stage, and a failed job that stops its profiler."""
+the trace and the kernels per stage, and a failed job that stops its profiler; a batched engine's sampled
+steps, each under a profiler of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dsocr_workers.engine.profiling import DecodeSample, JobProfiler
+from dsocr_workers.engine.batched import BatchedEngine, PageRequest
+from dsocr_workers.engine.profiling import DecodeSample, JobProfiler, StepProfiler, StepSample
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.kernels import KernelSummary
@@ -78,6 +80,36 @@ def test_a_job_that_fails_stops_its_profiler_and_the_next_one_can_be_profiled(se
         session.run_on_device(page, 8, PLAIN, profiler=profiler, before_decode=boom)
     assert torch.autograd.profiler._is_profiler_enabled is False  # noqa: SLF001 (torch's own flag)
     assert profiled_job(session, 4, DecodeSample()).profile is not None
+
+
+def test_a_batched_engine_runs_every_nth_step_of_each_kind_under_a_profiler_of_its_own(session):
+    pages = [
+        session.prepare(Image.new("RGB", (640 + 80 * i, 480), "white"), None, "tiny", 7) for i in range(4)
+    ]
+    engine = BatchedEngine.create(session, max_batch=2, max_prompt_tokens=max(p.prompt_tokens for p in pages),
+                                  max_new_tokens=7, options=PLAIN)  # fmt: skip
+    profiler = StepProfiler(session.device, StepSample(every=2))
+    engine.profile_steps(profiler)
+    engine.run([PageRequest(str(i), page) for i, page in enumerate(pages)], concurrency=2)
+    assert not torch.autograd.profiler._is_profiler_enabled  # noqa: SLF001 (torch's own flag)
+    by_kind = {kind: [s for s in engine.steps if s.kind == kind] for kind in ("prefill", "decode")}
+    assert len(by_kind["prefill"]) == 4 and len(by_kind["decode"]) >= 6
+    for kind, steps in by_kind.items():
+        sampled = {step.index: profiler.take(step.index) for step in steps}
+        # The 2nd, 4th, ... of the kind, in launch order; the others ran with no profiler.
+        assert [i for i, s in sampled.items() if s] == [s.index for s in steps[1::2]], kind
+        for step in steps[1::2]:
+            profile = sampled[step.index].collect(step.ms)
+            assert sampled[step.index].collect(step.ms) is profile  # collected once
+            (stage,) = profile.summary.stages
+            assert stage.stage == f"batched/{kind}" and stage.event_ms == step.ms
+            assert stage.kernel_ms > 0 and stage.busy_ms <= stage.event_ms * 1.01 + 0.01
+            assert any(k.name == "aten::mm" for k in stage.kernels), kind
+            ranges = {e["name"] for e in json.loads(gzip.decompress(profile.trace_gz))["traceEvents"]
+                      if e.get("name", "").startswith("dsocr::")}  # fmt: skip
+            assert ranges == {f"dsocr::batched/{kind}"}
+    assert profiler.take(by_kind["decode"][1].index) is None  # taken once
+    assert [n for n in range(1, 10) if n in StepSample(3)] == [3, 6, 9]
 
 
 def test_the_decode_sample_is_the_first_steps_and_a_few_at_later_positions():

@@ -143,8 +143,6 @@ def test_concurrency_is_checked_and_stored():
     assert RunOptions.from_parameters("tiny", {}).concurrency == 1  # a run recorded before the option
     with pytest.raises(Exception, match="--concurrency must be at least 1"):
         RunOptions(concurrency=0)
-    with pytest.raises(Exception, match="--profile runs jobs on the batch-1 path"):
-        RunOptions(concurrency=2, profile_every=1)
 
 
 def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does(pages, tmp_path, subprocess_env):

@@ -1,6 +1,7 @@
 """Kernel-level profiles through the farm (issue 33): `dsocr submit --profile N`, a real Celery worker
-process on Redis + PostgreSQL runs every N-th job under torch.profiler and stores its trace and kernels
-with it; other processes read them back (`dsocr trace`, `dsocr report`)."""
+process on Redis + PostgreSQL runs every N-th job under torch.profiler (at `--concurrency` above 1, every
+N-th batch step of each kind) and stores its trace and kernels with it; other processes read them back
+(`dsocr trace`, `dsocr report`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_workers import dsocr, wait_until_final
 
 from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, JobProfile, Result
+from dsocr_workers.store.models import BatchStep, Job, Profile, Result
 
 PAGES = {"p1.png": (320, 420), "p2.png": (640, 480)}
 
@@ -63,7 +64,7 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
         jobs = session.execute(select(Job.id, Job.image, Job.repeat, Job.profile).where(Job.run_id == a)).all()
         profiled = dict(session.execute(select(Result.job_id, Result.profiled).where(Result.run_id == a)).all())
         profiles = {p.job_id: (p.activity, p.trace_bytes, KernelSummary.from_json(p.summary))
-                    for p in session.scalars(select(JobProfile).where(JobProfile.run_id == a))}  # fmt: skip
+                    for p in session.scalars(select(Profile).where(Profile.run_id == a))}  # fmt: skip
     db.dispose()
     # Every 2nd job in file-list order: with 2 repeats, repeat 1 of each page; flagged on job and result.
     chosen = {job_id for job_id, _, repeat, profile in jobs if profile}
@@ -120,3 +121,107 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
     def decode_calls(tables):
         return {row["kernel"]: row["calls/job"] for row in tables["Kernels per stage"] if row["stage"] == "decode"}
     assert 5 * decode_calls(report_tables(env, "--run", b))["aten::mm"] == 8 * decode_calls(tables)["aten::mm"]
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_batched_runs_every_nth_step_of_each_kind_is_profiled_by_a_worker_and_read_back_from_another_process(
+    pages, postgres_url, broker_env, subprocess_env, tmp_path
+):  # fmt: skip
+    """`--profile 2 --concurrency 2`: the worker's batched engine runs every 2nd prefill step and every 2nd
+    decode step under torch.profiler; the steps are flagged, their kernels and traces stored with them."""
+    queue = broker_env["DSOCR_QUEUE"] + "-batch-profile"
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url, "DSOCR_QUEUE": queue}
+    runs = []
+    for tokens in ("8", "12"):  # A and B: --vs compares their batch steps' kernels
+        submitted = dsocr("submit", str(pages), "--mode", "tiny", "--max-new-tokens", tokens, "--repeats", "2",
+                          "--concurrency", "2", "--profile", "2", env=env)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        runs.append(submitted.stdout.strip().splitlines()[-1])
+    a, b = runs
+
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            for run in runs:
+                assert wait_until_final(postgres_url, run, timeout=300) == {"done": 2 * len(PAGES)}
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+    # Kineto started on the task's thread, not first on the engine's: it said nothing in the worker's log.
+    assert "External init callback" not in (tmp_path / "worker.log").read_text()
+
+    db = open_database(postgres_url)
+    with db.transaction() as session:
+        columns = (BatchStep.id, BatchStep.worker_session_id, BatchStep.step_index, BatchStep.kind,
+                   BatchStep.occupancy, BatchStep.duration_ms, BatchStep.profiled)  # fmt: skip
+        steps = session.execute(select(*columns).where(BatchStep.run_id == a)).all()
+        profiles = {p.batch_step_id: (p.job_id, p.activity, p.trace_bytes, KernelSummary.from_json(p.summary))
+                    for p in session.scalars(select(Profile).where(Profile.run_id == a))}  # fmt: skip
+        flags = session.execute(
+            select(Job.profile, Result.profiled).join(Result).where(Job.run_id == a)
+        ).all()
+    db.dispose()
+    # Every 2nd step of each kind its engine launched, in launch order: 2 of the 4 pages' prefills, half
+    # the decode steps; the others ran with no profiler. A batched run's jobs are not profiled themselves.
+    by_kind: dict[tuple[str, str], list] = {}
+    for step in sorted(steps, key=lambda s: s.step_index):
+        by_kind.setdefault((step.worker_session_id, step.kind), []).append(step)
+    assert {kind for _, kind in by_kind} == {"prefill", "decode"}
+    for (_, kind), launched in by_kind.items():
+        assert [s.profiled for s in launched] == [n % 2 == 0 for n in range(1, len(launched) + 1)], kind
+    sampled = {s.id: s for s in steps if s.profiled}
+    assert set(profiles) == set(sampled) and sum(s.kind == "prefill" for s in sampled.values()) == 2
+    assert flags == [(False, False)] * 2 * len(PAGES)
+    for step_id, (job_id, activity, trace_bytes, summary) in profiles.items():
+        step = sampled[step_id]
+        assert job_id is None and activity == "cpu" and trace_bytes > 0
+        (stage,) = summary.stages  # the step's one range, its clock the step's own time
+        assert stage.stage == f"batched/{step.kind}" and stage.event_ms == pytest.approx(step.duration_ms)
+        assert stage.kernel_ms > 0 and any(k.name == "aten::mm" for k in stage.kernels)
+
+    # Another process reads a step's trace back; a step or job that was not profiled is refused.
+    decode = next(s for s in sampled.values() if s.kind == "decode")
+    path = tmp_path / "step.json.gz"
+    done = dsocr("trace", "--run", a, "--step", str(decode.step_index), "--out", str(path), env=env)
+    assert done.returncode == 0 and f"batch decode step {decode.step_index}" in done.stdout, done.stderr
+    names = {e.get("name") for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+    assert "dsocr::batched/decode" in names and "aten::mm" in names
+    plain = next(
+        s for s in steps if not s.profiled and s.step_index not in {p.step_index for p in sampled.values()}
+    )
+    done = dsocr("trace", "--run", a, "--step", str(plain.step_index), env=env)
+    assert done.returncode == 2 and "has no profiled batch step" in done.stderr, done.stderr
+    done = dsocr("trace", "--run", a, "--image", "p1.png", env=env)
+    assert done.returncode == 2 and f"--run {a} --step N" in done.stderr, done.stderr
+
+    # The report: kernels per batch step by kind and occupancy band; the sampled steps out of the step times.
+    tables = report_tables(env, "--run", a)
+    rows = tables["Kernels per stage"]
+    bands = {
+        f"occupancy {'1' if s.occupancy == 1 else '2-7'}" for s in sampled.values() if s.kind == "decode"
+    }
+    assert "occupancy 2-7" in bands
+    assert {row["stage"] for row in rows} == {"batch prefill step, occupancy 1"} | {f"batch decode step, {band}"
+                                                                                    for band in bands}  # fmt: skip
+    assert all(row["calls/step"] > 0 and row["ms/step"] > 0 for row in rows)
+    busy = {row["stage"]: row for row in tables["Device busy and idle per stage"]}
+    assert sum(row["steps"] for row in busy.values()) == len(sampled)
+    assert busy["batch prefill step, occupancy 1"]["steps"] == 2
+    overhead = {row["stage"]: row for row in tables["Profiler overhead"]}
+    assert overhead["batch prefill step, occupancy 1"]["profiled steps"] == 2
+    assert overhead["batch prefill step, occupancy 1"]["profiled / not profiled"] > 0
+    batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
+    assert batch_steps["profiled steps (--profile: out of the step times)"] == len(sampled)
+    assert batch_steps["prefill steps (a page joining)"] == 2 * len(PAGES)
+    plain_prefills = sorted(s.duration_ms for s in steps if s.kind == "prefill" and not s.profiled)
+    assert batch_steps["mean prefill step ms"] == pytest.approx(
+        sum(plain_prefills) / len(plain_prefills), rel=1e-4
+    )
+    facts = {row["field"]: row["value"] for row in tables["Run"]}
+    assert facts["profiled results"] == 0
+
+    compared = report_tables(env, "--run", a, "--vs", b)["Kernels per stage, B vs A"]
+    prefill = {row["kernel"]: row for row in compared if row["stage"] == "batch prefill step, occupancy 1"}
+    assert prefill["aten::mm"]["A ms/step"] > 0 and prefill["aten::mm"]["B/A"] > 0

@@ -33,6 +33,8 @@ def test_every_nth_job_is_profiled_and_a_bad_n_is_refused() -> None:
     options = RunOptions(profile_every=3)
     assert [n for n in range(1, 10) if options.profiles(n)] == [3, 6, 9]
     assert not any(RunOptions().profiles(n) for n in range(1, 10))
+    # A batched run's jobs are not profiled: its engine samples its steps (engine/profiling.py StepSample).
+    assert not any(RunOptions(profile_every=3, concurrency=2).profiles(n) for n in range(1, 10))
     assert RunOptions.from_parameters("tiny", options.parameters).profile_every == 3
     with pytest.raises(InputError, match="--profile must be at least 1"):
         RunOptions(profile_every=0)

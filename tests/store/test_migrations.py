@@ -6,10 +6,13 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select, text
 
+from dsocr_workers.farm.filelist import read_filelist
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
 from dsocr_workers.store.db import alembic_config, current_revision, head_revision, open_database, upgrade
-from dsocr_workers.store.models import Base
+from dsocr_workers.store.models import Base, Profile
 
 
 def test_migrated_schema_matches_the_models(database):
@@ -38,4 +41,38 @@ def test_newest_revisions_go_down_and_up(tmp_path):
     assert {"loop_start", "loop_period", "loop_wasted_steps", "text_edit", "reading_order_edit"} <= columns
     assert {"prefetched", "page_wait_ms", "ttft_from_claim_ms", "ttft_from_device_start_ms", "device_started_at",
             "device_finished_at", "table_teds", "table_teds_structure", "matched_by"} <= columns  # fmt: skip
+    db.dispose()
+
+
+def test_the_job_profiles_recorded_before_0016_are_kept_up_and_down(tmp_path, make_png):
+    """0016 makes `job_profiles` the `profiles` of jobs and batch steps: a job's profile moves across,
+    and back down again."""
+    db = open_database(f"sqlite:///{tmp_path / 'ledger.db'}")
+    upgrade(db)
+    make_png("a.png", folder=tmp_path / "pages")
+    (tmp_path / "pages" / "list.txt").write_text("a.png\n")
+    run = record_run(
+        db, read_filelist(tmp_path / "pages" / "list.txt"), RunOptions(profile_every=1), queue="q"
+    )
+    (job_id,) = run.job_ids
+    summary = {"activity": "cpu", "stages": [], "decode_steps": [], "format": 1}
+    with db.transaction() as tx:
+        tx.add(Profile(run_id=run.run_id, job_id=job_id, activity="cpu", trace_gz=b"gz", trace_bytes=9,
+                       summary=summary))  # fmt: skip
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0015")
+    with db.engine.connect() as connection:
+        kept = connection.execute(
+            text("SELECT job_id, run_id, trace_gz, trace_bytes FROM job_profiles")
+        ).all()
+    assert kept == [(job_id, run.run_id, b"gz", 9)] and "profiles" not in inspect(db.engine).get_table_names()
+    assert "profiled" not in {c["name"] for c in inspect(db.engine).get_columns("batch_steps")}
+    upgrade(db)
+    with db.transaction() as tx:
+        (profile,) = tx.scalars(select(Profile)).all()
+        assert (profile.job_id, profile.batch_step_id, profile.trace_gz, profile.summary) == (job_id, None, b"gz",
+                                                                                                summary)  # fmt: skip
+    assert "job_profiles" not in inspect(db.engine).get_table_names()
     db.dispose()

@@ -17,6 +17,7 @@ seen late counts the steps launched meanwhile as wasted, as the batch-1 path doe
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import validate_options
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.errors import InputError
+
+if TYPE_CHECKING:
+    from dsocr_workers.engine.profiling import StepProfiler
 
 
 class BatchedEngine:
@@ -149,6 +153,10 @@ class BatchedEngine:
     @property
     def busy(self) -> bool:
         return self.scheduler.busy
+
+    def profile_steps(self, profiler: StepProfiler | None) -> None:
+        """Run the steps `profiler` samples under torch.profiler (engine/profiling.py); None: none."""
+        self.runner.profiler = profiler
 
     def submit(self, request: PageRequest) -> None:
         """Queue a page; the next step() with a free slot admits it. A page that cannot fit is refused

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from dsocr_workers.errors import InputError
 if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
 
+    from dsocr_workers.engine.profiling import StepProfiler
     from dsocr_workers.engine.session import DeepSeekOCRSession
     from dsocr_workers.model.interface import OCRModel
 
@@ -216,6 +218,7 @@ class BatchRunner:
         )
         self._anchor_s = 0.0
         self._anchor: torch.cuda.Event | None = None
+        self.profiler: StepProfiler | None = None  # runs its sampled steps under torch.profiler
 
     @property
     def cuda_graphs(self) -> bool:
@@ -239,7 +242,9 @@ class BatchRunner:
     def launch(self, plan: StepPlan) -> None:
         """Launch `plan` (its slots to clear first). Its ring row must have been read (`room`)."""
         assert len(self._pending) < RING_ROWS, "room() before a step is launched"
-        with torch.inference_mode():
+        kind = "prefill" if isinstance(plan, PrefillPlan) else "decode"
+        sampled = nullcontext() if self.profiler is None else self.profiler.around(plan.index, kind)
+        with torch.inference_mode(), sampled:
             for slot in plan.clear:
                 self.state.release(slot)
             if isinstance(plan, PrefillPlan):

@@ -1,7 +1,9 @@
 """A batched engine's steps as `batch_steps` rows: every engine step (prefill or decode, occupancy, bucket,
 start and duration on the device), once per run whose jobs it served. The engine's thread takes the
 engine's new steps after each of its steps and hands them to the results thread `STEPS_PER_WRITE` at a
-time, and once the batch has drained or failed: one insert there, none on the device's thread."""
+time, and once the batch has drained or failed: one insert there, none on the device's thread. A step
+the engine's profiler sampled (a `--profile N` run) is flagged, and its profile is collected on the
+results thread and written with it (`profiles`)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from dsocr_workers.farm.job.columns import profile_row
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.job.loaded import OpenModel
+from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
     from dsocr_workers.engine.batched import StepEvents, StepRecord
+    from dsocr_workers.engine.profiling import SampledStep, StepProfiler
 
 # Steps handed to the results thread at once: one insert of small rows every few hundred steps, and the
 # steps a killed child loses with its batch stay few.
@@ -29,11 +34,13 @@ class ServedStep:
 
     run_id: str
     record: StepRecord
+    sampled: SampledStep | None = None  # run under torch.profiler
 
 
 def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str, Any]]:
     """The `batch_steps` rows of `steps`, their perf_counter times made UTC times as a result's device
-    span is (farm/job/columns.py `device_columns`)."""
+    span is (farm/job/columns.py `device_columns`); a sampled step's with its profile (ledger.PROFILE),
+    collected here (host work)."""
     now_s, now = time.perf_counter(), utcnow()
     rows = []
     for step in steps:
@@ -50,16 +57,22 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
                 "duration_ms": record.ms,
                 "prompt_tokens": record.prompt_tokens if prefill else None,
                 "vision_ms": record.vision_ms if prefill else None,
+                "profiled": step.sampled is not None,
             }
         )
+        if step.sampled is not None:
+            rows[-1][ledger.PROFILE] = profile_row(step.sampled.collect(record.ms))
     return rows
 
 
 class StepLog:
     """(The engine's thread.) The steps taken from the engine and not yet handed to the results thread."""
 
-    def __init__(self, ledger_threads: LedgerThreads, loaded: OpenModel) -> None:
+    def __init__(
+        self, ledger_threads: LedgerThreads, loaded: OpenModel, profiler: StepProfiler | None
+    ) -> None:
         self._ledger_threads, self._loaded = ledger_threads, loaded  # its latest worker session: the batch's
+        self._profiler = profiler  # the engine's, whose sampled steps' profiles are taken with the steps
         self._steps: list[ServedStep] = []
         self._last_runs: tuple[str, ...] = ()  # the runs of the latest step taken
 
@@ -77,7 +90,8 @@ class StepLog:
         for record in taken:
             if record.ended_s in runs_at:
                 self._last_runs = tuple(sorted(runs_at[record.ended_s]))
-            self._steps += [ServedStep(run_id, record) for run_id in self._last_runs]
+            sampled = self._profiler.take(record.index) if self._profiler is not None else None
+            self._steps += [ServedStep(run_id, record, sampled) for run_id in self._last_runs]
 
     def write(self, *, when_full: bool = False) -> None:
         """Hand the steps taken so far to the results thread (`when_full`: only `STEPS_PER_WRITE` or more)."""

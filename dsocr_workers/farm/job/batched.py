@@ -1,7 +1,8 @@
 """Jobs of a run with `--concurrency N` above 1, up to N in flight on the batched engine (engine/batched/).
 A job's task claims it, hands its page to the preparing threads, waits while N jobs are in flight and
 returns, so the lane's next message joins the batch. The engine's own thread (`_serve`), the only one on
-the device, steps while it has work; each result is written on the results thread, as a batch-1 job's."""
+the device, steps while it has work; each result is written on the results thread, as a batch-1 job's.
+A `--profile N` run's engine samples its steps under torch.profiler (engine/profiling.py `StepSample`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dsocr_workers.store.models import utcnow
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
     from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput
     from dsocr_workers.engine.coldstart.warmup import BatchedStart
+    from dsocr_workers.engine.profiling import StepProfiler
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
@@ -57,7 +59,7 @@ class BatchedJobs:
         self.process, self.loaded, self.options, self.engine, self.started = process, loaded, options, engine, started
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
-        self._steps = StepLog(process.ledger_threads, loaded)
+        self._steps = StepLog(process.ledger_threads, loaded, self._profiler(options))
         # Guards `jobs` and the flags below; notified when one changes or a page is prepared.
         self._changed = threading.Condition()
         self.failed: Exception | None = None  # what failed every job in flight: the batch is over
@@ -79,6 +81,16 @@ class BatchedJobs:
             options.prompt,
         )  # fmt: skip
         return cls(process, loaded, options, engine, started)
+
+    def _profiler(self, options: RunOptions) -> StepProfiler | None:
+        """A `--profile N` run's: every N-th step of each kind under torch.profiler (`StepSample`)."""
+        if options.profile_every is None:
+            return None
+        from dsocr_workers.engine.profiling import StepProfiler, StepSample
+
+        profiler = StepProfiler(self.loaded.session.device, StepSample(options.profile_every))
+        self.engine.profile_steps(profiler)
+        return profiler
 
     def describe(self) -> str:
         """Its start, for the worker session that records it."""

@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from dsocr_workers.engine.result import DeviceSpan, InferenceResult
+from dsocr_workers.engine.result import DeviceSpan, InferenceResult, ProfileCapture
 from dsocr_workers.model.postprocess import render_mmd
 from dsocr_workers.quality.omnidocbench import PageReference
 from dsocr_workers.quality.scoring import PageScores, score_page
@@ -41,10 +41,12 @@ def device_columns(span: DeviceSpan | None, claimed_s: float) -> dict[str, Any]:
 
 
 def profile_columns(result: InferenceResult) -> dict[str, Any]:
-    """A profiled job's trace and kernel summary, as its `job_profiles` row (under ledger.PROFILE: written
+    """A profiled job's trace and kernel summary, as its `profiles` row (under ledger.PROFILE: written
     with the result, in its transaction); nothing for any other job."""
-    profile = result.profile
-    if profile is None:
-        return {}
-    return {ledger.PROFILE: {"activity": profile.summary.activity, "trace_gz": profile.trace_gz,
-                             "trace_bytes": profile.trace_bytes, "summary": profile.summary.to_json()}}  # fmt: skip
+    return {} if result.profile is None else {ledger.PROFILE: profile_row(result.profile)}
+
+
+def profile_row(profile: ProfileCapture) -> dict[str, Any]:
+    """A profile's `profiles` columns, less its ids (its job's or batch step's, and its run's)."""
+    return {"activity": profile.summary.activity, "trace_gz": profile.trace_gz, "trace_bytes": profile.trace_bytes,
+            "summary": profile.summary.to_json()}  # fmt: skip
