@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from dsocr_workers.store.db import alembic_config, current_revision, head_revision, open_database, upgrade
 from dsocr_workers.store.models import Base
@@ -38,4 +38,33 @@ def test_newest_revisions_go_down_and_up(tmp_path):
     assert {"loop_start", "loop_period", "loop_wasted_steps", "text_edit", "reading_order_edit"} <= columns
     assert {"prefetched", "page_wait_ms", "ttft_from_claim_ms", "ttft_from_device_start_ms", "device_started_at",
             "device_finished_at", "table_teds", "table_teds_structure", "matched_by"} <= columns  # fmt: skip
+    db.dispose()
+
+
+def test_a_family_stage_another_family_stored_as_0_becomes_null(sqlite_url, tmp_path, make_png):
+    """0016: rows of one model family that stored 0 for another family's view encoder (CLIP in
+    DeepSeek-OCR-2's, the Qwen2 encoder in DeepSeek-OCR's) hold NULL, the measured times kept; down
+    again, CLIP's NULLs are the 0 that column held before."""
+    from tests.report.fakes import Page, make_run
+
+    db = open_database(sqlite_url)
+    v1 = make_run(db, tmp_path / "v1", make_png, {("p.png", 0): Page()})
+    ocr2_page = {("p.png", 0): Page(encoder="qwen2_ms")}
+    ocr2 = make_run(db, tmp_path / "ocr2", make_png, ocr2_page, model="ocr2-tiny", mode="small")
+
+    def encoders() -> dict[str, tuple[float | None, float | None]]:
+        with db.engine.connect() as connection:
+            rows = connection.execute(text("SELECT run_id, clip_ms, qwen2_ms FROM results")).all()
+        return {run_id: (clip, qwen2) for run_id, clip, qwen2 in rows}
+
+    assert encoders() == {v1: (2.0, None), ocr2: (None, 2.0)}
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0015")
+    with db.engine.begin() as connection:  # as the engine wrote them at 0015
+        connection.execute(text("UPDATE results SET qwen2_ms = 0 WHERE run_id = :run"), {"run": v1})
+    assert encoders() == {v1: (2.0, 0.0), ocr2: (0.0, 2.0)}
+    upgrade(db)
+    assert encoders() == {v1: (2.0, None), ocr2: (None, 2.0)}
     db.dispose()
