@@ -42,7 +42,7 @@ def test_newest_revisions_go_down_and_up(tmp_path):
 
 
 def test_a_family_stage_another_family_stored_as_0_becomes_null(sqlite_url, tmp_path, make_png):
-    """0016: rows of one model family that stored 0 for another family's view encoder (CLIP in
+    """0017: rows of one model family that stored 0 for another family's view encoder (CLIP in
     DeepSeek-OCR-2's, the Qwen2 encoder in DeepSeek-OCR's) hold NULL, the measured times kept; down
     again, CLIP's NULLs are the 0 that column held before."""
     from tests.report.fakes import Page, make_run
@@ -61,8 +61,8 @@ def test_a_family_stage_another_family_stored_as_0_becomes_null(sqlite_url, tmp_
     config = alembic_config(db.url)
     with db.engine.begin() as connection:
         config.attributes["connection"] = connection
-        command.downgrade(config, "0015")
-    with db.engine.begin() as connection:  # as the engine wrote them at 0015
+        command.downgrade(config, "0016")
+    with db.engine.begin() as connection:  # as the engine wrote them before 0017
         connection.execute(text("UPDATE results SET qwen2_ms = 0 WHERE run_id = :run"), {"run": v1})
     assert encoders() == {v1: (2.0, 0.0), ocr2: (0.0, 2.0)}
     upgrade(db)

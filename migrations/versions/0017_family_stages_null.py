@@ -2,8 +2,8 @@
 and the 0 that rows stored for a stage their model does not have (CLIP in DeepSeek-OCR-2's rows, the
 Qwen2 encoder in DeepSeek-OCR's since 0014) becomes NULL: not measured, as the report reads it.
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 
