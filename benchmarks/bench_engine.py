@@ -148,7 +148,7 @@ def summarize(results: list[InferenceResult], walls: list[float], baseline_bytes
         "prefill_ms": median([x.prefill_ms for x in t]),
         "vision_ms": median([x.vision_ms for x in t]),
         "sam_ms": median([x.sam_ms for x in t]),
-        "clip_ms": median([x.clip_ms for x in t]),
+        "clip_ms": median([x.clip_ms for x in t if x.clip_ms is not None]),  # None: a model without CLIP
         "projector_ms": median([x.projector_ms for x in t]),
         "lm_prefill_ms": median([x.lm_prefill_ms for x in t]),
         "decode_ms": median([x.decode_ms for x in t]),

@@ -4,6 +4,8 @@ Each of its millisecond fields carries a `Timing` that says what the figure is a
 the engine's clock (engine/clock.py), the result row and the `results` columns, the report's tables and
 plots and `dsocr infer`'s timing table are all derived from it. A new stage is a new field here plus an
 Alembic migration adding its nullable column, and the engine's `with clock.stage(name):` around the work.
+A model family's own stage (its view encoder) is None in another family's jobs: NULL in the store, which
+the report reads as not measured, never as 0.
 
 A figure is a stage's time (`stage` set: summed over its entries) or computed from the stages. `parent`
 nests a figure in another (not a part of e2e: its parent's time holds it); the parts (`part`) sum to
@@ -41,15 +43,18 @@ class Timing:
     part: bool = False  # one of the parts whose sum is e2e_ms
     bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
     shown: frozenset[Place] = frozenset()
-    nullable: bool = False  # its results column holds NULL in rows written before it was measured
-    # One model family's stage (its view encoder): a run of another family never measures it, so tables
-    # and plots show it only where a run did (`measured_in`).
+    # Its results column holds NULL: in rows written before it was measured, or (a family stage) in
+    # another family's rows.
+    nullable: bool = False
+    # One model family's stage (its view encoder): None in another family's jobs (`model_stages`), so
+    # tables and plots show it only where a run measured it (`unmeasured`).
     family_stage: bool = False
     column: str = ""  # the field's name, which is its results column's: set by `TIMINGS`
 
     def field(self) -> Any:
-        """This figure as a StageTimings field (0.0 when not measured, e.g. with timing off)."""
-        return field(default=0.0, metadata={METADATA_KEY: self})
+        """This figure as a StageTimings field: 0.0 when not timed (e.g. with timing off), None for a family
+        stage (the job's model may not have it)."""
+        return field(default=None if self.family_stage else 0.0, metadata={METADATA_KEY: self})
 
     def of(self, row: object) -> float | None:
         """The figure in a row that has it as an attribute (a `results` row, a StageTimings)."""
@@ -132,16 +137,17 @@ class StageTimings:
         bar="SAM",
         shown=_LATENCY,
     ).field()
-    clip_ms: float = Timing(
+    clip_ms: float | None = Timing(
         "CLIP",
         "the CLIP trunk on SAM's features (DeepSeek-OCR)",
         stage="vision/clip",
         parent="vision_ms",
         bar="CLIP",
         shown=_LATENCY,
+        nullable=True,
         family_stage=True,
     ).field()
-    qwen2_ms: float = Timing(
+    qwen2_ms: float | None = Timing(
         "Qwen2 encoder",
         "the Qwen2 encoder on SAM's features, whose learned queries' outputs are kept (DeepSeek-OCR-2)",
         stage="vision/qwen2",
@@ -228,7 +234,7 @@ class StageTimings:
         """The named parts whose sum is `e2e_ms`, by name (the column less `_ms`)."""
         return {t.column.removesuffix("_ms"): getattr(self, t.column) for t in PARTS}
 
-    def columns(self) -> dict[str, float]:
+    def columns(self) -> dict[str, float | None]:
         """Every figure by its results column."""
         return {t.column: getattr(self, t.column) for t in TIMINGS}
 
@@ -258,11 +264,11 @@ VISION_STAGES: tuple[str, ...] = tuple(s for s in STAGES if s.startswith(VISION_
 PARTS: tuple[Timing, ...] = tuple(t for t in TIMINGS if t.part)
 
 
-def session_vision_stages(encoder_stage: str) -> tuple[str, ...]:
-    """The vision stages a model whose view encoder is timed as `encoder_stage` runs: every vision stage
-    but the other families' encoders."""
+def model_stages(encoder_stage: str) -> tuple[str, ...]:
+    """The stages a model whose view encoder is timed as `encoder_stage` has: every stage but the other
+    families' encoders."""
     families = {t.stage for t in TIMINGS if t.family_stage}
-    return tuple(s for s in VISION_STAGES if s not in families or s == encoder_stage)
+    return tuple(s for s in STAGES if s not in families or s == encoder_stage)
 
 
 def depth(timing: Timing) -> int:
@@ -278,9 +284,9 @@ def shown_in(place: Place, rows: Iterable[object] | None = None) -> tuple[Timing
 
 
 def unmeasured(rows: Iterable[object]) -> frozenset[str]:
-    """The columns of the family stages that no row measured (NULL or 0 in every one)."""
+    """The columns of the family stages that no row measured (None in every one)."""
     rows = list(rows)
-    return frozenset(t.column for t in TIMINGS if t.family_stage and not any(t.of(r) for r in rows))
+    return frozenset(t.column for t in TIMINGS if t.family_stage and all(t.of(r) is None for r in rows))
 
 
 def breakdown_bars(hidden: frozenset[str] = frozenset()) -> dict[str, tuple[str, ...]]:
@@ -316,6 +322,10 @@ def check(timings: tuple[Timing, ...] = TIMINGS) -> None:
             problems.append(f"{t.column}: a nested figure cannot be a part of e2e (its parent holds it)")
         if t.host and t.stage is None:
             problems.append(f"{t.column}: only a stage has a clock")
+        if t.family_stage and not (t.stage is not None and t.nullable):
+            problems.append(
+                f"{t.column}: a family stage is a stage whose column is nullable (NULL: no such stage)"
+            )
         if t.bar is not None and (any(a.bar is not None for a in ancestors) or not (t.part or ancestors)):
             problems.append(f"{t.column}: a bar adds a part or what is nested in one, never both")
     if problems:

@@ -76,6 +76,7 @@ def planted(which: str, **changes) -> tuple[Timing, ...]:
         (planted("host_gap_ms", host=True), "only a stage has a clock"),
         (planted("prefill_ms", bar="prefill"), "sam_ms: a bar adds a part or what is nested in one"),
         (planted("e2e_ms", bar="everything"), "e2e_ms: a bar adds a part or what is nested in one"),
+        (planted("clip_ms", nullable=False), "clip_ms: a family stage is a stage whose column is nullable"),
     ],
 )
 def test_a_mistake_in_the_registry_is_refused(timings, problem):

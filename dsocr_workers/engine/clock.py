@@ -77,6 +77,9 @@ class StageClock:
         with clock.stage("postprocess"): ...
         clock.finish()                     # resolves the events (a no-op wait after a readback)
         clock.ms("prefill"), clock.step_ms(), clock.stage_timings(kept_steps)
+
+    `stages`: the stages of the job's model (stages.model_stages); the others, another model family's,
+    are refused and None in its timings. Default: every stage.
     """
 
     def __init__(
@@ -86,8 +89,10 @@ class StageClock:
         nvtx_enabled: bool = True,
         timing_enabled: bool = True,
         step_capacity: int = STEP_CAPACITY,
+        stages: tuple[str, ...] = STAGES,
     ) -> None:
         self.device = torch.device(device)
+        self.stages = stages
         self.job_id = job_id
         self.nvtx_enabled = nvtx_enabled
         self.timing_enabled = timing_enabled
@@ -132,8 +137,8 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; stages are {', '.join(STAGES)}")
+        if name not in self.stages:
+            raise ValueError(f"unknown stage {name!r}; this model's stages are {', '.join(self.stages)}")
         if torch.compiler.is_compiling():
             raise RuntimeError("StageClock.stage() must sit outside compiled regions")
         if self._resolved is not None:
@@ -311,9 +316,12 @@ class StageClock:
         totals = self._require_finished()
         kept_steps = len(self._step_ms) if kept_steps is None else kept_steps
         kept, wasted = self._step_ms[:kept_steps], self._step_ms[kept_steps:]
-        # Every stage's total into its field; the decode stage's steps after EOS are waste, not decode.
-        stage_ms = {t.column: totals[t.stage] for t in TIMINGS if t.stage is not None}
-        stage_ms["decode_ms"] = totals["decode"] - sum(wasted)
+        # Every stage of this model's into its field (another family's stage keeps its default, None);
+        # the decode stage's steps after EOS are waste, not decode.
+        stage_ms = {
+            t.column: totals[t.stage] for t in TIMINGS if t.stage is not None and t.stage in self.stages
+        }
+        decode_ms = stage_ms["decode_ms"] = totals["decode"] - sum(wasted)
         e2e = self.e2e_ms()
         return StageTimings(
             clock="cuda_event" if self.cuda else "perf_counter",
@@ -324,7 +332,7 @@ class StageClock:
             host_gap_ms=e2e - sum(totals[name] for name in JOB_PARTS) if self.timing_enabled else 0.0,
             ttft_ms=totals["preprocess"] + self._ttft_from_device_start_ms,
             # One token per kept decode step after the first (chosen from the prefill's logits).
-            tpot_ms=stage_ms["decode_ms"] / len(kept) if kept else 0.0,
+            tpot_ms=decode_ms / len(kept) if kept else 0.0,
             e2e_ms=e2e,
             page_wait_ms=self._page_wait_ms() if self.timing_enabled else 0.0,
             ttft_from_device_start_ms=self._ttft_from_device_start_ms,

@@ -51,7 +51,7 @@ from dsocr_workers.model.config import EOS_TOKEN_ID, dtype_name
 from dsocr_workers.model.families import FamilyCode, ModelFamily, all_presets
 from dsocr_workers.model.interface import OCRModel
 from dsocr_workers.model.tokenizer import OCRTokenizer
-from dsocr_workers.stages import StageTimings
+from dsocr_workers.stages import StageTimings, model_stages
 
 if TYPE_CHECKING:  # the batched engine (its runner) imports this module
     from dsocr_workers.engine.batched.metrics import SequenceMetrics
@@ -340,6 +340,11 @@ class DeepSeekOCRSession:
         return self.loaded.family
 
     @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages of this session's model: its family's view encoder, no other family's."""
+        return model_stages(self.family.encoder_stage)
+
+    @property
     def code(self) -> FamilyCode:
         """The family's preprocessing and token schedule."""
         return self.loaded.family.code()
@@ -378,6 +383,7 @@ class DeepSeekOCRSession:
             nvtx_enabled=self.instrumented,
             timing_enabled=self.instrumented,
             step_capacity=STEP_CAPACITY if marks_steps else 0,
+            stages=self.stages,
         )
 
     def prepare(

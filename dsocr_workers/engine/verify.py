@@ -13,7 +13,6 @@ from dsocr_workers.engine.clock import VISION_STAGES, StageClock
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.session import DeepSeekOCRSession, PageJob
-from dsocr_workers.stages import session_vision_stages
 
 ImageInput = str | os.PathLike | bytes | Image.Image
 
@@ -43,7 +42,7 @@ def one_shot_scores(
     page = session.prepare(image, None, mode)
     model = session.model
     with torch.inference_mode():
-        clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+        clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False, stages=session.stages)
         with clock.stage("prefill"):
             image_embeds = session.encode_image(session.upload(page), clock)
         ids = torch.cat([page.input_ids, torch.tensor(tokens[:-1], dtype=torch.int64)]).to(session.device)
@@ -145,7 +144,7 @@ def run_checks(
         f"{fills[-1:]}",
     ))
 
-    counts = {name: clock.count(name) for name in session_vision_stages(session.family.encoder_stage)}
+    counts = {name: clock.count(name) for name in session.stages if name in VISION_STAGES}
     outside_prefill = [
         e.name for e in clock.entries if e.name in VISION_STAGES and clock.parent_name(e) != "prefill"
     ]
@@ -182,7 +181,7 @@ def teacher_forced_top1(
         picks.append(job.token(step))
         job.write_token(step, forced[step])
 
-    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False)
+    clock = StageClock(session.device, nvtx_enabled=False, timing_enabled=False, stages=session.stages)
     session.run_on_device(
         session.prepare(image, None, mode),
         len(forced),

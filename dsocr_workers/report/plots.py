@@ -95,7 +95,7 @@ CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN
 
 def stage_ms(result: Result) -> dict[str, float]:
     """Milliseconds of each bar of one job; they add up to its e2e."""
-    # A family's stage is NULL in rows measured before it existed, 0 in another family's.
+    # A family's stage is NULL (no bar) in rows measured before it existed and in another family's.
     bars = {label: sum(getattr(result, column) or 0.0 for column in columns) for label, columns in BARS.items()}
     bars[GAPS] = (E2E.of(result) or 0.0) - sum(bars.values())
     return bars

@@ -6,7 +6,7 @@ import torch
 from dsocr_workers import settings
 from dsocr_workers.engine.clock import _STEP_EVENT_POOL, STAGES, StageClock
 from dsocr_workers.engine.session import DeepSeekOCRSession
-from dsocr_workers.stages import TIMINGS
+from dsocr_workers.stages import TIMINGS, model_stages
 
 # CUDA event times are resolved to about half a microsecond; sums of differences may overshoot.
 EPS = 0.01
@@ -270,6 +270,28 @@ def test_every_registry_stage_is_timed_into_its_field():
     assert timings.vision_ms == pytest.approx(sum(clock.ms(name) for name in STAGES if name.startswith("vision/")))
     assert set(timings.columns()) == {t.column for t in TIMINGS}
     assert set(timings.parts_ms) == {t.column.removesuffix("_ms") for t in TIMINGS if t.part}
+
+
+def test_a_clock_of_one_family_s_model_refuses_another_s_stage_and_leaves_it_none():
+    """A DeepSeek-OCR-2 job has no CLIP stage: its clock refuses it and its timings hold None there (NULL
+    in the store: not measured), its own Qwen2 encoder a time (0.0 when timing is off)."""
+    stages = model_stages("vision/qwen2")
+    assert "vision/clip" not in stages and "vision/qwen2" in stages and "vision/sam" in stages
+    clock = StageClock("cpu", stages=stages)
+    with (
+        pytest.raises(ValueError, match="unknown stage 'vision/clip'; this model's stages are"),
+        clock.stage("vision/clip"),
+    ):
+        pass
+    with clock.stage("prefill"), clock.stage("vision/qwen2"):
+        time.sleep(0.001)
+    clock.finish()
+    timings = clock.stage_timings()
+    assert timings.clip_ms is None and timings.qwen2_ms is not None and timings.qwen2_ms >= 1.0
+    assert timings.columns()["clip_ms"] is None
+    off = StageClock("cpu", nvtx_enabled=False, timing_enabled=False, stages=model_stages("vision/clip"))
+    off.finish()
+    assert (off.stage_timings().clip_ms, off.stage_timings().qwen2_ms) == (0.0, None)
 
 
 def test_misuse_is_reported():

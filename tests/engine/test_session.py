@@ -193,14 +193,25 @@ def test_teacher_forced_agreement_with_itself_is_total(session):
     assert teacher_forced_agreement(session, session, page(600, 480), steps=8) == 1.0
 
 
-def test_fast_engine_on_cpu_says_so_and_runs_eager():
-    fast = DeepSeekOCRSession.from_local("tiny", engine="fast")
+# Each model family's tiny preset and its smallest mode.
+TINY_MODES = {"tiny": "tiny", "ocr2-tiny": "small"}
+
+
+@pytest.mark.parametrize("preset", list(TINY_MODES))
+def test_fast_engine_on_cpu_says_so_and_runs_eager(preset):
+    fast = DeepSeekOCRSession.from_local(preset, engine="fast")
     assert fast.engine_name == "eager" and "CUDA" in fast.engine_note
+    job = fast.run_inference(page(600, 480), mode=TINY_MODES[preset], max_new_tokens=2)
+    assert job.engine == "eager" and len(job.token_ids) == 2
+    # Its family's view encoder timed, the other family's None (no such stage).
+    own, other = ("qwen2_ms", "clip_ms") if preset == "ocr2-tiny" else ("clip_ms", "qwen2_ms")
+    assert getattr(job.timings, own) > 0 and getattr(job.timings, other) is None
 
 
-def test_auto_engine_is_eager_on_a_cpu_without_a_note():
+@pytest.mark.parametrize("preset", list(TINY_MODES))
+def test_auto_engine_is_eager_on_a_cpu_without_a_note(preset):
     """A run's default: fast where the job meets a GPU, the eager reference on a CPU, as asked."""
-    auto = DeepSeekOCRSession.from_local("tiny", engine="auto")
+    auto = DeepSeekOCRSession.from_local(preset, engine="auto")
     assert auto.engine_name == "eager" and auto.engine_note == ""
 
 

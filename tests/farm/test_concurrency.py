@@ -1,6 +1,6 @@
 """`dsocr submit --concurrency N`: a worker keeps up to N of the run's jobs in flight on the batched
 engine (farm/job/batched.py); every job is claimed and finished once, with its batch-1 tokens, and the
-engine's steps are stored (`batch_steps`)."""
+engine's steps are stored (`batch_steps`). DeepSeek-OCR-2 (ocr2-tiny) too, on the same worker."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ REPEATS = 2
 # A job's tokens: enough steps that a batched job is still decoding when the lane has handed the child two
 # more (a hand-over and a claim each), on a loaded machine too; with 6, a third of the first job's time.
 TOKENS = 32
+# DeepSeek-OCR-2's runs after them, one repeat each: the first page's prefill (SAM over its 768-px view)
+# gives the lane time to hand the child the other two, and they join while it decodes.
+OCR2_TOKENS = 24
+OCR2 = ("--model", "ocr2-tiny", "--mode", "small", "--max-new-tokens", str(OCR2_TOKENS))
 
 
 @pytest.fixture
@@ -55,6 +59,11 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
                           "--name", f"c{concurrency}", env=env)  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
         run_ids[concurrency] = submitted.stdout.strip().splitlines()[-1]
+    ocr2_ids = {}  # fewer open jobs than tiny's: the worker starts with tiny's batched engine, then switches
+    for concurrency in (3, 1):
+        submitted = dsocr("submit", str(pages), *OCR2, "--concurrency", str(concurrency), env=env)
+        assert submitted.returncode == 0, submitted.stderr
+        ocr2_ids[concurrency] = submitted.stdout.strip().splitlines()[-1]
     jobs = len(PAGES) * REPEATS
     log_path = tmp_path / "worker.log"
     with open(log_path, "w") as log:
@@ -65,6 +74,8 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         try:
             for run_id in run_ids.values():
                 assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": jobs}
+            for run_id in ocr2_ids.values():
+                assert wait_until_final(postgres_url, run_id, timeout=300) == {"done": len(PAGES)}
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=60)
@@ -86,6 +97,12 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         ).all()  # fmt: skip
         columns = (BatchStep.run_id, BatchStep.kind, BatchStep.occupancy, BatchStep.bucket)
         steps = session.execute(select(*columns).where(BatchStep.run_id.in_(run_ids.values()))).all()
+        ocr2_rows = session.execute(
+            select(Job.run_id, Job.image, Job.attempts, Result.token_ids, Result.batch_occupancy, Result.image_tokens,
+                   Result.clip_ms, Result.qwen2_ms, Result.sam_ms)
+            .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(ocr2_ids.values()))
+        ).all()  # fmt: skip
+        ocr2_steps = Counter(session.scalars(select(BatchStep.kind).where(BatchStep.run_id == ocr2_ids[3])))
     db.dispose()
     assert RunOptions.from_parameters("tiny", parameters).concurrency == 3
     # One result per job (results are keyed by job and attempt: a job finished twice would show twice).
@@ -136,6 +153,20 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     spans = {run_id: [(row.started_at, row.finished_at) for row in rows if row.run_id == run_id] for run_id in run_ids.values()}
     assert most_at_once(spans[run_ids[3]]) >= 2  # claimed before others of its run were finished
     assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time
+
+    # DeepSeek-OCR-2: its batched engine decodes its pages together, each with its batch-1 tokens. Its
+    # rows time its Qwen2 encoder and hold NULL for CLIP, a stage it does not have (a batched page's vision
+    # is the batch's prefill step: 0, as its SAM).
+    assert len(ocr2_rows) == 2 * len(PAGES) and all(row.attempts == 1 for row in ocr2_rows)
+    ocr2_tokens = {(row.run_id, row.image): row.token_ids for row in ocr2_rows}
+    for image in PAGES:
+        batched, alone = ocr2_tokens[ocr2_ids[3], image], ocr2_tokens[ocr2_ids[1], image]
+        assert len(alone) == OCR2_TOKENS and batched == alone, image
+    assert all(row.image_tokens == 145 and row.clip_ms is None and row.qwen2_ms is not None
+               for row in ocr2_rows)  # fmt: skip
+    assert all(row.qwen2_ms > 0 and row.sam_ms > 0 for row in ocr2_rows if row.run_id == ocr2_ids[1])
+    assert max(row.batch_occupancy for row in ocr2_rows if row.run_id == ocr2_ids[3]) > 1
+    assert ocr2_steps["prefill"] == len(PAGES) and ocr2_steps["decode"] >= OCR2_TOKENS - 1
 
 
 def test_concurrency_is_checked_and_stored():

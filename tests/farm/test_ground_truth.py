@@ -1,5 +1,6 @@
 """Ground truth through the farm: `--ground-truth` at submit, scores stored per job by the worker,
-`dsocr report` and `dsocr export --omnidocbench` over a real run of the tiny preset on SQLite."""
+`dsocr report` and `dsocr export --omnidocbench` over a real run of the tiny preset on SQLite, and of
+DeepSeek-OCR-2's ocr2-tiny on OmniDocBench's demo pages against their ground truth."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from test_workers import dsocr
 
 from dsocr_workers.cli import main
 from dsocr_workers.model.postprocess import render_mmd
-from dsocr_workers.quality.omnidocbench import PageReference
+from dsocr_workers.quality.omnidocbench import PageReference, prediction_filename
 from dsocr_workers.quality.scoring import score_page
 from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import Job, Result, Run
+from tests.quality.omnidocbench_sets import DEMO
 
 TEXT = [("title", "Quarterly report", 1), ("text_block", "Revenue grew by ten percent.", 2),
         ("page_number", "3", 3)]  # fmt: skip
@@ -73,6 +75,64 @@ def test_dsocr_run_scores_pages_reports_accuracy_and_exports_for_the_evaluator(
     assert "| tiny | text edit | 2 |" in markdown and "## Stop reasons" in markdown
     assert dsocr("export", "--run", run.id, "--omnidocbench", str(out), "--repeat", "1", env=env,
                  timeout=60).returncode == 2  # fmt: skip
+
+
+# Two of OmniDocBench's demo pages, small ones: a note with a table, a newspaper page of text.
+DEMO_PAGES = (
+    "notes_1ba14cb325bc448f7201b20502ecf2b5_15.jpg",
+    "newspaper_5e266dfd9c498cab274e12a7b4a75755_4.jpg",
+)
+
+
+@pytest.mark.skipif(
+    not (DEMO / "ground_truth.json").exists(),
+    reason=f"OmniDocBench's demo data is not in {DEMO} (tests/quality/data/omnidocbench/README.md)",
+)
+def test_deepseek_ocr2_is_scored_against_the_demo_ground_truth_and_exported(tmp_path):
+    """DeepSeek-OCR-2 (ocr2-tiny) through `dsocr run --ground-truth` on OmniDocBench's demo pages: each
+    page scored as the evaluator scores it, the report's accuracy tables, `dsocr export --omnidocbench`.
+    In this process (the v1 test above runs the commands as subprocesses): their imports cost more than
+    the model."""
+    listing = tmp_path / "demo.txt"
+    listing.write_text("\n".join(DEMO_PAGES) + "\n")
+    url = f"sqlite:///{tmp_path / 'embedded.db'}"
+    done = CliRunner().invoke(main, [
+        "run", str(listing), "--root", str(DEMO / "images"), "--ground-truth", str(DEMO / "ground_truth.json"),
+        "--model", "ocr2-tiny", "--mode", "small", "--max-new-tokens", "12", "--gpus", "cpu", "--format", "json",
+    ], env={"DSOCR_DATABASE_URL": url})  # fmt: skip
+    assert done.exit_code == 0, done.output
+    tables = json.loads(done.stdout)["tables"]
+    # Its view encoder's row, not CLIP's (NULL in its rows: not measured).
+    encoders = {row["metric"].strip(): row["n"] for row in tables["Latency and output"]
+                if "CLIP" in row["metric"] or "Qwen2" in row["metric"]}  # fmt: skip
+    assert encoders == {"Qwen2 encoder ms": 2}
+    accuracy = {row["metric"]: row for row in next(rows for t, rows in tables.items() if t.startswith("Accuracy"))}
+    assert accuracy["text edit"]["jobs"] == 2 and 0 < accuracy["text edit"]["mean"] <= 1
+    assert accuracy["table edit"]["jobs"] == 1  # the note's table
+    figures = next(rows for t, rows in tables.items() if t.startswith("OmniDocBench figures"))
+    assert {row["page group"]: row["pages"] for row in figures}["all pages"] == 2
+
+    db = open_database(url)
+    with db.transaction() as session:
+        run = session.scalars(select(Run)).one()
+        pairs = session.execute(select(Job, Result).join(Result, Result.job_id == Job.id)).all()
+    db.dispose()
+    assert run.model_family == "deepseek-ocr2" and len(pairs) == 2
+    for job, result in pairs:  # what the run stored is the score of what the model wrote
+        scores = score_page(render_mmd(result.markup), PageReference.from_json(job.reference))
+        assert (result.text_edit, result.formula_edit, result.table_edit, result.reading_order_edit) == (
+            scores.text, scores.formula, scores.table, scores.reading_order)
+        assert result.image_tokens == 145 and result.qwen2_ms > 0 and result.clip_ms is None
+
+    out = tmp_path / "predictions"
+    exported = CliRunner().invoke(main, ["export", "--run", run.id, "--omnidocbench", str(out)],
+                                  env={"DSOCR_DATABASE_URL": url})  # fmt: skip
+    assert exported.exit_code == 0, exported.output
+    markup = {job.image: result.markup for job, result in pairs}
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(["RANDOM_WEIGHTS.txt", *(prediction_filename(image) for image in DEMO_PAGES)])
+    for image in DEMO_PAGES:
+        assert (out / prediction_filename(image)).read_text(encoding="utf-8") == render_mmd(markup[image])
 
 
 def submit(args: list[str], env: dict[str, str], monkeypatch):

@@ -1,7 +1,8 @@
 """Kernel-level profiles through the farm (issue 33): `dsocr submit --profile N`, a real Celery worker
 process on Redis + PostgreSQL runs every N-th job under torch.profiler (at `--concurrency` above 1, every
 N-th batch step of each kind) and stores its trace and kernels with it; other processes read them back
-(`dsocr trace`, `dsocr report`)."""
+(`dsocr trace`, `dsocr report`). DeepSeek-OCR-2 (ocr2-tiny) too, on the same worker: its view encoder's
+stage is profiled as `vision/qwen2`."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import select
 from test_workers import dsocr, wait_until_final
 
+from dsocr_workers.cli import main
 from dsocr_workers.kernels import KernelSummary
 from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import BatchStep, Job, Profile, Result
@@ -48,6 +51,11 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
         assert submitted.returncode == 0, submitted.stderr
         runs.append(submitted.stdout.strip().splitlines()[-1])
     a, b = runs
+    # After them (fewer open jobs: the worker starts on tiny), DeepSeek-OCR-2's second page profiled.
+    submitted = dsocr("submit", str(pages), "--model", "ocr2-tiny", "--mode", "small", "--max-new-tokens", "4",
+                      "--profile", "2", env=env)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    ocr2 = submitted.stdout.strip().splitlines()[-1]
 
     with open(tmp_path / "worker.log", "w") as log:
         worker = subprocess.Popen([sys.executable, "-m", "dsocr_workers", "worker", "--gpus", "cpu"], env=env,
@@ -55,6 +63,7 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
         try:
             for run in runs:
                 assert wait_until_final(postgres_url, run, timeout=240) == {"done": 2 * len(PAGES)}
+            assert wait_until_final(postgres_url, ocr2, timeout=240) == {"done": len(PAGES)}
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=60)
@@ -65,6 +74,9 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
         profiled = dict(session.execute(select(Result.job_id, Result.profiled).where(Result.run_id == a)).all())
         profiles = {p.job_id: (p.activity, p.trace_bytes, KernelSummary.from_json(p.summary))
                     for p in session.scalars(select(Profile).where(Profile.run_id == a))}  # fmt: skip
+        ocr2_profiles = {p.job_id: KernelSummary.from_json(p.summary)
+                         for p in session.scalars(select(Profile).where(Profile.run_id == ocr2))}  # fmt: skip
+        ocr2_jobs = dict(session.execute(select(Job.id, Job.image).where(Job.run_id == ocr2)).all())
     db.dispose()
     # Every 2nd job in file-list order: with 2 repeats, repeat 1 of each page; flagged on job and result.
     chosen = {job_id for job_id, _, repeat, profile in jobs if profile}
@@ -121,6 +133,27 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
     def decode_calls(tables):
         return {row["kernel"]: row["calls/job"] for row in tables["Kernels per stage"] if row["stage"] == "decode"}
     assert 5 * decode_calls(report_tables(env, "--run", b))["aten::mm"] == 8 * decode_calls(tables)["aten::mm"]
+
+    # DeepSeek-OCR-2's profiled job: its stages are SAM, its Qwen2 encoder and the projector (no CLIP), in
+    # its kernel tables and its trace (read back in this process: the commands' imports cost more).
+    ((job_id, summary),) = ocr2_profiles.items()
+    assert ocr2_jobs[job_id] == "p2.png" and summary.decode_steps == [0, 1, 2]  # 4 tokens: 3 steps
+    assert [s.stage for s in summary.stages][:5] == ["setup", "prefill", "vision/sam", "vision/qwen2",
+                                                     "vision/projector"]  # fmt: skip
+    assert summary.stage("vision/qwen2").kernels and "vision/clip" not in {s.stage for s in summary.stages}
+    env_here = {"DSOCR_DATABASE_URL": postgres_url}
+    shown = CliRunner().invoke(main, ["report", "--run", ocr2, "--format", "json", "--table", "Kernels per stage"],
+                               env=env_here)  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    kernels = json.loads(shown.stdout)["tables"]["Kernels per stage"]
+    assert {"vision/sam", "vision/qwen2", "vision/projector"} <= {row["stage"] for row in kernels}
+    assert "vision/clip" not in {row["stage"] for row in kernels}
+    ocr2_trace = tmp_path / "ocr2.json"
+    done = CliRunner().invoke(main, ["trace", "--job", job_id, "--out", str(ocr2_trace)], env=env_here)
+    assert done.exit_code == 0, done.output
+    names = {e.get("name") for e in json.loads(ocr2_trace.read_text())["traceEvents"]}
+    assert {"dsocr::vision/sam", "dsocr::vision/qwen2", "dsocr::decode step 2"} <= names
+    assert "dsocr::vision/clip" not in names
 
 
 @pytest.mark.postgres

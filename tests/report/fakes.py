@@ -67,7 +67,7 @@ def fake_result(page: Page) -> InferenceResult:
     parts = replace(parts, **{page.encoder: 2 * s})
     # A nested figure named nowhere above (a stage added to the registry later) gets a time of its own, so
     # that every figure has a spread over pages; nested figures are no parts, the identity holds. Another
-    # family's view encoder stays unmeasured (0), as the engine leaves it.
+    # family's view encoder stays unmeasured (None), as the engine leaves it.
     named = {"vision_ms", "sam_ms", "clip_ms", "qwen2_ms", "projector_ms", "lm_prefill_ms"}
     parts = replace(parts, **{
         t.column: 0.1 * s for t in TIMINGS if t.parent is not None and t.column not in named and not t.family_stage

@@ -75,4 +75,32 @@ def test_the_job_profiles_recorded_before_0016_are_kept_up_and_down(tmp_path, ma
         assert (profile.job_id, profile.batch_step_id, profile.trace_gz, profile.summary) == (job_id, None, b"gz",
                                                                                                 summary)  # fmt: skip
     assert "job_profiles" not in inspect(db.engine).get_table_names()
+
+
+def test_a_family_stage_another_family_stored_as_0_becomes_null(sqlite_url, tmp_path, make_png):
+    """0017: rows of one model family that stored 0 for another family's view encoder (CLIP in
+    DeepSeek-OCR-2's, the Qwen2 encoder in DeepSeek-OCR's) hold NULL, the measured times kept; down
+    again, CLIP's NULLs are the 0 that column held before."""
+    from tests.report.fakes import Page, make_run
+
+    db = open_database(sqlite_url)
+    v1 = make_run(db, tmp_path / "v1", make_png, {("p.png", 0): Page()})
+    ocr2_page = {("p.png", 0): Page(encoder="qwen2_ms")}
+    ocr2 = make_run(db, tmp_path / "ocr2", make_png, ocr2_page, model="ocr2-tiny", mode="small")
+
+    def encoders() -> dict[str, tuple[float | None, float | None]]:
+        with db.engine.connect() as connection:
+            rows = connection.execute(text("SELECT run_id, clip_ms, qwen2_ms FROM results")).all()
+        return {run_id: (clip, qwen2) for run_id, clip, qwen2 in rows}
+
+    assert encoders() == {v1: (2.0, None), ocr2: (None, 2.0)}
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0016")
+    with db.engine.begin() as connection:  # as the engine wrote them before 0017
+        connection.execute(text("UPDATE results SET qwen2_ms = 0 WHERE run_id = :run"), {"run": v1})
+    assert encoders() == {v1: (2.0, 0.0), ocr2: (0.0, 2.0)}
+    upgrade(db)
+    assert encoders() == {v1: (2.0, None), ocr2: (None, 2.0)}
     db.dispose()

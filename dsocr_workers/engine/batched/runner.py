@@ -214,7 +214,7 @@ class BatchRunner:
         self._nvtx: dict[str, object] = {}
         # Vision's stage ranges (NVTX only: the step's own events time it).
         self._vision_clock = StageClock(
-            session.device, nvtx_enabled=session.instrumented, timing_enabled=False
+            session.device, nvtx_enabled=session.instrumented, timing_enabled=False, stages=session.stages
         )
         self._anchor_s = 0.0
         self._anchor: torch.cuda.Event | None = None
