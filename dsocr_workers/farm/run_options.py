@@ -53,6 +53,10 @@ class RunOptions:
     # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
     # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
     concurrency: int = 1
+    # The batched engine's chunked prefill: at most this many prompt tokens prefilled between two decode
+    # steps, a joining page's prefill split into chunks (engine/batched/scheduler.py); None: each page's
+    # whole prompt in one launch.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in all_modes():
@@ -72,6 +76,11 @@ class RunOptions:
             raise InputError("--profile must be at least 1 (every N-th job)")
         if self.concurrency < 1:
             raise InputError("--concurrency must be at least 1")
+        if self.prefill_chunk_tokens is not None:
+            if self.prefill_chunk_tokens < 1:
+                raise InputError("--prefill-chunk must be at least 1 prompt token (0: whole prompts)")
+            if self.concurrency == 1:
+                raise InputError("--prefill-chunk splits the batched engine's prefills: it needs --concurrency above 1")
         if self.concurrency > 1 and self.profile_every is not None:
             raise InputError("--profile runs jobs on the batch-1 path: not with --concurrency above 1")
 
