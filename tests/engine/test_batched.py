@@ -597,6 +597,14 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, prese
     assert {1, 2, 32} <= decode_buckets, decode_buckets
     assert all(s.ms > 0 for s in engine.steps)
     assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
+    # Chunked prefill: eager chunks (SDPA under the chunk's mask, the routed experts' GEMVs or grouped
+    # GEMMs by the chunk's length) into the slots, between the graphed decode steps.
+    chunked = BatchedEngine.create(
+        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention, prefill_chunk_tokens=100
+    )
+    outputs = chunked.run(many[:16], 16)
+    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(16)}
+    check_chunks(chunked, outputs, 100)
 
 
 def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):

@@ -272,7 +272,7 @@ def start_batched(
         _graphs_compiled() - graphs_before,
         tuple(regions.missed[missed:]) if regions is not None else (),
         f"batched engine: concurrency {concurrency}, {engine.plan.describe()}, {engine.attention} attention, "
-        f"{graphs} for buckets {', '.join(map(str, engine.buckets))}, {describe_prefill(prefill_chunk_tokens)}",
+        f"{describe_prefill(prefill_chunk_tokens)}, {graphs} for buckets {', '.join(map(str, engine.buckets))}",
     )
     log.info("%s", started.describe())
     return engine, started
