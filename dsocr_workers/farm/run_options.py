@@ -80,7 +80,9 @@ class RunOptions:
             if self.prefill_chunk_tokens < 1:
                 raise InputError("--prefill-chunk must be at least 1 prompt token (0: whole prompts)")
             if self.concurrency == 1:
-                raise InputError("--prefill-chunk splits the batched engine's prefills: it needs --concurrency above 1")
+                raise InputError(
+                    "--prefill-chunk splits the batched engine's prefills: it needs --concurrency above 1"
+                )
         if self.concurrency > 1 and self.profile_every is not None:
             raise InputError("--profile runs jobs on the batch-1 path: not with --concurrency above 1")
 

@@ -343,9 +343,7 @@ def prefill_chunk(
     length = embeds.shape[1]
     position_ids = torch.arange(start, start + length, device=embeds.device).unsqueeze(0)
     position_embeddings = language_model.rotary_emb(embeds, position_ids)
-    mask = chunk_mask(
-        start, length, language_model.config._attn_implementation, embeds.dtype, embeds.device
-    )
+    mask = chunk_mask(start, length, language_model.config._attn_implementation, embeds.dtype, embeds.device)
     cache = _ChunkCache(keys, values, slot, start)
     hidden = embeds
     for layer in language_model.layers:
