@@ -56,6 +56,7 @@ import argparse
 import gc
 import itertools
 import json
+import random
 import sys
 import time
 import traceback
@@ -287,25 +288,42 @@ def engine_level(
             },
             [],
         )
+    requests = max(2 * concurrency, args.min_requests)
     row, outputs = level(
-        engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens, weights, peak
+        engine,
+        pages,
+        concurrency,
+        output_lengths(requests, args.tokens, args.tokens_range_ratio),
+        weights,
+        peak,
     )
     return record, row, outputs
+
+
+def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
+    """Each request's output tokens: `tokens`, or with `range_ratio` drawn (seeded) from [tokens x (1 -
+    range_ratio), tokens], as `vllm bench serve --random-range-ratio` draws them: pages that end at other
+    steps, so pages join while others decode (with one length, a batch ends and refills together)."""
+    if not range_ratio:
+        return [tokens] * requests
+    draw = random.Random(0)
+    return [draw.randint(max(1, round(tokens * (1 - range_ratio))), tokens) for _ in range(requests)]
 
 
 def level(
     engine: BatchedEngine,
     pages: list[tuple[str, PreparedPage]],
     concurrency: int,
-    requests: int,
-    tokens: int,
+    lengths: list[int],
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], list[BatchedOutput]]:
-    """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
+    """One concurrency level, a request of each output length in `lengths`: its serving summary, the
+    decode steps' bandwidth bound, its outputs."""
+    requests = len(lengths)
     asked = [
         PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens)
-        for i in range(requests)
+        for i, tokens in enumerate(lengths)
     ]
     first_step = len(engine.steps)
     sync()
@@ -358,12 +376,13 @@ def level(
 
 
 def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict[str, Any]:
-    """Per page the batch-1 path ran: the batched engine's tokens equal, or where they first differ."""
+    """Per page the batch-1 path ran: the batched engine's tokens equal (as far as the shorter one goes:
+    `--tokens-range-ratio`), or where they first differ."""
     pages: dict[str, Any] = {}
     for output in batched:
         name = output.request_id.split(":", 1)[1]
         if name in alone and name not in pages:
-            mine, theirs = output.token_ids, alone[name]
+            mine, theirs = output.token_ids, alone[name][: len(output.token_ids)]
             differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
             pages[name] = {"equal": mine == theirs, "first_difference": differ, "tokens": len(theirs)}
     return {"pages": pages, "equal": sum(p["equal"] for p in pages.values()), "compared": len(pages)}
@@ -424,7 +443,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
-        f"{setup.get('tokens')} output tokens each (EOS ignored)",
+        f"{setup.get('tokens')} output tokens each (EOS ignored"
+        + (
+            f"; the levels' drawn from {1 - ratio:.2f} x that up to it"
+            if (ratio := setup.get("tokens_range_ratio"))
+            else ""
+        )
+        + ")",
         "",
     ]
     for built in setup.get("engines", []):
@@ -528,6 +553,13 @@ def main() -> int:
     parser.add_argument("--mode", default="gundam")
     parser.add_argument("--max-crops", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=1024, help="output tokens per page (EOS ignored)")
+    parser.add_argument(
+        "--tokens-range-ratio",
+        type=float,
+        default=0.0,
+        help="the levels' output tokens per page drawn from [tokens x (1 - R), tokens] (seeded), as vllm bench "
+        "serve's --random-range-ratio: pages end at other steps and join while others decode; 0: all --tokens",
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
@@ -564,6 +596,8 @@ def main() -> int:
         chunks = [int(c) or None for c in dict.fromkeys(args.prefill_chunk.split(","))]
     except ValueError:
         parser.error(f"--prefill-chunk takes token counts like 0,512, not {args.prefill_chunk}")
+    if not 0 <= args.tokens_range_ratio < 1:
+        parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
     if any(c is not None and c < 0 for c in chunks):
         parser.error(f"--prefill-chunk takes counts of 0 or more, not {args.prefill_chunk}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
@@ -593,6 +627,7 @@ def main() -> int:
         pages=len(pages),
         mode=args.mode,
         tokens=args.tokens,
+        tokens_range_ratio=args.tokens_range_ratio,
         prompt_tokens=percentiles([p.prompt_tokens for _, p in pages]),
     )
     setup["batch1_warmup_s"] = warm_batch1(session, pages, args.tokens, options)
