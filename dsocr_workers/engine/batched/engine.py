@@ -10,8 +10,8 @@ decode steps and leaving when they finish (continuous batching).
 
 The engine couples the scheduler (scheduler.py: no torch, it plans each launch and decides stops) with
 the runner (runner.py: it launches and reads back). With `prefill_chunk_tokens`, a joining page's
-prefill is launched in chunks, at most that many prompt tokens between two decode steps, so the pages
-decoding keep their pace (chunked prefill). Tokens are read back without stalling the device:
+prefill is launched in chunks, at most that many prompt tokens in a step before its decode step, so the
+pages decoding keep their pace (chunked prefill). Tokens are read back without stalling the device:
 the host waits for a step only when `READBACK_LOOKAHEAD` newer ones are queued. A page leaving at EOS
 seen late counts the steps launched meanwhile as wasted, as the batch-1 path does.
 """
@@ -55,8 +55,8 @@ class BatchedEngine:
         prefill_chunk_tokens: int | None = None,
     ) -> None:
         """Allocates the slots and captures the step's graphs as `config` says (`StepConfig.decide`:
-        None, the session's defaults). `prefill_chunk_tokens`: the most prompt tokens prefilled between
-        two decode steps (None: each page's whole prompt in one launch)."""
+        None, the session's defaults). `prefill_chunk_tokens`: the most prompt tokens a step prefills
+        before its decode step (None: each page's whole prompt in one launch)."""
         options = options or DecodeOptions()
         validate_options(options)
         check_prefill_chunk(prefill_chunk_tokens)

@@ -5,9 +5,9 @@ the runner read back (plain token ids and times, `Readback`) comes back here to 
 them.
 
 With a chunk size (`prefill_chunk_tokens`), a joining page's prefill is a series of `ChunkPlan`s of at
-most that many prompt positions, launched between decode steps: the engine spends at most that many
-prompt tokens of prefill between two decode steps, continuing the page that began first before it
-admits the next one, so at most one page is left part-prefilled when a decode step is launched."""
+most that many prompt positions, launched between decode steps: a step of the engine prefills at most
+that many prompt tokens before its decode step, continuing the page that began first before it admits
+the next one, so at most one page is left part-prefilled when a decode step is launched."""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ class Scheduler:
         budget_rule: BudgetRule,
         prefill_chunk_tokens: int | None = None,
     ) -> None:
-        """`prefill_chunk_tokens`: the most prompt tokens prefilled between two decode steps, a page's
+        """`prefill_chunk_tokens`: the most prompt tokens a step prefills before its decode step, a page's
         prefill split into chunks of at most that many; None: each page's whole prompt in one launch."""
         self.plan, self.options, self.budget_rule = plan, options, budget_rule
         self.prefill_chunk_tokens = prefill_chunk_tokens
