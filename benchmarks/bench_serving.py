@@ -22,7 +22,11 @@ One process, one device:
   5. bf16 agreement: for each page the batch-1 path ran, the batched engine's tokens of that page at
      the highest level that ran (equal, or the first step where they differ), per attention.
 With `--attention masked,filled` every level runs on an engine of each attention (engine/batched/slots.py),
-one after the other in the same process: the two steps side by side.
+one after the other in the same process: the two steps side by side. With `--prefill-chunk 0,512` every
+level (and attention) runs on an engine of each chunk size (engine/batched/scheduler.py: at most that many
+prompt tokens prefilled between two decode steps; 0: each page's whole prompt in one launch): the chunked
+prefill's ITL p50 / p99, TTFT p99 and output tokens/s beside the whole prompts' ("Prefill chunks side by
+side" in serving.md, and a line per setting on stdout as it ends).
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -42,13 +46,17 @@ The bandwidth arithmetic (per decode step of b pages):
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
         --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --attention masked \\
         --out /tmp/serving  # CPU smoke
+    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --prefill-chunk 0,256,512 \\
+        --min-requests 256  # chunked prefill beside whole prompts at 128 in flight
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
+import random
 import sys
 import time
 import traceback
@@ -215,12 +223,14 @@ def start_engine(
     args: argparse.Namespace,
     options: DecodeOptions,
     attention: SlotAttention,
+    prefill_chunk: int | None,
 ) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
-    where the free memory does not hold them), its buckets up to that; then a short round to settle it
-    (the allocator, the first joins) before timing. The step compiled for the first engine serves the
-    next ones (one graph dynamic in the batch): a later engine costs its captures. Returns the engine and
-    what to report of it."""
+    where the free memory does not hold them), its buckets up to that, its prefills in chunks of
+    `prefill_chunk` tokens (None: whole prompts); then a short round to settle it (the allocator, the
+    first joins) before timing. The step compiled for the first engine serves the next ones (one graph
+    dynamic in the batch): a later engine costs its captures. Returns the engine and what to report of
+    it."""
     start = time.perf_counter()
     engine = BatchedEngine.create(
         session,
@@ -232,10 +242,12 @@ def start_engine(
         compiled=False if args.eager_step else None,
         cuda_graphs=False if args.no_graphs else None,
         attention=attention,
+        prefill_chunk_tokens=prefill_chunk,
     )
     sync()
     record = dict(
         attention=attention,
+        prefill_chunk_tokens=prefill_chunk,
         slots=engine.plan.slots,
         compile_and_capture_s=time.perf_counter() - start,
         plan=engine.plan.describe(),
@@ -258,41 +270,60 @@ def engine_level(
     args: argparse.Namespace,
     options: DecodeOptions,
     attention: SlotAttention,
+    prefill_chunk: int | None,
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
     """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
     engine, the level's row (or why it was skipped) and its outputs."""
-    engine, record = start_engine(session, concurrency, pages, args, options, attention)
+    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill_chunk)
     if concurrency > engine.plan.slots:
         return (
             record,
             {
                 "concurrency": concurrency,
                 "attention": attention,
+                "prefill_chunk_tokens": prefill_chunk,
                 "skipped": f"only {engine.plan.slots} slots fit",
             },
             [],
         )
+    requests = max(2 * concurrency, args.min_requests)
     row, outputs = level(
-        engine, pages, concurrency, max(2 * concurrency, args.min_requests), args.tokens, weights, peak
+        engine,
+        pages,
+        concurrency,
+        output_lengths(requests, args.tokens, args.tokens_range_ratio),
+        weights,
+        peak,
     )
     return record, row, outputs
+
+
+def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
+    """Each request's output tokens: `tokens`, or with `range_ratio` drawn (seeded) from [tokens x (1 -
+    range_ratio), tokens], as `vllm bench serve --random-range-ratio` draws them: pages that end at other
+    steps, so pages join while others decode (with one length, a batch ends and refills together)."""
+    if not range_ratio:
+        return [tokens] * requests
+    draw = random.Random(0)
+    return [draw.randint(max(1, round(tokens * (1 - range_ratio))), tokens) for _ in range(requests)]
 
 
 def level(
     engine: BatchedEngine,
     pages: list[tuple[str, PreparedPage]],
     concurrency: int,
-    requests: int,
-    tokens: int,
+    lengths: list[int],
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], list[BatchedOutput]]:
-    """One concurrency level: its serving summary, the decode steps' bandwidth bound, its outputs."""
+    """One concurrency level, a request of each output length in `lengths`: its serving summary, the
+    decode steps' bandwidth bound, its outputs."""
+    requests = len(lengths)
     asked = [
         PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens)
-        for i in range(requests)
+        for i, tokens in enumerate(lengths)
     ]
     first_step = len(engine.steps)
     sync()
@@ -317,6 +348,7 @@ def level(
     report = {
         "concurrency": concurrency,
         "attention": engine.attention,
+        "prefill_chunk_tokens": engine.prefill_chunk_tokens,
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,
@@ -344,12 +376,13 @@ def level(
 
 
 def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict[str, Any]:
-    """Per page the batch-1 path ran: the batched engine's tokens equal, or where they first differ."""
+    """Per page the batch-1 path ran: the batched engine's tokens equal (as far as the shorter one goes:
+    `--tokens-range-ratio`), or where they first differ."""
     pages: dict[str, Any] = {}
     for output in batched:
         name = output.request_id.split(":", 1)[1]
         if name in alone and name not in pages:
-            mine, theirs = output.token_ids, alone[name]
+            mine, theirs = output.token_ids, alone[name][: len(output.token_ids)]
             differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
             pages[name] = {"equal": mine == theirs, "first_difference": differ, "tokens": len(theirs)}
     return {"pages": pages, "equal": sum(p["equal"] for p in pages.values()), "compared": len(pages)}
@@ -359,6 +392,50 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 # the report
 
 
+def setting(row: dict[str, Any]) -> str:
+    """A level's engine in words: its attention, and its prefill chunk where it has one."""
+    return f"{row.get('attention')}{chunked(row.get('prefill_chunk_tokens'))}"
+
+
+def chunked(chunk: int | None) -> str:
+    return f", prefill chunk {chunk}" if chunk else ""
+
+
+def chunk_figures(row: dict[str, Any]) -> str:
+    """What the chunked prefill changes, in one line: ITL p50 / p99, TTFT p99, output tokens/s."""
+    return (
+        f"ITL p50 {fmt(row['itl_ms']['p50'])} / p99 {fmt(row['itl_ms']['p99'])} ms, "
+        f"TTFT p99 {fmt(row['ttft_ms']['p99'], 0)} ms, {fmt(row['output_tokens_per_s'], 0)} output tokens/s"
+    )
+
+
+def chunks_table(report: dict[str, Any]) -> list[str]:
+    """The levels side by side by prefill chunk (where any level has one): ITL p50 / p99, TTFT p99, output
+    tokens/s, the launches that prefill (ms p50 / p99, chunks among them)."""
+    ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
+    if not any(row.get("prefill_chunk_tokens") for row in ran):
+        return []
+    lines = [
+        "",
+        "Prefill chunks side by side (0: each page's whole prompt in one launch):",
+        "",
+        "| concurrency | attention | prefill chunk | ITL p50 ms | ITL p99 ms | TTFT p99 ms | output tok/s | "
+        "prefill launch p50 / p99 ms | chunk launches |",
+        "|" + "---|" * 9,
+    ]
+    for row in sorted(
+        ran, key=lambda r: (r["concurrency"], r["attention"], r.get("prefill_chunk_tokens") or 0)
+    ):
+        launches = row["prefill_step_ms"]
+        lines.append(
+            f"| {row['concurrency']} | {row['attention']} | {row.get('prefill_chunk_tokens') or 0} | "
+            f"{fmt(row['itl_ms']['p50'])} | {fmt(row['itl_ms']['p99'])} | {fmt(row['ttft_ms']['p99'], 0)} | "
+            f"{fmt(row['output_tokens_per_s'], 0)} | {fmt(launches['p50'])} / {fmt(launches['p99'])} | "
+            f"{row['chunk_steps']} |"
+        )
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     env, setup = report["environment"], report.get("setup", {})
     lines = [
@@ -366,19 +443,26 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['model']}, {report['dtype']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"git {env.get('git_sha')}; pages: {setup.get('pages')} ({setup.get('mode')}), "
-        f"{setup.get('tokens')} output tokens each (EOS ignored)",
+        f"{setup.get('tokens')} output tokens each (EOS ignored"
+        + (
+            f"; the levels' drawn from {1 - ratio:.2f} x that up to it"
+            if (ratio := setup.get("tokens_range_ratio"))
+            else ""
+        )
+        + ")",
         "",
     ]
     for built in setup.get("engines", []):
         lines.append(
-            f"- Batched engine of {built['slots']} slots, {built['attention']} attention: KV plan {built['plan']}; "
+            f"- Batched engine of {built['slots']} slots, {built['attention']} attention"
+            f"{chunked(built.get('prefill_chunk_tokens'))}: KV plan {built['plan']}; "
             f"decode step compiled and captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s"
         )
     if setup.get("engines"):
         lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
     header = (
-        "| concurrency | attention | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+        "| concurrency | attention (prefill chunk) | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
         "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
         "of bound | prefill share |"
     )
@@ -397,21 +481,22 @@ def markdown(report: dict[str, Any]) -> str:
     for row in report["levels"]:
         if "error" in row or "skipped" in row:
             lines.append(
-                f"| {row['concurrency']} | {row.get('attention')} | {row.get('error') or row.get('skipped')} |"
+                f"| {row['concurrency']} | {setting(row)} | {row.get('error') or row.get('skipped')} |"
             )
             continue
         lines.append(
-            f"| {row['concurrency']} | {row['attention']} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
+            f"| {row['concurrency']} | {setting(row)} | {row['pages']} | {fmt(row['output_tokens_per_s'], 0)} | "
             f"{fmt(row['request_throughput'], 3)} | {triple(row['ttft_ms'])} | {triple(row['tpot_ms'])} | "
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |"
         )
-    for attention in dict.fromkeys(row.get("attention") for row in report["levels"]):
-        lines += best_line(report, attention)
-    for attention, a in report.get("agreement", {}).items():
+    lines += chunks_table(report)
+    for engine in dict.fromkeys(setting(row) for row in report["levels"]):
+        lines += best_line(report, engine)
+    for engine, a in report.get("agreement", {}).items():
         lines += [
             "",
-            f"Batched ({attention}) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
+            f"Batched ({engine}) vs batch-1 greedy tokens ({report['dtype']}, concurrency "
             f"{a.get('concurrency')}): {a['equal']} of {a['compared']} pages equal; first differences at "
             f"{[p['first_difference'] for p in a['pages'].values() if not p['equal']]}",
         ]
@@ -420,13 +505,11 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_line(report: dict[str, Any], attention: str | None) -> list[str]:
-    """The best output tokens/s of the levels with `attention`, against the targets, with its bound's
-    arithmetic; and the best such level whose TPOT p50 meets its target."""
+def best_line(report: dict[str, Any], engine: str) -> list[str]:
+    """The best output tokens/s of the levels on `engine` (a `setting`), against the targets, with its
+    bound's arithmetic; and the best such level whose TPOT p50 meets its target."""
     setup = report.get("setup", {})
-    ran = [
-        row for row in report["levels"] if "output_tokens_per_s" in row and row.get("attention") == attention
-    ]
+    ran = [row for row in report["levels"] if "output_tokens_per_s" in row and setting(row) == engine]
     lines: list[str] = []
     within = [row for row in ran if (row["tpot_ms"]["p50"] or 0) <= TARGET_TPOT_P50_MS]
     for label, rows in (("Best", ran), ("Best with TPOT p50 within its target", within)):
@@ -435,7 +518,7 @@ def best_line(report: dict[str, Any], attention: str | None) -> list[str]:
         best = max(rows, key=lambda row: row["output_tokens_per_s"])
         lines += [
             "",
-            f"{label} ({attention}): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
+            f"{label} ({engine}): concurrency {best['concurrency']}: {best['output_tokens_per_s']:,.0f} output tokens/s "
             f"(target ≥ {TARGET_TOKENS_PER_S:,}), TPOT p50 {fmt(best['tpot_ms']['p50'])} ms (≤ {TARGET_TPOT_P50_MS}), "
             f"{percent(best['bound_share'])} of the bandwidth bound (≥ {100 * TARGET_BOUND_SHARE:.0f}%), "
             f"{best['pages_per_day']:,.0f} pages/day at {setup.get('tokens')} tokens a page",
@@ -470,6 +553,13 @@ def main() -> int:
     parser.add_argument("--mode", default="gundam")
     parser.add_argument("--max-crops", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=1024, help="output tokens per page (EOS ignored)")
+    parser.add_argument(
+        "--tokens-range-ratio",
+        type=float,
+        default=0.0,
+        help="the levels' output tokens per page drawn from [tokens x (1 - R), tokens] (seeded), as vllm bench "
+        "serve's --random-range-ratio: pages end at other steps and join while others decode; 0: all --tokens",
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--batch1-pages", type=int, default=6)
@@ -479,6 +569,12 @@ def main() -> int:
         default="filled",
         help="how a decode step reads the slots (engine/batched/slots.py): filled (the engine's default on CUDA), masked, or both "
         "(masked,filled: each level on an engine of each, side by side)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        default="0",
+        help="prefill chunk sizes in prompt tokens, comma-separated (0: whole prompts): each level and "
+        "attention on an engine of each, side by side (e.g. 0,512)",
     )
     parser.add_argument(
         "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
@@ -496,6 +592,14 @@ def main() -> int:
     attentions = [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
     if not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
+    try:
+        chunks = [int(c) or None for c in dict.fromkeys(args.prefill_chunk.split(","))]
+    except ValueError:
+        parser.error(f"--prefill-chunk takes token counts like 0,512, not {args.prefill_chunk}")
+    if not 0 <= args.tokens_range_ratio < 1:
+        parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
+    if any(c is not None and c < 0 for c in chunks):
+        parser.error(f"--prefill-chunk takes counts of 0 or more, not {args.prefill_chunk}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
     env = environment()
     peak_tbps = args.peak_tbps or next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
@@ -523,6 +627,7 @@ def main() -> int:
         pages=len(pages),
         mode=args.mode,
         tokens=args.tokens,
+        tokens_range_ratio=args.tokens_range_ratio,
         prompt_tokens=percentiles([p.prompt_tokens for _, p in pages]),
     )
     setup["batch1_warmup_s"] = warm_batch1(session, pages, args.tokens, options)
@@ -534,44 +639,33 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    for concurrency in levels:
-        for attention in attentions:
-            if time.perf_counter() - began > args.budget_s:
-                report["levels"].append(
-                    {
-                        "concurrency": concurrency,
-                        "attention": attention,
-                        "skipped": f"past --budget-s {args.budget_s:.0f}",
-                    }
-                )
-                continue
-            try:
-                record, row, outputs = engine_level(
-                    session, concurrency, pages, args, options, attention, weights, peak
-                )
-                setup["engines"].append(record)
-                report["levels"].append(row)
-                if outputs:
-                    last[attention] = (concurrency, outputs)
-            except Exception:  # a level that fails is recorded; the others still run
-                report["levels"].append(
-                    {
-                        "concurrency": concurrency,
-                        "attention": attention,
-                        "error": traceback.format_exc(limit=4),
-                    }
-                )
-            gc.collect()  # the level's engine, its KV cache and graphs, before the next one's are allocated
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            print(
-                f"concurrency {concurrency}, {attention}: done at {time.perf_counter() - began:.0f} s",
-                flush=True,
+    for concurrency, attention, chunk in itertools.product(levels, attentions, chunks):
+        named = {"concurrency": concurrency, "attention": attention, "prefill_chunk_tokens": chunk}
+        if time.perf_counter() - began > args.budget_s:
+            report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
+            continue
+        try:
+            record, row, outputs = engine_level(
+                session, concurrency, pages, args, options, attention, chunk, weights, peak
             )
-            write(report, args.out)
+            setup["engines"].append(record)
+            report["levels"].append(row)
+            if outputs:
+                last[setting(row)] = (concurrency, outputs)
+        except Exception:  # a level that fails is recorded; the others still run
+            row = {**named, "error": traceback.format_exc(limit=4)}
+            report["levels"].append(row)
+        gc.collect()  # the level's engine, its KV cache and graphs, before the next one's are allocated
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        figures = f" {chunk_figures(row)};" if "output_tokens_per_s" in row else ""
+        print(
+            f"concurrency {concurrency}, {setting(named)}:{figures} done at {time.perf_counter() - began:.0f} s",
+            flush=True,
+        )
+        write(report, args.out)
     report["agreement"] = {
-        attention: {"concurrency": at, **agreement(outputs, alone)}
-        for attention, (at, outputs) in last.items()
+        engine: {"concurrency": at, **agreement(outputs, alone)} for engine, (at, outputs) in last.items()
     }
     report["wall_s"] = time.perf_counter() - began
     write(report, args.out)

@@ -122,6 +122,16 @@ def run_options(command: F) -> F:
             help="Jobs of the run each worker GPU (or `dsocr run`) keeps in flight, decoded together by "
             "the batched engine; 1: one at a time (the batch-1 path).",
         ),
+        click.option(
+            "--prefill-chunk",
+            type=int,
+            default=0,
+            show_default=True,
+            metavar="TOKENS",
+            help="With --concurrency above 1: split a joining page's LM prefill into chunks, at most TOKENS "
+            "prompt tokens prefilled between two decode steps, so the pages decoding keep their pace; "
+            "0: each page's whole prompt in one launch.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -148,6 +158,7 @@ def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
         ngram_window=kw["ngram_window"],
         profile_every=kw["profile_every"],
         concurrency=kw["concurrency"],
+        prefill_chunk_tokens=kw["prefill_chunk"] or None,
     )
     return RunRequest(
         filelist,

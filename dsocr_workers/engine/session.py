@@ -499,12 +499,17 @@ class DeepSeekOCRSession:
     def lm_prefill(
         self, inputs: DevicePage, image_embeds: torch.Tensor | None, cache: StaticCache
     ) -> torch.Tensor:
-        """The prompt's embeddings with the image's placed at its placeholders, through the language
-        model into `cache` (a batch-1 job's, or the batched engine's scratch); the last position's logits."""
+        """The prompt's embeddings (`prompt_embeds`) through the language model into `cache` (a batch-1
+        job's, or the batched engine's scratch); the last position's logits."""
+        return self.runners.prefill(self.model, self.prompt_embeds(inputs, image_embeds), cache)
+
+    def prompt_embeds(self, inputs: DevicePage, image_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The prompt's embeddings with the image's placed at its placeholders, [1, L, hidden]: what the
+        LM prefill takes (the batched engine's chunked prefill, a slice of it per chunk)."""
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
         if image_embeds is not None:
             embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))
-        return self.runners.prefill(self.model, embeds, cache)
+        return embeds
 
     def decode(
         self, job: PageJob, clock: StageClock, after_step: Callable[[int], None] | None = None,

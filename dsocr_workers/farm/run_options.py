@@ -54,6 +54,10 @@ class RunOptions:
     # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
     # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
     concurrency: int = 1
+    # The batched engine's chunked prefill: at most this many prompt tokens prefilled between two decode
+    # steps, a joining page's prefill split into chunks (engine/batched/scheduler.py); None: each page's
+    # whole prompt in one launch.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in all_modes():
@@ -73,6 +77,13 @@ class RunOptions:
             raise InputError("--profile must be at least 1 (every N-th job)")
         if self.concurrency < 1:
             raise InputError("--concurrency must be at least 1")
+        if self.prefill_chunk_tokens is not None:
+            if self.prefill_chunk_tokens < 1:
+                raise InputError("--prefill-chunk must be at least 1 prompt token (0: whole prompts)")
+            if self.concurrency == 1:
+                raise InputError(
+                    "--prefill-chunk splits the batched engine's prefills: it needs --concurrency above 1"
+                )
 
     def profiles(self, ordinal: int) -> bool:
         """Whether the run's `ordinal`-th job (from 1, in file-list order) is profiled: the N-th, 2N-th,

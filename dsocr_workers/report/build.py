@@ -85,8 +85,9 @@ class Report:
 
 # Run parameters that change what a job computes or how it is timed: two runs that differ in one of them
 # are not like for like.
-COMPARED_PARAMETERS = ("mode", "max_new_tokens", "ignore_eos", "engine", "dtype", "concurrency", "prompt",
-                       "no_repeat_ngram_size", "ngram_window", "stop_on_repetition", "seed")
+COMPARED_PARAMETERS = ("mode", "max_new_tokens", "ignore_eos", "engine", "dtype", "concurrency",
+                       "prefill_chunk_tokens", "prompt", "no_repeat_ngram_size", "ngram_window",
+                       "stop_on_repetition", "seed")
 UNLIKE_WARNING = "NOT LIKE FOR LIKE: runs A and B differ in {differences}; the verdicts below compare unlike runs"
 UNLIKE_VERDICT = " (unlike runs)"
 

@@ -532,7 +532,8 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
                 color=color,
                 s=200,
                 zorder=3,
-                label=f"{side.name}: concurrency {figures.concurrency}",
+                label=f"{side.name}: concurrency {figures.concurrency}"
+                + (f", prefill chunk {figures.prefill_chunk_tokens}" if figures.prefill_chunk_tokens else ""),
             )
             ax.annotate(
                 f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9

@@ -42,9 +42,10 @@ TERMS = [
         "the run's GPUs together",
     ),
     (
-        "prefill / decode step",
-        "a batched engine's step on the device: a page's prefill into its slot, or one "
-        "decode step over the pages in the batch (its occupancy)",
+        "prefill / chunk / decode step",
+        "a batched engine's step on the device: a page's prefill into its slot, a chunk of it (a run "
+        "with --prefill-chunk), or one decode step over the pages in the batch (its occupancy); the "
+        "prefill step ms and share take prefills and chunks together",
     ),
 ]
 # Decode steps by their occupancy: (label, fewest pages, most).
@@ -54,6 +55,7 @@ OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63
 @dataclass(frozen=True)
 class Serving:
     concurrency: int  # the run's --concurrency
+    prefill_chunk_tokens: int | None  # the run's --prefill-chunk (None: whole prompts)
     gpus: int  # devices (host, device) whose workers finished its jobs
     pages_per_s: Estimate
     tokens_per_page: float | None  # mean tokens out
@@ -89,6 +91,7 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
 
     return Serving(
         concurrency=int((data.run.parameters or {}).get("concurrency", 1)),
+        prefill_chunk_tokens=(data.run.parameters or {}).get("prefill_chunk_tokens"),
         gpus=gpus,
         pages_per_s=steady_state_throughput(data, include_cold),
         tokens_per_page=sum(tokens) / len(tokens) if tokens else None,
@@ -113,6 +116,7 @@ def _tpot(result: Result) -> float | None:
 def _rows(figures: Serving) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("concurrency (jobs in flight per GPU)", figures.concurrency),
+        ("prefill chunk tokens (--prefill-chunk; none: whole prompts)", figures.prefill_chunk_tokens),
         ("GPUs (devices that finished its jobs)", figures.gpus),
         ("request throughput pages/s", figures.pages_per_s),
         ("output tokens/s", figures.output_tokens_per_s),
@@ -175,16 +179,17 @@ class BandSteps:
 class BatchSteps:
     """A run's batched engine steps (`batch_steps`), summed up."""
 
-    prefill_steps: int
+    prefill_steps: int  # a page's whole prompt in one step
+    chunk_steps: int  # a chunk of a page's prompt (--prefill-chunk)
     decode_steps: int
     profiled_steps: int  # run under torch.profiler (--profile): out of the per-step times
     mean_occupancy: float | None  # pages per decode step
-    prefill_p50_ms: float | None
+    prefill_p50_ms: float | None  # of the steps that prefill: whole prompts and chunks
     prefill_p90_ms: float | None
     # Above the p50 where some prefills waited on the device inside their step (host contention).
     prefill_mean_ms: float | None
     decode_bands: dict[str, BandSteps]  # by OCCUPANCY_BANDS label; a band without steps is left out
-    prefill_ms: float  # device time in prefill steps
+    prefill_ms: float  # device time in the steps that prefill
     decode_ms: float
     wall_span_s: float | None  # the run's first claim to its last finish
     gpus: int  # devices whose engines ran the steps
@@ -212,8 +217,8 @@ def band_of(occupancy: int) -> str:
 def batch_steps(data: RunData) -> BatchSteps:
     """Counts, occupancy and device time over every step; a step's time statistics (percentiles, the
     prefill's mean) over the steps not run under torch.profiler."""
-    prefill = [s.duration_ms for s in data.steps if s.kind == "prefill"]
-    timed_prefill = [s.duration_ms for s in data.steps if s.kind == "prefill" and not s.profiled]
+    prefill = [s.duration_ms for s in data.steps if s.kind != "decode"]
+    timed_prefill = [s.duration_ms for s in data.steps if s.kind != "decode" and not s.profiled]
     decode = [s for s in data.steps if s.kind == "decode"]
     bands: dict[str, BandSteps] = {}
     for label, fewest, most in OCCUPANCY_BANDS:
@@ -225,7 +230,8 @@ def batch_steps(data: RunData) -> BatchSteps:
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
     return BatchSteps(
-        prefill_steps=len(prefill),
+        prefill_steps=sum(s.kind == "prefill" for s in data.steps),
+        chunk_steps=sum(s.kind == "chunk" for s in data.steps),
         decode_steps=len(decode),
         profiled_steps=sum(s.profiled for s in data.steps),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
@@ -251,6 +257,7 @@ def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, obj
     share, of_span = figures.prefill_share, figures.step_share_of_span
     rows: list[tuple[str, object]] = [
         ("prefill steps (a page joining)", figures.prefill_steps),
+        ("prefill chunk steps (a part of a page's prompt, --prefill-chunk)", figures.chunk_steps),
         ("decode steps", figures.decode_steps),
         ("profiled steps (--profile: out of the step times)", figures.profiled_steps),
         ("mean occupancy (pages per decode step)", figures.mean_occupancy),

@@ -123,7 +123,7 @@ def batched_rates(
         worker_session = data.sessions.get(step.worker_session_id)
         if worker_session is not None:
             on = _process_lane(worker_session)
-            steps_by_lane[on].append((step.ended_at, step.occupancy if step.kind == "decode" else 1))
+            steps_by_lane[on].append((step.ended_at, step.occupancy))  # tokens chosen: `StepRecord.occupancy`
             if step.kind == "decode":
                 slots[on] = max(slots[on], step.occupancy)
     rates: dict[str, BinnedRates] = {}

@@ -20,8 +20,8 @@ from dsocr_workers.engine.batched import (
     plan_kv,
 )
 from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
-from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
+from dsocr_workers.engine.batched.scheduler import ChunkPlan, DecodePlan, PrefillPlan, buckets_for
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, prefill_chunk
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
@@ -146,6 +146,91 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(family_case, opti
     assert any(index > first_decode for index in prefill_at)
 
 
+def check_chunks(engine: BatchedEngine, outputs, chunk: int) -> None:
+    """Each page's chunks cover its prompt, none longer than `chunk`, and between two tokens of a page no
+    more than `chunk` prompt tokens are prefilled (steps in launch order; a token is its step's end)."""
+    assert not any(s.kind == "prefill" for s in engine.steps)
+    step_at = {s.ended_s: s.index for s in engine.steps}
+    chunk_tokens = {s.index: s.prompt_tokens for s in engine.steps if s.kind == "chunk"}
+    for output in outputs:
+        lengths = [s.prompt_tokens for s in engine.steps if s.kind == "chunk" and s.request_id == output.request_id]
+        assert sum(lengths) == output.prompt_tokens and max(lengths) <= chunk, (output.request_id, lengths)
+        m = output.metrics
+        assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
+        made = [step_at[t] for t in m.token_s]
+        for a, b in zip(made, made[1:], strict=False):
+            assert sum(n for index, n in chunk_tokens.items() if a < index < b) <= chunk
+
+
+# Chunk sizes: one that divides no prompt of PAGES (73 to ~530 tokens), one longer than every prompt.
+@pytest.mark.parametrize("chunk", [100, 1000])
+def test_a_pages_greedy_tokens_with_chunked_prefill_are_its_tokens_alone(family_case, chunk):
+    """Each family's pages through 2 slots, 3 in flight, their prefills in chunks (`prefill_chunk_tokens`)
+    launched between decode steps: each page's tokens are the batch-1 path's, its chunks cover its
+    prompt, and with chunks shorter than the prompts a page's chunks have other pages' decode steps
+    between them."""
+    session, prepared, pages = family_case
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options, pages)
+    engine = engine_for(session, prepared, 2, options, pages, prefill_chunk_tokens=chunk)
+    outputs = engine.run(requests(prepared, pages), 3)
+    assert by_request(outputs) == dict(enumerate(expected))
+    check_chunks(engine, outputs, chunk)
+    chunks_of = {
+        o.request_id: [s.index for s in engine.steps if s.kind == "chunk" and s.request_id == o.request_id]
+        for o in outputs
+    }
+    decodes = [s.index for s in engine.steps if s.kind == "decode"]
+    if chunk >= max(p.prompt_tokens for p in prepared):
+        assert all(len(indices) == 1 for indices in chunks_of.values())
+    else:
+        assert any(
+            indices[0] < step < indices[-1] for indices in chunks_of.values() for step in decodes
+        )
+
+
+def test_a_pages_greedy_tokens_with_one_token_chunks_are_its_tokens_alone(session, prepared):
+    """Chunks of one prompt token (the mask down to one query row): the short pages' tokens are still
+    the batch-1 path's, under the windowed ban (it reads each slot's prompt length)."""
+    options = DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7))
+    short = [0, 1, 5]
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 2, options, prefill_chunk_tokens=1)
+    outputs = engine.run([requests(prepared)[i] for i in short], 3)
+    assert by_request(outputs) == {i: expected[i] for i in short}
+    check_chunks(engine, outputs, 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1000])
+def test_chunks_fill_a_slot_as_the_whole_prompt_fills_a_batch1_cache(session, prepared, chunk):
+    """`prefill_chunk` over a prompt in chunks (of 1, of 37: no divisor of its 109 tokens, and of more
+    than the prompt) writes into its slot, full of stale values, the keys and values the batch-1 prefill
+    writes into its cache, and the last chunk's logits are its logits (to float32 rounding); nothing past
+    the prompt or in another slot is written. A position, offset or mask off by one fails this."""
+    page = prepared[0]
+    length = page.prompt_tokens
+    model = session.model
+    with torch.inference_mode():
+        inputs = session.upload(page)
+        image = session.encode_image(inputs, session.new_clock())
+        whole = session.buffers_for(length + 8).cache
+        expected = session.lm_prefill(inputs, image, whole)
+        cache = SlotCache.allocate(model, 2, 256, session.device)
+        for tensor in (*cache.keys, *cache.values):
+            tensor.normal_()
+        stale = [t.clone() for t in (*cache.keys, *cache.values)]
+        embeds = session.prompt_embeds(inputs, image)
+        for start in range(0, length, chunk):
+            last = prefill_chunk(model, cache.keys, cache.values, 1, embeds[:, start : start + chunk], start)
+        torch.testing.assert_close(model.logits(last), expected, rtol=1e-5, atol=1e-5)
+        filled = [(layer.keys, layer.values) for layer in whole.layers]
+        for keys, values, (want_keys, want_values) in zip(cache.keys, cache.values, filled, strict=True):
+            torch.testing.assert_close(keys[1, :, :length], want_keys[0, :, :length], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(values[1, :, :length], want_values[0, :, :length], rtol=1e-5, atol=1e-5)
+        for now, before in zip((*cache.keys, *cache.values), stale, strict=True):
+            assert torch.equal(now[0], before[0]) and torch.equal(now[1, :, length:], before[1, :, length:])
+
+
 def test_a_pages_logits_in_a_batch_are_its_logits_alone(session, prepared, monkeypatch):
     """Closer than the greedy tokens: every step's logits of both pages, in slots a page used before
     (stale keys and values past each page's length, which the mask must hide), equal the batch-1 path's
@@ -222,6 +307,11 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         used = {s.bucket for s in engine.steps if s.kind == "decode"}
         assert used == {1, 2, 4}, used
         # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
+        assert graphs["unique_graphs"] - before == 2
+        # Chunked prefill: eager over the fast engine's modules (SDPA under the chunk's mask), beside the
+        # compiled step, which compiles nothing more.
+        chunked = engine_for(fast, prepared, 4, options, compiled=True, attention=attention, prefill_chunk_tokens=100)
+        assert by_request(chunked.run(requests(prepared), 4)) == dict(enumerate(expected))
         assert graphs["unique_graphs"] - before == 2
     default = engine_for(fast, prepared, 4, options).config  # on a CPU: eager, masked
     assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
@@ -314,6 +404,35 @@ def test_the_runner_runs_plans_without_a_scheduler(session, prepared):
     assert decode(0, PAGES[0][3], ()) == expected[0]
     assert decode(3, PAGES[3][3], (1,)) == expected[3]
     assert runner.unread == 0 and not runner.cuda_graphs and runner.captured == 0
+
+
+def test_the_runner_keeps_a_part_prefilled_slot_through_decode_steps(session, prepared):
+    """A page prefilled by hand in two chunks into slot 1 with decode steps over bucket 2 before, between
+    and after them (slot 1 computing a throwaway row until its last chunk): the throwaway row of a
+    part-prefilled slot writes only the position its next chunk writes first, never the prefilled ones,
+    and the page reads back its batch-1 tokens."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    kv = plan_kv(2, max(p.prompt_tokens for p in prepared), 30, SlotCache.bytes_per_position(session.model), None)
+    runner = BatchRunner(session, kv, options, StepConfig.decide(session))
+    runner.capture((1, 2))
+    page, split, budget = prepared[3], 150, PAGES[3][3]
+    runner.launch(DecodePlan(0, (), 2, ()))
+    runner.launch(ChunkPlan(1, 1, page, 0, split, ()))
+    assert [len(r.tokens) for r in runner.collect(wait_beyond=None)] == [2, 0]
+    prefilled = [k[1, :, : split + 1].clone() for k in runner.cache.keys]
+    runner.launch(DecodePlan(2, (), 2, ()))
+    runner.collect(wait_beyond=None)
+    for keys, before in zip(runner.cache.keys, prefilled, strict=True):
+        assert torch.equal(keys[1, :, :split], before[:, :split])  # the chunk's positions kept
+        assert not torch.equal(keys[1, :, split], before[:, split])  # the throwaway row's, the next one
+    runner.launch(ChunkPlan(3, 1, page, split, page.prompt_tokens - split, ()))
+    tokens = [t for readback in runner.collect(wait_beyond=None) for t in readback.tokens]
+    for index in range(4, 4 + budget - 1):
+        runner.launch(DecodePlan(index, (1,), 2, ()))
+        (readback,) = runner.collect(wait_beyond=None)
+        tokens.append(readback.tokens[1])
+    assert tokens == expected[3]
 
 
 def test_the_kv_plan_follows_the_budget_and_the_free_memory():
@@ -478,6 +597,14 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, prese
     assert {1, 2, 32} <= decode_buckets, decode_buckets
     assert all(s.ms > 0 for s in engine.steps)
     assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
+    # Chunked prefill: eager chunks (SDPA under the chunk's mask, the routed experts' GEMVs or grouped
+    # GEMMs by the chunk's length) into the slots, between the graphed decode steps.
+    chunked = BatchedEngine.create(
+        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention, prefill_chunk_tokens=100
+    )
+    outputs = chunked.run(many[:16], 16)
+    assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(16)}
+    check_chunks(chunked, outputs, 100)
 
 
 def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):
@@ -502,6 +629,37 @@ def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch
     while engine.busy:
         outputs.extend(engine.step().finished)
     assert by_request(outputs) == {0: expected[0], 2: expected[2]}
+
+
+def test_a_chunk_that_fails_drops_its_page_and_gives_its_slot_back(session, prepared, monkeypatch):
+    """With chunks, a page's first chunk raising (here: its vision) in a step drops that page alone: the
+    step raises, its slot is free again, the page decoding goes on, and the same page joins later."""
+    options = DecodeOptions(ignore_eos=True)
+    expected = alone(session, options)
+    engine = engine_for(session, prepared, 2, options, prefill_chunk_tokens=64)
+    assert engine.add(requests(prepared)[0]) == 0 and engine.free_slots == 1
+    while not engine.scheduler.decoding:
+        engine.step()
+
+    def broken(*args, **kwargs):
+        raise InputError("vision failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session, "encode_image", broken)
+        assert engine.add(requests(prepared)[2]) == 1
+        with pytest.raises(InputError, match="vision failed"):
+            engine.step()
+    assert engine.free_slots == 1 and engine.in_flight == 1
+    assert engine.add(requests(prepared)[2]) == 1
+    outputs = []
+    while engine.busy:
+        outputs.extend(engine.step().finished)
+    assert by_request(outputs) == {0: expected[0], 2: expected[2]}
+
+
+def test_a_bad_chunk_size_is_refused(session, prepared):
+    with pytest.raises(InputError, match="prefill_chunk_tokens must be at least 1"):
+        engine_for(session, prepared, 2, DecodeOptions(), prefill_chunk_tokens=0)
 
 
 def test_a_batched_pages_ttft_and_end_to_end_run_from_one_start(session, prepared):

@@ -11,6 +11,7 @@ import pytest
 
 from dsocr_workers.engine.batched.memory import PageRefused, plan_kv
 from dsocr_workers.engine.batched.scheduler import (
+    ChunkPlan,
     DecodePlan,
     NoFreeSlot,
     PageRequest,
@@ -43,9 +44,17 @@ class Page:
     mode: object = field(default_factory=lambda: get_mode("tiny"))
 
 
-def scheduler(slots: int = 3, options: DecodeOptions | None = None, max_new_tokens: int = 20) -> Scheduler:
+def scheduler(
+    slots: int = 3,
+    options: DecodeOptions | None = None,
+    max_new_tokens: int = 20,
+    prefill_chunk_tokens: int | None = None,
+) -> Scheduler:
     return Scheduler(
-        plan_kv(slots, 60, max_new_tokens, 1, None), options or DecodeOptions(ignore_eos=True), budget_rule
+        plan_kv(slots, 60, max_new_tokens, 1, None),
+        options or DecodeOptions(ignore_eos=True),
+        budget_rule,
+        prefill_chunk_tokens,
     )
 
 
@@ -71,6 +80,8 @@ class Device:
         if isinstance(plan, PrefillPlan):
             self.at[plan.slot] = self.pending_name
             tokens = [self.outputs[self.pending_name].pop(0)]
+        elif isinstance(plan, ChunkPlan):  # the page in its slot since `take`
+            tokens = [self.outputs[self.at[plan.slot]].pop(0)] if plan.last else []
         else:
             tokens = [
                 self.outputs[self.at[row]].pop(0) if row in plan.rows else 0 for row in range(plan.bucket)
@@ -83,6 +94,18 @@ class Device:
         plan = self.sched.plan_prefill(self.sched.admit(request(name, new_tokens)))
         self.launch(plan)
         return plan.slot
+
+    def take(self, name: str, new_tokens: int, prompt: int = 30) -> int:
+        """A page into a slot, its prefill to come in chunks."""
+        slot = self.sched.take_slot(self.sched.admit(request(name, new_tokens, prompt)))
+        self.at[slot] = name
+        return slot
+
+    def chunk(self, room: int) -> ChunkPlan | None:
+        plan = self.sched.plan_chunk(room)
+        if plan is not None:
+            self.launch(plan)
+        return plan
 
     def decode(self) -> DecodePlan | None:
         plan = self.sched.plan_decode()
@@ -222,3 +245,55 @@ def test_metrics_follow_the_read_back_times():
         (3, "decode", 1, 1),
     ]
     assert sched.steps[0].prompt_tokens == 30
+
+
+def test_a_chunked_prefill_is_planned_at_its_offsets_and_its_page_decodes_after_its_last_chunk():
+    """A 30-token prompt in chunks of at most 8 (the room left in a step can make one shorter): each
+    chunk starts where the one before ended, the page decodes only once its last chunk is launched (the
+    first token is its), and the page that began first is continued before the next one is started."""
+    sched = scheduler(slots=2, prefill_chunk_tokens=8)
+    device = Device(sched, {"a": [100, 101, 102], "b": [200, 201]})
+    assert device.take("a", 3) == 0 and sched.prefilling and sched.in_flight == 1
+    assert device.decode() is None  # a is not prefilled: nothing to decode
+    first = device.chunk(8)
+    assert first is not None and (first.slot, first.start, first.length, first.last) == (0, 0, 8, False)
+    assert device.take("b", 2, prompt=5) == 1
+    second = device.chunk(5)  # a step's room left: a shorter chunk, a's still
+    assert second is not None and (second.start, second.length) == (8, 5)
+    assert device.decode() is None and sched.plan_chunk(0) is None
+    starts = []
+    while (plan := device.chunk(8)) is not None and plan.slot == 0:
+        starts.append((plan.start, plan.length))
+    assert starts == [(13, 8), (21, 8), (29, 1)]  # then b's one chunk, its whole prompt
+    assert plan is not None and (plan.slot, plan.start, plan.length, plan.last) == (1, 0, 5, True)
+    assert not sched.prefilling and device.chunk(8) is None
+    decode = device.decode()
+    assert decode is not None and decode.rows == (0, 1)
+    device.decode()
+    device.read()
+    done = {o.request_id: o for o in sched.events([]).finished}
+    assert done["a"].token_ids == [100, 101, 102] and done["b"].token_ids == [200, 201]
+    chunks = [s for s in sched.steps if s.kind == "chunk"]
+    # Each chunk's positions and page; only a page's last chunk gives a token.
+    assert [(s.prompt_tokens, s.occupancy, s.request_id) for s in chunks] == [
+        (8, 0, "a"), (5, 0, "a"), (8, 0, "a"), (8, 0, "a"), (1, 1, "a"), (5, 1, "b"),
+    ]  # fmt: skip
+    a = done["a"].metrics
+    assert a.prefill_started_s == chunks[0].started_s and a.token_s[0] == chunks[4].ended_s
+    assert a.arrival_s <= a.admitted_s and a.decode_steps == 2
+    assert not sched.busy and sched.free_slots == 2
+
+
+def test_a_failed_chunk_drops_its_page_and_frees_its_slot_to_be_cleared():
+    sched = scheduler(slots=1, prefill_chunk_tokens=10)
+    device = Device(sched, {"a": [1, 2], "b": [3, 4]})
+    device.take("a", 2)
+    device.chunk(10)
+    plan = sched.plan_chunk(10)
+    assert plan is not None and plan.start == 10
+    sched.failed(plan)  # the runner raised launching it
+    device.read()  # a's first chunk, launched before
+    assert not sched.prefilling and not sched.busy and sched.free_slots == 1 and sched.in_flight == 0
+    assert device.take("b", 2) == 0
+    again = sched.plan_chunk(10)
+    assert again is not None and (again.start, again.clear) == (0, (0,))

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,59 @@ def test_concurrency_is_checked_and_stored():
     assert RunOptions.from_parameters("tiny", {}).concurrency == 1  # a run recorded before the option
     with pytest.raises(Exception, match="--concurrency must be at least 1"):
         RunOptions(concurrency=0)
+
+
+def test_prefill_chunk_is_checked_and_stored():
+    assert RunOptions().prefill_chunk_tokens is None  # whole prompts, as before the option
+    assert RunOptions.from_parameters("tiny", {"concurrency": 2}).prefill_chunk_tokens is None
+    options = RunOptions(concurrency=2, prefill_chunk_tokens=512)
+    assert RunOptions.from_parameters("tiny", options.parameters) == replace(options, model="tiny")
+    with pytest.raises(Exception, match="--prefill-chunk must be at least 1"):
+        RunOptions(concurrency=2, prefill_chunk_tokens=-1)
+    with pytest.raises(Exception, match="--prefill-chunk splits the batched engine's prefills"):
+        RunOptions(prefill_chunk_tokens=64)
+
+
+def test_dsocr_run_refuses_a_bad_prefill_chunk_in_one_line(pages, tmp_path, subprocess_env):
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'embedded.db'}"}
+    for args, reason in (
+        (("--prefill-chunk", "64"), "it needs --concurrency above 1"),
+        (("--concurrency", "2", "--prefill-chunk", "-5"), "--prefill-chunk must be at least 1"),
+    ):
+        done = dsocr("run", str(pages), "--gpus", "cpu", *args, env=env)
+        assert done.returncode == 2 and done.stdout == "", done
+        assert len(done.stderr.strip().splitlines()) == 1 and reason in done.stderr, done.stderr
+    assert not (tmp_path / "embedded.db").exists()  # refused before anything was recorded
+
+
+def test_dsocr_run_with_prefill_chunks_records_and_reports_them(pages, tmp_path, subprocess_env):
+    """`--prefill-chunk 40`: the run records it (its parameters, its engine's start), and its pages' prefills
+    are chunk steps of its own in `batch_steps` (the first ones too, launched before any page had a
+    token), at most 40 prompt tokens each, the last of each page choosing its first token."""
+    url = f"sqlite:///{tmp_path / 'embedded.db'}"
+    env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
+    done = dsocr("run", str(pages), "--mode", "tiny", "--max-new-tokens", "6", "--concurrency", "3",
+                 "--prefill-chunk", "40", "--gpus", "cpu", "--format", "json", env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tables = json.loads(done.stdout)["tables"]
+    parameters = next(row["value"] for row in tables["Run"] if row["field"] == "parameters")
+    assert "prefill_chunk_tokens=40" in parameters
+    serving = {row["measure"]: row["value"] for row in tables["Serving"]}
+    assert serving["prefill chunk tokens (--prefill-chunk; none: whole prompts)"] == 40
+    batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
+    assert batch_steps["prefill steps (a page joining)"] == 0
+    db = open_database(url)
+    with db.transaction() as tx:
+        chunks = tx.execute(select(BatchStep).where(BatchStep.kind == "chunk")).scalars().all()
+        prompts = [r.prompt_tokens for r in tx.execute(select(Result)).scalars()]
+        warmups = [w.warmup for w in tx.execute(select(WorkerSession)).scalars()]
+    assert batch_steps["prefill chunk steps (a part of a page's prompt, --prefill-chunk)"] == len(chunks)
+    # At least ceil(prompt / 40) each: a step's room left after one page's last chunk starts the next page.
+    assert len(chunks) >= sum(-(-prompt // 40) for prompt in prompts)
+    assert sum(c.prompt_tokens for c in chunks) == sum(prompts) and max(c.prompt_tokens for c in chunks) == 40
+    assert sum(c.occupancy for c in chunks) == len(prompts)  # a page's last chunk: its first token
+    assert sum(c.vision_ms > 0 for c in chunks) == len(prompts)  # its first: its vision
+    assert any("prefill chunks of 40 tokens" in (warmup or "") for warmup in warmups)
 
 
 def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does(pages, tmp_path, subprocess_env):

@@ -56,6 +56,12 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     for _ in range(5):
         assert plan_warmup(database, ["q"], "auto", fallback).concurrency == 32
     assert plan_warmup(database, ["none"], "auto", fallback, 64, 128) == Warmup(fallback, ("gundam",), (64,), concurrency=128)
+    # A larger one with chunked prefill: its engine is started with its chunks.
+    open_run(database, {"mode": "tiny", "max_new_tokens": 64, "concurrency": 16, "prefill_chunk_tokens": 256}, jobs=9)
+    plan = plan_warmup(database, ["q"], "auto", fallback)
+    assert plan is not None and plan.batch_options() == RunOptions(
+        mode="tiny", max_new_tokens=64, concurrency=16, prefill_chunk_tokens=256
+    )
 
 
 def test_a_worker_told_its_concurrency_starts_its_batched_engine_at_start(database: Database):

@@ -9,7 +9,9 @@ decode steps and leaving when they finish (continuous batching).
         for output in events.finished: ...       # BatchedOutput: tokens, stop reason, metrics
 
 The engine couples the scheduler (scheduler.py: no torch, it plans each launch and decides stops) with
-the runner (runner.py: it launches and reads back). Tokens are read back without stalling the device:
+the runner (runner.py: it launches and reads back). With `prefill_chunk_tokens`, a joining page's
+prefill is launched in chunks, at most that many prompt tokens in a step before its decode step, so the
+pages decoding keep their pace (chunked prefill). Tokens are read back without stalling the device:
 the host waits for a step only when `READBACK_LOOKAHEAD` newer ones are queued. A page leaving at EOS
 seen late counts the steps launched meanwhile as wasted, as the batch-1 path does.
 """
@@ -27,8 +29,10 @@ from dsocr_workers.engine.batched.runner import READBACK_LOOKAHEAD, BatchRunner,
 from dsocr_workers.engine.batched.scheduler import (
     Admission,
     BatchedOutput,
+    ChunkPlan,
     NoFreeSlot,
     PageRequest,
+    PrefillPlan,
     Readback,
     Scheduler,
     StepEvents,
@@ -52,16 +56,19 @@ class BatchedEngine:
         plan: KVPlan,
         options: DecodeOptions | None = None,
         config: StepConfig | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         """Allocates the slots and captures the step's graphs as `config` says (`StepConfig.decide`:
-        None, the session's defaults)."""
+        None, the session's defaults). `prefill_chunk_tokens`: the most prompt tokens a step prefills
+        before its decode step (None: each page's whole prompt in one launch)."""
         options = options or DecodeOptions()
         validate_options(options)
+        check_prefill_chunk(prefill_chunk_tokens)
         if options.seed is not None:
             torch.manual_seed(options.seed)
         config = config or StepConfig.decide(session)
         self.session, self.plan, self.options, self.config = session, plan, options, config
-        self.scheduler = Scheduler(plan, options, session._budget)
+        self.scheduler = Scheduler(plan, options, session._budget, prefill_chunk_tokens)
         self.runner = BatchRunner(session, plan, options, config)
         # Each bucket's capture, in ms: the batched engine's start, which a worker records.
         self.captures_ms = self.runner.capture(self.scheduler.buckets)
@@ -78,11 +85,12 @@ class BatchedEngine:
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> BatchedEngine:
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
         does not hold them (`plan_kv`; the plan is `engine.plan`). `compiled`, `cuda_graphs`,
-        `attention`: `StepConfig.decide`."""
+        `attention`: `StepConfig.decide`; `prefill_chunk_tokens`: as the constructor's."""
         config = StepConfig.decide(session, compiled, cuda_graphs, attention)
         free = None
         if session.device.type == "cuda":
@@ -103,7 +111,7 @@ class BatchedEngine:
             reserve_bytes,
             session.max_positions,
         )
-        return cls(session, plan, options, config)
+        return cls(session, plan, options, config, prefill_chunk_tokens)
 
     @classmethod
     def for_mode(
@@ -116,6 +124,7 @@ class BatchedEngine:
         options: DecodeOptions | None = None,
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> BatchedEngine:
         """An engine for `concurrency` pages of `mode` (and `prompt`) at once: slots that hold its longest
         prompt and `max_new_tokens` (None: what the model's positions leave), as a worker and the build
@@ -123,7 +132,14 @@ class BatchedEngine:
         longest = min(session.longest_prompt(mode, prompt), session.max_positions - 1)
         budget = max_new_tokens or session.max_positions - longest
         return cls.create(
-            session, concurrency, longest, budget, options, compiled=compiled, cuda_graphs=cuda_graphs
+            session,
+            concurrency,
+            longest,
+            budget,
+            options,
+            compiled=compiled,
+            cuda_graphs=cuda_graphs,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
 
     # --- the API --------------------------------------------------------------------------------------
@@ -131,6 +147,10 @@ class BatchedEngine:
     @property
     def attention(self) -> SlotAttention:
         return self.config.attention
+
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        return self.scheduler.prefill_chunk_tokens
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -164,21 +184,29 @@ class BatchedEngine:
         self.scheduler.submit(request)
 
     def add(self, request: PageRequest) -> int:
-        """Admit a page now: its prefill is launched into the lowest free slot, which is returned.
-        `NoFreeSlot` when every slot is taken; `PageRefused` when it cannot fit."""
+        """Admit a page now into the lowest free slot, which is returned: its prefill is launched now, or
+        with chunks its chunks by the next step() calls. `NoFreeSlot` when every slot is taken;
+        `PageRefused` when it cannot fit."""
         if not self.scheduler.free_slots:
             raise NoFreeSlot(f"all {self.plan.slots} slots hold pages")
-        return self._prefill(self.scheduler.admit(request))
+        admission = self.scheduler.admit(request)
+        if self.prefill_chunk_tokens is not None:
+            return self.scheduler.take_slot(admission)
+        return self._prefill(admission)
 
     def step(self) -> StepEvents:
-        """Admit waiting pages into free slots (a prefill step each), launch one decode step over the
-        occupied slots, read back what the device finished. Returns what happened."""
+        """Admit waiting pages into free slots, launch their prefills (a launch each, or with chunks at
+        most `prefill_chunk_tokens` prompt tokens of them), then one decode step over the pages
+        prefilled; read back what the device finished. Returns what happened."""
         admitted: list[tuple[str, int]] = []
         self._read(self.runner.collect(wait_beyond=None))
-        while self.scheduler.admissible:
-            admission = self.scheduler.next_waiting()
-            admitted.append((admission.request.request_id, self._prefill(admission)))
-            self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD))
+        if self.prefill_chunk_tokens is None:
+            while self.scheduler.admissible:
+                admission = self.scheduler.next_waiting()
+                admitted.append((admission.request.request_id, self._prefill(admission)))
+                self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD))
+        else:
+            self._chunks(admitted)
         # Read what frees the ring row (and may end pages) before the decoding pages are chosen.
         self._read(self.runner.room())
         decode = self.scheduler.plan_decode()
@@ -186,7 +214,7 @@ class BatchedEngine:
             self.runner.launch(decode)
             self.scheduler.launched(decode)
         # Nothing left to launch: wait for the rest instead of spinning.
-        self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD if self.scheduler.decoding else 0))
+        self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD if self.scheduler.launchable else 0))
         return self.scheduler.events(admitted)
 
     def run(self, requests: list[PageRequest], concurrency: int) -> list[BatchedOutput]:
@@ -206,18 +234,45 @@ class BatchedEngine:
         return self.session.decode_text(output.token_ids)
 
     def _prefill(self, admission: Admission) -> int:
-        """The page's prefill into the lowest free slot. A prefill that fails gives the slot back (and
-        raises): the other pages go on."""
+        """The page's prefill into the lowest free slot."""
         self._read(self.runner.room())
         plan = self.scheduler.plan_prefill(admission)
+        self._launch_prefill(plan)
+        return plan.slot
+
+    def _chunks(self, admitted: list[tuple[str, int]]) -> None:
+        """Prefill chunks of at most `prefill_chunk_tokens` prompt tokens together: the page prefilling
+        first continued, then pages admitted into free slots (added to `admitted`)."""
+        room = self.scheduler.prefill_chunk_tokens
+        assert room is not None
+        while room > 0:
+            # What frees the ring row (and may end pages, freeing slots) before the chunk is chosen.
+            self._read(self.runner.room())
+            if not self.scheduler.prefilling and self.scheduler.admissible:
+                admission = self.scheduler.next_waiting()
+                admitted.append((admission.request.request_id, self.scheduler.take_slot(admission)))
+            plan = self.scheduler.plan_chunk(room)
+            if plan is None:
+                return
+            self._launch_prefill(plan)
+            room -= plan.length
+
+    def _launch_prefill(self, plan: PrefillPlan | ChunkPlan) -> None:
+        """A prefill (or chunk) that fails drops its page and gives the slot back (and raises): the other
+        pages go on."""
         try:
             self.runner.launch(plan)
         except BaseException:
             self.scheduler.failed(plan)
             raise
         self.scheduler.launched(plan)
-        return plan.slot
 
     def _read(self, readbacks: list[Readback]) -> None:
         for readback in readbacks:
             self.scheduler.read(readback)
+
+
+def check_prefill_chunk(tokens: int | None) -> None:
+    """A chunk size is None (whole prompts) or at least one prompt token."""
+    if tokens is not None and tokens < 1:
+        raise InputError(f"prefill_chunk_tokens must be at least 1 (None: whole prompts), got {tokens}")

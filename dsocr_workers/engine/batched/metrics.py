@@ -16,22 +16,27 @@ from typing import Literal
 
 import numpy as np
 
-StepKind = Literal["prefill", "decode"]
+# prefill: a page's whole prompt in one launch; chunk: a part of it (`prefill_chunk_tokens`); decode.
+StepKind = Literal["prefill", "chunk", "decode"]
 PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step of the device: a page's prefill into its slot, or a decode step over a bucket."""
+    """One step of the device: a page's prefill into its slot (whole, or one chunk of it), or a decode
+    step over a bucket."""
 
     index: int
     kind: StepKind
-    occupancy: int  # pages decoding in it (prefill: 1, the joining page)
-    bucket: int  # rows computed (decode: the CUDA-graph bucket; prefill: 1)
+    # Pages given a token: decode, the pages decoding in it; prefill, 1 (the joining page); chunk, 1 for
+    # a page's last chunk (it chooses the first token), else 0.
+    occupancy: int
+    bucket: int  # rows computed (decode: the CUDA-graph bucket; prefill, chunk: 1)
     started_s: float
     ended_s: float
-    prompt_tokens: int = 0  # prefill: the joining page's prompt
-    vision_ms: float = 0.0  # prefill: vision stages (SAM, CLIP, projector)
+    prompt_tokens: int = 0  # prefill: the joining page's prompt; chunk: the positions it prefilled
+    vision_ms: float = 0.0  # prefill, a page's first chunk: vision stages (SAM, CLIP, projector)
+    request_id: str | None = None  # prefill, chunk: the page's
 
     @property
     def ms(self) -> float:
@@ -109,9 +114,10 @@ class ServingSummary:
     queue_wait_ms: dict[str, float | None]
     occupancy: dict[str, float | None]  # per decode step
     decode_step_ms: dict[str, float | None]
-    prefill_step_ms: dict[str, float | None]
+    prefill_step_ms: dict[str, float | None]  # a launch of prefill work: a whole prompt, or a chunk
     decode_steps: int
-    prefill_steps: int
+    prefill_steps: int  # launches of prefill work, chunks included
+    chunk_steps: int
     decode_share: float  # of the device time in steps: decode steps' part (the rest: prefills)
 
     @classmethod
@@ -124,7 +130,7 @@ class ServingSummary:
         duration = max(end - start, 1e-9)
         tokens = sum(len(s.token_s) for s in done)
         decode = [s for s in steps if s.kind == "decode"]
-        prefill = [s for s in steps if s.kind == "prefill"]
+        prefill = [s for s in steps if s.kind != "decode"]
         decode_ms, prefill_ms = sum(s.ms for s in decode), sum(s.ms for s in prefill)
         tpots = [t for s in done if (t := s.tpot_ms) is not None]
         return cls(
@@ -143,5 +149,6 @@ class ServingSummary:
             prefill_step_ms=percentiles([s.ms for s in prefill]),
             decode_steps=len(decode),
             prefill_steps=len(prefill),
+            chunk_steps=sum(s.kind == "chunk" for s in steps),
             decode_share=decode_ms / (decode_ms + prefill_ms) if decode_ms + prefill_ms > 0 else 0.0,
         )

@@ -1,7 +1,9 @@
 """The batched engine's runner: the device side of the scheduler's plans (scheduler.py). It owns the
-slotted KV cache and token state, launches a page's prefill and the decode step per bucket (eager, or
-compiled once dynamic in the bucket and replayed as a CUDA graph per bucket), and reads tokens back
-through a pinned ring behind the device, timed by CUDA events placed on the host clock.
+slotted KV cache and token state, launches a page's prefill (whole, through the session's LM prefill,
+or chunk by chunk straight into its slot: `prefill_chunk`, eager on every engine) and the decode step
+per bucket (eager, or compiled once dynamic in the bucket and replayed as a CUDA graph per bucket), and
+reads tokens back through a pinned ring behind the device, timed by CUDA events placed on the host
+clock.
 
 A graph's capture runs its step once uncaptured first, and that run writes the cache and the token
 buffers like any step, so graphs are captured ahead (`capture`) while no slot holds a page: a free
@@ -22,13 +24,14 @@ import torch
 from torch import Tensor
 
 from dsocr_workers.engine.batched.memory import KVPlan
-from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, Readback, StepPlan
+from dsocr_workers.engine.batched.scheduler import ChunkPlan, DecodePlan, PrefillPlan, Readback, StepPlan
 from dsocr_workers.engine.batched.slots import (
     SlotAttention,
     SlotCache,
     SlotState,
     choose_tokens,
     decode_slots,
+    prefill_chunk,
     reads_filled_slots,
 )
 from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
@@ -209,6 +212,8 @@ class BatchRunner:
         self._ring = torch.zeros(RING_ROWS, plan.slots, dtype=torch.int64, pin_memory=self.cuda)
         self._ring_next = 0
         self._pending: deque[_InFlight] = deque()
+        # Per slot whose page is part-prefilled: its prompt's ids and embeddings (its image's placed).
+        self._prompts: dict[int, tuple[Tensor, Tensor]] = {}
         self._events: list[torch.cuda.Event] = []  # read back, free to record again
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
         self._nvtx: dict[str, object] = {}
@@ -242,13 +247,20 @@ class BatchRunner:
     def launch(self, plan: StepPlan) -> None:
         """Launch `plan` (its slots to clear first). Its ring row must have been read (`room`)."""
         assert len(self._pending) < RING_ROWS, "room() before a step is launched"
-        kind = "prefill" if isinstance(plan, PrefillPlan) else "decode"
+        # As its `batch_steps` row names it: sampled per kind, its range `batched/<kind>`.
+        kind = "prefill" if isinstance(plan, PrefillPlan) else "chunk" if isinstance(plan, ChunkPlan) else "decode"
         sampled = nullcontext() if self.profiler is None else self.profiler.around(plan.index, kind)
         with torch.inference_mode(), sampled:
             for slot in plan.clear:
                 self.state.release(slot)
             if isinstance(plan, PrefillPlan):
                 self._prefill(plan)
+            elif isinstance(plan, ChunkPlan):
+                try:
+                    self._chunk(plan)
+                except BaseException:
+                    self._prompts.pop(plan.slot, None)
+                    raise
             else:
                 self._decode(plan)
 
@@ -266,6 +278,39 @@ class BatchRunner:
             self.cache.load_prompt(plan.slot, scratch, prompt)
             self.state.start(plan.slot, inputs.input_ids)
             chosen = choose_tokens(logits, self.state.row(plan.slot), self.options, self.state.whitelist)
+            end = self._mark()
+        self._launched(plan.index, chosen, start, end).vision_end = vision_end
+
+    def _chunk(self, plan: ChunkPlan) -> None:
+        """A chunk of the page's prompt straight into its slot (the first chunk after the page's vision and
+        embeddings, kept for the next chunks); the last chunk chooses its first token, as `_prefill`
+        does, the others leave the slot held (`SlotState.hold`) and choose none."""
+        session, page = self.session, plan.page
+        with self._range("batched/prefill chunk"):
+            start = self._mark()
+            vision_end = None
+            if plan.start == 0:
+                inputs = session.upload(page)
+                image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
+                vision_end = self._mark()
+                self._prompts[plan.slot] = (inputs.input_ids, session.prompt_embeds(inputs, image))
+            ids, embeds = self._prompts[plan.slot]
+            last = prefill_chunk(
+                session.model,
+                self.cache.keys,
+                self.cache.values,
+                plan.slot,
+                embeds[:, plan.start : plan.end],
+                plan.start,
+            )
+            if plan.last:
+                del self._prompts[plan.slot]
+                self.state.start(plan.slot, ids)
+                logits = session.model.logits(last)
+                chosen = choose_tokens(logits, self.state.row(plan.slot), self.options, self.state.whitelist)
+            else:
+                self.state.hold(plan.slot, plan.end)
+                chosen = ids.new_empty(0)
             end = self._mark()
         self._launched(plan.index, chosen, start, end).vision_end = vision_end
 

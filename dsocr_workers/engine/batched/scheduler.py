@@ -1,7 +1,13 @@
 """The batched engine's scheduler: pages waiting, slots and their free list, admission against the KV
-plan, token budgets, stop decisions and per-page metrics. No torch: each launch is planned here as a
-plain `PrefillPlan` or `DecodePlan` for the runner (runner.py), and what the runner read back (plain
-token ids and times, `Readback`) comes back here to extend the pages and stop them."""
+plan, token budgets, chunked prefill, stop decisions and per-page metrics. No torch: each launch is
+planned here as a plain `PrefillPlan`, `ChunkPlan` or `DecodePlan` for the runner (runner.py), and what
+the runner read back (plain token ids and times, `Readback`) comes back here to extend the pages and stop
+them.
+
+With a chunk size (`prefill_chunk_tokens`), a joining page's prefill is a series of `ChunkPlan`s of at
+most that many prompt positions, launched between decode steps: a step of the engine prefills at most
+that many prompt tokens before its decode step, continuing the page that began first before it admits
+the next one, so at most one page is left part-prefilled when a decode step is launched."""
 
 from __future__ import annotations
 
@@ -104,7 +110,29 @@ class DecodePlan:
     clear: tuple[int, ...]
 
 
-StepPlan = PrefillPlan | DecodePlan
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Launch prompt positions `start`..`start + length - 1` of the page in `slot` into that slot,
+    attending to the positions before them (the first chunk runs the page's vision first; the last
+    chooses its first token). `clear`: as `PrefillPlan`'s."""
+
+    index: int
+    slot: int
+    page: PreparedPage
+    start: int
+    length: int
+    clear: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.page.prompt_tokens
+
+
+StepPlan = PrefillPlan | ChunkPlan | DecodePlan
 
 
 @dataclass(frozen=True)
@@ -139,6 +167,7 @@ class _Sequence:
     slot: int
     metrics: SequenceMetrics
     tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt positions whose prefill is launched
     launched: int = 0  # decode steps launched for it
     stop_reason: StopReason | None = None
 
@@ -154,23 +183,39 @@ class _Sequence:
     def done(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.request.page.prompt_tokens
+
 
 @dataclass
 class _Launch:
-    """A launched step whose tokens are not read back yet: (row of its tokens, page) per page."""
+    """A launched step whose tokens are not read back yet: (row of its tokens, page) per page given a
+    token; `prefilled`: a prefill's or chunk's page."""
 
     plan: StepPlan
     occupants: list[tuple[int, _Sequence]]
+    prefilled: _Sequence | None = None
 
 
 class Scheduler:
     """Which page decodes where, what each launch computes, and when each page stops."""
 
-    def __init__(self, plan: KVPlan, options: DecodeOptions, budget_rule: BudgetRule) -> None:
+    def __init__(
+        self,
+        plan: KVPlan,
+        options: DecodeOptions,
+        budget_rule: BudgetRule,
+        prefill_chunk_tokens: int | None = None,
+    ) -> None:
+        """`prefill_chunk_tokens`: the most prompt tokens a step prefills before its decode step, a page's
+        prefill split into chunks of at most that many; None: each page's whole prompt in one launch."""
         self.plan, self.options, self.budget_rule = plan, options, budget_rule
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.buckets = buckets_for(plan.slots)
         self.steps: list[StepRecord] = []  # every step read back, in order
-        self._slots: dict[int, _Sequence] = {}  # slot -> the page decoding there
+        self._slots: dict[int, _Sequence] = {}  # slot -> the page prefilling or decoding there
+        self._prefilling: list[_Sequence] = []  # pages with prompt positions left to launch, oldest first
         self._free = list(range(plan.slots))  # kept sorted: a page takes the lowest
         self._clear: list[int] = []  # freed since the last launch: the runner resets them
         self._waiting: deque[Admission] = deque()
@@ -203,6 +248,16 @@ class Scheduler:
         """Some page has decode steps left to launch."""
         return bool(self._decoding())
 
+    @property
+    def prefilling(self) -> bool:
+        """Some page holds a slot with prefill chunks left to launch."""
+        return bool(self._prefilling)
+
+    @property
+    def launchable(self) -> bool:
+        """Something is left to launch: a decode step, a prefill chunk, or a page to admit."""
+        return self.decoding or self.prefilling or self.admissible
+
     # --- admission ------------------------------------------------------------------------------------
 
     def admit(self, request: PageRequest) -> Admission:
@@ -223,28 +278,67 @@ class Scheduler:
         return self._waiting.popleft()
 
     def plan_prefill(self, admission: Admission) -> PrefillPlan:
-        """The page into the lowest free slot; `launched` or `failed` must follow."""
+        """The page into the lowest free slot, its whole prompt in one launch; `launched` or `failed` must
+        follow."""
+        sequence = self._take_slot(admission)
+        sequence.prefilled = admission.request.page.prompt_tokens
+        return PrefillPlan(
+            self._step_index, sequence.slot, admission.request.page, admission.budget, self._take_clear()
+        )
+
+    def take_slot(self, admission: Admission) -> int:
+        """The page into the lowest free slot, its prefill to be launched in chunks (`plan_chunk`)."""
+        assert self.prefill_chunk_tokens is not None, "chunks need a chunk size"
+        sequence = self._take_slot(admission)
+        self._prefilling.append(sequence)
+        return sequence.slot
+
+    def _take_slot(self, admission: Admission) -> _Sequence:
         if not self._free:
             raise NoFreeSlot(f"all {self.plan.slots} slots hold pages")
         slot = self._free.pop(0)
         assert admission.request.arrival_s is not None  # set by `admit`
         metrics = SequenceMetrics(admission.request.arrival_s, time.perf_counter())
-        self._slots[slot] = _Sequence(admission, slot, metrics)
-        return PrefillPlan(
-            self._step_index, slot, admission.request.page, admission.budget, self._take_clear()
+        sequence = self._slots[slot] = _Sequence(admission, slot, metrics)
+        self._unfinished += 1
+        return sequence
+
+    def plan_chunk(self, room: int) -> ChunkPlan | None:
+        """The next chunk of the page that began prefilling first, of at most `room` prompt positions (and
+        the chunk size); None: no page is prefilling, or no room. `launched` or `failed` must follow."""
+        if not self._prefilling or room < 1:
+            return None
+        assert self.prefill_chunk_tokens is not None
+        sequence = self._prefilling[0]
+        left = sequence.request.page.prompt_tokens - sequence.prefilled
+        length = min(left, room, self.prefill_chunk_tokens)
+        return ChunkPlan(
+            self._step_index,
+            sequence.slot,
+            sequence.request.page,
+            sequence.prefilled,
+            length,
+            self._take_clear(),
         )
 
-    def failed(self, plan: PrefillPlan) -> None:
-        """The prefill raised: its slot is free again (and reset), the other pages go on."""
+    def failed(self, plan: PrefillPlan | ChunkPlan) -> None:
+        """The prefill (or one of its chunks) raised: the page is dropped, its slot free again (and reset),
+        the other pages go on."""
         self._clear.extend(plan.clear)
+        sequence = self._slots[plan.slot]
+        if sequence in self._prefilling:
+            self._prefilling.remove(sequence)
+        self._unfinished -= 1
         self._release(plan.slot)
 
     # --- decoding -------------------------------------------------------------------------------------
 
     def _decoding(self) -> list[tuple[int, _Sequence]]:
-        """(slot, page) of the pages with steps left to launch."""
+        """(slot, page) of the pages prefilled with steps left to launch."""
         return sorted(
-            (slot, s) for slot, s in self._slots.items() if not s.done and s.launched < s.budget - 1
+            (slot, s)
+            for slot, s in self._slots.items()
+            if not s.done and not s.prefilling and s.launched < s.budget - 1
         )
 
     def plan_decode(self) -> DecodePlan | None:
@@ -258,10 +352,15 @@ class Scheduler:
     def launched(self, plan: StepPlan) -> None:
         """The runner launched `plan`. A page's slot is free once its last step is launched."""
         self._step_index += 1
-        if isinstance(plan, PrefillPlan):
+        if isinstance(plan, PrefillPlan | ChunkPlan):
             sequence = self._slots[plan.slot]
-            self._unfinished += 1
-            self._unread[plan.index] = _Launch(plan, [(0, sequence)])
+            if isinstance(plan, ChunkPlan):
+                sequence.prefilled = plan.end
+                if not plan.last:  # no token yet
+                    self._unread[plan.index] = _Launch(plan, [], sequence)
+                    return
+                self._prefilling.remove(sequence)
+            self._unread[plan.index] = _Launch(plan, [(0, sequence)], sequence)
             if sequence.budget == 1:
                 self._release(plan.slot)
             return
@@ -289,27 +388,31 @@ class Scheduler:
         launch = self._unread.pop(readback.index)
         plan, kind = launch.plan, _kind(launch.plan)
         occupancy = len(launch.occupants)
-        bucket = plan.bucket if isinstance(plan, DecodePlan) else 1
-        prompt = plan.page.prompt_tokens if isinstance(plan, PrefillPlan) else 0
-        self.steps.append(
-            StepRecord(
+        if isinstance(plan, DecodePlan):
+            record = StepRecord(
+                plan.index, kind, occupancy, plan.bucket, readback.started_s, readback.ended_s
+            )
+        else:
+            record = StepRecord(
                 plan.index,
                 kind,
                 occupancy,
-                bucket,
+                1,
                 readback.started_s,
                 readback.ended_s,
-                prompt,
+                plan.length if isinstance(plan, ChunkPlan) else plan.page.prompt_tokens,
                 readback.vision_ms,
+                launch.prefilled.request.request_id if launch.prefilled is not None else None,
             )
-        )
+        self.steps.append(record)
+        begins = isinstance(plan, PrefillPlan) or (isinstance(plan, ChunkPlan) and plan.start == 0)
+        if begins and launch.prefilled is not None:
+            launch.prefilled.metrics.prefill_started_s = readback.started_s
         for row, sequence in launch.occupants:
             if sequence.done:  # a step launched before its stop was read: wasted
                 continue
             metrics = sequence.metrics
-            if kind == "prefill":
-                metrics.prefill_started_s = readback.started_s
-            else:
+            if kind == "decode":
                 metrics.occupancy_sum += occupancy
                 metrics.decode_steps += 1
             token = readback.tokens[row]
@@ -355,4 +458,6 @@ class Scheduler:
 
 
 def _kind(plan: StepPlan) -> StepKind:
-    return "prefill" if isinstance(plan, PrefillPlan) else "decode"
+    if isinstance(plan, PrefillPlan):
+        return "prefill"
+    return "chunk" if isinstance(plan, ChunkPlan) else "decode"

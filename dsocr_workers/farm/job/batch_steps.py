@@ -44,7 +44,7 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
     now_s, now = time.perf_counter(), utcnow()
     rows = []
     for step in steps:
-        record, prefill = step.record, step.record.kind == "prefill"
+        record, prefill = step.record, step.record.kind != "decode"
         rows.append(
             {
                 "run_id": step.run_id,
@@ -79,16 +79,19 @@ class StepLog:
     def take(self, records: list[StepRecord], events: StepEvents, run_of: dict[str, str]) -> None:
         """The engine's new steps (`records`, emptied here: it does not grow with the batch's life), read
         back in the call that returned `events`, each with the runs it served:
-        those of the pages it gave a token (a token event carries the end of the step that produced it);
-        a step that gave none (launched for pages whose EOS was read back only after it) is the previous
-        step's runs'. `run_of`: each job in flight's run."""
+        a prefill's or chunk's, its page's run; otherwise those of the pages it gave a token (a token
+        event carries the end of the step that produced it); a step that gave none (launched for pages
+        whose EOS was read back only after it) is the previous step's runs'. `run_of`: each job in
+        flight's run."""
         taken = list(records)
         records.clear()
         runs_at: dict[float, set[str]] = {}
         for token in events.tokens:
             runs_at.setdefault(token.at_s, set()).add(run_of[token.request_id])
         for record in taken:
-            if record.ended_s in runs_at:
+            if record.request_id in run_of:
+                self._last_runs = (run_of[record.request_id],)
+            elif record.ended_s in runs_at:
                 self._last_runs = tuple(sorted(runs_at[record.ended_s]))
             sampled = self._profiler.take(record.index) if self._profiler is not None else None
             self._steps += [ServedStep(run_id, record, sampled) for run_id in self._last_runs]

@@ -78,7 +78,7 @@ class BatchedJobs:
 
         engine, started = start_batched(
             loaded.session, options.concurrency, options.mode_name, options.max_new_tokens, options.decode_options,
-            options.prompt,
+            options.prompt, prefill_chunk_tokens=options.prefill_chunk_tokens,
         )  # fmt: skip
         return cls(process, loaded, options, engine, started)
 

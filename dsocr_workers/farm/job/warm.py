@@ -34,13 +34,15 @@ class Warmup:
     model's positions) and the n-gram bans its decode step is compiled for (the compiled step is
     specialised on the ban: a run with another one would compile on its first job). `concurrency` above
     1: the batched engine is started too, for the first mode, budget and ban (`batch_options`), and the
-    artifacts looked up are those built for that concurrency."""
+    artifacts looked up are those built for that concurrency; `prefill_chunk_tokens`: its chunked
+    prefill (RunOptions')."""
 
     key: ModelKey
     modes: tuple[str, ...]
     budgets: tuple[int | None, ...] = (None,)
     ngrams: tuple[NGram, ...] = (DEFAULT_NGRAM,)
     concurrency: int = 1
+    prefill_chunk_tokens: int | None = None
 
     def batch_options(self) -> RunOptions:
         """The run options of the batched engine this warm-up starts (`concurrency` above 1)."""
@@ -48,7 +50,7 @@ class Warmup:
         return RunOptions(
             model=key.model, engine=key.engine, dtype=key.dtype, seed=key.seed, mode=self.modes[0],
             max_new_tokens=self.budgets[0], no_repeat_ngram_size=size, ngram_window=window,
-            concurrency=self.concurrency,
+            concurrency=self.concurrency, prefill_chunk_tokens=self.prefill_chunk_tokens,
         )  # fmt: skip
 
 
@@ -133,4 +135,5 @@ def plan_warmup(
         tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
         tuple(dict.fromkeys(options.ngram for options in runs)),
         largest.concurrency,
+        largest.prefill_chunk_tokens,
     )
