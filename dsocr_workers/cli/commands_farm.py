@@ -221,13 +221,17 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
               help="With --model: the jobs in flight per GPU of the runs to come (`dsocr submit --concurrency`); "
                    "above 1 each child starts its batched engine before its first job, from the artifacts "
                    "`dsocr precompile --concurrency` built.")
+@click.option("--prefill-chunk", type=int, default=0, show_default=True, metavar="TOKENS",
+              help="With --model and --concurrency above 1: the runs' chunked prefill "
+                   "(`dsocr submit --prefill-chunk`), the batched engine started with it; 0: whole prompts.")
 @click.option("--events", is_flag=True,
               help="Show this worker and its jobs in Flower (`dsocr flower`): send task events and heartbeats, "
                    "answer inspection.")
 @exits_on_errors
 def worker(
     gpus: str, queues: tuple[str, ...], loglevel: str, warmup: str, model: str,
-    engine: str, dtype: str | None, max_new_tokens: int | None, concurrency: int, events: bool,
+    engine: str, dtype: str | None, max_new_tokens: int | None, concurrency: int, prefill_chunk: int,
+    events: bool,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
     it takes a job (the cost is stored per worker process, never in a job).
@@ -236,18 +240,19 @@ def worker(
     current jobs and stops; a job cut short is delivered again and resumed from the ledger."""
     from dsocr_workers.farm.celery.worker import start_worker
     from dsocr_workers.farm.devices import parse_devices
-    from dsocr_workers.farm.run_options import ModelKey
+    from dsocr_workers.farm.run_options import RunOptions
     from dsocr_workers.settings import Settings
 
+    # The runs to come, checked as a submitted run's options are (exit 2 on a bad one).
+    fallback = RunOptions(model=model, engine=engine, dtype=dtype, max_new_tokens=max_new_tokens,
+                          concurrency=concurrency, prefill_chunk_tokens=prefill_chunk or None)  # fmt: skip
     start_worker(
         Settings.from_env(),
         parse_devices(gpus),
         queues=queues,
         loglevel=loglevel,
         warmup=warmup,
-        fallback_model=ModelKey(model, engine, dtype),
-        fallback_budget=max_new_tokens,
-        fallback_concurrency=concurrency,
+        fallback=fallback,
         events=events,
     )
 

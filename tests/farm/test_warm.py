@@ -32,14 +32,16 @@ def open_run(db: Database, parameters: dict, jobs: int = 1, queue: str = "q") ->
 
 def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     fallback = ModelKey("tiny")
-    assert plan_warmup(database, ["q"], "auto", fallback, 64) == Warmup(fallback, ("gundam",), (64,), (DEFAULT_NGRAM,))
+    assert plan_warmup(database, ["q"], "auto", RunOptions(max_new_tokens=64)) == Warmup(
+        fallback, ("gundam",), (64,), (DEFAULT_NGRAM,)
+    )
     # A run with the vendor's ban, one without it and one windowed: the fast engine's decode step is a
     # graph per ban, so each is warmed (a run the warm-up missed compiled on its first job).
     open_run(database, {"mode": "base", "max_new_tokens": 128}, jobs=3)
     open_run(database, {"mode": "base", "max_new_tokens": 128, "no_repeat_ngram_size": 0})
     open_run(database, {"mode": "tiny", "max_new_tokens": 256, "no_repeat_ngram_size": 20, "ngram_window": 90})
     open_run(database, {"mode": "large", "no_repeat_ngram_size": 3}, queue="elsewhere")
-    plan = plan_warmup(database, ["q"], "auto", fallback)
+    plan = plan_warmup(database, ["q"], "auto", RunOptions())
     assert plan is not None and plan.key == fallback  # the runs' model (the same preset here)
     # (the order is the ledger's)
     assert set(plan.modes) == {"base", "tiny"} and set(plan.budgets) == {128, 256}
@@ -47,18 +49,21 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     assert plan.concurrency == 1
     # The largest open run at concurrency 32: the batched engine started is its (mode, budget, ban first).
     open_run(database, {"mode": "tiny", "max_new_tokens": 512, "concurrency": 32}, jobs=5)
-    plan = plan_warmup(database, ["q"], "auto", fallback)
+    plan = plan_warmup(database, ["q"], "auto", RunOptions())
     assert plan is not None and plan.concurrency == 32
     assert plan.batch_options() == RunOptions(mode="tiny", max_new_tokens=512, concurrency=32)
     # A batch-1 run as large: of equal runs the batched one's engine starts, whatever order the ledger
     # gives (a batch-1 run needs no engine started).
     open_run(database, {"mode": "base", "max_new_tokens": 128}, jobs=5)
     for _ in range(5):
-        assert plan_warmup(database, ["q"], "auto", fallback).concurrency == 32
-    assert plan_warmup(database, ["none"], "auto", fallback, 64, 128) == Warmup(fallback, ("gundam",), (64,), concurrency=128)
+        assert plan_warmup(database, ["q"], "auto", RunOptions()).concurrency == 32
+    # No run open on its queues: the runs the worker was told of (`dsocr worker --model ... --concurrency`).
+    told = RunOptions(max_new_tokens=64, concurrency=128, prefill_chunk_tokens=256)
+    assert plan_warmup(database, ["none"], "auto", told) == Warmup(fallback, ("gundam",), (64,), concurrency=128,
+                                                                     prefill_chunk_tokens=256)  # fmt: skip
     # A larger one with chunked prefill: its engine is started with its chunks.
     open_run(database, {"mode": "tiny", "max_new_tokens": 64, "concurrency": 16, "prefill_chunk_tokens": 256}, jobs=9)
-    plan = plan_warmup(database, ["q"], "auto", fallback)
+    plan = plan_warmup(database, ["q"], "auto", RunOptions())
     assert plan is not None and plan.batch_options() == RunOptions(
         mode="tiny", max_new_tokens=64, concurrency=16, prefill_chunk_tokens=256
     )
@@ -133,7 +138,7 @@ def test_warm_up_modes_are_the_warmed_model_s_family_s(database: Database):
     from dsocr_workers.errors import InputError
     from dsocr_workers.model.families import family_of_preset
 
-    ocr2 = ModelKey("ocr2-tiny")
+    ocr2 = RunOptions(model="ocr2-tiny")
     assert plan_warmup(database, ["q"], "small", ocr2).modes == ("small",)
     modes = ", ".join(family_of_preset("ocr2-tiny").modes)
     with pytest.raises(InputError, match=f"modes of DeepSeek-OCR-2 \\(ocr2-tiny\\): {modes}$"):

@@ -34,14 +34,15 @@ from celery.platforms import set_pdeathsig
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
-from dsocr_workers.farm.job.warm import ModelKey, Warmup, plan_warmup
+from dsocr_workers.farm.job.warm import Warmup, plan_warmup
+from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name
 from dsocr_workers.store.db import open_ledger
 
 # How long a child may load and warm up before it reports itself up (Celery's default kills it after
 # seconds): the fast engine compiles every shape of a mode.
 WARMUP_TIMEOUT_S = 3600
-DEFAULT_MODEL = ModelKey("tiny")
+DEFAULT_RUNS = RunOptions()  # the tiny preset, batch-1
 REFUSAL_BYTES = 2048
 EXIT_REFUSED = 2  # a child's exit status when it cannot work (billiard logs it)
 # Room in `NextMessage` for the ids (36 characters each, comma-separated) of the messages a lane lists:
@@ -172,15 +173,13 @@ def check_ledger(
     settings: Settings,
     queues: list[str],
     warmup: str,
-    fallback: ModelKey,
-    fallback_budget: int | None,
-    fallback_concurrency: int = 1,
+    fallback: RunOptions,
 ) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
     db = open_ledger(settings.database_url)
     try:
-        plan = plan_warmup(db, queues, warmup, fallback, fallback_budget, fallback_concurrency)
+        plan = plan_warmup(db, queues, warmup, fallback)
     finally:
         db.dispose()
     return plan
@@ -193,18 +192,16 @@ def start_worker(
     queues: Iterable[str] = (),
     loglevel: str = "INFO",
     warmup: str = "auto",
-    fallback_model: ModelKey = DEFAULT_MODEL,
-    fallback_budget: int | None = None,
-    fallback_concurrency: int = 1,
+    fallback: RunOptions = DEFAULT_RUNS,
     events: bool = False,
 ) -> None:
     """Run a Celery worker per device slot until shut down (SIGTERM: warm shutdown). Each child loads and
     warms a model before it takes a message: `warmup` names the modes (`auto`: those of the runs open on
-    its queues; `none`), `fallback_model` is loaded when no run is, warmed for jobs of `fallback_budget`
-    new tokens (None: the model's positions) at `fallback_concurrency` (above 1: its batched engine
-    started too). `events`: visible in Flower."""
+    its queues; `none`), `fallback`'s model is loaded when no run is, warmed for the runs it describes
+    (their token budget, ban and concurrency: above 1, their batched engine started too). `events`:
+    visible in Flower."""
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
-    plan = check_ledger(settings, queue_names, warmup, fallback_model, fallback_budget, fallback_concurrency)
+    plan = check_ledger(settings, queue_names, warmup, fallback)
     imported = import_for_jobs()  # after the checks: a refused start pays no import
     # Frozen, the imported objects are never scanned by a lane's collections nor copied by them into
     # the lane's or the child's own pages (gc.freeze's documented use before fork).

@@ -91,14 +91,12 @@ def plan_warmup(
     db: Database,
     queues: list[str],
     spec: str,
-    fallback: ModelKey,
-    fallback_budget: int | None = None,
-    fallback_concurrency: int = 1,
+    fallback: RunOptions,
 ) -> Warmup | None:
-    """The start-up warm-up: the model of the run with the most open jobs on these queues (else
-    `fallback` with `fallback_budget` tokens at `fallback_concurrency`), and the modes `spec` names, or
-    with `auto` the modes of that model's open runs (else `default_modes`); the concurrency of its
-    run with the most open jobs. None with `--warmup none`."""
+    """The start-up warm-up: the model of the run with the most open jobs on these queues (else the
+    `fallback` runs': their model, token budget, ban, concurrency and prefill chunks), and the modes
+    `spec` names, or with `auto` the modes of that model's open runs (else `default_modes`); the
+    concurrency and prefill chunks of its run with the most open jobs. None with `--warmup none`."""
     if spec.strip().lower() == "none":
         return None
     with db.transaction() as tx:
@@ -117,7 +115,10 @@ def plan_warmup(
         open_jobs[options.model_key] += counts[run_id]
     if not open_jobs:
         fallback_modes = parse_modes(spec, fallback.model) or default_modes(fallback.model)
-        return Warmup(fallback, fallback_modes, (fallback_budget,), concurrency=fallback_concurrency)
+        return Warmup(
+            fallback.model_key, fallback_modes, (fallback.max_new_tokens,), (fallback.ngram,),
+            fallback.concurrency, fallback.prefill_chunk_tokens,
+        )  # fmt: skip
     key = open_jobs.most_common(1)[0][0]
     modes = parse_modes(spec, key.model)  # the modes of the model warmed
     largest = max(
