@@ -54,7 +54,6 @@ class StageRuns:
         return Summary.from_values([figure(s) for s in self.jobs])
 
 
-
 def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, KernelSummary]]:
     """(job id, summary) of the run's profiled jobs, in job order: warm ones unless `include_cold` (a cold
     job's kernels hold its compilation, its first use of a cache bucket, ...)."""
@@ -283,21 +282,14 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
     pages = sorted(pages_a.keys() & pages_b.keys())
     stages_a = by_stage([s for p in pages for s in pages_a[p]])
     stages_b = by_stage([s for p in pages for s in pages_b[p]])
-    rows: list[list[Any]] = []
-    for name in dict.fromkeys([*stages_a, *stages_b]):
-        in_a, in_b = stages_a.get(name), stages_b.get(name)
-        kernels = dict.fromkeys([*(in_a.kernel_us if in_a else {}), *(in_b.kernel_us if in_b else {})])
-        mean_ms = {k: (_mean_ms(in_a, k), _mean_ms(in_b, k)) for k in kernels}
-        ranked = sorted(kernels, key=lambda k: -max(v or 0.0 for v in mean_ms[k]))[:KERNEL_ROWS]
-        for kernel in ranked:
-            ms_a, ms_b = mean_ms[kernel]
-            if not ms_a or not ms_b:
-                rows.append([name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"])
-                continue
-            ratio = paired_ratios(
-                _page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)
-            ).mean
-            rows.append([name, KernelName(kernel), ms_a, ms_b, ratio, change(ratio)])
+
+    def paired(name: str, kernel: str, ms_a: float, ms_b: float) -> tuple[Estimate, str]:
+        ratio = paired_ratios(
+            _page_values(pages_b, pages, name, kernel), _page_values(pages_a, pages, name, kernel)
+        ).mean
+        return ratio, change(ratio)
+
+    rows = _kernel_pair_rows(stages_a, stages_b, paired)
     note = (
         f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
         "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only."
@@ -308,7 +300,25 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
 def _step_pairs_table(a: RunData, b: RunData) -> Table:
     """Per batch step row and kernel, its time per profiled step in A and in B, B/A of the means: no
     interval, as a run's steps pair with none of the other's."""
-    stages_a, stages_b = by_stage(profiled_steps(a)), by_stage(profiled_steps(b))
+    rows = _kernel_pair_rows(
+        by_stage(profiled_steps(a)),
+        by_stage(profiled_steps(b)),
+        lambda name, kernel, ms_a, ms_b: (Estimate(ms_b / ms_a), UNPAIRED),
+    )
+    note = (
+        f"{len(a.step_profiles)} and {len(b.step_profiles)} profiled batch steps in A and B; ms/step: the kernel's "
+        "time per profiled step of the row; B/A of the means, without an interval (steps of two runs are no pairs)."
+    )
+    return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/step", "B ms/step", "B/A", "change"], rows, note)
+
+
+def _kernel_pair_rows(
+    stages_a: dict[str, StageRuns],
+    stages_b: dict[str, StageRuns],
+    ratio_of: Callable[[str, str, float, float], tuple[Estimate, str]],
+) -> list[list[Any]]:
+    """Per stage, its kernels longest first (in A or B): A's and B's mean ms, and `ratio_of(stage, kernel,
+    ms_a, ms_b)`, its B/A and change, where both ran it."""
     rows: list[list[Any]] = []
     for name in dict.fromkeys([*stages_a, *stages_b]):
         in_a, in_b = stages_a.get(name), stages_b.get(name)
@@ -322,12 +332,8 @@ def _step_pairs_table(a: RunData, b: RunData) -> Table:
                     [name, KernelName(kernel), ms_a, ms_b, None, "only in B" if ms_b else "only in A"]
                 )
                 continue
-            rows.append([name, KernelName(kernel), ms_a, ms_b, Estimate(ms_b / ms_a), UNPAIRED])
-    note = (
-        f"{len(a.step_profiles)} and {len(b.step_profiles)} profiled batch steps in A and B; ms/step: the kernel's "
-        "time per profiled step of the row; B/A of the means, without an interval (steps of two runs are no pairs)."
-    )
-    return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/step", "B ms/step", "B/A", "change"], rows, note)
+            rows.append([name, KernelName(kernel), ms_a, ms_b, *ratio_of(name, kernel, ms_a, ms_b)])
+    return rows
 
 
 def _by_page(data: RunData, include_cold: bool) -> dict[str, list[KernelSummary]]:
