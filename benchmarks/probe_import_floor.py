@@ -185,7 +185,9 @@ def free_port() -> int:
 
 
 def worker_start(env: dict[str, str], folder: Path, repeats: int, gpus: str = "0") -> dict[str, Any]:
-    """`dsocr worker --gpus GPUS --warmup none`: launch → Celery's ready line and the child's first line."""
+    """`dsocr worker --gpus GPUS --warmup none`: launch → Celery's ready line and the child's first line,
+    and the parent's pre-import as the child's line reports it (`parent_import_s`): the rest of the start is
+    the CLI, the ledger's check, the lane's Celery start and the child's opening of its device."""
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         return {"skipped": "no redis-server (carry .redis)"}
@@ -204,6 +206,10 @@ def worker_start(env: dict[str, str], folder: Path, repeats: int, gpus: str = "0
             # A later --gpus overrides start()'s own (click keeps an option's last value).
             marks = start(env, folder, f"floor{index}", ["--gpus", gpus, "--warmup", "none"], 120,
                           until="child_opened_s")  # fmt: skip
+            inherited = re.search(
+                r"imports inherited \((\d+) ms", (folder / marks["log"]).read_text(errors="replace")
+            )
+            marks["parent_import_s"] = int(inherited.group(1)) / 1e3 if inherited else None
             runs.append(marks)
             log(f"  worker start {index}: {marks}")
         return {"runs": runs}
@@ -227,7 +233,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"| worker start (--gpus {report['gpus']} --warmup none) | image | prefix |",
         "| --- | --- | --- |",
     ]
-    for key in ("celery_ready_s", "child_opened_s"):
+    for key in ("parent_import_s", "celery_ready_s", "child_opened_s"):
         cells = []
         for state in states:
             worker = report[state]["worker"] if state in report else {"skipped": "-"}
