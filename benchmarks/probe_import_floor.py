@@ -11,6 +11,7 @@ engine: session, fast engine, cold start), the parent's (CLI + Celery app), and 
 
 Then `dsocr worker --gpus 0 --warmup none` (its own redis-server and SQLite ledger) from launch to
 Celery's "ready" and to its child's first log line, in both states: Celery's own start, no model.
+`--gpus cpu --states image` measures the same on a machine without a GPU, in the installation's state.
 
     source benchmarks/device_env.sh && python3 benchmarks/probe_import_floor.py --out $OUT
 
@@ -40,16 +41,55 @@ from benchmarks.bench_aoti_start import DSOCR, start  # noqa: E402
 IMPORT_SETS = {
     "interpreter": "pass",
     "torch": "import torch",
-    "farm child": ("import dsocr_workers.farm.celery.tasks, dsocr_workers.engine.session, "
-                   "dsocr_workers.engine.variants.fast, dsocr_workers.engine.coldstart.warmup"),
-    "farm parent": "import dsocr_workers.cli, dsocr_workers.farm.celery.app, celery.bin.worker",
+    "farm child": (
+        "import dsocr_workers.farm.celery.tasks, dsocr_workers.engine.session, "
+        "dsocr_workers.engine.variants.fast, dsocr_workers.engine.coldstart.warmup"
+    ),
+    "engine session": "import dsocr_workers.engine.session",
+    # What `dsocr worker`'s parent imports for its children before it forks them (farm/celery/preimport.py).
+    "pre-import": "from dsocr_workers.farm.celery.preimport import import_for_jobs; import_for_jobs()",
+    # A lane starts Celery's worker as `celery worker` does, without its command line (farm/celery/worker.py).
+    "farm parent": "import dsocr_workers.cli, dsocr_workers.farm.celery.app, celery.apps.worker",
     # AOTInductor's C++ loader is torch._C's; inductor's Python (its package wrapper) costs this on top.
     "torch._inductor": "import torch, torch._inductor.config, torch._inductor.codecache",
 }
-PACKAGES = ["torch", "transformers", "triton", "celery", "kombu", "billiard", "sqlalchemy", "PIL", "numpy",
-            "tokenizers", "safetensors", "huggingface_hub", "click", "rich", "alembic", "redis", "jinja2",
-            "sympy", "networkx", "filelock", "fsspec", "dsocr_workers", "scipy", "regex", "yaml", "packaging",
-            "tqdm", "typing_extensions", "nvtx", "vine", "amqp", "dateutil", "tenacity", "greenlet", "mpmath"]
+PACKAGES = [
+    "torch",
+    "transformers",
+    "triton",
+    "celery",
+    "kombu",
+    "billiard",
+    "sqlalchemy",
+    "PIL",
+    "numpy",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "click",
+    "rich",
+    "alembic",
+    "redis",
+    "jinja2",
+    "sympy",
+    "networkx",
+    "filelock",
+    "fsspec",
+    "dsocr_workers",
+    "scipy",
+    "regex",
+    "yaml",
+    "packaging",
+    "tqdm",
+    "typing_extensions",
+    "nvtx",
+    "vine",
+    "amqp",
+    "dateutil",
+    "tenacity",
+    "greenlet",
+    "mpmath",
+]
 
 
 def log(message: str) -> None:
@@ -85,8 +125,14 @@ def bytecode_state() -> dict[str, Any]:
         "torch_source": origin,
         "torch_pyc_present": bool(origin) and os.path.exists(importlib.util.cache_from_source(origin)),
         "torch_dir_writable": bool(origin) and os.access(os.path.dirname(origin), os.W_OK),
-        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), "?"),
+        "cpu": next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        ),
         "cores": os.cpu_count(),
     }
 
@@ -107,7 +153,9 @@ def top_modules(importtime: str, count: int = 15) -> dict[str, list[tuple[str, f
     for line in importtime.splitlines():
         match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
         if match:
-            rows.append((match.group(4), int(match.group(1)) / 1e6, int(match.group(2)) / 1e6, len(match.group(3))))
+            rows.append(
+                (match.group(4), int(match.group(1)) / 1e6, int(match.group(2)) / 1e6, len(match.group(3)))
+            )
     if not rows:
         return {}
     depth = min(r[3] for r in rows)
@@ -136,8 +184,10 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def worker_start(env: dict[str, str], folder: Path, repeats: int) -> dict[str, Any]:
-    """`dsocr worker --gpus 0 --warmup none`: launch → Celery's ready line and the child's first line."""
+def worker_start(env: dict[str, str], folder: Path, repeats: int, gpus: str = "0") -> dict[str, Any]:
+    """`dsocr worker --gpus GPUS --warmup none`: launch → Celery's ready line and the child's first line,
+    and the parent's pre-import as the child's line reports it (`parent_import_s`): the rest of the start is
+    the CLI, the ledger's check, the lane's Celery start and the child's opening of its device."""
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         return {"skipped": "no redis-server (carry .redis)"}
@@ -148,10 +198,18 @@ def worker_start(env: dict[str, str], folder: Path, repeats: int) -> dict[str, A
     db = folder / "ledger.db"
     env = {**env, "DSOCR_BROKER_URL": f"redis://127.0.0.1:{port}/0", "DSOCR_DATABASE_URL": f"sqlite:///{db}"}
     try:
-        subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120
+        )
         runs = []
         for index in range(repeats):
-            marks = start(env, folder, f"floor{index}", ["--warmup", "none"], 120, until="child_opened_s")
+            # A later --gpus overrides start()'s own (click keeps an option's last value).
+            marks = start(env, folder, f"floor{index}", ["--gpus", gpus, "--warmup", "none"], 120,
+                          until="child_opened_s")  # fmt: skip
+            inherited = re.search(
+                r"imports inherited \((\d+) ms", (folder / marks["log"]).read_text(errors="replace")
+            )
+            marks["parent_import_s"] = int(inherited.group(1)) / 1e3 if inherited else None
             runs.append(marks)
             log(f"  worker start {index}: {marks}")
         return {"runs": runs}
@@ -165,20 +223,43 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['gpu']}; {json.dumps(report['bytecode'])}", "",
              f"compileall into PYTHONPYCACHEPREFIX: {report['compileall_s']} s", "",
              "| import set | image: median (min) s | prefix: median (min) s |", "| --- | --- | --- |"]  # fmt: skip
+    states = ("image", "prefix")  # a state not measured (--states) is a column of "-"
     for name in IMPORT_SETS:
-        image, prefix = report["image"]["imports"][name], report["prefix"]["imports"][name]
-        lines.append(f"| {name} | {image['median_s']} ({image['min_s']}) | {prefix['median_s']} ({prefix['min_s']}) |")
-    lines += ["", "| worker start (--warmup none) | image | prefix |", "| --- | --- | --- |"]
-    for key in ("celery_ready_s", "child_opened_s"):
+        cells = [f"{report[state]['imports'][name]['median_s']} ({report[state]['imports'][name]['min_s']})"
+                 if state in report else "-" for state in states]  # fmt: skip
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        f"| worker start (--gpus {report['gpus']} --warmup none) | image | prefix |",
+        "| --- | --- | --- |",
+    ]
+    for key in ("parent_import_s", "celery_ready_s", "child_opened_s"):
         cells = []
-        for state in ("image", "prefix"):
-            runs = report[state]["worker"].get("runs", [])
-            cells.append(", ".join(str(r.get(key, "-")) for r in runs) or report[state]["worker"].get("skipped", "-"))
-        lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
-    child = report["prefix"]["imports"]["farm child"]
-    lines += ["", "farm child (prefix), top-level imports by cumulative s: "
-              + ", ".join(f"{n} {s}" for n, s in child.get("top_level_cumulative_s", [])), ""]
+        for state in states:
+            worker = report[state]["worker"] if state in report else {"skipped": "-"}
+            cells.append(
+                ", ".join(str(r.get(key, "-")) for r in worker.get("runs", [])) or worker.get("skipped", "-")
+            )
+        lines.append(f"| {key} | {' | '.join(cells)} |")
+    last = "prefix" if "prefix" in report else "image"
+    lines += ["", f"farm child ({last}), top-level imports by cumulative s: "
+              + ", ".join(f"{n} {s}" for n, s in report[last]["imports"]["farm child"].get("top_level_cumulative_s", [])),
+              ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def measure_prefix(
+    env: dict[str, str], folder: Path, args: argparse.Namespace
+) -> tuple[float, dict[str, Any]]:
+    """The import sets and the worker's start after a `compileall` into PYTHONPYCACHEPREFIX; its seconds."""
+    prefix_env = {**env, "PYTHONPYCACHEPREFIX": str(folder / "pyc")}
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *package_dirs()], env=prefix_env,
+                   capture_output=True, timeout=600)  # fmt: skip
+    compiled_s = round(time.perf_counter() - began, 1)
+    log(f"compileall: {compiled_s} s")
+    return compiled_s, {"imports": measure_imports(prefix_env, args.repeats),
+                        "worker": worker_start(prefix_env, folder, args.worker_repeats, args.gpus)}  # fmt: skip
 
 
 def main() -> int:
@@ -186,28 +267,33 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--worker-repeats", type=int, default=2)
+    parser.add_argument("--gpus", default="0", help="the worker's --gpus (cpu on a machine without a GPU)")
+    parser.add_argument(
+        "--states", default="image,prefix", help="the bytecode states measured: image, prefix or both"
+    )
     args = parser.parse_args()
+    states = [state for state in ("image", "prefix") if state in args.states.split(",")]
+    if not states or set(args.states.split(",")) - {"image", "prefix"}:
+        parser.error(f"--states {args.states!r}: image, prefix or image,prefix")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip().splitlines()[:1] or ["no GPU"]  # fmt: skip
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu[0], "bytecode": bytecode_state()}
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()[:1] or ["no GPU"]  # fmt: skip
+    except FileNotFoundError:  # a machine without a GPU driver (--gpus cpu)
+        gpu = ["no GPU"]
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "gpu": gpu[0], "gpus": args.gpus,
+                              "bytecode": bytecode_state(), "compileall_s": None}  # fmt: skip
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     base_env.pop("PYTHONPYCACHEPREFIX", None)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        log("image's bytecode")
-        report["image"] = {"imports": measure_imports(base_env, args.repeats),
-                           "worker": worker_start(base_env, folder, args.worker_repeats)}  # fmt: skip
-        prefix = folder / "pyc"
-        prefix_env = {**base_env, "PYTHONPYCACHEPREFIX": str(prefix)}
-        began = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *package_dirs()], env=prefix_env,
-                       capture_output=True, timeout=600)  # fmt: skip
-        report["compileall_s"] = round(time.perf_counter() - began, 1)
-        log(f"compileall: {report['compileall_s']} s")
-        report["prefix"] = {"imports": measure_imports(prefix_env, args.repeats),
-                            "worker": worker_start(prefix_env, folder, args.worker_repeats)}  # fmt: skip
+        if "image" in states:
+            log("image's bytecode")
+            report["image"] = {"imports": measure_imports(base_env, args.repeats),
+                               "worker": worker_start(base_env, folder, args.worker_repeats, args.gpus)}  # fmt: skip
+        if "prefix" in states:
+            report["compileall_s"], report["prefix"] = measure_prefix(base_env, folder, args)
     stamp = time.strftime("%Y-%m-%dT%H%M", time.gmtime())
     tag = re.sub(r"[^a-z0-9]+", "-", report["gpu"].lower()).strip("-")[:20]
     (out / f"import-floor-{stamp}-{tag}.json").write_text(json.dumps(report, indent=2))

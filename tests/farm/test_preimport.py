@@ -1,12 +1,15 @@
 """`dsocr worker`'s parent imports what its children need before it forks them (farm/celery/preimport.py):
 in a fresh interpreter, as the parent does, the imports leave CUDA uninitialised and no Python thread
-running, a second call (a forked child's) imports nothing, and on a GPU host a child forked afterwards
-chooses its GPU and opens it. That a real worker's children inherit the imports is checked by their
-recorded `import_ms` (tests/farm/test_workers.py)."""
+running, a second call (a forked child's) imports nothing, opening a model of any family on any engine
+imports nothing more, and on a GPU host a child forked afterwards chooses its GPU and opens it. A lane
+starts its Celery worker without Celery's command line and its plugins. That a real worker's children
+inherit the imports is checked by their recorded `import_ms` (tests/farm/test_workers.py)."""
 
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
 
@@ -45,3 +48,69 @@ def test_the_parents_imports_leave_cuda_alone_and_a_child_has_none_left(subproce
     # not carry is CUDA's state or a Python thread in the middle of something.
     assert not seen["cuda_initialized"] and seen["python_threads"] == 1, seen
     assert seen.get("forked_child_opened_its_gpu", True), seen
+
+
+OPEN = """
+import json, sys
+from dsocr_workers.engine.variants import ENGINES, engine_class
+from dsocr_workers.farm.celery.preimport import import_for_jobs
+from dsocr_workers.model.families import FAMILIES
+import_for_jobs()
+before = set(sys.modules)
+from dsocr_workers.engine.session import DeepSeekOCRSession
+for engine in ENGINES:  # made directly: `fast` by name runs eager on a CPU
+    for family in FAMILIES.values():
+        smallest = next(name for name in family.presets if "tiny" in name)
+        DeepSeekOCRSession.from_local(smallest, engine=engine_class(engine)())
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_opening_a_model_after_the_parents_imports_imports_nothing_more(subprocess_env):
+    # A module a child imports only as it loads its model (an engine's kernels) is imported by every child
+    # after fork, on its way to ready.
+    done = subprocess.run(
+        [sys.executable, "-c", OPEN], env=subprocess_env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+LANE = """
+import json, os, sys
+from celery.signals import celeryd_after_setup
+from dsocr_workers.farm.celery.preimport import Imported
+from dsocr_workers.farm.celery.worker import WorkerSpec, run_lane
+from dsocr_workers.settings import Settings
+
+@celeryd_after_setup.connect
+def started(sender, instance, **_):  # before its pool forks the child, before it connects to the broker
+    steps = {type(step).__name__: step for step in instance.consumer.blueprint.steps.values()}
+    print(json.dumps({
+        "celery_cli": sorted(m for m in ("celery.bin.celery", "click_repl", "flower") if m in sys.modules),
+        "hostname": instance.hostname, "pool": instance.pool_cls.__module__, "concurrency": instance.concurrency,
+        "queues": sorted(instance.app.amqp.queues.consume_from), "loglevel": instance.loglevel,
+        "enabled": sorted(name for name in ("Gossip", "Mingle", "Heart") if steps[name].enabled),
+    }), flush=True)
+    os._exit(0)
+
+run_lane(WorkerSpec(Settings(), ("cpu", "cpu"), 1, ("first", "second"), None, Imported(0, 0.0)), "info", False)
+"""
+
+
+def test_a_lane_starts_its_celery_worker_without_celerys_command_line(subprocess_env):
+    # Celery's command line loads every installed CLI plugin (Flower, its web server, a REPL) in each
+    # lane before its child forks.
+    done = subprocess.run(
+        [sys.executable, "-c", LANE], env=subprocess_env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen.pop("celery_cli") == []
+    # The lane's index in its node name, with the host's name (`%h`, as the command line expands it).
+    hostname = seen.pop("hostname")
+    assert re.fullmatch(rf"dsocr-[0-9a-f]{{6}}-1@{re.escape(socket.gethostname())}", hostname), hostname
+    assert seen == {
+        "pool": "celery.concurrency.prefork", "concurrency": 1, "queues": ["first", "second"], "loglevel": 20,
+        "enabled": [],
+    }  # fmt: skip

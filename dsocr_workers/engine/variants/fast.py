@@ -25,6 +25,7 @@ from dsocr_workers.model.fused import fuse_projections
 from dsocr_workers.model.sam_attention import fold_relative_positions
 from dsocr_workers.model.sam_mlp import fuse_gelu_into_lin1
 from dsocr_workers.model.sam_patches import embed_patches_by_matmul
+from dsocr_workers.model.selected_experts import SELECTED_EXPERTS
 
 if TYPE_CHECKING:
     from dsocr_workers.model.interface import OCRModel
@@ -63,9 +64,6 @@ class FastEngine(Engine):
     graphs_batched_step = True
 
     def kernels(self) -> dict[str, str]:
-        # Imported here: Triton comes with CUDA builds of torch, and only this engine needs it.
-        from dsocr_workers.model.selected_experts import SELECTED_EXPERTS
-
         return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
 
     def after_load(self, model: OCRModel) -> None:

@@ -31,6 +31,7 @@ from multiprocessing.sharedctypes import RawArray
 from typing import Any, NoReturn
 
 from celery.platforms import set_pdeathsig
+from celery.utils.nodenames import host_format
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
@@ -226,27 +227,26 @@ def start_worker(
 
 
 def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
-    """One lane in this process: a Celery prefork worker with one child for `spec.device`."""
+    """One lane in this process: a Celery prefork worker with one child for `spec.device`. Started as
+    `celery worker` starts one (`app.Worker`), without its command line: that loads every Celery CLI
+    plugin installed (Flower and its web server among them) in each lane before its child forks."""
     global _handed
     _handed = spec
     from dsocr_workers.farm.celery.app import create_app
 
     app = create_app(spec.settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
-    app.worker_main(
-        [
-            "worker",
-            "--pool=prefork",
-            "--concurrency=1",
-            f"--queues={','.join(spec.queues)}",
-            f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            # Celery's event heartbeats (not the ledger's) only serve a monitor.
-            *([] if events else ["--without-heartbeat"]),
-            f"--loglevel={loglevel}",
-        ]
-    )
+    app.Worker(
+        hostname=host_format(f"dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h"),
+        pool_cls="prefork",
+        concurrency=1,
+        queues=list(spec.queues),
+        without_gossip=True,
+        without_mingle=True,
+        # Celery's event heartbeats (not the ledger's) only serve a monitor.
+        without_heartbeat=not events,
+        loglevel=logging.getLevelNamesMapping()[loglevel.upper()],
+    ).start()
 
 
 def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> None:
