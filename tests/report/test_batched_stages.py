@@ -45,7 +45,14 @@ def test_a_batched_run_s_report_shows_its_prefill_and_vision_and_no_0_ms_stages(
     assert latency["vision"]["mean"] == pytest.approx(expected.vision_ms)
     assert "decode ms/token" in latency and not set(UNTIMED) & set(latency)
     accounting = labels(tables["Accounting: parts of end-to-end"], "part")
-    assert list(accounting) == ["preprocess", "prefill", "postprocess", "host gap", "sum of parts", "end-to-end"]
+    assert list(accounting) == [
+        "preprocess",
+        "prefill",
+        "postprocess",
+        "host gap",
+        "sum of parts",
+        "end-to-end",
+    ]
     assert accounting["sum of parts"]["mean ms"] == pytest.approx(accounting["end-to-end"]["mean ms"])
     assert "SAM ms" not in tables["Per image"][0] and tables["Per image"][0]["prefill ms"] > 0
     with database.transaction() as session:
