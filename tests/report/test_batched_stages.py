@@ -26,7 +26,7 @@ def report_json(database: Database, args: list[str], monkeypatch) -> dict:
     monkeypatch.setenv("DSOCR_DATABASE_URL", database.url)
     result = CliRunner().invoke(main, ["report", *args, "--format", "json"])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def labels(rows: list[dict], key: str) -> dict[str, dict]:
@@ -67,7 +67,10 @@ def test_a_batched_run_s_report_shows_its_prefill_and_vision_and_no_0_ms_stages(
 def test_a_stage_only_the_batch_1_run_measured_has_no_ratio(database, tmp_path, make_png, monkeypatch):
     alone = make_run(database, tmp_path / "a", make_png, {("p.png", 0): Page(scale=1.5, steps=3)})
     batched = make_run(database, tmp_path / "b", make_png, {("p.png", 0): BATCHED}, concurrency=3)
-    rows = report_json(database, ["--run", alone, "--vs", batched], monkeypatch)["tables"]["Paired latency"]
+    page = tmp_path / "vs.html"  # the stage breakdown draws each side's own bars
+    document = report_json(database, ["--run", alone, "--vs", batched, "--html", str(page)], monkeypatch)
+    assert page.read_text().count("<img") >= 1
+    rows = document["tables"]["Paired latency"]
     paired = {row["metric"].strip(): row for row in rows if row["statistic"] == "mean"}
     assert paired["SAM ms"]["B"] is None and paired["SAM ms"]["verdict"].startswith("measured by one run")
     assert paired["SAM ms"]["A"] > 0 and paired["prefill ms"]["B/A"] == pytest.approx(1.0)
