@@ -4,8 +4,9 @@ Each of its millisecond fields carries a `Timing` that says what the figure is a
 the engine's clock (engine/clock.py), the result row and the `results` columns, the report's tables and
 plots and `dsocr infer`'s timing table are all derived from it. A new stage is a new field here plus an
 Alembic migration adding its nullable column, and the engine's `with clock.stage(name):` around the work.
-A model family's own stage (its view encoder) is None in another family's jobs: NULL in the store, which
-the report reads as not measured, never as 0.
+A figure not measured is None, NULL in the store, which the report reads as not measured, never as 0:
+a model family's own stage (its view encoder) in another family's jobs, and a batched page's stages
+that run inside launches it shares or that the batch does not split (engine/session.py `BatchFigures`).
 
 A figure is a stage's time (`stage` set: summed over its entries) or computed from the stages. `parent`
 nests a figure in another (not a part of e2e: its parent's time holds it); the parts (`part`) sum to
@@ -43,8 +44,8 @@ class Timing:
     part: bool = False  # one of the parts whose sum is e2e_ms
     bar: str | None = None  # the bar of the report's stage breakdown it adds to; None: in "setup + gaps"
     shown: frozenset[Place] = frozenset()
-    # Its results column holds NULL: in rows written before it was measured, or (a family stage) in
-    # another family's rows.
+    # Its results column holds NULL: in rows written before it was measured, in a batched page's rows
+    # where the batch does not time it per page, or (a family stage) in another family's rows.
     nullable: bool = False
     # One model family's stage (its view encoder): None in another family's jobs (`model_stages`), so
     # tables and plots show it only where a run measured it (`unmeasured`).
@@ -75,7 +76,8 @@ class StageTimings:
         e2e = preprocess + setup + prefill + first_token + decode + wasted_decode + readback
               + postprocess + host_gap
 
-    `host_gap_ms` is what no stage covers (small and non-negative when the accounting is right).
+    `host_gap_ms` is what no stage covers (small and non-negative when the accounting is right); a part
+    not measured (None: a batched page's decode, in steps it shares) is in it.
     `page_wait_ms`, a page prepared ahead waiting for its job, is no part of it. The fields below, in
     this order, are the registry and the order of every table."""
 
@@ -110,32 +112,36 @@ class StageTimings:
         bar="preprocess",
         shown=_LATENCY,
     ).field()
-    setup_ms: float = Timing(
+    setup_ms: float | None = Timing(
         "setup",
         "the page's inputs to the device and the decode state set: before the prefill",
         stage="setup",
         part=True,
+        nullable=True,
     ).field()
-    prefill_ms: float = Timing(
+    prefill_ms: float | None = Timing(
         "prefill",
         "vision and the language model's prefill",
         stage="prefill",
         part=True,
         shown=frozenset({LATENCY_TABLE, PER_IMAGE_TABLE}),
+        nullable=True,
     ).field()
-    vision_ms: float = Timing(
+    vision_ms: float | None = Timing(
         "vision",
         f"the sum of the `{VISION_PREFIX}*` stages",
         parent="prefill_ms",
         shown=_LATENCY,
+        nullable=True,
     ).field()
-    sam_ms: float = Timing(
+    sam_ms: float | None = Timing(
         "SAM",
         "the SAM encoder over the global view and the tiles",
         stage="vision/sam",
         parent="vision_ms",
         bar="SAM",
         shown=_LATENCY,
+        nullable=True,
     ).field()
     clip_ms: float | None = Timing(
         "CLIP",
@@ -157,49 +163,55 @@ class StageTimings:
         nullable=True,
         family_stage=True,
     ).field()
-    projector_ms: float = Timing(
+    projector_ms: float | None = Timing(
         "projector",
         "the projector and the image token layout",
         stage="vision/projector",
         parent="vision_ms",
         bar="projector",
         shown=_LATENCY,
+        nullable=True,
     ).field()
-    lm_prefill_ms: float = Timing(
+    lm_prefill_ms: float | None = Timing(
         "LM prefill",
         "the language model over the prompt",
         stage="lm_prefill",
         parent="prefill_ms",
         bar="LM prefill",
         shown=_LATENCY,
+        nullable=True,
     ).field()
-    first_token_ms: float = Timing(
+    first_token_ms: float | None = Timing(
         "first token",
         "choosing the first token from the prefill logits",
         stage="first_token",
         part=True,
         bar="decode",
+        nullable=True,
     ).field()
-    decode_ms: float = Timing(
+    decode_ms: float | None = Timing(
         "decode",
         "the kept decode steps (the decode stage less its steps after EOS)",
         stage="decode",
         part=True,
         bar="decode",
         shown=_LATENCY,
+        nullable=True,
     ).field()
-    wasted_decode_ms: float = Timing(
+    wasted_decode_ms: float | None = Timing(
         "wasted decode",
         "steps computed after EOS (the loop looks for EOS asynchronously)",
         part=True,
         bar="wasted decode",
+        nullable=True,
     ).field()
-    readback_ms: float = Timing(
+    readback_ms: float | None = Timing(
         "readback",
         "the generated ids back to the host",
         stage="readback",
         part=True,
         bar="postprocess",
+        nullable=True,
     ).field()
     postprocess_ms: float = Timing(
         "postprocess",
@@ -231,8 +243,9 @@ class StageTimings:
 
     @property
     def parts_ms(self) -> dict[str, float]:
-        """The named parts whose sum is `e2e_ms`, by name (the column less `_ms`)."""
-        return {t.column.removesuffix("_ms"): getattr(self, t.column) for t in PARTS}
+        """The named parts whose sum is `e2e_ms`, by name (the column less `_ms`): those measured."""
+        parts = {t.column.removesuffix("_ms"): t.of(self) for t in PARTS}
+        return {name: ms for name, ms in parts.items() if ms is not None}
 
     def columns(self) -> dict[str, float | None]:
         """Every figure by its results column."""
@@ -277,26 +290,51 @@ def depth(timing: Timing) -> int:
 
 
 def shown_in(place: Place, rows: Iterable[object] | None = None) -> tuple[Timing, ...]:
-    """The figures shown in `place`; with `rows` (results), less the family stages none of them
-    measured (a DeepSeek-OCR run has no Qwen2 encoder time, a DeepSeek-OCR-2 run no CLIP time)."""
+    """The figures shown in `place`; with `rows` (results), less those none of them measured (a
+    DeepSeek-OCR run has no Qwen2 encoder time, a DeepSeek-OCR-2 run no CLIP time, a batched run no
+    SAM time)."""
     hidden = frozenset() if rows is None else unmeasured(rows)
     return tuple(t for t in TIMINGS if place in t.shown and t.column not in hidden)
 
 
 def unmeasured(rows: Iterable[object]) -> frozenset[str]:
-    """The columns of the family stages that no row measured (None in every one)."""
+    """The columns of the nullable figures that no row measured (None in every one); none without rows."""
     rows = list(rows)
-    return frozenset(t.column for t in TIMINGS if t.family_stage and all(t.of(r) is None for r in rows))
+    if not rows:
+        return frozenset()
+    return frozenset(t.column for t in TIMINGS if t.nullable and all(t.of(r) is None for r in rows))
 
 
 def breakdown_bars(hidden: frozenset[str] = frozenset()) -> dict[str, tuple[str, ...]]:
     """The stage breakdown's bars, in the order they happen: each bar's label and the columns it adds;
-    none for the columns `hidden` (`unmeasured`)."""
+    none for the columns `hidden` (`unmeasured`). A part measured whose nested bars are all hidden (a
+    batched page's prefill, its vision and LM prefill not split) is a bar of its own."""
     out: dict[str, tuple[str, ...]] = {}
     for t in TIMINGS:
-        if t.bar is not None and t.column not in hidden:
+        if t.column in hidden:
+            continue
+        if t.bar is not None:
             out[t.bar] = (*out.get(t.bar, ()), t.column)
+        elif (nested := _nested_bars(t)) and set(nested) <= hidden:
+            out[t.label] = (t.column,)
     return out
+
+
+def bar_labels() -> tuple[str, ...]:
+    """Every bar `breakdown_bars` can draw, in the order they happen: a part that can stand in for its
+    nested bars comes before them."""
+    return tuple(dict.fromkeys(t.bar or t.label for t in TIMINGS if t.bar is not None or _nested_bars(t)))
+
+
+def _nested_bars(part: Timing) -> tuple[str, ...]:
+    """The columns of the bars nested in `part`, a part without a bar of its own (none for any other)."""
+    if not part.part or part.bar is not None:
+        return ()
+
+    def inside(t: Timing) -> bool:
+        return t.parent is not None and (t.parent == part.column or inside(BY_COLUMN[t.parent]))
+
+    return tuple(t.column for t in TIMINGS if t.bar is not None and inside(t))
 
 
 def check(timings: tuple[Timing, ...] = TIMINGS) -> None:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
@@ -51,13 +51,14 @@ from dsocr_workers.model.config import EOS_TOKEN_ID, dtype_name
 from dsocr_workers.model.families import FamilyCode, ModelFamily, all_presets
 from dsocr_workers.model.interface import OCRModel
 from dsocr_workers.model.tokenizer import OCRTokenizer
-from dsocr_workers.stages import StageTimings, model_stages
+from dsocr_workers.stages import TIMINGS, StageTimings, model_stages
 
 if TYPE_CHECKING:  # the batched engine (its runner) imports this module
     from dsocr_workers.engine.batched.metrics import SequenceMetrics
     from dsocr_workers.engine.batched.scheduler import BatchedOutput
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DevicePage:
@@ -143,6 +144,13 @@ class _ColdProbe:
     reserved_bytes: int
 
 
+# A batched page's figures the batch does not time per page: None. Its device stages but its prefill
+# (whose vision it times whole), and the decode steps after EOS (steps it shares with other pages).
+UNTIMED_IN_A_BATCH: dict[str, Any] = {
+    t.column: None for t in TIMINGS if (t.stage is not None and not t.host and t.column != "prefill_ms")
+} | {"wasted_decode_ms": None}
+
+
 @dataclass(frozen=True)
 class BatchFigures:
     """A page decoded in the batched engine: its serving figures, and where its TTFT starts (the
@@ -152,22 +160,29 @@ class BatchFigures:
     ttft_from_s: float
 
     def timings(self, own: StageTimings, finished_s: float) -> StageTimings:
-        """The page's own stages, with its serving figures; its inter-token gaps stand for its decode
-        steps (the batch's prefill and decode stages are no one page's). TTFT and end-to-end both run
-        from `ttft_from_s` (end-to-end to `finished_s`), so TTFT ≤ e2e; the time in between that no
-        stage of the page's own names is its host gap."""
+        """The page's own host stages (`own`: its clock timed no device stage) and what the batch timed
+        of it: its prefill launches and the vision in them, its inter-token gaps for its decode steps and
+        its serving figures. The device stages run inside those launches unsplit (vision's parts, LM
+        prefill, first token, setup) or in steps other pages share (decode, readback) are None: not
+        measured. TTFT and end-to-end both run from `ttft_from_s` (end-to-end to `finished_s`), so TTFT ≤
+        e2e; the time in between that no measured part names is its host gap."""
         metrics = self.metrics
         e2e_ms = (finished_s - self.ttft_from_s) * 1e3
-        return replace(
+        timings = replace(
             own,
+            **UNTIMED_IN_A_BATCH,
+            prefill_ms=metrics.prefill_ms,
+            vision_ms=metrics.vision_ms,
             decode_step_ms=metrics.itl_ms,
             ttft_ms=(metrics.token_s[0] - self.ttft_from_s) * 1e3,
-            ttft_from_device_start_ms=metrics.prefill_ms,
+            ttft_from_device_start_ms=metrics.prefill_to_first_token_ms,
             tpot_ms=metrics.tpot_ms or 0.0,
             queue_wait_ms=metrics.queue_wait_ms,
             e2e_ms=e2e_ms,
-            host_gap_ms=own.host_gap_ms + e2e_ms - own.e2e_ms,
         )
+        parts = timings.parts_ms
+        del parts["host_gap"]
+        return replace(timings, host_gap_ms=e2e_ms - sum(parts.values()))
 
     def span(self) -> DeviceSpan:
         metrics = self.metrics
@@ -314,14 +329,19 @@ class DeepSeekOCRSession:
         with torch.inference_mode():
             if name in all_presets():
                 loaded = build_preset(name, seed=seed, device=resolved, dtype=torch_dtype, **kernels)
-                model_source = ModelSource("preset", name, random_weights=True, seed=seed,
-                                           fingerprint=loaded.fingerprint)
+                model_source = ModelSource(
+                    "preset", name, random_weights=True, seed=seed, fingerprint=loaded.fingerprint
+                )
             else:
                 loaded = load_checkpoint(Path(name), device=resolved, dtype=torch_dtype, **kernels)
                 # A preset saved with `dsocr model save-preset` stays labelled as random weights.
-                model_source = ModelSource("checkpoint", str(Path(name).resolve()),
-                                           random_weights=loaded.preset is not None, seed=loaded.seed,
-                                           fingerprint=loaded.fingerprint)
+                model_source = ModelSource(
+                    "checkpoint",
+                    str(Path(name).resolve()),
+                    random_weights=loaded.preset is not None,
+                    seed=loaded.seed,
+                    fingerprint=loaded.fingerprint,
+                )
             variant.after_load(loaded.model)
         instrumented = settings.read(settings.INSTRUMENTATION) if instrumented is None else instrumented
         return cls(loaded, model_source, resolved, torch_dtype, variant, note, instrumented)
@@ -387,13 +407,19 @@ class DeepSeekOCRSession:
         )
 
     def prepare(
-        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None, mode: str | None,
+        self,
+        image: str | os.PathLike | bytes | Image.Image,
+        prompt: str | None,
+        mode: str | None,
         max_crops: int | None = None,
     ) -> preprocess.PreparedPage:
         """The family's preprocessing of one page; None: the family's default mode, its own limit of
         tiles."""
         return self.code.prepare_page(
-            image, self.tokenizer.encode, mode=self.family.mode(mode or self.family.default_mode), prompt=prompt,
+            image,
+            self.tokenizer.encode,
+            mode=self.family.mode(mode or self.family.default_mode),
+            prompt=prompt,
             max_crops=self.max_crops(max_crops),
         )
 
@@ -408,8 +434,12 @@ class DeepSeekOCRSession:
         return preprocess.longest_prompt(self.tokenizer.encode, prompt, most)
 
     def prepare_job(
-        self, image: str | os.PathLike | bytes | Image.Image, prompt: str | None = None,
-        mode: str | None = None, job_id: str | None = None, max_crops: int | None = None,
+        self,
+        image: str | os.PathLike | bytes | Image.Image,
+        prompt: str | None = None,
+        mode: str | None = None,
+        job_id: str | None = None,
+        max_crops: int | None = None,
         clock: StageClock | None = None,
     ) -> PreparedJob:
         """A job's `preprocess` stage, on `clock` (None: a new one for `job_id`): the first step of
@@ -512,7 +542,10 @@ class DeepSeekOCRSession:
         return embeds
 
     def decode(
-        self, job: PageJob, clock: StageClock, after_step: Callable[[int], None] | None = None,
+        self,
+        job: PageJob,
+        clock: StageClock,
+        after_step: Callable[[int], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Run decode steps (compiled and graphed in `fast`) until the budget is spent, EOS was seen

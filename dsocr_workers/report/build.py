@@ -85,10 +85,23 @@ class Report:
 
 # Run parameters that change what a job computes or how it is timed: two runs that differ in one of them
 # are not like for like.
-COMPARED_PARAMETERS = ("mode", "max_new_tokens", "ignore_eos", "engine", "dtype", "concurrency",
-                       "prefill_chunk_tokens", "prompt", "no_repeat_ngram_size", "ngram_window",
-                       "stop_on_repetition", "seed")
-UNLIKE_WARNING = "NOT LIKE FOR LIKE: runs A and B differ in {differences}; the verdicts below compare unlike runs"
+COMPARED_PARAMETERS = (
+    "mode",
+    "max_new_tokens",
+    "ignore_eos",
+    "engine",
+    "dtype",
+    "concurrency",
+    "prefill_chunk_tokens",
+    "prompt",
+    "no_repeat_ngram_size",
+    "ngram_window",
+    "stop_on_repetition",
+    "seed",
+)
+UNLIKE_WARNING = (
+    "NOT LIKE FOR LIKE: runs A and B differ in {differences}; the verdicts below compare unlike runs"
+)
 UNLIKE_VERDICT = " (unlike runs)"
 
 
@@ -118,22 +131,31 @@ TOKENS_OUT = Metric("tokens out", _column("decode_tokens"))
 TTFT_FROM_CLAIM = Metric("TTFT from claim ms", _column("ttft_from_claim_ms"))
 
 
-def beside(timings: tuple[Timing, ...], extra: dict[str, list[Metric]]) -> list[Metric]:
-    """The registry's figures in its order, each followed by the `extra` metrics named by its column."""
-    return [m for t in timings for m in (timing_metric(t), *extra.get(t.column, []))]
+def beside(
+    timings: tuple[Timing, ...], extra: dict[str, list[Metric]], hidden: frozenset[str] = frozenset()
+) -> list[Metric]:
+    """The registry's figures in its order, each followed by the `extra` metrics named by its column;
+    a figure `hidden` (not measured) leaves its row out and keeps its extras (a batched run's decode
+    steps beside the decode stage it does not time)."""
+    return [
+        m
+        for t in timings
+        for m in ([] if t.column in hidden else [timing_metric(t)]) + extra.get(t.column, [])
+    ]
 
 
 # The registry's latency figures (TTFT: preprocess + from the device start, a prefetched page's too),
 # TTFT from the claim after TTFT, the decode steps after decode.
 def latency(results: list[Result]) -> list[Metric]:
     """The latency figures of `results`: the stages their model families measured."""
-    return beside(
-        shown_in(LATENCY_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]}
-    )
+    extra = {"ttft_ms": [TTFT_FROM_CLAIM], "decode_ms": [DECODE_PER_TOKEN]}
+    return beside(shown_in(LATENCY_TABLE), extra, unmeasured(results))
 
 
 def per_image(results: list[Result]) -> list[Metric]:
-    return beside(shown_in(PER_IMAGE_TABLE, results), {"ttft_ms": [TTFT_FROM_CLAIM]})
+    return beside(shown_in(PER_IMAGE_TABLE), {"ttft_ms": [TTFT_FROM_CLAIM]}, unmeasured(results))
+
+
 OUTPUT = [
     TOKENS_OUT,
     Metric("wasted steps", _column("wasted_steps")),  # computed after EOS, discarded
@@ -280,12 +302,15 @@ def run_facts(
 def run_differences(a: RunData, b: RunData) -> list[str]:
     """What differs between two runs that a comparison must say: the model, the parameters above, and what
     their results ran with (engine, dtype, GPU type)."""
+
     def ran(data: RunData) -> dict[str, str]:
         results = data.results.values()
         gpus = {w.gpu_name or "cpu" for w in data.workers.values()}
-        return {"engine that ran": ", ".join(sorted({r.engine for r in results})),
-                "dtype that ran": ", ".join(sorted({r.dtype or "" for r in results})),
-                "GPU type": ", ".join(sorted(gpus))}
+        return {
+            "engine that ran": ", ".join(sorted({r.engine for r in results})),
+            "dtype that ran": ", ".join(sorted({r.dtype or "" for r in results})),
+            "GPU type": ", ".join(sorted(gpus)),
+        }
 
     differences = model_differences(a, b)
     for name in COMPARED_PARAMETERS:
@@ -293,7 +318,9 @@ def run_differences(a: RunData, b: RunData) -> list[str]:
         if value_a != value_b:
             differences.append(f"{name} (A {value_a}, B {value_b})")
     ran_a, ran_b = ran(a), ran(b)
-    differences += [f"{k} (A {ran_a[k]}, B {ran_b[k]})" for k in ran_a if ran_a[k] and ran_b[k] and ran_a[k] != ran_b[k]]
+    differences += [
+        f"{k} (A {ran_a[k]}, B {ran_b[k]})" for k in ran_a if ran_a[k] and ran_b[k] and ran_a[k] != ran_b[k]
+    ]
     return differences
 
 
@@ -519,13 +546,20 @@ def _stop_reasons(data: RunData) -> Table:
 
 
 def _accounting(results: list[Result]) -> Table:
-    """Mean per job of each part of e2e: means add up, so the parts' column sums to the e2e row."""
+    """Mean per job of each part of e2e: means add up, so the parts' column sums to the e2e row. A part
+    none of them measured (a batched run's decode, in steps its pages share) has no row: its time is
+    in the host gap."""
     e2e = Summary.from_values([E2E.of(r) for r in results]).mean
+    hidden = unmeasured(results)
 
     def share(mean: float | None) -> float | None:
         return None if mean is None or not e2e.value else 100 * mean / e2e.value
 
-    parts = [(t.label, Summary.from_values([t.of(r) for r in results]).mean) for t in PARTS]
+    parts = [
+        (t.label, Summary.from_values([t.of(r) for r in results]).mean)
+        for t in PARTS
+        if t.column not in hidden
+    ]
     total = sum(mean.value for _, mean in parts if mean.value is not None) if results else None
     rows: list[list[Any]] = [[label, mean, share(mean.value)] for label, mean in parts]
     rows.append(["sum of parts", total, share(total)])
@@ -799,19 +833,20 @@ def comparison_report(
     pairs = sorted(set(by_a) & set(by_b))
     paired_a, paired_b = [by_a[k] for k in pairs], [by_b[k] for k in pairs]
     rows = []
-    # A model family's own stage that only one run measured (CLIP against the Qwen2 encoder): shown on
-    # the side that ran it, without a ratio.
+    # A figure that only one run measured (CLIP against the Qwen2 encoder, SAM against a batched run's
+    # whole vision): shown on the side that measured it, without a ratio.
     hidden_a, hidden_b = unmeasured(paired_a), unmeasured(paired_b)
-    one_sided = {timing_metric(t).label: t.column in hidden_b for t in TIMINGS if t.column in hidden_a ^ hidden_b}
+    one_sided = {timing_metric(t).label: t for t in TIMINGS if t.column in hidden_a ^ hidden_b}
     for metric in latency(paired_a + paired_b) + MEMORY[:1]:
         sa, sb = summarize(metric, paired_a), summarize(metric, paired_b)
         if not (sa.n or sb.n):
             continue
         if metric.label in one_sided:
-            only_a = one_sided[metric.label]
+            only_a = one_sided[metric.label].column in hidden_b
+            why = "one model's stage" if one_sided[metric.label].family_stage else "measured by one run"
             for statistic, in_a, in_b in (("mean", sa.mean, sb.mean), ("p50", sa.p50, sb.p50)):
                 rows.append([metric.label, statistic, len(pairs), in_a if only_a else None,
-                             None if only_a else in_b, None, "one model's stage"])  # fmt: skip
+                             None if only_a else in_b, None, why])  # fmt: skip
             continue
         ratios = paired_ratios([metric.values(r) for r in paired_b], [metric.values(r) for r in paired_a])
         rows.append([metric.label, "mean", len(pairs), sa.mean, sb.mean, ratios.mean, verdict(ratios.mean)])

@@ -24,7 +24,7 @@ from dsocr_workers.report.queries import RunData
 from dsocr_workers.report.serving import serving
 from dsocr_workers.report.tables import short_kernel_name
 from dsocr_workers.report.throughput import services, steady_state_throughput
-from dsocr_workers.stages import CDF_PLOT, breakdown_bars, shown_in, unmeasured
+from dsocr_workers.stages import CDF_PLOT, bar_labels, breakdown_bars, shown_in, unmeasured
 from dsocr_workers.store.models import Result
 
 DPI = 100
@@ -71,7 +71,8 @@ class Plot:
 # is e2e: "setup + gaps" is e2e minus every other bar, what no bar names.
 BARS: dict[str, tuple[str, ...]] = breakdown_bars()
 GAPS = "setup + gaps"
-# A colour per bar in order (a new bar takes the next one), light grey for the gaps.
+# A colour per bar in order (a new bar takes the next one), then the parts that stand in for their nested
+# bars, light grey for the gaps.
 BAR_COLORS = (
     "#8c8c8c",
     "#1f77b4",
@@ -88,15 +89,21 @@ BAR_COLORS = (
     "#ffbb78",
     "#c5b0d5",
 )
-STAGE_COLORS = {label: BAR_COLORS[i % len(BAR_COLORS)] for i, label in enumerate(BARS)} | {GAPS: "#c7c7c7"}
+_COLOR_ORDER = [*BARS, *(label for label in bar_labels() if label not in BARS)]
+STAGE_COLORS = {label: BAR_COLORS[_COLOR_ORDER.index(label) % len(BAR_COLORS)] for label in bar_labels()} | {
+    GAPS: "#c7c7c7"
+}
 # The distributions drawn: the registry's CDF figures, and the decode steps (as the latency table has them).
 CDF_METRICS = [*(timing_metric(t) for t in shown_in(CDF_PLOT)), DECODE_PER_TOKEN]
 
 
-def stage_ms(result: Result) -> dict[str, float]:
-    """Milliseconds of each bar of one job; they add up to its e2e."""
-    # A family's stage is NULL (no bar) in rows measured before it existed and in another family's.
-    bars = {label: sum(getattr(result, column) or 0.0 for column in columns) for label, columns in BARS.items()}
+def stage_ms(result: Result, drawn: dict[str, tuple[str, ...]] = BARS) -> dict[str, float]:
+    """Milliseconds of each of the `drawn` bars of one job; they add up to its e2e."""
+    # A stage not measured is NULL (no bar): a family's in another family's rows, a batched page's
+    # stages inside its shared launches; their time is in the gaps.
+    bars = {
+        label: sum(getattr(result, column) or 0.0 for column in columns) for label, columns in drawn.items()
+    }
     bars[GAPS] = (E2E.of(result) or 0.0) - sum(bars.values())
     return bars
 
@@ -134,17 +141,22 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
     title = "Stage breakdown per image"
     figure = Figure(figsize=(WIDTH_IN, 1.2 + 3.4 * len(sides)), layout="constrained")
     axes = figure.subplots(len(sides), 1, squeeze=False, sharey=True)[:, 0]
-    # The bars of the stages the runs measured: a model family's own stage only where one of them ran it.
-    measured = breakdown_bars(unmeasured(r for side in sides for r in side.data.results.values()))
-    colors = {label: color for label, color in STAGE_COLORS.items() if label in measured or label == GAPS}
-    for ax, side in zip(axes, sides, strict=True):
+    # Each side's bars: the stages its run measured (a model family's own stage only where it ran it; a
+    # batched run's prefill whole); the legend has every side's.
+    drawn = [breakdown_bars(unmeasured(side.data.results.values())) for side in sides]
+    colors = {
+        label: color
+        for label, color in STAGE_COLORS.items()
+        if label == GAPS or any(label in d for d in drawn)
+    }
+    for ax, side, side_bars in zip(axes, sides, drawn, strict=True):
         jobs = [(j, side.data.results[j.id]) for j in side.data.jobs if j.id in side.data.results]
         repeats = 1 + max((j.repeat for j, _ in jobs), default=0)
         x = np.arange(len(jobs))
         bottom = np.zeros(len(jobs))
-        per_job = [stage_ms(r) for _, r in jobs]
+        per_job = [stage_ms(r, side_bars) for _, r in jobs]
         for label, color in colors.items():
-            heights = np.array([bars[label] for bars in per_job])
+            heights = np.array([bars.get(label, 0.0) for bars in per_job])
             bars = ax.bar(x, heights, bottom=bottom, color=color, edgecolor="white", linewidth=0.3)
             for patch, (_, result) in zip(bars, jobs, strict=True):
                 patch.set_hatch(COLD_HATCH if result.cold else None)
@@ -170,7 +182,8 @@ def stage_breakdown(sides: Sequence[Side]) -> Plot:
     figure.suptitle(title, x=0.01, ha="left", fontweight="bold")
     caption = (
         "One bar per job (image, repeat) in file-list order; the bars add up to its end-to-end time. "
-        "'setup + gaps' is e2e minus the named stages. Hatched: cold results (left out of the statistics "
+        "'setup + gaps' is e2e minus the named stages (a stage not measured, "
+        "such as a batched run's decode in steps its pages share, is in it). Hatched: cold results (left out of the statistics "
         "unless --include-cold)."
     )
     return Plot(title, caption, _png(figure))
@@ -422,7 +435,7 @@ def _short(name: str, limit: int) -> str:
     if len(name) <= limit:
         return name
     keep = limit - 1
-    return f"{name[: keep - keep // 2]}…{name[-(keep // 2):]}"
+    return f"{name[: keep - keep // 2]}…{name[-(keep // 2) :]}"
 
 
 PROFILED = {"job": "jobs", "step": "batch steps", "profile": "jobs and batch steps"}
@@ -487,7 +500,7 @@ def kernel_breakdown(sides: Sequence[Side], include_cold: bool = False) -> Plot:
         ax.set_xlabel(f"ms per profiled {each}", fontsize=8)
         ax.set_title(f"{name}\n" + "; ".join(heading), loc="left", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
-    for ax in axes[len(names):]:
+    for ax in axes[len(names) :]:
         ax.set_visible(False)
     legend = [Patch(color=color, label=side.name) for side, color in zip(sides, RUN_COLORS, strict=False)]
     legend.append(Patch(facecolor=IDLE_COLOR, label="idle (clock − busy)"))

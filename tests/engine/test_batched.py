@@ -153,9 +153,14 @@ def check_chunks(engine: BatchedEngine, outputs, chunk: int) -> None:
     step_at = {s.ended_s: s.index for s in engine.steps}
     chunk_tokens = {s.index: s.prompt_tokens for s in engine.steps if s.kind == "chunk"}
     for output in outputs:
-        lengths = [s.prompt_tokens for s in engine.steps if s.kind == "chunk" and s.request_id == output.request_id]
+        own = [s for s in engine.steps if s.kind == "chunk" and s.request_id == output.request_id]
+        lengths = [s.prompt_tokens for s in own]
         assert sum(lengths) == output.prompt_tokens and max(lengths) <= chunk, (output.request_id, lengths)
         m = output.metrics
+        # Its prefill: its own chunk steps' time, other pages' decode steps between them left out; its
+        # vision: its first chunk's.
+        assert m.prefill_ms == pytest.approx(sum(s.ms for s in own)) and m.vision_ms == own[0].vision_ms > 0
+        assert m.prefill_ms <= m.prefill_to_first_token_ms
         assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
         made = [step_at[t] for t in m.token_s]
         for a, b in zip(made, made[1:], strict=False):
@@ -363,10 +368,12 @@ def test_metrics_per_page_and_per_step(session, prepared):
     assert sum(s.occupancy for s in decodes) == sum(len(o.token_ids) - 1 for o in outputs)
     for output in outputs:
         m = output.metrics
+        (own,) = [s for s in prefills if s.request_id == output.request_id]
+        assert m.prefill_ms == pytest.approx(own.ms) and 0 < m.vision_ms == own.vision_ms < m.prefill_ms
         assert len(m.token_s) == len(output.token_ids) == PAGES[int(output.request_id)][3]
         assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
         assert all(a <= b for a, b in zip(m.token_s, m.token_s[1:], strict=False))
-        assert len(m.itl_ms) == len(m.token_s) - 1 and m.ttft_ms >= m.prefill_ms > 0
+        assert len(m.itl_ms) == len(m.token_s) - 1 and m.ttft_ms >= m.prefill_to_first_token_ms >= m.prefill_ms
         assert m.tpot_ms == pytest.approx(sum(m.itl_ms) / len(m.itl_ms))
         assert m.decode_steps == len(output.token_ids) - 1 and 1 <= m.mean_occupancy <= 3
         assert output.wasted_steps == 0
@@ -673,3 +680,24 @@ def test_a_batched_pages_ttft_and_end_to_end_run_from_one_start(session, prepare
     timings = DeviceRun.batched(session, job, output, ttft_from_s=claimed_s).finish().timings
     assert 10_000 < timings.ttft_ms <= timings.e2e_ms, (timings.ttft_ms, timings.e2e_ms)
     assert sum(timings.parts_ms.values()) == pytest.approx(timings.e2e_ms)
+
+
+def test_a_batched_pages_timings_hold_its_prefill_and_vision_and_none_for_what_it_shares(session, prepared):
+    """A batched page's result: its prefill launch's time as its prefill and that launch's vision as its
+    vision; the stages the launch does not split (vision's parts, LM prefill, first token, setup) and
+    those in steps its pages share (decode, readback) are None, not 0; its host stages are its own."""
+    job = session.prepare_job(page(*PAGES[0][:2]), None, PAGES[0][2], clock=session.new_clock(marks_steps=False))
+    engine = engine_for(session, prepared, 2, DecodeOptions(ignore_eos=True))
+    (output,) = engine.run([PageRequest("p", job.page, 4)], 1)
+    result = DeviceRun.batched(session, job, output, ttft_from_s=time.perf_counter()).finish()
+    timings = result.timings
+    (prefill,) = [s for s in engine.steps if s.kind == "prefill"]
+    assert timings.prefill_ms == pytest.approx(prefill.ms) and timings.vision_ms == pytest.approx(prefill.vision_ms)
+    assert 0 < timings.vision_ms < timings.prefill_ms
+    untimed = ("setup_ms", "sam_ms", "clip_ms", "qwen2_ms", "projector_ms", "lm_prefill_ms", "first_token_ms",
+               "decode_ms", "wasted_decode_ms", "readback_ms")  # fmt: skip
+    assert {c: timings.columns()[c] for c in untimed} == dict.fromkeys(untimed)
+    assert timings.preprocess_ms > 0 and timings.postprocess_ms > 0 and len(timings.decode_step_ms) == 3
+    measured = timings.preprocess_ms + timings.prefill_ms + timings.postprocess_ms
+    assert timings.host_gap_ms == pytest.approx(timings.e2e_ms - measured)
+    assert set(timings.parts_ms) == {"preprocess", "prefill", "postprocess", "host_gap"}

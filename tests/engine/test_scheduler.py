@@ -114,10 +114,13 @@ class Device:
         return plan
 
     def read(self, keep: int = 0) -> None:
-        """Read back all but the newest `keep` launches."""
+        """Read back all but the newest `keep` launches (a page's vision, in its prefill or first chunk,
+        takes 0.1 s of it)."""
         while len(self.unread) > keep:
             plan, tokens = self.unread.pop(0)
-            self.sched.read(Readback(plan.index, tokens, float(plan.index), plan.index + 0.5))
+            vision = isinstance(plan, PrefillPlan) or (isinstance(plan, ChunkPlan) and plan.start == 0)
+            readback = Readback(plan.index, tokens, float(plan.index), plan.index + 0.5, 100.0 if vision else 0.0)
+            self.sched.read(readback)
 
 
 def test_the_scheduler_imports_no_torch():
@@ -238,6 +241,8 @@ def test_metrics_follow_the_read_back_times():
     assert a.token_s == [0.5, 2.5, 3.5] and a.prefill_started_s == 0.0 and a.decode_steps == 2
     assert b.token_s == [1.5, 2.5] and b.prefill_started_s == 1.0 and b.mean_occupancy == 2
     assert a.arrival_s <= a.admitted_s and a.itl_ms == [2000.0, 1000.0]
+    # Its own prefill step's time and the vision in it; not the decode steps it shares.
+    assert (a.prefill_ms, a.vision_ms, b.prefill_ms, b.vision_ms) == (500.0, 100.0, 500.0, 100.0)
     assert [(s.index, s.kind, s.occupancy, s.bucket) for s in sched.steps] == [
         (0, "prefill", 1, 1),
         (1, "prefill", 1, 1),
@@ -280,6 +285,8 @@ def test_a_chunked_prefill_is_planned_at_its_offsets_and_its_page_decodes_after_
     ]  # fmt: skip
     a = done["a"].metrics
     assert a.prefill_started_s == chunks[0].started_s and a.token_s[0] == chunks[4].ended_s
+    # Its prefill: its five chunk steps' time, not the time between them; its vision: its first chunk's.
+    assert (a.prefill_ms, a.vision_ms) == (2500.0, 100.0) and a.prefill_to_first_token_ms == 4500.0
     assert a.arrival_s <= a.admitted_s and a.decode_steps == 2
     assert not sched.busy and sched.free_slots == 2
 

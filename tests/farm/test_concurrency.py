@@ -22,6 +22,11 @@ from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import BatchStep, Job, Result, Run, WorkerSession
 
 PAGES = {"a.png": (320, 420), "b.png": (640, 480), "c.png": (400, 900)}
+# A batched job's parts its own prefill launch and host stages measure (vision: inside its prefill), and
+# the stages the batch does not time per page.
+MEASURED = ("preprocess_ms", "prefill_ms", "postprocess_ms", "vision_ms")
+UNTIMED = ("setup_ms", "sam_ms", "clip_ms", "qwen2_ms", "projector_ms", "lm_prefill_ms", "first_token_ms",
+           "decode_ms", "wasted_decode_ms", "readback_ms")  # fmt: skip
 REPEATS = 2
 # A job's tokens: enough steps that a batched job is still decoding when the lane has handed the child two
 # more (a hand-over and a claim each), on a loaded machine too; with 6, a third of the first job's time.
@@ -92,7 +97,7 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
                    Result.token_ids, Result.stop_reason, Result.decode_step_ms, Result.decode_ms_per_token_p50,
                    Result.batch_occupancy, Result.tpot_ms, Result.ttft_ms, Result.queue_wait_ms, Result.e2e_ms,
                    Result.ttft_from_claim_ms, Result.device_started_at, Result.prompt_tokens, WorkerSession.warmup,
-                   WorkerSession.ready_at)
+                   WorkerSession.ready_at, *(getattr(Result, c) for c in MEASURED + UNTIMED), Result.host_gap_ms)
             .join(Result, Result.job_id == Job.id).join(WorkerSession, WorkerSession.id == Result.worker_session_id)
             .where(Job.run_id.in_(run_ids.values()))
         ).all()  # fmt: skip
@@ -100,7 +105,7 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
         steps = session.execute(select(*columns).where(BatchStep.run_id.in_(run_ids.values()))).all()
         ocr2_rows = session.execute(
             select(Job.run_id, Job.image, Job.attempts, Result.token_ids, Result.batch_occupancy, Result.image_tokens,
-                   Result.clip_ms, Result.qwen2_ms, Result.sam_ms)
+                   Result.clip_ms, Result.qwen2_ms, Result.sam_ms, Result.vision_ms)
             .join(Result, Result.job_id == Job.id).where(Job.run_id.in_(ocr2_ids.values()))
         ).all()  # fmt: skip
         ocr2_steps = Counter(session.scalars(select(BatchStep.kind).where(BatchStep.run_id == ocr2_ids[3])))
@@ -130,6 +135,18 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     planned = re.search(rf"\((\d+) prompt \+ {TOKENS} new\)", batched[0].warmup)
     assert planned is not None and int(planned.group(1)) == max(row.prompt_tokens for row in batched), batched[0].warmup
     assert all(row.ready_at <= row.started_at for row in batched)
+    # Its prefill launch timed as its prefill and vision; the stages the batch does not time per page NULL,
+    # not 0; its measured parts and its host gap still make up e2e. The batch-1 rows time every stage.
+    for row in batched:
+        assert row.prefill_ms > row.vision_ms > 0 and all(getattr(row, c) is None for c in UNTIMED), row
+        parts = sum(getattr(row, c) for c in MEASURED[:3]) + row.host_gap_ms
+        assert parts == pytest.approx(row.e2e_ms), row
+    assert all(row.sam_ms > 0 and row.decode_ms > 0 for row in rows if row.run_id == run_ids[1])
+    latency = {row["metric"].strip(): row for row in json.loads(dsocr(
+        "report", "--run", run_ids[3], "--format", "json", "--table", "Latency and output", env=env
+    ).stdout)["tables"]["Latency and output"]}  # fmt: skip
+    assert latency["prefill ms"]["mean"] > latency["vision ms"]["mean"] > 0 and "decode ms/token" in latency
+    assert not {"SAM ms", "CLIP ms", "projector ms", "LM prefill ms", "decode ms"} & set(latency)
     # A batched job's TTFT runs from its claim (its page's preparation and its wait for a slot inside).
     assert all(row.ttft_from_claim_ms == pytest.approx(row.ttft_ms) and row.device_started_at is not None
                for row in batched)  # fmt: skip
@@ -156,16 +173,17 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     assert most_at_once(spans[run_ids[1]]) == 1  # batch 1: one job at a time
 
     # DeepSeek-OCR-2: its batched engine decodes its pages together, each with its batch-1 tokens. Its
-    # rows time its Qwen2 encoder and hold NULL for CLIP, a stage it does not have (a batched page's vision
-    # is the batch's prefill step: 0, as its SAM).
+    # batch-1 rows time its Qwen2 encoder and hold NULL for CLIP, a stage it does not have; its batched
+    # rows time their vision whole (NULL for SAM and either encoder).
     assert len(ocr2_rows) == 2 * len(PAGES) and all(row.attempts == 1 for row in ocr2_rows)
     ocr2_tokens = {(row.run_id, row.image): row.token_ids for row in ocr2_rows}
     for image in PAGES:
         batched, alone = ocr2_tokens[ocr2_ids[3], image], ocr2_tokens[ocr2_ids[1], image]
         assert len(alone) == OCR2_TOKENS and batched == alone, image
-    assert all(row.image_tokens == 145 and row.clip_ms is None and row.qwen2_ms is not None
-               for row in ocr2_rows)  # fmt: skip
+    assert all(row.image_tokens == 145 and row.clip_ms is None for row in ocr2_rows)
     assert all(row.qwen2_ms > 0 and row.sam_ms > 0 for row in ocr2_rows if row.run_id == ocr2_ids[1])
+    assert all(row.qwen2_ms is None and row.sam_ms is None and row.vision_ms > 0
+               for row in ocr2_rows if row.run_id == ocr2_ids[3])  # fmt: skip
     assert max(row.batch_occupancy for row in ocr2_rows if row.run_id == ocr2_ids[3]) > 1
     assert ocr2_steps["prefill"] == len(PAGES) and ocr2_steps["decode"] >= OCR2_TOKENS - 1
 

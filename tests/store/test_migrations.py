@@ -104,3 +104,42 @@ def test_a_family_stage_another_family_stored_as_0_becomes_null(sqlite_url, tmp_
     upgrade(db)
     assert encoders() == {v1: (2.0, None), ocr2: (None, 2.0)}
     db.dispose()
+
+
+def test_a_batched_rows_stages_stored_as_0_become_null(sqlite_url, tmp_path, make_png):
+    """0018: a batched run's rows, which stored 0 for every device stage (its prefill too: no stage of
+    its own was timed), hold NULL there, a batch-1 run's times kept; down again, the 0s come back (its
+    family's encoder's too, the other family's staying NULL as 0017 left it)."""
+    from tests.report.fakes import Page, make_run
+
+    db = open_database(sqlite_url)
+    alone = make_run(db, tmp_path / "alone", make_png, {("p.png", 0): Page()})
+    batched = make_run(db, tmp_path / "batched", make_png, {("p.png", 0): Page()}, concurrency=3)
+    columns = ("setup_ms", "prefill_ms", "vision_ms", "sam_ms", "clip_ms", "qwen2_ms", "projector_ms",
+               "lm_prefill_ms", "first_token_ms", "decode_ms", "wasted_decode_ms", "readback_ms")  # fmt: skip
+
+    def stages() -> dict[str, tuple[float | None, ...]]:
+        with db.engine.connect() as connection:
+            rows = connection.execute(text(f"SELECT run_id, {', '.join(columns)} FROM results")).all()
+        return {run_id: tuple(values) for run_id, *values in rows}
+
+    measured = stages()[alone]
+    assert measured[1] > 0 and measured[columns.index("qwen2_ms")] is None
+    config = alembic_config(db.url)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0017")
+    zeros = ", ".join(f"{c} = 0" for c in columns if c != "qwen2_ms")
+    with db.engine.begin() as connection:  # as the batched engine wrote its rows before 0018
+        connection.execute(text(f"UPDATE results SET {zeros} WHERE run_id = :run"), {"run": batched})
+    before = (0.0,) * 5 + (None,) + (0.0,) * 6
+    assert stages() == {alone: measured, batched: before}
+    upgrade(db)
+    assert stages() == {alone: measured, batched: (None,) * len(columns)}
+    nullable = {c["name"]: c["nullable"] for c in inspect(db.engine).get_columns("results")}
+    assert all(nullable[c] for c in columns)
+    with db.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0017")
+    assert stages() == {alone: measured, batched: before}
+    db.dispose()

@@ -54,6 +54,10 @@ class SequenceMetrics:
     finished_s: float = 0.0  # its last token was read back (host)
     occupancy_sum: int = 0  # over the decode steps it took part in
     decode_steps: int = 0
+    # Device time of its own prefill launches (its prefill step, or its chunk steps summed), and of the
+    # vision in them: the page's stages the batch times apart from other pages'.
+    prefill_ms: float = 0.0
+    vision_ms: float = 0.0
 
     @property
     def queue_wait_ms(self) -> float:
@@ -64,7 +68,9 @@ class SequenceMetrics:
         return (self.token_s[0] - self.arrival_s) * 1e3
 
     @property
-    def prefill_ms(self) -> float:
+    def prefill_to_first_token_ms(self) -> float:
+        """From its prefill's start on the device to its first token: with chunks, the decode steps
+        between them too."""
         return (self.token_s[0] - self.prefill_started_s) * 1e3
 
     @property

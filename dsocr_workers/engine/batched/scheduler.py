@@ -405,6 +405,9 @@ class Scheduler:
                 launch.prefilled.request.request_id if launch.prefilled is not None else None,
             )
         self.steps.append(record)
+        if launch.prefilled is not None:
+            launch.prefilled.metrics.prefill_ms += record.ms
+            launch.prefilled.metrics.vision_ms += record.vision_ms
         begins = isinstance(plan, PrefillPlan) or (isinstance(plan, ChunkPlan) and plan.start == 0)
         if begins and launch.prefilled is not None:
             launch.prefilled.metrics.prefill_started_s = readback.started_s
