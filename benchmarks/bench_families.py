@@ -139,8 +139,9 @@ def batched(sessions: dict[str, DeepSeekOCRSession], pages: dict[str, list], arg
     """Each level on each model's batched engine (bench_serving's), the first model alternating."""
     env = report["environment"]
     peak_tbps = next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
+    # bench_serving's closed loop as it runs by default: every page decodes `--tokens`, whole prompts.
     serving = argparse.Namespace(tokens=args.tokens, reserve_gib=args.reserve_gib, eager_step=False,
-                                 no_graphs=False, min_requests=args.min_requests)  # fmt: skip
+                                 no_graphs=False, min_requests=args.min_requests, tokens_range_ratio=0.0)  # fmt: skip
     attention: SlotAttention = "filled" if args.device.startswith("cuda") else "masked"
     weights = {model: weight_bytes(s) for model, s in sessions.items()}
     names = list(sessions)
@@ -152,7 +153,7 @@ def batched(sessions: dict[str, DeepSeekOCRSession], pages: dict[str, list], arg
             else:
                 try:
                     _, level, _ = engine_level(sessions[model], concurrency, pages[model], serving, options,
-                                               attention, weights[model], peak_tbps and peak_tbps * 1e12)  # fmt: skip
+                                               attention, None, weights[model], peak_tbps and peak_tbps * 1e12)  # fmt: skip
                     level.pop("per_page", None)
                     row.update(level)
                 except Exception:  # a level that fails is recorded; the others still run

@@ -231,7 +231,7 @@ def test_dsocr_run_with_prefill_chunks_records_and_reports_them(pages, tmp_path,
     parameters = next(row["value"] for row in tables["Run"] if row["field"] == "parameters")
     assert "prefill_chunk_tokens=40" in parameters
     serving = {row["measure"]: row["value"] for row in tables["Serving"]}
-    assert serving["prefill chunk tokens (--prefill-chunk; none: whole prompts)"] == 40
+    assert serving["prefill chunk tokens (0: whole prompts)"] == 40
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
     assert batch_steps["prefill steps (a page joining)"] == 0
     db = open_database(url)

@@ -65,7 +65,7 @@ def test_redirected_report_lays_tables_out_whole(database, run_on_a_warmed_worke
         assert not any("gundam:3x4" in line for line in lines)
     text = report_text(database.url, run, subprocess_env)
     throughput = text[text.index("\nThroughput\n") : text.index("\nLatency and output\n")].splitlines()
-    assert max(map(len, throughput)) < 80, throughput  # as wide as its content, not 160 columns
+    assert max(map(len, throughput)) < 80, "\n".join(throughput)  # as wide as its content, not 160 columns
 
 
 def test_report_explains_its_terms(database, run_on_a_warmed_worker, subprocess_env):
