@@ -308,8 +308,6 @@ def decode_slots(
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
     hidden = model.embed(fed)
-    position_ids = positions.unsqueeze(1)
-    position_embeddings = language_model.rotary_emb(hidden, position_ids)
     cache: FilledSlotsCache | _StepCache
     mask = None
     if visible is not None:
@@ -319,16 +317,8 @@ def decode_slots(
             rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype
         )
         cache = _StepCache(keys, values, positions)
-    for layer in language_model.layers:
-        hidden = layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **{CACHE_ARGUMENT: cache},
-        )
-    logits = model.logits(language_model.norm(hidden[:, -1]))
-    return choose_tokens(logits, rows, options, whitelist)
+    last = _last_hidden(model, hidden, positions.unsqueeze(1), mask, cache)
+    return choose_tokens(model.logits(last), rows, options, whitelist)
 
 
 def prefill_chunk(
@@ -339,13 +329,24 @@ def prefill_chunk(
     the slot's positions up to itself (the earlier chunks' are there already: `chunk_mask`). Run eager,
     under a mask, on every engine. Returns the last position's hidden state after the final norm, [1,
     hidden]: the model's `logits` of it choose the page's first token after its last chunk."""
-    language_model = model.language_model
     length = embeds.shape[1]
     position_ids = torch.arange(start, start + length, device=embeds.device).unsqueeze(0)
-    position_embeddings = language_model.rotary_emb(embeds, position_ids)
-    mask = chunk_mask(start, length, language_model.config._attn_implementation, embeds.dtype, embeds.device)
-    cache = _ChunkCache(keys, values, slot, start)
-    hidden = embeds
+    implementation = model.language_model.config._attn_implementation
+    mask = chunk_mask(start, length, implementation, embeds.dtype, embeds.device)
+    return _last_hidden(model, embeds, position_ids, mask, _ChunkCache(keys, values, slot, start))
+
+
+def _last_hidden(
+    model: OCRModel,
+    hidden: Tensor,
+    position_ids: Tensor,
+    mask: Tensor | None,
+    cache: FilledSlotsCache | _StepCache | _ChunkCache,
+) -> Tensor:
+    """`hidden` [rows, n, hidden] at `position_ids` through every layer (their keys and values into
+    `cache`, attending under `mask`), then the final norm of each row's last position: [rows, hidden]."""
+    language_model = model.language_model
+    position_embeddings = language_model.rotary_emb(hidden, position_ids)
     for layer in language_model.layers:
         hidden = layer(
             hidden,
