@@ -116,9 +116,7 @@ def _tpot(result: Result) -> float | None:
 def _rows(figures: Serving) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("concurrency (jobs in flight per GPU)", figures.concurrency),
-        # A batched run's only: batch-1 jobs prefill whole prompts.
-        *([("prefill chunk tokens (0: whole prompts)", figures.prefill_chunk_tokens or 0)]
-          if figures.concurrency > 1 else []),  # fmt: skip
+        ("prefill chunk tokens (0: whole prompts)", figures.prefill_chunk_tokens or 0),
         ("GPUs (devices that finished its jobs)", figures.gpus),
         ("request throughput pages/s", figures.pages_per_s),
         ("output tokens/s", figures.output_tokens_per_s),
