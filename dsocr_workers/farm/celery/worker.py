@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -226,7 +227,7 @@ def start_worker(
         raise InputError(refused)
 
 
-def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
+def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> NoReturn:
     """One lane in this process: a Celery prefork worker with one child for `spec.device`. Started as
     `celery worker` starts one (`app.Worker`), without its command line: that loads every Celery CLI
     plugin installed (Flower and its web server among them) in each lane before its child forks."""
@@ -236,7 +237,7 @@ def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
 
     app = create_app(spec.settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
-    app.Worker(
+    worker = app.Worker(
         hostname=host_format(f"dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h"),
         pool_cls="prefork",
         concurrency=1,
@@ -246,10 +247,12 @@ def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
         # Celery's event heartbeats (not the ledger's) only serve a monitor.
         without_heartbeat=not events,
         loglevel=logging.getLevelNamesMapping()[loglevel.upper()],
-    ).start()
+    )
+    worker.start()
+    sys.exit(worker.exitcode)  # as `celery worker` ends: the lane's status is its worker's
 
 
-def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> None:
+def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> NoReturn:
     set_pdeathsig("SIGKILL")  # dies with `dsocr worker`, even killed (its own child dies with it likewise)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)  # Celery installs its own
