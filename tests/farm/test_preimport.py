@@ -8,8 +8,6 @@ inherit the imports is checked by their recorded `import_ms` (tests/farm/test_wo
 from __future__ import annotations
 
 import json
-import re
-import socket
 import subprocess
 import sys
 
@@ -74,43 +72,3 @@ def test_opening_a_model_after_the_parents_imports_imports_nothing_more(subproce
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
-
-
-LANE = """
-import json, os, sys
-from celery.signals import celeryd_after_setup
-from dsocr_workers.farm.celery.preimport import Imported
-from dsocr_workers.farm.celery.worker import WorkerSpec, run_lane
-from dsocr_workers.settings import Settings
-
-@celeryd_after_setup.connect
-def started(sender, instance, **_):  # before its pool forks the child, before it connects to the broker
-    steps = {type(step).__name__: step for step in instance.consumer.blueprint.steps.values()}
-    print(json.dumps({
-        "celery_cli": sorted(m for m in ("celery.bin.celery", "click_repl", "flower") if m in sys.modules),
-        "hostname": instance.hostname, "pool": instance.pool_cls.__module__, "concurrency": instance.concurrency,
-        "queues": sorted(instance.app.amqp.queues.consume_from), "loglevel": instance.loglevel,
-        "enabled": sorted(name for name in ("Gossip", "Mingle", "Heart") if steps[name].enabled),
-    }), flush=True)
-    os._exit(0)
-
-run_lane(WorkerSpec(Settings(), ("cpu", "cpu"), 1, ("first", "second"), None, Imported(0, 0.0)), "info", False)
-"""
-
-
-def test_a_lane_starts_its_celery_worker_without_celerys_command_line(subprocess_env):
-    # Celery's command line loads every installed CLI plugin (Flower, its web server, a REPL) in each
-    # lane before its child forks.
-    done = subprocess.run(
-        [sys.executable, "-c", LANE], env=subprocess_env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen.pop("celery_cli") == []
-    # The lane's index in its node name, with the host's name (`%h`, as the command line expands it).
-    hostname = seen.pop("hostname")
-    assert re.fullmatch(rf"dsocr-[0-9a-f]{{6}}-1@{re.escape(socket.gethostname())}", hostname), hostname
-    assert seen == {
-        "pool": "celery.concurrency.prefork", "concurrency": 1, "queues": ["first", "second"], "loglevel": 20,
-        "enabled": [],
-    }  # fmt: skip

@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -32,7 +31,6 @@ from multiprocessing.sharedctypes import RawArray
 from typing import Any, NoReturn
 
 from celery.platforms import set_pdeathsig
-from celery.utils.nodenames import host_format
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
@@ -227,32 +225,32 @@ def start_worker(
         raise InputError(refused)
 
 
-def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> NoReturn:
-    """One lane in this process: a Celery prefork worker with one child for `spec.device`. Started as
-    `celery worker` starts one (`app.Worker`), without its command line: that loads every Celery CLI
-    plugin installed (Flower and its web server among them) in each lane before its child forks."""
+def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
+    """One lane in this process: a Celery prefork worker with one child for `spec.device` (its command
+    line exits with the worker's status)."""
     global _handed
     _handed = spec
     from dsocr_workers.farm.celery.app import create_app
 
     app = create_app(spec.settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
-    worker = app.Worker(
-        hostname=host_format(f"dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h"),
-        pool_cls="prefork",
-        concurrency=1,
-        queues=list(spec.queues),
-        without_gossip=True,
-        without_mingle=True,
-        # Celery's event heartbeats (not the ledger's) only serve a monitor.
-        without_heartbeat=not events,
-        loglevel=logging.getLevelNamesMapping()[loglevel.upper()],
+    app.worker_main(
+        [
+            "worker",
+            "--pool=prefork",
+            "--concurrency=1",
+            f"--queues={','.join(spec.queues)}",
+            f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            # Celery's event heartbeats (not the ledger's) only serve a monitor.
+            *([] if events else ["--without-heartbeat"]),
+            f"--loglevel={loglevel}",
+        ]
     )
-    worker.start()
-    sys.exit(worker.exitcode)  # as `celery worker` ends: the lane's status is its worker's
 
 
-def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> NoReturn:
+def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> None:
     set_pdeathsig("SIGKILL")  # dies with `dsocr worker`, even killed (its own child dies with it likewise)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)  # Celery installs its own
