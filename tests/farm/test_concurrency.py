@@ -52,6 +52,20 @@ def most_at_once(spans: list[tuple[object, object]]) -> int:
     return most
 
 
+def worker_story(database_url: str, log: str) -> str:
+    """What a failed start-up check needs to be understood: the worker's sessions in order and what its
+    log says of warm-ups, batches and jobs that did not go straight through."""
+    db = open_database(database_url)
+    with db.transaction() as session:
+        sessions = session.execute(
+            select(WorkerSession.ready_at, WorkerSession.model, WorkerSession.warmup).order_by(WorkerSession.ready_at)
+        ).all()
+    db.dispose()
+    notable = re.compile(r"WARNING|ERROR|warm|batched engine|retry|refused|not open|back in line|Task .* received")
+    return "\n".join([*(f"session {row.ready_at} {row.model}: {row.warmup}" for row in sessions),
+                      *(line for line in log.splitlines() if notable.search(line))])  # fmt: skip
+
+
 @pytest.mark.postgres
 @pytest.mark.redis
 def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
@@ -131,7 +145,9 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     # The batched engine starts with the worker (its start-up session, which the batched jobs point at),
     # ready before any of them was claimed, its KV plan sized for the mode's longest prompt (every tiny
     # page has the same), not for the model's whole context.
-    assert len({row.warmup for row in batched}) == 1 and "; batched engine: concurrency 3," in batched[0].warmup
+    assert len({row.warmup for row in batched}) == 1 and "; batched engine: concurrency 3," in batched[0].warmup, (
+        worker_story(postgres_url, text)
+    )
     planned = re.search(rf"\((\d+) prompt \+ {TOKENS} new\)", batched[0].warmup)
     assert planned is not None and int(planned.group(1)) == max(row.prompt_tokens for row in batched), batched[0].warmup
     assert all(row.ready_at <= row.started_at for row in batched)

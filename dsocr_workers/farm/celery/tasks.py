@@ -209,7 +209,6 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
     # A retry is a new message: it keeps the job's label (farm/celery/messages.py `job_labels`) for monitors.
     label = getattr(self.request, "kwargsrepr", None)
     process, next_message = _process, handed_spec().next_message
-    options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
 
     def upcoming(tx: Session) -> ledger.WaitingJob | None:
         # On the prefetch thread, while this job runs: the job the lane fetched for this child next
@@ -219,6 +218,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
 
     infer = partial(process.infer, upcoming=upcoming)
     try:
+        options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
         if options is not None and options.concurrency > 1:
             # Its result is written when the batched engine finishes it (farm/job/batched.py); the engine
             # runs to the end when the lane has no next message for this child.

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 
+from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.batched import BatchedJobs
 from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
@@ -113,11 +114,13 @@ class JobProcess:
     def prepare_for(self, job_id: str) -> RunOptions | None:
         """Before the claim: open the model (and batch) this job's run needs, so the job does not pay for
         it; jobs in flight in a batch its run cannot join finish first. Returns the run's options; None
-        for a job that is gone or unknown (left to the claim to refuse) or whose run could not be read."""
+        for a job that is gone or unknown (left to the claim to refuse) or whose run's options are bad.
+        Raises TransientError when the ledger is out of reach."""
         try:
             options = self.prefetcher.run_of(job_id)
-        # A ledger outage, a run's bad options: the job's own path meets it again and records it.
-        except Exception:
+        except TransientError:  # the ledger out of reach: the task is retried, a batch in flight goes on
+            raise
+        except Exception:  # a run's bad options: the job's own path meets them again and records them
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None:
