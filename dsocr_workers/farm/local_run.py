@@ -176,8 +176,8 @@ def _run_line(
 
     while line:
         job_id = line.pop(0)
-        options = process.prepare_for(job_id)
         retrying = ledger_retrying(attempts=max_transient_retries + 1)
+        options = retrying(process.prepare_for, job_id)
         if options is not None and options.concurrency > 1:
             # The one claim path of the farm's batched jobs; with no next job in line, the batch runs to its end.
             outcome = retrying(run_in_batch, process, job_id, options, more_coming=bool(line))
