@@ -239,7 +239,7 @@ def main() -> int:
         image = scratch / "page.png"
         synthetic_page().save(image)
         family = family_of_preset(args.model)
-        page = family.code().prepare_page(image, OCRTokenizer.build_preset().encode, mode=family.mode(args.mode))
+        page = family.prepare_page(image, OCRTokenizer.build_preset().encode, mode=args.mode)
         report["page"] = {"crop_grid": list(page.crop_grid), "image_tokens": page.image_tokens,
                           "prompt_tokens": page.prompt_tokens}  # fmt: skip
         save_page(page, scratch / "page.pt")

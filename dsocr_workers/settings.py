@@ -53,6 +53,16 @@ def _integer(name: str) -> Callable[[str], int]:
     return parse
 
 
+def _count(name: str) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        count = _integer(name)(raw)
+        if count < 1:
+            raise InputError(f"{name} must be at least 1, got {raw!r}")
+        return count
+
+    return parse
+
+
 def _switch(name: str) -> Callable[[str], bool]:
     def parse(raw: str) -> bool:
         if raw not in ("0", "1"):
@@ -150,6 +160,14 @@ MATCH_TIME_LIMIT: Variable[float | None] = Variable(
     "`30` (the evaluator's)",
 )
 
+PAGE_PROCESSES = Variable(
+    "DSOCR_PAGE_PROCESSES",
+    _count("DSOCR_PAGE_PROCESSES"),
+    None,
+    "processes a worker child serving a `--concurrency` above 1 prepares its pages in (image decoding, "
+    "resizes and tiles, the prompt's ids), beside its batched engine's thread",
+    "half the CPUs, 1 to 4",
+)
 CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
                        "CPU threads per CPU worker child; set it when several CPU workers share a host",
                        "cores ÷ CPU children")
@@ -198,6 +216,7 @@ VARIABLES: tuple[Variable, ...] = (
     MATCH_TIME_LIMIT,
     FLOWER_BASIC_AUTH,
     GIT_SHA,
+    PAGE_PROCESSES,
     CPU_THREADS,
     VISIBLE_GPUS,
     TORCH_CACHE_DIR,

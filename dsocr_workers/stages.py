@@ -105,7 +105,8 @@ class StageTimings:
     ).field()
     preprocess_ms: float = Timing(
         "preprocess",
-        "the page read, tiled and tokenised (host)",
+        "the page read, tiled and tokenised (host); a batched page's runs from its hand-over to the "
+        "page-preparing processes to its page back, its wait for a free one included",
         stage="preprocess",
         host=True,
         part=True,

@@ -169,6 +169,16 @@ class StageClock:
                 self.nvtx_log.append(("pop", name))
             self._open.pop()
 
+    def record_host_stage(self, name: str, started_s: float, ended_s: float) -> None:
+        """A host stage that ran elsewhere, from `started_s` to `ended_s` on perf_counter: a page prepared
+        in another process, timed in this one from its hand-over to its return. Top-level and without an
+        NVTX range (a thread's ranges nest, and this interval spans threads)."""
+        if name not in self.stages or name not in HOST_STAGES:
+            raise ValueError(f"{name!r} is none of this model's host stages")
+        if self._resolved is not None:
+            raise RuntimeError("StageClock.finish() was already called")
+        self.entries.append(_Entry(name, None, started_s, ended_s, started_s, ended_s))
+
     def mark_step(self) -> None:
         """A decode step boundary: one preallocated CUDA event, or perf_counter on the CPU."""
         if self.timing_enabled and self.cuda:

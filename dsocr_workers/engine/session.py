@@ -236,7 +236,7 @@ class DeviceRun:
         )
         with clock.stage("postprocess"):
             text = session.decode_text(generated) if self.return_text else ""
-            parsed = postprocess.parse_markup(text, *page.original.size)
+            parsed = postprocess.parse_markup(text, *page.image_size)
         clock.finish()
         # Analysis, not inference: outside the stages, so it is no part of the job's timings.
         loop = None if self.stop_reason == "eos" else find_loop(generated)
@@ -250,7 +250,7 @@ class DeviceRun:
             image_tokens=page.image_tokens,
             crop_grid=page.crop_grid,
             mode=page.mode.name,
-            image_size=page.original.size,
+            image_size=page.image_size,
             timings=timings if batch is None else batch.timings(timings, clock.finished_s()),
             boxes=postprocess.boxes_json(parsed),
             skipped_spans=parsed.skipped_spans,
@@ -395,8 +395,8 @@ class DeepSeekOCRSession:
 
     def new_clock(self, job_id: str | None = None, *, marks_steps: bool = True) -> StageClock:
         """A job's clock, instrumented as this session is. `marks_steps` False: a page whose decode steps
-        the batched engine times; step events made on the preparing threads would hold the GIL that the
-        engine's thread needs to launch its steps."""
+        the batched engine times; step events made for each page would hold the GIL that the engine's
+        thread needs to launch its steps."""
         return StageClock(
             self.device,
             job_id=job_id,
@@ -415,13 +415,7 @@ class DeepSeekOCRSession:
     ) -> preprocess.PreparedPage:
         """The family's preprocessing of one page; None: the family's default mode, its own limit of
         tiles."""
-        return self.code.prepare_page(
-            image,
-            self.tokenizer.encode,
-            mode=self.family.mode(mode or self.family.default_mode),
-            prompt=prompt,
-            max_crops=self.max_crops(max_crops),
-        )
+        return self.family.prepare_page(image, self.tokenizer.encode, prompt, mode, max_crops)
 
     def max_crops(self, asked: int | None = None) -> int:
         """The most tiles a page is cut into: `asked` (checked against the family's limit), or the limit."""

@@ -6,8 +6,8 @@ A family is a package beside this module (model/<package>/) with a torch-free `c
 `from_<layout>(config_json)` for each layout it reads) and torch-side `preprocess.py` (`prepare_page`,
 `count_image_tokens`, `most_image_tokens`), `modeling.py` (the model class) and `keys.py` (`LAYOUTS`,
 `to_ours`, `to_vendor_state`, `expected_shapes`). The farm's parent names presets and modes from here
-without importing torch; `ModelFamily.code()` imports the torch side on first use. A third family is
-one more folder and one more line.
+without importing torch; `ModelFamily.code()` imports the torch side on first use,
+`ModelFamily.prepare_page` its `preprocess.py` alone. A third family is one more folder and one more line.
 """
 
 from __future__ import annotations
@@ -15,14 +15,20 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsocr_workers.errors import CheckpointError, InputError
 from dsocr_workers.model.config import ModeSpec, pick_mode
+
+if TYPE_CHECKING:  # torch's side: this module is torch-free
+    from PIL import Image
+
+    from dsocr_workers.model.preprocess import PreparedPage
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,6 @@ class FamilyCode:
     """A family's torch side: what the checkpoint reader, the engine and the warm-up call."""
 
     model: type  # an nn.Module class: `model(config, attn_implementation, experts_implementation)`
-    prepare_page: Callable[..., Any]  # (image, encode, *, mode, prompt, max_crops) -> PreparedPage
     count_image_tokens: Callable[[ModeSpec, tuple[int, int]], int]
     most_image_tokens: Callable[[ModeSpec, int], int]
     keys: ModuleType  # LAYOUTS, to_ours(key, layout), to_vendor_state(state), expected_shapes(config, layout)
@@ -67,6 +72,26 @@ class ModelFamily:
             )
         return asked
 
+    def prepare_page(
+        self,
+        image: str | os.PathLike | bytes | Image.Image,
+        encode: Callable[[str], list[int]],
+        prompt: str | None = None,
+        mode: str | None = None,
+        max_crops: int | None = None,
+    ) -> PreparedPage:
+        """One page through the family's preprocessing, its prompt's ids made by `encode` (the tokenizer's,
+        without added special tokens); None: the family's default mode, its own limit of tiles. Imports the
+        family's `preprocess.py` alone (`preprocessing`), not its model."""
+        return self.preprocessing().prepare_page(  # type: ignore[no-any-return]
+            image, encode, mode=self.mode(mode or self.default_mode), prompt=prompt, max_crops=self.crops(max_crops)
+        )
+
+    def preprocessing(self) -> ModuleType:
+        """The family's torch-side `preprocess.py`, imported alone: what a process that only prepares pages
+        needs (farm/job/page_processes.py)."""
+        return importlib.import_module(f"dsocr_workers.model.{self.package}.preprocess")
+
     def config_from(self, config_json: dict[str, Any], layout: str) -> Any:
         """The family's config from a `config.json` in `layout` (`matches` said which)."""
         config_class = type(next(iter(self.presets.values())))
@@ -92,7 +117,6 @@ def _code(package: str, model_class: str) -> FamilyCode:
     preprocess = importlib.import_module(f"{base}.preprocess")
     return FamilyCode(
         getattr(importlib.import_module(f"{base}.modeling"), model_class),
-        preprocess.prepare_page,
         preprocess.count_image_tokens,
         preprocess.most_image_tokens,
         importlib.import_module(f"{base}.keys"),

@@ -45,7 +45,9 @@ class PreparedPage:
     crop_grid: tuple[int, int]  # (cols, rows); (1, 1) without tiles
     image_tokens: int  # N
     prompt_tokens: int  # L
-    original: Image.Image  # EXIF-corrected RGB original, the frame of the output boxes
+    # (width, height) of the EXIF-corrected original, the frame of the output boxes: its size, not its
+    # pixels, so that a page crosses to another process as its tensors alone.
+    image_size: tuple[int, int]
     mode: ModeSpec
     # False when the normalised global view sums to exactly 0: the vendor then skips image injection
     # (spec §6.1), so an exactly balanced page silently reads as "no image". Kept for parity.
@@ -170,7 +172,7 @@ def assemble_page(
         crop_grid=grid,
         image_tokens=image_tokens,
         prompt_tokens=len(input_ids),
-        original=original,
+        image_size=original.size,
         mode=mode,
         # Both vendors skip the image when its normalised global view sums to exactly 0.
         injects_image=not sums_to_zero(view),

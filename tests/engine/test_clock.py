@@ -294,6 +294,22 @@ def test_a_clock_of_one_family_s_model_refuses_another_s_stage_and_leaves_it_non
     assert (off.stage_timings().clip_ms, off.stage_timings().qwen2_ms) == (0.0, None)
 
 
+def test_a_host_stage_timed_elsewhere_counts_as_given_and_only_a_host_stage_may_be():
+    """A batched page's `preprocess`, timed from its hand-over to the page-preparing processes to its return
+    (farm/job/page_processes.py): recorded with the two readings, without an NVTX range."""
+    clock = StageClock("cpu", job_id="1")
+    clock.record_host_stage("preprocess", 10.0, 10.25)
+    with pytest.raises(ValueError, match="'prefill' is none of this model's host stages"):
+        clock.record_host_stage("prefill", 10.0, 10.25)
+    with clock.stage("postprocess"):
+        pass
+    clock.finish()
+    assert clock.count("preprocess") == 1 and clock.ms("preprocess") == 250.0
+    assert ("push", "preprocess") not in clock.nvtx_log and ("push", "postprocess") in clock.nvtx_log
+    with pytest.raises(RuntimeError, match="already called"):
+        clock.record_host_stage("preprocess", 10.0, 10.25)
+
+
 def test_misuse_is_reported():
     clock = StageClock("cpu")
     with pytest.raises(ValueError, match="unknown stage"), clock.stage("vision"):

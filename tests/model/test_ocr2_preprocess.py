@@ -135,7 +135,7 @@ def assert_page_is_the_vendors(image: Image.Image, mode: str = DEFAULT_MODE, pro
     else:
         assert page.tile_pixels is not None and page.tile_pixels.shape[1:] == (3, 768, 768)
         assert torch.equal(normalize_pixels(page.tile_pixels), crops)
-        assert page.crop_grid == vendor_grid(*page.original.size, max_num=max_crops)
+        assert page.crop_grid == vendor_grid(*page.image_size, max_num=max_crops)
     assert torch.equal(page.input_ids, ids) and torch.equal(page.images_seq_mask, seq_mask)
     assert page.image_tokens == int(seq_mask.sum()) and page.prompt_tokens == len(ids)
     return page
@@ -257,7 +257,7 @@ def test_exif_rotation_is_applied_before_everything():
     buffer = io.BytesIO()
     stored.save(buffer, "PNG", exif=exif)
     page = pp.prepare_page(buffer.getvalue(), byte_encode)
-    assert page.original.size == (900, 1600) and page.crop_grid == (1, 2)
+    assert page.image_size == (900, 1600) and page.crop_grid == (1, 2)
     with Image.open(io.BytesIO(buffer.getvalue())) as image:
         assert_page_is_the_vendors(image, source=buffer.getvalue())
 

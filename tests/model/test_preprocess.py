@@ -170,7 +170,7 @@ def test_prepare_page_gundam_layout_and_tensors():
     )
     for t in (page.global_view, page.tiles):
         assert t.is_contiguous() and float(t.min()) >= -1.0 and float(t.max()) <= 1.0
-    assert page.original.size == (1000, 800) and page.original.mode == "RGB"
+    assert page.image_size == (1000, 800)
     assert page.mode is GUNDAM
 
 
@@ -274,7 +274,7 @@ def test_exif_orientation_is_applied(fmt, tmp_path):
     r, g, b = image.getpixel((90, 10))  # the red block is now top-right
     assert r > 200 and g < 60 and b < 60
     page = prepare_page(path, byte_encode, mode="base")
-    assert page.original.size == (100, 200)
+    assert page.image_size == (100, 200)
 
 
 def test_corrupt_exif_is_tolerated_quietly():
@@ -342,7 +342,7 @@ def test_valid_files_in_odd_formats_load(fmt, make, params, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing for worker logs either
         page = prepare_page(path, byte_encode, mode="tiny")
-    assert page.original.mode == "RGB" and page.original.size == (50, 40)
+    assert load_image(path).mode == "RGB" and page.image_size == (50, 40)
     assert page.global_view.shape == (1, 3, 512, 512)
 
 
@@ -350,7 +350,7 @@ def test_bytes_and_one_pixel_images(tmp_path):
     data = encoded(Image.new("RGB", (1, 1), (9, 9, 9)), "PNG")
     for mode in MODES:
         page = prepare_page(data, byte_encode, mode=mode)
-        assert page.crop_grid == (1, 1) and page.original.size == (1, 1)
+        assert page.crop_grid == (1, 1) and page.image_size == (1, 1)
 
 
 def test_extreme_aspect_ratio_pads_without_error():

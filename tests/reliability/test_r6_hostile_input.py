@@ -112,7 +112,7 @@ VALID = ["one-pixel.png", "cmyk.jpg", "gray16.png", "palette-alpha.png", "exif-r
 
 @pytest.mark.parametrize("concurrency", [1, 3], ids=["batch-1", "batched"])
 def test_r6_hostile_input(new_farm, tmp_path, concurrency):
-    """At concurrency 3 the pages are prepared on the batch's threads: a page that breaks there fails its
+    """At concurrency 3 the pages are prepared in the batch's page processes: a page that breaks there fails its
     job alone, the batch and the child go on."""
     root, _ = hostile_root(tmp_path)
     listing = tmp_path / "hostile.txt"

@@ -1,5 +1,6 @@
 """Jobs of a run with `--concurrency N` above 1, up to N in flight on the batched engine (engine/batched/).
-A job's task claims it, hands its page to the preparing threads, waits while N jobs are in flight and
+A job's task claims it, hands its page to the page-preparing processes (farm/job/page_processes.py: off
+this process's GIL, which the engine's thread launches under), waits while N jobs are in flight and
 returns, so the lane's next message joins the batch. The engine's own thread (`_serve`), the only one on
 the device, steps while it has work; each result is written on the results thread, as a batch-1 job's.
 A `--profile N` run's engine samples its steps under torch.profiler (engine/profiling.py `StepSample`)."""
@@ -7,10 +8,9 @@ A `--profile N` run's engine samples its steps under torch.profiler (engine/prof
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -19,6 +19,7 @@ from dsocr_workers.farm.job.batch_steps import StepLog
 from dsocr_workers.farm.job.claims import job_failed
 from dsocr_workers.farm.job.execute import Ran, result_row
 from dsocr_workers.farm.job.loaded import JobHost, OpenModel
+from dsocr_workers.farm.job.page_processes import PageProcesses
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
@@ -30,10 +31,6 @@ if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this mo
     from dsocr_workers.engine.session import PreparedJob
 
 log = logging.getLogger("dsocr.worker")
-
-# A batch that finished together is refilled together, faster than one thread prepares pages (PIL and
-# torch's CPU ops release the GIL); half the cores at most, so the engine's thread keeps the GIL it needs.
-PREPARE_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 
 # An interrupted task's wait for the engine's thread to fail the batch: a step or two.
 ABORT_WAIT_S = 10.0
@@ -53,12 +50,20 @@ class BatchedJobs:
     """The batched engine of one run's settings in a job process, and the jobs it holds."""
 
     def __init__(
-        self, process: JobHost, loaded: OpenModel, options: RunOptions, engine: BatchedEngine, started: BatchedStart
+        self,
+        process: JobHost,
+        loaded: OpenModel,
+        options: RunOptions,
+        engine: BatchedEngine,
+        started: BatchedStart,
+        pages: PageProcesses,
+        pages_started: bool,
     ) -> None:
-        """`engine`: started for `options`, as `started` says (`start`)."""
+        """`engine`: started for `options`, as `started` says; `pages`: the process's page-preparing
+        processes, ready, started with this batch or (`pages_started` False) an earlier one (`start`)."""
         self.process, self.loaded, self.options, self.engine, self.started = process, loaded, options, engine, started
         self.jobs: dict[str, InFlight] = {}  # in claim order
-        self._pages = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="dsocr-batch-pages")
+        self._pages, self._pages_started = pages, pages_started
         self._steps = StepLog(process.ledger_threads, loaded, self._profiler(options))
         # Guards `jobs` and the flags below; notified when one changes or a page is prepared.
         self._changed = threading.Condition()
@@ -73,14 +78,19 @@ class BatchedJobs:
     @classmethod
     def start(cls, process: JobHost, loaded: OpenModel, options: RunOptions) -> BatchedJobs:
         """The batched engine for a run with `options`, started on its warm model (its step per bucket
-        captured, from the packages built for its concurrency where there are)."""
+        captured, from the packages built for its concurrency where there are), with the process's
+        page-preparing processes (`JobHost.pages_for`), started meanwhile unless an earlier batch on the
+        model did: ready before the batch is."""
         from dsocr_workers.engine.coldstart.warmup import start_batched
 
+        pages = process.pages_for(loaded.session)
+        pages_started = pages.ready_ms is None
         engine, started = start_batched(
             loaded.session, options.concurrency, options.mode_name, options.max_new_tokens, options.decode_options,
             options.prompt, prefill_chunk_tokens=options.prefill_chunk_tokens,
         )  # fmt: skip
-        return cls(process, loaded, options, engine, started)
+        pages.wait_ready()
+        return cls(process, loaded, options, engine, started, pages, pages_started)
 
     def _profiler(self, options: RunOptions) -> StepProfiler | None:
         """A `--profile N` run's: every N-th step of each kind under torch.profiler (`StepSample`)."""
@@ -94,7 +104,8 @@ class BatchedJobs:
 
     def describe(self) -> str:
         """Its start, for the worker session that records it."""
-        return self.started.describe()
+        pages = self._pages.describe() + ("" if self._pages_started else " (started with an earlier batch)")
+        return f"{self.started.describe()}; {pages}"
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended):
@@ -102,10 +113,10 @@ class BatchedJobs:
         return replace(options, repeats=1) == replace(self.options, repeats=1) and self.failed is None
 
     def add(self, claim: ledger.Claim, claimed_s: float) -> None:
-        """Hand the job's page to the preparing threads; it joins the engine once it is prepared."""
+        """Hand the job's page to the page-preparing processes; it joins the engine once it is back."""
         options, session = self.options, self.loaded.session
-        page = self._pages.submit(session.prepare_job, str(claim.image_path), options.prompt, options.mode_name,
-                                  clock=session.new_clock(claim.job_id, marks_steps=False))
+        page = self._pages.submit(str(claim.image_path), options.prompt, options.mode_name,
+                                  session.new_clock(claim.job_id, marks_steps=False))
         with self._changed:
             self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
             self._idle = False
@@ -135,21 +146,24 @@ class BatchedJobs:
         raise interrupted
 
     def close(self) -> None:
-        """Finish the jobs in flight, stop the engine's thread and the preparing threads."""
+        """Finish the jobs in flight and stop the engine's thread (the page-preparing processes are the
+        job process's: the next batch on the model takes them over)."""
         self.drain()
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
         self._engine_thread.join()
-        self._pages.shutdown()
 
     def abandon(self) -> None:
-        """Stop the engine's thread between two steps: its jobs stay this process's to hand back."""
+        """Stop the engine's thread between two steps: its jobs stay this process's to hand back, their
+        pages not prepared yet are dropped."""
         with self._changed:
             self._abandoned = True
             self._changed.notify_all()
+            pages = [job.page for job in self.jobs.values()]
+        for page in pages:
+            page.cancel()
         self._engine_thread.join(timeout=ABORT_WAIT_S)
-        self._pages.shutdown(wait=False, cancel_futures=True)
 
     def _notify(self) -> None:
         with self._changed:
@@ -217,7 +231,8 @@ class BatchedJobs:
             self._changed.notify_all()
         again = [job_id for job in jobs if (job_id := self._fail(job, exc)) is not None]
         self._steps.write()  # those taken; the rest go with the engine
-        self._pages.shutdown(wait=False, cancel_futures=True)
+        for job in jobs:
+            job.page.cancel()  # dropped unless a process has it already
         self.process.send_again(again)
 
     def _fail_lost(self) -> None:

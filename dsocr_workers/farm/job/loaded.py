@@ -15,6 +15,7 @@ from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 
 if TYPE_CHECKING:
+    from dsocr_workers.farm.job.page_processes import PageProcesses
     from dsocr_workers.store.ledger import Claim
 
 
@@ -61,5 +62,7 @@ class JobHost(Protocol):
     def batch(self) -> Batch | None: ...
 
     def joinable_batch(self, options: RunOptions) -> Batch: ...
+
+    def pages_for(self, session: Any) -> PageProcesses: ...
 
     def send_again(self, job_ids: list[str]) -> None: ...

@@ -3,7 +3,9 @@
 It owns one device, one ledger connection (opened in this process, after fork) and one open model
 (`models`, farm/job/opening.py), opened before a job's claim and never by a job. While a job has the
 device, the page of the job that comes next is prepared on a thread (farm/job/prefetch.py); a Celery
-child's claims and results are written on others (farm/job/ledger_threads.py).
+child's claims and results are written on others (farm/job/ledger_threads.py). Batched jobs' pages are
+prepared in processes of their own (farm/job/page_processes.py), started with the first batched engine
+on a model and kept for the next ones on it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import gc
 import logging
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from dsocr_workers.errors import TransientError
 from dsocr_workers.farm.job.batched import BatchedJobs
@@ -19,6 +22,7 @@ from dsocr_workers.farm.job.execute import Claiming, Ran
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.opening import ModelOpener, NotOpen
+from dsocr_workers.farm.job.page_processes import PageProcesses, default_processes
 from dsocr_workers.farm.job.prefetch import PagePlan, Prefetcher, Upcoming
 from dsocr_workers.farm.job.warm import Warmup
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
@@ -42,6 +46,9 @@ class JobProcess:
     ledger_threads: LedgerThreads
     models: ModelOpener
     batch: BatchedJobs | None = None  # jobs of a run with concurrency above 1 in flight (farm/job/batched.py)
+    # The batches' page-preparing processes (`pages_for`): a batch's start may take them over from the
+    # batch before it on the same model, so a batch started again pays no second start of theirs.
+    pages: PageProcesses | None = None
 
     @classmethod
     def open(
@@ -90,6 +97,11 @@ class JobProcess:
             self.batch.abandon()
             self.batch = None
         self.end_batch()  # its jobs finish and their results are written before the threads stop
+        if self.pages is not None and hand_back:
+            self.pages.kill()
+        elif self.pages is not None:
+            self.pages.close()
+        self.pages = None
         # Before the heartbeat stops: the leases of the results it writes stay renewed.
         self.ledger_threads.close()
         self.prefetcher.close()
@@ -176,6 +188,16 @@ class JobProcess:
         if self.batch is None or not self.batch.serves(options):
             raise self.models.failures.get(options) or NotOpen(f"no batched engine open for {options.model}")
         return self.batch
+
+    def pages_for(self, session: Any) -> PageProcesses:
+        """The page-preparing processes of a batch on `session`: those an earlier batch on it started, else
+        new ones (those of another model closed first), starting meanwhile (`PageProcesses.wait_ready`)."""
+        if self.pages is not None and self.pages.serves(session):
+            return self.pages
+        if self.pages is not None:
+            self.pages.close()
+        self.pages = PageProcesses(session, default_processes())
+        return self.pages
 
     def send_again(self, job_ids: list[str]) -> None:
         """New messages for jobs of this process put back in line without one (a failed batch's: their
