@@ -167,6 +167,20 @@ def test_the_processes_are_gone_after_close_and_later_pages_fail(make_png):
         pool.submit(str(page), None, "gundam", session.new_clock()).result()
 
 
+
+def test_a_start_past_its_time_fails_the_pool_and_close_kills_its_processes(make_png):
+    session = DeepSeekOCRSession.from_local("tiny")
+    before = child_pids(os.getpid())
+    pool = PageProcesses(session, 2)
+    with pytest.raises(RuntimeError, match="not ready within 0 s"):
+        pool.wait_ready(timeout_s=0.0)  # no process imports torch in no time
+    started = child_pids(os.getpid()) - before
+    with pytest.raises(RuntimeError, match="not ready within"):
+        pool.submit(str(make_png("page.png")), None, "gundam", session.new_clock()).result()
+    assert not pool.serves(session)
+    pool.close()
+    assert not [pid for pid in started if running(pid)]
+
 HOLDER = """
 import time
 

@@ -55,6 +55,9 @@ log = logging.getLogger("dsocr.worker")
 
 # How long a process whose pipe ended may take to exit.
 END_WAIT_S = 10.0
+# How long the processes may take to import torch and the preprocessing and say they are ready: a
+# hung start fails the batch's start rather than hanging it.
+START_TIMEOUT_S = 300.0
 # Pages handed to a process at once: its next one waits in its pipe while it prepares one, so that it
 # never idles until this process's thread, which may wait for the GIL, has read a page and sent another.
 ORDERS_PER_PROCESS = 2
@@ -184,11 +187,16 @@ class PageProcesses:
         self._thread = threading.Thread(target=self._serve, name="dsocr-page-processes", daemon=True)
         self._thread.start()
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Wait until every process is ready to prepare pages: milliseconds since the pool started. Raises
-        if one could not start."""
+        if one could not start, or not within `timeout_s` (the pool then fails every page)."""
         with self._changed:
-            self._changed.wait_for(lambda: self.ready_ms is not None or self._broken is not None)
+            started = self._changed.wait_for(
+                lambda: self.ready_ms is not None or self._broken is not None, timeout=timeout_s
+            )
+        if not started:
+            self._break(f"the page-preparing processes were not ready within {timeout_s:.0f} s")
+        with self._changed:
             if self._broken is not None:
                 raise RuntimeError(self._broken)
             assert self.ready_ms is not None
@@ -235,6 +243,7 @@ class PageProcesses:
 
     def _stop(self, kill: bool) -> None:
         with self._changed:
+            kill = kill or self._broken is not None  # a broken pool's processes may never say they are ready
             self._stopping = True
             waiting = list(self._waiting)
             self._waiting.clear()
