@@ -97,11 +97,9 @@ class JobProcess:
             self.batch.abandon()
             self.batch = None
         self.end_batch()  # its jobs finish and their results are written before the threads stop
-        if self.pages is not None and hand_back:
-            self.pages.kill()
-        elif self.pages is not None:
-            self.pages.close()
-        self.pages = None
+        if self.pages is not None:
+            self.pages.kill() if hand_back else self.pages.close()
+            self.pages = None
         # Before the heartbeat stops: the leases of the results it writes stay renewed.
         self.ledger_threads.close()
         self.prefetcher.close()
