@@ -27,7 +27,6 @@ JSON and markdown into --out (page-prep.json, page-prep.md); the markdown to std
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -48,9 +47,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import bench_engine  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, PreparedJob  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
-from dsocr_workers.farm.job.fingerprint import git_sha  # noqa: E402
 from dsocr_workers.farm.job.page_processes import PageProcesses, default_processes  # noqa: E402
 
 DEFAULT_PAGES = "datasets/omnidocbench/subsets/demo-18.txt"
@@ -133,23 +132,19 @@ def latency_summary(latencies_s: list[float], wall_s: float) -> dict[str, float]
 
 
 def environment() -> dict[str, Any]:
+    """bench_engine's (date, host, versions, git), with the CPU, its load and the image libraries."""
     cpu = next(
         (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
          if line.startswith("model name")), platform.processor(),
     )  # fmt: skip
-    sha = git_sha()
     return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "host": platform.node(),
+        **bench_engine.environment(),
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "pillow": PIL.__version__,
         "numpy": np.__version__,
         "tokenizers": tokenizers.__version__,
-        "git_sha": sha[:7] if sha else None,
     }
 
 
