@@ -614,6 +614,25 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, prese
     check_chunks(chunked, outputs, 100)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the batched step compiled by inductor")
+def test_cuda_engines_of_two_capacities_compile_their_step_in_one_process():
+    """A second batched engine whose slots hold more positions (a longer token budget, another model's
+    longer prompt) compiles the step for its own capacity and picks the same tokens: dynamo would
+    otherwise make the capacity dynamic on that recompilation, which the compiled step cannot take."""
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    options = DecodeOptions(no_repeat_ngram_size=20, ignore_eos=True)
+    prepared = [fast.prepare_job(page(w, h), None, mode).page for w, h, mode, _ in PAGES]
+    longest = max(p.prompt_tokens for p in prepared)
+    expected = [fast.run_on_device(p, 16, options).finish().token_ids for p in prepared]
+    capacities = []
+    for budget in (16, 16 + 3 * 128):
+        engine = BatchedEngine.create(fast, 4, longest, budget, options)
+        outputs = engine.run([PageRequest(f"{i}", p, 16) for i, p in enumerate(prepared)], 4)
+        assert {o.request_id: o.token_ids for o in outputs} == {str(i): t for i, t in enumerate(expected)}
+        capacities.append(engine.plan.capacity)
+    assert capacities[0] < capacities[1]
+
+
 def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):
     """One page's prefill raising (here: its vision) leaves the engine as it was: the slot free again,
     the pages already in flight decode on, and the same page joins later."""
