@@ -1,7 +1,8 @@
-"""The batched path's page-preparing processes (farm/job/page_processes.py), on real sessions of both
-families and real images: a page they send back is `DeepSeekOCRSession.prepare`'s bit for bit, out of
-shared memory, its `preprocess` stage on its clock; a bad image fails its page alone with its message; a
-process that dies is replaced; none outlives the pool's close, nor a process that held one killed with -9."""
+"""The page-preparing processes (farm/job/page_processes.py: batched jobs' pages, batch-1 prefetches on a
+GPU), on real sessions of both families and real images: a page they send back is
+`DeepSeekOCRSession.prepare`'s bit for bit, out of shared memory, its `preprocess` stage on its clock; a
+bad image fails its page alone with its message; a process that dies is replaced; none outlives the
+pool's close, nor a process that held one killed with -9."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.job.page_processes import ORDERS_PER_PROCESS, PageProcesses
+from dsocr_workers.farm.job.prefetch import PagePlan
+from dsocr_workers.farm.run_options import ModelKey
 from dsocr_workers.model.preprocess import PreparedPage
 
 DEMO = Path(os.environ.get("OMNIDOCBENCH_DEMO_DIR")
@@ -93,6 +96,31 @@ def test_a_page_from_the_processes_is_the_sessions_own_bit_for_bit(pooled, pages
         assert clock.count("preprocess") == 1 and clock.ms("preprocess") > 0
         grids.add(prepared.page.crop_grid)
     assert (len(grids) > 1) == tiles  # tiles, of more than one grid, in the mode that cuts them
+
+
+def test_a_prefetched_page_comes_from_the_processes_and_is_prepared_here_once_they_are_gone(
+    pooled, make_png, monkeypatch, caplog
+):
+    """A batch-1 job's page prefetched on a GPU (`PagePlan.prepare` with the processes) is the session's
+    own, prepared in a process on the job's clock; with the processes stopped it is prepared here."""
+    session, pool = pooled
+    image = make_png("prefetched.png", (1600, 900))
+    plan = PagePlan("job-7", image, None, "gundam", ModelKey(session.source.name))
+    with torch.inference_mode():
+        expected = session.prepare(str(image), None, "gundam")
+    with monkeypatch.context() as patch:
+        patch.setattr(session, "prepare_job", lambda *a, **k: pytest.fail("prepared in this process"))
+        prepared = plan.prepare(session, pool)
+    assert_same_page(prepared.page, expected)
+    assert prepared.clock.job_id == "job-7"
+    prepared.clock.finish()
+    assert prepared.clock.count("preprocess") == 1 and prepared.clock.ms("preprocess") > 0
+    stopped = PageProcesses(session, 1)
+    stopped.kill()
+    with caplog.at_level("WARNING", logger="dsocr.worker"):
+        here = plan.prepare(session, stopped)
+    assert_same_page(here.page, expected)
+    assert "job job-7: no page-preparing process; its page is prepared here" in caplog.text
 
 
 def test_a_bad_image_fails_its_page_alone_with_its_message(pooled, make_png, tmp_path):

@@ -104,7 +104,7 @@ class BatchedJobs:
 
     def describe(self) -> str:
         """Its start, for the worker session that records it."""
-        pages = self._pages.describe() + ("" if self._pages_started else " (started with an earlier batch)")
+        pages = self._pages.describe() + ("" if self._pages_started else " (started earlier on this model)")
         return f"{self.started.describe()}; {pages}"
 
     def serves(self, options: RunOptions) -> bool:

@@ -53,6 +53,12 @@ if TYPE_CHECKING:  # the lane's parent imports this module (farm/job/batched.py)
 
 log = logging.getLogger("dsocr.worker")
 
+
+class PagesUnavailable(RuntimeError):
+    """A page failed for want of a process to prepare it (the pool stopped, broke or lost the process
+    holding it), not for anything of its own: its job may prepare it another way."""
+
+
 # How long a process whose pipe ended may take to exit.
 END_WAIT_S = 10.0
 # How long the processes may take to import torch and the preprocessing and say they are ready: a
@@ -198,7 +204,7 @@ class PageProcesses:
             self._break(f"the page-preparing processes were not ready within {timeout_s:.0f} s")
         with self._changed:
             if self._broken is not None:
-                raise RuntimeError(self._broken)
+                raise PagesUnavailable(self._broken)
             assert self.ready_ms is not None
             return self.ready_ms
 
@@ -229,7 +235,7 @@ class PageProcesses:
                 self._waiting.append(page)
                 self._dispatch()
         if refused is not None:
-            _fail(page, RuntimeError(refused))
+            _fail(page, PagesUnavailable(refused))
         return page.future
 
     def close(self) -> None:
@@ -254,7 +260,7 @@ class PageProcesses:
                     _send_quietly(preparer.connection, None)
             self._changed.notify_all()
         for page in waiting:
-            _fail(page, RuntimeError("page preparation stopped"))
+            _fail(page, PagesUnavailable("page preparation stopped"))
         self._thread.join()
 
     # --- the pool's thread ---------------------------------------------------------------------------
@@ -365,7 +371,7 @@ class PageProcesses:
             preparer.holds.clear()
             stopping = self._stopping
         for page in held:
-            _fail(page, RuntimeError(f"the process preparing this page ended (exit status {status})"))
+            _fail(page, PagesUnavailable(f"the process preparing this page ended (exit status {status})"))
         if stopping:
             return
         if not preparer.ready:
@@ -383,7 +389,7 @@ class PageProcesses:
             self._waiting.clear()
             self._changed.notify_all()
         for page in [*(held or []), *waiting]:
-            _fail(page, RuntimeError(reason))
+            _fail(page, PagesUnavailable(reason))
 
     def _dispatch(self) -> None:
         """(Under `_changed`.) Waiting pages, in order, to the ready processes that hold fewest (up to

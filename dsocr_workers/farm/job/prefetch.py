@@ -1,11 +1,13 @@
-"""The next job's page, prepared on a thread while this job has the device.
+"""The next job's page, prepared while this job has the device: on a thread, or on a GPU in the
+page-preparing processes (farm/job/page_processes.py), the thread waiting for it off the GIL.
 
 Which job: `Upcoming` reads it from the ledger in the thread's own transaction (`dsocr run` knows its
 line; a Celery child is told by its lane's parent which message it fetched for it next). Nothing is
 claimed: the page is kept for its job id and taken only by that job as it is claimed (same image,
 prompt, mode and model: `PagePlan`); any other job drops it. The page's `preprocess` stage is timed on
-the job's own clock, on this thread; the time it then waits (`page_wait_ms`) stays outside its e2e. A
-page whose preparation fails keeps its error, which its job raises when it runs.
+the job's own clock (in a process: from its hand-over to its page back); the time it then waits
+(`page_wait_ms`) stays outside its e2e. A page whose preparation fails keeps its error, which its job
+raises when it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dsocr_workers.farm.job.page_processes import PagesUnavailable
 from dsocr_workers.farm.run_options import ModelKey, RunOptions
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.ledger import WaitingJob
@@ -28,6 +31,7 @@ from dsocr_workers.store.models import Job, Run
 if TYPE_CHECKING:
     from dsocr_workers.engine.session import PreparedJob
     from dsocr_workers.farm.job.claims import Claiming
+    from dsocr_workers.farm.job.page_processes import PageProcesses
 
 log = logging.getLogger("dsocr.worker")
 
@@ -65,7 +69,14 @@ class PagePlan:
         options = RunOptions.from_parameters(job.model, job.parameters)
         return cls(job.job_id, job.image_path, options.prompt, options.mode_name, options.model_key)
 
-    def prepare(self, session: Any) -> PreparedJob:
+    def prepare(self, session: Any, pages: PageProcesses | None = None) -> PreparedJob:
+        """The page, prepared here or, given `pages`, in one of those processes (here if none can)."""
+        if pages is not None:
+            clock = session.new_clock(self.job_id)
+            try:
+                return pages.submit(str(self.image_path), self.prompt, self.mode, clock).result()
+            except PagesUnavailable:
+                log.warning("job %s: no page-preparing process; its page is prepared here", self.job_id)
         return session.prepare_job(str(self.image_path), self.prompt, self.mode, job_id=self.job_id)
 
 
@@ -92,11 +103,13 @@ class Prefetcher:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-prefetch")
         self._next: Future[Prefetched | None] | None = None
 
-    def start(self, upcoming: Upcoming, model: ModelKey, session: Any) -> None:
+    def start(
+        self, upcoming: Upcoming, model: ModelKey, session: Any, pages: PageProcesses | None = None
+    ) -> None:
         """Prepare the page of the job `upcoming` names with `session` (the loaded `model`; a job of
-        another model is left to prepare its own, after that model is loaded). A page prefetched earlier
-        and not taken is dropped."""
-        self._next = self._thread.submit(self._prepare, upcoming, model, session)
+        another model is left to prepare its own, after that model is loaded), in one of `pages`' processes
+        where given, the thread waiting for it. A page prefetched earlier and not taken is dropped."""
+        self._next = self._thread.submit(self._prepare, upcoming, model, session, pages)
 
     def job(self, job_id: str) -> WaitingJob | None:
         """The job whose page is being prefetched, as the thread read it, if it is `job_id` (waiting for
@@ -146,7 +159,9 @@ class Prefetcher:
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
-    def _prepare(self, upcoming: Upcoming, model: ModelKey, session: Any) -> Prefetched | None:
+    def _prepare(
+        self, upcoming: Upcoming, model: ModelKey, session: Any, pages: PageProcesses | None
+    ) -> Prefetched | None:
         try:
             with self._db.transaction() as tx:
                 waiting = upcoming(tx)
@@ -159,7 +174,7 @@ class Prefetcher:
         if plan.model != model:
             return None
         try:
-            prepared = plan.prepare(session)
+            prepared = plan.prepare(session, pages)
         except Exception as exc:  # the job raises it when it runs (a bad image: its InputError)
             return Prefetched(plan, exc, waiting)
         return Prefetched(plan, prepared, waiting)

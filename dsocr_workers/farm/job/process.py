@@ -2,10 +2,11 @@
 
 It owns one device, one ledger connection (opened in this process, after fork) and one open model
 (`models`, farm/job/opening.py), opened before a job's claim and never by a job. While a job has the
-device, the page of the job that comes next is prepared on a thread (farm/job/prefetch.py); a Celery
-child's claims and results are written on others (farm/job/ledger_threads.py). Batched jobs' pages are
-prepared in processes of their own (farm/job/page_processes.py), started with the first batched engine
-on a model and kept for the next ones on it.
+device, the page of the job that comes next is prepared ahead (farm/job/prefetch.py); a Celery child's
+claims and results are written on threads (farm/job/ledger_threads.py). On a GPU, pages are prepared in
+processes of their own (farm/job/page_processes.py): batched jobs' pages and batch-1 jobs' prefetched
+ones, the processes started with the first batched engine or prefetch on a model and kept for the next
+ones on it.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class JobProcess:
     ledger_threads: LedgerThreads
     models: ModelOpener
     batch: BatchedJobs | None = None  # jobs of a run with concurrency above 1 in flight (farm/job/batched.py)
-    # The batches' page-preparing processes (`pages_for`): a batch's start may take them over from the
-    # batch before it on the same model, so a batch started again pays no second start of theirs.
+    # The page-preparing processes (`pages_for`) of the open model: a batch's start takes them over from
+    # the batch or prefetches before it on the same model, so it pays no second start of theirs.
     pages: PageProcesses | None = None
 
     @classmethod
@@ -188,8 +189,9 @@ class JobProcess:
         return self.batch
 
     def pages_for(self, session: Any) -> PageProcesses:
-        """The page-preparing processes of a batch on `session`: those an earlier batch on it started, else
-        new ones (those of another model closed first), starting meanwhile (`PageProcesses.wait_ready`)."""
+        """The page-preparing processes of `session`'s pages: those an earlier batch or prefetch on it
+        started, else new ones (those of another model closed first), starting meanwhile
+        (`PageProcesses.wait_ready`)."""
         if self.pages is not None and self.pages.serves(session):
             return self.pages
         if self.pages is not None:
@@ -226,8 +228,11 @@ class JobProcess:
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
+        # On a GPU the next page is prepared in processes: on the prefetch thread it would hold the GIL
+        # that this job's launches wait for. On a CPU the host is the device either way.
+        pages = self.pages_for(session) if upcoming and session.device.type == "cuda" else None
         prefetch_next = (
-            partial(self.prefetcher.start, upcoming, loaded.key, session) if upcoming else lambda: None
+            partial(self.prefetcher.start, upcoming, loaded.key, session, pages) if upcoming else lambda: None
         )
         try:
             prepared = prefetched.page() if prefetched is not None else PagePlan.of_job(job).prepare(session)
