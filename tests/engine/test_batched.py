@@ -633,6 +633,54 @@ def test_cuda_engines_of_two_capacities_compile_their_step_in_one_process():
     assert capacities[0] < capacities[1]
 
 
+def first_differences(session, options, pages, tokens: int, batch: int):
+    """Per page, batch-1's tokens, the batched engine's and the first step where they differ (None)."""
+    images = [page(w, h) for w, h, *_ in pages]
+    alone = [
+        session.run_inference(image, mode=mode, max_new_tokens=tokens, infer=options).token_ids
+        for image, (_, _, mode, _) in zip(images, pages, strict=True)
+    ]
+    prepared = [session.prepare_job(image, None, mode).page for image, (_, _, mode, _) in zip(images, pages, strict=True)]
+    engine = BatchedEngine.create(session, batch, max(p.prompt_tokens for p in prepared), tokens, options)
+    outputs = engine.run([PageRequest(str(i), p, tokens) for i, p in enumerate(prepared)], batch)
+    batched = {o.request_id: o.token_ids for o in outputs}
+    return [
+        (images[i], pages[i][2], alone[i], batched[str(i)],
+         next((k for k, (a, b) in enumerate(zip(alone[i], batched[str(i)], strict=True)) if a != b), None))
+        for i in range(len(pages))
+    ]  # fmt: skip
+
+
+def test_bf16_batched_tokens_are_batch1s_where_every_row_is_computed_alike():
+    """In bf16 on a GPU batched pages leave their batch-1 tokens after a few steps (docs/benchmarks.md).
+    Not the engine's doing: on the CPU, whose kernels compute a row alike in a batch of any size, the
+    batched engine's bf16 tokens are batch-1's at every step, for pages of every mode at once."""
+    session = DeepSeekOCRSession.from_local("tiny", dtype="bfloat16")
+    assert session.dtype == torch.bfloat16
+    pages = PAGES[:4]
+    for *_, alone_tokens, batched_tokens, first in first_differences(session, DecodeOptions(ignore_eos=True), pages, 32, 4):
+        assert first is None and len(alone_tokens) == len(batched_tokens) == 32  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's kernels round batch rows apart")
+def test_cuda_bf16_batched_tokens_leave_batch1s_only_at_near_ties():
+    """Where a bf16 batched page leaves its batch-1 tokens on a GPU (other kernels for a batch's rows:
+    GEMMs for GEMVs, the filled attention's blocks), both picks score within bf16's rounding of each
+    other in a third computation, the cache-free forward over batch-1's prefix (`one_shot_scores`): a
+    near-tie of the random weights' logits decided differently, not a wrong position or cache."""
+    from dsocr_workers.engine.verify import NEAR_TIE, one_shot_scores
+
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="bfloat16", engine="fast")
+    options = DecodeOptions(ignore_eos=True)
+    for image, mode, alone_tokens, batched_tokens, first in first_differences(fast, options, PAGES, 48, len(PAGES)):
+        if first is None:
+            continue
+        scores = one_shot_scores(fast, image, alone_tokens[: first + 1], options, mode)[first]
+        ours, theirs = float(scores[alone_tokens[first]]), float(scores[batched_tokens[first]])
+        tolerance = NEAR_TIE[torch.bfloat16] * max(1.0, abs(ours))
+        assert abs(ours - theirs) <= tolerance, (mode, first, ours, theirs)
+
+
 def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch):
     """One page's prefill raising (here: its vision) leaves the engine as it was: the slot free again,
     the pages already in flight decode on, and the same page joins later."""
