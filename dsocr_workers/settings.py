@@ -164,8 +164,8 @@ PAGE_PROCESSES = Variable(
     "DSOCR_PAGE_PROCESSES",
     _count("DSOCR_PAGE_PROCESSES"),
     None,
-    "processes a worker child serving a `--concurrency` above 1 prepares its pages in (image decoding, "
-    "resizes and tiles, the prompt's ids), beside its batched engine's thread",
+    "processes a worker child prepares its pages in (image decoding, resizes and tiles, the prompt's "
+    "ids), off the GIL its device's launches need: a batch's pages, and on a GPU batch-1 jobs' prefetched ones",
     "half the CPUs, 1 to 4",
 )
 CPU_THREADS = Variable("OMP_NUM_THREADS", _integer("OMP_NUM_THREADS"), None,
