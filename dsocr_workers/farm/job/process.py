@@ -98,12 +98,12 @@ class JobProcess:
             self.batch.abandon()
             self.batch = None
         self.end_batch()  # its jobs finish and their results are written before the threads stop
+        # Before the heartbeat stops: the leases of the results it writes stay renewed.
+        self.ledger_threads.close()
+        self.prefetcher.close()  # before the processes: a prefetch waiting on them gets its page
         if self.pages is not None:
             self.pages.kill() if hand_back else self.pages.close()
             self.pages = None
-        # Before the heartbeat stops: the leases of the results it writes stay renewed.
-        self.ledger_threads.close()
-        self.prefetcher.close()
         # A clean stop: the reserved jobs' messages go back with this process's worker (kombu restores them).
         try:
             with self.db.transaction() as tx:
