@@ -17,9 +17,12 @@ import pytest
 from sqlalchemy import select
 from test_workers import dsocr, wait_until_final
 
+from dsocr_workers.farm.celery.app import create_app
 from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import enqueue
+from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import BatchStep, Job, Result, Run, WorkerSession
+from dsocr_workers.store.models import BatchStep, Job, Result, Run, WorkerSession, job_id_for
 
 PAGES = {"a.png": (320, 420), "b.png": (640, 480), "c.png": (400, 900)}
 # A batched job's parts its own prefill launch and host stages measure (vision: inside its prefill), and
@@ -72,6 +75,12 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     pages, postgres_url, broker_env, subprocess_env, tmp_path
 ):  # fmt: skip
     env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": postgres_url}
+    # First in line, a message for a job the ledger does not know (its run deleted, another ledger's): it is
+    # refused and must leave the worker's start-up batch to the batched jobs behind it.
+    stray = job_id_for("stray", "a.png", 0)
+    stray_db = open_database(postgres_url)
+    assert enqueue(stray_db, create_app(Settings.from_env(env)), [(stray, broker_env["DSOCR_QUEUE"])]) == 1
+    stray_db.dispose()
     common = ("--mode", "tiny", "--max-new-tokens", str(TOKENS), "--repeats", str(REPEATS))
     run_ids = {}
     for concurrency in (3, 1):  # the batched run first: the batch-1 run's jobs come after it drained
@@ -101,6 +110,7 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
             worker.wait(timeout=60)
     text = log_path.read_text()
     assert worker.returncode == 0, text[-3000:]
+    assert f"job {stray}: refused unknown job" in text
     assert "in the batch, 3 in flight" in text and "decoded in the batch" in text
 
     db = open_database(postgres_url)

@@ -226,7 +226,11 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
                 process, job_id, options, more_coming=next_message.after(job_id) is not None
             )
         else:
-            process.end_batch()  # a batch left in flight (its run's next job unreadable) finishes first
+            # A batch-1 job finishes the batch left in flight first: one engine on the device at a time.
+            # A job the ledger does not know (or whose run's options are bad) never reaches the device: its
+            # refusal or failure leaves the batch to the jobs that come next.
+            if options is not None:
+                process.end_batch()
             # The claim and the result are written on the child's ledger threads: the job starts on the
             # device while its claim is written, and its result while the parent hands over the next message.
             outcome = execute_job(
