@@ -146,11 +146,11 @@ class BucketSteps:
             # One graph for every bucket (sizes 0 and 1 are always specialised: bucket 1 has its own). The
             # other sizes stay static: dynamo would make a capacity dynamic once an engine of another
             # capacity compiled this step in the process, and the step's kernels cannot take that.
-            static = isinstance(self.compiler, TorchCompiler)
             for tensor in bucketed:
                 self.compiler.mark_dynamic(tensor, 0)
-                for dim in range(1, tensor.dim() if static else 1):
-                    torch._dynamo.mark_static(tensor, dim)
+                if isinstance(self.compiler, TorchCompiler):
+                    for dim in range(1, tensor.dim()):
+                        torch._dynamo.mark_static(tensor, dim)
         return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, visible)
 
     def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
