@@ -71,13 +71,13 @@ class PagePlan:
 
     def prepare(self, session: Any, pages: PageProcesses | None = None) -> PreparedJob:
         """The page, prepared here or, given `pages`, in one of those processes (here if none can)."""
+        clock = session.new_clock(self.job_id)
         if pages is not None:
-            clock = session.new_clock(self.job_id)
             try:
                 return pages.submit(str(self.image_path), self.prompt, self.mode, clock).result()
             except PagesUnavailable:
                 log.warning("job %s: no page-preparing process; its page is prepared here", self.job_id)
-        return session.prepare_job(str(self.image_path), self.prompt, self.mode, job_id=self.job_id)
+        return session.prepare_job(str(self.image_path), self.prompt, self.mode, clock=clock)
 
 
 @dataclass(frozen=True)
