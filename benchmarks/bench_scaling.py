@@ -599,6 +599,7 @@ def serving_stats(data: Any) -> dict[str, Any] | None:
             "output_tokens_per_s": figures.output_tokens_per_s, "pages_per_day_per_gpu": figures.pages_per_day_per_gpu,
             **{f"{name}_p50": getattr(figures, name).p50.value for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
             "ttft_ms_p90": figures.ttft_ms.p90.value, "tpot_ms_p90": figures.tpot_ms.p90.value,
+            "ttft_ms_p99": figures.ttft_ms.p99.value, "itl_ms_p99": figures.itl_ms.p99.value,
             "occupancy_mean": figures.occupancy.mean.value}  # fmt: skip
 
 

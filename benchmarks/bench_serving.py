@@ -70,8 +70,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import environment, fmt  # noqa: E402
 from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageRequest, ServingSummary  # noqa: E402
-from dsocr_workers.engine.batched.metrics import percentiles  # noqa: E402
+from dsocr_workers.engine.batched.metrics import StepRecord, percentiles  # noqa: E402
 from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
+from dsocr_workers.engine.coldstart.cache import use_compile_cache  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -352,6 +353,7 @@ def level(
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,
+        "steady_output_tokens_per_s": steady_tokens_per_s(outputs, steps),
         "decode_tokens_per_s": occupancy / step_ms * 1e3,
         "mean_decode_step_ms": step_ms,
         "mean_occupancy": occupancy,
@@ -373,6 +375,17 @@ def level(
         ],
     }
     return report, outputs
+
+
+def steady_tokens_per_s(outputs: list[BatchedOutput], steps: list[StepRecord]) -> float | None:
+    """Output tokens/s in the window the farm's report calls steady (report/throughput.py, per lane): from
+    the first page finished to the last page admitted, the tokens of the steps that ended inside it. The
+    fill before it and the drain after it are left out, as they are of a farm run."""
+    start = min(o.metrics.finished_s for o in outputs)
+    end = max(o.metrics.admitted_s for o in outputs)
+    if end <= start:
+        return None
+    return sum(s.occupancy for s in steps if start < s.ended_s <= end) / (end - start)
 
 
 def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict[str, Any]:
@@ -588,6 +601,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     began = time.perf_counter()
+    use_compile_cache()  # DSOCR_COMPILE_CACHE_DIR where set: a farm run after it compiles less
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     attentions = [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
     if not set(attentions) <= set(get_args(SlotAttention)):

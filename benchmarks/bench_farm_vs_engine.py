@@ -1,0 +1,153 @@
+"""The farm against its engine alone, side by side in one call: the same pages, concurrency, token budget
+and job count on one GPU, first through the batched engine in one process (bench_serving.py), then
+through `dsocr worker` behind Redis and Celery (bench_scaling.py, K = 1).
+
+The two are read alike: output tokens/s over the steady window the farm's report uses (from the first
+page finished to the last one admitted; bench_serving's `steady_output_tokens_per_s`), beside each one's
+own headline (the engine's over its whole wall, the farm's report's Serving figure), TPOT, ITL and TTFT.
+The target: the farm at >= 0.97 of the engine.
+
+    python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
+        --compile-cache /tmp/dc
+    python3 benchmarks/bench_farm_vs_engine.py --out /tmp/fve --cpu --model tiny --mode small \\
+        --concurrency 2 --max-new-tokens 8 --filelist datasets/samples/samples.txt  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_engine import fmt  # noqa: E402
+from benchmarks.bench_scaling import GENERATIONS  # noqa: E402
+
+TARGET = 0.97
+
+
+def jobs_for(concurrency: int, pages: int) -> tuple[int, int]:
+    """The farm run's repeats of the file list and its job count, as bench_scaling sizes a level at K = 1."""
+    repeats = max(1, -(-GENERATIONS * concurrency // pages))
+    return repeats, repeats * pages
+
+
+def listed_pages(filelist: Path) -> int:
+    lines = [line.strip() for line in filelist.read_text().splitlines()]
+    return sum(1 for line in lines if line and not line.startswith("#"))
+
+
+def run(command: list[str], log: Path, timeout_s: float, compile_cache: str) -> int:
+    print("$", " ".join(command), flush=True)
+    env = {**os.environ, "DSOCR_COMPILE_CACHE_DIR": compile_cache}
+    with open(log, "w") as out:
+        try:
+            return subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def engine_row(path: Path, concurrency: int) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    levels = json.loads(path.read_text()).get("levels", [])
+    return next((row for row in levels if row.get("concurrency") == concurrency and "wall_s" in row), None)
+
+
+def farm_run(folder: Path) -> dict[str, Any] | None:
+    reports = sorted(folder.glob("scaling-*.json"))
+    if not reports:
+        return None
+    runs = json.loads(reports[-1].read_text()).get("runs", [])
+    return next((r for r in runs if (r.get("stats") or {}).get("serving")), None)
+
+
+def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argparse.Namespace, jobs: int) -> str:
+    lines = [
+        f"# The farm against its engine alone: concurrency {args.concurrency}, {jobs} jobs of "
+        f"{args.max_new_tokens} tokens ({args.filelist.name}, {args.mode}, EOS ignored)",
+        "",
+        "| | output tok/s (steady window) | output tok/s (own headline) | TPOT p50 ms | ITL p50 / p99 ms "
+        "| TTFT p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    if engine:
+        lines.append(
+            f"| engine alone | {fmt(engine.get('steady_output_tokens_per_s'), 0)} | "
+            f"{fmt(engine['output_tokens_per_s'], 0)} | {fmt(engine['tpot_ms']['p50'])} | "
+            f"{fmt(engine['itl_ms']['p50'])} / {fmt(engine['itl_ms']['p99'])} | "
+            f"{fmt(engine['ttft_ms']['p50'], 0)} / {fmt(engine['ttft_ms']['p99'], 0)} |"
+        )
+    serving = (farm or {}).get("stats", {}).get("serving")
+    if serving:
+        lines.append(
+            f"| farm (K = 1) | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
+            f"{fmt(serving.get('tpot_ms_p50'))} | {fmt(serving.get('itl_ms_p50'))} / {fmt(serving.get('itl_ms_p99'))} | "
+            f"{fmt(serving.get('ttft_ms_p50'), 0)} / {fmt(serving.get('ttft_ms_p99'), 0)} |"
+        )
+    lines.append("")
+    steady = (engine or {}).get("steady_output_tokens_per_s")
+    if steady and serving and serving.get("output_tokens_per_s"):
+        ratio = serving["output_tokens_per_s"] / steady
+        verdict = "PASS" if ratio >= TARGET else "FAIL"
+        lines.append(f"Farm / engine alone (steady windows): **{ratio:.3f}** (target >= {TARGET}): {verdict}")
+    else:
+        lines.append("Farm / engine alone: not measured (a side is missing: see the logs)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--filelist", type=Path, default=REPO / "datasets/omnidocbench/subsets/demo-18.txt")
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--mode", default="gundam")
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--compile-cache", default="/tmp/dc", help="DSOCR_COMPILE_CACHE_DIR of both sides")
+    parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
+    parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    repeats, jobs = jobs_for(args.concurrency, listed_pages(args.filelist))
+    python = sys.executable
+    engine_out = args.out / "engine"
+    run(
+        [python, "benchmarks/bench_serving.py", "--model", args.model, "--mode", args.mode, "--pages",
+         str(args.filelist), "--concurrency", str(args.concurrency), "--tokens", str(args.max_new_tokens),
+         "--min-requests", str(jobs), "--batch1-pages", "1", "--out", str(engine_out),
+         *(["--device", "cpu", "--attention", "masked"] if args.cpu else [])],  # fmt: skip
+        args.out / "engine.log",
+        args.budget_s * 0.5,
+        args.compile_cache,
+    )
+    left = args.budget_s - (time.perf_counter() - began)
+    farm_out = args.out / "farm"
+    run(
+        [python, "benchmarks/bench_scaling.py", "--gpus", "cpu" if args.cpu else "1", "--ks", "1", "--engines", "fast", "--model",
+         args.model, "--mode", args.mode, "--filelist", str(args.filelist), "--max-new-tokens",
+         str(args.max_new_tokens), "--repeats", f"fast={repeats}", "--concurrency", str(args.concurrency),
+         "--compile-cache", args.compile_cache, "--budget-s", str(max(left - 15, 60)), "--run-timeout-s",
+         str(max(left - 120, 60)), "--out", str(farm_out)],  # fmt: skip
+        args.out / "farm.log",
+        max(left - 5, 60),
+        args.compile_cache,
+    )
+    text = table(engine_row(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
+    (args.out / "farm-vs-engine.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
