@@ -665,8 +665,8 @@ def test_bf16_batched_tokens_are_batch1s_where_every_row_is_computed_alike():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's kernels round batch rows apart")
 def test_cuda_bf16_batched_tokens_leave_batch1s_only_at_near_ties():
     """Where a bf16 batched page leaves its batch-1 tokens on a GPU (other kernels for a batch's rows:
-    GEMMs for GEMVs, the filled attention's blocks), both picks score within bf16's rounding of each
-    other in a third computation, the cache-free forward over batch-1's prefix (`one_shot_scores`): a
+    GEMMs for GEMVs, the filled attention's blocks), both picks score within twice bf16's rounding of
+    each other in a third computation, the cache-free forward over batch-1's prefix (`one_shot_scores`): a
     near-tie of the random weights' logits decided differently, not a wrong position or cache."""
     from dsocr_workers.engine.verify import NEAR_TIE, one_shot_scores
 
@@ -677,7 +677,9 @@ def test_cuda_bf16_batched_tokens_leave_batch1s_only_at_near_ties():
             continue
         scores = one_shot_scores(fast, image, alone_tokens[: first + 1], options, mode)[first]
         ours, theirs = float(scores[alone_tokens[first]]), float(scores[batched_tokens[first]])
-        tolerance = NEAR_TIE[torch.bfloat16] * max(1.0, abs(ours))
+        # The batched step's logits and the third computation's each differ by up to NEAR_TIE, on both
+        # picks: the batched step chose `theirs`, so the third's margin between the two is at most twice it.
+        tolerance = 2 * NEAR_TIE[torch.bfloat16] * max(1.0, abs(ours))
         assert abs(ours - theirs) <= tolerance, (mode, first, ours, theirs)
 
 
