@@ -91,3 +91,33 @@ def test_a_batched_job_whose_batch_is_not_open_goes_back_in_line(database, tmp_p
     finally:
         process.close()
     assert [job_row(database, job_id)[0] for job_id in job_ids] == ["done", "done"]
+
+
+def test_a_profiled_job_is_finished_on_its_own_thread_and_an_unprofiled_one_on_the_results_thread(
+    database, tmp_path, make_png
+):
+    """A profiled job's trace is read and summed up before its task returns (the next job's stages would
+    wait on the GIL the results thread held for it); an unprofiled job's host part stays on the results
+    thread."""
+    from dsocr_workers.engine.result import InferenceResult
+    from dsocr_workers.engine.session import DeviceRun
+
+    profiled = RunOptions(mode="tiny", max_new_tokens=4, engine="eager", profile_every=1)
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    held = []
+
+    def infer(claiming):
+        held.append(process.infer(claiming))
+        return held[-1]
+
+    try:
+        for options, kind in ((profiled, InferenceResult), (OPTIONS, DeviceRun)):
+            (job_id,) = recorded_run(database, tmp_path, make_png, options).job_ids
+            process.prepare_for(job_id)
+            outcome = execute_job(process.db, job_id, owner=process.owner, settings=settings, infer=infer)
+            assert outcome.status == "done", outcome
+            assert isinstance(held[-1].result, kind)
+        assert held[0].result.profile is not None
+    finally:
+        process.close()

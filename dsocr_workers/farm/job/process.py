@@ -247,8 +247,10 @@ class JobProcess:
             before_decode=lambda: claiming.wait_then(prefetch_next),
             profiler=JobProfiler(session.device) if job.profile else None,
         )
+        # A profiled job's trace is read and summed up here, before the next job starts: on the results
+        # thread it would hold the GIL for tens of milliseconds while the next job's stages launch.
         return Ran(
-            run,
+            run.finish() if job.profile else run,
             loaded.worker_id,
             loaded.worker_session_id,
             prefetched=prefetched is not None,
