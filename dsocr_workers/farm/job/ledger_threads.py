@@ -6,6 +6,10 @@
   built (the engine's host part, `DeviceRun.finish`, included) and written while the next message is
   handed over; what is handed over while the thread is busy is written in one transaction (`Pending`).
   A row that cannot be built fails its job. Two threads: a claim never waits behind a result's write.
+- `hold` / `release`: while a batch-1 job's setup and prefill are launched on a GPU, neither thread
+  starts a claim or a write (one under way finishes): their Python would hold the GIL the launches wait
+  for, and the stage's CUDA events would time the wait. They start once the prefill is queued, while the
+  device runs it; a hold lasts HOLD_LIMIT_S at most.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -30,6 +34,9 @@ from dsocr_workers.store.db import Database
 
 log = logging.getLogger("dsocr.worker")
 T = TypeVar("T")
+
+# The longest a held thread waits: past it, a claim or write goes ahead whatever is being launched.
+HOLD_LIMIT_S = 1.0
 
 
 @dataclass
@@ -74,6 +81,8 @@ class LedgerThreads:
         self._db = db
         self._let_go = let_go  # a job whose result was given up: its lease is no longer renewed
         self._closing = threading.Event()
+        self._open = threading.Event()  # cleared by `hold`: no claim or write starts
+        self._open.set()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
         self._pending = Pending()
@@ -97,6 +106,14 @@ class LedgerThreads:
         """Insert the `batch_steps` rows `build_rows()` makes, after this call returns."""
         self._hand_over(build_rows)
 
+    def hold(self) -> None:
+        """Start no claim or write until `release` (or HOLD_LIMIT_S): the caller launches device work that
+        a wait for the GIL would stretch."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):
             self._results.submit(self._write_pending)
@@ -114,6 +131,7 @@ class LedgerThreads:
     def _claim(
         self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]
     ) -> ledger.Claim | ledger.Refusal:
+        self._open.wait(HOLD_LIMIT_S)
         with self._db.transaction() as tx:
             return claim_job(tx)
 
@@ -122,6 +140,7 @@ class LedgerThreads:
 
     def _write_pending(self) -> None:
         """Every result and step handed over so far, in one transaction (the rows built first)."""
+        self._open.wait(HOLD_LIMIT_S)
         items = self._pending.take()
         try:
             self._write(items)

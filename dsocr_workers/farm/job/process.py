@@ -239,14 +239,26 @@ class JobProcess:
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        run = session.run_on_device(
-            prepared.page,
-            options.max_new_tokens,
-            options.decode_options,
-            prepared.clock,
-            before_decode=lambda: claiming.wait_then(prefetch_next),
-            profiler=JobProfiler(session.device) if job.profile else None,
-        )
+        # On a GPU the ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`).
+        quiet = session.device.type == "cuda"
+        if quiet:
+            self.ledger_threads.hold()
+
+        def before_decode() -> None:
+            self.ledger_threads.release()
+            claiming.wait_then(prefetch_next)
+
+        try:
+            run = session.run_on_device(
+                prepared.page,
+                options.max_new_tokens,
+                options.decode_options,
+                prepared.clock,
+                before_decode=before_decode,
+                profiler=JobProfiler(session.device) if job.profile else None,
+            )
+        finally:
+            self.ledger_threads.release()
         # A profiled job's trace is read and summed up here, before the next job starts: on the results
         # thread it would hold the GIL for tens of milliseconds while the next job's stages launch.
         return Ran(
