@@ -149,3 +149,18 @@ def test_docs_get_the_runs_tables_command_and_curves_as_their_newest_section(ben
     assert "](../benchmarks/results/scaling-2026-11-27T0451-sweep-k1.png)" in newest
     assert "Raw: `../benchmarks/results/scaling-2026-11-27T0451.md`" in newest
     assert text.endswith("## An older section\n\nIts text.\n")
+
+
+def test_best_level_is_the_first_ks_level_with_the_most_output_tokens():
+    from benchmarks.bench_scaling import best_level
+
+    def run(k, concurrency, tokens_per_s):
+        serving = None if tokens_per_s is None else {"output_tokens_per_s": tokens_per_s}
+        return {"engine": "fast", "k": k, "concurrency": concurrency, "stats": {"serving": serving}}
+
+    runs = [run(1, 64, 8_000.0), run(1, 128, 14_000.0), run(1, 256, 13_500.0), run(2, 64, 30_000.0),
+            run(1, 512, None)]  # fmt: skip
+    assert best_level(runs, "fast", 1) == 128
+    assert best_level(runs, "fast", 2) == 64
+    assert best_level(runs, "fast", 4) is None
+    assert best_level(runs, "eager", 1) is None
