@@ -239,10 +239,8 @@ class JobProcess:
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        # On a GPU the ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`).
-        quiet = session.device.type == "cuda"
-        if quiet:
-            self.ledger_threads.hold()
+        # The ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`).
+        self.ledger_threads.hold()
 
         def before_decode() -> None:
             self.ledger_threads.release()
