@@ -770,3 +770,26 @@ def test_a_batched_pages_timings_hold_its_prefill_and_vision_and_none_for_what_i
     measured = timings.preprocess_ms + timings.prefill_ms + timings.postprocess_ms
     assert timings.host_gap_ms == pytest.approx(timings.e2e_ms - measured)
     assert set(timings.parts_ms) == {"preprocess", "prefill", "postprocess", "host_gap"}
+
+
+def test_the_prefill_window_opens_around_a_steps_prefills_only(session, prepared):
+    """`around_prefills`: its first call before a step's prefill launches and its second after them, in
+    every step that admits pages; a decode-only step calls neither."""
+    options = DecodeOptions(ignore_eos=True)
+    engine = engine_for(session, prepared, 2, options)
+    calls: list[str] = []
+
+    def before() -> None:
+        calls.append(f"before, {len(engine.steps)} steps")
+
+    def after() -> None:
+        calls.append(f"after, {len(engine.steps)} steps")
+
+    engine.around_prefills(before, after)
+    for request in requests(prepared)[:2]:
+        engine.submit(request)
+    engine.step()
+    assert calls[0] == "before, 0 steps" and calls[1].startswith("after") and len(calls) == 2
+    assert engine.steps[0].kind == "prefill"
+    engine.step()
+    assert len(calls) == 2  # decode only

@@ -19,6 +19,7 @@ seen late counts the steps launched meanwhile as wasted, as the batch-1 path doe
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +73,7 @@ class BatchedEngine:
         self.runner = BatchRunner(session, plan, options, config)
         # Each bucket's capture, in ms: the batched engine's start, which a worker records.
         self.captures_ms = self.runner.capture(self.scheduler.buckets)
+        self._prefill_window: tuple[Callable[[], None], Callable[[], None]] | None = None
 
     @classmethod
     def create(
@@ -178,6 +180,11 @@ class BatchedEngine:
         """Run the steps `profiler` samples under torch.profiler (engine/profiling.py); None: none."""
         self.runner.profiler = profiler
 
+    def around_prefills(self, before: Callable[[], None], after: Callable[[], None]) -> None:
+        """Call `before` ahead of a step's prefill launches and `after` once they are queued: the caller's
+        other threads may pause meanwhile, so that the launches, one per kernel, never wait on the GIL."""
+        self._prefill_window = (before, after)
+
     def submit(self, request: PageRequest) -> None:
         """Queue a page; the next step() with a free slot admits it. A page that cannot fit is refused
         here (`PageRefused`)."""
@@ -200,13 +207,20 @@ class BatchedEngine:
         prefilled; read back what the device finished. Returns what happened."""
         admitted: list[tuple[str, int]] = []
         self._read(self.runner.collect(wait_beyond=None))
-        if self.prefill_chunk_tokens is None:
-            while self.scheduler.admissible:
-                admission = self.scheduler.next_waiting()
-                admitted.append((admission.request.request_id, self._prefill(admission)))
-                self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD))
-        else:
-            self._chunks(admitted)
+        window = self._prefill_window if self.scheduler.admissible or self.scheduler.prefilling else None
+        if window is not None:
+            window[0]()
+        try:
+            if self.prefill_chunk_tokens is None:
+                while self.scheduler.admissible:
+                    admission = self.scheduler.next_waiting()
+                    admitted.append((admission.request.request_id, self._prefill(admission)))
+                    self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD))
+            else:
+                self._chunks(admitted)
+        finally:
+            if window is not None:
+                window[1]()
         # Read what frees the ring row (and may end pages) before the decoding pages are chosen.
         self._read(self.runner.room())
         decode = self.scheduler.plan_decode()

@@ -65,6 +65,8 @@ class BatchedJobs:
         self.jobs: dict[str, InFlight] = {}  # in claim order
         self._pages, self._pages_started = pages, pages_started
         self._steps = StepLog(process.ledger_threads, loaded, self._profiler(options))
+        # The ledger threads start no claim or write while the engine launches prefills (`LedgerThreads.hold`).
+        engine.around_prefills(process.ledger_threads.hold, process.ledger_threads.release)
         # Guards `jobs` and the flags below; notified when one changes or a page is prepared.
         self._changed = threading.Condition()
         self.failed: Exception | None = None  # what failed every job in flight: the batch is over
