@@ -123,6 +123,20 @@ def test_a_prefetched_page_comes_from_the_processes_and_is_prepared_here_once_th
     assert "job job-7: no page-preparing process; its page is prepared here" in caplog.text
 
 
+def test_a_pool_is_ready_once_every_process_started_and_not_once_it_stopped(pooled):
+    """`ready`: what a batch-1 prefetch asks before handing a page over (a pool still starting would make
+    the page wait seconds for it; the thread prepares it instead)."""
+    session, _ = pooled
+    starting = PageProcesses(session, 1)
+    try:
+        assert not starting.ready
+        starting.wait_ready()
+        assert starting.ready
+    finally:
+        starting.kill()
+    assert not starting.ready
+
+
 def test_a_bad_image_fails_its_page_alone_with_its_message(pooled, make_png, tmp_path):
     session, pool = pooled
     good = make_png("good.png", (640, 800))

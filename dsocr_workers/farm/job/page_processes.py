@@ -208,6 +208,11 @@ class PageProcesses:
             assert self.ready_ms is not None
             return self.ready_ms
 
+    @property
+    def ready(self) -> bool:
+        """Every process started, none broken, none stopping: a page submitted now waits for no start."""
+        return self.ready_ms is not None and self._broken is None and not self._stopping
+
     def serves(self, session: DeepSeekOCRSession) -> bool:
         """Whether these processes prepare `session`'s pages: its tokenizer's, and still running."""
         return session.tokenizer is self._tokenizer and self._broken is None and not self._stopping

@@ -159,7 +159,10 @@ class JobProcess:
         (`warmup.concurrency` above 1) starts its batched engine in it too, so its first batched job is
         warm. A batched engine that does not start is logged and recorded: batch-1 jobs still run."""
         if warmup.concurrency == 1:
-            return self.models.warm(warmup)
+            loaded = self.models.warm(warmup)
+            if loaded.session.device.type == "cuda":  # the prefetch's processes start while jobs arrive
+                self.pages_for(loaded.session)
+            return loaded
         options = warmup.batch_options()
 
         def start_batch(loaded: OpenModel) -> str:
@@ -229,8 +232,11 @@ class JobProcess:
         loaded = self.models.opened(options.model_key)
         session = loaded.session
         # On a GPU the next page is prepared in processes: on the prefetch thread it would hold the GIL
-        # that this job's launches wait for. On a CPU the host is the device either way.
+        # that this job's launches wait for. On a CPU the host is the device either way. While the
+        # processes start (seconds), the thread prepares it: a page never waits for their start.
         pages = self.pages_for(session) if upcoming and session.device.type == "cuda" else None
+        if pages is not None and not pages.ready:
+            pages = None
         prefetch_next = (
             partial(self.prefetcher.start, upcoming, loaded.key, session, pages) if upcoming else lambda: None
         )
