@@ -28,20 +28,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import fmt  # noqa: E402
-from benchmarks.bench_scaling import GENERATIONS  # noqa: E402
+from benchmarks.bench_scaling import level_repeats, listed_pages  # noqa: E402
 
 TARGET = 0.97
 
 
 def jobs_for(concurrency: int, pages: int) -> tuple[int, int]:
     """The farm run's repeats of the file list and its job count, as bench_scaling sizes a level at K = 1."""
-    repeats = max(1, -(-GENERATIONS * concurrency // pages))
+    repeats = level_repeats(1, concurrency, 1, pages)
     return repeats, repeats * pages
-
-
-def listed_pages(filelist: Path) -> int:
-    lines = [line.strip() for line in filelist.read_text().splitlines()]
-    return sum(1 for line in lines if line and not line.startswith("#"))
 
 
 def run(command: list[str], log: Path, timeout_s: float, compile_cache: str) -> int:

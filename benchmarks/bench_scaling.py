@@ -314,6 +314,18 @@ def tail(path: Path, lines: int) -> list[str]:
 GENERATIONS = 10
 
 
+def listed_pages(filelist: Path) -> int:
+    """The pages of a file list (comments and blank lines aside): the jobs of one repeat."""
+    lines = [line.strip() for line in filelist.read_text().splitlines()]
+    return sum(1 for line in lines if line and not line.startswith("#"))
+
+
+def level_repeats(repeats: int, concurrency: int, k: int, pages: int) -> int:
+    """Repeats of a `pages`-page list for a run at `concurrency` on K workers: at least `repeats`, and
+    enough jobs for the batch to turn over, GENERATIONS x the jobs K workers hold."""
+    return max(repeats, -(-GENERATIONS * concurrency * k // max(pages, 1)))
+
+
 def one_run(
     args: argparse.Namespace, engine: str, k: int, repeats: int, env: dict[str, str], tmp: Path,
     db: Any, options: set[str], budget_s: float, levels: list[int],
@@ -337,15 +349,14 @@ def one_run(
             base["ready_after_s"] = round(time.monotonic() - started, 2)
             log(f"{engine} K={k}: {ready}/{k} worker children ready after {base['ready_after_s']} s")
             for concurrency in levels:
-                # Enough jobs for the batch to turn over: at least GENERATIONS x the jobs K workers hold.
-                level_repeats = max(repeats, -(-GENERATIONS * concurrency * k // max(args.pages, 1)))
-                record = {**base, "concurrency": concurrency, "repeats": level_repeats}
+                repeats_here = level_repeats(repeats, concurrency, k, args.pages)
+                record = {**base, "concurrency": concurrency, "repeats": repeats_here}
                 records.append(record)
                 left = budget_s - (time.monotonic() - started)
                 if left < 30:
                     record["status"] = "skipped: out of --budget-s"
                     continue
-                record.update(run_level(args, engine, k, level_repeats, env, db, queue, concurrency, proc, logpath,
+                record.update(run_level(args, engine, k, repeats_here, env, db, queue, concurrency, proc, logpath,
                                         min(args.run_timeout_s, left)))  # fmt: skip
                 if record["status"] != "complete":
                     break
@@ -893,9 +904,8 @@ def main() -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     repeats = parse_repeats(args.repeats, engines)
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.filelist.is_file():  # the pages of the list (comments and blank lines aside): jobs per repeat
-        listed = [line.strip() for line in args.filelist.read_text().splitlines()]
-        args.pages = sum(1 for line in listed if line and not line.startswith("#"))
+    if args.filelist.is_file():
+        args.pages = listed_pages(args.filelist)
     if any(c < 1 for c in levels):
         print("bench_scaling: --concurrency levels must be at least 1", file=sys.stderr)
         return 2
