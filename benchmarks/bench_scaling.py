@@ -623,10 +623,11 @@ def step_stats(data: Any) -> dict[str, Any] | None:
     from dsocr_workers.report.serving import batch_steps
 
     figures = batch_steps(data)
-    if not figures.prefill_steps:
+    if not figures.decode_steps:
         return None
     top = figures.decode_bands.get("64+")
-    return {"prefill_steps": figures.prefill_steps, "decode_steps": figures.decode_steps,
+    return {"prefill_steps": figures.prefill_steps, "split_prefills": figures.split_prefills,
+            "decode_steps": figures.decode_steps,
             "prefill_p50_ms": figures.prefill_p50_ms, "prefill_p90_ms": figures.prefill_p90_ms,
             "prefill_mean_ms": figures.prefill_mean_ms, "decode_64_p50_ms": top.p50_ms if top else None,
             "prefill_share": figures.prefill_share, "step_share_of_span": figures.step_share_of_span}  # fmt: skip
@@ -805,7 +806,8 @@ def markdown(report: dict[str, Any]) -> str:
                 "p50: prefills that waited on the device inside their step), the decode step at 64+ pages, the "
                 "prefills' share of the time in steps, the time in steps per GPU over the wall span.",
                 "",
-                "| engine | K | concurrency | prefills | prefill step p50 / p90 / mean ms | decode step 64+ p50 ms "
+                "| engine | K | concurrency | pages prefilled whole / split | prefill step p50 / p90 / mean ms "
+                "| decode step 64+ p50 ms "
                 "| prefill share | time in steps, % of span |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
@@ -813,7 +815,8 @@ def markdown(report: dict[str, Any]) -> str:
                 st = r["stats"]["steps"]
                 share, span = st["prefill_share"], st["step_share_of_span"]
                 lines.append(
-                    f"| {r['engine']} | {r['k']} | {r.get('concurrency', 1)} | {st['prefill_steps']} "
+                    f"| {r['engine']} | {r['k']} | {r.get('concurrency', 1)} | {st['prefill_steps']} / "
+                    f"{st['split_prefills']} "
                     f"| {fmt(st['prefill_p50_ms'], 1)} / {fmt(st['prefill_p90_ms'], 1)} / {fmt(st['prefill_mean_ms'], 1)} "
                     f"| {fmt(st['decode_64_p50_ms'], 2)} | {'-' if share is None else f'{100 * share:.1f}%'} "
                     f"| {'-' if span is None else f'{100 * span:.1f}'} |"

@@ -22,11 +22,11 @@ One process, one device:
   5. bf16 agreement: for each page the batch-1 path ran, the batched engine's tokens of that page at
      the highest level that ran (equal, or the first step where they differ), per attention.
 With `--attention masked,filled` every level runs on an engine of each attention (engine/batched/slots.py),
-one after the other in the same process: the two steps side by side. With `--prefill-chunk 0,512` every
-level (and attention) runs on an engine of each chunk size (engine/batched/scheduler.py: at most that many
-prompt tokens prefilled between two decode steps; 0: each page's whole prompt in one launch): the chunked
-prefill's ITL p50 / p99, TTFT p99 and output tokens/s beside the whole prompts' ("Prefill chunks side by
-side" in serving.md, and a line per setting on stdout as it ends).
+one after the other in the same process: the two steps side by side. With `--prefill split,whole` every
+level (and attention) runs on an engine of each (engine/batched/scheduler.py: split, a page joining while
+others decode is prefilled in two steps, its SAM and then the rest; whole, every prefill in one launch):
+ITL p50 / p99, TTFT p99 and output tokens/s side by side ("Prefills side by side" in serving.md, and a
+line per setting on stdout as it ends).
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -46,8 +46,8 @@ The bandwidth arithmetic (per decode step of b pages):
     python benchmarks/bench_serving.py --model tiny --device cpu --tokens 8 \\
         --concurrency 1,2,4 --batch1-pages 2 --pages datasets/samples/samples.txt --attention masked \\
         --out /tmp/serving  # CPU smoke
-    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --prefill-chunk 0,256,512 \\
-        --min-requests 256  # chunked prefill beside whole prompts at 128 in flight
+    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --prefill split,whole \\
+        --tokens-range-ratio 0.5 --min-requests 512  # split prefills beside whole ones at 128 in flight
 """
 
 from __future__ import annotations
@@ -224,11 +224,11 @@ def start_engine(
     args: argparse.Namespace,
     options: DecodeOptions,
     attention: SlotAttention,
-    prefill_chunk: int | None,
+    prefill: str,
 ) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
-    where the free memory does not hold them), its buckets up to that, its prefills in chunks of
-    `prefill_chunk` tokens (None: whole prompts); then a short round to settle it (the allocator, the
+    where the free memory does not hold them), its buckets up to that, its prefills `prefill` ("split" or
+    "whole"); then a short round to settle it (the allocator, the
     first joins) before timing. The step compiled for the first engine serves the next ones (one graph
     dynamic in the batch): a later engine costs its captures. Returns the engine and what to report of
     it."""
@@ -243,12 +243,12 @@ def start_engine(
         compiled=False if args.eager_step else None,
         cuda_graphs=False if args.no_graphs else None,
         attention=attention,
-        prefill_chunk_tokens=prefill_chunk,
+        split_prefill=prefill == "split",
     )
     sync()
     record = dict(
         attention=attention,
-        prefill_chunk_tokens=prefill_chunk,
+        prefill=prefill,
         slots=engine.plan.slots,
         compile_and_capture_s=time.perf_counter() - start,
         plan=engine.plan.describe(),
@@ -271,20 +271,20 @@ def engine_level(
     args: argparse.Namespace,
     options: DecodeOptions,
     attention: SlotAttention,
-    prefill_chunk: int | None,
+    prefill: str,
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
     """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
     engine, the level's row (or why it was skipped) and its outputs."""
-    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill_chunk)
+    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill)
     if concurrency > engine.plan.slots:
         return (
             record,
             {
                 "concurrency": concurrency,
                 "attention": attention,
-                "prefill_chunk_tokens": prefill_chunk,
+                "prefill": prefill,
                 "skipped": f"only {engine.plan.slots} slots fit",
             },
             [],
@@ -349,7 +349,7 @@ def level(
     report = {
         "concurrency": concurrency,
         "attention": engine.attention,
-        "prefill_chunk_tokens": engine.prefill_chunk_tokens,
+        "prefill": "split" if engine.split_prefill else "whole",
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,
@@ -406,45 +406,41 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 
 
 def setting(row: dict[str, Any]) -> str:
-    """A level's engine in words: its attention, and its prefill chunk where it has one."""
-    return f"{row.get('attention')}{chunked(row.get('prefill_chunk_tokens'))}"
+    """A level's engine in words: its attention and its prefills."""
+    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills"
 
 
-def chunked(chunk: int | None) -> str:
-    return f", prefill chunk {chunk}" if chunk else ""
-
-
-def chunk_figures(row: dict[str, Any]) -> str:
-    """What the chunked prefill changes, in one line: ITL p50 / p99, TTFT p99, output tokens/s."""
+def prefill_figures(row: dict[str, Any]) -> str:
+    """What the prefills change, in one line: ITL p50 / p99, TTFT p99, output tokens/s."""
     return (
         f"ITL p50 {fmt(row['itl_ms']['p50'])} / p99 {fmt(row['itl_ms']['p99'])} ms, "
         f"TTFT p99 {fmt(row['ttft_ms']['p99'], 0)} ms, {fmt(row['output_tokens_per_s'], 0)} output tokens/s"
     )
 
 
-def chunks_table(report: dict[str, Any]) -> list[str]:
-    """The levels side by side by prefill chunk (where any level has one): ITL p50 / p99, TTFT p99, output
-    tokens/s, the launches that prefill (ms p50 / p99, chunks among them)."""
+def prefills_table(report: dict[str, Any]) -> list[str]:
+    """The levels side by side by their prefills (where both ran): ITL p50 / p99 and their ratio, TTFT
+    p99, output tokens/s, the steps that prefill (ms p50 / p99), the pages split."""
     ran = [row for row in report["levels"] if "output_tokens_per_s" in row]
-    if not any(row.get("prefill_chunk_tokens") for row in ran):
+    if len({row.get("prefill") for row in ran}) < 2:
         return []
     lines = [
         "",
-        "Prefill chunks side by side (0: each page's whole prompt in one launch):",
+        "Prefills side by side (split: a page joining while others decode is prefilled in two steps, its "
+        "SAM and then the rest; whole: in one launch):",
         "",
-        "| concurrency | attention | prefill chunk | ITL p50 ms | ITL p99 ms | TTFT p99 ms | output tok/s | "
-        "prefill launch p50 / p99 ms | chunk launches |",
-        "|" + "---|" * 9,
+        "| concurrency | attention | prefills | ITL p50 ms | ITL p99 ms | p99 / p50 | TTFT p99 ms | output tok/s | "
+        "prefill step p50 / p99 ms | pages split |",
+        "|" + "---|" * 10,
     ]
-    for row in sorted(
-        ran, key=lambda r: (r["concurrency"], r["attention"], r.get("prefill_chunk_tokens") or 0)
-    ):
-        launches = row["prefill_step_ms"]
+    for row in sorted(ran, key=lambda r: (r["concurrency"], r["attention"], r.get("prefill", "whole"))):
+        launches, itl = row["prefill_step_ms"], row["itl_ms"]
+        ratio = itl["p99"] / itl["p50"] if itl["p50"] else None
         lines.append(
-            f"| {row['concurrency']} | {row['attention']} | {row.get('prefill_chunk_tokens') or 0} | "
-            f"{fmt(row['itl_ms']['p50'])} | {fmt(row['itl_ms']['p99'])} | {fmt(row['ttft_ms']['p99'], 0)} | "
+            f"| {row['concurrency']} | {row['attention']} | {row.get('prefill', 'whole')} | "
+            f"{fmt(itl['p50'])} | {fmt(itl['p99'])} | {fmt(ratio, 2)} | {fmt(row['ttft_ms']['p99'], 0)} | "
             f"{fmt(row['output_tokens_per_s'], 0)} | {fmt(launches['p50'])} / {fmt(launches['p99'])} | "
-            f"{row['chunk_steps']} |"
+            f"{row['split_prefills']} |"
         )
     return lines
 
@@ -467,15 +463,15 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for built in setup.get("engines", []):
         lines.append(
-            f"- Batched engine of {built['slots']} slots, {built['attention']} attention"
-            f"{chunked(built.get('prefill_chunk_tokens'))}: KV plan {built['plan']}; "
+            f"- Batched engine of {built['slots']} slots, {built['attention']} attention, "
+            f"{built.get('prefill', 'whole')} prefills: KV plan {built['plan']}; "
             f"decode step compiled and captured ({built['buckets']}) in {built['compile_and_capture_s']:.1f} s"
         )
     if setup.get("engines"):
         lines.append("")
     lines += [f"Batch-1 warm-up {setup.get('batch1_warmup_s', 0):.1f} s", ""]
     header = (
-        "| concurrency | attention (prefill chunk) | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+        "| concurrency | attention, prefills | pages | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
         "TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | occupancy | decode step ms | bound ms | "
         "of bound | prefill share |"
     )
@@ -503,7 +499,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |"
         )
-    lines += chunks_table(report)
+    lines += prefills_table(report)
     for engine in dict.fromkeys(setting(row) for row in report["levels"]):
         lines += best_line(report, engine)
     for engine, a in report.get("agreement", {}).items():
@@ -584,10 +580,10 @@ def main() -> int:
         "(masked,filled: each level on an engine of each, side by side)",
     )
     parser.add_argument(
-        "--prefill-chunk",
-        default="0",
-        help="prefill chunk sizes in prompt tokens, comma-separated (0: whole prompts): each level and "
-        "attention on an engine of each, side by side (e.g. 0,512)",
+        "--prefill",
+        default="split",
+        help="how a joining page is prefilled (engine/batched/scheduler.py): split (the engine's default), "
+        "whole, or both (split,whole: each level and attention on an engine of each, side by side)",
     )
     parser.add_argument(
         "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
@@ -606,14 +602,11 @@ def main() -> int:
     attentions = [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
     if not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
-    try:
-        chunks = [int(c) or None for c in dict.fromkeys(args.prefill_chunk.split(","))]
-    except ValueError:
-        parser.error(f"--prefill-chunk takes token counts like 0,512, not {args.prefill_chunk}")
+    prefills = list(dict.fromkeys(args.prefill.split(",")))
+    if not set(prefills) <= {"split", "whole"}:
+        parser.error(f"--prefill takes split, whole or both, not {args.prefill}")
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
-    if any(c is not None and c < 0 for c in chunks):
-        parser.error(f"--prefill-chunk takes counts of 0 or more, not {args.prefill_chunk}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
     env = environment()
     peak_tbps = args.peak_tbps or next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
@@ -653,14 +646,14 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    for concurrency, attention, chunk in itertools.product(levels, attentions, chunks):
-        named = {"concurrency": concurrency, "attention": attention, "prefill_chunk_tokens": chunk}
+    for concurrency, attention, prefill in itertools.product(levels, attentions, prefills):
+        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill}
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
         try:
             record, row, outputs = engine_level(
-                session, concurrency, pages, args, options, attention, chunk, weights, peak
+                session, concurrency, pages, args, options, attention, prefill, weights, peak
             )
             setup["engines"].append(record)
             report["levels"].append(row)
@@ -672,7 +665,7 @@ def main() -> int:
         gc.collect()  # the level's engine, its KV cache and graphs, before the next one's are allocated
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        figures = f" {chunk_figures(row)};" if "output_tokens_per_s" in row else ""
+        figures = f" {prefill_figures(row)};" if "output_tokens_per_s" in row else ""
         print(
             f"concurrency {concurrency}, {setting(named)}:{figures} done at {time.perf_counter() - began:.0f} s",
             flush=True,

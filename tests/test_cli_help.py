@@ -42,11 +42,9 @@ def test_loglevel_lists_its_choices_and_refuses_others():
     assert refused.exit_code == 2 and "'LOUD' is not one of" in refused.output
 
 
-def test_a_worker_told_of_chunked_runs_is_refused_without_their_concurrency():
-    refused = CliRunner().invoke(main, ["worker", "--gpus", "cpu", "--prefill-chunk", "64"])
-    assert refused.exit_code == 2 and "--prefill-chunk splits the batched engine's prefills" in refused.output
-    refused = CliRunner().invoke(main, ["worker", "--gpus", "cpu", "--concurrency", "4", "--prefill-chunk", "-1"])
-    assert refused.exit_code == 2 and "--prefill-chunk must be at least 1" in refused.output
+def test_a_worker_told_of_an_unknown_prefill_is_refused():
+    refused = CliRunner().invoke(main, ["worker", "--gpus", "cpu", "--concurrency", "4", "--prefill", "chunks"])
+    assert refused.exit_code == 2 and "'chunks' is not one of 'split', 'whole'" in refused.output
 
 
 def test_one_job_is_one_job(tmp_path, make_png, subprocess_env):

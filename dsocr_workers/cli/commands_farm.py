@@ -19,6 +19,7 @@ from dsocr_workers.cli import (
 )
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.variants import AUTO, ENGINE_CHOICES
+from dsocr_workers.farm.run_options import PREFILLS
 from dsocr_workers.model.config import DTYPES, TextDims
 from dsocr_workers.model.families import all_modes, all_presets
 
@@ -123,14 +124,13 @@ def run_options(command: F) -> F:
             "the batched engine; 1: one at a time (the batch-1 path).",
         ),
         click.option(
-            "--prefill-chunk",
-            type=int,
-            default=0,
+            "--prefill",
+            type=click.Choice(PREFILLS),
+            default="split",
             show_default=True,
-            metavar="TOKENS",
-            help="With --concurrency above 1: split a joining page's LM prefill into chunks, at most TOKENS "
-            "prompt tokens prefilled between two decode steps, so the pages decoding keep their pace; "
-            "0: each page's whole prompt in one launch.",
+            help="With --concurrency above 1: split, a page joining while others decode is prefilled in two "
+            "steps (its SAM, then the rest), so the pages decoding keep their pace; whole: every prefill "
+            "in one launch (more inter-token latency; joins not limited to one every two steps).",
         ),
     ]
     for option in reversed(options):
@@ -158,7 +158,7 @@ def run_request(filelist: Path, kw: dict[str, Any]) -> RunRequest:
         ngram_window=kw["ngram_window"],
         profile_every=kw["profile_every"],
         concurrency=kw["concurrency"],
-        prefill_chunk_tokens=kw["prefill_chunk"] or None,
+        prefill=kw["prefill"],
     )
     return RunRequest(
         filelist,
@@ -221,16 +221,16 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
               help="With --model: the jobs in flight per GPU of the runs to come (`dsocr submit --concurrency`); "
                    "above 1 each child starts its batched engine before its first job, from the artifacts "
                    "`dsocr precompile --concurrency` built.")
-@click.option("--prefill-chunk", type=int, default=0, show_default=True, metavar="TOKENS",
-              help="With --model and --concurrency above 1: the runs' chunked prefill "
-                   "(`dsocr submit --prefill-chunk`), the batched engine started with it; 0: whole prompts.")
+@click.option("--prefill", type=click.Choice(PREFILLS), default="split", show_default=True,
+              help="With --model and --concurrency above 1: the runs' prefills (`dsocr submit --prefill`), the "
+                   "batched engine started with them.")
 @click.option("--events", is_flag=True,
               help="Show this worker and its jobs in Flower (`dsocr flower`): send task events and heartbeats, "
                    "answer inspection.")
 @exits_on_errors
 def worker(
     gpus: str, queues: tuple[str, ...], loglevel: str, warmup: str, model: str,
-    engine: str, dtype: str | None, max_new_tokens: int | None, concurrency: int, prefill_chunk: int,
+    engine: str, dtype: str | None, max_new_tokens: int | None, concurrency: int, prefill: str,
     events: bool,
 ) -> None:
     """Run jobs from the queue: one prefork child per device, each loading and warming its model before
@@ -245,7 +245,7 @@ def worker(
 
     # The runs to come, checked as a submitted run's options are (exit 2 on a bad one).
     fallback = RunOptions(model=model, engine=engine, dtype=dtype, max_new_tokens=max_new_tokens,
-                          concurrency=concurrency, prefill_chunk_tokens=prefill_chunk or None)  # fmt: skip
+                          concurrency=concurrency, prefill=prefill)  # fmt: skip
     start_worker(
         Settings.from_env(),
         parse_devices(gpus),

@@ -158,8 +158,8 @@ class JobProfiler:
 
 @dataclass(frozen=True)
 class StepSample:
-    """Which steps of a batched engine a `--profile N` run records: of each kind (a whole prompt's
-    prefill, a prefill chunk, a decode-only step), the N-th, 2N-th, ... the engine launches. As the
+    """Which steps of a batched engine a `--profile N` run records: of each kind (a whole prefill, a
+    split prefill's sam or join part, a decode-only step), the N-th, 2N-th, ... the engine launches. As the
     batch-1 path's every N-th job: about 1/N of each kind, every kind in any run with N of them, and the
     engine's first step of a kind (the one most likely to meet a cold path) only at N = 1."""
 

@@ -473,11 +473,20 @@ class DeepSeekOCRSession:
         return DevicePage(page, ids, pixels, positions)
 
     def encode_image(self, inputs: DevicePage, clock: StageClock) -> torch.Tensor:
-        """Vision stages → the (N, hidden) image embeddings in the vendor's layout. The view encoder is
-        timed as its family's stage (`vision/clip`, `vision/qwen2`)."""
-        # The global view first, then the tiles (if any) as one batch: one call per view group.
+        """Vision stages → the (N, hidden) image embeddings in the vendor's layout: `encode_sam`, then
+        `encode_views`."""
+        return self.encode_views(inputs, self.encode_sam(inputs, clock), clock)
+
+    def encode_sam(self, inputs: DevicePage, clock: StageClock) -> list[torch.Tensor]:
+        """SAM over the page's view groups (the global view, then the tiles if any, one call per group):
+        the features `encode_views` takes. With CUDA graphs they live in the vision graphs' pool, valid
+        until the next `encode_sam`."""
         with clock.stage("vision/sam"):
-            sam = self.runners.vision.sam(inputs.pixels)
+            return self.runners.vision.sam(inputs.pixels)
+
+    def encode_views(self, inputs: DevicePage, sam: list[torch.Tensor], clock: StageClock) -> torch.Tensor:
+        """The view encoder (timed as its family's stage, `vision/clip` or `vision/qwen2`) and the
+        projector over `encode_sam`'s features → the (N, hidden) image embeddings, laid out."""
         with clock.stage(self.family.encoder_stage):
             encoded = self.runners.vision.views(sam)
         with clock.stage("vision/projector"):
@@ -529,7 +538,7 @@ class DeepSeekOCRSession:
 
     def prompt_embeds(self, inputs: DevicePage, image_embeds: torch.Tensor | None) -> torch.Tensor:
         """The prompt's embeddings with the image's placed at its placeholders, [1, L, hidden]: what the
-        LM prefill takes (the batched engine's chunked prefill, a slice of it per chunk)."""
+        LM prefill takes."""
         embeds = self.model.embed(inputs.input_ids).unsqueeze(0)
         if image_embeds is not None:
             embeds[0].index_copy_(0, inputs.image_positions, image_embeds.to(embeds.dtype))

@@ -28,6 +28,10 @@ class ModelKey:
     seed: int = 0
 
 
+# How the batched engine prefills a joining page (`RunOptions.prefill`).
+PREFILLS = ("split", "whole")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """What every job of a run computes; stored in the run row and read back by the worker."""
@@ -54,10 +58,9 @@ class RunOptions:
     # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
     # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
     concurrency: int = 1
-    # The batched engine's chunked prefill: at most this many prompt tokens prefilled between two decode
-    # steps, a joining page's prefill split into chunks (engine/batched/scheduler.py); None: each page's
-    # whole prompt in one launch.
-    prefill_chunk_tokens: int | None = None
+    # The batched engine's prefills: "split", a page joining while others decode is prefilled in two
+    # steps (engine/batched/scheduler.py); "whole", every prefill in one launch.
+    prefill: str = "split"
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in all_modes():
@@ -77,13 +80,8 @@ class RunOptions:
             raise InputError("--profile must be at least 1 (every N-th job)")
         if self.concurrency < 1:
             raise InputError("--concurrency must be at least 1")
-        if self.prefill_chunk_tokens is not None:
-            if self.prefill_chunk_tokens < 1:
-                raise InputError("--prefill-chunk must be at least 1 prompt token (0: whole prompts)")
-            if self.concurrency == 1:
-                raise InputError(
-                    "--prefill-chunk splits the batched engine's prefills: it needs --concurrency above 1"
-                )
+        if self.prefill not in PREFILLS:
+            raise InputError(f"unknown prefill {self.prefill!r}; choices: {', '.join(PREFILLS)}")
 
     def profiles(self, ordinal: int) -> bool:
         """Whether the run's `ordinal`-th job (from 1, in file-list order) is profiled: the N-th, 2N-th,
@@ -102,7 +100,11 @@ class RunOptions:
         """A run's options read back from its row: what an older run did not record keeps this class's
         default, and what it recorded that this version no longer knows is left out."""
         known = {f.name for f in fields(cls)}
-        return cls(model=model, **{k: v for k, v in parameters.items() if k in known and k != "model"})
+        # A run recorded before prefills could be split prefilled whole.
+        return cls(
+            model=model,
+            **{"prefill": "whole", **{k: v for k, v in parameters.items() if k in known and k != "model"}},
+        )
 
     @property
     def mode_name(self) -> str:
@@ -112,6 +114,10 @@ class RunOptions:
     @property
     def model_key(self) -> ModelKey:
         return ModelKey(self.model, self.engine, self.dtype, self.seed)
+
+    @property
+    def split_prefill(self) -> bool:
+        return self.prefill == "split"
 
     @property
     def ngram(self) -> NGram:

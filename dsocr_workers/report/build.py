@@ -92,7 +92,7 @@ COMPARED_PARAMETERS = (
     "engine",
     "dtype",
     "concurrency",
-    "prefill_chunk_tokens",
+    "prefill",
     "prompt",
     "no_repeat_ngram_size",
     "ngram_window",

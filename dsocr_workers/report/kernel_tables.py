@@ -64,18 +64,29 @@ def profiled(data: RunData, include_cold: bool = False) -> list[tuple[str, Kerne
     ]
 
 
+# A page's prefill steps in the order they run: whole, or split in two.
+PREFILL_KINDS = ("prefill", "sam", "join")
+
+
 def step_stage(step: StepProfile) -> str:
-    """A sampled batch step's row: its kind and occupancy band."""
-    return f"batch {step.kind} step, occupancy {band_of(step.occupancy)}"
+    """A sampled batch step's row: its kind, and a decode step's occupancy band (a prefill or a part of
+    one serves one page)."""
+    if step.kind != "decode":
+        return f"batch {step.kind} step"
+    return f"batch decode step, occupancy {band_of(step.occupancy)}"
 
 
 def profiled_steps(data: RunData) -> list[KernelSummary]:
-    """The run's sampled batch steps, their one stage named `step_stage`: prefill first, then by kind and
-    occupancy band, each group in the order its steps ran."""
+    """The run's sampled batch steps, their one stage named `step_stage`: the prefills (whole, then the
+    sam and join parts), then the decode steps by occupancy band, each group in the order its steps ran."""
     bands = [label for label, _, _ in OCCUPANCY_BANDS]
-    ordered = sorted(
-        data.step_profiles, key=lambda s: (s.kind != "prefill", s.kind, bands.index(band_of(s.occupancy)))
-    )
+
+    def order(step: StepProfile) -> tuple[int, int]:
+        if step.kind != "decode":
+            return (PREFILL_KINDS.index(step.kind) if step.kind in PREFILL_KINDS else len(PREFILL_KINDS), 0)
+        return (len(PREFILL_KINDS) + 1, bands.index(band_of(step.occupancy)))
+
+    ordered = sorted(data.step_profiles, key=order)
     return [
         replace(
             step.summary, stages=[replace(stage, stage=step_stage(step)) for stage in step.summary.stages]

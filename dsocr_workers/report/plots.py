@@ -546,7 +546,7 @@ def throughput_vs_latency(sides: Sequence[Side], include_cold: bool) -> Plot:
                 s=200,
                 zorder=3,
                 label=f"{side.name}: concurrency {figures.concurrency}"
-                + (f", prefill chunk {figures.prefill_chunk_tokens}" if figures.prefill_chunk_tokens else ""),
+                + (f", {figures.prefill} prefills" if figures.concurrency > 1 else ""),
             )
             ax.annotate(
                 f"c={figures.concurrency}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9

@@ -42,10 +42,11 @@ TERMS = [
         "the run's GPUs together",
     ),
     (
-        "prefill / chunk / decode step",
-        "a batched engine's step on the device: a page's prefill into its slot, a chunk of it (a run "
-        "with --prefill-chunk), or one decode step over the pages in the batch (its occupancy); the "
-        "prefill step ms and share take prefills and chunks together",
+        "prefill / sam / join / decode step",
+        "a batched engine's step on the device: a page's whole prefill into its slot; or, split (--prefill "
+        "split, while other pages decode), its two parts in two steps: sam (its upload and SAM), then "
+        "join (view encoder, projector, LM prefill, first token); or one decode step over the pages in "
+        "the batch (its occupancy); the prefill step ms and share take every step that prefills",
     ),
 ]
 # Decode steps by their occupancy: (label, fewest pages, most).
@@ -55,7 +56,7 @@ OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63
 @dataclass(frozen=True)
 class Serving:
     concurrency: int  # the run's --concurrency
-    prefill_chunk_tokens: int | None  # the run's --prefill-chunk (None: whole prompts)
+    prefill: str  # the run's --prefill (a run recorded before it: whole)
     gpus: int  # devices (host, device) whose workers finished its jobs
     pages_per_s: Estimate
     tokens_per_page: float | None  # mean tokens out
@@ -91,7 +92,7 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
 
     return Serving(
         concurrency=int((data.run.parameters or {}).get("concurrency", 1)),
-        prefill_chunk_tokens=(data.run.parameters or {}).get("prefill_chunk_tokens"),
+        prefill=str((data.run.parameters or {}).get("prefill", "whole")),
         gpus=gpus,
         pages_per_s=steady_state_throughput(data, include_cold),
         tokens_per_page=sum(tokens) / len(tokens) if tokens else None,
@@ -116,7 +117,7 @@ def _tpot(result: Result) -> float | None:
 def _rows(figures: Serving) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("concurrency (jobs in flight per GPU)", figures.concurrency),
-        ("prefill chunk tokens (0: whole prompts)", figures.prefill_chunk_tokens or 0),
+        ("prefill (split: in two steps while pages decode; whole)", figures.prefill),
         ("GPUs (devices that finished its jobs)", figures.gpus),
         ("request throughput pages/s", figures.pages_per_s),
         ("output tokens/s", figures.output_tokens_per_s),
@@ -179,12 +180,12 @@ class BandSteps:
 class BatchSteps:
     """A run's batched engine steps (`batch_steps`), summed up."""
 
-    prefill_steps: int  # a page's whole prompt in one step
-    chunk_steps: int  # a chunk of a page's prompt (--prefill-chunk)
+    prefill_steps: int  # a page's whole prefill in one step
+    split_prefills: int  # a page's prefill in two steps (its sam and join steps)
     decode_steps: int
     profiled_steps: int  # run under torch.profiler (--profile): out of the per-step times
     mean_occupancy: float | None  # pages per decode step
-    prefill_p50_ms: float | None  # of the steps that prefill: whole prompts and chunks
+    prefill_p50_ms: float | None  # of the steps that prefill: whole, sam and join
     prefill_p90_ms: float | None
     # Above the p50 where some prefills waited on the device inside their step (host contention).
     prefill_mean_ms: float | None
@@ -231,7 +232,7 @@ def batch_steps(data: RunData) -> BatchSteps:
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
     return BatchSteps(
         prefill_steps=sum(s.kind == "prefill" for s in data.steps),
-        chunk_steps=sum(s.kind == "chunk" for s in data.steps),
+        split_prefills=sum(s.kind == "join" for s in data.steps),
         decode_steps=len(decode),
         profiled_steps=sum(s.profiled for s in data.steps),
         mean_occupancy=sum(s.occupancy for s in decode) / len(decode) if decode else None,
@@ -256,8 +257,8 @@ def _gpu(data: RunData, step: StepTime) -> object:
 def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, object]]:
     share, of_span = figures.prefill_share, figures.step_share_of_span
     rows: list[tuple[str, object]] = [
-        ("prefill steps (a page joining)", figures.prefill_steps),
-        ("prefill chunk steps (a part of a page's prompt, --prefill-chunk)", figures.chunk_steps),
+        ("prefill steps (a page joining whole)", figures.prefill_steps),
+        ("split prefills (a page joining in a sam and a join step)", figures.split_prefills),
         ("decode steps", figures.decode_steps),
         ("profiled steps (--profile: out of the step times)", figures.profiled_steps),
         ("mean occupancy (pages per decode step)", figures.mean_occupancy),

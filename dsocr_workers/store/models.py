@@ -295,7 +295,7 @@ class Result(TimingColumns, Base):
 
 class BatchStep(Base):
     """One step of a worker's batched engine (a run at `--concurrency` above 1): a page's prefill into its
-    slot (whole, or a chunk of it with `--prefill-chunk`), or one decode step over the batch; the
+    slot (whole, or one of its two parts with `--prefill split`), or one decode step over the batch; the
     device's side of the serving figures. A step that served jobs of two runs is a row of each."""
 
     __tablename__ = "batch_steps"
@@ -304,17 +304,16 @@ class BatchStep(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     worker_session_id: Mapped[str] = mapped_column(ForeignKey("worker_sessions.id"))  # the model it ran on
     step_index: Mapped[int]  # the engine's, from 0 when the engine was made (one per run's settings)
-    kind: Mapped[str] = mapped_column(String(8))  # prefill | chunk | decode
-    # Pages it gave a token: a decode step's pages decoding; a prefill, 1 (the joining page); a chunk, 1
-    # for a page's last (it chooses the first token), else 0.
+    kind: Mapped[str] = mapped_column(String(8))  # prefill | sam | join | decode (older runs: chunk)
+    # Pages it gave a token: a decode step's pages decoding; a prefill or join, 1 (the joining page);
+    # a sam, 0.
     occupancy: Mapped[int]
-    bucket: Mapped[int]  # rows computed (a decode step's batch bucket; a prefill, a chunk: 1)
+    bucket: Mapped[int]  # rows computed (a decode step's batch bucket; a prefill or its parts: 1)
     # When it started on the device and for how long (CUDA events on a GPU, host readings on a CPU).
     started_at: Mapped[datetime]
     duration_ms: Mapped[float] = mapped_column(Float)
-    # A prefill's: the joining page's prompt and its vision stages (SAM, CLIP, projector); a chunk's: the
-    # prompt positions it prefilled, and the vision stages on a page's first chunk (else 0); None for a
-    # decode step.
+    # A prefill's or join's: the joining page's prompt (a sam's: 0); the vision stages in it (SAM, the view
+    # encoder, projector); None for a decode step.
     prompt_tokens: Mapped[int | None]
     vision_ms: Mapped[float | None] = mapped_column(Float)
     # Run under torch.profiler (a `--profile N` run's sampled step, engine/profiling.py `StepSample`): its

@@ -133,7 +133,7 @@ def test_docs_get_the_runs_tables_command_and_curves_as_their_newest_section(ben
     report["plots"] = ["scaling-2026-11-27T0451-sweep-k1.png"]
     # A run's Batch steps figures (step_stats; this older result has none).
     report["runs"][-1]["stats"]["steps"] = {
-        "prefill_steps": 900, "decode_steps": 8000, "prefill_p50_ms": 16.94, "prefill_p90_ms": 30.2,
+        "prefill_steps": 900, "split_prefills": 0, "decode_steps": 8000, "prefill_p50_ms": 16.94, "prefill_p90_ms": 30.2,
         "prefill_mean_ms": 28.04, "decode_64_p50_ms": 6.992, "prefill_share": 0.3268, "step_share_of_span": 0.9619}  # fmt: skip
     docs = tmp_path / "docs" / "benchmarks.md"
     docs.parent.mkdir()
@@ -145,7 +145,7 @@ def test_docs_get_the_runs_tables_command_and_curves_as_their_newest_section(ben
     newest = text[: text.index("## An older section")]
     assert "| fast | 2 | 128 | 900 (900 / 0) |" in newest  # the scaling table
     assert "Serving (the report's Serving table" in newest and report["command"] in newest
-    assert "| fast | 2 | 128 | 900 | 16.9 / 30.2 / 28.0 | 6.99 | 32.7% | 96.2 |" in newest  # its Batch steps
+    assert "| fast | 2 | 128 | 900 / 0 | 16.9 / 30.2 / 28.0 | 6.99 | 32.7% | 96.2 |" in newest  # its Batch steps
     assert "](../benchmarks/results/scaling-2026-11-27T0451-sweep-k1.png)" in newest
     assert "Raw: `../benchmarks/results/scaling-2026-11-27T0451.md`" in newest
     assert text.endswith("## An older section\n\nIts text.\n")

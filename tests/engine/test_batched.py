@@ -20,8 +20,8 @@ from dsocr_workers.engine.batched import (
     plan_kv,
 )
 from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
-from dsocr_workers.engine.batched.scheduler import ChunkPlan, DecodePlan, PrefillPlan, buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, prefill_chunk
+from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
@@ -140,100 +140,51 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(family_case, opti
         i: r.stop_reason for i, r in enumerate(references)
     }
     assert not engine.busy and engine.free_slots == 3
-    # Joined at different steps: not every page was admitted by the first decode step.
-    prefill_at = sorted(s.index for s in engine.steps if s.kind == "prefill")
+    # Joined at different steps: not every page was admitted by the first decode step (those after it
+    # split, as pages decoded when they joined).
     first_decode = min(s.index for s in engine.steps if s.kind == "decode")
-    assert any(index > first_decode for index in prefill_at)
+    assert any(s.index > first_decode for s in engine.steps if s.kind == "sam")
+    check_split(engine, outputs)
 
 
-def check_chunks(engine: BatchedEngine, outputs, chunk: int) -> None:
-    """Each page's chunks cover its prompt, none longer than `chunk`, and between two tokens of a page no
-    more than `chunk` prompt tokens are prefilled (steps in launch order; a token is its step's end)."""
-    assert not any(s.kind == "prefill" for s in engine.steps)
-    step_at = {s.ended_s: s.index for s in engine.steps}
-    chunk_tokens = {s.index: s.prompt_tokens for s in engine.steps if s.kind == "chunk"}
+def check_split(engine: BatchedEngine, outputs) -> None:
+    """Each page's prefill is one "prefill" step, or a "sam" and a "join" step with at most one decode
+    step between them, timed as its prefill (the decode step left out) and holding its vision; a page is
+    split only while others decode, and then a step launches one part at most (steps in launch order)."""
+    steps = sorted(engine.steps, key=lambda s: s.index)
     for output in outputs:
-        own = [s for s in engine.steps if s.kind == "chunk" and s.request_id == output.request_id]
-        lengths = [s.prompt_tokens for s in own]
-        assert sum(lengths) == output.prompt_tokens and max(lengths) <= chunk, (output.request_id, lengths)
+        own = [s for s in steps if s.request_id == output.request_id]
+        kinds = [s.kind for s in own]
+        assert kinds in (["prefill"], ["sam", "join"]), (output.request_id, kinds)
         m = output.metrics
-        # Its prefill: its own chunk steps' time, other pages' decode steps between them left out; its
-        # vision: its first chunk's.
-        assert m.prefill_ms == pytest.approx(sum(s.ms for s in own)) and m.vision_ms == own[0].vision_ms > 0
+        assert m.prefill_ms == pytest.approx(sum(s.ms for s in own))
+        assert m.vision_ms == pytest.approx(sum(s.vision_ms for s in own)) and m.vision_ms > 0
         assert m.prefill_ms <= m.prefill_to_first_token_ms
         assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
-        made = [step_at[t] for t in m.token_s]
-        for a, b in zip(made, made[1:], strict=False):
-            assert sum(n for index, n in chunk_tokens.items() if a < index < b) <= chunk
+        if kinds == ["sam", "join"]:
+            between = [s.kind for s in steps if own[0].index < s.index < own[1].index]
+            assert between in ([], ["decode"]), between
+            assert own[0].occupancy == own[0].prompt_tokens == 0 and own[1].prompt_tokens == output.prompt_tokens
+    # Between two decode steps: whole prefills only where no decode step came before them, else one part.
+    parts = 0
+    for step in steps:
+        if step.kind == "decode":
+            parts = 0
+        elif step.kind in ("sam", "join"):
+            parts += 1
+            assert parts == 1, step
 
 
-# Chunk sizes: one that divides no prompt of PAGES (73 to ~530 tokens), one longer than every prompt.
-@pytest.mark.parametrize("chunk", [100, 1000])
-def test_a_pages_greedy_tokens_with_chunked_prefill_are_its_tokens_alone(family_case, chunk):
-    """Each family's pages through 2 slots, 3 in flight, their prefills in chunks (`prefill_chunk_tokens`)
-    launched between decode steps: each page's tokens are the batch-1 path's, its chunks cover its
-    prompt, and with chunks shorter than the prompts a page's chunks have other pages' decode steps
-    between them."""
+def test_a_pages_greedy_tokens_with_whole_prefills_are_its_tokens_alone(family_case):
+    """`split_prefill=False`: every page joins in one prefill step, whenever it joins, with its batch-1
+    tokens."""
     session, prepared, pages = family_case
     options = DecodeOptions(ignore_eos=True)
-    expected = alone(session, options, pages)
-    engine = engine_for(session, prepared, 2, options, pages, prefill_chunk_tokens=chunk)
+    engine = engine_for(session, prepared, 2, options, pages, split_prefill=False)
     outputs = engine.run(requests(prepared, pages), 3)
-    assert by_request(outputs) == dict(enumerate(expected))
-    check_chunks(engine, outputs, chunk)
-    chunks_of = {
-        o.request_id: [s.index for s in engine.steps if s.kind == "chunk" and s.request_id == o.request_id]
-        for o in outputs
-    }
-    decodes = [s.index for s in engine.steps if s.kind == "decode"]
-    if chunk >= max(p.prompt_tokens for p in prepared):
-        assert all(len(indices) == 1 for indices in chunks_of.values())
-    else:
-        assert any(
-            indices[0] < step < indices[-1] for indices in chunks_of.values() for step in decodes
-        )
-
-
-def test_a_pages_greedy_tokens_with_one_token_chunks_are_its_tokens_alone(session, prepared):
-    """Chunks of one prompt token (the mask down to one query row): the short pages' tokens are still
-    the batch-1 path's, under the windowed ban (it reads each slot's prompt length)."""
-    options = DecodeOptions(no_repeat_ngram_size=3, ngram_window=16, ngram_whitelist=(5, 7))
-    short = [0, 1, 5]
-    expected = alone(session, options)
-    engine = engine_for(session, prepared, 2, options, prefill_chunk_tokens=1)
-    outputs = engine.run([requests(prepared)[i] for i in short], 3)
-    assert by_request(outputs) == {i: expected[i] for i in short}
-    check_chunks(engine, outputs, 1)
-
-
-@pytest.mark.parametrize("chunk", [1, 37, 1000])
-def test_chunks_fill_a_slot_as_the_whole_prompt_fills_a_batch1_cache(session, prepared, chunk):
-    """`prefill_chunk` over a prompt in chunks (of 1, of 37: no divisor of its 109 tokens, and of more
-    than the prompt) writes into its slot, full of stale values, the keys and values the batch-1 prefill
-    writes into its cache, and the last chunk's logits are its logits (to float32 rounding); nothing past
-    the prompt or in another slot is written. A position, offset or mask off by one fails this."""
-    page = prepared[0]
-    length = page.prompt_tokens
-    model = session.model
-    with torch.inference_mode():
-        inputs = session.upload(page)
-        image = session.encode_image(inputs, session.new_clock())
-        whole = session.buffers_for(length + 8).cache
-        expected = session.lm_prefill(inputs, image, whole)
-        cache = SlotCache.allocate(model, 2, 256, session.device)
-        for tensor in (*cache.keys, *cache.values):
-            tensor.normal_()
-        stale = [t.clone() for t in (*cache.keys, *cache.values)]
-        embeds = session.prompt_embeds(inputs, image)
-        for start in range(0, length, chunk):
-            last = prefill_chunk(model, cache.keys, cache.values, 1, embeds[:, start : start + chunk], start)
-        torch.testing.assert_close(model.logits(last), expected, rtol=1e-5, atol=1e-5)
-        filled = [(layer.keys, layer.values) for layer in whole.layers]
-        for keys, values, (want_keys, want_values) in zip(cache.keys, cache.values, filled, strict=True):
-            torch.testing.assert_close(keys[1, :, :length], want_keys[0, :, :length], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(values[1, :, :length], want_values[0, :, :length], rtol=1e-5, atol=1e-5)
-        for now, before in zip((*cache.keys, *cache.values), stale, strict=True):
-            assert torch.equal(now[0], before[0]) and torch.equal(now[1, :, length:], before[1, :, length:])
+    assert by_request(outputs) == dict(enumerate(alone(session, options, pages)))
+    assert {s.kind for s in engine.steps} == {"prefill", "decode"}
+    assert sum(s.kind == "prefill" for s in engine.steps) == len(pages)
 
 
 def test_a_pages_logits_in_a_batch_are_its_logits_alone(session, prepared, monkeypatch):
@@ -313,11 +264,7 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert used == {1, 2, 4}, used
         # bucket 1 is a graph of its own (dynamo specialises size 1), every other bucket shares one
         assert graphs["unique_graphs"] - before == 2
-        # Chunked prefill: eager over the fast engine's modules (SDPA under the chunk's mask), beside the
-        # compiled step, which compiles nothing more.
-        chunked = engine_for(fast, prepared, 4, options, compiled=True, attention=attention, prefill_chunk_tokens=100)
-        assert by_request(chunked.run(requests(prepared), 4)) == dict(enumerate(expected))
-        assert graphs["unique_graphs"] - before == 2
+        assert any(s.kind == "join" for s in engine.steps)  # split prefills beside the compiled step
     default = engine_for(fast, prepared, 4, options).config  # on a CPU: eager, masked
     assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
     with pytest.raises(InputError, match="fast engine's attention modules"):
@@ -360,16 +307,19 @@ def test_metrics_per_page_and_per_step(session, prepared):
     options = DecodeOptions(ignore_eos=True)
     engine = engine_for(session, prepared, 3, options)
     outputs = engine.run(requests(prepared), 3)
-    prefills = [s for s in engine.steps if s.kind == "prefill"]
+    prefills = [s for s in engine.steps if s.kind != "decode"]  # whole, or split in sam and join
     decodes = [s for s in engine.steps if s.kind == "decode"]
-    assert len(prefills) == len(PAGES) and all(s.occupancy == 1 and s.prompt_tokens > 0 for s in prefills)
+    joining = [s for s in prefills if s.kind != "sam"]  # the steps that give a page its first token
+    assert len(joining) == len(PAGES) and all(s.occupancy == 1 and s.prompt_tokens > 0 for s in joining)
+    assert sum(s.kind == "join" for s in prefills) == sum(s.kind == "sam" for s in prefills) > 0
     assert all(1 <= s.occupancy <= s.bucket <= 3 for s in decodes)
     assert [s.index for s in engine.steps] == sorted(s.index for s in engine.steps)
     assert sum(s.occupancy for s in decodes) == sum(len(o.token_ids) - 1 for o in outputs)
     for output in outputs:
         m = output.metrics
-        (own,) = [s for s in prefills if s.request_id == output.request_id]
-        assert m.prefill_ms == pytest.approx(own.ms) and 0 < m.vision_ms == own.vision_ms < m.prefill_ms
+        own = [s for s in prefills if s.request_id == output.request_id]
+        assert m.prefill_ms == pytest.approx(sum(s.ms for s in own))
+        assert m.vision_ms == pytest.approx(sum(s.vision_ms for s in own)) and 0 < m.vision_ms < m.prefill_ms
         assert len(m.token_s) == len(output.token_ids) == PAGES[int(output.request_id)][3]
         assert m.arrival_s <= m.admitted_s <= m.prefill_started_s <= m.token_s[0]
         assert all(a <= b for a, b in zip(m.token_s, m.token_s[1:], strict=False))
@@ -379,7 +329,8 @@ def test_metrics_per_page_and_per_step(session, prepared):
         assert output.wasted_steps == 0
     summary = ServingSummary.of([o.metrics for o in outputs], engine.steps)
     assert summary.pages == len(PAGES) and summary.output_tokens == sum(t for *_, t in PAGES)
-    assert summary.prefill_steps == len(PAGES) and summary.decode_steps == len(decodes)
+    assert summary.prefill_steps == len(prefills) and summary.decode_steps == len(decodes)
+    assert summary.split_prefills == len(prefills) - len(PAGES)
     assert 0 < summary.decode_share < 1 and summary.itl_ms["p50"] is not None
     assert summary.ttft_ms["p50"] <= summary.ttft_ms["p99"]
 
@@ -413,33 +364,31 @@ def test_the_runner_runs_plans_without_a_scheduler(session, prepared):
     assert runner.unread == 0 and not runner.cuda_graphs and runner.captured == 0
 
 
-def test_the_runner_keeps_a_part_prefilled_slot_through_decode_steps(session, prepared):
-    """A page prefilled by hand in two chunks into slot 1 with decode steps over bucket 2 before, between
-    and after them (slot 1 computing a throwaway row until its last chunk): the throwaway row of a
-    part-prefilled slot writes only the position its next chunk writes first, never the prefilled ones,
-    and the page reads back its batch-1 tokens."""
+def test_the_runner_holds_a_split_page_through_a_decode_step(session, prepared):
+    """A page prefilled by hand in two parts into slot 1 with decode steps over bucket 2 before, between
+    and after them (slot 1 computing a throwaway row until its join): the sam part gives no token, the
+    join its first, and the page reads back its batch-1 tokens."""
     options = DecodeOptions(ignore_eos=True)
     expected = alone(session, options)
     kv = plan_kv(2, max(p.prompt_tokens for p in prepared), 30, SlotCache.bytes_per_position(session.model), None)
     runner = BatchRunner(session, kv, options, StepConfig.decide(session))
     runner.capture((1, 2))
-    page, split, budget = prepared[3], 150, PAGES[3][3]
+    page, budget = prepared[3], PAGES[3][3]
     runner.launch(DecodePlan(0, (), 2, ()))
-    runner.launch(ChunkPlan(1, 1, page, 0, split, ()))
-    assert [len(r.tokens) for r in runner.collect(wait_beyond=None)] == [2, 0]
-    prefilled = [k[1, :, : split + 1].clone() for k in runner.cache.keys]
+    runner.launch(PrefillPlan(1, 1, page, budget, (), "sam"))
+    readbacks = runner.collect(wait_beyond=None)
+    assert [len(r.tokens) for r in readbacks] == [2, 0] and readbacks[1].vision_ms > 0
     runner.launch(DecodePlan(2, (), 2, ()))
     runner.collect(wait_beyond=None)
-    for keys, before in zip(runner.cache.keys, prefilled, strict=True):
-        assert torch.equal(keys[1, :, :split], before[:, :split])  # the chunk's positions kept
-        assert not torch.equal(keys[1, :, split], before[:, split])  # the throwaway row's, the next one
-    runner.launch(ChunkPlan(3, 1, page, split, page.prompt_tokens - split, ()))
+    runner.launch(PrefillPlan(3, 1, page, budget, (), "join"))
     tokens = [t for readback in runner.collect(wait_beyond=None) for t in readback.tokens]
     for index in range(4, 4 + budget - 1):
         runner.launch(DecodePlan(index, (1,), 2, ()))
         (readback,) = runner.collect(wait_beyond=None)
         tokens.append(readback.tokens[1])
     assert tokens == expected[3]
+    with pytest.raises(AssertionError, match="join follows its sam"):
+        runner.launch(PrefillPlan(99, 1, page, budget, (), "join"))
 
 
 def test_the_kv_plan_follows_the_budget_and_the_free_memory():
@@ -604,14 +553,16 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, prese
     assert {1, 2, 32} <= decode_buckets, decode_buckets
     assert all(s.ms > 0 for s in engine.steps)
     assert all(o.metrics.ttft_ms > 0 and o.metrics.tpot_ms for o in outputs)
-    # Chunked prefill: eager chunks (SDPA under the chunk's mask, the routed experts' GEMVs or grouped
-    # GEMMs by the chunk's length) into the slots, between the graphed decode steps.
-    chunked = BatchedEngine.create(
-        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention, prefill_chunk_tokens=100
+    # Pages joined while others decoded, split: their SAM features held in the vision graphs' pool
+    # across a decode step, then the rest.
+    check_split(engine, outputs)
+    assert any(s.kind == "join" for s in engine.steps)
+    whole = BatchedEngine.create(
+        fast, 32, max(p.prompt_tokens for p in prepared), 32, options, attention=attention, split_prefill=False
     )
-    outputs = chunked.run(many[:16], 16)
+    outputs = whole.run(many[:16], 16)
     assert {o.request_id: o.token_ids for o in outputs} == {str(i): expected[i % len(PAGES)] for i in range(16)}
-    check_chunks(chunked, outputs, 100)
+    assert {s.kind for s in whole.steps} == {"prefill", "decode"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the batched step compiled by inductor")
@@ -696,7 +647,7 @@ def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch
         raise InputError("vision failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(session, "encode_image", broken)
+        patch.setattr(session, "encode_sam", broken)
         with pytest.raises(InputError, match="vision failed"):
             engine.add(requests(prepared)[2])
     assert engine.free_slots == 1 and engine.in_flight == 1
@@ -707,12 +658,14 @@ def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch
     assert by_request(outputs) == {0: expected[0], 2: expected[2]}
 
 
-def test_a_chunk_that_fails_drops_its_page_and_gives_its_slot_back(session, prepared, monkeypatch):
-    """With chunks, a page's first chunk raising (here: its vision) in a step drops that page alone: the
-    step raises, its slot is free again, the page decoding goes on, and the same page joins later."""
+@pytest.mark.parametrize("failing", ["encode_sam", "encode_views"])
+def test_a_split_part_that_fails_drops_its_page_and_gives_its_slot_back(session, prepared, monkeypatch, failing):
+    """A page's sam part (its SAM) or join part (its view encoder) raising in a step drops that page
+    alone: the step raises, its slot is free again, the page decoding goes on, and the same page joins
+    later."""
     options = DecodeOptions(ignore_eos=True)
     expected = alone(session, options)
-    engine = engine_for(session, prepared, 2, options, prefill_chunk_tokens=64)
+    engine = engine_for(session, prepared, 2, options)
     assert engine.add(requests(prepared)[0]) == 0 and engine.free_slots == 1
     while not engine.scheduler.decoding:
         engine.step()
@@ -720,22 +673,21 @@ def test_a_chunk_that_fails_drops_its_page_and_gives_its_slot_back(session, prep
     def broken(*args, **kwargs):
         raise InputError("vision failed")
 
+    engine.submit(requests(prepared)[2])
     with monkeypatch.context() as patch:
-        patch.setattr(session, "encode_image", broken)
-        assert engine.add(requests(prepared)[2]) == 1
+        patch.setattr(session, failing, broken)
+        if failing == "encode_views":
+            engine.step()  # its sam part
+            assert engine.scheduler.prefilling
         with pytest.raises(InputError, match="vision failed"):
             engine.step()
-    assert engine.free_slots == 1 and engine.in_flight == 1
-    assert engine.add(requests(prepared)[2]) == 1
+    assert engine.free_slots == 1 and engine.in_flight == 1 and not engine.scheduler.prefilling
+    engine.submit(requests(prepared)[2])
     outputs = []
     while engine.busy:
         outputs.extend(engine.step().finished)
     assert by_request(outputs) == {0: expected[0], 2: expected[2]}
-
-
-def test_a_bad_chunk_size_is_refused(session, prepared):
-    with pytest.raises(InputError, match="prefill_chunk_tokens must be at least 1"):
-        engine_for(session, prepared, 2, DecodeOptions(), prefill_chunk_tokens=0)
+    assert [s.kind for s in engine.steps if s.request_id == "2"][-2:] == ["sam", "join"]
 
 
 def test_a_batched_pages_ttft_and_end_to_end_run_from_one_start(session, prepared):

@@ -11,10 +11,10 @@ import pytest
 
 from dsocr_workers.engine.batched.memory import PageRefused, plan_kv
 from dsocr_workers.engine.batched.scheduler import (
-    ChunkPlan,
     DecodePlan,
     NoFreeSlot,
     PageRequest,
+    PrefillPart,
     PrefillPlan,
     Readback,
     Scheduler,
@@ -48,13 +48,13 @@ def scheduler(
     slots: int = 3,
     options: DecodeOptions | None = None,
     max_new_tokens: int = 20,
-    prefill_chunk_tokens: int | None = None,
+    split_prefill: bool = False,
 ) -> Scheduler:
     return Scheduler(
         plan_kv(slots, 60, max_new_tokens, 1, None),
         options or DecodeOptions(ignore_eos=True),
         budget_rule,
-        prefill_chunk_tokens,
+        split_prefill,
     )
 
 
@@ -78,10 +78,9 @@ class Device:
         for slot in plan.clear:
             self.at.pop(slot, None)
         if isinstance(plan, PrefillPlan):
-            self.at[plan.slot] = self.pending_name
-            tokens = [self.outputs[self.pending_name].pop(0)]
-        elif isinstance(plan, ChunkPlan):  # the page in its slot since `take`
-            tokens = [self.outputs[self.at[plan.slot]].pop(0)] if plan.last else []
+            if plan.part != "join":
+                self.at[plan.slot] = self.pending_name
+            tokens = [self.outputs[self.at[plan.slot]].pop(0)] if plan.ends_prefill else []
         else:
             tokens = [
                 self.outputs[self.at[row]].pop(0) if row in plan.rows else 0 for row in range(plan.bucket)
@@ -89,20 +88,15 @@ class Device:
         self.unread.append((plan, tokens))
         self.sched.launched(plan)
 
-    def prefill(self, name: str, new_tokens: int) -> int:
+    def prefill(self, name: str, new_tokens: int, part: PrefillPart = "prefill") -> int:
+        """A page's whole prefill, or with `part` "sam" the first of its two parts."""
         self.pending_name = name
-        plan = self.sched.plan_prefill(self.sched.admit(request(name, new_tokens)))
+        plan = self.sched.plan_prefill(self.sched.admit(request(name, new_tokens)), part)
         self.launch(plan)
         return plan.slot
 
-    def take(self, name: str, new_tokens: int, prompt: int = 30) -> int:
-        """A page into a slot, its prefill to come in chunks."""
-        slot = self.sched.take_slot(self.sched.admit(request(name, new_tokens, prompt)))
-        self.at[slot] = name
-        return slot
-
-    def chunk(self, room: int) -> ChunkPlan | None:
-        plan = self.sched.plan_chunk(room)
+    def join(self) -> PrefillPlan | None:
+        plan = self.sched.plan_join()
         if plan is not None:
             self.launch(plan)
         return plan
@@ -114,11 +108,11 @@ class Device:
         return plan
 
     def read(self, keep: int = 0) -> None:
-        """Read back all but the newest `keep` launches (a page's vision, in its prefill or first chunk,
-        takes 0.1 s of it)."""
+        """Read back all but the newest `keep` launches (a page's vision takes 0.1 s of its prefill, or of
+        each of its parts)."""
         while len(self.unread) > keep:
             plan, tokens = self.unread.pop(0)
-            vision = isinstance(plan, PrefillPlan) or (isinstance(plan, ChunkPlan) and plan.start == 0)
+            vision = isinstance(plan, PrefillPlan)
             readback = Readback(plan.index, tokens, float(plan.index), plan.index + 0.5, 100.0 if vision else 0.0)
             self.sched.read(readback)
 
@@ -252,55 +246,47 @@ def test_metrics_follow_the_read_back_times():
     assert sched.steps[0].prompt_tokens == 30
 
 
-def test_a_chunked_prefill_is_planned_at_its_offsets_and_its_page_decodes_after_its_last_chunk():
-    """A 30-token prompt in chunks of at most 8 (the room left in a step can make one shorter): each
-    chunk starts where the one before ended, the page decodes only once its last chunk is launched (the
-    first token is its), and the page that began first is continued before the next one is started."""
-    sched = scheduler(slots=2, prefill_chunk_tokens=8)
-    device = Device(sched, {"a": [100, 101, 102], "b": [200, 201]})
-    assert device.take("a", 3) == 0 and sched.prefilling and sched.in_flight == 1
-    assert device.decode() is None  # a is not prefilled: nothing to decode
-    first = device.chunk(8)
-    assert first is not None and (first.slot, first.start, first.length, first.last) == (0, 0, 8, False)
-    assert device.take("b", 2, prompt=5) == 1
-    second = device.chunk(5)  # a step's room left: a shorter chunk, a's still
-    assert second is not None and (second.start, second.length) == (8, 5)
-    assert device.decode() is None and sched.plan_chunk(0) is None
-    starts = []
-    while (plan := device.chunk(8)) is not None and plan.slot == 0:
-        starts.append((plan.start, plan.length))
-    assert starts == [(13, 8), (21, 8), (29, 1)]  # then b's one chunk, its whole prompt
-    assert plan is not None and (plan.slot, plan.start, plan.length, plan.last) == (1, 0, 5, True)
-    assert not sched.prefilling and device.chunk(8) is None
+def test_a_page_joining_while_others_decode_is_prefilled_in_two_parts_one_a_step():
+    """Split: the first page (nothing decodes) is prefilled whole; the next one, while it decodes, in a
+    "sam" part that gives no token, then a "join" part that gives its first token. Only after its join
+    does it decode, and no other page's prefill starts before the join."""
+    sched = scheduler(slots=3, split_prefill=True)
+    device = Device(sched, {"a": [100, 101, 102, 103], "b": [200, 201], "c": [300, 301]})
+    assert sched.plan_first_part() == "prefill"  # nothing decodes
+    assert device.prefill("a", 4) == 0
+    assert sched.plan_first_part() == "sam"  # a decodes now
+    assert device.prefill("b", 2, "sam") == 1 and sched.prefilling
+    with pytest.raises(AssertionError, match="one page's prefill is split at a time"):
+        sched.plan_prefill(sched.admit(request("c", 2)), "sam")
+    decode = device.decode()
+    assert decode is not None and decode.rows == (0,)  # b is not prefilled yet
+    join = device.join()
+    assert join is not None and (join.slot, join.part, join.ends_prefill) == (1, "join", True)
+    assert not sched.prefilling and device.join() is None
     decode = device.decode()
     assert decode is not None and decode.rows == (0, 1)
     device.decode()
     device.read()
     done = {o.request_id: o for o in sched.events([]).finished}
-    assert done["a"].token_ids == [100, 101, 102] and done["b"].token_ids == [200, 201]
-    chunks = [s for s in sched.steps if s.kind == "chunk"]
-    # Each chunk's positions and page; only a page's last chunk gives a token.
-    assert [(s.prompt_tokens, s.occupancy, s.request_id) for s in chunks] == [
-        (8, 0, "a"), (5, 0, "a"), (8, 0, "a"), (8, 0, "a"), (1, 1, "a"), (5, 1, "b"),
-    ]  # fmt: skip
-    a = done["a"].metrics
-    assert a.prefill_started_s == chunks[0].started_s and a.token_s[0] == chunks[4].ended_s
-    # Its prefill: its five chunk steps' time, not the time between them; its vision: its first chunk's.
-    assert (a.prefill_ms, a.vision_ms) == (2500.0, 100.0) and a.prefill_to_first_token_ms == 4500.0
-    assert a.arrival_s <= a.admitted_s and a.decode_steps == 2
-    assert not sched.busy and sched.free_slots == 2
+    assert done["a"].token_ids == [100, 101, 102, 103] and done["b"].token_ids == [200, 201]
+    parts = [(s.kind, s.occupancy, s.prompt_tokens, s.request_id) for s in sched.steps if s.kind != "decode"]
+    assert parts == [("prefill", 1, 30, "a"), ("sam", 0, 0, "b"), ("join", 1, 30, "b")]
+    b = done["b"].metrics
+    sam, join_step = (s for s in sched.steps if s.request_id == "b")
+    assert b.prefill_started_s == sam.started_s and b.token_s[0] == join_step.ended_s
+    # Its prefill: its two parts' time, not the decode step between them (which its TTFT holds).
+    assert (b.prefill_ms, b.vision_ms) == (1000.0, 200.0) and b.prefill_to_first_token_ms == 2500.0
 
 
-def test_a_failed_chunk_drops_its_page_and_frees_its_slot_to_be_cleared():
-    sched = scheduler(slots=1, prefill_chunk_tokens=10)
-    device = Device(sched, {"a": [1, 2], "b": [3, 4]})
-    device.take("a", 2)
-    device.chunk(10)
-    plan = sched.plan_chunk(10)
-    assert plan is not None and plan.start == 10
+def test_a_failed_part_drops_its_page_and_frees_its_slot_to_be_cleared():
+    sched = scheduler(slots=2, split_prefill=True)
+    device = Device(sched, {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7]})
+    device.prefill("a", 3)
+    device.prefill("b", 2, "sam")
+    plan = sched.plan_join()
+    assert plan is not None and plan.slot == 1
     sched.failed(plan)  # the runner raised launching it
-    device.read()  # a's first chunk, launched before
-    assert not sched.prefilling and not sched.busy and sched.free_slots == 1 and sched.in_flight == 0
-    assert device.take("b", 2) == 0
-    again = sched.plan_chunk(10)
-    assert again is not None and (again.start, again.clear) == (0, (0,))
+    device.read()
+    assert not sched.prefilling and sched.free_slots == 1 and sched.in_flight == 1
+    again = sched.plan_prefill(sched.admit(request("c", 2)), "sam")
+    assert (again.slot, again.clear) == (1, (1,))  # the failed page's slot, reset before c's launch

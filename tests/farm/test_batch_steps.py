@@ -79,10 +79,13 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     assert 2 <= len(inserts) <= len(steps) // STEPS_PER_WRITE + 1
     by_run = {name: [s for s in steps if s.run_id == runs[name].run_id] for name in runs}
     for name, job_ids in (("a", a), ("b", b)):
-        prefill = [s for s in by_run[name] if s.kind == "prefill"]
+        joining = [s for s in by_run[name] if s.kind in ("prefill", "join")]
+        sam = [s for s in by_run[name] if s.kind == "sam"]
         decode = [s for s in by_run[name] if s.kind == "decode"]
-        assert len(prefill) == len(job_ids)  # a page joining: one prefill each
-        assert all(s.occupancy == s.bucket == 1 and s.prompt_tokens > 0 and s.vision_ms > 0 for s in prefill)
+        # A page joining: one whole prefill, or a sam and a join step (split while others decoded).
+        assert len(joining) == len(job_ids) and len(sam) == sum(s.kind == "join" for s in joining)
+        assert all(s.occupancy == s.bucket == 1 and s.prompt_tokens > 0 and s.vision_ms > 0 for s in joining)
+        assert all(s.occupancy == s.prompt_tokens == 0 and s.vision_ms > 0 for s in sam)
         # 5 decode steps after each page's first token; pages decoding together share them.
         assert 5 <= len(decode) <= 5 * len(job_ids)
         assert all(1 <= s.occupancy <= s.bucket <= CONCURRENCY for s in decode)
@@ -102,9 +105,12 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     rows = report_json(url, ["--run", runs["a"].run_id], monkeypatch)["tables"]["Batch steps"]
     table = {row["measure"]: row["value"] for row in rows}
     decode_a = [s for s in by_run["a"] if s.kind == "decode"]
-    assert table["prefill steps (a page joining)"] == 3 and table["decode steps"] == len(decode_a)
-    prefills_a = [s.duration_ms for s in by_run["a"] if s.kind == "prefill"]
-    assert table["mean prefill step ms"] == pytest.approx(sum(prefills_a) / 3, rel=1e-4)
+    split_a = sum(s.kind == "join" for s in by_run["a"])
+    assert table["prefill steps (a page joining whole)"] + table["split prefills (a page joining in a sam and a join step)"] == 3
+    assert table["split prefills (a page joining in a sam and a join step)"] == split_a
+    assert table["decode steps"] == len(decode_a)
+    prefills_a = [s.duration_ms for s in by_run["a"] if s.kind != "decode"]
+    assert table["mean prefill step ms"] == pytest.approx(sum(prefills_a) / len(prefills_a), rel=1e-4)
     assert min(prefills_a) <= table["p50 prefill step ms"] <= table["p90 prefill step ms"] <= max(prefills_a)
     mean_occupancy = sum(s.occupancy for s in decode_a) / len(decode_a)
     assert table["mean occupancy (pages per decode step)"] == pytest.approx(mean_occupancy, rel=1e-4)
@@ -117,4 +123,5 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     assert 0 < table["time in steps per GPU, % of the wall span"] <= 100
     pairs = report_json(url, ["--run", runs["a"].run_id, "--vs", runs["b"].run_id], monkeypatch)
     pair = {row["measure"]: (row["A"], row["B"]) for row in pairs["tables"]["Batch steps"]}
-    assert pair["prefill steps (a page joining)"] == (3, 2)
+    whole, split = pair["prefill steps (a page joining whole)"], pair["split prefills (a page joining in a sam and a join step)"]
+    assert (whole[0] + split[0], whole[1] + split[1]) == (3, 2)

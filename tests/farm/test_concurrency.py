@@ -185,12 +185,16 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     # The batched run's engine steps, each once (no other run shared its batch); none at concurrency 1.
     assert {step.run_id for step in steps} == {run_ids[3]}
     kinds = Counter(step.kind for step in steps)
-    assert kinds["prefill"] == jobs and kinds["decode"] >= TOKENS - 1 and set(kinds) == {"prefill", "decode"}
-    assert all(1 <= step.occupancy <= step.bucket <= 3 for step in steps)
+    # Each job joins whole, or split in a sam and a join step (where others decoded when it joined).
+    assert kinds["prefill"] + kinds["join"] == jobs and kinds["sam"] == kinds["join"] > 0
+    assert kinds["decode"] >= TOKENS - 1 and set(kinds) == {"prefill", "sam", "join", "decode"}
+    assert all(1 <= step.occupancy <= step.bucket <= 3 for step in steps if step.kind != "sam")
+    assert all(step.occupancy == 0 and step.bucket == 1 for step in steps if step.kind == "sam")  # no token
     assert max(step.occupancy for step in steps) > 1
     report = dsocr("report", "--run", run_ids[3], "--format", "json", "--table", "Batch steps", env=env)
     batch_steps = {row["measure"]: row["value"] for row in json.loads(report.stdout)["tables"]["Batch steps"]}
-    assert batch_steps["prefill steps (a page joining)"] == jobs
+    assert batch_steps["prefill steps (a page joining whole)"] == kinds["prefill"]
+    assert batch_steps["split prefills (a page joining in a sam and a join step)"] == kinds["join"]
     assert batch_steps["decode steps"] == kinds["decode"]
     tables = json.loads(dsocr("report", "--run", run_ids[1], "--format", "json", env=env).stdout)["tables"]
     assert "Serving" in tables and "Batch steps" not in tables
@@ -211,7 +215,8 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     assert all(row.qwen2_ms is None and row.sam_ms is None and row.vision_ms > 0
                for row in ocr2_rows if row.run_id == ocr2_ids[3])  # fmt: skip
     assert max(row.batch_occupancy for row in ocr2_rows if row.run_id == ocr2_ids[3]) > 1
-    assert ocr2_steps["prefill"] == len(PAGES) and ocr2_steps["decode"] >= OCR2_TOKENS - 1
+    assert ocr2_steps["prefill"] + ocr2_steps["join"] == len(PAGES) and ocr2_steps["sam"] == ocr2_steps["join"]
+    assert ocr2_steps["decode"] >= OCR2_TOKENS - 1
 
 
 def test_concurrency_is_checked_and_stored():
@@ -221,57 +226,39 @@ def test_concurrency_is_checked_and_stored():
         RunOptions(concurrency=0)
 
 
-def test_prefill_chunk_is_checked_and_stored():
-    assert RunOptions().prefill_chunk_tokens is None  # whole prompts, as before the option
-    assert RunOptions.from_parameters("tiny", {"concurrency": 2}).prefill_chunk_tokens is None
-    options = RunOptions(concurrency=2, prefill_chunk_tokens=512)
+def test_prefill_is_checked_and_stored():
+    assert RunOptions().prefill == "split" and RunOptions().split_prefill
+    assert RunOptions.from_parameters("tiny", {"concurrency": 2}).prefill == "whole"  # recorded before it
+    options = RunOptions(concurrency=2, prefill="whole")
     assert RunOptions.from_parameters("tiny", options.parameters) == replace(options, model="tiny")
-    with pytest.raises(Exception, match="--prefill-chunk must be at least 1"):
-        RunOptions(concurrency=2, prefill_chunk_tokens=-1)
-    with pytest.raises(Exception, match="--prefill-chunk splits the batched engine's prefills"):
-        RunOptions(prefill_chunk_tokens=64)
+    assert RunOptions.from_parameters("tiny", RunOptions().parameters).prefill == "split"
+    with pytest.raises(Exception, match="unknown prefill 'chunks'; choices: split, whole"):
+        RunOptions(concurrency=2, prefill="chunks")
 
 
-def test_dsocr_run_refuses_a_bad_prefill_chunk_in_one_line(pages, tmp_path, subprocess_env):
-    env = {**subprocess_env, "DSOCR_DATABASE_URL": f"sqlite:///{tmp_path / 'embedded.db'}"}
-    for args, reason in (
-        (("--prefill-chunk", "64"), "it needs --concurrency above 1"),
-        (("--concurrency", "2", "--prefill-chunk", "-5"), "--prefill-chunk must be at least 1"),
-    ):
-        done = dsocr("run", str(pages), "--gpus", "cpu", *args, env=env)
-        assert done.returncode == 2 and done.stdout == "", done
-        assert len(done.stderr.strip().splitlines()) == 1 and reason in done.stderr, done.stderr
-    assert not (tmp_path / "embedded.db").exists()  # refused before anything was recorded
-
-
-def test_dsocr_run_with_prefill_chunks_records_and_reports_them(pages, tmp_path, subprocess_env):
-    """`--prefill-chunk 40`: the run records it (its parameters, its engine's start), and its pages' prefills
-    are chunk steps of its own in `batch_steps` (the first ones too, launched before any page had a
-    token), at most 40 prompt tokens each, the last of each page choosing its first token."""
+def test_dsocr_run_with_whole_prefills_records_and_reports_them(pages, tmp_path, subprocess_env):
+    """`--prefill whole`: the run records it (its parameters, its engine's start), and every page joins
+    in one prefill step of its own in `batch_steps`, even while others decode."""
     url = f"sqlite:///{tmp_path / 'embedded.db'}"
     env = {**subprocess_env, "DSOCR_DATABASE_URL": url}
-    done = dsocr("run", str(pages), "--mode", "tiny", "--max-new-tokens", "6", "--concurrency", "3",
-                 "--prefill-chunk", "40", "--gpus", "cpu", "--format", "json", env=env)  # fmt: skip
+    done = dsocr("run", str(pages), "--mode", "tiny", "--max-new-tokens", "6", "--repeats", "2", "--concurrency", "3",
+                 "--prefill", "whole", "--gpus", "cpu", "--format", "json", env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     tables = json.loads(done.stdout)["tables"]
     parameters = next(row["value"] for row in tables["Run"] if row["field"] == "parameters")
-    assert "prefill_chunk_tokens=40" in parameters
+    assert "prefill=whole" in parameters
     serving = {row["measure"]: row["value"] for row in tables["Serving"]}
-    assert serving["prefill chunk tokens (0: whole prompts)"] == 40
+    assert serving["prefill (split: in two steps while pages decode; whole)"] == "whole"
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
-    assert batch_steps["prefill steps (a page joining)"] == 0
     db = open_database(url)
     with db.transaction() as tx:
-        chunks = tx.execute(select(BatchStep).where(BatchStep.kind == "chunk")).scalars().all()
-        prompts = [r.prompt_tokens for r in tx.execute(select(Result)).scalars()]
+        kinds = [s.kind for s in tx.execute(select(BatchStep)).scalars()]
+        results = tx.execute(select(Result)).scalars().all()
         warmups = [w.warmup for w in tx.execute(select(WorkerSession)).scalars()]
-    assert batch_steps["prefill chunk steps (a part of a page's prompt, --prefill-chunk)"] == len(chunks)
-    # At least ceil(prompt / 40) each: a step's room left after one page's last chunk starts the next page.
-    assert len(chunks) >= sum(-(-prompt // 40) for prompt in prompts)
-    assert sum(c.prompt_tokens for c in chunks) == sum(prompts) and max(c.prompt_tokens for c in chunks) == 40
-    assert sum(c.occupancy for c in chunks) == len(prompts)  # a page's last chunk: its first token
-    assert sum(c.vision_ms > 0 for c in chunks) == len(prompts)  # its first: its vision
-    assert any("prefill chunks of 40 tokens" in (warmup or "") for warmup in warmups)
+    assert batch_steps["prefill steps (a page joining whole)"] == kinds.count("prefill") == len(results)
+    assert batch_steps["split prefills (a page joining in a sam and a join step)"] == 0
+    assert set(kinds) == {"prefill", "decode"}
+    assert any("whole prefills" in (warmup or "") for warmup in warmups)
 
 
 def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does(pages, tmp_path, subprocess_env):
@@ -283,4 +270,6 @@ def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does
     serving = {row["measure"]: row["value"] for row in tables["Serving"]}
     assert serving["concurrency (jobs in flight per GPU)"] == 3 and serving["mean batch occupancy"] > 1
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
-    assert batch_steps["prefill steps (a page joining)"] == len(PAGES) * REPEATS and batch_steps["decode steps"] > 0
+    # Each page joins whole, or split (sam, then join) where others decoded when it joined.
+    whole, split = batch_steps["prefill steps (a page joining whole)"], batch_steps["split prefills (a page joining in a sam and a join step)"]
+    assert whole + split == len(PAGES) * REPEATS and split > 0 and batch_steps["decode steps"] > 0

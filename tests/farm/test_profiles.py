@@ -168,7 +168,7 @@ def test_a_batched_runs_every_nth_step_of_each_kind_is_profiled_by_a_worker_and_
     runs = []
     for tokens in ("8", "12"):  # A and B: --vs compares their batch steps' kernels
         submitted = dsocr("submit", str(pages), "--mode", "tiny", "--max-new-tokens", tokens, "--repeats", "2",
-                          "--concurrency", "2", "--profile", "2", env=env)  # fmt: skip
+                          "--concurrency", "2", "--prefill", "whole", "--profile", "2", env=env)  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
         runs.append(submitted.stdout.strip().splitlines()[-1])
     a, b = runs
@@ -236,18 +236,18 @@ def test_a_batched_runs_every_nth_step_of_each_kind_is_profiled_by_a_worker_and_
         f"occupancy {'1' if s.occupancy == 1 else '2-7'}" for s in sampled.values() if s.kind == "decode"
     }
     assert "occupancy 2-7" in bands
-    assert {row["stage"] for row in rows} == {"batch prefill step, occupancy 1"} | {f"batch decode step, {band}"
+    assert {row["stage"] for row in rows} == {"batch prefill step"} | {f"batch decode step, {band}"
                                                                                     for band in bands}  # fmt: skip
     assert all(row["calls/step"] > 0 and row["ms/step"] > 0 for row in rows)
     busy = {row["stage"]: row for row in tables["Device busy and idle per stage"]}
     assert sum(row["steps"] for row in busy.values()) == len(sampled)
-    assert busy["batch prefill step, occupancy 1"]["steps"] == 2
+    assert busy["batch prefill step"]["steps"] == 2
     overhead = {row["stage"]: row for row in tables["Profiler overhead"]}
-    assert overhead["batch prefill step, occupancy 1"]["profiled steps"] == 2
-    assert overhead["batch prefill step, occupancy 1"]["profiled / not profiled"] > 0
+    assert overhead["batch prefill step"]["profiled steps"] == 2
+    assert overhead["batch prefill step"]["profiled / not profiled"] > 0
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
     assert batch_steps["profiled steps (--profile: out of the step times)"] == len(sampled)
-    assert batch_steps["prefill steps (a page joining)"] == 2 * len(PAGES)
+    assert batch_steps["prefill steps (a page joining whole)"] == 2 * len(PAGES)
     plain_prefills = sorted(s.duration_ms for s in steps if s.kind == "prefill" and not s.profiled)
     assert batch_steps["mean prefill step ms"] == pytest.approx(
         sum(plain_prefills) / len(plain_prefills), rel=1e-4
@@ -256,5 +256,5 @@ def test_a_batched_runs_every_nth_step_of_each_kind_is_profiled_by_a_worker_and_
     assert facts["profiled results"] == 0
 
     compared = report_tables(env, "--run", a, "--vs", b)["Kernels per stage, B vs A"]
-    prefill = {row["kernel"]: row for row in compared if row["stage"] == "batch prefill step, occupancy 1"}
+    prefill = {row["kernel"]: row for row in compared if row["stage"] == "batch prefill step"}
     assert prefill["aten::mm"]["A ms/step"] > 0 and prefill["aten::mm"]["B/A"] > 0

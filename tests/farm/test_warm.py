@@ -51,21 +51,22 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
     open_run(database, {"mode": "tiny", "max_new_tokens": 512, "concurrency": 32}, jobs=5)
     plan = plan_warmup(database, ["q"], "auto", RunOptions())
     assert plan is not None and plan.concurrency == 32
-    assert plan.batch_options() == RunOptions(mode="tiny", max_new_tokens=512, concurrency=32)
+    # Its run recorded no --prefill, as a run before the option: whole prefills.
+    assert plan.batch_options() == RunOptions(mode="tiny", max_new_tokens=512, concurrency=32, prefill="whole")
     # A batch-1 run as large: of equal runs the batched one's engine starts, whatever order the ledger
     # gives (a batch-1 run needs no engine started).
     open_run(database, {"mode": "base", "max_new_tokens": 128}, jobs=5)
     for _ in range(5):
         assert plan_warmup(database, ["q"], "auto", RunOptions()).concurrency == 32
     # No run open on its queues: the runs the worker was told of (`dsocr worker --model ... --concurrency`).
-    told = RunOptions(max_new_tokens=64, concurrency=128, prefill_chunk_tokens=256)
+    told = RunOptions(max_new_tokens=64, concurrency=128, prefill="whole")
     assert plan_warmup(database, ["none"], "auto", told) == Warmup(fallback, ("gundam",), (64,), concurrency=128,
-                                                                     prefill_chunk_tokens=256)  # fmt: skip
-    # A larger one with chunked prefill: its engine is started with its chunks.
-    open_run(database, {"mode": "tiny", "max_new_tokens": 64, "concurrency": 16, "prefill_chunk_tokens": 256}, jobs=9)
+                                                                     prefill="whole")  # fmt: skip
+    # A larger one with split prefills: its engine is started with them.
+    open_run(database, {"mode": "tiny", "max_new_tokens": 64, "concurrency": 16, "prefill": "split"}, jobs=9)
     plan = plan_warmup(database, ["q"], "auto", RunOptions())
     assert plan is not None and plan.batch_options() == RunOptions(
-        mode="tiny", max_new_tokens=64, concurrency=16, prefill_chunk_tokens=256
+        mode="tiny", max_new_tokens=64, concurrency=16, prefill="split"
     )
 
 

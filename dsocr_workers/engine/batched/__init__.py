@@ -1,9 +1,9 @@
 """Batched serving: several pages decoding together on one session's model, joining and leaving
 between decode steps, with the serving measurements (TTFT, TPOT, ITL, occupancy per step).
 
-- `scheduler.py`: admission, slots, budgets, prefill chunks and stop decisions, a plain plan per launch
+- `scheduler.py`: admission, slots, budgets, split prefills and stop decisions, a plain plan per launch
   (no torch);
-- `runner.py`: the device side: the slots' state, prefill (whole or chunked) and decode launches,
+- `runner.py`: the device side: the slots' state, prefill (whole or in two parts) and decode launches,
   readback, CUDA graphs;
 - `engine.py`: `BatchedEngine`, the two together (add / submit a page, step, run a list);
 - `slots.py`: the slotted KV cache, the per-slot token state and the batched decode step;

@@ -9,9 +9,9 @@ decode steps and leaving when they finish (continuous batching).
         for output in events.finished: ...       # BatchedOutput: tokens, stop reason, metrics
 
 The engine couples the scheduler (scheduler.py: no torch, it plans each launch and decides stops) with
-the runner (runner.py: it launches and reads back). With `prefill_chunk_tokens`, a joining page's
-prefill is launched in chunks, at most that many prompt tokens in a step before its decode step, so the
-pages decoding keep their pace (chunked prefill). Tokens are read back without stalling the device:
+the runner (runner.py: it launches and reads back). With `split_prefill`, a page joining while others
+decode is prefilled in two parts over two steps (its SAM, then the rest), at most one part a step, so
+the pages decoding keep their pace. Tokens are read back without stalling the device:
 the host waits for a step only when `READBACK_LOOKAHEAD` newer ones are queued. A page leaving at EOS
 seen late counts the steps launched meanwhile as wasted, as the batch-1 path does.
 """
@@ -30,9 +30,9 @@ from dsocr_workers.engine.batched.runner import READBACK_LOOKAHEAD, BatchRunner,
 from dsocr_workers.engine.batched.scheduler import (
     Admission,
     BatchedOutput,
-    ChunkPlan,
     NoFreeSlot,
     PageRequest,
+    PrefillPart,
     PrefillPlan,
     Readback,
     Scheduler,
@@ -57,19 +57,18 @@ class BatchedEngine:
         plan: KVPlan,
         options: DecodeOptions | None = None,
         config: StepConfig | None = None,
-        prefill_chunk_tokens: int | None = None,
+        split_prefill: bool = True,
     ) -> None:
         """Allocates the slots and captures the step's graphs as `config` says (`StepConfig.decide`:
-        None, the session's defaults). `prefill_chunk_tokens`: the most prompt tokens a step prefills
-        before its decode step (None: each page's whole prompt in one launch)."""
+        None, the session's defaults). `split_prefill`: a page joining while others decode is prefilled
+        in two steps (False: every prefill in one launch)."""
         options = options or DecodeOptions()
         validate_options(options)
-        check_prefill_chunk(prefill_chunk_tokens)
         if options.seed is not None:
             torch.manual_seed(options.seed)
         config = config or StepConfig.decide(session)
         self.session, self.plan, self.options, self.config = session, plan, options, config
-        self.scheduler = Scheduler(plan, options, session._budget, prefill_chunk_tokens)
+        self.scheduler = Scheduler(plan, options, session._budget, split_prefill)
         self.runner = BatchRunner(session, plan, options, config)
         # Each bucket's capture, in ms: the batched engine's start, which a worker records.
         self.captures_ms = self.runner.capture(self.scheduler.buckets)
@@ -87,12 +86,12 @@ class BatchedEngine:
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
-        prefill_chunk_tokens: int | None = None,
+        split_prefill: bool = True,
     ) -> BatchedEngine:
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
         does not hold them (`plan_kv`; the plan is `engine.plan`). `compiled`, `cuda_graphs`,
-        `attention`: `StepConfig.decide`; `prefill_chunk_tokens`: as the constructor's."""
+        `attention`: `StepConfig.decide`; `split_prefill`: as the constructor's."""
         config = StepConfig.decide(session, compiled, cuda_graphs, attention)
         free = None
         if session.device.type == "cuda":
@@ -113,7 +112,7 @@ class BatchedEngine:
             reserve_bytes,
             session.max_positions,
         )
-        return cls(session, plan, options, config, prefill_chunk_tokens)
+        return cls(session, plan, options, config, split_prefill)
 
     @classmethod
     def for_mode(
@@ -126,7 +125,7 @@ class BatchedEngine:
         options: DecodeOptions | None = None,
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
-        prefill_chunk_tokens: int | None = None,
+        split_prefill: bool = True,
     ) -> BatchedEngine:
         """An engine for `concurrency` pages of `mode` (and `prompt`) at once: slots that hold its longest
         prompt and `max_new_tokens` (None: what the model's positions leave), as a worker and the build
@@ -141,7 +140,7 @@ class BatchedEngine:
             options,
             compiled=compiled,
             cuda_graphs=cuda_graphs,
-            prefill_chunk_tokens=prefill_chunk_tokens,
+            split_prefill=split_prefill,
         )
 
     # --- the API --------------------------------------------------------------------------------------
@@ -151,8 +150,8 @@ class BatchedEngine:
         return self.config.attention
 
     @property
-    def prefill_chunk_tokens(self) -> int | None:
-        return self.scheduler.prefill_chunk_tokens
+    def split_prefill(self) -> bool:
+        return self.scheduler.split_prefill
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -191,33 +190,37 @@ class BatchedEngine:
         self.scheduler.submit(request)
 
     def add(self, request: PageRequest) -> int:
-        """Admit a page now into the lowest free slot, which is returned: its prefill is launched now, or
-        with chunks its chunks by the next step() calls. `NoFreeSlot` when every slot is taken;
-        `PageRefused` when it cannot fit."""
+        """Admit a page now into the lowest free slot, which is returned: its whole prefill is launched
+        now. `NoFreeSlot` when every slot is taken; `PageRefused` when it cannot fit."""
         if not self.scheduler.free_slots:
             raise NoFreeSlot(f"all {self.plan.slots} slots hold pages")
-        admission = self.scheduler.admit(request)
-        if self.prefill_chunk_tokens is not None:
-            return self.scheduler.take_slot(admission)
-        return self._prefill(admission)
+        if self.scheduler.prefilling:
+            raise NoFreeSlot("a page's split prefill is under way: submit() queues instead")
+        return self._prefill(self.scheduler.admit(request), "prefill")
 
     def step(self) -> StepEvents:
-        """Admit waiting pages into free slots, launch their prefills (a launch each, or with chunks at
-        most `prefill_chunk_tokens` prompt tokens of them), then one decode step over the pages
-        prefilled; read back what the device finished. Returns what happened."""
+        """Launch prefill work, then one decode step over the pages prefilled; read back what the device
+        finished. Returns what happened. The prefill work: the second part of a split prefill under
+        way; else, while pages decode and prefills are split, the first part of the next waiting page's;
+        else every waiting page that has a free slot, prefilled whole."""
         admitted: list[tuple[str, int]] = []
         self._read(self.runner.collect(wait_beyond=None))
         window = self._prefill_window if self.scheduler.admissible or self.scheduler.prefilling else None
         if window is not None:
             window[0]()
         try:
-            if self.prefill_chunk_tokens is None:
+            join = self.scheduler.plan_join()
+            if join is not None:
+                self._read(self.runner.room())
+                self._launch_prefill(join)
+            elif self.scheduler.admissible and self.scheduler.plan_first_part() == "sam":
+                admission = self.scheduler.next_waiting()
+                admitted.append((admission.request.request_id, self._prefill(admission, "sam")))
+            else:
                 while self.scheduler.admissible:
                     admission = self.scheduler.next_waiting()
-                    admitted.append((admission.request.request_id, self._prefill(admission)))
+                    admitted.append((admission.request.request_id, self._prefill(admission, "prefill")))
                     self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD))
-            else:
-                self._chunks(admitted)
         finally:
             if window is not None:
                 window[1]()
@@ -247,33 +250,16 @@ class BatchedEngine:
     def decode_text(self, output: BatchedOutput) -> str:
         return self.session.decode_text(output.token_ids)
 
-    def _prefill(self, admission: Admission) -> int:
-        """The page's prefill into the lowest free slot."""
+    def _prefill(self, admission: Admission, part: PrefillPart) -> int:
+        """The page's prefill (or its first part) into the lowest free slot."""
         self._read(self.runner.room())
-        plan = self.scheduler.plan_prefill(admission)
+        plan = self.scheduler.plan_prefill(admission, part)
         self._launch_prefill(plan)
         return plan.slot
 
-    def _chunks(self, admitted: list[tuple[str, int]]) -> None:
-        """Prefill chunks of at most `prefill_chunk_tokens` prompt tokens together: the page prefilling
-        first continued, then pages admitted into free slots (added to `admitted`)."""
-        room = self.scheduler.prefill_chunk_tokens
-        assert room is not None
-        while room > 0:
-            # What frees the ring row (and may end pages, freeing slots) before the chunk is chosen.
-            self._read(self.runner.room())
-            if not self.scheduler.prefilling and self.scheduler.admissible:
-                admission = self.scheduler.next_waiting()
-                admitted.append((admission.request.request_id, self.scheduler.take_slot(admission)))
-            plan = self.scheduler.plan_chunk(room)
-            if plan is None:
-                return
-            self._launch_prefill(plan)
-            room -= plan.length
-
-    def _launch_prefill(self, plan: PrefillPlan | ChunkPlan) -> None:
-        """A prefill (or chunk) that fails drops its page and gives the slot back (and raises): the other
-        pages go on."""
+    def _launch_prefill(self, plan: PrefillPlan) -> None:
+        """A prefill (or a part of it) that fails drops its page and gives the slot back (and raises): the
+        other pages go on."""
         try:
             self.runner.launch(plan)
         except BaseException:
@@ -285,8 +271,3 @@ class BatchedEngine:
         for readback in readbacks:
             self.scheduler.read(readback)
 
-
-def check_prefill_chunk(tokens: int | None) -> None:
-    """A chunk size is None (whole prompts) or at least one prompt token."""
-    if tokens is not None and tokens < 1:
-        raise InputError(f"prefill_chunk_tokens must be at least 1 (None: whole prompts), got {tokens}")

@@ -16,27 +16,27 @@ from typing import Literal
 
 import numpy as np
 
-# prefill: a page's whole prompt in one launch; chunk: a part of it (`prefill_chunk_tokens`); decode.
-StepKind = Literal["prefill", "chunk", "decode"]
+# prefill: a page's whole prefill in one launch; sam, join: its two parts when split (scheduler.py); decode.
+StepKind = Literal["prefill", "sam", "join", "decode"]
 PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step of the device: a page's prefill into its slot (whole, or one chunk of it), or a decode
-    step over a bucket."""
+    """One step of the device: a page's prefill into its slot (whole, or one of its two parts), or a
+    decode step over a bucket."""
 
     index: int
     kind: StepKind
-    # Pages given a token: decode, the pages decoding in it; prefill, 1 (the joining page); chunk, 1 for
-    # a page's last chunk (it chooses the first token), else 0.
+    # Pages given a token: decode, the pages decoding in it; prefill and join, 1 (the joining page);
+    # sam, 0.
     occupancy: int
-    bucket: int  # rows computed (decode: the CUDA-graph bucket; prefill, chunk: 1)
+    bucket: int  # rows computed (decode: the CUDA-graph bucket; a prefill or its parts: 1)
     started_s: float
     ended_s: float
-    prompt_tokens: int = 0  # prefill: the joining page's prompt; chunk: the positions it prefilled
-    vision_ms: float = 0.0  # prefill, a page's first chunk: vision stages (SAM, CLIP, projector)
-    request_id: str | None = None  # prefill, chunk: the page's
+    prompt_tokens: int = 0  # prefill, join: the joining page's prompt (its LM prefill); sam: 0
+    vision_ms: float = 0.0  # prefill, sam, join: the vision stages in it (SAM; the view encoder, projector)
+    request_id: str | None = None  # prefill, sam, join: the page's
 
     @property
     def ms(self) -> float:
@@ -54,7 +54,7 @@ class SequenceMetrics:
     finished_s: float = 0.0  # its last token was read back (host)
     occupancy_sum: int = 0  # over the decode steps it took part in
     decode_steps: int = 0
-    # Device time of its own prefill launches (its prefill step, or its chunk steps summed), and of the
+    # Device time of its own prefill launches (its prefill step, or its two parts summed), and of the
     # vision in them: the page's stages the batch times apart from other pages'.
     prefill_ms: float = 0.0
     vision_ms: float = 0.0
@@ -69,8 +69,8 @@ class SequenceMetrics:
 
     @property
     def prefill_to_first_token_ms(self) -> float:
-        """From its prefill's start on the device to its first token: with chunks, the decode steps
-        between them too."""
+        """From its prefill's start on the device to its first token: split, the decode step between its
+        parts too."""
         return (self.token_s[0] - self.prefill_started_s) * 1e3
 
     @property
@@ -120,10 +120,10 @@ class ServingSummary:
     queue_wait_ms: dict[str, float | None]
     occupancy: dict[str, float | None]  # per decode step
     decode_step_ms: dict[str, float | None]
-    prefill_step_ms: dict[str, float | None]  # a launch of prefill work: a whole prompt, or a chunk
+    prefill_step_ms: dict[str, float | None]  # a launch of prefill work: a whole prefill, or a part
     decode_steps: int
-    prefill_steps: int  # launches of prefill work, chunks included
-    chunk_steps: int
+    prefill_steps: int  # launches of prefill work, parts included
+    split_prefills: int  # pages prefilled in two parts ("sam", then "join")
     decode_share: float  # of the device time in steps: decode steps' part (the rest: prefills)
 
     @classmethod
@@ -155,6 +155,6 @@ class ServingSummary:
             prefill_step_ms=percentiles([s.ms for s in prefill]),
             decode_steps=len(decode),
             prefill_steps=len(prefill),
-            chunk_steps=sum(s.kind == "chunk" for s in steps),
+            split_prefills=sum(s.kind == "join" for s in steps),
             decode_share=decode_ms / (decode_ms + prefill_ms) if decode_ms + prefill_ms > 0 else 0.0,
         )

@@ -1,6 +1,6 @@
 """The batched engine's runner: the device side of the scheduler's plans (scheduler.py). It owns the
-slotted KV cache and token state, launches a page's prefill (whole, through the session's LM prefill,
-or chunk by chunk straight into its slot: `prefill_chunk`, eager on every engine) and the decode step
+slotted KV cache and token state, launches a page's prefill through the session's vision and LM prefill
+(whole, or in the two parts of a split prefill, its SAM features held between them) and the decode step
 per bucket (eager, or compiled once dynamic in the bucket and replayed as a CUDA graph per bucket), and
 reads tokens back through a pinned ring behind the device, timed by CUDA events placed on the host
 clock.
@@ -24,14 +24,13 @@ import torch
 from torch import Tensor
 
 from dsocr_workers.engine.batched.memory import KVPlan
-from dsocr_workers.engine.batched.scheduler import ChunkPlan, DecodePlan, PrefillPlan, Readback, StepPlan
+from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, Readback, StepPlan
 from dsocr_workers.engine.batched.slots import (
     SlotAttention,
     SlotCache,
     SlotState,
     choose_tokens,
     decode_slots,
-    prefill_chunk,
     reads_filled_slots,
 )
 from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
 
     from dsocr_workers.engine.profiling import StepProfiler
-    from dsocr_workers.engine.session import DeepSeekOCRSession
+    from dsocr_workers.engine.session import DeepSeekOCRSession, DevicePage
     from dsocr_workers.model.interface import OCRModel
 
 # Steps whose tokens may be in flight before the host waits for the oldest: the device keeps this many
@@ -217,8 +216,8 @@ class BatchRunner:
         self._ring = torch.zeros(RING_ROWS, plan.slots, dtype=torch.int64, pin_memory=self.cuda)
         self._ring_next = 0
         self._pending: deque[_InFlight] = deque()
-        # Per slot whose page is part-prefilled: its prompt's ids and embeddings (its image's placed).
-        self._prompts: dict[int, tuple[Tensor, Tensor]] = {}
+        # The page between the two parts of its split prefill: its slot, inputs and SAM features.
+        self._split: tuple[int, DevicePage, list[Tensor]] | None = None
         self._events: list[torch.cuda.Event] = []  # read back, free to record again
         self._domain = nvtx.get_domain(NVTX_DOMAIN)
         self._nvtx: dict[str, object] = {}
@@ -253,69 +252,47 @@ class BatchRunner:
         """Launch `plan` (its slots to clear first). Its ring row must have been read (`room`)."""
         assert len(self._pending) < RING_ROWS, "room() before a step is launched"
         # As its `batch_steps` row names it: sampled per kind, its range `batched/<kind>`.
-        kind = "prefill" if isinstance(plan, PrefillPlan) else "chunk" if isinstance(plan, ChunkPlan) else "decode"
+        kind = plan.part if isinstance(plan, PrefillPlan) else "decode"
         sampled = nullcontext() if self.profiler is None else self.profiler.around(plan.index, kind)
         with torch.inference_mode(), sampled:
             for slot in plan.clear:
                 self.state.release(slot)
-            if isinstance(plan, PrefillPlan):
-                self._prefill(plan)
-            elif isinstance(plan, ChunkPlan):
-                try:
-                    self._chunk(plan)
-                except BaseException:
-                    self._prompts.pop(plan.slot, None)
-                    raise
-            else:
+            if isinstance(plan, DecodePlan):
                 self._decode(plan)
+                return
+            try:
+                self._prefill(plan)
+            except BaseException:
+                self._split = None
+                raise
 
     def _prefill(self, plan: PrefillPlan) -> None:
-        """The session's vision and LM prefill into a scratch batch-1 cache, whose prompt keys and values
-        go to the page's slot; its first token chosen from the prefill logits as on the batch-1 path."""
-        session, page, prompt = self.session, plan.page, plan.page.prompt_tokens
-        with self._range("batched/prefill"):
+        """The page's vision and LM prefill into a scratch batch-1 cache, whose prompt keys and values go
+        to the page's slot; its first token chosen from the prefill logits as on the batch-1 path. Part
+        "sam" launches the upload and SAM and keeps their outputs; part "join" the rest."""
+        session, page = self.session, plan.page
+        with self._range(f"batched/{plan.part}"):
             start = self._mark()
-            inputs = session.upload(page)
-            image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
+            if plan.part == "join":
+                assert self._split is not None and self._split[0] == plan.slot, "join follows its sam"
+                _, inputs, sam = self._split
+                self._split = None
+            else:
+                inputs = session.upload(page)
+                sam = session.encode_sam(inputs, self._vision_clock) if page.injects_image else []
+            if plan.part == "sam":
+                self._split = (plan.slot, inputs, sam)
+                vision_end = self._mark()
+                end = self._mark()
+                self._launched(plan.index, inputs.input_ids.new_empty(0), start, end).vision_end = vision_end
+                return
+            image = session.encode_views(inputs, sam, self._vision_clock) if page.injects_image else None
             vision_end = self._mark()
-            scratch = session.buffers_for(prompt + plan.budget).cache
+            scratch = session.buffers_for(page.prompt_tokens + plan.budget).cache
             logits = session.lm_prefill(inputs, image, scratch)
-            self.cache.load_prompt(plan.slot, scratch, prompt)
+            self.cache.load_prompt(plan.slot, scratch, page.prompt_tokens)
             self.state.start(plan.slot, inputs.input_ids)
             chosen = choose_tokens(logits, self.state.row(plan.slot), self.options, self.state.whitelist)
-            end = self._mark()
-        self._launched(plan.index, chosen, start, end).vision_end = vision_end
-
-    def _chunk(self, plan: ChunkPlan) -> None:
-        """A chunk of the page's prompt straight into its slot (the first chunk after the page's vision and
-        embeddings, kept for the next chunks); the last chunk chooses its first token, as `_prefill`
-        does, the others leave the slot held (`SlotState.hold`) and choose none."""
-        session, page = self.session, plan.page
-        with self._range("batched/prefill chunk"):
-            start = self._mark()
-            vision_end = None
-            if plan.start == 0:
-                inputs = session.upload(page)
-                image = session.encode_image(inputs, self._vision_clock) if page.injects_image else None
-                vision_end = self._mark()
-                self._prompts[plan.slot] = (inputs.input_ids, session.prompt_embeds(inputs, image))
-            ids, embeds = self._prompts[plan.slot]
-            last = prefill_chunk(
-                session.model,
-                self.cache.keys,
-                self.cache.values,
-                plan.slot,
-                embeds[:, plan.start : plan.end],
-                plan.start,
-            )
-            if plan.last:
-                del self._prompts[plan.slot]
-                self.state.start(plan.slot, ids)
-                logits = session.model.logits(last)
-                chosen = choose_tokens(logits, self.state.row(plan.slot), self.options, self.state.whitelist)
-            else:
-                self.state.hold(plan.slot, plan.end)
-                chosen = ids.new_empty(0)
             end = self._mark()
         self._launched(plan.index, chosen, start, end).vision_end = vision_end
 

@@ -1,13 +1,12 @@
 """The batched engine's scheduler: pages waiting, slots and their free list, admission against the KV
-plan, token budgets, chunked prefill, stop decisions and per-page metrics. No torch: each launch is
-planned here as a plain `PrefillPlan`, `ChunkPlan` or `DecodePlan` for the runner (runner.py), and what
-the runner read back (plain token ids and times, `Readback`) comes back here to extend the pages and stop
-them.
+plan, token budgets, split prefill, stop decisions and per-page metrics. No torch: each launch is
+planned here as a plain `PrefillPlan` or `DecodePlan` for the runner (runner.py), and what the runner
+read back (plain token ids and times, `Readback`) comes back here to extend the pages and stop them.
 
-With a chunk size (`prefill_chunk_tokens`), a joining page's prefill is a series of `ChunkPlan`s of at
-most that many prompt positions, launched between decode steps: a step of the engine prefills at most
-that many prompt tokens before its decode step, continuing the page that began first before it admits
-the next one, so at most one page is left part-prefilled when a decode step is launched."""
+With `split_prefill`, a page joining while other pages decode has its prefill launched in two parts in
+two steps, each before that step's decode step: "sam" (its upload and SAM), then "join" (the view
+encoder, projector, LM prefill and its first token). A step carries at most one part, and one page is
+split at a time; when no page decodes, waiting pages are prefilled whole."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from dsocr_workers.engine.batched.memory import KVPlan
 from dsocr_workers.engine.batched.metrics import SequenceMetrics, StepKind, StepRecord
@@ -88,16 +87,25 @@ class Admission:
     ceiling: int
 
 
+# A page's prefill in one launch ("prefill"), or in two: "sam", then "join" (the module docstring).
+PrefillPart = Literal["prefill", "sam", "join"]
+
+
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Launch a page's prefill into `slot` and choose its first token. `clear`: slots that hold no page
-    any more, their device state reset before this launch."""
+    """Launch a page's prefill (`part` of it) into `slot`; the part that ends it chooses its first token.
+    `clear`: slots that hold no page any more, their device state reset before this launch."""
 
     index: int
     slot: int
     page: PreparedPage
     budget: int  # its scratch cache holds the prompt and this many tokens
     clear: tuple[int, ...]
+    part: PrefillPart = "prefill"
+
+    @property
+    def ends_prefill(self) -> bool:
+        return self.part != "sam"
 
 
 @dataclass(frozen=True)
@@ -110,29 +118,7 @@ class DecodePlan:
     clear: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Launch prompt positions `start`..`start + length - 1` of the page in `slot` into that slot,
-    attending to the positions before them (the first chunk runs the page's vision first; the last
-    chooses its first token). `clear`: as `PrefillPlan`'s."""
-
-    index: int
-    slot: int
-    page: PreparedPage
-    start: int
-    length: int
-    clear: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.page.prompt_tokens
-
-
-StepPlan = PrefillPlan | ChunkPlan | DecodePlan
+StepPlan = PrefillPlan | DecodePlan
 
 
 @dataclass(frozen=True)
@@ -144,7 +130,7 @@ class Readback:
     tokens: list[int]
     started_s: float
     ended_s: float
-    vision_ms: float = 0.0  # a prefill's vision stages
+    vision_ms: float = 0.0  # a prefill's (or prefill part's) vision stages
 
 
 def buckets_for(slots: int) -> tuple[int, ...]:
@@ -167,7 +153,7 @@ class _Sequence:
     slot: int
     metrics: SequenceMetrics
     tokens: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt positions whose prefill is launched
+    prefilled: bool = False  # the launch that ends its prefill is queued
     launched: int = 0  # decode steps launched for it
     stop_reason: StopReason | None = None
 
@@ -183,15 +169,11 @@ class _Sequence:
     def done(self) -> bool:
         return self.stop_reason is not None
 
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < self.request.page.prompt_tokens
-
 
 @dataclass
 class _Launch:
     """A launched step whose tokens are not read back yet: (row of its tokens, page) per page given a
-    token; `prefilled`: a prefill's or chunk's page."""
+    token; `prefilled`: a prefill's (or prefill part's) page."""
 
     plan: StepPlan
     occupants: list[tuple[int, _Sequence]]
@@ -206,16 +188,16 @@ class Scheduler:
         plan: KVPlan,
         options: DecodeOptions,
         budget_rule: BudgetRule,
-        prefill_chunk_tokens: int | None = None,
+        split_prefill: bool = False,
     ) -> None:
-        """`prefill_chunk_tokens`: the most prompt tokens a step prefills before its decode step, a page's
-        prefill split into chunks of at most that many; None: each page's whole prompt in one launch."""
+        """`split_prefill`: a page joining while others decode is prefilled in two parts over two steps
+        (the module docstring); False: every page's prefill in one launch."""
         self.plan, self.options, self.budget_rule = plan, options, budget_rule
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.split_prefill = split_prefill
         self.buckets = buckets_for(plan.slots)
         self.steps: list[StepRecord] = []  # every step read back, in order
         self._slots: dict[int, _Sequence] = {}  # slot -> the page prefilling or decoding there
-        self._prefilling: list[_Sequence] = []  # pages with prompt positions left to launch, oldest first
+        self._split: _Sequence | None = None  # the page whose "sam" part is launched, its "join" not
         self._free = list(range(plan.slots))  # kept sorted: a page takes the lowest
         self._clear: list[int] = []  # freed since the last launch: the runner resets them
         self._waiting: deque[Admission] = deque()
@@ -250,12 +232,12 @@ class Scheduler:
 
     @property
     def prefilling(self) -> bool:
-        """Some page holds a slot with prefill chunks left to launch."""
-        return bool(self._prefilling)
+        """A page holds a slot with the rest of its split prefill to launch."""
+        return self._split is not None
 
     @property
     def launchable(self) -> bool:
-        """Something is left to launch: a decode step, a prefill chunk, or a page to admit."""
+        """Something is left to launch: a decode step, a prefill part, or a page to admit."""
         return self.decoding or self.prefilling or self.admissible
 
     # --- admission ------------------------------------------------------------------------------------
@@ -277,21 +259,36 @@ class Scheduler:
     def next_waiting(self) -> Admission:
         return self._waiting.popleft()
 
-    def plan_prefill(self, admission: Admission) -> PrefillPlan:
-        """The page into the lowest free slot, its whole prompt in one launch; `launched` or `failed` must
-        follow."""
+    def plan_prefill(self, admission: Admission, part: PrefillPart = "prefill") -> PrefillPlan:
+        """The page into the lowest free slot, its whole prefill in one launch, or with `part` "sam" the
+        first of two (`plan_join` plans the second); `launched` or `failed` must follow."""
+        assert part != "join", "plan_join continues a split prefill"
+        assert part == "prefill" or self._split is None, "one page's prefill is split at a time"
         sequence = self._take_slot(admission)
-        sequence.prefilled = admission.request.page.prompt_tokens
-        return PrefillPlan(
-            self._step_index, sequence.slot, admission.request.page, admission.budget, self._take_clear()
-        )
+        if part == "sam":
+            self._split = sequence
+        return self._prefill_plan(sequence, part)
 
-    def take_slot(self, admission: Admission) -> int:
-        """The page into the lowest free slot, its prefill to be launched in chunks (`plan_chunk`)."""
-        assert self.prefill_chunk_tokens is not None, "chunks need a chunk size"
-        sequence = self._take_slot(admission)
-        self._prefilling.append(sequence)
-        return sequence.slot
+    def plan_join(self) -> PrefillPlan | None:
+        """The second part of the split prefill under way; None: none is. `launched` or `failed` must
+        follow."""
+        return None if self._split is None else self._prefill_plan(self._split, "join")
+
+    def plan_first_part(self) -> PrefillPart:
+        """How the next waiting page's prefill starts: split ("sam") while pages decode and splitting is
+        on, else whole."""
+        return "sam" if self.split_prefill and self.decoding else "prefill"
+
+    def _prefill_plan(self, sequence: _Sequence, part: PrefillPart) -> PrefillPlan:
+        admission = sequence.admission
+        return PrefillPlan(
+            self._step_index,
+            sequence.slot,
+            admission.request.page,
+            admission.budget,
+            self._take_clear(),
+            part,
+        )
 
     def _take_slot(self, admission: Admission) -> _Sequence:
         if not self._free:
@@ -303,31 +300,12 @@ class Scheduler:
         self._unfinished += 1
         return sequence
 
-    def plan_chunk(self, room: int) -> ChunkPlan | None:
-        """The next chunk of the page that began prefilling first, of at most `room` prompt positions (and
-        the chunk size); None: no page is prefilling, or no room. `launched` or `failed` must follow."""
-        if not self._prefilling or room < 1:
-            return None
-        assert self.prefill_chunk_tokens is not None
-        sequence = self._prefilling[0]
-        left = sequence.request.page.prompt_tokens - sequence.prefilled
-        length = min(left, room, self.prefill_chunk_tokens)
-        return ChunkPlan(
-            self._step_index,
-            sequence.slot,
-            sequence.request.page,
-            sequence.prefilled,
-            length,
-            self._take_clear(),
-        )
-
-    def failed(self, plan: PrefillPlan | ChunkPlan) -> None:
-        """The prefill (or one of its chunks) raised: the page is dropped, its slot free again (and reset),
-        the other pages go on."""
+    def failed(self, plan: PrefillPlan) -> None:
+        """The prefill (or a part of it) raised: the page is dropped, its slot free again (and reset), the
+        other pages go on."""
         self._clear.extend(plan.clear)
-        sequence = self._slots[plan.slot]
-        if sequence in self._prefilling:
-            self._prefilling.remove(sequence)
+        if self._split is self._slots[plan.slot]:
+            self._split = None
         self._unfinished -= 1
         self._release(plan.slot)
 
@@ -338,7 +316,7 @@ class Scheduler:
         return sorted(
             (slot, s)
             for slot, s in self._slots.items()
-            if not s.done and not s.prefilling and s.launched < s.budget - 1
+            if not s.done and s.prefilled and s.launched < s.budget - 1
         )
 
     def plan_decode(self) -> DecodePlan | None:
@@ -352,14 +330,14 @@ class Scheduler:
     def launched(self, plan: StepPlan) -> None:
         """The runner launched `plan`. A page's slot is free once its last step is launched."""
         self._step_index += 1
-        if isinstance(plan, PrefillPlan | ChunkPlan):
+        if isinstance(plan, PrefillPlan):
             sequence = self._slots[plan.slot]
-            if isinstance(plan, ChunkPlan):
-                sequence.prefilled = plan.end
-                if not plan.last:  # no token yet
-                    self._unread[plan.index] = _Launch(plan, [], sequence)
-                    return
-                self._prefilling.remove(sequence)
+            if not plan.ends_prefill:  # no token yet
+                self._unread[plan.index] = _Launch(plan, [], sequence)
+                return
+            if plan.part == "join":
+                self._split = None
+            sequence.prefilled = True
             self._unread[plan.index] = _Launch(plan, [(0, sequence)], sequence)
             if sequence.budget == 1:
                 self._release(plan.slot)
@@ -386,7 +364,8 @@ class Scheduler:
     def read(self, readback: Readback) -> None:
         """A launched step's tokens: each page's next token, its stop decision, the step's record."""
         launch = self._unread.pop(readback.index)
-        plan, kind = launch.plan, _kind(launch.plan)
+        plan = launch.plan
+        kind: StepKind = "decode" if isinstance(plan, DecodePlan) else plan.part
         occupancy = len(launch.occupants)
         if isinstance(plan, DecodePlan):
             record = StepRecord(
@@ -400,7 +379,7 @@ class Scheduler:
                 1,
                 readback.started_s,
                 readback.ended_s,
-                plan.length if isinstance(plan, ChunkPlan) else plan.page.prompt_tokens,
+                plan.page.prompt_tokens if plan.ends_prefill else 0,
                 readback.vision_ms,
                 launch.prefilled.request.request_id if launch.prefilled is not None else None,
             )
@@ -408,7 +387,7 @@ class Scheduler:
         if launch.prefilled is not None:
             launch.prefilled.metrics.prefill_ms += record.ms
             launch.prefilled.metrics.vision_ms += record.vision_ms
-        begins = isinstance(plan, PrefillPlan) or (isinstance(plan, ChunkPlan) and plan.start == 0)
+        begins = isinstance(plan, PrefillPlan) and plan.part != "join"
         if begins and launch.prefilled is not None:
             launch.prefilled.metrics.prefill_started_s = readback.started_s
         for row, sequence in launch.occupants:
@@ -459,8 +438,3 @@ class Scheduler:
         self._tokens, self._finished = [], []
         return events
 
-
-def _kind(plan: StepPlan) -> StepKind:
-    if isinstance(plan, PrefillPlan):
-        return "prefill"
-    return "chunk" if isinstance(plan, ChunkPlan) else "decode"

@@ -6,9 +6,7 @@ writes its key and value there and attends over that slot's positions, in one of
 (`SlotAttention`): "masked" reads each slot's whole capacity under a mask (SDPA, or the eager engine's
 attention); "filled" reads only each row's filled blocks (FlexAttention over the fast engine's attention
 modules). A slot that holds no page computes a throwaway row of length 1, which writes only its own
-position 0; a slot whose page is part-prefilled (`SlotState.hold`), one that writes only the position its
-next chunk writes first. `prefill_chunk` writes a chunk of a page's prompt into its slot at its
-positions, attending to the positions before it (chunked prefill, scheduler.py). Every tensor the step touches sits at a fixed address with shapes set by the bucket, so the
+position 0. Every tensor the step touches sits at a fixed address with shapes set by the bucket, so the
 step compiles once, dynamic in the bucket, and is captured as a CUDA graph per bucket (runner.py).
 """
 
@@ -99,14 +97,6 @@ class SlotState:
         self.prompt_length[slot].fill_(count)
         self.active[slot].fill_(1)
 
-    def hold(self, slot: int, prefilled: int) -> None:
-        """`slot` holds the first `prefilled` prompt positions of a page still prefilling: no page decodes
-        there yet, and its throwaway row writes position `prefilled` (its token, index `prefilled` + 1),
-        which the next chunk (or `start`) writes again before anything reads it."""
-        self.active[slot].fill_(0)
-        self.length[slot].fill_(prefilled + 1)
-        self.prompt_length[slot].fill_(1)
-
     def release(self, slot: int) -> None:
         """`slot` holds no page from the next step on: length 1, so its throwaway row feeds token 0 at
         position 0 and writes nothing past it."""
@@ -171,24 +161,6 @@ class _StepCache:
         return keys, values
 
 
-class _ChunkCache:
-    """What a decoder layer's attention calls `cache.update(key, value, layer_idx)` on during a prefill
-    chunk: the chunk's keys and values written into one slot from `start` on, that slot's positions up
-    to the chunk's end returned (batch 1)."""
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor], slot: int, start: int) -> None:
-        self.keys, self.values, self.slot, self.start = keys, values, slot, start
-
-    def update(
-        self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]:
-        keys, values, slot = self.keys[layer_idx], self.values[layer_idx], self.slot
-        end = self.start + key.shape[2]
-        keys[slot, :, self.start : end] = key[0]
-        values[slot, :, self.start : end] = value[0]
-        return keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end]
-
-
 class FilledSlotsCache(AttendingCache):
     """The "filled" attention's cache: the bucket's rows write their key and value at their own position,
     then FlexAttention over each row's positions 0..length-1 only. Its keys and values are every slot's
@@ -245,16 +217,6 @@ def attention_mask(length: Tensor, capacity: int, attn_implementation: str, dtyp
         :, None, None, :
     ]
     return _as_mask(visible, attn_implementation, dtype)
-
-
-def chunk_mask(
-    start: int, length: int, attn_implementation: str, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    """[1, 1, length, start + length]: the chunk's query i (position start + i) sees positions 0..start + i,
-    the earlier chunks' and its own chunk's up to itself."""
-    queries = torch.arange(start, start + length, device=device).unsqueeze(1)
-    visible = torch.arange(start + length, device=device).unsqueeze(0) <= queries
-    return _as_mask(visible[None, None], attn_implementation, dtype)
 
 
 def _as_mask(visible: Tensor, attn_implementation: str, dtype: torch.dtype) -> Tensor:
@@ -321,27 +283,12 @@ def decode_slots(
     return choose_tokens(model.logits(last), rows, options, whitelist)
 
 
-def prefill_chunk(
-    model: OCRModel, keys: list[Tensor], values: list[Tensor], slot: int, embeds: Tensor, start: int
-) -> Tensor:
-    """A chunk of one page's prompt, its embeddings `embeds` [1, n, hidden] at positions start..start+n-1,
-    through the language model into `slot` of every layer's `keys`/`values`, each position attending to
-    the slot's positions up to itself (the earlier chunks' are there already: `chunk_mask`). Run eager,
-    under a mask, on every engine. Returns the last position's hidden state after the final norm, [1,
-    hidden]: the model's `logits` of it choose the page's first token after its last chunk."""
-    length = embeds.shape[1]
-    position_ids = torch.arange(start, start + length, device=embeds.device).unsqueeze(0)
-    implementation = model.language_model.config._attn_implementation
-    mask = chunk_mask(start, length, implementation, embeds.dtype, embeds.device)
-    return _last_hidden(model, embeds, position_ids, mask, _ChunkCache(keys, values, slot, start))
-
-
 def _last_hidden(
     model: OCRModel,
     hidden: Tensor,
     position_ids: Tensor,
     mask: Tensor | None,
-    cache: FilledSlotsCache | _StepCache | _ChunkCache,
+    cache: FilledSlotsCache | _StepCache,
 ) -> Tensor:
     """`hidden` [rows, n, hidden] at `position_ids` through every layer (their keys and values into
     `cache`, attending under `mask`), then the final norm of each row's last position: [rows, hidden]."""

@@ -214,11 +214,9 @@ class BatchedStart:
         )
 
 
-def describe_prefill(prefill_chunk_tokens: int | None) -> str:
+def describe_prefill(split_prefill: bool) -> str:
     """How the batched engine prefills its pages, in words."""
-    if prefill_chunk_tokens is None:
-        return "whole-prompt prefills"
-    return f"prefill chunks of {prefill_chunk_tokens} tokens (eager)"
+    return "prefills split while pages decode (sam, then join)" if split_prefill else "whole prefills"
 
 
 def _graphs_compiled() -> int:
@@ -237,13 +235,13 @@ def start_batched(
     *,
     compiled: bool | None = None,
     cuda_graphs: bool | None = None,
-    prefill_chunk_tokens: int | None = None,
+    split_prefill: bool = True,
 ) -> tuple[BatchedEngine, BatchedStart]:
     """The batched engine for `concurrency` pages of `mode`, started on a warm `session`: its step per
     bucket compiled where nothing was built for it and captured, then the LM prefill graphs its
     admissions replay, from the mode's shortest prompt to its longest (a scratch cache sized by the
-    engine's budget may be a bucket the batch-1 warm-up did not use); with `prefill_chunk_tokens` its
-    prefills run in chunks, which replay none. `compiled`, `cuda_graphs`: `StepConfig.decide`'s."""
+    engine's budget may be a bucket the batch-1 warm-up did not use). `compiled`, `cuda_graphs`:
+    `StepConfig.decide`'s; `split_prefill`: `BatchedEngine`'s."""
     from dsocr_workers.engine.batched import BatchedEngine
 
     began, graphs_before = time.perf_counter(), _graphs_compiled()
@@ -251,16 +249,15 @@ def start_batched(
     missed = len(regions.missed) if regions is not None else 0
     engine = BatchedEngine.for_mode(
         session, concurrency, mode, prompt, max_new_tokens, infer, compiled=compiled, cuda_graphs=cuda_graphs,
-        prefill_chunk_tokens=prefill_chunk_tokens,
+        split_prefill=split_prefill,
     )  # fmt: skip
     admitting = time.perf_counter()
-    if prefill_chunk_tokens is None:
-        max_crops = session.max_crops(max_crops)
-        with torch.inference_mode():
-            page = warmup_pages(session.family, [mode], max_crops)[0][1]
-            smallest = session.prepare(page, prompt, mode, max_crops)
-        longest = min(session.longest_prompt(mode, prompt, max_crops), session.max_positions - 1)
-        capture_prefills(session, smallest.prompt_tokens, longest, engine.plan.max_new_tokens)
+    max_crops = session.max_crops(max_crops)
+    with torch.inference_mode():
+        page = warmup_pages(session.family, [mode], max_crops)[0][1]
+        smallest = session.prepare(page, prompt, mode, max_crops)
+    longest = min(session.longest_prompt(mode, prompt, max_crops), session.max_positions - 1)
+    capture_prefills(session, smallest.prompt_tokens, longest, engine.plan.max_new_tokens)
     session.synchronize()
     ended = time.perf_counter()
     graphs = "CUDA graphs" if engine.runner.cuda_graphs else "no CUDA graphs"
@@ -272,7 +269,7 @@ def start_batched(
         _graphs_compiled() - graphs_before,
         tuple(regions.missed[missed:]) if regions is not None else (),
         f"batched engine: concurrency {concurrency}, {engine.plan.describe()}, {engine.attention} attention, "
-        f"{describe_prefill(prefill_chunk_tokens)}, {graphs} for buckets {', '.join(map(str, engine.buckets))}",
+        f"{describe_prefill(split_prefill)}, {graphs} for buckets {', '.join(map(str, engine.buckets))}",
     )
     log.info("%s", started.describe())
     return engine, started

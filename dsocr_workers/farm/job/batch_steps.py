@@ -79,7 +79,7 @@ class StepLog:
     def take(self, records: list[StepRecord], events: StepEvents, run_of: dict[str, str]) -> None:
         """The engine's new steps (`records`, emptied here: it does not grow with the batch's life), read
         back in the call that returned `events`, each with the runs it served:
-        a prefill's or chunk's, its page's run; otherwise those of the pages it gave a token (a token
+        a prefill's (or a part's), its page's run; otherwise those of the pages it gave a token (a token
         event carries the end of the step that produced it); a step that gave none (launched for pages
         whose EOS was read back only after it) is the previous step's runs'. `run_of`: each job in
         flight's run."""

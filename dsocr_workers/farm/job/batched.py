@@ -89,7 +89,7 @@ class BatchedJobs:
         pages_started = pages.ready_ms is None
         engine, started = start_batched(
             loaded.session, options.concurrency, options.mode_name, options.max_new_tokens, options.decode_options,
-            options.prompt, prefill_chunk_tokens=options.prefill_chunk_tokens,
+            options.prompt, split_prefill=options.split_prefill,
         )  # fmt: skip
         pages.wait_ready()
         return cls(process, loaded, options, engine, started, pages, pages_started)

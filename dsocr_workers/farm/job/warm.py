@@ -34,15 +34,15 @@ class Warmup:
     model's positions) and the n-gram bans its decode step is compiled for (the compiled step is
     specialised on the ban: a run with another one would compile on its first job). `concurrency` above
     1: the batched engine is started too, for the first mode, budget and ban (`batch_options`), and the
-    artifacts looked up are those built for that concurrency; `prefill_chunk_tokens`: its chunked
-    prefill (RunOptions')."""
+    artifacts looked up are those built for that concurrency; `prefill`: its prefills
+    (RunOptions')."""
 
     key: ModelKey
     modes: tuple[str, ...]
     budgets: tuple[int | None, ...] = (None,)
     ngrams: tuple[NGram, ...] = (DEFAULT_NGRAM,)
     concurrency: int = 1
-    prefill_chunk_tokens: int | None = None
+    prefill: str = "split"
 
     def batch_options(self) -> RunOptions:
         """The run options of the batched engine this warm-up starts (`concurrency` above 1)."""
@@ -50,7 +50,7 @@ class Warmup:
         return RunOptions(
             model=key.model, engine=key.engine, dtype=key.dtype, seed=key.seed, mode=self.modes[0],
             max_new_tokens=self.budgets[0], no_repeat_ngram_size=size, ngram_window=window,
-            concurrency=self.concurrency, prefill_chunk_tokens=self.prefill_chunk_tokens,
+            concurrency=self.concurrency, prefill=self.prefill,
         )  # fmt: skip
 
 
@@ -94,9 +94,9 @@ def plan_warmup(
     fallback: RunOptions,
 ) -> Warmup | None:
     """The start-up warm-up: the model of the run with the most open jobs on these queues (else the
-    `fallback` runs': their model, token budget, ban, concurrency and prefill chunks), and the modes
+    `fallback` runs': their model, token budget, ban, concurrency and prefills), and the modes
     `spec` names, or with `auto` the modes of that model's open runs (else `default_modes`); the
-    concurrency and prefill chunks of its run with the most open jobs. None with `--warmup none`."""
+    concurrency and prefills of its run with the most open jobs. None with `--warmup none`."""
     if spec.strip().lower() == "none":
         return None
     with db.transaction() as tx:
@@ -117,7 +117,7 @@ def plan_warmup(
         fallback_modes = parse_modes(spec, fallback.model) or default_modes(fallback.model)
         return Warmup(
             fallback.model_key, fallback_modes, (fallback.max_new_tokens,), (fallback.ngram,),
-            fallback.concurrency, fallback.prefill_chunk_tokens,
+            fallback.concurrency, fallback.prefill,
         )  # fmt: skip
     key = open_jobs.most_common(1)[0][0]
     modes = parse_modes(spec, key.model)  # the modes of the model warmed
@@ -136,5 +136,5 @@ def plan_warmup(
         tuple(dict.fromkeys(options.max_new_tokens for options in runs)),
         tuple(dict.fromkeys(options.ngram for options in runs)),
         largest.concurrency,
-        largest.prefill_chunk_tokens,
+        largest.prefill,
     )
