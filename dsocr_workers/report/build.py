@@ -313,8 +313,12 @@ def run_differences(a: RunData, b: RunData) -> list[str]:
         }
 
     differences = model_differences(a, b)
+    batched = max(int(d.run.parameters.get("concurrency", 1)) for d in (a, b)) > 1
     for name in COMPARED_PARAMETERS:
-        value_a, value_b = a.run.parameters.get(name), b.run.parameters.get(name)
+        if name == "prefill" and not batched:  # how a batched engine prefills: no batch-1 job's concern
+            continue
+        # A run recorded before --prefill prefilled whole.
+        value_a, value_b = (d.run.parameters.get(name, "whole" if name == "prefill" else None) for d in (a, b))
         if value_a != value_b:
             differences.append(f"{name} (A {value_a}, B {value_b})")
     ran_a, ran_b = ran(a), ran(b)

@@ -140,10 +140,11 @@ def test_a_pages_greedy_tokens_in_a_batch_are_its_tokens_alone(family_case, opti
         i: r.stop_reason for i, r in enumerate(references)
     }
     assert not engine.busy and engine.free_slots == 3
-    # Joined at different steps: not every page was admitted by the first decode step (those after it
-    # split, as pages decoded when they joined).
+    # Joined at different steps: not every page was admitted by the first decode step. At 4 in flight
+    # through 3 slots, pages wait while more decode, and join split.
     first_decode = min(s.index for s in engine.steps if s.kind == "decode")
-    assert any(s.index > first_decode for s in engine.steps if s.kind == "sam")
+    assert any(s.index > first_decode for s in engine.steps if s.kind in ("prefill", "sam"))
+    assert any(s.kind == "sam" for s in engine.steps) == (concurrency == 4)
     check_split(engine, outputs)
 
 
@@ -660,20 +661,20 @@ def test_a_prefill_that_fails_gives_its_slot_back(session, prepared, monkeypatch
 
 @pytest.mark.parametrize("failing", ["encode_sam", "encode_views"])
 def test_a_split_part_that_fails_drops_its_page_and_gives_its_slot_back(session, prepared, monkeypatch, failing):
-    """A page's sam part (its SAM) or join part (its view encoder) raising in a step drops that page
-    alone: the step raises, its slot is free again, the page decoding goes on, and the same page joins
-    later."""
+    """A page joining beside two decoding pages is split; its sam part (its SAM) or its join part (its view
+    encoder) raising in a step drops that page alone: the step raises, its slot is free again, the pages
+    decoding go on, and the same page joins later, split again."""
     options = DecodeOptions(ignore_eos=True)
     expected = alone(session, options)
-    engine = engine_for(session, prepared, 2, options)
-    assert engine.add(requests(prepared)[0]) == 0 and engine.free_slots == 1
-    while not engine.scheduler.decoding:
-        engine.step()
+    engine = engine_for(session, prepared, 3, options)
+    assert engine.add(requests(prepared)[0]) == 0 and engine.add(requests(prepared)[2]) == 1
+    engine.step()
+    assert engine.free_slots == 1 and engine.scheduler.decoding
 
     def broken(*args, **kwargs):
         raise InputError("vision failed")
 
-    engine.submit(requests(prepared)[2])
+    engine.submit(requests(prepared)[5])
     with monkeypatch.context() as patch:
         patch.setattr(session, failing, broken)
         if failing == "encode_views":
@@ -681,13 +682,13 @@ def test_a_split_part_that_fails_drops_its_page_and_gives_its_slot_back(session,
             assert engine.scheduler.prefilling
         with pytest.raises(InputError, match="vision failed"):
             engine.step()
-    assert engine.free_slots == 1 and engine.in_flight == 1 and not engine.scheduler.prefilling
-    engine.submit(requests(prepared)[2])
+    assert engine.free_slots == 1 and engine.in_flight == 2 and not engine.scheduler.prefilling
+    engine.submit(requests(prepared)[5])
     outputs = []
     while engine.busy:
         outputs.extend(engine.step().finished)
-    assert by_request(outputs) == {0: expected[0], 2: expected[2]}
-    assert [s.kind for s in engine.steps if s.request_id == "2"][-2:] == ["sam", "join"]
+    assert by_request(outputs) == {0: expected[0], 2: expected[2], 5: expected[5]}
+    assert [s.kind for s in engine.steps if s.request_id == "5"][-2:] == ["sam", "join"]
 
 
 def test_a_batched_pages_ttft_and_end_to_end_run_from_one_start(session, prepared):

@@ -88,13 +88,14 @@ def test_a_batched_engine_runs_every_nth_step_of_each_kind_under_a_profiler_of_i
     pages = [
         session.prepare(Image.new("RGB", (640 + 80 * i, 480), "white"), None, "tiny", 7) for i in range(6)
     ]
-    engine = BatchedEngine.create(session, max_batch=2, max_prompt_tokens=max(p.prompt_tokens for p in pages),
+    engine = BatchedEngine.create(session, max_batch=3, max_prompt_tokens=max(p.prompt_tokens for p in pages),
                                   max_new_tokens=7, options=PLAIN, split_prefill=split)  # fmt: skip
     profiler = StepProfiler(session.device, StepSample(every=2))
     engine.profile_steps(profiler)
-    # Budgets that end pages at other steps, so that pages join while others decode.
+    # Budgets that end pages at other steps, and more pages in flight than slots, so that pages join
+    # while more decode than wait (then they split).
     budgets = [3, 7, 4, 7, 5, 7]
-    engine.run([PageRequest(str(i), page, budgets[i]) for i, page in enumerate(pages)], concurrency=2)
+    engine.run([PageRequest(str(i), page, budgets[i]) for i, page in enumerate(pages)], concurrency=4)
     assert not torch.autograd.profiler._is_profiler_enabled  # noqa: SLF001 (torch's own flag)
     assert {s.kind for s in engine.steps} == kinds
     by_kind = {kind: [s for s in engine.steps if s.kind == kind] for kind in kinds}

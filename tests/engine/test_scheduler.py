@@ -290,3 +290,19 @@ def test_a_failed_part_drops_its_page_and_frees_its_slot_to_be_cleared():
     assert not sched.prefilling and sched.free_slots == 1 and sched.in_flight == 1
     again = sched.plan_prefill(sched.admit(request("c", 2)), "sam")
     assert (again.slot, again.clear) == (1, (1,))  # the failed page's slot, reset before c's launch
+
+
+def test_a_page_is_split_only_while_the_pages_decoding_outnumber_those_that_could_join():
+    """Whole while a batch fills (or a wave of pages ends together): splitting would hold more pages back
+    a step than it spares decoding pages a long one."""
+    sched = scheduler(slots=4, split_prefill=True)
+    device = Device(sched, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]})
+    device.prefill("a", 4)
+    for name in ("c", "d"):
+        sched.submit(request(name, 4))
+    assert sched.plan_first_part() == "prefill"  # 1 decoding, 2 could join
+    device.prefill("b", 4)
+    assert sched.plan_first_part() == "prefill"  # 2 decoding, 2 could join: not outnumbered
+    sched.next_waiting()  # c leaves the queue (as the engine takes it)
+    assert sched.plan_first_part() == "sam"  # 2 decoding, 1 could join
+    assert scheduler(slots=4).plan_first_part() == "prefill"  # splitting off

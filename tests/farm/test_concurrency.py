@@ -186,8 +186,9 @@ def test_a_run_at_concurrency_3_decodes_jobs_together_with_their_batch_1_tokens(
     assert {step.run_id for step in steps} == {run_ids[3]}
     kinds = Counter(step.kind for step in steps)
     # Each job joins whole, or split in a sam and a join step (where others decoded when it joined).
-    assert kinds["prefill"] + kinds["join"] == jobs and kinds["sam"] == kinds["join"] > 0
-    assert kinds["decode"] >= TOKENS - 1 and set(kinds) == {"prefill", "sam", "join", "decode"}
+    # (which ones split depends on when their pages were ready: the engine tests pin that down)
+    assert kinds["prefill"] + kinds["join"] == jobs and kinds["sam"] == kinds["join"]
+    assert kinds["decode"] >= TOKENS - 1 and {"prefill", "decode"} <= set(kinds) <= {"prefill", "sam", "join", "decode"}
     assert all(1 <= step.occupancy <= step.bucket <= 3 for step in steps if step.kind != "sam")
     assert all(step.occupancy == 0 and step.bucket == 1 for step in steps if step.kind == "sam")  # no token
     assert max(step.occupancy for step in steps) > 1
@@ -272,4 +273,4 @@ def test_dsocr_run_at_concurrency_3_reports_its_batched_serving_as_the_farm_does
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
     # Each page joins whole, or split (sam, then join) where others decoded when it joined.
     whole, split = batch_steps["prefill steps (a page joining whole)"], batch_steps["split prefills (a page joining in a sam and a join step)"]
-    assert whole + split == len(PAGES) * REPEATS and split > 0 and batch_steps["decode steps"] > 0
+    assert whole + split == len(PAGES) * REPEATS and whole > 0 and batch_steps["decode steps"] > 0

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from fakes import SOURCE, WORKER, Page, make_run
 
 from dsocr_workers.cli import main
+from dsocr_workers.farm.run_options import PREFILLS
 from dsocr_workers.store.db import Database
 from dsocr_workers.store.models import job_id_for
 
@@ -257,6 +258,18 @@ def test_vs_of_unlike_runs_opens_with_a_banner_naming_each_difference(database, 
     assert verdicts and all(v.endswith("(unlike runs)") for v in verdicts), verdicts
     text = invoke(database, ["--run", a, "--vs", b], monkeypatch)
     assert text.index("NOT LIKE FOR LIKE") < text.index("Paired latency")
+
+
+def test_vs_names_a_prefill_difference_only_where_a_batched_engine_ran(database, tmp_path, make_png, monkeypatch):
+    """Two runs at concurrency 2 that prefill their pages differently are unlike; two batch-1 runs are not,
+    whatever they recorded (a batch-1 job has no batched engine to prefill)."""
+    pages = noisy_pages(seed=1)
+    split = make_run(database, tmp_path / "a", make_png, pages, concurrency=2)
+    whole = make_run(database, tmp_path / "b", make_png, pages, concurrency=2, prefill="whole")
+    document = report_json(database, ["--run", split, "--vs", whole], monkeypatch)
+    assert document["unlike_runs"] == ["prefill (A split, B whole)"]
+    alone = [make_run(database, tmp_path / f"c{i}", make_png, pages, prefill=p) for i, p in enumerate(PREFILLS)]
+    assert "unlike_runs" not in report_json(database, ["--run", alone[0], "--vs", alone[1]], monkeypatch)
 
 
 def test_per_job_memory_and_its_split(database, tmp_path, make_png, monkeypatch):

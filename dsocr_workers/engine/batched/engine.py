@@ -9,9 +9,9 @@ decode steps and leaving when they finish (continuous batching).
         for output in events.finished: ...       # BatchedOutput: tokens, stop reason, metrics
 
 The engine couples the scheduler (scheduler.py: no torch, it plans each launch and decides stops) with
-the runner (runner.py: it launches and reads back). With `split_prefill`, a page joining while others
-decode is prefilled in two parts over two steps (its SAM, then the rest), at most one part a step, so
-the pages decoding keep their pace. Tokens are read back without stalling the device:
+the runner (runner.py: it launches and reads back). With `split_prefill`, a page joining while more
+pages decode than wait is prefilled in two parts over two steps (its SAM, then the rest), at most one
+part a step, so the pages decoding keep their pace. Tokens are read back without stalling the device:
 the host waits for a step only when `READBACK_LOOKAHEAD` newer ones are queued. A page leaving at EOS
 seen late counts the steps launched meanwhile as wasted, as the batch-1 path does.
 """
@@ -201,8 +201,9 @@ class BatchedEngine:
     def step(self) -> StepEvents:
         """Launch prefill work, then one decode step over the pages prefilled; read back what the device
         finished. Returns what happened. The prefill work: the second part of a split prefill under
-        way; else, while pages decode and prefills are split, the first part of the next waiting page's;
-        else every waiting page that has a free slot, prefilled whole."""
+        way; else, where prefills are split and the pages decoding outnumber those that could join, the
+        first part of the next waiting page's; else every waiting page that has a free slot, prefilled
+        whole."""
         admitted: list[tuple[str, int]] = []
         self._read(self.runner.collect(wait_beyond=None))
         window = self._prefill_window if self.scheduler.admissible or self.scheduler.prefilling else None

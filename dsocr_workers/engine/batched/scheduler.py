@@ -6,7 +6,9 @@ read back (plain token ids and times, `Readback`) comes back here to extend the 
 With `split_prefill`, a page joining while other pages decode has its prefill launched in two parts in
 two steps, each before that step's decode step: "sam" (its upload and SAM), then "join" (the view
 encoder, projector, LM prefill and its first token). A step carries at most one part, and one page is
-split at a time; when no page decodes, waiting pages are prefilled whole."""
+split at a time. Where the pages decoding do not outnumber those that could join now (a batch filling
+up, or a wave of pages ending together), waiting pages are prefilled whole: a split would hold more
+pages back a step than it spares decoding pages a long one."""
 
 from __future__ import annotations
 
@@ -275,9 +277,10 @@ class Scheduler:
         return None if self._split is None else self._prefill_plan(self._split, "join")
 
     def plan_first_part(self) -> PrefillPart:
-        """How the next waiting page's prefill starts: split ("sam") while pages decode and splitting is
-        on, else whole."""
-        return "sam" if self.split_prefill and self.decoding else "prefill"
+        """How the next waiting page's prefill starts: split ("sam") where splitting is on and the pages
+        decoding outnumber those that could join now (waiting, up to the free slots), else whole."""
+        joinable = min(len(self._waiting), len(self._free))
+        return "sam" if self.split_prefill and len(self._decoding()) > joinable else "prefill"
 
     def _prefill_plan(self, sequence: _Sequence, part: PrefillPart) -> PrefillPlan:
         admission = sequence.admission
