@@ -117,7 +117,7 @@ def _tpot(result: Result) -> float | None:
 def _rows(figures: Serving) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("concurrency (jobs in flight per GPU)", figures.concurrency),
-        ("prefill (split: in two steps while pages decode; whole)", figures.prefill),
+        ("prefill (split or whole)", figures.prefill),
         ("GPUs (devices that finished its jobs)", figures.gpus),
         ("request throughput pages/s", figures.pages_per_s),
         ("output tokens/s", figures.output_tokens_per_s),

@@ -249,7 +249,7 @@ def test_dsocr_run_with_whole_prefills_records_and_reports_them(pages, tmp_path,
     parameters = next(row["value"] for row in tables["Run"] if row["field"] == "parameters")
     assert "prefill=whole" in parameters
     serving = {row["measure"]: row["value"] for row in tables["Serving"]}
-    assert serving["prefill (split: in two steps while pages decode; whole)"] == "whole"
+    assert serving["prefill (split or whole)"] == "whole"
     batch_steps = {row["measure"]: row["value"] for row in tables["Batch steps"]}
     db = open_database(url)
     with db.transaction() as tx:

@@ -164,5 +164,6 @@ def test_a_run_at_concurrency_3_decodes_its_jobs_together_on_the_batched_engine(
     local.db.dispose()
     # Decoded together: several pages a step, their results and the engine's steps written as a worker's are.
     assert len(results) == 4 and max(r.batch_occupancy for r in results) > 1
-    assert sum(step.kind == "prefill" for step in steps) == 4 and max(step.occupancy for step in steps) > 1
+    joined = sum(step.kind in ("prefill", "join") for step in steps)  # whole, or split where others decoded
+    assert joined == 4 and max(step.occupancy for step in steps) > 1
     assert sorted(start for start, _ in spans)[1] < min(end for _, end in spans)  # two claimed before one ended
