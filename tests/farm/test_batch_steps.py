@@ -125,3 +125,42 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     pair = {row["measure"]: (row["A"], row["B"]) for row in pairs["tables"]["Batch steps"]}
     whole, split = pair["prefill steps (a page joining whole)"], pair["split prefills (a page joining in a sam and a join step)"]
     assert (whole[0] + split[0], whole[1] + split[1]) == (3, 2)
+
+
+def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tmp_path, make_png, monkeypatch):
+    """`--profile 1`: every step's profile is read and summed up on the engine's thread as the step is
+    taken, not on the results thread, where it would hold the GIL while the engine launches the next
+    steps; each is stored with its step."""
+    import threading
+
+    from dsocr_workers.engine.profiling import SampledStep
+    from dsocr_workers.store.models import Profile
+
+    threads: list[str] = []
+    collect = SampledStep.collect
+
+    def collect_noting_thread(self, step_ms):
+        threads.append(threading.current_thread().name)
+        return collect(self, step_ms)
+
+    monkeypatch.setattr(SampledStep, "collect", collect_noting_thread)
+    for image, size in PAGES_A.items():
+        make_png(image, size, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(PAGES_A) + "\n")
+    options = RunOptions(mode="tiny", max_new_tokens=3, engine="eager", concurrency=CONCURRENCY, profile_every=1)
+    run = record_run(database, read_filelist(listing), options, queue="q")
+    url = database.engine.url.render_as_string(hide_password=False)
+    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
+    try:
+        process.models.warm(job_warmup(options))
+        process.start_batch(options)
+        for i, job_id in enumerate(run.job_ids):
+            assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
+    finally:
+        process.close()
+    with database.transaction() as tx:
+        profiled = tx.scalars(select(BatchStep.id).where(BatchStep.profiled)).all()
+        profiles = tx.scalars(select(Profile.batch_step_id)).all()
+    assert profiled and sorted(profiled) == sorted(profiles)
+    assert threads and set(threads) == {"dsocr-batch-engine"}, threads

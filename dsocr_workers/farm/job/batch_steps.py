@@ -2,8 +2,9 @@
 start and duration on the device), once per run whose jobs it served. The engine's thread takes the
 engine's new steps after each of its steps and hands them to the results thread `STEPS_PER_WRITE` at a
 time, and once the batch has drained or failed: one insert there, none on the device's thread. A step
-the engine's profiler sampled (a `--profile N` run) is flagged, and its profile is collected on the
-results thread and written with it (`profiles`)."""
+the engine's profiler sampled (a `--profile N` run) is flagged, its profile collected on the engine's
+thread as the step is taken and written with it (`profiles`): on the results thread the collection would
+hold the GIL while the engine launches the next steps, stretching their timings."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from dsocr_workers.store.models import utcnow
 
 if TYPE_CHECKING:  # the engine imports torch: the lane's parent imports this module and never torch
     from dsocr_workers.engine.batched import StepEvents, StepRecord
-    from dsocr_workers.engine.profiling import SampledStep, StepProfiler
+    from dsocr_workers.engine.profiling import StepProfiler
+    from dsocr_workers.engine.result import ProfileCapture
 
 # Steps handed to the results thread at once: one insert of small rows every few hundred steps, and the
 # steps a killed child loses with its batch stay few.
@@ -34,13 +36,12 @@ class ServedStep:
 
     run_id: str
     record: StepRecord
-    sampled: SampledStep | None = None  # run under torch.profiler
+    profile: ProfileCapture | None = None  # run under torch.profiler: its profile, collected
 
 
 def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str, Any]]:
     """The `batch_steps` rows of `steps`, their perf_counter times made UTC times as a result's device
-    span is (farm/job/columns.py `device_columns`); a sampled step's with its profile (ledger.PROFILE),
-    collected here (host work)."""
+    span is (farm/job/columns.py `device_columns`); a sampled step's with its profile (ledger.PROFILE)."""
     now_s, now = time.perf_counter(), utcnow()
     rows = []
     for step in steps:
@@ -57,11 +58,11 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
                 "duration_ms": record.ms,
                 "prompt_tokens": record.prompt_tokens if prefill else None,
                 "vision_ms": record.vision_ms if prefill else None,
-                "profiled": step.sampled is not None,
+                "profiled": step.profile is not None,
             }
         )
-        if step.sampled is not None:
-            rows[-1][ledger.PROFILE] = profile_row(step.sampled.collect(record.ms))
+        if step.profile is not None:
+            rows[-1][ledger.PROFILE] = profile_row(step.profile)
     return rows
 
 
@@ -94,7 +95,8 @@ class StepLog:
             elif record.ended_s in runs_at:
                 self._last_runs = tuple(sorted(runs_at[record.ended_s]))
             sampled = self._profiler.take(record.index) if self._profiler is not None else None
-            self._steps += [ServedStep(run_id, record, sampled) for run_id in self._last_runs]
+            profile = sampled.collect(record.ms) if sampled is not None else None
+            self._steps += [ServedStep(run_id, record, profile) for run_id in self._last_runs]
 
     def write(self, *, when_full: bool = False) -> None:
         """Hand the steps taken so far to the results thread (`when_full`: only `STEPS_PER_WRITE` or more)."""
