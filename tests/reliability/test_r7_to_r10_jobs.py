@@ -55,10 +55,9 @@ def test_r7_duplicate_submits(new_farm, tmp_path):
     assert [(t.jobs, t.done, t.results, t.max_attempts_seen) for t in tallies] == [
         (len(names), len(names), len(names), 1)
     ] * 2
-    # A second delivery that met the first one running was refused for the lease's rest and comes back
-    # after it: every message handled before the refusals are counted.
-    farm.wait_drained(timeout=farm.settings().lease_s + 30)
-    assert farm.logs().count("already done") == 2 * len(names)  # every second delivery refused by the claim
+    # Every second delivery refused by the claim: the job done, or both deliveries claiming it at once.
+    logs = farm.logs()
+    assert logs.count("refused already done") + logs.count("refused claimed concurrently") == 2 * len(names)
     record("R7 duplicate submits", workers=2, faults="2 duplicate lines; the list submitted twice; every "
            "message delivered twice", lost=0, duplicated=sum(t.duplicates for t in tallies),
            deliveries=4 * len(names), results=sum(t.results for t in tallies), tally=tallies)  # fmt: skip
