@@ -32,6 +32,11 @@ class ModelKey:
 PREFILLS = ("split", "whole")
 
 
+def recorded_prefill(parameters: Mapping[str, Any]) -> str:
+    """A stored run's `prefill`: a run recorded before the option prefilled whole."""
+    return str(parameters.get("prefill", "whole"))
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """What every job of a run computes; stored in the run row and read back by the worker."""
@@ -100,11 +105,8 @@ class RunOptions:
         """A run's options read back from its row: what an older run did not record keeps this class's
         default, and what it recorded that this version no longer knows is left out."""
         known = {f.name for f in fields(cls)}
-        # A run recorded before prefills could be split prefilled whole.
-        return cls(
-            model=model,
-            **{"prefill": "whole", **{k: v for k, v in parameters.items() if k in known and k != "model"}},
-        )
+        recorded = {k: v for k, v in parameters.items() if k in known and k != "model"}
+        return cls(model=model, **{**recorded, "prefill": recorded_prefill(parameters)})
 
     @property
     def mode_name(self) -> str:

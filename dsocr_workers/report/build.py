@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dsocr_workers.engine.result import STOP_REASONS
+from dsocr_workers.farm.run_options import recorded_prefill
 from dsocr_workers.quality.matching import ONE_TO_ONE
 from dsocr_workers.report import kernel_tables
 from dsocr_workers.report.models_compared import model_differences, page_differences
@@ -317,8 +318,10 @@ def run_differences(a: RunData, b: RunData) -> list[str]:
     for name in COMPARED_PARAMETERS:
         if name == "prefill" and not batched:  # how a batched engine prefills: no batch-1 job's concern
             continue
-        # A run recorded before --prefill prefilled whole.
-        value_a, value_b = (d.run.parameters.get(name, "whole" if name == "prefill" else None) for d in (a, b))
+        value_a, value_b = (
+            recorded_prefill(d.run.parameters) if name == "prefill" else d.run.parameters.get(name)
+            for d in (a, b)
+        )
         if value_a != value_b:
             differences.append(f"{name} (A {value_a}, B {value_b})")
     ran_a, ran_b = ran(a), ran(b)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from dsocr_workers.farm.run_options import recorded_prefill
 from dsocr_workers.report.queries import RunData, StepTime
 from dsocr_workers.report.stats import Estimate, Summary, plain_percentiles
 from dsocr_workers.report.tables import Table, verdict
@@ -92,7 +93,7 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
 
     return Serving(
         concurrency=int((data.run.parameters or {}).get("concurrency", 1)),
-        prefill=str((data.run.parameters or {}).get("prefill", "whole")),
+        prefill=recorded_prefill(data.run.parameters or {}),
         gpus=gpus,
         pages_per_s=steady_state_throughput(data, include_cold),
         tokens_per_page=sum(tokens) / len(tokens) if tokens else None,
