@@ -76,6 +76,7 @@ from dsocr_workers.engine.coldstart.cache import use_compile_cache  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
+from dsocr_workers.farm.run_options import PREFILLS  # noqa: E402
 from dsocr_workers.model.config import dtype_name  # noqa: E402
 from dsocr_workers.model.preprocess import PreparedPage  # noqa: E402
 
@@ -603,7 +604,7 @@ def main() -> int:
     if not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
     prefills = list(dict.fromkeys(args.prefill.split(",")))
-    if not set(prefills) <= {"split", "whole"}:
+    if not set(prefills) <= set(PREFILLS):
         parser.error(f"--prefill takes split, whole or both, not {args.prefill}")
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
