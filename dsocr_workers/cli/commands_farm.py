@@ -128,9 +128,9 @@ def run_options(command: F) -> F:
             type=click.Choice(PREFILLS),
             default="split",
             show_default=True,
-            help="With --concurrency above 1: split, a page joining while others decode is prefilled in two "
-            "steps (its SAM, then the rest), so the pages decoding keep their pace; whole: every prefill "
-            "in one launch (more inter-token latency; joins not limited to one every two steps).",
+            help="With --concurrency above 1: split, a page joining while more pages decode than wait is "
+            "prefilled in two steps (its SAM, then the rest), so the pages decoding keep their pace; whole: "
+            "every prefill in one launch (more inter-token latency; no limit of one part a step on joins).",
         ),
     ]
     for option in reversed(options):

@@ -63,8 +63,8 @@ class RunOptions:
     # Jobs of the run a worker keeps in flight per GPU, decoded together by the batched engine
     # (engine/batched/, farm/job/batched.py); 1: one at a time, the batch-1 path.
     concurrency: int = 1
-    # The batched engine's prefills: "split", a page joining while others decode is prefilled in two
-    # steps (engine/batched/scheduler.py); "whole", every prefill in one launch.
+    # The batched engine's prefills: "split", a page joining while more decode than wait is prefilled in
+    # two steps (engine/batched/scheduler.py); "whole", every prefill in one launch.
     prefill: str = "split"
 
     def __post_init__(self) -> None:

@@ -45,9 +45,9 @@ TERMS = [
     (
         "prefill / sam / join / decode step",
         "a batched engine's step on the device: a page's whole prefill into its slot; or, split (--prefill "
-        "split, while other pages decode), its two parts in two steps: sam (its upload and SAM), then "
-        "join (view encoder, projector, LM prefill, first token); or one decode step over the pages in "
-        "the batch (its occupancy); the prefill step ms and share take every step that prefills",
+        "split, while more pages decode than wait to join), its two parts in two steps: sam (its upload "
+        "and SAM), then join (view encoder, projector, LM prefill, first token); or one decode step over "
+        "the pages in the batch (its occupancy); the prefill step ms and share take every step that prefills",
     ),
 ]
 # Decode steps by their occupancy: (label, fewest pages, most).

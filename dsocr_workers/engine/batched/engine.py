@@ -60,8 +60,8 @@ class BatchedEngine:
         split_prefill: bool = True,
     ) -> None:
         """Allocates the slots and captures the step's graphs as `config` says (`StepConfig.decide`:
-        None, the session's defaults). `split_prefill`: a page joining while others decode is prefilled
-        in two steps (False: every prefill in one launch)."""
+        None, the session's defaults). `split_prefill`: a page joining while more decode than wait is
+        prefilled in two steps (False: every prefill in one launch)."""
         options = options or DecodeOptions()
         validate_options(options)
         if options.seed is not None:

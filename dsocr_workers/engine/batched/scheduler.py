@@ -192,8 +192,8 @@ class Scheduler:
         budget_rule: BudgetRule,
         split_prefill: bool = False,
     ) -> None:
-        """`split_prefill`: a page joining while others decode is prefilled in two parts over two steps
-        (the module docstring); False: every page's prefill in one launch."""
+        """`split_prefill`: a page joining while more decode than wait is prefilled in two parts over two
+        steps (the module docstring); False: every page's prefill in one launch."""
         self.plan, self.options, self.budget_rule = plan, options, budget_rule
         self.split_prefill = split_prefill
         self.buckets = buckets_for(plan.slots)
