@@ -164,3 +164,39 @@ def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tm
         profiles = tx.scalars(select(Profile.batch_step_id)).all()
     assert profiled and sorted(profiled) == sorted(profiles)
     assert threads and set(threads) == {"dsocr-batch-engine"}, threads
+
+
+def test_a_batched_pages_result_is_finished_on_the_results_thread(database, tmp_path, make_png, monkeypatch):
+    """A page the engine finished is turned into its result (`DeviceRun.finish`: text, boxes, timings) on
+    the results thread: on the engine's thread the next steps would wait for it."""
+    import threading
+
+    from dsocr_workers.engine.session import DeviceRun
+
+    threads: list[str] = []
+    finish = DeviceRun.finish
+
+    def finish_noting_thread(self):
+        threads.append(threading.current_thread().name)
+        return finish(self)
+
+    for image, size in PAGES_A.items():
+        make_png(image, size, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(PAGES_A) + "\n")
+    run = record_run(database, read_filelist(listing), OPTIONS, queue="q")
+    url = database.engine.url.render_as_string(hide_password=False)
+    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
+    try:
+        process.models.warm(job_warmup(OPTIONS))
+        process.start_batch(OPTIONS)
+        monkeypatch.setattr(DeviceRun, "finish", finish_noting_thread)  # the warm-up's own pages apart
+        for i, job_id in enumerate(run.job_ids):
+            assert run_in_batch(process, job_id, OPTIONS, more_coming=i < len(run.job_ids) - 1).status == "decoding"
+        process.end_batch()
+        assert process.ledger_threads.wait() is True
+    finally:
+        process.close()
+    with database.transaction() as tx:
+        assert set(tx.scalars(select(Job.state).where(Job.run_id == run.run_id))) == {"done"}
+    assert len(threads) == len(PAGES_A) and set(threads) == {"dsocr-results_0"}, threads
