@@ -467,9 +467,9 @@ class DeepSeekOCRSession:
             ids = page.input_ids.to(self.device, non_blocking=True)
         else:
             ids = input_ids.copy_(page.input_ids, non_blocking=True)
-        # Placeholder positions come from the host copy of the mask: a boolean index on the device
-        # would sync (nonzero) and stall the GPU between vision and LM.
-        positions = page.images_seq_mask.nonzero().squeeze(1).to(self.device, non_blocking=True)
+        # Placeholder positions made on the host with the page (pinned with it): a boolean index on the
+        # device would sync (nonzero) and stall the GPU between vision and LM.
+        positions = page.image_positions.to(self.device, non_blocking=True)
         return DevicePage(page, ids, pixels, positions)
 
     def encode_image(self, inputs: DevicePage, clock: StageClock) -> torch.Tensor:

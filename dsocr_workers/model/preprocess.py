@@ -40,6 +40,7 @@ class PreparedPage:
 
     input_ids: torch.Tensor  # int64 [L]: BOS, text before <image>, N placeholders, text after
     images_seq_mask: torch.Tensor  # bool [L], True exactly at the N placeholders
+    image_positions: torch.Tensor  # int64 [N]: where the mask is True, the image embeddings' places
     global_pixels: torch.Tensor  # uint8 [1, 3, S, S]
     tile_pixels: torch.Tensor | None  # uint8 [cols*rows, 3, T, T] row-major; None without tiles
     crop_grid: tuple[int, int]  # (cols, rows); (1, 1) without tiles
@@ -59,7 +60,11 @@ class PreparedPage:
         pin = torch.Tensor.pin_memory
         tiles = None if self.tile_pixels is None else pin(self.tile_pixels)
         return replace(
-            self, input_ids=pin(self.input_ids), global_pixels=pin(self.global_pixels), tile_pixels=tiles
+            self,
+            input_ids=pin(self.input_ids),
+            image_positions=pin(self.image_positions),
+            global_pixels=pin(self.global_pixels),
+            tile_pixels=tiles,
         )
 
     @property
@@ -167,6 +172,7 @@ def assemble_page(
     return PreparedPage(
         input_ids=input_ids,
         images_seq_mask=mask,
+        image_positions=mask.nonzero().squeeze(1),
         global_pixels=view,
         tile_pixels=tiles,
         crop_grid=grid,

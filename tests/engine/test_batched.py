@@ -531,7 +531,7 @@ def test_cuda_batched_engine_follows_the_batch1_path_in_float32(attention, prese
     options = DecodeOptions(ignore_eos=True)
     PAGES = PAGES_OF[preset]  # noqa: N806 (the family's pages, under the name the test reads)
     prepared = [fast.prepare_job(page(w, h), None, mode).page for w, h, mode, _ in PAGES]
-    assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() for p in prepared)
+    assert all(p.global_pixels.is_pinned() and p.input_ids.is_pinned() and p.image_positions.is_pinned() for p in prepared)
     assert all(p.tile_pixels.is_pinned() for p in prepared if p.tile_pixels is not None)
     assert torch.equal(
         prepared[0].global_pixels, fast.prepare(page(*PAGES[0][:2]), None, PAGES[0][2]).global_pixels

@@ -543,6 +543,24 @@ def test_decode_progress_is_reported_at_the_watch_cadence(session):
     assert seen == [(k, 30) for k in range(EOS_CHECK_INTERVAL, 30, EOS_CHECK_INTERVAL)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned memory and its copies")
+def test_cuda_a_jobs_setup_copies_from_pinned_memory_only():
+    """A page prepared for a CUDA job holds every tensor setup copies in pinned memory: a copy from
+    pageable memory makes the host wait for the work queued before it, and the setup's clock that wait."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DeepSeekOCRSession.from_local("tiny", device="cuda")
+    prepared = cuda.prepare_job(page(600, 480), mode="tiny")
+    assert all(t.is_pinned() for t in (prepared.page.input_ids, prepared.page.image_positions,
+                                       prepared.page.global_pixels))  # fmt: skip
+    cuda.run_on_device(prepared.page, 4, clock=prepared.clock).finish()  # warm
+    prepared = cuda.prepare_job(page(600, 480), mode="tiny")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cuda.run_on_device(prepared.page, 4, clock=prepared.clock).finish()
+    copies = {e.name for e in prof.events() if "Memcpy HtoD" in e.name}
+    assert copies and not any("Pageable" in name for name in copies), copies
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine compiles, and graphs decode")
 def test_cuda_fast_engine_follows_eager_in_float32():
     """The fast engine as shipped (inductor, CUDA-graph decode, fused projections, the selected-experts

@@ -436,6 +436,7 @@ def _out_of_shared_memory(page: PreparedPage, pin: bool) -> PreparedPage:
         page,
         input_ids=move(page.input_ids),
         images_seq_mask=move(page.images_seq_mask),
+        image_positions=move(page.image_positions),
         global_pixels=move(page.global_pixels),
         tile_pixels=tiles,
     )
