@@ -1,0 +1,108 @@
+"""Setup's clock for a page by where it was prepared and pinned: the farm's batch-1 setup takes 0.6 ms on
+pages its prefetch thread prepared and 1.3–4 ms on pages from its page-preparing processes, whose first
+pixel copy blocks the host ~450 µs (docs/benchmarks.md, "Setup through the farm").
+
+Interleaved, `--jobs` times each, on the same pages (OmniDocBench's demo pages, gundam):
+  thread    `prepare_job` on this thread (its page pinned by `PreparedPage.pinned`), as a prefetch thread;
+  process   a page from `PageProcesses` (pinned on the pool's receiving thread), as the farm's prefetch;
+  repinned  the same process page pinned again on this thread before its job.
+Per variant: setup ms (CUDA events) p50 / p90, the first pixel copy's host time (perf_counter around
+`Tensor.to(non_blocking=True)`, a host call), and the pixel tensor's layout (contiguous, pinned, strides).
+
+    python3 benchmarks/probe_setup_pinning.py --out $OUT/setup-pinning.json [--jobs 12]
+    python3 benchmarks/probe_setup_pinning.py --out /tmp/p.json --device cpu --model tiny --mode tiny --jobs 2
+        # CPU smoke: no pinning there, so no "repinned"; figures meaningless
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
+from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
+from dsocr_workers.farm.job.page_processes import PageProcesses  # noqa: E402
+
+PAGES = REPO / "datasets/omnidocbench/subsets/demo-18.txt"
+
+
+def layout(page) -> dict:
+    pixels = page.global_pixels
+    pinned = pixels.is_pinned() if torch.cuda.is_available() else False
+    return {"contiguous": pixels.is_contiguous(), "pinned": pinned, "strides": list(pixels.stride()),
+            "data_ptr_mod_4096": pixels.data_ptr() % 4096}
+
+
+def first_copy_us(session: DeepSeekOCRSession, page) -> float:
+    """Host time of the first pixel copy alone (what setup's first launch is), the device idle before."""
+    cuda = session.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    page.global_pixels.to(session.device, non_blocking=True)
+    took = (time.perf_counter() - began) * 1e6
+    if cuda:
+        torch.cuda.synchronize()
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--mode", default="gundam")
+    parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    session = DeepSeekOCRSession.from_local(args.model, device=args.device)
+    variants = ("thread", "process", "repinned") if session.device.type == "cuda" else ("thread", "process")
+    images = [entry.path for entry in read_filelist(PAGES).images][: args.jobs]
+    for image in images[:2]:  # warm: the eager path's kernels, the pixel table
+        session.run_inference(image, mode=args.mode, max_new_tokens=4)
+    pool = PageProcesses(session, 2)
+    pool.wait_ready()
+    figures: dict[str, dict[str, list]] = {v: {"setup_ms": [], "first_copy_us": [], "layout": []}
+                                          for v in variants}
+    for image in images:
+        for variant in figures:
+            if variant == "thread":
+                prepared = session.prepare_job(image, mode=args.mode)
+                page, clock = prepared.page, prepared.clock
+            else:
+                prepared = pool.submit(str(image), None, args.mode, session.new_clock()).result()
+                page, clock = prepared.page, prepared.clock
+                if variant == "repinned":
+                    page = page.pinned()
+            figures[variant]["layout"].append(layout(page))
+            figures[variant]["first_copy_us"].append(first_copy_us(session, page))
+            run = session.run_on_device(page, 4, clock=clock)
+            figures[variant]["setup_ms"].append(run.finish().timings.setup_ms)
+    pool.close()
+    summary = {}
+    for variant, values in figures.items():
+        setup, copy = sorted(values["setup_ms"]), sorted(values["first_copy_us"])
+        summary[variant] = {
+            "setup_ms_p50": statistics.median(setup), "setup_ms_p90": setup[max(0, math.ceil(0.9 * len(setup)) - 1)],
+            "first_copy_us_p50": statistics.median(copy), "first_copy_us_p90": copy[max(0, math.ceil(0.9 * len(copy)) - 1)],
+            "layout": values["layout"][0],
+        }
+        print(f"{variant:9s} setup ms p50 {summary[variant]['setup_ms_p50']:.3f} p90 {summary[variant]['setup_ms_p90']:.3f}"
+              f"  first copy µs p50 {summary[variant]['first_copy_us_p50']:.0f} p90 {summary[variant]['first_copy_us_p90']:.0f}"
+              f"  {summary[variant]['layout']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if session.device.type == "cuda" else "cpu", "torch": torch.__version__,
+                                    "summary": summary, "runs": figures}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
