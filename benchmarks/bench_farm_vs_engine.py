@@ -4,8 +4,9 @@ through `dsocr worker` behind Redis and Celery (bench_scaling.py, K = 1).
 
 The two are read alike: output tokens/s over the steady window the farm's report uses (from the first
 page finished to the last one admitted; bench_serving's `steady_output_tokens_per_s`), beside each one's
-own headline (the engine's over its whole wall, the farm's report's Serving figure), TPOT, ITL and TTFT.
-The target: the farm at >= 0.97 of the engine.
+own headline (the engine's over its whole wall, the farm's report's Serving figure), TPOT, ITL and TTFT;
+then their decode steps of 64+ pages: the step's p50 and what its attention read (KV positions per page,
+the longest page's). The target: the farm at >= 0.97 of the engine.
 
     python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
         --compile-cache /tmp/dc
@@ -88,6 +89,24 @@ def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argp
             f"| farm (K = 1) | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
             f"{fmt(serving.get('tpot_ms_p50'))} | {fmt(serving.get('itl_ms_p50'))} / {fmt(serving.get('itl_ms_p99'))} | "
             f"{fmt(serving.get('ttft_ms_p50'), 0)} / {fmt(serving.get('ttft_ms_p99'), 0)} |"
+        )
+    steps = (farm or {}).get("stats", {}).get("steps") or {}
+    lines += [
+        "",
+        "Decode steps of 64+ pages (the farm's from its report's Batch steps table):",
+        "",
+        "| | p50 ms | KV positions a page's attention read, mean | the longest page's, mean |",
+        "|---|---:|---:|---:|",
+    ]
+    if engine:
+        lines.append(
+            f"| engine alone | {fmt(engine.get('wide_decode_step_ms_p50'))} | {fmt(engine.get('wide_kv_per_page'), 0)} "
+            f"| {fmt(engine.get('wide_kv_longest'), 0)} |"
+        )
+    if steps:
+        lines.append(
+            f"| farm (K = 1) | {fmt(steps.get('decode_64_p50_ms'))} | {fmt(steps.get('decode_64_kv_per_page'), 0)} "
+            f"| {fmt(steps.get('decode_64_kv_longest'), 0)} |"
         )
     lines.append("")
     steady = (engine or {}).get("steady_output_tokens_per_s")

@@ -630,6 +630,8 @@ def step_stats(data: Any) -> dict[str, Any] | None:
             "decode_steps": figures.decode_steps,
             "prefill_p50_ms": figures.prefill_p50_ms, "prefill_p90_ms": figures.prefill_p90_ms,
             "prefill_mean_ms": figures.prefill_mean_ms, "decode_64_p50_ms": top.p50_ms if top else None,
+            "decode_64_kv_per_page": top.kv_per_page if top else None,
+            "decode_64_kv_longest": top.kv_longest if top else None,
             "prefill_share": figures.prefill_share, "step_share_of_span": figures.step_share_of_span}  # fmt: skip
 
 

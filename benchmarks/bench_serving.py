@@ -57,6 +57,7 @@ import gc
 import itertools
 import json
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -87,6 +88,8 @@ TARGET_TOKENS_PER_S = 10_000
 TARGET_TPOT_P50_MS = 10.0
 TARGET_BOUND_SHARE = 0.6
 SECONDS_PER_DAY = 86_400
+# The farm report's widest occupancy band ("64+"): the decode steps compared with the farm's.
+WIDE_OCCUPANCY = 64
 
 
 def sync() -> None:
@@ -347,6 +350,7 @@ def level(
     else:
         positions = bucket * engine.plan.capacity
     bound = step_bound(weights, occupancy, positions, engine.plan.bytes_per_position, peak)
+    wide = [s for s in decode if s.occupancy >= WIDE_OCCUPANCY]
     report = {
         "concurrency": concurrency,
         "attention": engine.attention,
@@ -359,6 +363,11 @@ def level(
         "mean_decode_step_ms": step_ms,
         "mean_occupancy": occupancy,
         "mean_bucket": bucket,
+        "kv_per_page": sum(s.kv_positions for s in decode) / sum(s.occupancy for s in decode),
+        "wide_decode_steps": len(wide),
+        "wide_decode_step_ms_p50": statistics.median(s.ms for s in wide) if wide else None,
+        "wide_kv_per_page": sum(s.kv_positions for s in wide) / sum(s.occupancy for s in wide) if wide else None,
+        "wide_kv_longest": sum(s.kv_longest for s in wide) / len(wide) if wide else None,
         **bound,
         "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
         "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
@@ -500,6 +509,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{triple(row['itl_ms'])} | {fmt(row['mean_occupancy'], 1)} | {fmt(row['mean_decode_step_ms'])} | "
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |"
         )
+    lines += wide_steps_lines(report)
     lines += prefills_table(report)
     for engine in dict.fromkeys(setting(row) for row in report["levels"]):
         lines += best_line(report, engine)
@@ -513,6 +523,21 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("left_out"):
         lines += ["", "Pages left out:", "```", *report["left_out"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def wide_steps_lines(report: dict[str, Any]) -> list[str]:
+    """Per level, its decode steps of WIDE_OCCUPANCY pages or more, as the farm report's "64+" band reads
+    them: the step's p50 and what its attention read (KV positions per page, the longest page's)."""
+    lines = []
+    for row in report["levels"]:
+        if row.get("wide_decode_steps"):
+            lines.append(
+                f"- {row['concurrency']}, {setting(row)}: {row['wide_decode_steps']} decode steps of "
+                f"{WIDE_OCCUPANCY}+ pages: p50 {fmt(row['wide_decode_step_ms_p50'])} ms; KV positions a page's "
+                f"attention read, mean {fmt(row['wide_kv_per_page'], 0)}, the longest page's "
+                f"{fmt(row['wide_kv_longest'], 0)}"
+            )
+    return ["", *lines] if lines else []
 
 
 def best_line(report: dict[str, Any], engine: str) -> list[str]:

@@ -37,6 +37,8 @@ class StepTime:
     duration_ms: float
     started_at: datetime  # on the device, as a UTC time
     profiled: bool = False  # run under torch.profiler: its time holds the profiler's cost
+    kv_positions: int | None = None  # a decode step's pages' KV positions read, summed (None: not recorded)
+    kv_longest: int | None = None  # the longest page's
 
     @property
     def ended_at(self) -> datetime:
@@ -120,6 +122,8 @@ def load_run(tx: Session, ref: str) -> RunData:
         BatchStep.duration_ms,
         BatchStep.started_at,
         BatchStep.profiled,
+        BatchStep.kv_positions,
+        BatchStep.kv_longest,
     )
     steps = [StepTime(*row) for row in tx.execute(select(*columns).where(BatchStep.run_id == run.id))]
     sampled = (

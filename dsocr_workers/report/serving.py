@@ -7,9 +7,10 @@ that rate times the mean tokens out of a page. A batched job's TTFT runs from it
 page's preparation and its wait for a slot. A day is 86,400 s of that steady state, not a measured day.
 
 The Batch steps table (a batched run's `batch_steps`): the device's side of the same jobs, step by
-step: pages joined, decode steps, pages per step, a decode step's time by occupancy band, the prefill
-steps' share, and the time in steps per GPU against the run's wall span (the rest went to the host or
-to waiting for work). A step's time statistics leave out the steps a `--profile N` run sampled (run
+step: pages joined, decode steps, pages per step, a decode step's time and what its attention read (KV
+positions per page, and the longest page's: pages that joined one by one spread over the range, a wave
+grows together) by occupancy band, the prefill steps' share, and the time in steps per GPU against the
+run's wall span (the rest went to the host or to waiting for work). A step's time statistics leave out the steps a `--profile N` run sampled (run
 under torch.profiler); the counts and sums hold every step as it ran.
 """
 
@@ -175,6 +176,9 @@ class BandSteps:
     steps: int
     p50_ms: float | None
     p90_ms: float | None
+    # What their attention read (steps recorded with it): KV positions per page, and the longest page's
+    kv_per_page: float | None = None
+    kv_longest: float | None = None
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,10 @@ def batch_steps(data: RunData) -> BatchSteps:
         steps = [s for s in decode if fewest <= s.occupancy <= most]
         if steps:
             times = [s.duration_ms for s in steps if not s.profiled]
-            bands[label] = BandSteps(len(steps), *plain_percentiles(times, (50, 90)))
+            read = [s for s in steps if s.kv_positions is not None and s.kv_longest is not None]
+            kv_per_page = sum(s.kv_positions for s in read) / sum(s.occupancy for s in read) if read else None
+            kv_longest = sum(s.kv_longest for s in read) / len(read) if read else None
+            bands[label] = BandSteps(len(steps), *plain_percentiles(times, (50, 90)), kv_per_page, kv_longest)
     claims = [j.started_at for j in data.jobs if j.id in data.results and j.started_at]
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None
@@ -273,6 +280,8 @@ def _step_rows(figures: BatchSteps, bands: Iterable[str]) -> list[tuple[str, obj
             (f"occupancy {label}: decode steps", band.steps),
             (f"occupancy {label}: p50 decode step ms", band.p50_ms),
             (f"occupancy {label}: p90 decode step ms", band.p90_ms),
+            (f"occupancy {label}: KV positions a page's attention read, mean", band.kv_per_page),
+            (f"occupancy {label}: the longest page's KV positions, mean", band.kv_longest),
         ]
     rows += [
         ("prefill share of the time in steps %", None if share is None else share * 100),

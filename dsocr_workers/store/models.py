@@ -316,6 +316,10 @@ class BatchStep(Base):
     # encoder, projector); None for a decode step.
     prompt_tokens: Mapped[int | None]
     vision_ms: Mapped[float | None] = mapped_column(Float)
+    # A decode step's KV reads: the positions its pages' attention reads (each page's prompt and tokens so
+    # far, the one it feeds included), summed, and the longest page's; None for a prefill or its parts.
+    kv_positions: Mapped[int | None]
+    kv_longest: Mapped[int | None]
     # Run under torch.profiler (a `--profile N` run's sampled step, engine/profiling.py `StepSample`): its
     # trace and kernels are its `profiles` row; its time holds the profiler's cost, so the step statistics
     # leave it out.

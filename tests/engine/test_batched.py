@@ -316,6 +316,15 @@ def test_metrics_per_page_and_per_step(session, prepared):
     assert all(1 <= s.occupancy <= s.bucket <= 3 for s in decodes)
     assert [s.index for s in engine.steps] == sorted(s.index for s in engine.steps)
     assert sum(s.occupancy for s in decodes) == sum(len(o.token_ids) - 1 for o in outputs)
+    # What each decode step's attention read: a page's k-th decode step (from 0) reads its prompt, the k
+    # tokens before and the one it feeds; its last one the KV length it ends with.
+    prompts = {o.request_id: o.prompt_tokens for o in outputs}
+    assert sum(s.kv_positions for s in decodes) == sum(
+        sum(prompts[o.request_id] + k + 1 for k in range(len(o.token_ids) - 1)) for o in outputs
+    )
+    assert all(s.occupancy <= s.kv_longest <= s.kv_positions <= s.occupancy * s.kv_longest for s in decodes)
+    assert max(s.kv_longest for s in decodes) == max(o.prompt_tokens + len(o.token_ids) - 1 for o in outputs)
+    assert all(s.kv_positions == s.kv_longest == 0 for s in prefills)
     for output in outputs:
         m = output.metrics
         own = [s for s in prefills if s.request_id == output.request_id]

@@ -90,6 +90,8 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
         assert 5 <= len(decode) <= 5 * len(job_ids)
         assert all(1 <= s.occupancy <= s.bucket <= CONCURRENCY for s in decode)
         assert all(s.prompt_tokens is None and s.vision_ms is None for s in decode)
+        assert all(s.occupancy <= s.kv_longest <= s.kv_positions for s in decode)
+        assert all(s.kv_positions is None and s.kv_longest is None for s in joining + sam)
         assert max(s.occupancy for s in decode) > 1
         assert len({s.step_index for s in by_run[name]}) == len(by_run[name])  # each step once per run
         # On the wall clock between the run's first claim and its last finish.
@@ -117,6 +119,11 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     bands = {measure for measure in table if measure.startswith("occupancy ")}
     assert "occupancy 2-7: p50 decode step ms" in bands and not any("8-31" in measure for measure in bands)
     assert sum(v for measure, v in table.items() if measure.endswith(": decode steps")) == len(decode_a)
+    band_2_7 = [s for s in decode_a if 2 <= s.occupancy <= 7]
+    kv_per_page = sum(s.kv_positions for s in band_2_7) / sum(s.occupancy for s in band_2_7)
+    assert table["occupancy 2-7: KV positions a page's attention read, mean"] == pytest.approx(kv_per_page, rel=1e-4)
+    longest = sum(s.kv_longest for s in band_2_7) / len(band_2_7)
+    assert table["occupancy 2-7: the longest page's KV positions, mean"] == pytest.approx(longest, rel=1e-4)
     device_s = sum(s.duration_ms for s in by_run["a"]) / 1e3
     assert table["device time in steps s"] == pytest.approx(device_s, rel=1e-4)
     assert 0 < table["prefill share of the time in steps %"] < 100

@@ -37,6 +37,10 @@ class StepRecord:
     prompt_tokens: int = 0  # prefill, join: the joining page's prompt (its LM prefill); sam: 0
     vision_ms: float = 0.0  # prefill, sam, join: the vision stages in it (SAM; the view encoder, projector)
     request_id: str | None = None  # prefill, sam, join: the page's
+    # decode: the KV positions its pages' attention reads (each page's prompt and tokens so far, the one
+    # it feeds included), summed, and the longest page's
+    kv_positions: int = 0
+    kv_longest: int = 0
 
     @property
     def ms(self) -> float:

@@ -180,6 +180,7 @@ class _Launch:
     plan: StepPlan
     occupants: list[tuple[int, _Sequence]]
     prefilled: _Sequence | None = None
+    kv_positions: tuple[int, ...] = ()  # a decode step's: the positions each page's attention reads
 
 
 class Scheduler:
@@ -346,7 +347,9 @@ class Scheduler:
                 self._release(plan.slot)
             return
         occupants = [(slot, self._slots[slot]) for slot in plan.rows]
-        self._unread[plan.index] = _Launch(plan, occupants)
+        # A page's prompt, the tokens decoded before this step and the one it feeds.
+        read = tuple(s.request.page.prompt_tokens + s.launched + 1 for _, s in occupants)
+        self._unread[plan.index] = _Launch(plan, occupants, kv_positions=read)
         for slot, sequence in occupants:
             sequence.launched += 1
             if sequence.launched == sequence.budget - 1:
@@ -371,8 +374,16 @@ class Scheduler:
         kind: StepKind = "decode" if isinstance(plan, DecodePlan) else plan.part
         occupancy = len(launch.occupants)
         if isinstance(plan, DecodePlan):
+            kv = launch.kv_positions
             record = StepRecord(
-                plan.index, kind, occupancy, plan.bucket, readback.started_s, readback.ended_s
+                plan.index,
+                kind,
+                occupancy,
+                plan.bucket,
+                readback.started_s,
+                readback.ended_s,
+                kv_positions=sum(kv),
+                kv_longest=max(kv, default=0),
             )
         else:
             record = StepRecord(

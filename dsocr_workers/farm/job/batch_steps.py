@@ -58,6 +58,8 @@ def step_rows(steps: list[ServedStep], worker_session_id: str) -> list[dict[str,
                 "duration_ms": record.ms,
                 "prompt_tokens": record.prompt_tokens if prefill else None,
                 "vision_ms": record.vision_ms if prefill else None,
+                "kv_positions": None if prefill else record.kv_positions,
+                "kv_longest": None if prefill else record.kv_longest,
                 "profiled": step.profile is not None,
             }
         )
