@@ -27,6 +27,10 @@ level (and attention) runs on an engine of each (engine/batched/scheduler.py: sp
 others decode is prefilled in two steps, its SAM and then the rest; whole, every prefill in one launch):
 ITL p50 / p99, TTFT p99 and output tokens/s side by side ("Prefills side by side" in serving.md, and a
 line per setting on stdout as it ends).
+With `--admission window,one-a-step` every level also runs with its pages joining at most one a step, as
+the farm's do (claimed and prepared one by one), beside the closed loop's window: with one output length
+the window's pages start, grow and end together (waves), the farm's stay staggered over the whole range;
+the decode steps of 64+ pages and what their attention read are listed per level.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -48,6 +52,8 @@ The bandwidth arithmetic (per decode step of b pages):
         --out /tmp/serving  # CPU smoke
     python benchmarks/bench_serving.py --out $OUT --concurrency 128 --prefill split,whole \\
         --tokens-range-ratio 0.5 --min-requests 512  # split prefills beside whole ones at 128 in flight
+    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --admission window,one-a-step \
+        --min-requests 1296 --pages datasets/omnidocbench/subsets/demo-18.txt  # waves beside staggered pages
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -88,6 +95,7 @@ TARGET_TOKENS_PER_S = 10_000
 TARGET_TPOT_P50_MS = 10.0
 TARGET_BOUND_SHARE = 0.6
 SECONDS_PER_DAY = 86_400
+ADMISSIONS = ("window", "one-a-step")  # how pages join (`--admission`)
 # The farm report's widest occupancy band ("64+"): the decode steps compared with the farm's.
 WIDE_OCCUPANCY = 64
 
@@ -276,6 +284,7 @@ def engine_level(
     options: DecodeOptions,
     attention: SlotAttention,
     prefill: str,
+    admission: str,
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
@@ -289,6 +298,7 @@ def engine_level(
                 "concurrency": concurrency,
                 "attention": attention,
                 "prefill": prefill,
+                "admission": admission,
                 "skipped": f"only {engine.plan.slots} slots fit",
             },
             [],
@@ -299,10 +309,23 @@ def engine_level(
         pages,
         concurrency,
         output_lengths(requests, args.tokens, args.tokens_range_ratio),
+        admission,
         weights,
         peak,
     )
     return record, row, outputs
+
+
+def one_a_step(engine: BatchedEngine, requests: list[PageRequest], concurrency: int) -> list[BatchedOutput]:
+    """`engine.run`'s closed loop, but at most one page handed over a step, as the farm's pages arrive
+    (claimed and prepared one by one): a batch filling up admits its pages over as many steps, so their
+    KV lengths stay spread over the range instead of growing together."""
+    queue, outputs = deque(requests), list[BatchedOutput]()
+    while queue or engine.busy:
+        if queue and engine.in_flight < concurrency:
+            engine.submit(queue.popleft())
+        outputs.extend(engine.step().finished)
+    return outputs
 
 
 def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
@@ -320,11 +343,12 @@ def level(
     pages: list[tuple[str, PreparedPage]],
     concurrency: int,
     lengths: list[int],
+    admission: str,
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], list[BatchedOutput]]:
-    """One concurrency level, a request of each output length in `lengths`: its serving summary, the
-    decode steps' bandwidth bound, its outputs."""
+    """One concurrency level, a request of each output length in `lengths`, joining as `admission` says:
+    its serving summary, the decode steps' bandwidth bound, its outputs."""
     requests = len(lengths)
     asked = [
         PageRequest(f"{i}:{pages[i % len(pages)][0]}", pages[i % len(pages)][1], tokens)
@@ -333,7 +357,7 @@ def level(
     first_step = len(engine.steps)
     sync()
     start = time.perf_counter()
-    outputs = engine.run(asked, concurrency)
+    outputs = engine.run(asked, concurrency) if admission == "window" else one_a_step(engine, asked, concurrency)
     sync()
     wall = time.perf_counter() - start
     steps = engine.steps[first_step:]
@@ -355,6 +379,7 @@ def level(
         "concurrency": concurrency,
         "attention": engine.attention,
         "prefill": "split" if engine.split_prefill else "whole",
+        "admission": admission,
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,
@@ -416,8 +441,9 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 
 
 def setting(row: dict[str, Any]) -> str:
-    """A level's engine in words: its attention and its prefills."""
-    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills"
+    """A level's engine in words: its attention, its prefills and, where not the window's, how pages join."""
+    joining = ", one page joining a step" if row.get("admission") == "one-a-step" else ""
+    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills{joining}"
 
 
 def prefill_figures(row: dict[str, Any]) -> str:
@@ -612,6 +638,13 @@ def main() -> int:
         "whole, or both (split,whole: each level and attention on an engine of each, side by side)",
     )
     parser.add_argument(
+        "--admission",
+        default="window",
+        help="how pages join: window (every free slot of the window filled at once, as vllm bench serve's "
+        "closed loop), one-a-step (at most one page a step, as the farm's pages arrive: their lengths stay "
+        "staggered), or both (window,one-a-step: each on an engine of its own, side by side)",
+    )
+    parser.add_argument(
         "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
     )
     parser.add_argument(
@@ -631,6 +664,9 @@ def main() -> int:
     prefills = list(dict.fromkeys(args.prefill.split(",")))
     if not set(prefills) <= set(PREFILLS):
         parser.error(f"--prefill takes split, whole or both, not {args.prefill}")
+    admissions = list(dict.fromkeys(args.admission.split(",")))
+    if not set(admissions) <= set(ADMISSIONS):
+        parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
@@ -672,14 +708,14 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    for concurrency, attention, prefill in itertools.product(levels, attentions, prefills):
-        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill}
+    for concurrency, attention, prefill, admission in itertools.product(levels, attentions, prefills, admissions):
+        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill, "admission": admission}
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
         try:
             record, row, outputs = engine_level(
-                session, concurrency, pages, args, options, attention, prefill, weights, peak
+                session, concurrency, pages, args, options, attention, prefill, admission, weights, peak
             )
             setup["engines"].append(record)
             report["levels"].append(row)
