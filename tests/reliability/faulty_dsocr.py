@@ -46,7 +46,7 @@ from dsocr_workers.store.models import Job
 
 RunJob = Callable[[Any, Any, Any], Any]  # JobProcess.infer, unbound: (process, claiming, upcoming) -> Ran
 ClaimJob = Callable[..., Any]  # ledger.claim_job: (session, *, job_id, owner, ...) -> Claim | Refusal
-Complete = Callable[..., None]  # LedgerThreads.complete, unbound: (thread, claim, build_row, finished_at, **options)
+Complete = Callable[[Any, Claim, Any, Any], None]  # LedgerThreads.complete, unbound: (thread, claim, build_row, finished_at)
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,11 @@ def losing_results(complete: Complete, globs: tuple[str, ...]) -> Complete:
     killed a second later, once its task has returned."""
 
     @functools.wraps(complete)
-    def complete_or_lose(thread: Any, claim: Claim, build_row: Any, finished_at: Any, **options: Any) -> None:
+    def complete_or_lose(thread: Any, claim: Claim, build_row: Any, finished_at: Any) -> None:
         if claim.attempt == 1 and any(fnmatch.fnmatchcase(claim.image, glob) for glob in globs):
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
             return
-        complete(thread, claim, build_row, finished_at, **options)
+        complete(thread, claim, build_row, finished_at)
 
     return complete_or_lose
 

@@ -24,7 +24,6 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from dsocr_workers.farm.filelist import read_filelist
-from dsocr_workers.farm.job import ledger_threads
 from dsocr_workers.farm.job.execute import Ran, execute_job
 from dsocr_workers.farm.job.process import JobProcess
 from dsocr_workers.farm.job.warm import job_warmup
@@ -134,23 +133,6 @@ def test_the_task_returns_before_its_result_is_written_and_the_job_keeps_its_fin
     state, finished_at, results = job_state(setup.direct_url, job_id)
     assert (state, results) == ("done", 1)
     assert finished_at <= returned  # when the job finished, not when its row could be written (0.5 s later)
-
-
-def test_a_results_write_waits_for_the_next_jobs_setup_and_prefill(setup, monkeypatch):
-    """A batch-1 job's result is written once the next job's setup and prefill are launched (`release`):
-    its write would take the GIL those launches wait for."""
-    monkeypatch.setattr(ledger_threads, "DEFER_LIMIT_S", 60.0)  # no job following: 60 s, not 0.5
-    first, second = setup.job_ids
-    assert run_job(setup, first).status == "completing"
-    time.sleep(0.5)
-    assert job_state(setup.direct_url, first)[::2] == ("running", 0)
-    assert run_job(setup, second).status == "completing"
-    deadline = time.monotonic() + 30
-    while job_state(setup.direct_url, first)[0] != "done" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert job_state(setup.direct_url, first)[::2] == ("done", 1)
-    assert setup.process.ledger_threads.wait() is True  # the last one, at once: nothing follows it
-    assert job_state(setup.direct_url, second)[::2] == ("done", 1)
 
 
 def test_a_ledger_outage_during_the_write_is_waited_out(setup):

@@ -87,7 +87,7 @@ def execute_job(
     # Scored outside the transaction holding the job's row.
     build_row = partial(result_row, ran, claim, claimed_s)
     if ledger_threads is not None:
-        ledger_threads.complete(claim, build_row, finished_at, after_next_launch=True)
+        ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")
     row = build_row()
     with db.transaction() as tx:

@@ -11,9 +11,6 @@
   the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. They start
   once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's
   prefill may be longer).
-- `complete(..., after_next_launch=True)`: a batch-1 job's result is written once the next job's setup
-  and prefill are launched (its `release`), or after DEFER_LIMIT_S when no job follows: written at once,
-  it would take the GIL while those launches are queued.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -41,8 +38,6 @@ T = TypeVar("T")
 
 # The longest a held thread waits: past it, a claim or write goes ahead whatever is being launched.
 HOLD_LIMIT_S = 1.0
-# The longest a deferred result waits for the next job's launches: past it, no job follows soon.
-DEFER_LIMIT_S = 0.5
 
 
 @dataclass
@@ -89,8 +84,6 @@ class LedgerThreads:
         self._closing = threading.Event()
         self._open = threading.Event()  # cleared by `hold`: no claim or write starts
         self._open.set()
-        self._undeferred = threading.Event()  # cleared by a deferred `complete`: no write starts
-        self._undeferred.set()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
         self._pending = Pending()
@@ -103,19 +96,11 @@ class LedgerThreads:
         return self._claims.submit(self._claim, claim_job)
 
     def complete(
-        self,
-        claim: ledger.Claim,
-        build_row: Callable[[], dict[str, Any]],
-        finished_at: datetime,
-        *,
-        after_next_launch: bool = False,
+        self, claim: ledger.Claim, build_row: Callable[[], dict[str, Any]], finished_at: datetime
     ) -> None:
-        """Mark `claim`'s job done with the result `build_row()` makes, after this call returns;
-        `after_next_launch`: once the next `release` (or DEFER_LIMIT_S) comes."""
+        """Mark `claim`'s job done with the result `build_row()` makes, after this call returns."""
         completion = Completion(claim, build_row, finished_at)
         self._last_write = completion.written
-        if after_next_launch:
-            self._undeferred.clear()
         self._hand_over(completion)
 
     def record_steps(self, build_rows: StepRows) -> None:
@@ -129,7 +114,6 @@ class LedgerThreads:
 
     def release(self) -> None:
         self._open.set()
-        self._undeferred.set()
 
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):
@@ -138,12 +122,10 @@ class LedgerThreads:
     def wait(self) -> bool | None:
         """Wait for the last result handed over: True when written; False when not (its lease was lost,
         its write given up, or it could not be built); None when none was handed over."""
-        self._undeferred.set()
         return None if self._last_write is None else self._last_write.result()
 
     def close(self) -> None:
         self._closing.set()  # ends the waits between tries, not a try under way
-        self._undeferred.set()
         self._claims.shutdown(wait=True)
         self._results.shutdown(wait=True)
 
@@ -160,7 +142,6 @@ class LedgerThreads:
     def _write_pending(self) -> None:
         """Every result and step handed over so far, in one transaction (the rows built first)."""
         self._open.wait(HOLD_LIMIT_S)
-        self._undeferred.wait(DEFER_LIMIT_S)
         items = self._pending.take()
         try:
             self._write(items)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -35,10 +34,6 @@ from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
 
 log = logging.getLogger("dsocr.worker")
-
-# How long the device's thread, back from a sync, waits at most for the GIL while a ledger or page thread
-# runs Python: CPython's default (5 ms) is as long as a batched decode step.
-GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -72,7 +67,6 @@ class JobProcess:
         leases it holds and, given a `sweep`, requeues the jobs of dead workers on its queues. `runs_on`:
         the device as this process sees it, where that is not `device` (see_only_this_gpu); `import_ms`:
         what its start spent importing (farm/celery/preimport.py), recorded with its first model."""
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if cpu_threads:
             import torch
 
