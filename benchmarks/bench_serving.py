@@ -67,7 +67,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections import deque
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -316,18 +315,6 @@ def engine_level(
     return record, row, outputs
 
 
-def one_a_step(engine: BatchedEngine, requests: list[PageRequest], concurrency: int) -> list[BatchedOutput]:
-    """`engine.run`'s closed loop, but at most one page handed over a step, as the farm's pages arrive
-    (claimed and prepared one by one): a batch filling up admits its pages over as many steps, so their
-    KV lengths stay spread over the range instead of growing together."""
-    queue, outputs = deque(requests), list[BatchedOutput]()
-    while queue or engine.busy:
-        if queue and engine.in_flight < concurrency:
-            engine.submit(queue.popleft())
-        outputs.extend(engine.step().finished)
-    return outputs
-
-
 def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
     """Each request's output tokens: `tokens`, or with `range_ratio` drawn (seeded) from [tokens x (1 -
     range_ratio), tokens], as `vllm bench serve --random-range-ratio` draws them: pages that end at other
@@ -357,7 +344,7 @@ def level(
     first_step = len(engine.steps)
     sync()
     start = time.perf_counter()
-    outputs = engine.run(asked, concurrency) if admission == "window" else one_a_step(engine, asked, concurrency)
+    outputs = engine.run(asked, concurrency, one_a_step=admission == "one-a-step")
     sync()
     wall = time.perf_counter() - start
     steps = engine.steps[first_step:]

@@ -345,6 +345,28 @@ def test_metrics_per_page_and_per_step(session, prepared):
     assert summary.ttft_ms["p50"] <= summary.ttft_ms["p99"]
 
 
+def test_pages_join_one_a_step_where_asked(session, prepared):
+    """`run(..., one_a_step=True)`: at most one page begins (a whole prefill or a split's sam part) between
+    two decode steps, as the farm's pages join; the closed loop's window fills every free slot at once."""
+    options = DecodeOptions(ignore_eos=True)
+
+    def begins_between_decodes(one_a_step: bool) -> list[int]:
+        engine = engine_for(session, prepared, 3, options)
+        outputs = engine.run(requests(prepared), 3, one_a_step=one_a_step)
+        assert sorted(len(o.token_ids) for o in outputs) == sorted(t for *_, t in PAGES)
+        counts, begun = [], 0
+        for step in engine.steps:
+            if step.kind == "decode":
+                counts.append(begun)
+                begun = 0
+            elif step.kind in ("prefill", "sam"):
+                begun += 1
+        return counts
+
+    window, one_a_step = begins_between_decodes(False), begins_between_decodes(True)
+    assert window[0] == 3 and max(one_a_step[1:]) == 1 and one_a_step[0] <= 2
+
+
 def test_the_runner_runs_plans_without_a_scheduler(session, prepared):
     """The runner alone, handed plans by hand: a page prefilled into slot 1 and decoded in bucket 2
     (slot 0, never filled, computes a throwaway row) reads back its batch-1 tokens; a cleared slot

@@ -134,6 +134,27 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     assert (whole[0] + split[0], whole[1] + split[1]) == (3, 2)
 
 
+def run_pages_a(database, tmp_path, make_png, options: RunOptions, after_warm=lambda: None) -> str:
+    """PAGES_A as a run of `options`, through a job process's batch, to the end; `after_warm` once its
+    engine is warm. The run's id."""
+    for image, size in PAGES_A.items():
+        make_png(image, size, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(PAGES_A) + "\n")
+    run = record_run(database, read_filelist(listing), options, queue="q")
+    url = database.engine.url.render_as_string(hide_password=False)
+    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
+    try:
+        process.models.warm(job_warmup(options))
+        process.start_batch(options)
+        after_warm()
+        for i, job_id in enumerate(run.job_ids):
+            assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
+    finally:
+        process.close()  # the batch's jobs finish and their results are written first
+    return run.run_id
+
+
 def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tmp_path, make_png, monkeypatch):
     """`--profile 1`: every step's profile is read and summed up on the engine's thread as the step is
     taken, not on the results thread, where it would hold the GIL while the engine launches the next
@@ -151,21 +172,8 @@ def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tm
         return collect(self, step_ms)
 
     monkeypatch.setattr(SampledStep, "collect", collect_noting_thread)
-    for image, size in PAGES_A.items():
-        make_png(image, size, folder=tmp_path)
-    listing = tmp_path / "list.txt"
-    listing.write_text("\n".join(PAGES_A) + "\n")
     options = RunOptions(mode="tiny", max_new_tokens=3, engine="eager", concurrency=CONCURRENCY, profile_every=1)
-    run = record_run(database, read_filelist(listing), options, queue="q")
-    url = database.engine.url.render_as_string(hide_password=False)
-    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
-    try:
-        process.models.warm(job_warmup(options))
-        process.start_batch(options)
-        for i, job_id in enumerate(run.job_ids):
-            assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
-    finally:
-        process.close()
+    run_pages_a(database, tmp_path, make_png, options)
     with database.transaction() as tx:
         profiled = tx.scalars(select(BatchStep.id).where(BatchStep.profiled)).all()
         profiles = tx.scalars(select(Profile.batch_step_id)).all()
@@ -187,23 +195,10 @@ def test_a_batched_pages_result_is_finished_on_the_results_thread(database, tmp_
         threads.append(threading.current_thread().name)
         return finish(self)
 
-    for image, size in PAGES_A.items():
-        make_png(image, size, folder=tmp_path)
-    listing = tmp_path / "list.txt"
-    listing.write_text("\n".join(PAGES_A) + "\n")
-    run = record_run(database, read_filelist(listing), OPTIONS, queue="q")
-    url = database.engine.url.render_as_string(hide_password=False)
-    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
-    try:
-        process.models.warm(job_warmup(OPTIONS))
-        process.start_batch(OPTIONS)
-        monkeypatch.setattr(DeviceRun, "finish", finish_noting_thread)  # the warm-up's own pages apart
-        for i, job_id in enumerate(run.job_ids):
-            assert run_in_batch(process, job_id, OPTIONS, more_coming=i < len(run.job_ids) - 1).status == "decoding"
-        process.end_batch()
-        assert process.ledger_threads.wait() is True
-    finally:
-        process.close()
+    # Once warm: the warm-up's own pages finish on the thread that warms.
+    run_id = run_pages_a(
+        database, tmp_path, make_png, OPTIONS, lambda: monkeypatch.setattr(DeviceRun, "finish", finish_noting_thread)
+    )
     with database.transaction() as tx:
-        assert set(tx.scalars(select(Job.state).where(Job.run_id == run.run_id))) == {"done"}
+        assert set(tx.scalars(select(Job.state).where(Job.run_id == run_id))) == {"done"}
     assert len(threads) == len(PAGES_A) and set(threads) == {"dsocr-results_0"}, threads

@@ -235,16 +235,22 @@ class BatchedEngine:
         self._read(self.runner.collect(wait_beyond=READBACK_LOOKAHEAD if self.scheduler.launchable else 0))
         return self.scheduler.events(admitted)
 
-    def run(self, requests: list[PageRequest], concurrency: int) -> list[BatchedOutput]:
+    def run(
+        self, requests: list[PageRequest], concurrency: int, *, one_a_step: bool = False
+    ) -> list[BatchedOutput]:
         """Every request through the engine with at most `concurrency` in flight at once (a closed loop, as
         `vllm bench serve --max-concurrency`): each arrives when the one before it in the window
-        finished. Returns the outputs in finishing order."""
+        finished; `one_a_step`: at most one arrives a step, as the farm's pages do (claimed and prepared one
+        by one), so a filling batch's pages stay staggered instead of growing together. Returns the
+        outputs in finishing order."""
         if concurrency < 1:
             raise InputError(f"concurrency must be at least 1, got {concurrency}")
         queue, outputs = deque(requests), list[BatchedOutput]()
         while queue or self.busy:
             while queue and self.in_flight < concurrency:
                 self.submit(queue.popleft())
+                if one_a_step:
+                    break
             outputs.extend(self.step().finished)
         return outputs
 
