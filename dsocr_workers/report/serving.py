@@ -230,11 +230,15 @@ def batch_steps(data: RunData) -> BatchSteps:
     for label, fewest, most in OCCUPANCY_BANDS:
         steps = [s for s in decode if fewest <= s.occupancy <= most]
         if steps:
-            times = [s.duration_ms for s in steps if not s.profiled]
-            read = [s for s in steps if s.kv_positions is not None and s.kv_longest is not None]
-            kv_per_page = sum(s.kv_positions for s in read) / sum(s.occupancy for s in read) if read else None
-            kv_longest = sum(s.kv_longest for s in read) / len(read) if read else None
-            bands[label] = BandSteps(len(steps), *plain_percentiles(times, (50, 90)), kv_per_page, kv_longest)
+            p50, p90 = plain_percentiles([s.duration_ms for s in steps if not s.profiled], (50, 90))
+            read = [
+                (s.occupancy, s.kv_positions, s.kv_longest)
+                for s in steps
+                if s.kv_positions is not None and s.kv_longest is not None
+            ]
+            kv_per_page = sum(r[1] for r in read) / sum(r[0] for r in read) if read else None
+            kv_longest = sum(r[2] for r in read) / len(read) if read else None
+            bands[label] = BandSteps(len(steps), p50, p90, kv_per_page, kv_longest)
     claims = [j.started_at for j in data.jobs if j.id in data.results and j.started_at]
     finishes = [j.finished_at for j in data.jobs if j.id in data.results and j.finished_at]
     wall_span_s = (max(finishes) - min(claims)).total_seconds() if claims and finishes else None

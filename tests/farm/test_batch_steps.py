@@ -134,9 +134,8 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     assert (whole[0] + split[0], whole[1] + split[1]) == (3, 2)
 
 
-def run_pages_a(database, tmp_path, make_png, options: RunOptions, after_warm=lambda: None) -> str:
-    """PAGES_A as a run of `options`, through a job process's batch, to the end; `after_warm` once its
-    engine is warm. The run's id."""
+def run_pages_a(database, tmp_path, make_png, options: RunOptions) -> str:
+    """PAGES_A as a run of `options`, through a job process's batch, to the end. The run's id."""
     for image, size in PAGES_A.items():
         make_png(image, size, folder=tmp_path)
     listing = tmp_path / "list.txt"
@@ -147,7 +146,6 @@ def run_pages_a(database, tmp_path, make_png, options: RunOptions, after_warm=la
     try:
         process.models.warm(job_warmup(options))
         process.start_batch(options)
-        after_warm()
         for i, job_id in enumerate(run.job_ids):
             assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
     finally:
@@ -179,26 +177,3 @@ def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tm
         profiles = tx.scalars(select(Profile.batch_step_id)).all()
     assert profiled and sorted(profiled) == sorted(profiles)
     assert threads and set(threads) == {"dsocr-batch-engine"}, threads
-
-
-def test_a_batched_pages_result_is_finished_on_the_results_thread(database, tmp_path, make_png, monkeypatch):
-    """A page the engine finished is turned into its result (`DeviceRun.finish`: text, boxes, timings) on
-    the results thread: on the engine's thread the next steps would wait for it."""
-    import threading
-
-    from dsocr_workers.engine.session import DeviceRun
-
-    threads: list[str] = []
-    finish = DeviceRun.finish
-
-    def finish_noting_thread(self):
-        threads.append(threading.current_thread().name)
-        return finish(self)
-
-    # Once warm: the warm-up's own pages finish on the thread that warms.
-    run_id = run_pages_a(
-        database, tmp_path, make_png, OPTIONS, lambda: monkeypatch.setattr(DeviceRun, "finish", finish_noting_thread)
-    )
-    with database.transaction() as tx:
-        assert set(tx.scalars(select(Job.state).where(Job.run_id == run_id))) == {"done"}
-    assert len(threads) == len(PAGES_A) and set(threads) == {"dsocr-results_0"}, threads

@@ -271,13 +271,12 @@ class BatchedJobs:
                 job.handed_over = True
 
     def _finished(self, job: InFlight, output: BatchedOutput) -> None:
-        """Its result, finished (`DeviceRun.finish`: text, boxes, timings), built and written on the
-        results thread: on this one, the next steps would wait for it."""
+        """Its result, built here (or its job alone fails), written on the results thread."""
         from dsocr_workers.engine.session import DeviceRun
 
         loaded = self.loaded
         run = DeviceRun.batched(loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s)
-        ran = Ran(run, loaded.worker_id, loaded.worker_session_id, device=self.process.device)
+        ran = Ran(run.finish(), loaded.worker_id, loaded.worker_session_id, device=self.process.device)
         self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s),
                                              utcnow())
         log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
