@@ -180,7 +180,7 @@ class _Launch:
     plan: StepPlan
     occupants: list[tuple[int, _Sequence]]
     prefilled: _Sequence | None = None
-    kv_positions: tuple[int, ...] = ()  # a decode step's: the positions each page's attention reads
+    attended: tuple[int, ...] = ()  # a decode step's, per page: the KV positions its attention reads
 
 
 class Scheduler:
@@ -348,8 +348,8 @@ class Scheduler:
             return
         occupants = [(slot, self._slots[slot]) for slot in plan.rows]
         # A page's prompt, the tokens decoded before this step and the one it feeds.
-        read = tuple(s.request.page.prompt_tokens + s.launched + 1 for _, s in occupants)
-        self._unread[plan.index] = _Launch(plan, occupants, kv_positions=read)
+        attended = tuple(s.request.page.prompt_tokens + s.launched + 1 for _, s in occupants)
+        self._unread[plan.index] = _Launch(plan, occupants, attended=attended)
         for slot, sequence in occupants:
             sequence.launched += 1
             if sequence.launched == sequence.budget - 1:
@@ -374,7 +374,7 @@ class Scheduler:
         kind: StepKind = "decode" if isinstance(plan, DecodePlan) else plan.part
         occupancy = len(launch.occupants)
         if isinstance(plan, DecodePlan):
-            kv = launch.kv_positions
+            kv = launch.attended
             record = StepRecord(
                 plan.index,
                 kind,
