@@ -4,8 +4,10 @@ pixel copy blocks the host ~450 µs (docs/benchmarks.md, "Setup through the farm
 
 Interleaved, `--jobs` times each, on the same pages (OmniDocBench's demo pages, gundam):
   thread    `prepare_job` on this thread (its page pinned by `PreparedPage.pinned`), as a prefetch thread;
+  elsewhere prepared on this thread, pinned on another (`PreparedPage.pinned` on a thread of its own);
   process   a page from `PageProcesses` (pinned on the pool's receiving thread), as the farm's prefetch;
   repinned  the same process page pinned again on this thread before its job.
+Which of them is slow says whether the pinning thread or the page's way out of shared memory matters.
 Per variant: setup ms (CUDA events) p50 / p90, the first pixel copy's host time (perf_counter around
 `Tensor.to(non_blocking=True)`, a host call), and the pixel tensor's layout (contiguous, pinned, strides).
 
@@ -22,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -65,7 +68,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     session = DeepSeekOCRSession.from_local(args.model, device=args.device)
-    variants = ("thread", "process", "repinned") if session.device.type == "cuda" else ("thread", "process")
+    cuda = session.device.type == "cuda"
+    variants = ("thread", "elsewhere", "process", "repinned") if cuda else ("thread", "process")
+    other = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-pin")
     images = [entry.path for entry in read_filelist(PAGES).images][: args.jobs]
     for image in images[:2]:  # warm: the eager path's kernels, the pixel table
         session.run_inference(image, mode=args.mode, max_new_tokens=4)
@@ -78,6 +83,9 @@ def main() -> None:
             if variant == "thread":
                 prepared = session.prepare_job(image, mode=args.mode)
                 page, clock = prepared.page, prepared.clock
+            elif variant == "elsewhere":
+                page = other.submit(session.prepare(image, None, args.mode).pinned).result()
+                clock = session.new_clock()
             else:
                 prepared = pool.submit(str(image), None, args.mode, session.new_clock()).result()
                 page, clock = prepared.page, prepared.clock
@@ -88,6 +96,7 @@ def main() -> None:
             run = session.run_on_device(page, 4, clock=clock)
             figures[variant]["setup_ms"].append(run.finish().timings.setup_ms)
     pool.close()
+    other.shutdown()
     summary = {}
     for variant, values in figures.items():
         setup, copy = sorted(values["setup_ms"]), sorted(values["first_copy_us"])
