@@ -52,7 +52,7 @@ The bandwidth arithmetic (per decode step of b pages):
         --out /tmp/serving  # CPU smoke
     python benchmarks/bench_serving.py --out $OUT --concurrency 128 --prefill split,whole \\
         --tokens-range-ratio 0.5 --min-requests 512  # split prefills beside whole ones at 128 in flight
-    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --admission window,one-a-step \
+    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --admission window,one-a-step \\
         --min-requests 1296 --pages datasets/omnidocbench/subsets/demo-18.txt  # waves beside staggered pages
 """
 
@@ -375,7 +375,6 @@ def level(
         "mean_decode_step_ms": step_ms,
         "mean_occupancy": occupancy,
         "mean_bucket": bucket,
-        "kv_per_page": sum(s.kv_positions for s in decode) / sum(s.occupancy for s in decode),
         "wide_decode_steps": len(wide),
         "wide_decode_step_ms_p50": statistics.median(s.ms for s in wide) if wide else None,
         "wide_kv_per_page": sum(s.kv_positions for s in wide) / sum(s.occupancy for s in wide) if wide else None,

@@ -10,8 +10,9 @@ The Batch steps table (a batched run's `batch_steps`): the device's side of the 
 step: pages joined, decode steps, pages per step, a decode step's time and what its attention read (KV
 positions per page, and the longest page's: pages that joined one by one spread over the range, a wave
 grows together) by occupancy band, the prefill steps' share, and the time in steps per GPU against the
-run's wall span (the rest went to the host or to waiting for work). A step's time statistics leave out the steps a `--profile N` run sampled (run
-under torch.profiler); the counts and sums hold every step as it ran.
+run's wall span (the rest went to the host or to waiting for work). A step's time statistics leave out
+the steps a `--profile N` run sampled (run under torch.profiler); the counts and sums hold every step as
+it ran.
 """
 
 from __future__ import annotations

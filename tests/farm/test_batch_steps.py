@@ -134,25 +134,6 @@ def test_a_batched_run_stores_each_engine_step_once_per_run_it_served_and_report
     assert (whole[0] + split[0], whole[1] + split[1]) == (3, 2)
 
 
-def run_pages_a(database, tmp_path, make_png, options: RunOptions) -> str:
-    """PAGES_A as a run of `options`, through a job process's batch, to the end. The run's id."""
-    for image, size in PAGES_A.items():
-        make_png(image, size, folder=tmp_path)
-    listing = tmp_path / "list.txt"
-    listing.write_text("\n".join(PAGES_A) + "\n")
-    run = record_run(database, read_filelist(listing), options, queue="q")
-    url = database.engine.url.render_as_string(hide_password=False)
-    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
-    try:
-        process.models.warm(job_warmup(options))
-        process.start_batch(options)
-        for i, job_id in enumerate(run.job_ids):
-            assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
-    finally:
-        process.close()  # the batch's jobs finish and their results are written first
-    return run.run_id
-
-
 def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tmp_path, make_png, monkeypatch):
     """`--profile 1`: every step's profile is read and summed up on the engine's thread as the step is
     taken, not on the results thread, where it would hold the GIL while the engine launches the next
@@ -170,8 +151,21 @@ def test_a_sampled_steps_profile_is_collected_on_the_engines_thread(database, tm
         return collect(self, step_ms)
 
     monkeypatch.setattr(SampledStep, "collect", collect_noting_thread)
+    for image, size in PAGES_A.items():
+        make_png(image, size, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(PAGES_A) + "\n")
     options = RunOptions(mode="tiny", max_new_tokens=3, engine="eager", concurrency=CONCURRENCY, profile_every=1)
-    run_pages_a(database, tmp_path, make_png, options)
+    run = record_run(database, read_filelist(listing), options, queue="q")
+    url = database.engine.url.render_as_string(hide_password=False)
+    process = JobProcess.open(Settings(database_url=url, queue="q"), "cpu", queues=("q",))
+    try:
+        process.models.warm(job_warmup(options))
+        process.start_batch(options)
+        for i, job_id in enumerate(run.job_ids):
+            assert run_in_batch(process, job_id, options, more_coming=i < len(run.job_ids) - 1).status == "decoding"
+    finally:
+        process.close()
     with database.transaction() as tx:
         profiled = tx.scalars(select(BatchStep.id).where(BatchStep.profiled)).all()
         profiles = tx.scalars(select(Profile.batch_step_id)).all()
