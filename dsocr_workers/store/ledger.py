@@ -607,15 +607,22 @@ def reserve_job(
     tx: Session, job_id: str, owner: str, *, lease_s: float, now: datetime | None = None
 ) -> None:
     """Reserve `job_id`, if it is waiting, for `owner` (its worker fetched the job's message to run next)
-    until `lease_s` from now; its reservations of jobs no longer waiting are given up here."""
+    until the latest lease `owner` holds runs out, or `lease_s` from now if it holds none; its reservations
+    of jobs no longer waiting are given up here."""
     now = now or utcnow()
     tx.execute(
         update(Job).where(Job.reserved_by == owner, Job.state.not_in(WAITING_STATES)).values(**UNRESERVED)
     )
+    # Ending with the holder's lease (each heartbeat renews both to one time), a dead holder's job and
+    # the one it fetched next go back in the same sweep, both before the jobs queued behind them.
+    held = tx.scalar(
+        select(func.max(Job.lease_expires_at)).where(Job.lease_owner == owner, Job.state == "running")
+    )
+    until = held if held is not None and held > now else now + timedelta(seconds=lease_s)
     tx.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(WAITING_STATES))
-        .values(reserved_by=owner, reserved_until=now + timedelta(seconds=lease_s))
+        .values(reserved_by=owner, reserved_until=until)
     )
 
 

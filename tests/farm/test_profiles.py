@@ -256,5 +256,7 @@ def test_a_batched_runs_every_nth_step_of_each_kind_is_profiled_by_a_worker_and_
     assert facts["profiled results"] == 0
 
     compared = report_tables(env, "--run", a, "--vs", b)["Kernels per stage, B vs A"]
-    prefill = {row["kernel"]: row for row in compared if row["stage"] == "batch prefill step"}
-    assert prefill["aten::mm"]["A ms/step"] > 0 and prefill["aten::mm"]["B/A"] > 0
+    # Which operators rank in the prefill's top rows varies with the machine's load: any that ran in both.
+    prefill = [row for row in compared if row["stage"] == "batch prefill step"]
+    in_both = [row for row in prefill if row["change"] not in ("only in A", "only in B")]
+    assert in_both and all(row["A ms/step"] > 0 and row["B/A"] > 0 for row in in_both), prefill

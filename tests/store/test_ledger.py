@@ -373,6 +373,22 @@ def test_a_reservation_names_the_next_job_holds_nothing_back_and_a_sweep_takes_i
     assert reserved() == dict.fromkeys(ids)
 
 
+def test_a_reservation_runs_out_with_its_holders_lease_so_one_sweep_brings_both_back(database: Database):
+    """The job a process fetched next, reserved after its claim (a moment past its last beat), comes back in
+    the sweep that takes back its running job: the two go to the head of the queue together."""
+    _, (running, fetched, later) = make_run(database, images=3)
+    claimed_at = utcnow()
+    claim(database, running, "h:1:dead", now=claimed_at)
+    with database.transaction() as session:
+        ledger.reserve_job(session, fetched, "h:1:dead", lease_s=60, now=claimed_at + timedelta(seconds=1))
+        ledger.reserve_job(session, later, "h:2:idle", lease_s=60, now=claimed_at + timedelta(seconds=1))
+    assert job(database, fetched).reserved_until == job(database, running).lease_expires_at
+    with database.transaction() as session:
+        swept = ledger.expire_leases(session, max_attempts=CAP, now=claimed_at + timedelta(seconds=60.5))
+    assert swept == ledger.ExpiredLeases([(running, "q")], [], [(fetched, "q")])
+    assert job(database, later).reserved_by == "h:2:idle"  # it holds no lease: lease_s from its reservation
+
+
 def _claim_everything(url: str, job_ids: list[str], worker_id: str) -> int:
     db = open_database(url)
     owner = f"h:{os.getpid()}:x"
