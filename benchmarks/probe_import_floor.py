@@ -36,7 +36,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_aoti_start import DSOCR, start  # noqa: E402
+from benchmarks.bench_start import DSOCR, start  # noqa: E402
 
 IMPORT_SETS = {
     "interpreter": "pass",
@@ -206,10 +206,6 @@ def worker_start(env: dict[str, str], folder: Path, repeats: int, gpus: str = "0
             # A later --gpus overrides start()'s own (click keeps an option's last value).
             marks = start(env, folder, f"floor{index}", ["--gpus", gpus, "--warmup", "none"], 120,
                           until="child_opened_s")  # fmt: skip
-            inherited = re.search(
-                r"imports inherited \((\d+) ms", (folder / marks["log"]).read_text(errors="replace")
-            )
-            marks["parent_import_s"] = int(inherited.group(1)) / 1e3 if inherited else None
             runs.append(marks)
             log(f"  worker start {index}: {marks}")
         return {"runs": runs}

@@ -67,6 +67,11 @@ class WarmupReport:
     packages_missed: tuple[str, ...] = ()
     phases_ms: dict[str, float] = field(default_factory=dict)
 
+    def describe(self) -> str:
+        """Its time and phases in words, for the log and the worker session's record."""
+        phases = ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in self.phases_ms.items())
+        return f"warm-up {self.ms / 1e3:.2f} s ({phases})"
+
 
 def session_plan(
     session: DeepSeekOCRSession,
@@ -170,12 +175,7 @@ def warm(
             phase_ends(f"pass {passes}")
             if not still_cold:
                 break
-    log.info(
-        "warm-up: %.2f s (%s)",
-        mark - began,
-        ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in phases.items()),
-    )
-    return WarmupReport(
+    report = WarmupReport(
         (mark - began) * 1e3,
         shapes,
         passes,
@@ -186,6 +186,8 @@ def warm(
         tuple(regions.missed) if regions else (),
         phases,
     )
+    log.info("%s", report.describe())
+    return report
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ class ModelOpener:
             warmup_ms += report.ms
             if report.artifacts:  # prebuilt artifacts used, or why not (logged by the warm-up)
                 cold_start.append(report.artifacts)
+            cold_start.append(report.describe())
             if report.still_cold:  # the first jobs may be stored cold: say why here, once
                 log.warning(
                     "warm-up of %s stopped after %d passes still meeting: %s",
