@@ -59,7 +59,7 @@ OCCUPANCY_BANDS = (("1", 1, 1), ("2-7", 2, 7), ("8-31", 8, 31), ("32-63", 32, 63
 @dataclass(frozen=True)
 class Serving:
     concurrency: int  # the run's --concurrency
-    prefill: str  # the run's --prefill (a run recorded before it: whole)
+    prefill: str  # the run's --prefill (a run recorded before it: whole); BATCH_1_PREFILL at concurrency 1
     gpus: int  # devices (host, device) whose workers finished its jobs
     pages_per_s: Estimate
     tokens_per_page: float | None  # mean tokens out
@@ -85,6 +85,9 @@ class Serving:
         return None if day is None or not self.gpus else day / self.gpus
 
 
+BATCH_1_PREFILL = "whole (batch-1)"
+
+
 def serving(data: RunData, include_cold: bool = False) -> Serving:
     results = [r for r in data.results.values() if steady(r, include_cold)]
     gpus = len({(r.worker_id, r.device) for r in data.results.values()})  # worker: a host's environment
@@ -93,9 +96,11 @@ def serving(data: RunData, include_cold: bool = False) -> Serving:
     def each(read) -> Summary:  # type: ignore[no-untyped-def]
         return Summary.from_values([read(r) for r in results])
 
+    concurrency = int((data.run.parameters or {}).get("concurrency", 1))
     return Serving(
-        concurrency=int((data.run.parameters or {}).get("concurrency", 1)),
-        prefill=recorded_prefill(data.run.parameters or {}),
+        concurrency=concurrency,
+        # The batch-1 path prefills each page in one forward, whatever --prefill says (it splits a batch's).
+        prefill=recorded_prefill(data.run.parameters or {}) if concurrency > 1 else BATCH_1_PREFILL,
         gpus=gpus,
         pages_per_s=steady_state_throughput(data, include_cold),
         tokens_per_page=sum(tokens) / len(tokens) if tokens else None,

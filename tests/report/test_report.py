@@ -297,6 +297,7 @@ def test_the_serving_table_reads_as_a_serving_benchmark_and_says_what_a_day_make
     steady = serving["request throughput pages/s"]["value"]
     assert steady > 0
     assert serving["concurrency (jobs in flight per GPU)"]["value"] == 1
+    assert serving["prefill (split or whole)"]["value"] == "whole (batch-1)"  # not --prefill's
     assert serving["GPUs (devices that finished its jobs)"]["value"] == 1
     assert serving["mean tokens out per page"]["value"] == 5  # 4 decode steps + the prefill's token
     assert serving["output tokens/s"]["value"] == pytest.approx(steady * 5, rel=1e-3)
