@@ -79,7 +79,17 @@ def test_a_worker_told_its_concurrency_starts_its_batched_engine_at_start(databa
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
         warmup = Warmup(ModelKey("tiny", "eager"), ("tiny",), (8,), concurrency=4)
+        modes_warmed_at_pages_for = []  # what the model had warmed at each call for its page processes
+        pages_for = process.pages_for
+
+        def watched_pages_for(session):
+            modes_warmed_at_pages_for.append(sorted(process.models.loaded.warmed))
+            return pages_for(session)
+
+        process.pages_for = watched_pages_for
         process.warm_at_start(warmup)
+        # The page-preparing processes started right after the load, beside the warm-up, not after it.
+        assert modes_warmed_at_pages_for[0] == [], modes_warmed_at_pages_for
         batch = process.batch
         assert batch is not None and batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager",
                                                              concurrency=4, repeats=3))  # fmt: skip

@@ -113,20 +113,31 @@ class ModelOpener:
         log.warning("%s is not open in this process; the job goes back in line to be opened first", key.model)
         raise NotOpen(f"{key.model} is not open in this process")
 
-    def warm(self, warmup: Warmup, then: Callable[[OpenModel], str] | None = None) -> OpenModel:
+    def warm(
+        self,
+        warmup: Warmup,
+        then: Callable[[OpenModel], str] | None = None,
+        on_load: Callable[[OpenModel], None] | None = None,
+    ) -> OpenModel:
         """Load `warmup.key` unless it is loaded, run the warm-up of whatever mode and budget it has not
         met yet, and record the cost as a new worker session; a no-op when all is warm already. `then`:
         what the process starts on the warm model before it is ready (a worker's batched engine), its
-        time and what it says of itself in the same worker session."""
+        time and what it says of itself in the same worker session; `on_load`: what it starts on a model
+        it has just loaded, to run beside the warm-up."""
         try:
-            loaded = self._warm(warmup, then)
+            loaded = self._warm(warmup, then, on_load)
         except Exception as exc:
             self.failures[warmup.key] = exc
             raise
         self.failures.pop(warmup.key, None)
         return loaded
 
-    def _warm(self, warmup: Warmup, then: Callable[[OpenModel], str] | None) -> OpenModel:
+    def _warm(
+        self,
+        warmup: Warmup,
+        then: Callable[[OpenModel], str] | None,
+        on_load: Callable[[OpenModel], None] | None = None,
+    ) -> OpenModel:
         from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
 
         began_at, began = utcnow(), time.perf_counter()
@@ -139,6 +150,8 @@ class ModelOpener:
             self.loaded = None  # free the previous model before loading the next one
             self.loaded = self._load(warmup.key)
             load_ms = (time.perf_counter() - began) * 1e3
+            if on_load is not None:
+                on_load(self.loaded)
         loaded = self.loaded
         missing = unwarmed(loaded, warmup)
         if not missing and not load_ms:

@@ -157,12 +157,16 @@ class JobProcess:
     def warm_at_start(self, warmup: Warmup) -> OpenModel:
         """The start-up warm-up (`warmup`), recorded as one worker session; a worker serving a concurrency
         (`warmup.concurrency` above 1) starts its batched engine in it too, so its first batched job is
-        warm. A batched engine that does not start is logged and recorded: batch-1 jobs still run."""
-        if warmup.concurrency == 1:
-            loaded = self.models.warm(warmup)
-            if loaded.session.device.type == "cuda":  # the prefetch's processes start while jobs arrive
+        warm. A batched engine that does not start is logged and recorded: batch-1 jobs still run. The
+        page-preparing processes (a batched engine's, a GPU's prefetches) start once the model is loaded,
+        beside the warm-up, rather than after it."""
+
+        def start_pages(loaded: OpenModel) -> None:
+            if warmup.concurrency > 1 or loaded.session.device.type == "cuda":
                 self.pages_for(loaded.session)
-            return loaded
+
+        if warmup.concurrency == 1:
+            return self.models.warm(warmup, on_load=start_pages)
         options = warmup.batch_options()
 
         def start_batch(loaded: OpenModel) -> str:
@@ -174,7 +178,7 @@ class JobProcess:
                 return f"batched engine for concurrency {options.concurrency} not started: {exc}"
             return self.batch.describe()
 
-        return self.models.warm(warmup, start_batch)
+        return self.models.warm(warmup, start_batch, on_load=start_pages)
 
     def start_batch(self, options: RunOptions) -> None:
         """Start the batched engine for jobs of a run with `options` on its open model (its KV cache; on a
