@@ -33,7 +33,7 @@ def test_starts_of_both_regimes_are_timed_to_every_child_ready_in_parts(tmp_path
         assert parts["imports"] > 0 and parts["load"] > 0 and parts["passes"] > 0, parts
         assert all(value >= -0.01 for value in parts.values()), parts  # no part counted twice
         assert sum(parts.values()) == pytest.approx(start["total_s"], abs=0.01)
-        assert start["children_warm_s"] <= start["total_s"] + 1.0  # the log's last warm line, at about the same time
+        assert start["children_warm_s"] <= start["total_s"] + 5.0  # the log's last warm line: just after the last ready_at
     batch_1, batched = report["starts"]
     assert "batched start" not in batch_1["parts_s"] and batched["parts_s"]["batched start"] > 0
     table = (out / report_path.name.replace(".json", ".md")).read_text()
