@@ -31,10 +31,11 @@ def test_starts_of_both_regimes_are_timed_to_every_child_ready_in_parts(tmp_path
         parts = start["parts_s"]
         # The parent imported for both children; each child loaded and ran its warm-up's passes.
         assert parts["imports"] > 0 and parts["load"] > 0 and parts["passes"] > 0, parts
-        assert all(value >= -0.01 for value in parts.values()), parts  # no part counted twice
+        # No part counted twice (the phases come from the record's text, each rounded to 0.01 s).
+        assert all(value >= -0.05 for value in parts.values()), parts
         assert sum(parts.values()) == pytest.approx(start["total_s"], abs=0.01)
         assert start["children_warm_s"] <= start["total_s"] + 5.0  # the log's last warm line: just after the last ready_at
     batch_1, batched = report["starts"]
-    assert "batched start" not in batch_1["parts_s"] and batched["parts_s"]["batched start"] > 0
+    assert "batched start" not in batch_1["parts_s"] and batched["parts_s"]["batched start"] >= 0  # parsed
     table = (out / report_path.name.replace(".json", ".md")).read_text()
     assert "| 1 | 2 | built: none used | **" in table and "| 4 | 2 | built: none used | **" in table
