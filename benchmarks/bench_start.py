@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -47,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DSOCR = [sys.executable, "-c", "from dsocr_workers.cli import main; main()"]
+sys.path.insert(0, str(REPO))
+from benchmarks.bench_scaling import DSOCR, start_redis  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -196,12 +196,6 @@ def measure_floor(env: dict[str, str], model: str, device: str) -> dict[str, Any
     return {k: round(v, 3) for k, v in floor.items()}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def device_list(devices: str, k: int) -> str:
     """`dsocr worker --gpus` for K devices: the first K GPUs, or K lanes on the CPU."""
     return ",".join(["cpu"] * k) if devices == "cpu" else ",".join(str(i) for i in range(k))
@@ -285,12 +279,10 @@ def main() -> int:
     plan = ["--model", args.model, "--engine", args.engine, "--max-new-tokens", str(args.max_new_tokens)]
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        port = free_port()
-        redis = subprocess.Popen([redis_bin, "--port", str(port), "--save", "", "--appendonly", "no"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        redis, broker_url = start_redis(redis_bin, folder)
         db = folder / "ledger.db"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DSOCR_COMPILE_CACHE_DIR": args.compile_cache,
-               "DSOCR_BROKER_URL": f"redis://127.0.0.1:{port}/0", "DSOCR_DATABASE_URL": f"sqlite:///{db}"}  # fmt: skip
+               "DSOCR_BROKER_URL": broker_url, "DSOCR_DATABASE_URL": f"sqlite:///{db}"}  # fmt: skip
         try:
             subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
             for concurrency in regimes if args.build else []:

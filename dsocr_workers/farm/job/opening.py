@@ -136,7 +136,7 @@ class ModelOpener:
         self,
         warmup: Warmup,
         then: Callable[[OpenModel], str] | None,
-        on_load: Callable[[OpenModel], None] | None = None,
+        on_load: Callable[[OpenModel], None] | None,
     ) -> OpenModel:
         from dsocr_workers.engine.coldstart.warmup import warm as run_warmup
 
