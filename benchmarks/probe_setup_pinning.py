@@ -6,8 +6,12 @@ Interleaved, `--jobs` times each, on the same pages (OmniDocBench's demo pages, 
   thread    `prepare_job` on this thread (its page pinned by `PreparedPage.pinned`), as a prefetch thread;
   elsewhere prepared on this thread, pinned on another (`PreparedPage.pinned` on a thread of its own);
   process   a page from `PageProcesses` (pinned on the pool's receiving thread), as the farm's prefetch;
-  repinned  the same process page pinned again on this thread before its job.
-Which of them is slow says whether the pinning thread or the page's way out of shared memory matters.
+  repinned  the same process page pinned again on this thread before its job;
+  beside    prepared as `thread`, set up while another thread finishes a 256-token job (`DeviceRun.finish`:
+            its CUDA events resolved, its output parsed), as the farm's results thread built the previous
+            job's row beside the next one's setup before the ledger threads held it.
+Which of them is slow says whether the pinning thread, the page's way out of shared memory or a
+neighbour's host work matters.
 Per variant: setup ms (CUDA events) p50 / p90, the first pixel copy's host time (perf_counter around
 `Tensor.to(non_blocking=True)`, a host call), and the pixel tensor's layout (contiguous, pinned, strides).
 
@@ -69,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     session = DeepSeekOCRSession.from_local(args.model, device=args.device)
     cuda = session.device.type == "cuda"
-    variants = ("thread", "elsewhere", "process", "repinned") if cuda else ("thread", "process")
+    variants = ("thread", "elsewhere", "process", "repinned", "beside") if cuda else ("thread", "process", "beside")
     other = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-pin")
     images = [entry.path for entry in read_filelist(PAGES).images][: args.jobs]
     for image in images[:2]:  # warm: the eager path's kernels, the pixel table
@@ -80,7 +84,11 @@ def main() -> None:
                                           for v in variants}
     for image in images:
         for variant in figures:
-            if variant == "thread":
+            finishing = None
+            if variant == "beside":  # a 256-token job on the same page, its host part left to do
+                earlier = session.prepare_job(image, mode=args.mode)
+                unfinished = session.run_on_device(earlier.page, 256, clock=earlier.clock)
+            if variant in ("thread", "beside"):
                 prepared = session.prepare_job(image, mode=args.mode)
                 page, clock = prepared.page, prepared.clock
             elif variant == "elsewhere":
@@ -93,7 +101,11 @@ def main() -> None:
                     page = page.pinned()
             figures[variant]["layout"].append(layout(page))
             figures[variant]["first_copy_us"].append(first_copy_us(session, page))
+            if variant == "beside":
+                finishing = other.submit(unfinished.finish)
             run = session.run_on_device(page, 4, clock=clock)
+            if finishing is not None:
+                finishing.result()
             figures[variant]["setup_ms"].append(run.finish().timings.setup_ms)
     pool.close()
     other.shutdown()

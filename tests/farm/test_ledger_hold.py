@@ -1,15 +1,27 @@
 """While a batch-1 job's setup and prefill are launched on a GPU, the ledger threads start no claim or
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
-HOLD_LIMIT_S. The ledger (SQLite and PostgreSQL) and the threads are the real ones."""
+HOLD_LIMIT_S. A job with a next one known leaves them held, so that its result is written after the next
+one's launches. The ledger (SQLite and PostgreSQL), the threads, the job process and the tiny preset on
+the CPU are the real ones."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 
+from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job import ledger_threads
+from dsocr_workers.farm.job.execute import execute_job
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
+from dsocr_workers.farm.job.process import JobProcess
+from dsocr_workers.farm.job.warm import job_warmup
+from dsocr_workers.farm.run_options import RunOptions
+from dsocr_workers.farm.submit import record_run
+from dsocr_workers.settings import Settings
+from dsocr_workers.store import ledger
+from dsocr_workers.store.models import Result
 
 
 def test_a_claim_handed_over_during_a_hold_starts_at_its_release(database):
@@ -36,3 +48,45 @@ def test_a_hold_never_outlasts_its_limit(database, monkeypatch):
         assert time.monotonic() - began >= 0.2
     finally:
         threads.close()
+
+
+def results_written(database, job_id: str) -> int:
+    with database.transaction() as tx:
+        return tx.scalar(select(func.count()).select_from(Result).where(Result.job_id == job_id))
+
+
+def test_a_jobs_result_is_written_after_the_next_jobs_launches_when_one_follows(
+    database, tmp_path, make_png, monkeypatch
+):
+    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the next job's launch releases it
+    options = RunOptions(mode="tiny", max_new_tokens=4, engine="eager")
+    for image in ("a.png", "b.png"):
+        make_png(image, folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\nb.png\n")
+    first, second = record_run(database, read_filelist(listing), options, queue="q", name="r").job_ids
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+    launched: list[int] = []  # the results written for the first job when the second's decode begins
+
+    def run(job_id: str, next_job: str | None) -> str:
+        # As a Celery child runs them: the next job's page prefetched, so that it starts before its claim.
+        upcoming = None if next_job is None else partial(ledger.waiting_job, job_id=next_job, owner=process.owner)
+        infer = partial(process.infer, upcoming=upcoming, next_job_known=lambda: next_job is not None)
+        return execute_job(process.db, job_id, owner=process.owner, settings=settings, infer=infer,
+                           ledger_threads=process.ledger_threads).status  # fmt: skip
+
+    try:
+        process.models.warm(job_warmup(options))
+        assert run(first, next_job=second) == "completing"
+        time.sleep(2.0)  # a tiny job's write takes milliseconds: this one waits for the next job
+        assert results_written(database, first) == 0
+        release = process.ledger_threads.release
+        monkeypatch.setattr(process.ledger_threads, "release", lambda: (launched.append(
+            results_written(database, first)), release()))  # fmt: skip
+        assert run(second, next_job=None) == "completing"
+        assert process.ledger_threads.wait() is True  # the last job's write is not held
+        assert launched[0] == 0  # still unwritten when the second job's prefill was queued
+        assert results_written(database, first) == 1 and results_written(database, second) == 1
+    finally:
+        process.close()

@@ -216,7 +216,9 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
         next_job = next_message.after(job_id)
         return None if next_job is None else ledger.waiting_job(tx, next_job, process.owner)
 
-    infer = partial(process.infer, upcoming=upcoming)
+    infer = partial(
+        process.infer, upcoming=upcoming, next_job_known=lambda: next_message.after(job_id, wait_s=0) is not None
+    )
     try:
         options = process.prepare_for(job_id)  # the model is opened here, before the job's claim, never by it
         if options is not None and options.concurrency > 1:

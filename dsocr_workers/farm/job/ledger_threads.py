@@ -8,9 +8,10 @@
   A row that cannot be built fails its job. Two threads: a claim never waits behind a result's write.
 - `hold` / `release`: while a batch-1 job's setup and prefill, or a batched step's prefills, are
   launched, neither thread starts a claim or a write (one under way finishes): their Python would hold
-  the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. They start
-  once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's
-  prefill may be longer).
+  the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. A batch-1 job
+  with a next job known holds them from its end, so that its own result is built (its CUDA events
+  resolved) and written after the next one's launches. They start once the prefills are queued, while
+  the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's prefill may be longer).
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
