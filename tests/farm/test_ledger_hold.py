@@ -6,6 +6,7 @@ the CPU are the real ones."""
 
 from __future__ import annotations
 
+import threading
 import time
 from functools import partial
 
@@ -21,7 +22,7 @@ from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.models import Result
+from dsocr_workers.store.models import Job, Result
 
 
 def test_a_claim_handed_over_during_a_hold_starts_at_its_release(database):
@@ -88,5 +89,31 @@ def test_a_jobs_result_is_written_after_the_next_jobs_launches_when_one_follows(
         assert process.ledger_threads.wait() is True  # the last job's write is not held
         assert launched[0] == 0  # still unwritten when the second job's prefill was queued
         assert results_written(database, first) == 1 and results_written(database, second) == 1
+    finally:
+        process.close()
+
+
+def test_a_reservation_made_during_a_hold_is_written_at_its_release(database, tmp_path, make_png, monkeypatch):
+    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)
+    make_png("a.png", folder=tmp_path)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.png\n")
+    (job_id,) = record_run(database, read_filelist(listing), RunOptions(mode="tiny"), queue="q", name="r").job_ids
+    settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
+    process = JobProcess.open(settings, "cpu", queues=("q",))
+
+    def reserved_by() -> str | None:
+        with database.transaction() as tx:
+            return tx.scalar(select(Job.reserved_by).where(Job.id == job_id))
+
+    try:
+        process.ledger_threads.hold()  # a job's launches under way
+        reserving = threading.Thread(target=process.reserve, args=(job_id,))  # as `NextMessage.follow` does
+        reserving.start()
+        time.sleep(1.0)
+        assert reserved_by() is None
+        process.ledger_threads.release()
+        reserving.join(timeout=30)
+        assert reserved_by() == process.owner
     finally:
         process.close()

@@ -44,7 +44,7 @@ from typing import Any
 from dsocr_workers.store.ledger import Claim
 from dsocr_workers.store.models import Job
 
-RunJob = Callable[[Any, Any, Any], Any]  # JobProcess.infer, unbound: (process, claiming, upcoming) -> Ran
+RunJob = Callable[..., Any]  # JobProcess.infer, unbound: (process, claiming, **options) -> Ran
 ClaimJob = Callable[..., Any]  # ledger.claim_job: (session, *, job_id, owner, ...) -> Claim | Refusal
 Complete = Callable[[Any, Claim, Any, Any], None]  # LedgerThreads.complete, unbound: (thread, claim, build_row, finished_at)
 
@@ -76,7 +76,8 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
     claim (the ledger shows it running under this process's lease) instead of running."""
 
     @functools.wraps(infer)
-    def infer_with_faults(process: Any, claiming: Any, upcoming: Any = None) -> Any:
+    def infer_with_faults(process: Any, claiming: Any, **options: Any) -> Any:
+        process.ledger_threads.release()  # as a job that waits for its claim does (`Prefetcher.job_to_run`)
         claim = claiming.result()
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.crash):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,7 +85,7 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # billiard's soft time limit signal
             while True:
                 time.sleep(3600)
-        return infer(process, claiming, upcoming)
+        return infer(process, claiming, **options)
 
     return infer_with_faults
 

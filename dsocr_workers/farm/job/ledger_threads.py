@@ -11,7 +11,8 @@
   the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. A batch-1 job
   with a next job known holds them from its end, so that its own result is built (its CUDA events
   resolved) and written after the next one's launches. They start once the prefills are queued, while
-  the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's prefill may be longer).
+  the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's prefill may be longer). The
+  reservations of the jobs a lane fetched next wait for it too (`wait_while_held`).
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -115,6 +116,10 @@ class LedgerThreads:
 
     def release(self) -> None:
         self._open.set()
+
+    def wait_while_held(self) -> None:
+        """For a ledger write on another thread (a reservation): wait while held, HOLD_LIMIT_S at most."""
+        self._open.wait(HOLD_LIMIT_S)
 
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):

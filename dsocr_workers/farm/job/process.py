@@ -119,7 +119,9 @@ class JobProcess:
 
     def reserve(self, job_id: str) -> None:
         """Name this process on `job_id`, which its worker fetched for it next (store/ledger.py
-        `reserve_job`)."""
+        `reserve_job`), once the ledger threads are not held: a lane fetches a message as its child starts
+        the one before, so the reservation's Python would otherwise run beside that job's launches."""
+        self.ledger_threads.wait_while_held()
         with self.db.transaction() as tx:
             ledger.reserve_job(tx, job_id, self.owner, lease_s=self.settings.lease_s)
 
