@@ -77,6 +77,7 @@ class JobProfiler:
     """torch.profiler over one job's device part; `StageClock` calls `stage` and `step`."""
 
     def __init__(self, device: torch.device, sample: DecodeSample | None = None) -> None:
+        self.device = device
         self.activity: Activity = "cuda" if device.type == "cuda" else "cpu"
         self.activities = [ProfilerActivity.CPU] + (
             [ProfilerActivity.CUDA] if self.activity == "cuda" else []
@@ -97,6 +98,10 @@ class JobProfiler:
         os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         self._profile.start()
         self._running = True
+        if self.activity == "cuda":
+            # A session's first recorded copy can block the host for hundreds of µs inside CUPTI: paid
+            # here, before the job's clock starts, not by its setup's first copy.
+            torch.empty(1, pin_memory=True).to(self.device, non_blocking=True).add_(1)
 
     def stop(self) -> None:
         if self._running:
