@@ -270,6 +270,10 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
     assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
+    with pytest.raises(InputError, match="for the filled attention only"):
+        StepConfig.decide(fast, attention="masked", kv_splits=2)
+    with pytest.raises(InputError, match="a whole number of splits"):
+        StepConfig.decide(fast, compiled=True, attention="filled", kv_splits=0)
 
 
 def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
@@ -494,11 +498,13 @@ def _filled_step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    kv_splits: int | None,
 ) -> torch.Tensor:
-    cache = FilledSlotsCache([keys], [values], length, visible)
+    cache = FilledSlotsCache([keys], [values], length, visible, kv_splits)
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
+@pytest.mark.parametrize("kv_splits", [None, 2, 4])
 @pytest.mark.parametrize(
     "device",
     [
@@ -511,12 +517,13 @@ def _filled_step(
         ),
     ],
 )
-def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device):
+def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device, kv_splits):
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
-    blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots. Either inductor trap of slots.py
-    (the kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5
-    on unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
+    blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots; each row's KV in FlexAttention's
+    own number of splits, or 2 or 4 (`StepConfig.kv_splits`). Either inductor trap of slots.py (the
+    kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5 on
+    unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
     torch.manual_seed(0)
     slots, heads, capacity, head_dim = 8, 2, 640, 64
     cache = [torch.randn(slots, heads, capacity, head_dim, device=device) for _ in range(2)]
@@ -528,7 +535,7 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
         visible[: len(lengths)] = length
         query, key, value = (torch.randn(len(lengths), heads, 1, head_dim, device=device) for _ in range(3))
         keys, values = (c.clone() for c in cache)
-        got = step(keys, values, length, visible, query, key, value)
+        got = step(keys, values, length, visible, query, key, value, kv_splits)
         rows = torch.arange(len(lengths), device=device)
         expected_keys, expected_values = (c[: len(lengths)].clone() for c in cache)
         expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = (

@@ -62,6 +62,9 @@ class StepConfig:
     backend: str | None
     cuda_graphs: bool
     attention: SlotAttention
+    # The filled attention's KV splits per row (FlexAttention's SPLIT_KV); None: FlexAttention's own
+    # choice, one split per row at 128 slots.
+    kv_splits: int | None = None
 
     @classmethod
     def decide(
@@ -70,11 +73,13 @@ class StepConfig:
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
+        kv_splits: int | None = None,
     ) -> StepConfig:
         """None: the engine's defaults on this device (the session's engine declares what it allows).
         `compiled`: on CUDA where the engine compiles its batched step. `cuda_graphs`: on CUDA where its
         kernels allow them. `attention`: "filled" where the step is compiled on CUDA over the fast
-        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow)."""
+        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow).
+        `kv_splits`: the filled attention's splits of each row's KV (None: FlexAttention's choice)."""
         engine, model = session.engine, session.model
         cuda = session.device.type == "cuda"
         compiled = (cuda and engine.compiles_batched_step) if compiled is None else compiled
@@ -94,7 +99,9 @@ class StepConfig:
                 f"reading only the slots' filled positions needs the fast engine's attention modules; "
                 f"the {engine.name} engine's attend under a mask (attention='masked')"
             )
-        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention)
+        if kv_splits is not None and (attention != "filled" or kv_splits < 1):
+            raise InputError(f"kv_splits={kv_splits}: a whole number of splits, for the filled attention only")
+        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention, kv_splits)
 
 
 @dataclass
@@ -150,7 +157,9 @@ class BucketSteps:
                 if isinstance(self.compiler, TorchCompiler):
                     for dim in range(1, tensor.dim()):
                         torch._dynamo.mark_static(tensor, dim)
-        return self._step(self.model, keys, values, rows, self.options, self.state.whitelist, visible)
+        return self._step(
+            self.model, keys, values, rows, self.options, self.state.whitelist, visible, self.config.kv_splits
+        )
 
     def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
         """Run every bucket's step once (compiling it where it is compiled, loading a package's kernels)

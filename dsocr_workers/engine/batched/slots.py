@@ -13,11 +13,11 @@ step compiles once, dynamic in the bucket, and is captured as a CUDA graph per b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -173,8 +173,12 @@ class FilledSlotsCache(AttendingCache):
     # block, hence the batch of every slot; and a mask that reads lengths computed inside the graph is
     # misread too, hence `visible`, a graph input of its own (`SlotState.refresh_visible`).
 
-    def __init__(self, keys: list[Tensor], values: list[Tensor], length: Tensor, visible: Tensor) -> None:
+    def __init__(
+        self, keys: list[Tensor], values: list[Tensor], length: Tensor, visible: Tensor, kv_splits: int | None
+    ) -> None:
         self.keys, self.values = keys, values
+        # SPLIT_KV: read by FlexAttention's decoding lowering (flex_decoding.py), not declared in its TypedDict.
+        self.kernel_options = None if kv_splits is None else cast(FlexKernelOptions, {"SPLIT_KV": kv_splits})
         self.positions = length - 1
         rows, device = length.shape[0], length.device
         self.rows = torch.arange(rows, device=device)
@@ -207,7 +211,9 @@ class FilledSlotsCache(AttendingCache):
         # concatenated and sliced: the compiler specialises a graph to the full bucket on a concatenation
         # that may be empty or a slice of the slots' dimension.
         padded = query.new_zeros(keys.shape[0], *query.shape[1:]).index_copy(0, self.rows, query)
-        output = flex_attention(padded, keys, values, block_mask=self.block_mask, scale=scaling)
+        output = flex_attention(
+            padded, keys, values, block_mask=self.block_mask, scale=scaling, kernel_options=self.kernel_options
+        )
         return output.index_select(0, self.rows)  # type: ignore[union-attr]
 
 
@@ -261,11 +267,12 @@ def decode_slots(
     options: DecodeOptions,
     whitelist: Tensor | None,
     visible: Tensor | None = None,
+    kv_splits: int | None = None,
 ) -> Tensor:
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
     one (`choose_tokens`). The "masked" attention where `visible` is None (`keys`/`values`: every layer's,
     the bucket's slots); else the "filled" one (every slot's keys and values, `visible` every slot's
-    length: `SlotState.visible`). Returns the tokens, [n]."""
+    length: `SlotState.visible`; `kv_splits`: `StepConfig.kv_splits`). Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
@@ -273,7 +280,7 @@ def decode_slots(
     cache: FilledSlotsCache | _StepCache
     mask = None
     if visible is not None:
-        cache = FilledSlotsCache(keys, values, rows.length, visible)
+        cache = FilledSlotsCache(keys, values, rows.length, visible, kv_splits)
     else:
         mask = attention_mask(
             rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype
