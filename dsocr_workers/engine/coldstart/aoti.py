@@ -239,42 +239,44 @@ def _slot_count(rows: SlotRows) -> int:
 
 
 class _BatchedStep(_Region):
-    """The batched engine's step: `function(model, keys, values, rows, options, whitelist, visible)`,
-    writing the slots' tokens, lengths and cache. Its slots and capacity are static (the KV plan), its
-    bucket dynamic from 2 rows (bucket 1 is a package of its own, as dynamo specialises it); the options
-    are the package's."""
+    """The batched engine's step: `function(model, keys, values, rows, options, whitelist, visible,
+    kv_splits)`, writing the slots' tokens, lengths and cache. Its slots and capacity are static (the KV
+    plan), its bucket dynamic from 2 rows (bucket 1 is a package of its own, as dynamo specialises it);
+    the options and the KV splits are the package's."""
 
     name = "batched_step"
     prefixes = ("language_model.", "lm_head.")
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
-        _, keys, _, rows, options, _, visible = args
+        _, keys, _, rows, options, _, visible, kv_splits = args
         count = rows.length.shape[0]
         return {
             "rows": 1 if count == 1 else "rows",
             "slots": _slot_count(rows),
             "capacity": keys[0].shape[2],
             "attention": "masked" if visible is None else "filled",
+            "kv_splits": kv_splits,
             "options": list(step_key(options)),
         }
 
     def state(self, args: tuple) -> list[Tensor]:
-        _, keys, values, rows, _, whitelist, visible = args
+        _, keys, values, rows, _, whitelist, visible, _ = args
         extra = [tensor for tensor in (visible, whitelist) if tensor is not None]
         return [rows.tokens, rows.length, rows.prompt_length, rows.active, *keys, *values, *extra]
 
     @contextmanager
     def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
-        model, keys, _, _, options, whitelist, visible = args
+        model, keys, _, _, options, whitelist, visible, kv_splits = args
         layers = len(keys)
         rest = iter(state[4 + 2 * layers :])
         visible = next(rest) if visible is not None else None
         whitelist = next(rest) if whitelist is not None else None
         rows = SlotRows(*state[:4])
-        yield model, state[4 : 4 + layers], state[4 + layers : 4 + 2 * layers], rows, options, whitelist, visible
+        cache = state[4 : 4 + layers], state[4 + layers : 4 + 2 * layers]
+        yield model, *cache, rows, options, whitelist, visible, kv_splits
 
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
-        _, keys, _, rows, _, _, visible = args
+        _, keys, _, rows, _, _, visible, _ = args
         if rows.length.shape[0] == 1:
             return [None] * len(self.state(args))
         dim = torch.export.Dim("rows", min=2, max=max(_slot_count(rows), 3))
