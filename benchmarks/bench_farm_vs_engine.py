@@ -6,10 +6,12 @@ The two are read alike: output tokens/s over the steady window the farm's report
 page finished to the last one admitted; bench_serving's `steady_output_tokens_per_s`), beside each one's
 own headline (the engine's over its whole wall, the farm's report's Serving figure), TPOT, ITL and TTFT;
 then their decode steps of 64+ pages: the step's p50 and what its attention read (KV positions per page,
-the longest page's). The target: the farm at >= 0.97 of the engine.
+the longest page's). The target: the farm at >= 0.97 of the engine. With `--admission window,one-a-step`
+the engine alone also runs with its pages joining at most one a step, as the farm's arrive (their lengths
+staggered, bench_serving's `--admission`), and the farm's ratio to each is printed.
 
     python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
-        --compile-cache /tmp/dc
+        --compile-cache /tmp/dc [--admission window,one-a-step]
     python3 benchmarks/bench_farm_vs_engine.py --out /tmp/fve --cpu --model tiny --mode small \\
         --concurrency 2 --max-new-tokens 8 --filelist datasets/samples/samples.txt  # CPU smoke
 """
@@ -52,11 +54,16 @@ def run(command: list[str], log: Path, timeout_s: float, compile_cache: str) -> 
             return 124
 
 
-def engine_row(path: Path, concurrency: int) -> dict[str, Any] | None:
+ADMITTED = {"window": "engine alone", "one-a-step": "engine alone, one page joining a step"}
+
+
+def engine_rows(path: Path, concurrency: int) -> dict[str, dict[str, Any]]:
+    """The engine alone's level at `concurrency`, per admission it ran."""
     if not path.is_file():
-        return None
+        return {}
     levels = json.loads(path.read_text()).get("levels", [])
-    return next((row for row in levels if row.get("concurrency") == concurrency and "wall_s" in row), None)
+    return {row.get("admission", "window"): row for row in levels
+            if row.get("concurrency") == concurrency and "wall_s" in row}  # fmt: skip
 
 
 def farm_run(folder: Path) -> dict[str, Any] | None:
@@ -67,7 +74,7 @@ def farm_run(folder: Path) -> dict[str, Any] | None:
     return next((r for r in runs if (r.get("stats") or {}).get("serving")), None)
 
 
-def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argparse.Namespace, jobs: int) -> str:
+def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args: argparse.Namespace, jobs: int) -> str:
     lines = [
         f"# The farm against its engine alone: concurrency {args.concurrency}, {jobs} jobs of "
         f"{args.max_new_tokens} tokens ({args.filelist.name}, {args.mode}, EOS ignored)",
@@ -76,9 +83,9 @@ def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argp
         "| TTFT p50 / p99 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    if engine:
+    for admission, engine in engines.items():
         lines.append(
-            f"| engine alone | {fmt(engine.get('steady_output_tokens_per_s'), 0)} | "
+            f"| {ADMITTED[admission]} | {fmt(engine.get('steady_output_tokens_per_s'), 0)} | "
             f"{fmt(engine['output_tokens_per_s'], 0)} | {fmt(engine['tpot_ms']['p50'])} | "
             f"{fmt(engine['itl_ms']['p50'])} / {fmt(engine['itl_ms']['p99'])} | "
             f"{fmt(engine['ttft_ms']['p50'], 0)} / {fmt(engine['ttft_ms']['p99'], 0)} |"
@@ -98,9 +105,9 @@ def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argp
         "| | p50 ms | KV positions a page's attention read, mean | the longest page's, mean |",
         "|---|---:|---:|---:|",
     ]
-    if engine:
+    for admission, engine in engines.items():
         lines.append(
-            f"| engine alone | {fmt(engine.get('wide_decode_step_ms_p50'))} | {fmt(engine.get('wide_kv_per_page'), 0)} "
+            f"| {ADMITTED[admission]} | {fmt(engine.get('wide_decode_step_ms_p50'))} | {fmt(engine.get('wide_kv_per_page'), 0)} "
             f"| {fmt(engine.get('wide_kv_longest'), 0)} |"
         )
     if steps:
@@ -109,13 +116,17 @@ def table(engine: dict[str, Any] | None, farm: dict[str, Any] | None, args: argp
             f"| {fmt(steps.get('decode_64_kv_longest'), 0)} |"
         )
     lines.append("")
-    steady = (engine or {}).get("steady_output_tokens_per_s")
-    if steady and serving and serving.get("output_tokens_per_s"):
-        ratio = serving["output_tokens_per_s"] / steady
-        verdict = "PASS" if ratio >= TARGET else "FAIL"
-        lines.append(f"Farm / engine alone (steady windows): **{ratio:.3f}** (target >= {TARGET}): {verdict}")
-    else:
-        lines.append("Farm / engine alone: not measured (a side is missing: see the logs)")
+    farm_tokens = (serving or {}).get("output_tokens_per_s")
+    for admission in args.admission.split(","):
+        steady = engines.get(admission, {}).get("steady_output_tokens_per_s")
+        if not (steady and farm_tokens):
+            lines.append(f"Farm / {ADMITTED[admission]}: not measured (a side is missing: see the logs)")
+        elif admission == "window":
+            verdict = "PASS" if farm_tokens / steady >= TARGET else "FAIL"
+            lines.append(f"Farm / engine alone (steady windows): **{farm_tokens / steady:.3f}** (target >= {TARGET}): "
+                         f"{verdict}")  # fmt: skip
+        else:
+            lines.append(f"Farm / {ADMITTED[admission]} (steady windows): **{farm_tokens / steady:.3f}**")
     return "\n".join(lines) + "\n"
 
 
@@ -128,9 +139,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--compile-cache", default="/tmp/dc", help="DSOCR_COMPILE_CACHE_DIR of both sides")
+    parser.add_argument("--admission", default="window", help="the engine alone's: window, one-a-step or both")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
     parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
     args = parser.parse_args()
+    if not set(args.admission.split(",")) <= set(ADMITTED):
+        parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     repeats, jobs = jobs_for(args.concurrency, listed_pages(args.filelist))
@@ -139,10 +153,10 @@ def main() -> int:
     run(
         [python, "benchmarks/bench_serving.py", "--model", args.model, "--mode", args.mode, "--pages",
          str(args.filelist), "--concurrency", str(args.concurrency), "--tokens", str(args.max_new_tokens),
-         "--min-requests", str(jobs), "--batch1-pages", "1", "--out", str(engine_out),
+         "--min-requests", str(jobs), "--batch1-pages", "1", "--admission", args.admission, "--out", str(engine_out),
          *(["--device", "cpu", "--attention", "masked"] if args.cpu else [])],  # fmt: skip
         args.out / "engine.log",
-        args.budget_s * 0.5,
+        args.budget_s * (0.4 + 0.1 * len(args.admission.split(","))),  # the farm's side gets the rest
         args.compile_cache,
     )
     left = args.budget_s - (time.perf_counter() - began)
@@ -157,7 +171,7 @@ def main() -> int:
         max(left - 5, 60),
         args.compile_cache,
     )
-    text = table(engine_row(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
+    text = table(engine_rows(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
     (args.out / "farm-vs-engine.md").write_text(text)
     print(text)
     return 0
