@@ -1,7 +1,5 @@
-"""Setup's clock for a page by where it was prepared and pinned, and what ran beside it: the farm's
-batch-1 setup takes 0.6 ms on pages its prefetch thread prepared and 3-5 ms on pages from its
-page-preparing processes, whose first pixel copy blocks the host ~450 µs (docs/benchmarks.md, "Setup
-through the farm").
+"""Setup's clock for a page by where it was prepared and pinned, and what ran beside it: where the farm's
+batch-1 setup can lose time to the host (docs/benchmarks.md, "Setup through the farm, mended").
 
 Interleaved, `--jobs` times each, on the same pages (OmniDocBench's demo pages, gundam):
   thread      `prepare_job` on this thread (its page pinned by `PreparedPage.pinned`), as a prefetch thread;

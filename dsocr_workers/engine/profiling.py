@@ -99,7 +99,7 @@ class JobProfiler:
         self._profile.start()
         self._running = True
         if self.activity == "cuda":
-            # A session's first recorded copy can block the host for hundreds of µs inside CUPTI: paid
+            # A session's first recorded copy can block the host inside CUPTI (docs/benchmarks.md): paid
             # here, before the job's clock starts, not by its setup's first copy.
             torch.empty(1, pin_memory=True).to(self.device, non_blocking=True).add_(1)
 
