@@ -83,8 +83,12 @@ def test_a_jobs_result_is_written_after_the_next_jobs_launches_when_one_follows(
         time.sleep(2.0)  # a tiny job's write takes milliseconds: this one waits for the next job
         assert results_written(database, first) == 0
         release = process.ledger_threads.release
-        monkeypatch.setattr(process.ledger_threads, "release", lambda: (launched.append(
-            results_written(database, first)), release()))  # fmt: skip
+
+        def counted_release() -> None:
+            launched.append(results_written(database, first))
+            release()
+
+        monkeypatch.setattr(process.ledger_threads, "release", counted_release)
         assert run(second, next_job=None) == "completing"
         assert process.ledger_threads.wait() is True  # the last job's write is not held
         assert launched[0] == 0  # still unwritten when the second job's prefill was queued
