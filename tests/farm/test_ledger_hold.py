@@ -1,8 +1,8 @@
 """While a batch-1 job's setup and prefill are launched on a GPU, the ledger threads start no claim or
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
-HOLD_LIMIT_S. A job with a next one known leaves them held, so that its result is written after the next
-one's launches. The ledger (SQLite and PostgreSQL), the threads, the job process and the tiny preset on
-the CPU are the real ones."""
+HOLD_LIMIT_S. A job with a next one known leaves reservations held, so that the reservation its lane
+makes as the next job starts is written after that job's launches. The ledger (SQLite and PostgreSQL),
+the threads, the job process and the tiny preset on the CPU are the real ones."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import time
 from functools import partial
 
-from sqlalchemy import func, select, text
+from sqlalchemy import select, text
 
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job import ledger_threads
@@ -22,7 +22,7 @@ from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.models import Job, Result
+from dsocr_workers.store.models import Job
 
 
 def test_a_claim_handed_over_during_a_hold_starts_at_its_release(database):
@@ -51,24 +51,19 @@ def test_a_hold_never_outlasts_its_limit(database, monkeypatch):
         threads.close()
 
 
-def results_written(database, job_id: str) -> int:
-    with database.transaction() as tx:
-        return tx.scalar(select(func.count()).select_from(Result).where(Result.job_id == job_id))
-
-
-def test_a_jobs_result_is_written_after_the_next_jobs_launches_when_one_follows(
+def test_after_a_job_with_a_next_one_reservations_wait_for_its_launches_and_results_do_not(
     database, tmp_path, make_png, monkeypatch
 ):
     monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the next job's launch releases it
     options = RunOptions(mode="tiny", max_new_tokens=4, engine="eager")
-    for image in ("a.png", "b.png"):
+    for image in ("a.png", "b.png", "c.png"):
         make_png(image, folder=tmp_path)
     listing = tmp_path / "list.txt"
-    listing.write_text("a.png\nb.png\n")
-    first, second = record_run(database, read_filelist(listing), options, queue="q", name="r").job_ids
+    listing.write_text("a.png\nb.png\nc.png\n")
+    first, second, third = record_run(database, read_filelist(listing), options, queue="q", name="r").job_ids
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
-    launched: list[int] = []  # the results written for the first job when the second's decode begins
+    launched: list[str | None] = []  # the third job's reservation when the second's decode begins
 
     def run(job_id: str, next_job: str | None) -> str:
         # As a Celery child runs them: the next job's page prefetched, so that it starts before its claim.
@@ -80,21 +75,30 @@ def test_a_jobs_result_is_written_after_the_next_jobs_launches_when_one_follows(
     try:
         process.models.warm(job_warmup(options))
         assert run(first, next_job=second) == "completing"
-        time.sleep(2.0)  # a tiny job's write takes milliseconds: this one waits for the next job
-        assert results_written(database, first) == 0
+        assert process.ledger_threads.wait() is True  # the first job's result is not held
+        # The lane fetches the message after next as the second job starts: its reservation waits.
+        reserving = threading.Thread(target=process.reserve, args=(third,))
+        reserving.start()
+        time.sleep(1.0)
+        assert reserved_by(database, third) is None
         release = process.ledger_threads.release
 
         def counted_release() -> None:
-            launched.append(results_written(database, first))
+            launched.append(reserved_by(database, third))
             release()
 
         monkeypatch.setattr(process.ledger_threads, "release", counted_release)
         assert run(second, next_job=None) == "completing"
-        assert process.ledger_threads.wait() is True  # the last job's write is not held
-        assert launched[0] == 0  # still unwritten when the second job's prefill was queued
-        assert results_written(database, first) == 1 and results_written(database, second) == 1
+        reserving.join(timeout=30)
+        assert launched[0] is None  # still unreserved when the second job's prefill was queued
+        assert reserved_by(database, third) == process.owner
     finally:
         process.close()
+
+
+def reserved_by(database, job_id: str) -> str | None:
+    with database.transaction() as tx:
+        return tx.scalar(select(Job.reserved_by).where(Job.id == job_id))
 
 
 def test_a_reservation_made_during_a_hold_is_written_at_its_release(database, tmp_path, make_png, monkeypatch):
@@ -106,18 +110,14 @@ def test_a_reservation_made_during_a_hold_is_written_at_its_release(database, tm
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
 
-    def reserved_by() -> str | None:
-        with database.transaction() as tx:
-            return tx.scalar(select(Job.reserved_by).where(Job.id == job_id))
-
     try:
         process.ledger_threads.hold()  # a job's launches under way
         reserving = threading.Thread(target=process.reserve, args=(job_id,))  # as `NextMessage.follow` does
         reserving.start()
         time.sleep(1.0)
-        assert reserved_by() is None
+        assert reserved_by(database, job_id) is None
         process.ledger_threads.release()
         reserving.join(timeout=30)
-        assert reserved_by() == process.owner
+        assert reserved_by(database, job_id) == process.owner
     finally:
         process.close()

@@ -138,7 +138,7 @@ class JobProcess:
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None or options.concurrency > 1 or not self.models.is_warm_for(options):
-            # The previous job's held write (`infer`) waits for a warm batch-1 job's launches alone.
+            # The previous job's held reservations (`infer`) wait for a warm batch-1 job's launches alone.
             self.ledger_threads.release()
         if options is None:
             return None
@@ -236,13 +236,11 @@ class JobProcess:
         """Run a claimed job on its open model (NotOpen if it is not), on its page prefetched or prepared
         here. A job prefetched before its claim is written starts at once and waits for its claim once its
         prefill is queued (a refused claim drops the prefill); the next job's page (`upcoming`) is then
-        prepared while this one decodes. When `next_job_known()` says a job follows, the ledger threads
-        stay held after this one: its result is built and written once the next one's prefill is queued."""
+        prepared while this one decodes. When `next_job_known()` says a job follows, reservations stay held
+        after this one, until the next one's prefill is queued (`LedgerThreads.hold_reservations`)."""
         from dsocr_workers.engine.profiling import JobProfiler  # the worker's parent never imports torch
 
-        job, prefetched = self.prefetcher.job_to_run(
-            claiming, self.models.loaded_key, before_claim_wait=self.ledger_threads.release
-        )
+        job, prefetched = self.prefetcher.job_to_run(claiming, self.models.loaded_key)
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
@@ -279,9 +277,7 @@ class JobProcess:
         finally:
             self.ledger_threads.release()
         if next_job_known is not None and next_job_known():
-            # Building this job's row resolves its CUDA events and holds the GIL: beside the next job's
-            # setup, its launches would wait for both.
-            self.ledger_threads.hold()
+            self.ledger_threads.hold_reservations()
         # A profiled job's trace is read and summed up here, before the next job starts: on the results
         # thread it would hold the GIL for tens of milliseconds while the next job's stages launch.
         return Ran(
