@@ -153,7 +153,7 @@ def batched(sessions: dict[str, DeepSeekOCRSession], pages: dict[str, list], arg
             else:
                 try:
                     _, level, _ = engine_level(sessions[model], concurrency, pages[model], serving, options,
-                                               attention, None, "window", None, weights[model],
+                                               attention, None, "window", weights[model],
                                                peak_tbps and peak_tbps * 1e12)  # fmt: skip
                     level.pop("per_page", None)
                     row.update(level)

@@ -31,9 +31,6 @@ With `--admission window,one-a-step` every level also runs with its pages joinin
 the farm's do (claimed and prepared one by one), beside the closed loop's window: with one output length
 the window's pages start, grow and end together (waves), the farm's stay staggered over the whole range;
 the decode steps of 64+ pages and what their attention read are listed per level.
-With `--kv-splits auto,2,4` every level (filled attention) also runs with each page's KV split 2 and 4
-ways (FlexAttention's SPLIT_KV; auto: its own choice, one split a row at 128 slots, so a row of staggered
-pages' longest length is one thread block's work), side by side.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -57,8 +54,6 @@ The bandwidth arithmetic (per decode step of b pages):
         --tokens-range-ratio 0.5 --min-requests 512  # split prefills beside whole ones at 128 in flight
     python benchmarks/bench_serving.py --out $OUT --concurrency 128 --admission window,one-a-step \\
         --min-requests 1296 --pages datasets/omnidocbench/subsets/demo-18.txt  # waves beside staggered pages
-    python benchmarks/bench_serving.py --out $OUT --concurrency 128 --admission window,one-a-step \
-        --kv-splits auto,2,4 --min-requests 384 --pages datasets/omnidocbench/subsets/demo-18.txt
 """
 
 from __future__ import annotations
@@ -241,7 +236,6 @@ def start_engine(
     options: DecodeOptions,
     attention: SlotAttention,
     prefill: str,
-    kv_splits: int | None = None,
 ) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
     where the free memory does not hold them), its buckets up to that, its prefills `prefill` ("split" or
@@ -261,13 +255,12 @@ def start_engine(
         cuda_graphs=False if args.no_graphs else None,
         attention=attention,
         split_prefill=prefill == "split",
-        kv_splits=kv_splits,
     )
     sync()
     record = dict(
         attention=attention,
         prefill=prefill,
-        kv_splits=kv_splits,
+        kv_splits=engine.runner.kv_splits,
         slots=engine.plan.slots,
         compile_and_capture_s=time.perf_counter() - start,
         plan=engine.plan.describe(),
@@ -292,13 +285,12 @@ def engine_level(
     attention: SlotAttention,
     prefill: str,
     admission: str,
-    kv_splits: int | None,
     weights: dict[str, Any],
     peak: float | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
     """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
     engine, the level's row (or why it was skipped) and its outputs."""
-    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill, kv_splits)
+    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill)
     if concurrency > engine.plan.slots:
         return (
             record,
@@ -307,7 +299,6 @@ def engine_level(
                 "attention": attention,
                 "prefill": prefill,
                 "admission": admission,
-                "kv_splits": kv_splits,
                 "skipped": f"only {engine.plan.slots} slots fit",
             },
             [],
@@ -377,7 +368,7 @@ def level(
         "attention": engine.attention,
         "prefill": "split" if engine.split_prefill else "whole",
         "admission": admission,
-        "kv_splits": engine.config.kv_splits,
+        "kv_splits": engine.runner.kv_splits,
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,
@@ -440,8 +431,7 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 def setting(row: dict[str, Any]) -> str:
     """A level's engine in words: its attention, its prefills and, where not the window's, how pages join."""
     joining = ", one page joining a step" if row.get("admission") == "one-a-step" else ""
-    splits = f", {row['kv_splits']} KV splits" if row.get("kv_splits") is not None else ""
-    return f"{row.get('attention')}{splits}, {row.get('prefill', 'whole')} prefills{joining}"
+    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills{joining}"
 
 
 def prefill_figures(row: dict[str, Any]) -> str:
@@ -643,12 +633,6 @@ def main() -> int:
         "staggered), or both (window,one-a-step: each on an engine of its own, side by side)",
     )
     parser.add_argument(
-        "--kv-splits",
-        default="auto",
-        help="the filled attention's splits of each page's KV (FlexAttention's SPLIT_KV): auto (its own choice, "
-        "one at 128 slots), a number, or several (auto,2,4: each level on an engine of each, side by side)",
-    )
-    parser.add_argument(
         "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
     )
     parser.add_argument(
@@ -671,10 +655,6 @@ def main() -> int:
     admissions = list(dict.fromkeys(args.admission.split(",")))
     if not set(admissions) <= set(ADMISSIONS):
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
-    try:
-        kv_splits = [None if k == "auto" else int(k) for k in dict.fromkeys(args.kv_splits.split(","))]
-    except ValueError:
-        parser.error(f"--kv-splits takes auto or whole numbers, not {args.kv_splits}")
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
@@ -716,16 +696,15 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    settings = itertools.product(levels, attentions, prefills, admissions, kv_splits)
-    for concurrency, attention, prefill, admission, splits in settings:
-        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill, "admission": admission,
-                 "kv_splits": splits}  # fmt: skip
+    settings = itertools.product(levels, attentions, prefills, admissions)
+    for concurrency, attention, prefill, admission in settings:
+        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill, "admission": admission}
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
         try:
             record, row, outputs = engine_level(
-                session, concurrency, pages, args, options, attention, prefill, admission, splits, weights, peak
+                session, concurrency, pages, args, options, attention, prefill, admission, weights, peak
             )
             setup["engines"].append(record)
             report["levels"].append(row)

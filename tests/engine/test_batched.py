@@ -21,7 +21,7 @@ from dsocr_workers.engine.batched import (
 )
 from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
 from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, filled_kv_splits
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
@@ -270,10 +270,6 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
     assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
-    with pytest.raises(InputError, match="for the filled attention only"):
-        StepConfig.decide(fast, attention="masked", kv_splits=2)
-    with pytest.raises(InputError, match="a whole number of splits"):
-        StepConfig.decide(fast, compiled=True, attention="filled", kv_splits=0)
 
 
 def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
@@ -504,6 +500,15 @@ def _filled_step(
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
+def test_the_filled_attention_splits_each_row_in_two_once_rows_outnumber_the_multiprocessors():
+    """Where FlexAttention would give each row one thread block (rows above the multiprocessors), two;
+    below, its own choice (more splits than two) stands."""
+    assert filled_kv_splits(128 * 10, 132) == 2
+    assert filled_kv_splits(133, 132) == 2
+    assert filled_kv_splits(132, 132) is None
+    assert filled_kv_splits(1 * 10, 132) is None
+
+
 @pytest.mark.parametrize("kv_splits", [None, 2, 4])
 @pytest.mark.parametrize(
     "device",
@@ -521,7 +526,7 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
     blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots; each row's KV in FlexAttention's
-    own number of splits, or 2 or 4 (`StepConfig.kv_splits`). Either inductor trap of slots.py (the
+    own number of splits, or 2 or 4 (`filled_kv_splits`). Either inductor trap of slots.py (the
     kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5 on
     unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
     torch.manual_seed(0)

@@ -87,13 +87,12 @@ class BatchedEngine:
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
         split_prefill: bool = True,
-        kv_splits: int | None = None,
     ) -> BatchedEngine:
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
         does not hold them (`plan_kv`; the plan is `engine.plan`). `compiled`, `cuda_graphs`,
-        `attention`, `kv_splits`: `StepConfig.decide`; `split_prefill`: as the constructor's."""
-        config = StepConfig.decide(session, compiled, cuda_graphs, attention, kv_splits)
+        `attention`: `StepConfig.decide`; `split_prefill`: as the constructor's."""
+        config = StepConfig.decide(session, compiled, cuda_graphs, attention)
         free = None
         if session.device.type == "cuda":
             session.synchronize()

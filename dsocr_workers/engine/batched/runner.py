@@ -31,6 +31,7 @@ from dsocr_workers.engine.batched.slots import (
     SlotState,
     choose_tokens,
     decode_slots,
+    filled_kv_splits,
     reads_filled_slots,
 )
 from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
@@ -62,9 +63,6 @@ class StepConfig:
     backend: str | None
     cuda_graphs: bool
     attention: SlotAttention
-    # The filled attention's KV splits per row (FlexAttention's SPLIT_KV); None: FlexAttention's own
-    # choice, one split per row at 128 slots.
-    kv_splits: int | None = None
 
     @classmethod
     def decide(
@@ -73,13 +71,11 @@ class StepConfig:
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
-        kv_splits: int | None = None,
     ) -> StepConfig:
         """None: the engine's defaults on this device (the session's engine declares what it allows).
         `compiled`: on CUDA where the engine compiles its batched step. `cuda_graphs`: on CUDA where its
         kernels allow them. `attention`: "filled" where the step is compiled on CUDA over the fast
-        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow).
-        `kv_splits`: the filled attention's splits of each row's KV (None: FlexAttention's choice)."""
+        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow)."""
         engine, model = session.engine, session.model
         cuda = session.device.type == "cuda"
         compiled = (cuda and engine.compiles_batched_step) if compiled is None else compiled
@@ -99,9 +95,7 @@ class StepConfig:
                 f"reading only the slots' filled positions needs the fast engine's attention modules; "
                 f"the {engine.name} engine's attend under a mask (attention='masked')"
             )
-        if kv_splits is not None and (attention != "filled" or kv_splits < 1):
-            raise InputError(f"kv_splits={kv_splits}: a whole number of splits, for the filled attention only")
-        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention, kv_splits)
+        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention)
 
 
 @dataclass
@@ -115,11 +109,20 @@ class BucketSteps:
     options: DecodeOptions
     config: StepConfig
     compiler: Compiler | None = None  # what makes the step (dynamo, packages built ahead); None: eager
+    kv_splits: int | None = field(init=False)  # the filled attention's (`filled_kv_splits`)
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
     _pool: _POOL_HANDLE | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        keys = self.cache.keys[0]
+        self.kv_splits = (
+            filled_kv_splits(
+                keys.shape[0] * keys.shape[1], torch.cuda.get_device_properties(keys.device).multi_processor_count
+            )
+            if self.config.attention == "filled" and keys.is_cuda
+            else None
+        )
         # fullgraph: a graph break would be a host round trip inside every step.
         self._step = (
             decode_slots
@@ -158,7 +161,7 @@ class BucketSteps:
                     for dim in range(1, tensor.dim()):
                         torch._dynamo.mark_static(tensor, dim)
         return self._step(
-            self.model, keys, values, rows, self.options, self.state.whitelist, visible, self.config.kv_splits
+            self.model, keys, values, rows, self.options, self.state.whitelist, visible, self.kv_splits
         )
 
     def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
@@ -241,6 +244,10 @@ class BatchRunner:
     @property
     def cuda_graphs(self) -> bool:
         return self.config.cuda_graphs
+
+    @property
+    def kv_splits(self) -> int | None:
+        return self.steps.kv_splits
 
     @property
     def captured(self) -> int:

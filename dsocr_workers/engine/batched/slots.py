@@ -259,6 +259,15 @@ def reads_filled_slots(model: OCRModel) -> bool:
     return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
 
 
+def filled_kv_splits(rows: int, multiprocessors: int) -> int | None:
+    """SPLIT_KV for the filled attention's decoding kernel over `rows` (slots x heads) on a GPU of
+    `multiprocessors`; None leaves FlexAttention's own choice, which is one split a row once rows outnumber
+    the multiprocessors."""
+    # With one thread block a row, a batch of staggered lengths waits for the blocks of its longest rows;
+    # two splits even them out (docs/benchmarks.md, "Batched serving through the farm").
+    return 2 if rows > multiprocessors else None
+
+
 def decode_slots(
     model: OCRModel,
     keys: list[Tensor],
@@ -272,7 +281,7 @@ def decode_slots(
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
     one (`choose_tokens`). The "masked" attention where `visible` is None (`keys`/`values`: every layer's,
     the bucket's slots); else the "filled" one (every slot's keys and values, `visible` every slot's
-    length: `SlotState.visible`; `kv_splits`: `StepConfig.kv_splits`). Returns the tokens, [n]."""
+    length: `SlotState.visible`; `kv_splits`: `filled_kv_splits`). Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
