@@ -628,7 +628,6 @@ class DeepSeekOCRSession:
         return_text: bool = True,
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,
-        after_setup: Callable[[], None] | None = None,
         before_decode: Callable[[], None] | None = None,
         profiler: JobProfiler | None = None,
     ) -> DeviceRun:
@@ -638,9 +637,8 @@ class DeepSeekOCRSession:
         runs the next job. `clock` holds its `preprocess` stage where that was timed (`prepare_job`: a
         page prepared ahead; the time it waited since is `page_wait_ms`, outside e2e); on a fresh clock
         the job's timings start at setup.
-        Hooks: `after_setup()` once the setup is queued (the farm lets the job's claim start there);
-        `before_decode()` once the prefill is queued (the farm waits there for the job's claim; raising
-        ends the job); `after_step(job, step)` after the first token (step 0) and each decode
+        Hooks: `before_decode()` once the prefill is queued (the farm waits there for the job's claim;
+        raising ends the job); `after_step(job, step)` after the first token (step 0) and each decode
         step, for the warm-up, checks and benchmarks (`force_eos_at`); `on_decode_progress(steps,
         budget)` at the EOS watch's cadence. `profiler`: the job runs under it (engine/profiling.py) from
         its setup to its readback; its trace and kernels come with the result."""
@@ -656,8 +654,6 @@ class DeepSeekOCRSession:
             with torch.inference_mode():
                 job = self.start_job(page, infer or DecodeOptions(), max_new_tokens, clock)
                 resident = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-                if after_setup is not None:
-                    after_setup()
                 self.prefill(job, clock)
                 if after_step is not None:
                     after_step(job, 0)

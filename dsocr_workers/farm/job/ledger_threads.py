@@ -6,13 +6,16 @@
   built (the engine's host part, `DeviceRun.finish`, included) and written while the next message is
   handed over; what is handed over while the thread is busy is written in one transaction (`Pending`).
   A row that cannot be built fails its job. Two threads: a claim never waits behind a result's write.
-- `hold` / `let_claims_go` / `release`: while a batch-1 job's setup and prefill, or a batched step's
-  prefills, are launched, neither thread starts a claim or a write (one under way finishes): their
-  Python would hold the GIL the launches wait for, and on a GPU the stages' CUDA events would time the
-  wait. A batch-1 job with a next job known holds them from its end. The claim goes once the next job's
-  setup is queued (`let_claims_go`), so that it is written during the prefill, before the decode waits
-  for it; writes, and the reservations of the jobs a lane fetched next (`wait_while_held`), go once the
-  prefill is queued (`release`). A hold lasts HOLD_LIMIT_S at most (a CPU's prefill may be longer).
+- `hold` / `release`: while a batch-1 job's setup and prefill, or a batched step's prefills, are
+  launched, neither thread starts a claim or a write (one under way finishes): their Python would hold
+  the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. They start
+  once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's
+  prefill may be longer). The reservations of the jobs a lane fetched next wait for it too
+  (`wait_while_held`).
+- `hold_reservations`: a batch-1 job with a next job known holds the reservations from its end until
+  the next one's `release`: its lane fetches the next message as the next job starts, and that job's
+  reservation would otherwise run beside its setup. Claims and writes are not held from a job's end: the
+  next job's decode waits for its claim, and a claim let out beside a held write waits longer.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -84,10 +87,10 @@ class LedgerThreads:
         self._db = db
         self._let_go = let_go  # a job whose result was given up: its lease is no longer renewed
         self._closing = threading.Event()
-        self._claims_open = threading.Event()  # cleared by `hold`: no claim starts
-        self._claims_open.set()
-        self._writes_open = threading.Event()  # cleared by `hold`: no write or reservation starts
-        self._writes_open.set()
+        self._open = threading.Event()  # cleared by `hold`: no claim or write starts
+        self._open.set()
+        self._reservations_open = threading.Event()  # cleared by `hold_reservations`
+        self._reservations_open.set()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
         self._pending = Pending()
@@ -112,22 +115,23 @@ class LedgerThreads:
         self._hand_over(build_rows)
 
     def hold(self) -> None:
-        """Start no claim, write or reservation until `release` (claims: `let_claims_go`), or HOLD_LIMIT_S:
-        the caller launches device work that a wait for the GIL would stretch."""
-        self._claims_open.clear()
-        self._writes_open.clear()
+        """Start no claim or write until `release` (or HOLD_LIMIT_S): the caller launches device work that
+        a wait for the GIL would stretch."""
+        self._open.clear()
 
-    def let_claims_go(self) -> None:
-        """Let claims start; writes and reservations stay held until `release`."""
-        self._claims_open.set()
+    def hold_reservations(self) -> None:
+        """Let no reservation start until `release` (or HOLD_LIMIT_S); claims and writes go on."""
+        self._reservations_open.clear()
 
     def release(self) -> None:
-        self._claims_open.set()
-        self._writes_open.set()
+        self._open.set()
+        self._reservations_open.set()
 
     def wait_while_held(self) -> None:
-        """For a ledger write on another thread (a reservation): wait while held, HOLD_LIMIT_S at most."""
-        self._writes_open.wait(HOLD_LIMIT_S)
+        """For a ledger write on another thread (a reservation): wait while either hold lasts, HOLD_LIMIT_S
+        at most each."""
+        self._open.wait(HOLD_LIMIT_S)
+        self._reservations_open.wait(HOLD_LIMIT_S)
 
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):
@@ -146,7 +150,7 @@ class LedgerThreads:
     def _claim(
         self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]
     ) -> ledger.Claim | ledger.Refusal:
-        self._claims_open.wait(HOLD_LIMIT_S)
+        self._open.wait(HOLD_LIMIT_S)
         with self._db.transaction() as tx:
             return claim_job(tx)
 
@@ -155,7 +159,7 @@ class LedgerThreads:
 
     def _write_pending(self) -> None:
         """Every result and step handed over so far, in one transaction (the rows built first)."""
-        self._writes_open.wait(HOLD_LIMIT_S)
+        self._open.wait(HOLD_LIMIT_S)
         items = self._pending.take()
         try:
             self._write(items)

@@ -138,7 +138,7 @@ class JobProcess:
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None or options.concurrency > 1 or not self.models.is_warm_for(options):
-            # What the previous job held (`infer`) waits for a warm batch-1 job's launches alone.
+            # The previous job's held reservations (`infer`) wait for a warm batch-1 job's launches alone.
             self.ledger_threads.release()
         if options is None:
             return None
@@ -236,14 +236,11 @@ class JobProcess:
         """Run a claimed job on its open model (NotOpen if it is not), on its page prefetched or prepared
         here. A job prefetched before its claim is written starts at once and waits for its claim once its
         prefill is queued (a refused claim drops the prefill); the next job's page (`upcoming`) is then
-        prepared while this one decodes. When `next_job_known()` says a job follows, the ledger threads stay
-        held after this one: the next one's claim starts once its setup is queued, this one's result is
-        written once its prefill is (`LedgerThreads.hold`)."""
+        prepared while this one decodes. When `next_job_known()` says a job follows, reservations stay held
+        after this one, until the next one's prefill is queued (`LedgerThreads.hold_reservations`)."""
         from dsocr_workers.engine.profiling import JobProfiler  # the worker's parent never imports torch
 
-        job, prefetched = self.prefetcher.job_to_run(
-            claiming, self.models.loaded_key, before_claim_wait=self.ledger_threads.let_claims_go
-        )
+        job, prefetched = self.prefetcher.job_to_run(claiming, self.models.loaded_key)
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
@@ -274,16 +271,13 @@ class JobProcess:
                 options.max_new_tokens,
                 options.decode_options,
                 prepared.clock,
-                after_setup=self.ledger_threads.let_claims_go,
                 before_decode=before_decode,
                 profiler=JobProfiler(session.device) if job.profile else None,
             )
         finally:
             self.ledger_threads.release()
         if next_job_known is not None and next_job_known():
-            # This job's row (its CUDA events resolved), the next one's claim and reservation: Python
-            # that would otherwise run beside the next job's setup.
-            self.ledger_threads.hold()
+            self.ledger_threads.hold_reservations()
         # A profiled job's trace is read and summed up here, before the next job starts: on the results
         # thread it would hold the GIL for tens of milliseconds while the next job's stages launch.
         return Ran(
