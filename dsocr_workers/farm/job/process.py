@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -34,10 +33,6 @@ from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import Database, database_for
-
-# How long a GPU job's thread waits at most for the GIL that a ledger thread's Python holds (CPython's
-# default is 5 ms): each wait stretches the stage being launched.
-LAUNCH_SWITCH_INTERVAL_S = 1e-4
 
 log = logging.getLogger("dsocr.worker")
 
@@ -77,8 +72,6 @@ class JobProcess:
             import torch
 
             torch.set_num_threads(cpu_threads)
-        if device.startswith("cuda"):
-            sys.setswitchinterval(LAUNCH_SWITCH_INTERVAL_S)
         db, owner = database_for(settings.database_url), process_owner()
         heartbeat = Heartbeat(db, owner, settings, device=device, queues=queues, sweep=sweep)
         heartbeat.start()
