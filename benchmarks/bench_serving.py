@@ -615,8 +615,9 @@ def main() -> int:
     parser.add_argument("--no-repeat-ngram-size", type=int, default=20)
     parser.add_argument(
         "--attention",
-        default="filled",
-        help="how a decode step reads the slots (engine/batched/slots.py): filled (the engine's default on CUDA), masked, or both "
+        default=None,
+        help="how a decode step reads the slots (engine/batched/slots.py): filled (the default on CUDA), masked (on a "
+        "CPU, where the eager engine has no filled attention), or both "
         "(masked,filled: each level on an engine of each, side by side)",
     )
     parser.add_argument(
@@ -646,7 +647,8 @@ def main() -> int:
     began = time.perf_counter()
     use_compile_cache()  # DSOCR_COMPILE_CACHE_DIR where set: a farm run after it compiles less
     levels = sorted({int(c) for c in args.concurrency.split(",")})
-    attentions = [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
+    attention = args.attention or ("filled" if args.device.startswith("cuda") else "masked")
+    attentions = [cast(SlotAttention, a) for a in dict.fromkeys(attention.split(","))]
     if not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
     prefills = list(dict.fromkeys(args.prefill.split(",")))
