@@ -629,6 +629,7 @@ class DeepSeekOCRSession:
         on_decode_progress: Callable[[int, int], None] | None = None,
         after_step: StepHook | None = None,
         before_decode: Callable[[], None] | None = None,
+        before_readback: Callable[[], None] | None = None,
         profiler: JobProfiler | None = None,
     ) -> DeviceRun:
         """The one job sequence from setup on, for a page prepared already: setup → prefill → decode →
@@ -637,8 +638,9 @@ class DeepSeekOCRSession:
         runs the next job. `clock` holds its `preprocess` stage where that was timed (`prepare_job`: a
         page prepared ahead; the time it waited since is `page_wait_ms`, outside e2e); on a fresh clock
         the job's timings start at setup.
-        Hooks: `before_decode()` once the prefill is queued (the farm waits there for the job's claim;
-        raising ends the job); `after_step(job, step)` after the first token (step 0) and each decode
+        Hooks: `before_decode()` once the prefill is queued (the farm lets its ledger writes go there);
+        `before_readback()` once the decode is queued (the farm waits there for the job's claim; raising
+        ends the job); `after_step(job, step)` after the first token (step 0) and each decode
         step, for the warm-up, checks and benchmarks (`force_eos_at`); `on_decode_progress(steps,
         budget)` at the EOS watch's cadence. `profiler`: the job runs under it (engine/profiling.py) from
         its setup to its readback; its trace and kernels come with the result."""
@@ -661,6 +663,8 @@ class DeepSeekOCRSession:
                     before_decode()
                 each_step = None if after_step is None else (lambda steps: after_step(job, steps))
                 self.decode(job, clock, after_step=each_step, on_progress=on_decode_progress)
+                if before_readback is not None:
+                    before_readback()
                 generated, stop = self.read_output(job, clock)
         finally:  # a profiled job that fails stops its profiler: the process's next job may be profiled too
             if profiler is not None:

@@ -709,10 +709,12 @@ def test_a_jobs_host_part_can_finish_after_the_next_job_ran_on_the_device(device
         assert result.kv_length == result.prompt_tokens + 5
 
 
-def test_the_hook_before_decode_runs_once_the_first_token_is_queued(session):
-    """Where the farm waits for a job's claim: after the prefill's first token, before any decode step."""
+def test_the_hooks_run_once_the_first_token_and_once_the_decode_are_queued(session):
+    """Where the farm lets its ledger writes go (after the prefill's first token, before any decode step)
+    and where it waits for a job's claim (after the last decode step, before the readback)."""
     order: list[int | str] = []
     session.run_on_device(session.prepare_job(page(600, 480), mode="tiny").page, 4, DecodeOptions(ignore_eos=True),
                           after_step=lambda job, step: order.append(step),
-                          before_decode=lambda: order.append("claimed"))  # fmt: skip
-    assert order == [0, "claimed", 1, 2, 3]
+                          before_decode=lambda: order.append("released"),
+                          before_readback=lambda: order.append("claimed"))  # fmt: skip
+    assert order == [0, "released", 1, 2, 3, "claimed"]

@@ -1,7 +1,7 @@
 """While a batch-1 job's setup and prefill are launched on a GPU, the ledger threads start no claim or
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
-HOLD_LIMIT_S. A job with a next one known leaves reservations held, so that the reservation its lane
-makes as the next job starts is written after that job's launches. The ledger (SQLite and PostgreSQL),
+HOLD_LIMIT_S. A job with a next one known leaves them held: its result, the next job's claim and the
+reservation its lane makes as the next job starts are written once the next job's prefill is queued. The ledger (SQLite and PostgreSQL),
 the threads, the job process and the tiny preset on the CPU are the real ones."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import time
 from functools import partial
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from dsocr_workers.farm.filelist import read_filelist
 from dsocr_workers.farm.job import ledger_threads
@@ -22,7 +22,7 @@ from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.farm.submit import record_run
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
-from dsocr_workers.store.models import Job
+from dsocr_workers.store.models import Job, Result
 
 
 def test_a_claim_handed_over_during_a_hold_starts_at_its_release(database):
@@ -51,10 +51,10 @@ def test_a_hold_never_outlasts_its_limit(database, monkeypatch):
         threads.close()
 
 
-def test_after_a_job_with_a_next_one_reservations_wait_for_its_launches_and_results_do_not(
+def test_after_a_job_with_a_next_one_its_result_the_next_claim_and_reservation_wait_for_the_next_prefill(
     database, tmp_path, make_png, monkeypatch
 ):
-    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the next job's launch releases it
+    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the next job's launches release them
     options = RunOptions(mode="tiny", max_new_tokens=4, engine="eager")
     for image in ("a.png", "b.png", "c.png"):
         make_png(image, folder=tmp_path)
@@ -63,42 +63,52 @@ def test_after_a_job_with_a_next_one_reservations_wait_for_its_launches_and_resu
     first, second, third = record_run(database, read_filelist(listing), options, queue="q", name="r").job_ids
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
-    launched: list[str | None] = []  # the third job's reservation when the second's decode begins
+    threads = process.ledger_threads
+    at_release: list[tuple[str | None, int, str | None]] = []  # the second's state, first's results, third's reservation
+
+    def ledger_now() -> tuple[str | None, int, str | None]:
+        with database.transaction() as tx:
+            results = tx.scalar(select(func.count()).select_from(Result).where(Result.job_id == first))
+            return ledger.job_state(tx, second), results, reserved_by_in(tx, third)
 
     def run(job_id: str, next_job: str | None) -> str:
         # As a Celery child runs them: the next job's page prefetched, so that it starts before its claim.
         upcoming = None if next_job is None else partial(ledger.waiting_job, job_id=next_job, owner=process.owner)
         infer = partial(process.infer, upcoming=upcoming, next_job_known=lambda: next_job is not None)
         return execute_job(process.db, job_id, owner=process.owner, settings=settings, infer=infer,
-                           ledger_threads=process.ledger_threads).status  # fmt: skip
+                           ledger_threads=threads).status  # fmt: skip
 
     try:
         process.models.warm(job_warmup(options))
         assert run(first, next_job=second) == "completing"
-        assert process.ledger_threads.wait() is True  # the first job's result is not held
-        # The lane fetches the message after next as the second job starts: its reservation waits.
+        # The lane fetches the message after next as the second job starts: its reservation waits too.
         reserving = threading.Thread(target=process.reserve, args=(third,))
         reserving.start()
-        time.sleep(1.0)
-        assert reserved_by(database, third) is None
-        release = process.ledger_threads.release
+        time.sleep(1.0)  # a result, claim or reservation let out would be written by now
+        assert ledger_now() == ("pending", 0, None)
+        release = threads.release
 
         def counted_release() -> None:
-            launched.append(reserved_by(database, third))
+            at_release.append(ledger_now())
             release()
 
-        monkeypatch.setattr(process.ledger_threads, "release", counted_release)
+        monkeypatch.setattr(threads, "release", counted_release)
         assert run(second, next_job=None) == "completing"
+        assert threads.wait() is True
         reserving.join(timeout=30)
-        assert launched[0] is None  # still unreserved when the second job's prefill was queued
-        assert reserved_by(database, third) == process.owner
+        assert at_release[0] == ("pending", 0, None)  # nothing written beside the second job's launches
+        assert ledger_now() == ("done", 1, process.owner)
     finally:
         process.close()
 
 
+def reserved_by_in(tx, job_id: str) -> str | None:
+    return tx.scalar(select(Job.reserved_by).where(Job.id == job_id))
+
+
 def reserved_by(database, job_id: str) -> str | None:
     with database.transaction() as tx:
-        return tx.scalar(select(Job.reserved_by).where(Job.id == job_id))
+        return reserved_by_in(tx, job_id)
 
 
 def test_a_reservation_made_during_a_hold_is_written_at_its_release(database, tmp_path, make_png, monkeypatch):

@@ -77,6 +77,7 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
 
     @functools.wraps(infer)
     def infer_with_faults(process: Any, claiming: Any, **options: Any) -> Any:
+        process.ledger_threads.release()  # as a job that waits for its claim does (`Prefetcher.job_to_run`)
         claim = claiming.result()
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.crash):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -189,6 +190,7 @@ def a_claim(image: str) -> Claiming:
 
 
 FAULTS = Faults(crash=("poison*.png",), hang=("hung*.png",))
+A_PROCESS = SimpleNamespace(ledger_threads=SimpleNamespace(release=lambda: None))  # all the hook uses of it
 
 
 def test_fault_hook_runs_every_job_it_does_not_name_to_its_end():
@@ -201,7 +203,7 @@ def test_fault_hook_runs_every_job_it_does_not_name_to_its_end():
 
     infer_with_faults = with_faults(infer, FAULTS)
     images = ["page.png", "xpoison.png", "Poison.png", "hung.jpg"]  # a glob matches whole names, case included
-    assert [infer_with_faults(None, a_claim(image)) for image in images] == [f"result of {i}" for i in images]
+    assert [infer_with_faults(A_PROCESS, a_claim(image)) for image in images] == [f"result of {i}" for i in images]
     assert ran == images
     assert NO_FAULTS.dsocr_command() == [sys.executable, "-m", "dsocr_workers"]  # no faults: the package's own
 
@@ -219,11 +221,11 @@ def in_a_child(run: Callable[[], object]) -> int:
 
 def test_fault_hook_crashes_or_hangs_the_process_of_a_job_it_names():
     infer_with_faults = with_faults(lambda process, claim, **options: "ran", FAULTS)
-    crashed = in_a_child(lambda: infer_with_faults(None, a_claim("poison0000.png")))
+    crashed = in_a_child(lambda: infer_with_faults(A_PROCESS, a_claim("poison0000.png")))
     _, status = os.waitpid(crashed, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
-    hung = in_a_child(lambda: infer_with_faults(None, a_claim("hung0000.png")))
+    hung = in_a_child(lambda: infer_with_faults(A_PROCESS, a_claim("hung0000.png")))
     try:
         usr1 = 1 << (signal.SIGUSR1 - 1)
         deadline = time.monotonic() + 10

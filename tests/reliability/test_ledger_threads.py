@@ -1,8 +1,8 @@
 """A Celery child's claims and results are written on its ledger thread (farm/job/ledger_threads.py): the
 task does not wait for its result's write, the job keeps the time it finished, a ledger outage during
 the write is waited out, and closing in an outage gives the write up without hanging; a prefetched job
-starts on the device while its claim is written, waits for it before decoding, and a refused claim
-drops its prefill and records nothing. The model (tiny, CPU), the ledger (PostgreSQL, through a proxy
+runs on the device while its claim is written, waits for it before reading its output back, and a
+refused claim drops what ran and records nothing. The model (tiny, CPU), the ledger (PostgreSQL, through a proxy
 the test cuts) and the thread are the real ones; a write is held back by a row lock another connection
 takes, as a busy database would. Last, through a real farm:
 a child that dies between its task's return and its result's write loses no job."""
@@ -184,39 +184,41 @@ def released_after(lock: RowLock, seconds: float) -> threading.Timer:
     return timer
 
 
-def test_a_prefetched_job_starts_on_the_device_before_its_claim_is_written_and_decodes_after(setup, monkeypatch):
+def test_a_prefetched_job_runs_on_the_device_while_its_claim_is_written_and_reads_back_after(setup, monkeypatch):
     job_id = setup.job_ids[0]
     prefetch(setup, job_id)
     lock = RowLock(setup.direct_url, job_id)
-    lock.acquire()  # the claim's UPDATE waits on it until 0.6 s after the job's prefill
+    lock.acquire()  # the claim's UPDATE waits on it until 0.6 s after the job's decode starts
     session = setup.process.models.loaded.session
-    prefill = session.prefill
+    decode = session.decode
+    at_decode: list[str] = []
 
-    def prefill_then_release(*args, **kwargs):
-        logits = prefill(*args, **kwargs)
-        released_after(lock, 0.6)  # from the prefill's end, however long a loaded machine took for it
-        return logits
+    def decode_then_release(*args, **kwargs):
+        at_decode.append(job_state(setup.direct_url, job_id)[0])
+        released_after(lock, 0.6)  # from the decode's start, however long a loaded machine took to get there
+        return decode(*args, **kwargs)
 
-    monkeypatch.setattr(session, "prefill", prefill_then_release)
+    monkeypatch.setattr(session, "decode", decode_then_release)
     outcome = run_job(setup, job_id)
     assert outcome.status == "completing"
     assert setup.process.ledger_threads.wait() is True
     db = open_database(setup.direct_url)
     try:
         with db.transaction() as tx:
-            prefetched, prefill_ms, host_gap_ms, e2e_ms, tokens = tx.execute(
-                select(Result.prefetched, Result.prefill_ms, Result.host_gap_ms, Result.e2e_ms, Result.decode_tokens)
+            prefetched, decode_ms, host_gap_ms, tokens = tx.execute(
+                select(Result.prefetched, Result.decode_ms, Result.host_gap_ms, Result.decode_tokens)
                 .where(Result.job_id == job_id)
             ).one()
     finally:
         db.dispose()
     assert prefetched and tokens == OPTIONS.max_new_tokens
-    # The prefill ran while the claim waited on the lock; the decode waited for the claim, and that wait
-    # is in the job's own time (between its stages), not hidden.
-    assert host_gap_ms > 500, (prefill_ms, host_gap_ms, e2e_ms)
+    assert at_decode and at_decode[0] != "running"  # the decode began before the claim was written
+    # The readback waited for the claim: that wait is in the job's own time (its decode, then the gap
+    # between its stages), not hidden.
+    assert decode_ms + host_gap_ms > 500, (decode_ms, host_gap_ms)
 
 
-def test_a_refused_claim_drops_the_prefill_it_overlapped_and_records_nothing(setup):
+def test_a_refused_claim_drops_the_job_it_overlapped_and_records_nothing(setup):
     job_id, other = setup.job_ids
     prefetch(setup, job_id)
     with setup.process.db.transaction() as tx:  # another live worker holds the job

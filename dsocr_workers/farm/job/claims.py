@@ -5,7 +5,6 @@ counting an attempt, anything else counted). Nothing here knows about Celery: re
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -48,13 +47,6 @@ class Claiming:
         if isinstance(claim, ledger.Refusal):
             raise Refused(claim)
         return claim
-
-    def wait_then(self, then: Callable[[], None]) -> None:
-        """Wait for the claim (raising as `result()` does), then call `then`, refused or not."""
-        try:
-            self.result()
-        finally:
-            then()
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,9 @@
   launched, neither thread starts a claim or a write (one under way finishes): their Python would hold
   the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. They start
   once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's
-  prefill may be longer). The reservations of the jobs a lane fetched next wait for it too
-  (`wait_while_held`).
-- `hold_reservations`: a batch-1 job with a next job known holds the reservations from its end until
-  the next one's `release`: its lane fetches the next message as the next job starts, and that job's
-  reservation would otherwise run beside its setup. Claims and writes are not held from a job's end: the
-  next job's decode waits for its claim, and a claim let out beside a held write waits longer.
+  prefill may be longer). A batch-1 job with a next job known holds them from its end: its own result,
+  the next job's claim and the reservation its lane makes as the next job starts (`wait_while_held`)
+  are written once the next job's prefill is queued. That job reads its output back once its claim is.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -89,8 +86,6 @@ class LedgerThreads:
         self._closing = threading.Event()
         self._open = threading.Event()  # cleared by `hold`: no claim or write starts
         self._open.set()
-        self._reservations_open = threading.Event()  # cleared by `hold_reservations`
-        self._reservations_open.set()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
         self._pending = Pending()
@@ -119,19 +114,12 @@ class LedgerThreads:
         a wait for the GIL would stretch."""
         self._open.clear()
 
-    def hold_reservations(self) -> None:
-        """Let no reservation start until `release` (or HOLD_LIMIT_S); claims and writes go on."""
-        self._reservations_open.clear()
-
     def release(self) -> None:
         self._open.set()
-        self._reservations_open.set()
 
     def wait_while_held(self) -> None:
-        """For a ledger write on another thread (a reservation): wait while either hold lasts, HOLD_LIMIT_S
-        at most each."""
+        """For a ledger write on another thread (a reservation): wait while held, HOLD_LIMIT_S at most."""
         self._open.wait(HOLD_LIMIT_S)
-        self._reservations_open.wait(HOLD_LIMIT_S)
 
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):

@@ -128,11 +128,12 @@ class Prefetcher:
         return None if run is None else RunOptions.from_parameters(run.model, run.parameters)
 
     def job_to_run(
-        self, claiming: Claiming, open_model: ModelKey | None
+        self, claiming: Claiming, open_model: ModelKey | None, before_claim_wait: Callable[[], None]
     ) -> tuple[JobFacts, Prefetched | None]:
         """The job `claiming` claims, and its page if one was prefetched for it as it is. A job whose page
         was prefetched for the open model starts before its claim is written, from what the prefetch
-        read (a run's settings and a job's image never change); any other waits for its claim here."""
+        read (a run's settings and a job's image never change); any other waits for its claim here,
+        after `before_claim_wait()`."""
         prefetched = self.take_job(claiming.job_id)
         if (
             prefetched is not None
@@ -141,6 +142,7 @@ class Prefetcher:
             and prefetched.plan.model == open_model
         ):
             return prefetched.job, prefetched
+        before_claim_wait()
         claim = claiming.result()
         if prefetched is not None and prefetched.plan != PagePlan.of_job(claim):
             prefetched = None

@@ -138,7 +138,7 @@ class JobProcess:
             log.warning("job %s: could not read its run before the claim", job_id, exc_info=True)
             return None
         if options is None or options.concurrency > 1 or not self.models.is_warm_for(options):
-            # The previous job's held reservations (`infer`) wait for a warm batch-1 job's launches alone.
+            # The previous job's held writes (`infer`) wait for a warm batch-1 job's launches alone.
             self.ledger_threads.release()
         if options is None:
             return None
@@ -234,13 +234,16 @@ class JobProcess:
         self, claiming: Claiming, upcoming: Upcoming | None = None, next_job_known: Callable[[], bool] | None = None
     ) -> Ran:
         """Run a claimed job on its open model (NotOpen if it is not), on its page prefetched or prepared
-        here. A job prefetched before its claim is written starts at once and waits for its claim once its
-        prefill is queued (a refused claim drops the prefill); the next job's page (`upcoming`) is then
-        prepared while this one decodes. When `next_job_known()` says a job follows, reservations stay held
-        after this one, until the next one's prefill is queued (`LedgerThreads.hold_reservations`)."""
+        here. A job prefetched before its claim is written starts at once: its claim is written once its
+        prefill is queued, and the job waits for it before reading its output back (a refused claim drops
+        what ran); the next job's page (`upcoming`) is prepared once the claim is written. When
+        `next_job_known()` says a job follows, the ledger threads stay held after this one, until the next
+        one's prefill is queued (`LedgerThreads.hold`)."""
         from dsocr_workers.engine.profiling import JobProfiler  # the worker's parent never imports torch
 
-        job, prefetched = self.prefetcher.job_to_run(claiming, self.models.loaded_key)
+        job, prefetched = self.prefetcher.job_to_run(
+            claiming, self.models.loaded_key, before_claim_wait=self.ledger_threads.release
+        )
         options = RunOptions.from_parameters(job.model, job.parameters)
         loaded = self.models.opened(options.model_key)
         session = loaded.session
@@ -258,12 +261,13 @@ class JobProcess:
         except Exception:
             prefetch_next()  # while this job's failure is recorded
             raise
-        # The ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`).
+        # The ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`). Then
+        # the claim is written beside the decode's launches, which the device runs behind the prefill.
         self.ledger_threads.hold()
+        claiming.claim.add_done_callback(lambda _: prefetch_next())
 
-        def before_decode() -> None:
-            self.ledger_threads.release()
-            claiming.wait_then(prefetch_next)
+        def before_readback() -> None:
+            claiming.result()
 
         try:
             run = session.run_on_device(
@@ -271,13 +275,16 @@ class JobProcess:
                 options.max_new_tokens,
                 options.decode_options,
                 prepared.clock,
-                before_decode=before_decode,
+                before_decode=self.ledger_threads.release,
+                before_readback=before_readback,
                 profiler=JobProfiler(session.device) if job.profile else None,
             )
         finally:
             self.ledger_threads.release()
         if next_job_known is not None and next_job_known():
-            self.ledger_threads.hold_reservations()
+            # This job's row (its CUDA events resolved), the next one's claim and reservation: Python that
+            # would otherwise run beside the next job's setup.
+            self.ledger_threads.hold()
         # A profiled job's trace is read and summed up here, before the next job starts: on the results
         # thread it would hold the GIL for tens of milliseconds while the next job's stages launch.
         return Ran(
