@@ -1,13 +1,15 @@
 """While a batch-1 job's setup and prefill are launched on a GPU, the ledger threads start no claim or
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
-HOLD_LIMIT_S. A job with a next one known leaves them held: its result, the next job's claim and the
-reservation its lane makes as the next job starts are written once the next job's prefill is queued. The ledger (SQLite and PostgreSQL),
+HOLD_LIMIT_S. A job with a next one known leaves them held: the next job's claim goes once that job's
+prefill is queued; this job's result and the reservation its lane makes as the next job starts, once that
+claim is written. The ledger (SQLite and PostgreSQL),
 the threads, the job process and the tiny preset on the CPU are the real ones."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 
 from sqlalchemy import func, select, text
@@ -51,7 +53,7 @@ def test_a_hold_never_outlasts_its_limit(database, monkeypatch):
         threads.close()
 
 
-def test_after_a_job_with_a_next_one_its_result_the_next_claim_and_reservation_wait_for_the_next_prefill(
+def test_after_a_job_with_a_next_one_the_next_claim_waits_for_its_prefill_and_the_writes_for_that_claim(
     database, tmp_path, make_png, monkeypatch
 ):
     monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the next job's launches release them
@@ -64,12 +66,19 @@ def test_after_a_job_with_a_next_one_its_result_the_next_claim_and_reservation_w
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
     threads = process.ledger_threads
-    at_release: list[tuple[str | None, int, str | None]] = []  # the second's state, first's results, third's reservation
+    seen: dict[str, tuple[str | None, int, str | None]] = {}  # the second's state, first's results, third's reservation
 
     def ledger_now() -> tuple[str | None, int, str | None]:
         with database.transaction() as tx:
             results = tx.scalar(select(func.count()).select_from(Result).where(Result.job_id == first))
             return ledger.job_state(tx, second), results, reserved_by_in(tx, third)
+
+    def seen_at(gate: str, opens: Callable[[], None]) -> Callable[[], None]:
+        def counted() -> None:
+            seen.setdefault(gate, ledger_now())
+            opens()
+
+        return counted
 
     def run(job_id: str, next_job: str | None) -> str:
         # As a Celery child runs them: the next job's page prefetched, so that it starts before its claim.
@@ -86,17 +95,13 @@ def test_after_a_job_with_a_next_one_its_result_the_next_claim_and_reservation_w
         reserving.start()
         time.sleep(1.0)  # a result, claim or reservation let out would be written by now
         assert ledger_now() == ("pending", 0, None)
-        release = threads.release
-
-        def counted_release() -> None:
-            at_release.append(ledger_now())
-            release()
-
-        monkeypatch.setattr(threads, "release", counted_release)
+        for gate in ("let_claims_go", "release"):
+            monkeypatch.setattr(threads, gate, seen_at(gate, getattr(threads, gate)))
         assert run(second, next_job=None) == "completing"
         assert threads.wait() is True
         reserving.join(timeout=30)
-        assert at_release[0] == ("pending", 0, None)  # nothing written beside the second job's launches
+        assert seen["let_claims_go"] == ("pending", 0, None)  # nothing written beside the second job's launches
+        assert seen["release"] == ("running", 0, None)  # its claim first, alone; the writes after it
         assert ledger_now() == ("done", 1, process.owner)
     finally:
         process.close()

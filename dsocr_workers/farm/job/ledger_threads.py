@@ -6,13 +6,14 @@
   built (the engine's host part, `DeviceRun.finish`, included) and written while the next message is
   handed over; what is handed over while the thread is busy is written in one transaction (`Pending`).
   A row that cannot be built fails its job. Two threads: a claim never waits behind a result's write.
-- `hold` / `release`: while a batch-1 job's setup and prefill, or a batched step's prefills, are
-  launched, neither thread starts a claim or a write (one under way finishes): their Python would hold
-  the GIL the launches wait for, and on a GPU the stages' CUDA events would time the wait. They start
-  once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S at most (a CPU's
-  prefill may be longer). A batch-1 job with a next job known holds them from its end: its own result,
-  the next job's claim and the reservation its lane makes as the next job starts (`wait_while_held`)
-  are written once the next job's prefill is queued. That job reads its output back once its claim is.
+- `hold` / `let_claims_go` / `release`: while a batch-1 job's setup and prefill, or a batched step's
+  prefills, are launched, neither thread starts a claim or a write (one under way finishes): their
+  Python would hold the GIL the launches wait for, and on a GPU the stages' CUDA events would time the
+  wait. They start once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S
+  at most (a CPU's prefill may be longer). A batch-1 job with a next job known holds them from its end.
+  The next job's claim goes once that job's prefill is queued (`let_claims_go`); the held result and
+  the reservation its lane made as the next job started (`wait_while_held`) once the claim is written,
+  so that no write contends with the claim the job waits for before its readback.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -84,8 +85,10 @@ class LedgerThreads:
         self._db = db
         self._let_go = let_go  # a job whose result was given up: its lease is no longer renewed
         self._closing = threading.Event()
-        self._open = threading.Event()  # cleared by `hold`: no claim or write starts
-        self._open.set()
+        self._claims_open = threading.Event()  # cleared by `hold`: no claim starts
+        self._claims_open.set()
+        self._writes_open = threading.Event()  # cleared by `hold`: no write or reservation starts
+        self._writes_open.set()
         self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-claims")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsocr-results")
         self._pending = Pending()
@@ -110,16 +113,22 @@ class LedgerThreads:
         self._hand_over(build_rows)
 
     def hold(self) -> None:
-        """Start no claim or write until `release` (or HOLD_LIMIT_S): the caller launches device work that
-        a wait for the GIL would stretch."""
-        self._open.clear()
+        """Start no claim, write or reservation until `release` (claims: `let_claims_go`), or HOLD_LIMIT_S:
+        the caller launches device work that a wait for the GIL would stretch."""
+        self._claims_open.clear()
+        self._writes_open.clear()
+
+    def let_claims_go(self) -> None:
+        """Let claims start; writes and reservations stay held until `release`."""
+        self._claims_open.set()
 
     def release(self) -> None:
-        self._open.set()
+        self._claims_open.set()
+        self._writes_open.set()
 
     def wait_while_held(self) -> None:
         """For a ledger write on another thread (a reservation): wait while held, HOLD_LIMIT_S at most."""
-        self._open.wait(HOLD_LIMIT_S)
+        self._writes_open.wait(HOLD_LIMIT_S)
 
     def _hand_over(self, item: Handed) -> None:
         if self._pending.add(item):
@@ -138,7 +147,7 @@ class LedgerThreads:
     def _claim(
         self, claim_job: Callable[[Session], ledger.Claim | ledger.Refusal]
     ) -> ledger.Claim | ledger.Refusal:
-        self._open.wait(HOLD_LIMIT_S)
+        self._claims_open.wait(HOLD_LIMIT_S)
         with self._db.transaction() as tx:
             return claim_job(tx)
 
@@ -147,7 +156,7 @@ class LedgerThreads:
 
     def _write_pending(self) -> None:
         """Every result and step handed over so far, in one transaction (the rows built first)."""
-        self._open.wait(HOLD_LIMIT_S)
+        self._writes_open.wait(HOLD_LIMIT_S)
         items = self._pending.take()
         try:
             self._write(items)

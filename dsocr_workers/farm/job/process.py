@@ -236,9 +236,9 @@ class JobProcess:
         """Run a claimed job on its open model (NotOpen if it is not), on its page prefetched or prepared
         here. A job prefetched before its claim is written starts at once: its claim is written once its
         prefill is queued, and the job waits for it before reading its output back (a refused claim drops
-        what ran); the next job's page (`upcoming`) is prepared once the claim is written. When
-        `next_job_known()` says a job follows, the ledger threads stay held after this one, until the next
-        one's prefill is queued (`LedgerThreads.hold`)."""
+        what ran); the held writes and the next job's page (`upcoming`) follow the claim. When
+        `next_job_known()` says a job follows, the ledger threads stay held after this one
+        (`LedgerThreads.hold`)."""
         from dsocr_workers.engine.profiling import JobProfiler  # the worker's parent never imports torch
 
         job, prefetched = self.prefetcher.job_to_run(
@@ -264,7 +264,14 @@ class JobProcess:
         # The ledger threads wait while the setup and prefill are launched (`LedgerThreads.hold`). Then
         # the claim is written beside the decode's launches, which the device runs behind the prefill.
         self.ledger_threads.hold()
-        claiming.claim.add_done_callback(lambda _: prefetch_next())
+
+        def claim_then_writes(_: object) -> None:
+            self.ledger_threads.release()
+            prefetch_next()
+
+        def before_decode() -> None:
+            self.ledger_threads.let_claims_go()
+            claiming.claim.add_done_callback(claim_then_writes)
 
         def before_readback() -> None:
             claiming.result()
@@ -275,7 +282,7 @@ class JobProcess:
                 options.max_new_tokens,
                 options.decode_options,
                 prepared.clock,
-                before_decode=self.ledger_threads.release,
+                before_decode=before_decode,
                 before_readback=before_readback,
                 profiler=JobProfiler(session.device) if job.profile else None,
             )
