@@ -80,7 +80,7 @@ def execute_job(
             return refused(refusal.refusal)
         return job_failed(db, claim, exc, settings)
     try:
-        claim = claiming.result()  # the job waited for it before its first decode step
+        claim = claiming.result()  # the job waited for it before its readback
     except Refused as refusal:
         return refused(refusal.refusal)
     finished_at = utcnow()

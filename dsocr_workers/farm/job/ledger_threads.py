@@ -1,7 +1,7 @@
 """A Celery child's ledger writes on threads of their own, off the path between two jobs.
 
-- The claim (`claim`), on the claims thread: a prefetched job starts on the device while its claim is
-  written, and waits for it before its first decode step; a refused claim drops its prefill.
+- The claim (`claim`), on the claims thread: a prefetched job runs on the device while its claim is
+  written, and waits for it before its readback; a refused claim drops what ran.
 - Results (`complete`) and a batched engine's steps (`record_steps`), on the results thread: a row is
   built (the engine's host part, `DeviceRun.finish`, included) and written while the next message is
   handed over; what is handed over while the thread is busy is written in one transaction (`Pending`).
