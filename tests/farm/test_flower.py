@@ -159,7 +159,8 @@ def json_kwargs(task: dict) -> dict:
 @pytest.mark.redis
 def test_flower_asks_for_the_login_it_is_given(broker_env, subprocess_env, tmp_path):
     port = free_port()
-    env = {**subprocess_env, **broker_env, "DSOCR_FLOWER_BASIC_AUTH": "farm:s3cret"}
+    # PYTHONFAULTHANDLER: a Flower that outlives its SIGTERM is stopped by SIGABRT, its threads' stacks logged.
+    env = {**subprocess_env, **broker_env, "DSOCR_FLOWER_BASIC_AUTH": "farm:s3cret", "PYTHONFAULTHANDLER": "1"}
     with open(tmp_path / "flower.log", "w") as log:
         flower = subprocess.Popen([sys.executable, "-m", "dsocr_workers", "flower", "--port", str(port)], env=env,
                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -174,5 +175,10 @@ def test_flower_asks_for_the_login_it_is_given(broker_env, subprocess_env, tmp_p
                 assert response.status == 200
         finally:
             flower.send_signal(signal.SIGTERM)
-            flower.wait(timeout=60)
+            try:
+                flower.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                flower.send_signal(signal.SIGABRT)
+                flower.wait(timeout=30)
+                pytest.fail("Flower outlived its SIGTERM by 60 s:\n" + (tmp_path / "flower.log").read_text()[-6000:])
     assert "s3cret" not in (tmp_path / "flower.log").read_text()
