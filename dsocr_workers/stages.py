@@ -118,6 +118,7 @@ class StageTimings:
         "the page's inputs to the device and the decode state set: before the prefill",
         stage="setup",
         part=True,
+        shown=_LATENCY,
         nullable=True,
     ).field()
     prefill_ms: float | None = Timing(
@@ -223,7 +224,7 @@ class StageTimings:
         bar="postprocess",
     ).field()
     host_gap_ms: float = Timing(
-        "host gap", "end-to-end less every stage: host time between stages", part=True
+        "host gap", "end-to-end less every stage: host time between stages", part=True, shown=_LATENCY
     ).field()
     e2e_ms: float = Timing(
         "end-to-end",
