@@ -234,7 +234,7 @@ def start_engine(
     pages: list[tuple[str, PreparedPage]],
     args: argparse.Namespace,
     options: DecodeOptions,
-    attention: SlotAttention,
+    attention: SlotAttention | None,
     prefill: str,
 ) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
@@ -258,7 +258,7 @@ def start_engine(
     )
     sync()
     record = dict(
-        attention=attention,
+        attention=engine.attention,
         prefill=prefill,
         kv_splits=engine.runner.kv_splits,
         slots=engine.plan.slots,
@@ -282,7 +282,7 @@ def engine_level(
     pages: list[tuple[str, PreparedPage]],
     args: argparse.Namespace,
     options: DecodeOptions,
-    attention: SlotAttention,
+    attention: SlotAttention | None,
     prefill: str,
     admission: str,
     weights: dict[str, Any],
@@ -296,7 +296,7 @@ def engine_level(
             record,
             {
                 "concurrency": concurrency,
-                "attention": attention,
+                "attention": engine.attention,
                 "prefill": prefill,
                 "admission": admission,
                 "skipped": f"only {engine.plan.slots} slots fit",
@@ -616,9 +616,8 @@ def main() -> int:
     parser.add_argument(
         "--attention",
         default=None,
-        help="how a decode step reads the slots (engine/batched/slots.py): filled (the default on CUDA), masked (on a "
-        "CPU, where the eager engine has no filled attention), or both "
-        "(masked,filled: each level on an engine of each, side by side)",
+        help="how a decode step reads the slots (engine/batched/slots.py): filled, masked, or both "
+        "(masked,filled: each level on an engine of each, side by side); unset: the engine's default",
     )
     parser.add_argument(
         "--prefill",
@@ -647,9 +646,10 @@ def main() -> int:
     began = time.perf_counter()
     use_compile_cache()  # DSOCR_COMPILE_CACHE_DIR where set: a farm run after it compiles less
     levels = sorted({int(c) for c in args.concurrency.split(",")})
-    attention = args.attention or ("filled" if args.device.startswith("cuda") else "masked")
-    attentions = [cast(SlotAttention, a) for a in dict.fromkeys(attention.split(","))]
-    if not set(attentions) <= set(get_args(SlotAttention)):
+    attentions: list[SlotAttention | None] = (
+        [None] if args.attention is None else [cast(SlotAttention, a) for a in dict.fromkeys(args.attention.split(","))]
+    )
+    if args.attention is not None and not set(attentions) <= set(get_args(SlotAttention)):
         parser.error(f"--attention takes masked, filled or both, not {args.attention}")
     prefills = list(dict.fromkeys(args.prefill.split(",")))
     if not set(prefills) <= set(PREFILLS):
@@ -700,7 +700,8 @@ def main() -> int:
     setup["engines"] = []
     settings = itertools.product(levels, attentions, prefills, admissions)
     for concurrency, attention, prefill, admission in settings:
-        named = {"concurrency": concurrency, "attention": attention, "prefill": prefill, "admission": admission}
+        named = {"concurrency": concurrency, "attention": attention or "default", "prefill": prefill,
+                 "admission": admission}  # fmt: skip
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
