@@ -1,8 +1,8 @@
 """While a batch-1 job's setup and prefill are launched on a GPU, the ledger threads start no claim or
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
 HOLD_LIMIT_S. A job with a next one known leaves them held: the next job's claim goes once that job's
-prefill is queued; this job's result and the reservation its lane makes as the next job starts, once that
-claim is written. The ledger (SQLite and PostgreSQL),
+prefill is queued, and this job's result row is built then; that row and the reservation its lane makes
+as the next job starts are written once that claim is. The ledger (SQLite and PostgreSQL),
 the threads, the job process and the tiny preset on the CPU are the real ones."""
 
 from __future__ import annotations
@@ -50,6 +50,27 @@ def test_a_hold_never_outlasts_its_limit(database, monkeypatch):
         assert claim.result(timeout=10) == 1
         assert time.monotonic() - began >= 0.2
     finally:
+        threads.close()
+
+
+def test_held_rows_are_built_once_claims_go_before_the_writes_are_released(database, monkeypatch):
+    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 60.0)  # only the gates open them
+    threads = LedgerThreads(database)
+    built = threading.Event()
+
+    def rows() -> list[dict]:
+        built.set()
+        return []
+
+    try:
+        threads.hold()
+        threads.record_steps(rows)
+        time.sleep(0.3)
+        assert not built.is_set()  # nothing beside the launches
+        threads.let_claims_go()  # the writes stay held: the row is built beside the decode's launches
+        assert built.wait(timeout=10)
+    finally:
+        threads.release()
         threads.close()
 
 

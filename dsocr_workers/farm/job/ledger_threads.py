@@ -11,9 +11,10 @@
   Python would hold the GIL the launches wait for, and on a GPU the stages' CUDA events would time the
   wait. They start once the prefills are queued, while the device runs them; a hold lasts HOLD_LIMIT_S
   at most (a CPU's prefill may be longer). A batch-1 job with a next job known holds them from its end.
-  The next job's claim goes once that job's prefill is queued (`let_claims_go`); the held result and
-  the reservation its lane made as the next job started (`wait_while_held`) once the claim is written,
-  so that no write contends with the claim the job waits for before its readback.
+  The next job's claim goes once that job's prefill is queued (`let_claims_go`), and the held result's
+  row is built then; that row and the reservation its lane made as the next job started
+  (`wait_while_held`) are written once the claim is, so that no write contends with the claim the job
+  waits for before its readback.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -55,6 +56,15 @@ class Completion:
 
 StepRows = Callable[[], list[dict[str, Any]]]  # a batched engine's steps as `batch_steps` rows, built late
 Handed = Completion | StepRows  # what the results thread writes
+
+
+@dataclass
+class BuiltRows:
+    """Rows built from what was handed over, to be written together."""
+
+    results: list[tuple[Completion, dict[str, Any]]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    unbuilt: list[tuple[Completion, Exception]] = field(default_factory=list)  # those jobs fail
 
 
 class Pending:
@@ -155,11 +165,14 @@ class LedgerThreads:
         self._closing.wait(seconds)  # cut short by close()
 
     def _write_pending(self) -> None:
-        """Every result and step handed over so far, in one transaction (the rows built first)."""
-        self._writes_open.wait(HOLD_LIMIT_S)
+        """Every result and step handed over so far: their rows built once the launches are queued, then
+        written in one transaction once no claim is waited for."""
+        self._claims_open.wait(HOLD_LIMIT_S)
         items = self._pending.take()
         try:
-            self._write(items)
+            rows = self._build(items)
+            self._writes_open.wait(HOLD_LIMIT_S)
+            self._write(rows)
         except Exception:  # a bug here: the jobs' leases run out and a sweep puts them back in line
             log.exception("results that could not be written")
             for item in items:
@@ -167,18 +180,28 @@ class LedgerThreads:
                     self._let_go(item.claim.job_id)
                     item.written.set_result(False)
 
-    def _write(self, items: list[Handed]) -> None:
-        built: list[tuple[Completion, dict[str, Any]]] = []
-        steps: list[dict[str, Any]] = []
+    def _build(self, items: list[Handed]) -> BuiltRows:
+        rows = BuiltRows()
         for item in items:
             if isinstance(item, Completion):
-                if (row := self._built(item)) is not None:
-                    built.append((item, row))
+                try:
+                    rows.results.append((item, item.build_row()))
+                except Exception as exc:  # the engine's host part or the scoring
+                    log.exception("job %s: its result could not be built; the job fails", item.claim.job_id)
+                    rows.unbuilt.append((item, exc))
             else:
                 try:
-                    steps += item()
+                    rows.steps += item()
                 except Exception:  # a bug, the same on every attempt: the steps are lost, the jobs are not
                     log.exception("batch steps that could not be made into rows; not written")
+        return rows
+
+    def _write(self, rows: BuiltRows) -> None:
+        for completion, exc in rows.unbuilt:  # a bug, the same on every attempt: the job fails
+            claim = completion.claim
+            self._retrying(partial(ledger.fail_job, claim=claim, error=exc, final=True, max_attempts=claim.attempt))
+            completion.written.set_result(False)
+        built, steps = rows.results, rows.steps
 
         def write(tx: Session) -> list[bool]:
             ledger.record_batch_steps(tx, steps)
@@ -204,19 +227,6 @@ class LedgerThreads:
                     job_id,
                 )
             completion.written.set_result(bool(written))
-
-    def _built(self, completion: Completion) -> dict[str, Any] | None:
-        """Its row; None when it cannot be built (the job then fails: a bug, the same on every attempt)."""
-        claim = completion.claim
-        try:
-            return completion.build_row()
-        except Exception as exc:  # the engine's host part or the scoring
-            log.exception("job %s: its result could not be built; the job fails", claim.job_id)
-            self._retrying(
-                partial(ledger.fail_job, claim=claim, error=exc, final=True, max_attempts=claim.attempt)
-            )
-            completion.written.set_result(False)
-            return None
 
     def _retrying(self, write: Callable[[Session], T]) -> T | None:
         """`write` in a transaction, tried again through ledger outages until this closes; None when
