@@ -224,7 +224,11 @@ class StageTimings:
         bar="postprocess",
     ).field()
     host_gap_ms: float = Timing(
-        "host gap", "end-to-end less every stage: host time between stages", part=True, shown=_LATENCY
+        "host gap",
+        "end-to-end less every stage: host time between stages (in a farm's batch-1 worker, a finished "
+        "job's postprocess waits until the next job's prefill is queued)",
+        part=True,
+        shown=_LATENCY,
     ).field()
     e2e_ms: float = Timing(
         "end-to-end",
