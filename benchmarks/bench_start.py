@@ -114,13 +114,15 @@ BATCHED_START = re.compile(r"batched engine: .*?; started in ([\d.]+) s")
 
 def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
     """A worker session's warm-up (`warmup_s`, its record's `warmup` text) in parts adding up to it: the
-    warm-up's phases (artifacts: "load packages"; "prepare"; "passes"; "wait for the host's compile"),
+    warm-up's phases (artifacts: "load packages"; "prepare"; "passes": their jobs; "prefill graphs": their
+    LM prefill captures; "wait for the host's compile"),
     the batched engine's start, and the rest."""
     parts: dict[str, float] = {}
     for phases in WARMUP_PHASES.findall(text):
         for phase in phases.split(", "):  # "load packages 0.06 s", "pass 1 3.79 s"
             name, seconds, _ = phase.rsplit(" ", 2)
-            key = "passes" if name.startswith("pass ") else "artifacts" if name == "load packages" else name
+            key = ("passes" if name.startswith("pass ") else "prefill graphs" if name.startswith("prefill graphs")
+                   else "artifacts" if name == "load packages" else name)  # fmt: skip
             parts[key] = parts.get(key, 0.0) + float(seconds)
     batched = BATCHED_START.search(text)
     if batched:
@@ -206,7 +208,7 @@ def ints(text: str) -> list[int]:
 
 
 PART_ORDER = ("imports", "Celery and fork", "load", "wait for the host's compile", "artifacts", "prepare",
-              "passes", "batched start", "rest of warm-up", "other")  # fmt: skip
+              "passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -616,6 +616,10 @@ def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings()
     assert fast.runners.prefill_graphs is not None and fast.runners.prefill_graphs.captured == 3
     report = warm(fast, ["tiny", "gundam"], max_new_tokens=8, max_crops=4)
     assert not report.still_cold, report.still_cold
+    # Each pass's captures timed apart from its jobs, counted, and still adding up to the warm-up.
+    assert report.prefill_graphs == fast.runners.prefill_graphs.captured - 3 > 0
+    assert list(report.phases_ms)[1:3] == ["pass 1", "prefill graphs 1"]
+    assert sum(report.phases_ms.values()) == pytest.approx(report.ms)
     job = fast.run_inference(page(1280, 1280), mode="gundam", max_new_tokens=8, max_crops=4)  # a 2x2 grid
     assert job.crop_grid == (2, 2) and not job.cold, job.cold_reasons
     # 1x4: 30 newlines more than the 4x1 strip the warm-up ran, a padded length of its own.

@@ -5,8 +5,9 @@ pass of jobs over them (`warm_pass`), as the worker's warm-up runs it and the bu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from PIL import Image
 
@@ -46,17 +47,27 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
     return replace(infer or DecodeOptions(), ignore_eos=False)
 
 
+@dataclass(frozen=True)
+class WarmPass:
+    """One pass of a warm-up: the shapes its jobs met, the cold paths they met ("shape: reason"), the
+    prompt lengths whose prefill it readied, and the time its LM prefill captures took after its jobs."""
+
+    shapes: list[str]
+    cold: list[str]
+    prompt_lengths: tuple[int, int]
+    prefill_graphs_ms: float
+
+
 def warm_pass(
     session: DeepSeekOCRSession,
     prepared: list[tuple[str, preprocess.PreparedPage]],
     max_new_tokens: int | None,
     options: DecodeOptions,
     max_crops: int,
-) -> tuple[list[str], list[str], tuple[int, int]]:
-    """Every prepared page's job once, then the prefill captures: the shapes met, the cold paths met, and
-    the prompt lengths whose prefill is captured."""
+) -> WarmPass:
+    """Every prepared page's job once, then the prefill captures."""
     shapes: list[str] = []
-    still_cold: list[str] = []
+    cold: list[str] = []
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
@@ -66,13 +77,15 @@ def warm_pass(
         result = session.run_on_device(
             page, max_new_tokens, options, return_text=False, after_step=end_early
         ).finish()
-        still_cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+        cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
         longest = max(longest, text + session.code.most_image_tokens(session.family.mode(name), max_crops))
+    session.synchronize()
+    captures_began = time.perf_counter()
     capture_prefills(session, shortest, longest, max_new_tokens)
     session.synchronize()
-    return shapes, still_cold, (shortest, longest)
+    return WarmPass(shapes, cold, (shortest, longest), (time.perf_counter() - captures_began) * 1e3)
 
 
 def capture_prefills(

@@ -48,7 +48,8 @@ class WarmupReport:
     """What a warm-up did. `phases_ms`: where `ms` went, in order, its parts adding up to it: "load
     packages" (prebuilt AOTInductor packages opened), "wait for the host's compile" (another process
     compiling this plan, without packages), "prepare" (the pages' preprocessing, once for every pass),
-    then "pass 1", "pass 2", ... (each with its prefill captures)."""
+    then "pass 1", "prefill graphs 1", "pass 2", ... (a pass's jobs, then its LM prefill captures).
+    `prefill_graphs`: how many LM prefill graphs the warm-up captured (its jobs' and the captures')."""
 
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
@@ -66,11 +67,13 @@ class WarmupReport:
     packages: int = 0
     packages_missed: tuple[str, ...] = ()
     phases_ms: dict[str, float] = field(default_factory=dict)
+    prefill_graphs: int = 0
 
     def describe(self) -> str:
         """Its time and phases in words, for the log and the worker session's record."""
         phases = ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in self.phases_ms.items())
-        return f"warm-up {self.ms / 1e3:.2f} s ({phases})"
+        captured = f"; {self.prefill_graphs} LM prefill graphs captured" if self.prefill_graphs else ""
+        return f"warm-up {self.ms / 1e3:.2f} s ({phases}){captured}"
 
 
 def session_plan(
@@ -164,27 +167,29 @@ def warm(
             prepared = [(name, session.prepare(image, None, name, max_crops)) for name, image in pages]
         phase_ends("prepare")
         passes = 0
-        still_cold: list[str] = []
-        shapes: list[str] = []
-        shortest = longest = 0
-        while passes < WARMUP_MAX_PASSES:
+        graphs = session.runners.prefill_graphs
+        graphs_before = graphs.captured if graphs is not None else 0
+        while True:
             passes += 1
-            shapes, still_cold, (shortest, longest) = warm_pass(
-                session, prepared, max_new_tokens, options, max_crops
-            )
+            ran = warm_pass(session, prepared, max_new_tokens, options, max_crops)
             phase_ends(f"pass {passes}")
-            if not still_cold:
+            if graphs is not None:  # the pass's jobs, then its captures
+                phases[f"pass {passes}"] -= ran.prefill_graphs_ms
+                phases[f"prefill graphs {passes}"] = ran.prefill_graphs_ms
+            if not ran.cold or passes == WARMUP_MAX_PASSES:
                 break
+            log.info("warm-up pass %d met cold paths: %s", passes, "; ".join(ran.cold))
     report = WarmupReport(
         (mark - began) * 1e3,
-        shapes,
+        ran.shapes,
         passes,
-        tuple(still_cold),
-        (shortest, longest),
+        tuple(ran.cold),
+        ran.prompt_lengths,
         found.summary if found is not None else "",
         len(regions.packages) if regions else 0,
         tuple(regions.missed) if regions else (),
         phases,
+        graphs.captured - graphs_before if graphs is not None else 0,
     )
     log.info("%s", report.describe())
     return report
