@@ -8,7 +8,8 @@ own headline (the engine's over its whole wall, the farm's report's Serving figu
 then their decode steps of 64+ pages: the step's p50 and what its attention read (KV positions per page,
 the longest page's). The target: the farm at >= 0.97 of the engine. With `--admission window,one-a-step`
 the engine alone also runs with its pages joining at most one a step, as the farm's arrive (their lengths
-staggered, bench_serving's `--admission`), and the farm's ratio to each is printed.
+staggered, bench_serving's `--admission`), and the farm's ratio to each is printed. --out gets
+farm-vs-engine.md: that comparison, then both sides' own tables (each with its GPU, versions and tree).
 
     python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
         --compile-cache /tmp/dc [--admission window,one-a-step]
@@ -172,8 +173,13 @@ def main() -> int:
         args.compile_cache,
     )
     text = table(engine_rows(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
-    (args.out / "farm-vs-engine.md").write_text(text)
     print(text)
+    # One raw file: the comparison, then each side's own tables (with its GPU, versions and tree).
+    sides = [("The farm's run (bench_scaling.py)", sorted(farm_out.glob("scaling-*.md"))),
+             ("The engine alone (bench_serving.py)", [engine_out / "serving.md"])]  # fmt: skip
+    for title, found in sides:
+        text += f"\n## {title}\n\n" + ("".join(f.read_text() for f in found if f.exists()) or "(none written)\n")
+    (args.out / "farm-vs-engine.md").write_text(text)
     return 0
 
 
