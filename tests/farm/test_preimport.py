@@ -3,7 +3,8 @@ in a fresh interpreter, as the parent does, the imports leave CUDA uninitialised
 running, a second call (a forked child's) imports nothing, opening a model of any family on any engine
 imports nothing more, and on a GPU host a child forked afterwards chooses its GPU and opens it. A lane
 starts its Celery worker without Celery's command line and its plugins. That a real worker's children
-inherit the imports is checked by their recorded `import_ms` (tests/farm/test_workers.py)."""
+inherit the imports is checked by their recorded `import_ms` (tests/farm/test_workers.py). The scorer is
+not among them: a child scores in a process of its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ seen = {
     "first": [first.modules, first.ms], "second": [second.modules, second.ms],
     "cuda_initialized": torch.cuda.is_initialized(), "python_threads": threading.active_count(),
     "transformers_model": "transformers.models.deepseek_ocr2.modeling_deepseek_ocr2" in sys.modules,
+    "scorer": "dsocr_workers.quality.scoring" in sys.modules,
 }
 if count_gpus():  # counted as the worker's parent counts them: nvidia-smi, not CUDA
     pid = os.fork()
@@ -41,6 +43,7 @@ def test_the_parents_imports_leave_cuda_alone_and_a_child_has_none_left(subproce
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     modules, ms = seen["first"]
     assert modules > 1000 and ms > 0 and seen["transformers_model"]
+    assert not seen["scorer"]  # a child scores in its scoring process (farm/job/scoring_process.py)
     assert seen["second"] == [0, 0.0]
     # torch maps the CUDA libraries (and numpy's BLAS may start OS threads) at import; what a fork must
     # not carry is CUDA's state or a Python thread in the middle of something.

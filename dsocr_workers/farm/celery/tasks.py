@@ -242,6 +242,7 @@ def run_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
                 settings=process.settings,
                 infer=infer,
                 ledger_threads=process.ledger_threads,
+                score=process.score,
             )
     except TransientError as exc:
         delay = job_retry_in_s(self.request.retries, process.settings)

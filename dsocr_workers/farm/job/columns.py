@@ -4,24 +4,36 @@ its device times on the ledger's clock, and a profiled job's trace."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from dsocr_workers.engine.result import DeviceSpan, InferenceResult, ProfileCapture
 from dsocr_workers.model.postprocess import render_mmd
-from dsocr_workers.quality.omnidocbench import PageReference
-from dsocr_workers.quality.scoring import PageScores, score_page
 from dsocr_workers.settings import MATCH_TIME_LIMIT, read
 from dsocr_workers.store import ledger
 from dsocr_workers.store.models import utcnow
+
+# A job's accuracy columns from its markup and reference: `accuracy_columns` or a worker's scoring process.
+Score = Callable[[str, dict[str, Any] | None], dict[str, float | str | None]]
+# A job without a reference: every accuracy column empty.
+NO_ACCURACY: dict[str, float | str | None] = dict.fromkeys(
+    ("text_edit", "formula_edit", "table_edit", "reading_order_edit", "table_teds", "table_teds_structure",
+     "matched_by")
+)  # fmt: skip
 
 
 def accuracy_columns(markup: str, reference: dict[str, Any] | None) -> dict[str, float | str | None]:
     """The job's edit distances and table TEDS to its reference (quality/scoring.py), on the markdown
     the model's markup renders to (its `result.mmd`), and the matching that paired them (quick_match
-    within DSOCR_MATCH_TIME_LIMIT, or one-to-one past it); all None without a reference."""
-    scores = (PageScores(None, None, None, None) if reference is None
-              else score_page(render_mmd(markup), PageReference.from_json(reference), read(MATCH_TIME_LIMIT)))  # fmt: skip
+    within DSOCR_MATCH_TIME_LIMIT, or one-to-one past it); all None without a reference. A worker runs
+    it in its scoring process (scoring_process.py); the scorer is imported at the first reference."""
+    if reference is None:
+        return dict(NO_ACCURACY)
+    from dsocr_workers.quality.omnidocbench import PageReference
+    from dsocr_workers.quality.scoring import score_page
+
+    scores = score_page(render_mmd(markup), PageReference.from_json(reference), read(MATCH_TIME_LIMIT))
     return {"text_edit": scores.text, "formula_edit": scores.formula, "table_edit": scores.table,
             "reading_order_edit": scores.reading_order, "table_teds": scores.table_teds,
             "table_teds_structure": scores.table_teds_structure, "matched_by": scores.matched_by}  # fmt: skip

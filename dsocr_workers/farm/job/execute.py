@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsocr_workers.engine.result import InferenceResult
 from dsocr_workers.farm.job.claims import Claiming, Outcome, Refused, job_failed, refused, start_claim
-from dsocr_workers.farm.job.columns import accuracy_columns, device_columns, profile_columns
+from dsocr_workers.farm.job.columns import Score, accuracy_columns, device_columns, profile_columns
 from dsocr_workers.farm.job.ledger_threads import LedgerThreads
 from dsocr_workers.farm.job.loaded import JobHost
 from dsocr_workers.farm.run_options import RunOptions
@@ -58,6 +58,7 @@ def execute_job(
     settings: Settings,
     infer: Infer,
     ledger_threads: LedgerThreads | None = None,
+    score: Score = accuracy_columns,
 ) -> Outcome:
     """Raises TransientError when the ledger cannot be reached; the job is then unchanged or still held
     under this owner's lease, and a later delivery to this process continues the same attempt. With
@@ -85,7 +86,7 @@ def execute_job(
         return refused(refusal.refusal)
     finished_at = utcnow()
     # Scored outside the transaction holding the job's row.
-    build_row = partial(result_row, ran, claim, claimed_s)
+    build_row = partial(result_row, ran, claim, claimed_s, score)
     if ledger_threads is not None:
         ledger_threads.complete(claim, build_row, finished_at)
         return Outcome(job_id, "completing")
@@ -97,9 +98,10 @@ def execute_job(
     return Outcome(job_id, "done")
 
 
-def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any]:
-    """The `results` columns for one inference of a job claimed at `claimed_s` (perf_counter); the
-    engine's host part, if it was left to do, is done here."""
+def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float, score: Score = accuracy_columns) -> dict[str, Any]:
+    """The `results` columns for one inference of a job claimed at `claimed_s` (perf_counter), its
+    accuracy from `score` (a worker's: its scoring process); the engine's host part, if it was left to
+    do, is done here."""
     result = ran.finished()
     loop = result.loop
     t = result.timings
@@ -150,7 +152,7 @@ def result_row(ran: Ran, claim: ledger.Claim, claimed_s: float) -> dict[str, Any
         "loop_start": loop.start if loop else None,
         "loop_period": loop.period if loop else None,
         "loop_wasted_steps": loop.wasted_steps if loop else None,
-        **accuracy_columns(result.text, claim.reference),
+        **score(result.text, claim.reference),
         **profile_columns(result),
     }
 

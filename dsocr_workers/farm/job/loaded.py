@@ -15,6 +15,7 @@ from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import Database
 
 if TYPE_CHECKING:
+    from dsocr_workers.farm.job.columns import Score
     from dsocr_workers.farm.job.page_processes import PageProcesses
     from dsocr_workers.store.ledger import Claim
 
@@ -58,6 +59,9 @@ class JobHost(Protocol):
     owner: str
     device: str
     ledger_threads: LedgerThreads
+    @property
+    def score(self) -> Score: ...
+
     @property
     def batch(self) -> Batch | None: ...
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -26,6 +26,7 @@ from dsocr_workers.farm.job.loaded import OpenModel
 from dsocr_workers.farm.job.opening import ModelOpener, NotOpen
 from dsocr_workers.farm.job.page_processes import PageProcesses, default_processes
 from dsocr_workers.farm.job.prefetch import PagePlan, Prefetcher, Upcoming
+from dsocr_workers.farm.job.scoring_process import ScoringProcess
 from dsocr_workers.farm.job.warm import Warmup
 from dsocr_workers.farm.liveness import Heartbeat, Sweep
 from dsocr_workers.farm.owners import process_owner
@@ -51,6 +52,8 @@ class JobProcess:
     # The page-preparing processes (`pages_for`) of the open model: a batch's start takes them over from
     # the batch or prefetches before it on the same model, so it pays no second start of theirs.
     pages: PageProcesses | None = None
+    # Accuracy against a job's reference, in a process started at the first one (scoring_process.py).
+    score: ScoringProcess = field(default_factory=ScoringProcess)
 
     @classmethod
     def open(
@@ -101,6 +104,7 @@ class JobProcess:
         self.end_batch()  # its jobs finish and their results are written before the threads stop
         # Before the heartbeat stops: the leases of the results it writes stay renewed.
         self.ledger_threads.close()
+        self.score.close()  # after the results: their rows are scored
         self.prefetcher.close()  # before the processes: a prefetch waiting on them gets its page
         if self.pages is not None:
             self.pages.kill() if hand_back else self.pages.close()
