@@ -60,6 +60,17 @@ if TYPE_CHECKING:  # the batched engine (its runner) imports this module
 log = logging.getLogger(__name__)
 
 
+FIRST_JOB = "first job of this model in its process (not warmed up)"
+NEW_BUCKET = "first use of the {}-position KV cache bucket"
+
+
+def met_once(reason: str) -> bool:
+    """A cold path that running a job once resolves for good (the process's first job, a KV cache
+    bucket's first use): a warm-up pass that met no other needs no next pass."""
+    prefix, _, suffix = NEW_BUCKET.partition("{}")
+    return reason == FIRST_JOB or (reason.startswith(prefix) and reason.endswith(suffix))
+
+
 @dataclass(frozen=True)
 class DevicePage:
     """A prepared page's inputs on the device: ids, normalised pixel groups (the global view, then the
@@ -730,10 +741,8 @@ class DeepSeekOCRSession:
         after = self._cold_probe()
         reasons = []
         if self.jobs_run == 1:
-            reasons.append("first job of this model in its process (not warmed up)")
-        reasons.extend(
-            f"first use of the {capacity}-position KV cache bucket" for capacity in self._new_buckets
-        )
+            reasons.append(FIRST_JOB)
+        reasons.extend(NEW_BUCKET.format(capacity) for capacity in self._new_buckets)
         if after.graphs > before.graphs:
             reasons.append(f"compiled {after.graphs - before.graphs} new graph(s)")
         if after.prefill_graphs > before.prefill_graphs:

@@ -13,13 +13,14 @@ from PIL import Image
 
 from dsocr_workers.engine.regions import PREFILL_BUCKET, padded_length
 from dsocr_workers.engine.result import DecodeOptions
-from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
+from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at, met_once
 from dsocr_workers.model import preprocess
 from dsocr_workers.model.families import ModelFamily
 
 # A warm-up's jobs end at this decode step: decode only has to be compiled and captured, in the bucket
-# jobs will use. Passes repeat until one meets no cold path: CUDA graph trees run a new graph once before
-# they capture it, at its second call (measured: the capture grows the allocator by ~1 GiB).
+# jobs will use. Passes repeat until one meets no cold path but those running once resolves (a process's
+# first job, a cache bucket's first use): CUDA graph trees run a new graph once before they capture it,
+# at its second call (measured: the capture grows the allocator by ~1 GiB).
 WARMUP_EOS_STEP = 2
 
 
@@ -49,11 +50,12 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
 
 @dataclass(frozen=True)
 class WarmPass:
-    """One pass of a warm-up: the shapes its jobs met, the cold paths they met ("shape: reason"), the
-    prompt lengths whose prefill it readied, and the time its LM prefill captures took after its jobs."""
+    """One pass of a warm-up: the shapes its jobs met, the cold paths they met ("shape: reason") that
+    running once does not resolve (`met_once`), the prompt lengths whose prefill it readied, and the time
+    its LM prefill captures took after its jobs."""
 
     shapes: list[str]
-    cold: list[str]
+    lasting: list[str]
     prompt_lengths: tuple[int, int]
     prefill_graphs_ms: float
 
@@ -67,7 +69,7 @@ def warm_pass(
 ) -> WarmPass:
     """Every prepared page's job once, then the prefill captures."""
     shapes: list[str] = []
-    cold: list[str] = []
+    lasting: list[str] = []
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
@@ -77,7 +79,7 @@ def warm_pass(
         result = session.run_on_device(
             page, max_new_tokens, options, return_text=False, after_step=end_early
         ).finish()
-        cold += [f"{shape}: {reason}" for reason in result.cold_reasons]
+        lasting += [f"{shape}: {reason}" for reason in result.cold_reasons if not met_once(reason)]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
         longest = max(longest, text + session.code.most_image_tokens(session.family.mode(name), max_crops))
@@ -85,7 +87,7 @@ def warm_pass(
     captures_began = time.perf_counter()
     capture_prefills(session, shortest, longest, max_new_tokens)
     session.synchronize()
-    return WarmPass(shapes, cold, (shortest, longest), (time.perf_counter() - captures_began) * 1e3)
+    return WarmPass(shapes, lasting, (shortest, longest), (time.perf_counter() - captures_began) * 1e3)
 
 
 def capture_prefills(

@@ -53,9 +53,9 @@ class WarmupReport:
 
     ms: float
     shapes: list[str]  # "mode" or "mode:colsxrows", in the order they ran
-    passes: int  # over all shapes, until one met no cold path
-    # What the last pass still met, per shape ("mode:grid: reason"): empty when it came clean, so
-    # the first jobs will not be cold either.
+    passes: int  # over all shapes, until one met no cold path that running once does not resolve
+    # What the last pass still met, per shape ("mode:grid: reason"), past those running once resolves
+    # (session.py `met_once`): empty when it came clean, so the first jobs will not be cold either.
     still_cold: tuple[str, ...] = ()
     # The prompt lengths (the warm-up's prompt) whose LM prefill is ready: from its shortest page to the
     # longest prompt any crop grid of its modes makes, which its `n x 1` strips do not reach.
@@ -176,14 +176,14 @@ def warm(
             if graphs is not None:  # the pass's jobs, then its captures
                 phases[f"pass {passes}"] -= ran.prefill_graphs_ms
                 phases[f"prefill graphs {passes}"] = ran.prefill_graphs_ms
-            if not ran.cold or passes == WARMUP_MAX_PASSES:
+            if not ran.lasting or passes == WARMUP_MAX_PASSES:
                 break
-            log.info("warm-up pass %d met cold paths: %s", passes, "; ".join(ran.cold))
+            log.info("warm-up pass %d met cold paths: %s", passes, "; ".join(ran.lasting))
     report = WarmupReport(
         (mark - began) * 1e3,
         ran.shapes,
         passes,
-        tuple(ran.cold),
+        tuple(ran.lasting),
         ran.prompt_lengths,
         found.summary if found is not None else "",
         len(regions.packages) if regions else 0,
