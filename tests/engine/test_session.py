@@ -1,5 +1,7 @@
 """The split prefill/decode engine on the tiny preset (CPU): result contract, stop rules, checks."""
 
+import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -419,7 +421,7 @@ def test_ignore_eos_runs_the_budget_through_a_forced_eos(session):
     assert result.stop_reason == "max_new_tokens" and result.wasted_steps == 0
 
 
-def test_cold_paths_are_flagged_and_warm_up_removes_them():
+def test_cold_paths_are_flagged_and_warm_up_removes_them(caplog):
     fresh = DeepSeekOCRSession.from_local("tiny")
     first = fresh.run_inference(page(600, 480), mode="base", max_new_tokens=4)
     assert first.cold
@@ -432,7 +434,11 @@ def test_cold_paths_are_flagged_and_warm_up_removes_them():
     assert bigger.cold_reasons == ("first use of the 2048-position KV cache bucket",)
 
     warmed = DeepSeekOCRSession.from_local("tiny")
-    report = warm(warmed, ["base", "gundam"], max_new_tokens=4, max_crops=3)
+    with caplog.at_level(logging.INFO, logger="dsocr_workers.engine.coldstart.warmup"):
+        report = warm(warmed, ["base", "gundam"], max_new_tokens=4, max_crops=3)
+    # Each job of a pass timed, by shape, in the log.
+    assert re.search(r"warm-up pass 1: jobs base [\d.]+ s, gundam [\d.]+ s, gundam:2x1 [\d.]+ s, gundam:3x1 [\d.]+ s$",
+                     caplog.text, re.MULTILINE), caplog.text  # fmt: skip
     assert report.shapes == ["base", "gundam", "gundam:2x1", "gundam:3x1"] and report.ms > 0
     # Eager: no helpers, no language job; its parts add up to the warm-up. One pass: it met only the first
     # job and the buckets' first uses, which running once resolves (the jobs below are warm).

@@ -51,13 +51,15 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
 @dataclass(frozen=True)
 class WarmPass:
     """One pass of a warm-up: the shapes its jobs met, the cold paths they met ("shape: reason") that
-    running once does not resolve (`met_once`), the prompt lengths whose prefill it readied, and the time
-    its LM prefill captures took after its jobs."""
+    running once does not resolve (`met_once`), the prompt lengths whose prefill it readied, each job's
+    time (host clock: a warm-up job ends reading its tokens back), and the time its LM prefill captures
+    took after its jobs."""
 
     shapes: list[str]
     lasting: list[str]
     prompt_lengths: tuple[int, int]
     prefill_graphs_ms: float
+    jobs_ms: dict[str, float]  # by shape
 
 
 def warm_pass(
@@ -70,15 +72,18 @@ def warm_pass(
     """Every prepared page's job once, then the prefill captures."""
     shapes: list[str] = []
     lasting: list[str] = []
+    jobs_ms: dict[str, float] = {}
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
         cols, rows = page.crop_grid
         shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
         shapes += [shape] if shape not in shapes else []
+        began = time.perf_counter()
         result = session.run_on_device(
             page, max_new_tokens, options, return_text=False, after_step=end_early
         ).finish()
+        jobs_ms[shape] = jobs_ms.get(shape, 0.0) + (time.perf_counter() - began) * 1e3
         lasting += [f"{shape}: {reason}" for reason in result.cold_reasons if not met_once(reason)]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
@@ -87,7 +92,8 @@ def warm_pass(
     captures_began = time.perf_counter()
     capture_prefills(session, shortest, longest, max_new_tokens)
     session.synchronize()
-    return WarmPass(shapes, lasting, (shortest, longest), (time.perf_counter() - captures_began) * 1e3)
+    captures_ms = (time.perf_counter() - captures_began) * 1e3
+    return WarmPass(shapes, lasting, (shortest, longest), captures_ms, jobs_ms)
 
 
 def capture_prefills(

@@ -176,6 +176,9 @@ def warm(
             if graphs is not None:  # the pass's jobs, then its captures
                 phases[f"pass {passes}"] -= ran.prefill_graphs_ms
                 phases[f"prefill graphs {passes}"] = ran.prefill_graphs_ms
+            jobs = ", ".join(f"{shape} {ms / 1e3:.2f} s" for shape, ms in ran.jobs_ms.items())
+            captures = f"; prefill graphs {ran.prefill_graphs_ms / 1e3:.2f} s" if graphs is not None else ""
+            log.info("warm-up pass %d: jobs %s%s", passes, jobs, captures)
             if not ran.lasting or passes == WARMUP_MAX_PASSES:
                 break
             log.info("warm-up pass %d met cold paths: %s", passes, "; ".join(ran.lasting))
