@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -372,7 +373,8 @@ def package_name(key: str) -> str:
 
 
 def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path: Path) -> Path:
-    """Export the recorded call and compile it into the package `path`."""
+    """Export the recorded call and compile it into the package `path`, which appears whole or not at
+    all (a build cut short leaves no package another build would take for done)."""
     named = weights_of(call.name, call.args)
     with torch.no_grad():
         weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
@@ -385,7 +387,9 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
             strict=False,
         )
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+        partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+        partial.replace(path)
     return path
 
 

@@ -4,7 +4,10 @@ refusal of those built for something else.
 `dsocr precompile` (coldstart/build.py) writes, in the compile cache (DSOCR_COMPILE_CACHE_DIR):
 
     <cache>/dsocr-artifacts/<plan key>/<environment key>.json      the manifest
-    <cache>/dsocr-artifacts/<plan key>/<environment key>/*.pt2     its packages
+    <cache>/dsocr-artifacts/<batch-1 plan key>/<environment key>/*.pt2     its packages
+
+A batched plan's packages sit with its batch-1 form's (`packages_folder`), so that the second of the two
+builds compiles only what the first did not (a package is named by its region key).
 
 The plan key (`plan_key`): the warm-up's plan (with the concurrency a batched worker serves), the model's
 configuration and the engine. The environment
@@ -29,7 +32,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +195,10 @@ def manifest_path(plan: CompilePlan, config: Any, environment: Environment) -> P
 
 
 def packages_folder(plan: CompilePlan, config: Any, environment: Environment) -> Path:
-    """Where the build puts the plan's packages for `environment`, beside its manifest."""
-    return manifest_path(plan, config, environment).with_suffix("")
+    """Where the build puts the plan's packages for `environment`: beside the manifest of the plan's
+    batch-1 form, shared by the plans that differ only in their concurrency (a batched plan's regions
+    are its batch-1 plan's and its engine's step: a package of one is a package of the other)."""
+    return manifest_path(replace(plan, concurrency=1), config, environment).with_suffix("")
 
 
 def describe(plan: CompilePlan) -> str:

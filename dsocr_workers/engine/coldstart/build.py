@@ -5,7 +5,8 @@
 
 loads the model as a worker will, runs the warm-up's pages once with a recorder in place of dynamo
 (aoti.py `Recorder`) and, for a concurrency above 1, the batched engine's step of each mode over every
-bucket, builds each region and shape met as an AOTInductor package (aoti.py `build_package`), then
+bucket, builds each region and shape met as an AOTInductor package (aoti.py `build_package`; one the
+plan's batch-1 or batched form built already is taken as it is: artifacts.py `packages_folder`), then
 checks them as a worker's start uses them: the warm-up itself and the batched engine's start, on the
 packages, must come clean. Only then is the plan's manifest (artifacts.py) written, beside the packages,
 with the Python bytecode of every module it imported where the installation has none (cache.py).
@@ -180,10 +181,14 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         limits = Limits(plan.max_crops, session.max_positions)
         built, seconds_each = [], {}
         for number, (key, call) in enumerate(recorder.calls.items(), 1):
-            started = time.perf_counter()
-            path = build_package(call, limits, plan.dynamic_tiles, folder / package_name(key))
-            seconds_each[path.name] = round(time.perf_counter() - started, 1)
+            path = folder / package_name(key)
             built.append(artifacts.Artifact("aoti-package", str(path), key))
+            if path.exists():  # built for this plan's batch-1 or batched form already (packages_folder)
+                progress(f"package {number}/{len(recorder.calls)}: {key} built already")
+                continue
+            started = time.perf_counter()
+            build_package(call, limits, plan.dynamic_tiles, path)
+            seconds_each[path.name] = round(time.perf_counter() - started, 1)
             progress(f"package {number}/{len(recorder.calls)}: {key} in {seconds_each[path.name]} s")
         del recorder, pages  # the recorded calls hold copies of their inputs
         manifest = artifacts.manifest(plan, config, tuple(built), time.perf_counter() - began, here)
