@@ -63,6 +63,8 @@ class Database:
             with self.sessions.begin() as tx:
                 yield tx
         except OperationalError as exc:
+            if _interrupted(exc):  # Ctrl-C in a wait for SQLite's lock: reported as the lock, still Ctrl-C
+                raise KeyboardInterrupt from exc
             raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
@@ -71,6 +73,21 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `exc`'s chain (its driver's error raised while handling one)."""
+    pending: list[object] = [exc]
+    seen: set[int] = set()
+    while pending:
+        link = pending.pop()
+        if not isinstance(link, BaseException) or id(link) in seen:
+            continue
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        pending += [getattr(link, "orig", None), link.__context__, link.__cause__]
+    return False
 
 
 # `dsocr run` makes the embedded default's ledger itself; a server's is made by `dsocr db upgrade` only.

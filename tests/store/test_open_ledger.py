@@ -4,12 +4,15 @@ of a DSOCR_DATABASE_URL that names a missing one."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy.exc import OperationalError
 
 from dsocr_workers.cli import main
+from dsocr_workers.errors import TransientError
 from dsocr_workers.store.db import SchemaError, open_database, open_ledger
 
 COMMANDS = {
@@ -86,3 +89,28 @@ def test_existing_ledger_opens(sqlite_url):
 def test_runs_reads_an_existing_ledger(sqlite_url):
     code, output = invoke(["runs"], {"DSOCR_DATABASE_URL": sqlite_url})
     assert code == 0 and "no dsocr database" not in output, output
+
+
+def test_ctrl_c_that_the_driver_reports_as_the_lock_stays_ctrl_c(sqlite_url):
+    """pysqlite may raise "database is locked" while a KeyboardInterrupt is being handled (Ctrl-C in a wait
+    for SQLite's lock): that is Ctrl-C, not an outage to retry; a lock alone is an outage."""
+    db = open_database(sqlite_url)
+
+    def locked(during_ctrl_c: bool) -> sqlite3.OperationalError:
+        try:
+            if during_ctrl_c:
+                raise KeyboardInterrupt
+            raise sqlite3.OperationalError("database is locked")
+        except BaseException:
+            try:
+                raise sqlite3.OperationalError("database is locked")
+            except sqlite3.OperationalError as error:
+                return error
+
+    try:
+        with pytest.raises(KeyboardInterrupt), db.transaction():
+            raise OperationalError("SELECT 1", {}, locked(during_ctrl_c=True))
+        with pytest.raises(TransientError, match="database is locked"), db.transaction():
+            raise OperationalError("SELECT 1", {}, locked(during_ctrl_c=False))
+    finally:
+        db.dispose()
