@@ -7,11 +7,10 @@ preprocessing (`ModelFamily.prepare_page`, what `DeepSeekOCRSession.prepare` run
 one page at a time each; the job process starts them with its first batched engine on a model and keeps
 them for the next ones on it (farm/job/process.py `pages_for`).
 
-Each is a fresh interpreter (`python -c`; never a fork, the job's process has initialised CUDA and
-OpenMP; nor multiprocessing's Process, which a Celery child, daemonic to multiprocessing, may not start)
-that imports the family's preprocessing and is handed the tokenizer: never CUDA nor the weights. They
-ignore Ctrl-C (the pool stops them) and die with the job's process, killed or not (a SIGKILL at their
-parent's death; their parent is the pool's thread, which outlives them).
+Each is a fresh interpreter (helper_processes.py) that imports the family's preprocessing and is handed
+the tokenizer: never CUDA nor the weights. They ignore Ctrl-C (the pool stops them) and die with the
+job's process, killed or not (a SIGKILL at their parent's death; their parent is the pool's thread, which
+outlives them).
 
 A page comes back through shared memory (torch.multiprocessing's reductions: each tensor's storage
 crosses as a file descriptor) and leaves it at once in the job's process, pinned on CUDA as
@@ -22,13 +21,10 @@ its class and message, so a bad image fails its page alone; a process that dies 
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -38,9 +34,8 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from celery.platforms import set_pdeathsig
-
 from dsocr_workers import settings
+from dsocr_workers.farm.job.helper_processes import helper_connection, start_helper
 from dsocr_workers.model.families import FAMILIES
 from dsocr_workers.model.tokenizer import OCRTokenizer
 
@@ -67,14 +62,6 @@ START_TIMEOUT_S = 300.0
 # Pages handed to a process at once: its next one waits in its pipe while it prepares one, so that it
 # never idles until this process's thread, which may wait for the GIL, has read a page and sent another.
 ORDERS_PER_PROCESS = 2
-# A page-preparing process: this process's module path (as multiprocessing's spawn hands it over), then
-# `serve` on the end of the pipe it inherits, its parent's pid to check.
-COMMAND = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from dsocr_workers.farm.job.page_processes import serve; serve(*map(int, sys.argv[2:]))"
-)
-
-
 def default_processes() -> int:
     """`DSOCR_PAGE_PROCESSES`, or half the CPUs, 1 to 4."""
     return settings.read(settings.PAGE_PROCESSES) or max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -126,14 +113,12 @@ class _Preparer:
 
 
 def serve(fd: int, parent: int) -> None:
-    """A page-preparing process (`COMMAND`): told what to prepare with (`_Start`) through its end of the
+    """A page-preparing process (`start_helper`): told what to prepare with (`_Start`) through its end of the
     pipe, `fd`, then each `_Order` received prepared, the page or the error it raised sent back, until
     None or the end of the pipe."""
-    set_pdeathsig("SIGKILL")
-    if os.getppid() != parent:  # its parent died before the signal was set
+    connection = helper_connection(fd, parent)
+    if connection is None:
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
-    connection = Connection(fd)
     try:
         start: _Start = connection.recv()
     except EOFError:  # the pool stopped before it was told
@@ -295,20 +280,12 @@ class PageProcesses:
     def _start_one(self) -> _Preparer | None:
         """A new process (to be sent its `_Start`), killed at once if the pool is stopping; None when it
         could not be started."""
-        ours, theirs = multiprocessing.Pipe()
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", COMMAND, json.dumps(sys.path), str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
+            process, ours = start_helper(__name__)
         except Exception as exc:
             log.exception("a page-preparing process did not start")
             self._break(f"a page-preparing process did not start: {type(exc).__name__}: {exc}")
-            ours.close()
             return None
-        finally:
-            theirs.close()
         preparer = _Preparer(process, ours)
         with self._changed:
             self._preparers.append(preparer)

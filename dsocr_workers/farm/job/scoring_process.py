@@ -7,8 +7,7 @@ results thread hands each scored page to one process and waits for its columns, 
 scorer's own imports (rapidfuzz, apted, lxml, BeautifulSoup, pylatexenc) are that process's, never
 the child's start.
 
-The process is a fresh interpreter (`python -c`, as farm/job/page_processes.py starts theirs, and for
-the same reasons), started at the first page that has a reference: a run without ground truth never
+The process is a fresh interpreter (helper_processes.py, as the page-preparing processes), started at the first page that has a reference: a run without ground truth never
 starts it. It ignores Ctrl-C and dies with the child. A process that dies is started again for the next
 page; a page that kills two in a row fails its job, as an error raised by the scorer does.
 """
@@ -16,27 +15,17 @@ page; a page that kills two in a row fails its job, as an error raised by the sc
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import multiprocessing
-import os
-import signal
 import subprocess
-import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from celery.platforms import set_pdeathsig
-
 from dsocr_workers.farm.job.columns import NO_ACCURACY, accuracy_columns
+from dsocr_workers.farm.job.helper_processes import helper_connection, start_helper
 
 log = logging.getLogger("dsocr.worker")
 
-COMMAND = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from dsocr_workers.farm.job.scoring_process import serve; serve(*map(int, sys.argv[2:]))"
-)
 # How long a process told to stop may take to exit before it is killed.
 END_WAIT_S = 10.0
 
@@ -48,13 +37,11 @@ class ProcessDied(RuntimeError):
 
 
 def serve(fd: int, parent: int) -> None:
-    """The scoring process (`COMMAND`): each (markup, reference) received on `fd` scored, its columns or
+    """The scoring process (`start_helper`): each (markup, reference) received on `fd` scored, its columns or
     the error it raised sent back, until None or the end of the pipe."""
-    set_pdeathsig("SIGKILL")
-    if os.getppid() != parent:  # its parent died before the signal was set
+    connection = helper_connection(fd, parent)
+    if connection is None:
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
-    connection = Connection(fd)
     while True:
         try:
             order = connection.recv()
@@ -111,15 +98,7 @@ class ScoringProcess:
             self._end(kill=False)
 
     def _start(self) -> Connection:
-        ours, theirs = multiprocessing.Pipe()
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", COMMAND, json.dumps(sys.path), str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
+        self._process, ours = start_helper(__name__)
         self._connection = ours
         self.started += 1
         return ours
