@@ -277,7 +277,7 @@ class BatchedJobs:
         loaded = self.loaded
         run = DeviceRun.batched(loaded.session, job.page.result(), output, ttft_from_s=job.claimed_s)
         ran = Ran(run.finish(), loaded.worker_id, loaded.worker_session_id, device=self.process.device)
-        self.process.ledger_threads.complete(job.claim, partial(result_row, ran, job.claim, job.claimed_s, self.process.score),
-                                             utcnow())
+        build_row = partial(result_row, ran, job.claim, job.claimed_s, self.process.score)
+        self.process.ledger_threads.complete(job.claim, build_row, utcnow())
         log.info("job %s: decoded in the batch (%d tokens, %s, mean occupancy %.1f)", job.claim.job_id,
                  len(output.token_ids), output.stop_reason, output.metrics.mean_occupancy or 1.0)
