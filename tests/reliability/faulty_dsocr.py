@@ -80,6 +80,9 @@ def with_faults(infer: RunJob, faults: Faults) -> RunJob:
         process.ledger_threads.release()  # as a job that waits for its claim does (`Prefetcher.job_to_run`)
         claim = claiming.result()
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.crash):
+            # This job alone crashes: the previous job's result, let out above, is written first (a child
+            # killed before that write is the lost-result scenario, tested on its own).
+            process.ledger_threads.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         if any(fnmatch.fnmatchcase(claim.image, glob) for glob in faults.hang):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # billiard's soft time limit signal

@@ -190,7 +190,7 @@ def a_claim(image: str) -> Claiming:
 
 
 FAULTS = Faults(crash=("poison*.png",), hang=("hung*.png",))
-A_PROCESS = SimpleNamespace(ledger_threads=SimpleNamespace(release=lambda: None))  # all the hook uses of it
+A_PROCESS = SimpleNamespace(ledger_threads=SimpleNamespace(release=lambda: None, wait=lambda: None))  # all the hook uses of it
 
 
 def test_fault_hook_runs_every_job_it_does_not_name_to_its_end():
