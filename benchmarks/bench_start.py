@@ -289,14 +289,15 @@ def main() -> int:
             subprocess.run([*DSOCR, "db", "upgrade"], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
             for concurrency in regimes if args.build else []:
                 built_at = time.perf_counter()
-                built = subprocess.run([*DSOCR, "precompile", *plan, "--modes", args.modes, "--concurrency",
-                                        str(concurrency), "--gpus", "cpu" if args.devices == "cpu" else "0"],
-                                       env=env, cwd=REPO, capture_output=True, text=True,
-                                       timeout=args.build_timeout_s)  # fmt: skip
-                (out / f"precompile-c{concurrency}.log").write_text(built.stdout + built.stderr)
+                build_log = out / f"precompile-c{concurrency}.log"
+                with open(build_log, "w") as build_out:  # straight into --out: a call cut short keeps it
+                    built = subprocess.run([*DSOCR, "precompile", *plan, "--modes", args.modes, "--concurrency",
+                                            str(concurrency), "--gpus", "cpu" if args.devices == "cpu" else "0"],
+                                           env=env, cwd=REPO, stdout=build_out, stderr=subprocess.STDOUT,
+                                           timeout=args.build_timeout_s)  # fmt: skip
                 report["builds"].append({"concurrency": concurrency, "rc": built.returncode,
                                          "wall_s": round(time.perf_counter() - built_at, 1),
-                                         "up_to_date": "up to date" in built.stdout})  # fmt: skip
+                                         "up_to_date": "up to date" in build_log.read_text()})  # fmt: skip
                 log(f"build: {report['builds'][-1]}")
                 save()
             report["floor"] = measure_floor(env, args.model, "cuda" if args.devices == "gpu" else "cpu")
@@ -312,7 +313,7 @@ def main() -> int:
                 start_env = env if cache == "built" else {**env, "DSOCR_COMPILE_CACHE_DIR": str(folder / f"empty{index}")}
                 worker = [*plan, "--warmup", args.modes, "--concurrency", str(concurrency),
                           "--gpus", device_list(args.devices, k)]  # fmt: skip
-                marks = start(start_env, folder, f"start{index}-c{concurrency}-k{k}-{cache}", worker, args.timeout_s,
+                marks = start(start_env, out, f"start{index}-c{concurrency}-k{k}-{cache}", worker, args.timeout_s,
                               children=k)  # fmt: skip
                 rows = sessions_since(db, marks["launched_at"])
                 report["starts"].append({"concurrency": concurrency, "k": k, "cache": cache, **marks,
@@ -322,8 +323,6 @@ def main() -> int:
         finally:
             redis.terminate()
             redis.wait()
-            for path in folder.glob("*.log"):
-                shutil.copy(path, out / path.name)
             save()
     print(markdown(report))
     return 0
