@@ -1,9 +1,9 @@
 """The batched engine's runner: the device side of the scheduler's plans (scheduler.py). It owns the
 slotted KV cache and token state, launches a page's prefill through the session's vision and LM prefill
 (whole, or in the two parts of a split prefill, its SAM features held between them) and the decode step
-per bucket (eager, or compiled once dynamic in the bucket and replayed as a CUDA graph per bucket), and
-reads tokens back through a pinned ring behind the device, timed by CUDA events placed on the host
-clock.
+per bucket (eager, or compiled, by dynamo once dynamic in the bucket or ahead a package per bucket, and
+replayed as a CUDA graph per bucket), and reads tokens back through a pinned ring behind the device,
+timed by CUDA events placed on the host clock.
 
 A graph's capture runs its step once uncaptured first, and that run writes the cache and the token
 buffers like any step, so graphs are captured ahead (`capture`) while no slot holds a page: a free

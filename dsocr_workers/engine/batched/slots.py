@@ -7,7 +7,8 @@ writes its key and value there and attends over that slot's positions, in one of
 attention); "filled" reads only each row's filled blocks (FlexAttention over the fast engine's attention
 modules). A slot that holds no page computes a throwaway row of length 1, which writes only its own
 position 0. Every tensor the step touches sits at a fixed address with shapes set by the bucket, so the
-step compiles once, dynamic in the bucket, and is captured as a CUDA graph per bucket (runner.py).
+step compiles once, dynamic in the bucket, under dynamo (a package per bucket where built ahead:
+coldstart/aoti.py), and is captured as a CUDA graph per bucket (runner.py).
 """
 
 from __future__ import annotations

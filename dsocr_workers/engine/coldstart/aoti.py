@@ -3,8 +3,7 @@ worker's start with no dynamo, no tracing and no compiler.
 
 A region is what the fast engine compiles (engine/regions.py `Compiler`): a SAM or CLIP block per view
 size, CLIP over a page's two view groups, an LM prefill layer (dense or MoE), the decode step, and the
-batched engine's step over its slots (engine/batched/slots.py `decode_slots`: bucket 1, and one package
-dynamic in the bucket for the others).
+batched engine's step over its slots (engine/batched/slots.py `decode_slots`: a package per bucket).
 `Recorder` stands in for dynamo while the warm-up's pages run eagerly once, keeping each region kind and
 shape met (its `key`) with its first call's arguments; `build_package` exports each with its state and
 its weights as inputs (one package serves every layer of a kind), the dimensions jobs vary dynamic.
@@ -233,27 +232,21 @@ class _DecodeStep(_Region):
         return dims
 
 
-def _slot_count(rows: SlotRows) -> int:
-    """The engine's slots: a bucket's rows are a view of the first rows of every slot's state."""
-    base = rows.tokens._base
-    return (base if base is not None else rows.tokens).shape[0]
-
-
 class _BatchedStep(_Region):
     """The batched engine's step: `function(model, keys, values, rows, options, whitelist, visible,
-    kv_splits)`, writing the slots' tokens, lengths and cache. Its slots and capacity are static (the KV
-    plan), its bucket dynamic from 2 rows (bucket 1 is a package of its own, as dynamo specialises it);
-    the options and the KV splits are the package's."""
+    kv_splits)`, writing the slots' tokens, lengths and cache. A package per bucket, every shape static:
+    a bucket range dynamic in its row count meets the experts' switch from their GEMV kernels to the
+    grouped GEMM (model/selected_experts.py), which an export cannot guard on. The options and the KV
+    splits are the package's."""
 
     name = "batched_step"
     prefixes = ("language_model.", "lm_head.")
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
         _, keys, _, rows, options, _, visible, kv_splits = args
-        count = rows.length.shape[0]
         return {
-            "rows": 1 if count == 1 else "rows",
-            "slots": _slot_count(rows),
+            "rows": rows.length.shape[0],
+            "slots": keys[0].shape[0],  # "filled": every slot's cache; "masked": the bucket's
             "capacity": keys[0].shape[2],
             "attention": "masked" if visible is None else "filled",
             "kv_splits": kv_splits,
@@ -277,13 +270,7 @@ class _BatchedStep(_Region):
         yield model, *cache, rows, options, whitelist, visible, kv_splits
 
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
-        _, keys, _, rows, _, _, visible, _ = args
-        if rows.length.shape[0] == 1:
-            return [None] * len(self.state(args))
-        dim = torch.export.Dim("rows", min=2, max=max(_slot_count(rows), 3))
-        cache: dict | None = {0: dim} if visible is None else None  # "masked": the bucket's slots only
-        extra = len(self.state(args)) - 4 - 2 * len(keys)
-        return [{0: dim}] * 4 + [cache] * (2 * len(keys)) + [None] * extra
+        return [None] * len(self.state(args))
 
 
 REGIONS: dict[str, _Region] = {
