@@ -134,7 +134,8 @@ found = {"outcome": report.outcome, "manifest": str(report.manifest), "packages"
          "checked": [dataclasses.asdict(started) for started in report.batched]}
 if sys.argv[1] == "worker":
     session = DeepSeekOCRSession.from_local("tiny", device="cpu", engine=engine)
-    found["warmup"] = dataclasses.asdict(warm(session, ["tiny"], max_new_tokens=8, max_crops=3, concurrency=2))
+    # Warmed batch-1 (no concurrency told): the batched start opens its plan's packages then.
+    found["warmup"] = dataclasses.asdict(warm(session, ["tiny"], max_new_tokens=8, max_crops=3))
     page, options = Image.new("RGB", (512, 512), "white"), DecodeOptions(ignore_eos=True)
     batched, started = start_batched(session, 2, "tiny", 8, options, max_crops=3, compiled=True)
     found["batched_start"] = dataclasses.asdict(started)
@@ -167,11 +168,12 @@ def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_eager(t
     """`dsocr precompile` of a tiny-mode plan at concurrency 1, then at 2 (the CPU, inductor's C++): the
     warm-up's pages and the batched step's buckets recorded, one AOTInductor package per region kind and
     shape (SAM's two block kinds, CLIP's, the LM's dense and MoE layers, the decode step; then the batched
-    step at bucket 1 and dynamic from 2, the batch-1 plan's packages taken as they are), checked by the
-    warm-up and the batched engine's start on them, then the manifest.
-    Built again: up to date, nothing loaded. A worker's warm-up and batched start in a fresh process load
-    the packages (dynamo compiles nothing) and decode, alone and batched, the greedy tokens the regions'
-    eager kernels decode. A manifest built by another torch is refused, saying so."""
+    step a package per bucket, the batch-1 plan's packages taken as they are), checked by the warm-up and
+    the batched engine's start on them, then the manifest.
+    Built again: up to date, nothing loaded. In a fresh process a worker's batch-1 warm-up loads the
+    batch-1 packages and its batched start the batched plan's (dynamo compiles nothing); it decodes,
+    alone and batched, the greedy tokens the regions' eager kernels decode. A manifest built by another
+    torch is refused, saying so."""
     cache = tmp_path / "cache"
     env = {**subprocess_env, "DSOCR_COMPILE_CACHE_DIR": str(cache)}
     batch_1 = run_build("build1", env)
@@ -190,7 +192,7 @@ def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_eager(t
     assert worker["outcome"] == "up to date" and worker["manifest"] == built["manifest"]
     warmup = worker["warmup"]
     assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
-    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (8, [], False)
+    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (6, [], False)
     assert list(warmup["phases_ms"])[:2] == ["load packages", "prepare"]
     started = worker["batched_start"]
     assert (list(started["captures_ms"]), started["compiled"], started["packages_missed"]) == (["1", "2"], 0, [])

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dsocr_workers.engine.batched.slots import SlotRows
+from dsocr_workers.engine.coldstart.plan import CompilePlan
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
 from dsocr_workers.engine.sampling import step_key
@@ -399,6 +400,7 @@ class PackagedRegions:
 
     packages: dict[str, Any]
     fallback: Compiler
+    plan: CompilePlan | None = None  # the plan whose manifest listed them
     dynamic_tiles: bool = True
     missed: list[str] = field(default_factory=list)
     decode_needs_graph: bool = True
@@ -406,9 +408,16 @@ class PackagedRegions:
 
     @classmethod
     def load(
-        cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, dynamic_tiles: bool = True
+        cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, plan: CompilePlan | None = None,
+        dynamic_tiles: bool = True,
     ) -> PackagedRegions:
-        return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, dynamic_tiles)
+        return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, plan, dynamic_tiles)
+
+    def add(self, paths: dict[str, Path], device: torch.device) -> int:
+        """Open those of `paths` not open yet (another plan's, its regions' shapes the same); how many."""
+        new = {key: path for key, path in paths.items() if key not in self.packages}
+        self.packages.update({key: load_package(path, device) for key, path in new.items()})
+        return len(new)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         region = REGIONS[name]

@@ -112,7 +112,7 @@ def use_packages(
     """The session's regions run `manifest`'s packages from now on; a region none was built for compiles
     with dynamo (and says so)."""
     regions = PackagedRegions.load(
-        manifest.packages(), session.device, TorchCompiler(plan.backend), plan.dynamic_tiles
+        manifest.packages(), session.device, TorchCompiler(plan.backend), plan, plan.dynamic_tiles
     )
     session.use_compiler(regions)
     return regions
@@ -234,6 +234,17 @@ def _graphs_compiled() -> int:
     return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
 
 
+def _add_packages(session: DeepSeekOCRSession, regions: PackagedRegions, plan: CompilePlan) -> None:
+    """A worker warmed from another concurrency's packages that starts a batched engine: the packages
+    built for `plan`, where built, so that its step loads instead of compiling."""
+    found = artifacts.lookup(plan, session.loaded.config)
+    if found.manifest is None:
+        log.info("batched engine of %s: %s", artifacts.describe(plan), found.summary)
+        return
+    added = regions.add(found.manifest.packages(), session.device)
+    log.info("batched engine of %s: %d packages opened from %s", artifacts.describe(plan), added, found.path)
+
+
 def start_batched(
     session: DeepSeekOCRSession,
     concurrency: int,
@@ -257,6 +268,8 @@ def start_batched(
     began, graphs_before = time.perf_counter(), _graphs_compiled()
     regions = session.compiler if isinstance(session.compiler, PackagedRegions) else None
     missed = len(regions.missed) if regions is not None else 0
+    if regions is not None and regions.plan is not None and regions.plan.concurrency != concurrency:
+        _add_packages(session, regions, replace(regions.plan, concurrency=concurrency))
     engine = BatchedEngine.for_mode(
         session, concurrency, mode, prompt, max_new_tokens, infer, compiled=compiled, cuda_graphs=cuda_graphs,
         split_prefill=split_prefill,
