@@ -48,18 +48,26 @@ def warm_options(infer: DecodeOptions | None) -> DecodeOptions:
     return replace(infer or DecodeOptions(), ignore_eos=False)
 
 
+# A warm-up job's parts (stages.py `StageTimings`), its prefill by stage: its page is prepared before.
+PASS_PARTS = (
+    "setup", "sam", "clip", "qwen2", "projector", "lm_prefill", "first_token", "decode", "wasted_decode",
+    "readback", "host_gap",
+)
+
+
 @dataclass(frozen=True)
 class WarmPass:
     """One pass of a warm-up: the shapes its jobs met, the cold paths they met ("shape: reason") that
     running once does not resolve (`met_once`), the prompt lengths whose prefill it readied, each job's
-    time (host clock: a warm-up job ends reading its tokens back), and the time its LM prefill captures
-    took after its jobs."""
+    time (host clock: a warm-up job ends reading its tokens back), the jobs' parts summed (`PASS_PARTS`:
+    where a cold pass's time goes), and the time its LM prefill captures took after its jobs."""
 
     shapes: list[str]
     lasting: list[str]
     prompt_lengths: tuple[int, int]
     prefill_graphs_ms: float
     jobs_ms: dict[str, float]  # by shape
+    parts_ms: dict[str, float]  # by part, over the pass's jobs
 
 
 def warm_pass(
@@ -73,6 +81,7 @@ def warm_pass(
     shapes: list[str] = []
     lasting: list[str] = []
     jobs_ms: dict[str, float] = {}
+    parts_ms: dict[str, float] = {}
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
@@ -84,6 +93,11 @@ def warm_pass(
             page, max_new_tokens, options, return_text=False, after_step=end_early
         ).finish()
         jobs_ms[shape] = jobs_ms.get(shape, 0.0) + (time.perf_counter() - began) * 1e3
+        figures = result.timings.columns()
+        for part in PASS_PARTS:
+            ms = figures.get(f"{part}_ms")
+            if ms is not None:
+                parts_ms[part] = parts_ms.get(part, 0.0) + ms
         lasting += [f"{shape}: {reason}" for reason in result.cold_reasons if not met_once(reason)]
         shortest = min(shortest, page.prompt_tokens)
         text = page.prompt_tokens - page.image_tokens
@@ -93,7 +107,7 @@ def warm_pass(
     capture_prefills(session, shortest, longest, max_new_tokens)
     session.synchronize()
     captures_ms = (time.perf_counter() - captures_began) * 1e3
-    return WarmPass(shapes, lasting, (shortest, longest), captures_ms, jobs_ms)
+    return WarmPass(shapes, lasting, (shortest, longest), captures_ms, jobs_ms, parts_ms)
 
 
 def capture_prefills(

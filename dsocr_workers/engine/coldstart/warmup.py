@@ -177,8 +177,9 @@ def warm(
                 phases[f"pass {passes}"] -= ran.prefill_graphs_ms
                 phases[f"prefill graphs {passes}"] = ran.prefill_graphs_ms
             jobs = ", ".join(f"{shape} {ms / 1e3:.2f} s" for shape, ms in ran.jobs_ms.items())
+            parts = ", ".join(f"{part} {ms / 1e3:.2f} s" for part, ms in ran.parts_ms.items() if ms >= 5)
             captures = f"; prefill graphs {ran.prefill_graphs_ms / 1e3:.2f} s" if graphs is not None else ""
-            log.info("warm-up pass %d: jobs %s%s", passes, jobs, captures)
+            log.info("warm-up pass %d: jobs %s (by part: %s)%s", passes, jobs, parts, captures)
             if not ran.lasting or passes == WARMUP_MAX_PASSES:
                 break
             log.info("warm-up pass %d met cold paths: %s", passes, "; ".join(ran.lasting))
