@@ -10,7 +10,9 @@ them; each start's parts adding up to its total, beside the floor of that device
 3. For each C, each K: `--starts` launches of `dsocr worker --gpus 0,...,K-1 --warmup MODES --model M
    --engine E --max-new-tokens N --concurrency C` on that cache (its own redis-server and SQLite
    ledger), timed from launch to every child's worker session `ready_at`; `--without-artifacts K,...`:
-   one start more at those K on an empty cache (each child compiles, as with no build).
+   one start more at those K on an empty cache (each child compiles, as with no build); `--first-jobs
+   FILELIST`: once ready, that list submitted at the regime's concurrency, its cold jobs counted (a
+   start is warm when its first jobs are).
 
 The parts of a start are its slowest child's: imports (the worker's parent, before it forks its lanes),
 Celery and the fork (to the child's session start), load, its warm-up's phases (artifacts: packages
@@ -30,6 +32,7 @@ the CPU). JSON and markdown into --out (start-<UTC>.{json,md}) with every worker
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -63,11 +67,12 @@ PARENT_IMPORTS = re.compile(r"imports inherited \((\d+) ms in the worker's paren
 
 
 def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], timeout_s: float,
-          children: int = 1, until: str = "children_warm_s") -> dict[str, Any]:  # fmt: skip
+          children: int = 1, until: str = "children_warm_s",
+          once_ready: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One `dsocr worker --gpus 0 ...` start (queue `name`; a later `--gpus` in `worker_args` wins):
     seconds from launch to the last lane's Celery ready line, the first child's first line and the
-    `children`-th warm line, up to `until`; then the worker is stopped. `launched_at`: the launch in UTC
-    (the ledger's clock)."""
+    `children`-th warm line, up to `until`; then `once_ready` (its figures under "first_jobs"), then the
+    worker is stopped. `launched_at`: the launch in UTC (the ledger's clock)."""
     log_path = folder / f"{name}.log"
     launched_at = datetime.now(UTC).replace(tzinfo=None)
     began = time.perf_counter()
@@ -86,6 +91,8 @@ def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], 
         if len(CHILD_WARM.findall(text)) >= children:
             marks.setdefault("children_warm_s", now)
         time.sleep(0.05)
+    if once_ready is not None and until in marks and proc.poll() is None:
+        marks["first_jobs"] = once_ready()
     marks["exit"] = proc.poll()  # None: it ran until stopped here
     proc.send_signal(signal.SIGTERM)
     try:
@@ -97,6 +104,30 @@ def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], 
     marks["parent_import_s"] = int(inherited.group(1)) / 1e3 if inherited else None
     marks["log"] = log_path.name
     return marks
+
+
+def first_jobs(env: dict[str, str], db: Path, queue: str, submit_args: list[str], timeout_s: float) -> dict[str, Any]:
+    """A run submitted to a worker just ready (`dsocr submit ... --queue queue`): how many of its jobs
+    were cold (the ledger's `cold` flag: a compilation, a capture, a new bucket, allocator growth) and
+    why, once all have a result or `timeout_s` passed."""
+    began = time.perf_counter()
+    out = subprocess.run([*DSOCR, "submit", *submit_args, "--queue", queue], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    run_id = out.stdout.strip().splitlines()[-1].strip()  # submit prints the run id last
+    with sqlite3.connect(db) as connection:
+        (jobs,) = connection.execute("select count(*) from jobs where run_id = ?", (run_id,)).fetchone()
+    results: list[tuple[int, str | None]] = []
+    while time.perf_counter() - began < timeout_s:
+        with sqlite3.connect(db) as connection:
+            results = connection.execute("select cold, cold_reason from results where run_id = ?", (run_id,)).fetchall()
+        if len(results) >= jobs:
+            break
+        time.sleep(0.5)
+    reasons = sorted({reason for cold, reason in results if cold and reason})
+    return {"run_id": run_id, "jobs": jobs, "results": len(results), "cold": sum(bool(cold) for cold, _ in results),
+            "cold_reasons": reasons[:5], "s": round(time.perf_counter() - began, 1)}  # fmt: skip
 
 
 def sessions_since(db: Path, since: str) -> list[dict[str, Any]]:
@@ -133,8 +164,10 @@ def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
 
 def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int) -> dict[str, Any]:
     """The start's total (launch → its last child's `ready_at`) and that child's parts: imports, Celery
-    and the fork, load, the warm-up's parts (`warmup_parts`), adding up to it."""
-    ready = [row for row in rows if row["ready_at"]]
+    and the fork, load, the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's
+    sessions in the order they began, its children's start-ups first (a session a first job began after
+    them is no part of the start)."""
+    ready = [row for row in rows[:children] if row["ready_at"]]
     if len(ready) < children:
         return {"children_ready": len(ready)}
     launched = datetime.fromisoformat(marks["launched_at"])
@@ -234,6 +267,15 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [f"{s['parts_s'].get(name, 0.0):.2f}" for name in parts]
         lines.append(f"| {s['concurrency']} | {s['k']} | {s['cache']}: {used} | **{s['total_s']:.2f}** | "
                      + " | ".join(cells) + " |")  # fmt: skip
+    checked = [s for s in report["starts"] if "first_jobs" in s]
+    if checked:
+        lines += ["", "First jobs, submitted once every child was ready (cold: the ledger's flag):", ""]
+        for s in checked:
+            first = s["first_jobs"]
+            said = first.get("error") or (f"{first['results']} of {first['jobs']} results in {first['s']} s, "
+                                          f"{first['cold']} cold" + (f" ({'; '.join(first['cold_reasons'])})"
+                                                                     if first["cold_reasons"] else ""))  # fmt: skip
+            lines.append(f"- concurrency {s['concurrency']}, K = {s['k']}, {s['cache']}: {said}")
     totals = [s["total_s"] for s in report["starts"] if "total_s" in s and s["cache"] == "built"]
     if totals:
         lines += ["", f"Median launch → every child ready over the starts on built artifacts: "
@@ -258,6 +300,8 @@ def main() -> int:
     parser.add_argument("--build-timeout-s", type=float, default=540)
     parser.add_argument("--timeout-s", type=float, default=150, help="one start's limit")
     parser.add_argument("--budget-s", type=float, default=540, help="no start begins past this many seconds")
+    parser.add_argument("--first-jobs", help="a file list submitted to each worker once ready, at its regime's "
+                                             "concurrency: how many of its jobs were cold")  # fmt: skip
     args = parser.parse_args()
     began = time.perf_counter()
     out = Path(args.out)
@@ -313,8 +357,15 @@ def main() -> int:
                 start_env = env if cache == "built" else {**env, "DSOCR_COMPILE_CACHE_DIR": str(folder / f"empty{index}")}
                 worker = [*plan, "--warmup", args.modes, "--concurrency", str(concurrency),
                           "--gpus", device_list(args.devices, k)]  # fmt: skip
-                marks = start(start_env, out, f"start{index}-c{concurrency}-k{k}-{cache}", worker, args.timeout_s,
-                              children=k)  # fmt: skip
+                queue = f"start{index}-c{concurrency}-k{k}-{cache}"
+                check = None
+                if args.first_jobs:
+                    # As the worker was warmed (no --ignore-eos: other decode options would start an engine of
+                    # their own).
+                    submitted = [args.first_jobs, *plan, "--mode", args.modes.split(",")[0], "--concurrency",
+                                 str(concurrency)]  # fmt: skip
+                    check = functools.partial(first_jobs, start_env, db, queue, submitted, args.timeout_s)
+                marks = start(start_env, out, queue, worker, args.timeout_s, children=k, once_ready=check)
                 rows = sessions_since(db, marks["launched_at"])
                 report["starts"].append({"concurrency": concurrency, "k": k, "cache": cache, **marks,
                                          **start_parts(marks, rows, k), "sessions": rows})  # fmt: skip
