@@ -225,8 +225,8 @@ class StageTimings:
     ).field()
     host_gap_ms: float = Timing(
         "host gap",
-        "end-to-end less every stage: host time between stages (in a farm's batch-1 worker, a finished "
-        "job's postprocess waits until the next job's prefill is queued)",
+        "end-to-end less every stage: host time between stages (in a farm's batch-1 worker on a GPU, a "
+        "finished job's postprocess waits until the next job's prefill is queued)",
         part=True,
         shown=_LATENCY,
     ).field()

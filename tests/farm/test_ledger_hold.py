@@ -2,8 +2,9 @@
 write (farm/job/ledger_threads.py `hold`): a claim handed over then waits for `release`, or at most
 HOLD_LIMIT_S. A job with a next one known leaves them held: the next job's claim goes once that job's
 prefill is queued, and this job's result row is built then; that row and the reservation its lane makes
-as the next job starts are written once that claim is. The ledger (SQLite and PostgreSQL),
-the threads, the job process and the tiny preset on the CPU are the real ones."""
+as the next job starts are written once that claim is. On a CPU nothing is held: its launches are the
+work. The ledger (SQLite and PostgreSQL), the threads, the job process and the tiny preset on the CPU are
+the real ones (the job process's threads told to hold as on a GPU)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def test_a_claim_handed_over_during_a_hold_starts_at_its_release(database):
         assert not claim.done()
         threads.release()
         assert claim.result(timeout=10) == 1
+    finally:
+        threads.close()
+
+
+def test_threads_that_do_not_hold_start_a_claim_at_once(database, monkeypatch):
+    monkeypatch.setattr(ledger_threads, "HOLD_LIMIT_S", 600.0)  # held, the claim would wait that long
+    threads = LedgerThreads(database, holds=False)  # a CPU process's
+    try:
+        threads.hold()
+        claim = threads.claim(lambda tx: tx.execute(text("SELECT 1")).scalar_one())
+        assert claim.result(timeout=60) == 1
     finally:
         threads.close()
 
@@ -87,6 +99,8 @@ def test_after_a_job_with_a_next_one_the_next_claim_waits_for_its_prefill_and_th
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
     threads = process.ledger_threads
+    assert not threads.holds
+    threads.holds = True  # as on a GPU
     seen: dict[str, tuple[str | None, int, str | None]] = {}  # the second's state, first's results, third's reservation
 
     def ledger_now() -> tuple[str | None, int, str | None]:
@@ -145,6 +159,7 @@ def test_a_reservation_made_during_a_hold_is_written_at_its_release(database, tm
     (job_id,) = record_run(database, read_filelist(listing), RunOptions(mode="tiny"), queue="q", name="r").job_ids
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
+    process.ledger_threads.holds = True  # as on a GPU
 
     try:
         process.ledger_threads.hold()  # a job's launches under way

@@ -14,7 +14,8 @@
   The next job's claim goes once that job's prefill is queued (`let_claims_go`), and the held result's
   row is built then; that row and the reservation its lane made as the next job started
   (`wait_while_held`) are written once the claim is, so that no write contends with the claim the job
-  waits for before its readback.
+  waits for before its readback. On a CPU nothing is held (`holds`): its launches are the work itself,
+  and a row held there would count the next job's whole prefill in its job's end-to-end time.
 - A ledger outage: a claim fails at once (the task retries); a write is tried again until it goes
   through or the process closes. A write given up lets its job's lease run out (`Heartbeat.let_go`), so
   a sweep puts the job back in line, as after a crash; a late write finds the lease gone and writes nothing.
@@ -91,9 +92,12 @@ class Pending:
 class LedgerThreads:
     """A process's claims, and its result writes, each one at a time in the order handed over."""
 
-    def __init__(self, db: Database, let_go: Callable[[str], None] = lambda job_id: None) -> None:
+    def __init__(
+        self, db: Database, let_go: Callable[[str], None] = lambda job_id: None, *, holds: bool = True
+    ) -> None:
         self._db = db
         self._let_go = let_go  # a job whose result was given up: its lease is no longer renewed
+        self.holds = holds  # whether `hold` holds: launches on an asynchronous device (a GPU)
         self._closing = threading.Event()
         self._claims_open = threading.Event()  # cleared by `hold`: no claim starts
         self._claims_open.set()
@@ -125,6 +129,8 @@ class LedgerThreads:
     def hold(self) -> None:
         """Start no claim, write or reservation until `release` (claims: `let_claims_go`), or HOLD_LIMIT_S:
         the caller launches device work that a wait for the GIL would stretch."""
+        if not self.holds:
+            return
         self._claims_open.clear()
         self._writes_open.clear()
 

@@ -90,7 +90,7 @@ class JobProcess:
             heartbeat=heartbeat,
             owner=owner,
             prefetcher=Prefetcher(db),
-            ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go),
+            ledger_threads=LedgerThreads(db, let_go=heartbeat.let_go, holds=device.startswith("cuda")),
             models=ModelOpener(db, owner, device, runs_on or device, register, import_ms=import_ms),
         )
 
