@@ -408,10 +408,15 @@ class PackagedRegions:
 
     @classmethod
     def load(
-        cls, paths: dict[str, Path], device: torch.device, fallback: Compiler, plan: CompilePlan | None = None,
+        cls,
+        paths: dict[str, Path],
+        device: torch.device,
+        fallback: Compiler,
+        plan: CompilePlan | None = None,
         dynamic_tiles: bool = True,
     ) -> PackagedRegions:
-        return cls({key: load_package(path, device) for key, path in paths.items()}, fallback, plan, dynamic_tiles)
+        packages = {key: load_package(path, device) for key, path in paths.items()}
+        return cls(packages, fallback, plan, dynamic_tiles)
 
     def add(self, paths: dict[str, Path], device: torch.device) -> int:
         """Open those of `paths` not open yet (another plan's, its regions' shapes the same); how many."""

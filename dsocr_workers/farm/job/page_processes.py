@@ -62,6 +62,8 @@ START_TIMEOUT_S = 300.0
 # Pages handed to a process at once: its next one waits in its pipe while it prepares one, so that it
 # never idles until this process's thread, which may wait for the GIL, has read a page and sent another.
 ORDERS_PER_PROCESS = 2
+
+
 def default_processes() -> int:
     """`DSOCR_PAGE_PROCESSES`, or half the CPUs, 1 to 4."""
     return settings.read(settings.PAGE_PROCESSES) or max(1, min(4, (os.cpu_count() or 2) // 2))

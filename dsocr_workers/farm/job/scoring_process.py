@@ -7,9 +7,10 @@ results thread hands each scored page to one process and waits for its columns, 
 scorer's own imports (rapidfuzz, apted, lxml, BeautifulSoup, pylatexenc) are that process's, never
 the child's start.
 
-The process is a fresh interpreter (helper_processes.py, as the page-preparing processes), started at the first page that has a reference: a run without ground truth never
-starts it. It ignores Ctrl-C and dies with the child. A process that dies is started again for the next
-page; a page that kills two in a row fails its job, as an error raised by the scorer does.
+The process is a fresh interpreter (helper_processes.py, as the page-preparing processes), started at
+the first page that has a reference: a run without ground truth never starts it. It ignores Ctrl-C and
+dies with the child. A process that dies is started again for the next page; a page that kills two in a
+row fails its job, as an error raised by the scorer does.
 """
 
 from __future__ import annotations
