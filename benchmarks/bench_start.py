@@ -5,7 +5,8 @@ them; each start's parts adding up to its total, beside the floor of that device
 1. `--build`: `dsocr precompile --model M --engine E --modes MODES --max-new-tokens N --concurrency C
    --gpus 0` for each C into `--compile-cache` (idempotent: "up to date" once built). On the lent GPU
    image name its C++ compiler, CXX=/usr/bin/g++ (its /opt/gcc builds packages that segfault at load).
-2. The floor, in a fresh process: `import torch`, CUDA's initialisation, and the model's weights copied
+2. The floor, in a fresh process: `import torch` (from the bytecode the build wrote where the
+   installation ships none, as a worker reads it), CUDA's initialisation, and the model's weights copied
    from pinned host memory to the device (CUDA events): what no start can go below.
 3. For each C, each K: `--starts` launches of `dsocr worker --gpus 0,...,K-1 --warmup MODES --model M
    --engine E --max-new-tokens N --concurrency C` on that cache (its own redis-server and SQLite
@@ -16,8 +17,9 @@ them; each start's parts adding up to its total, beside the floor of that device
 
 The parts of a start are its slowest child's: imports (the worker's parent, before it forks its lanes),
 Celery and the fork (to the child's session start), load, its warm-up's phases (artifacts: packages
-opened; prepare; passes: first calls and graph captures), the batched engine's start (each bucket's
-capture, the admission), and the rest (the page processes' wait, heap settling, the session's row).
+opened; passes: first calls and graph captures, pass 1 with the pages prepared beside it), the batched
+engine's start (each bucket's capture, the admission), and the rest (the page processes' wait, heap
+settling, the session's row).
 
     source benchmarks/device_env.sh && CXX=/usr/bin/g++ python3 benchmarks/bench_start.py --out $OUT \\
         --compile-cache /tmp/dc --build --ks 1,2,4 --concurrency 1,128 --max-new-tokens 256 \\
@@ -145,8 +147,8 @@ BATCHED_START = re.compile(r"batched engine: .*?; started in ([\d.]+) s")
 
 def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
     """A worker session's warm-up (`warmup_s`, its record's `warmup` text) in parts adding up to it: the
-    warm-up's phases (artifacts: "load packages"; "prepare"; "passes": their jobs; "prefill graphs": their
-    LM prefill captures; "wait for the host's compile"),
+    warm-up's phases (artifacts: "load packages"; "passes": their jobs, pass 1's with the pages prepared
+    beside it; "prefill graphs": their LM prefill captures; "wait for the host's compile"),
     the batched engine's start, and the rest."""
     parts: dict[str, float] = {}
     for phases in WARMUP_PHASES.findall(text):
@@ -188,6 +190,8 @@ def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int
 
 FLOOR = """
 import json, sys, time
+from dsocr_workers.engine.coldstart.cache import use_bytecode_cache
+use_bytecode_cache()  # the bytecode a build wrote, where the installation ships none (as a worker reads it)
 began = time.perf_counter()
 import torch
 imported = time.perf_counter()
@@ -240,7 +244,7 @@ def ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-PART_ORDER = ("imports", "Celery and fork", "load", "wait for the host's compile", "artifacts", "prepare",
+PART_ORDER = ("imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
               "passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
 
 

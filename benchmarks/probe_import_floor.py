@@ -48,8 +48,8 @@ IMPORT_SETS = {
     "engine session": "import dsocr_workers.engine.session",
     # What `dsocr worker`'s parent imports for its children before it forks them (farm/celery/preimport.py).
     "pre-import": "from dsocr_workers.farm.celery.preimport import import_for_jobs; import_for_jobs()",
-    # A lane starts Celery's worker through its command line (farm/celery/worker.py).
-    "farm parent": "import dsocr_workers.cli, dsocr_workers.farm.celery.app, celery.bin.worker",
+    # A lane starts Celery's worker through the app's Worker class (farm/celery/worker.py).
+    "farm parent": "import dsocr_workers.cli, dsocr_workers.farm.celery.app, celery.apps.worker",
     # AOTInductor's C++ loader is torch._C's; inductor's Python (its package wrapper) costs this on top.
     "torch._inductor": "import torch, torch._inductor.config, torch._inductor.codecache",
 }

@@ -72,6 +72,7 @@ def precompile(
     service or a Kubernetes Job before the workers start (deploy/README.md)."""
     from dsocr_workers.engine.coldstart.build import BuildRequest, build
     from dsocr_workers.errors import InputError
+    from dsocr_workers.farm.celery.preimport import import_for_jobs
     from dsocr_workers.farm.devices import parse_devices, see_only_this_gpu
     from dsocr_workers.farm.job.warm import default_modes, parse_modes
 
@@ -80,6 +81,9 @@ def precompile(
         raise InputError("--modes none: nothing to build")
     device = see_only_this_gpu(parse_devices(gpus)[0])
     began = time.perf_counter()
+    # Every module a worker's start imports, Celery's and the ledger's included: the build writes the
+    # bytecode of what this process imported.
+    import_for_jobs()
 
     def progress(line: str) -> None:
         click.echo(f"[{time.perf_counter() - began:6.1f} s] {line}", err=True)

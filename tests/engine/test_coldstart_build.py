@@ -193,7 +193,7 @@ def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_eager(t
     warmup = worker["warmup"]
     assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
     assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (6, [], False)
-    assert list(warmup["phases_ms"])[:2] == ["load packages", "prepare"]
+    assert list(warmup["phases_ms"])[:2] == ["load packages", "pass 1"]
     started = worker["batched_start"]
     assert (list(started["captures_ms"]), started["compiled"], started["packages_missed"]) == (["1", "2"], 0, [])
     assert "concurrency 2, 2 slots" in started["engine"]

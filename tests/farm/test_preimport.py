@@ -75,3 +75,33 @@ def test_opening_a_model_after_the_parents_imports_imports_nothing_more(subproce
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+LANE = """
+import json, os, signal, sys
+from celery.signals import celeryd_init, worker_ready
+from dsocr_workers.farm.celery.worker import start_worker
+from dsocr_workers.settings import Settings
+before = set()
+
+@celeryd_init.connect
+def _lane_starts(**_):
+    before.update(sys.modules)
+
+@worker_ready.connect
+def _ready(**_):
+    print("lane imported", json.dumps(sorted(set(sys.modules) - before)), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # a warm shutdown
+
+start_worker(Settings.from_env(), ["cpu"], warmup="none")
+"""
+
+
+def test_a_lane_starts_its_celery_worker_on_the_parents_imports(subprocess_env, broker_env, sqlite_url):
+    # What a lane imports as its Celery worker starts is imported after the fork, by every lane, and
+    # is missing from `dsocr precompile`'s bytecode: Celery's command line and its plugins are not used.
+    env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": sqlite_url}
+    done = subprocess.run([sys.executable, "-c", LANE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [imported] = [line.removeprefix("lane imported ") for line in done.stdout.splitlines() if "lane imported" in line]
+    assert json.loads(imported) == [], imported

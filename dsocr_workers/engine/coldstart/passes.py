@@ -6,7 +6,7 @@ pass of jobs over them (`warm_pass`), as the worker's warm-up runs it and the bu
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from PIL import Image
@@ -72,7 +72,7 @@ class WarmPass:
 
 def warm_pass(
     session: DeepSeekOCRSession,
-    prepared: list[tuple[str, preprocess.PreparedPage]],
+    prepared: Iterable[tuple[str, preprocess.PreparedPage]],
     max_new_tokens: int | None,
     options: DecodeOptions,
     max_crops: int,

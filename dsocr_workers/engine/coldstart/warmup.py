@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+from PIL import Image
 
 from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.aoti import PackagedRegions
@@ -34,6 +36,7 @@ from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
 from dsocr_workers.engine.regions import TorchCompiler
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
+from dsocr_workers.model.preprocess import PreparedPage
 
 if TYPE_CHECKING:
     from dsocr_workers.engine.batched import BatchedEngine
@@ -47,8 +50,8 @@ WARMUP_MAX_PASSES = 4
 class WarmupReport:
     """What a warm-up did. `phases_ms`: where `ms` went, in order, its parts adding up to it: "load
     packages" (prebuilt AOTInductor packages opened), "wait for the host's compile" (another process
-    compiling this plan, without packages), "prepare" (the pages' preprocessing, once for every pass),
-    then "pass 1", "prefill graphs 1", "pass 2", ... (a pass's jobs, then its LM prefill captures).
+    compiling this plan, without packages), then "pass 1", "prefill graphs 1", "pass 2", ... (a pass's
+    jobs, then its LM prefill captures; pass 1's jobs wait for any page not yet prepared beside them).
     `prefill_graphs`: how many LM prefill graphs the warm-up captured (its jobs' and the captures')."""
 
     ms: float
@@ -163,15 +166,25 @@ def warm(
         if plan is not None and regions is None:  # dynamo compiles: one process of the host at a time
             compiling.enter_context(artifacts.host_lock(plan, session.loaded.config, shared_wait=True))
             phase_ends("wait for the host's compile")
-        with torch.inference_mode():  # as run_inference prepares a page
-            prepared = [(name, session.prepare(image, None, name, max_crops)) for name, image in pages]
-        phase_ends("prepare")
+        # Pass 1 runs each page as soon as it is prepared, on a thread beside it: the host's preprocessing
+        # of the next page overlaps this page's first calls. The later passes take the same pages.
+        preparing = ThreadPoolExecutor(1, thread_name_prefix="dsocr-warm-pages")
+        futures = [(name, preparing.submit(_prepare, session, image, name, max_crops)) for name, image in pages]
+        preparing.shutdown(wait=False)
+        prepared: list[tuple[str, PreparedPage]] = []
+
+        def pages_as_prepared() -> Iterator[tuple[str, PreparedPage]]:
+            for name, future in futures:
+                prepared.append((name, future.result()))
+                yield prepared[-1]
+
         passes = 0
         graphs = session.runners.prefill_graphs
         graphs_before = graphs.captured if graphs is not None else 0
         while True:
             passes += 1
-            ran = warm_pass(session, prepared, max_new_tokens, options, max_crops)
+            pass_pages = pages_as_prepared() if passes == 1 else prepared
+            ran = warm_pass(session, pass_pages, max_new_tokens, options, max_crops)
             phase_ends(f"pass {passes}")
             if graphs is not None:  # the pass's jobs, then its captures
                 phases[f"pass {passes}"] -= ran.prefill_graphs_ms
@@ -197,6 +210,11 @@ def warm(
     )
     log.info("%s", report.describe())
     return report
+
+
+def _prepare(session: DeepSeekOCRSession, image: Image.Image, mode: str, max_crops: int) -> PreparedPage:
+    with torch.inference_mode():  # as run_inference prepares a page
+        return session.prepare(image, None, mode, max_crops)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The imports a worker child needs before it opens a model: torch, transformers' DeepSeek-OCR-2 modules
 (which bring torch.distributed.tensor, sympy and torch._dynamo with them), the engine, its variants, the
-start-up warm-up and the Celery task module. `dsocr worker`'s parent takes them once, before it forks
+start-up warm-up, the Celery task module and Celery's worker. `dsocr worker`'s parent takes them once, before it forks
 its lanes, so every lane and every Celery child (billiard forks, it does not spawn) starts with them
 done; a child takes them again only where they are missing (`import_for_jobs`), and records what that
 cost in its first worker session (`import_ms`: 0 when it inherited them).
@@ -18,8 +18,34 @@ from dataclasses import dataclass
 from dsocr_workers.engine.variants import REGISTRY
 from dsocr_workers.model.families import FAMILIES
 
+# What a lane's Celery worker imports as it starts (the app's amqp, events and control, the prefork pool,
+# the consumer): taken once here rather than by each lane after the fork, and so in the bytecode that
+# `dsocr precompile` writes (tests/farm/test_preimport.py says when Celery adds one).
+LANE_IMPORTS = (
+    "celery.apps.worker",
+    "celery.app.amqp",
+    "celery.app.control",
+    "celery.app.events",
+    "celery.app.log",
+    "celery.app.routes",
+    "celery.backends.base",
+    "celery.events.dispatcher",
+    "celery.events.receiver",
+    "celery.concurrency.prefork",
+    "celery.worker.autoscale",
+    "celery.worker.components",
+    "celery.worker.consumer",
+    "celery.worker.consumer.delayed_delivery",
+    "celery.worker.strategy",
+    "billiard.popen_fork",
+    "billiard.sharedctypes",
+    "billiard.synchronize",
+    "encodings.idna",  # the broker's host name
+)
+
 START_IMPORTS = (
     "dsocr_workers.farm.celery.tasks",
+    *LANE_IMPORTS,
     "dsocr_workers.engine.session",
     "dsocr_workers.engine.coldstart.warmup",
     "dsocr_workers.engine.batched",

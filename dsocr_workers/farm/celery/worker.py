@@ -226,28 +226,28 @@ def start_worker(
 
 
 def run_lane(spec: WorkerSpec, loglevel: str, events: bool) -> None:
-    """One lane in this process: a Celery prefork worker with one child for `spec.device` (its command
-    line exits with the worker's status)."""
+    """One lane in this process: a Celery prefork worker with one child for `spec.device`, started
+    through the app's Worker class rather than Celery's command line (which imports its plugins and an
+    interactive shell's modules at every start)."""
     global _handed
     _handed = spec
+    from celery.utils.nodenames import host_format
+
     from dsocr_workers.farm.celery.app import create_app
 
     app = create_app(spec.settings, events=events)
     app.conf.worker_proc_alive_timeout = WARMUP_TIMEOUT_S
-    app.worker_main(
-        [
-            "worker",
-            "--pool=prefork",
-            "--concurrency=1",
-            f"--queues={','.join(spec.queues)}",
-            f"--hostname=dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            # Celery's event heartbeats (not the ledger's) only serve a monitor.
-            *([] if events else ["--without-heartbeat"]),
-            f"--loglevel={loglevel}",
-        ]
-    )
+    app.Worker(
+        hostname=host_format(f"dsocr-{uuid.uuid4().hex[:6]}-{spec.lane}@%h"),
+        pool_cls="prefork",
+        concurrency=1,
+        queues=list(spec.queues),
+        without_gossip=True,
+        without_mingle=True,
+        # Celery's event heartbeats (not the ledger's) only serve a monitor.
+        without_heartbeat=not events,
+        loglevel=loglevel,
+    ).start()
 
 
 def _lane_process(spec: WorkerSpec, loglevel: str, events: bool) -> None:

@@ -1,0 +1,100 @@
+"""What a warm-up's first call of each page shape costs in the vision encoders, and how much of it is
+cuDNN's attention (its graph built for each new shape on first use): the `full` preset on one GPU, the
+eager engine (the same attention operators the packages call), the pages of the warm-up's `--modes`
+(coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls timed twice, first and
+second, in a fresh process per attention setting:
+
+- `cudnn`: PyTorch's own choice (cuDNN's attention where it takes the shapes, as on an H100 or H200);
+- `no-cudnn`: cuDNN's attention turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), so the
+  memory-efficient or flash kernel runs instead.
+
+A first call's cost is the host's (graph building, kernel loading), so each call is timed on the host
+clock after synchronising the device; a second call's is the device's, for the steady cost of each
+setting. Milliseconds, markdown to stdout:
+
+    source benchmarks/device_env.sh && python3 benchmarks/probe_first_calls.py > $OUT/first-calls.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = ("cudnn", "no-cudnn")
+
+
+def measure(model: str, modes: list[str], setting: str, device: str) -> list[dict[str, float | str]]:
+    import torch
+
+    from dsocr_workers.engine.coldstart.passes import warmup_pages
+    from dsocr_workers.engine.session import DeepSeekOCRSession
+    from dsocr_workers.engine.variants import engine_class
+
+    if setting == "no-cudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    session = DeepSeekOCRSession.from_local(model, device=device, engine=engine_class("eager")())
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    crops = session.max_crops()
+    rows: list[dict[str, float | str]] = []
+
+    def timed(call, *args):  # type: ignore[no-untyped-def]
+        synchronize()
+        began = time.perf_counter()
+        out = call(*args)
+        synchronize()
+        return out, (time.perf_counter() - began) * 1e3
+
+    with torch.inference_mode():
+        for name, image in warmup_pages(session.family, modes, crops):
+            page = session.prepare(image, None, name, crops)
+            inputs = session.upload(page)
+            cols, rows_ = page.crop_grid
+            row: dict[str, float | str] = {"shape": name if (cols, rows_) == (1, 1) else f"{name}:{cols}x{rows_}"}
+            for attempt in ("first", "second"):
+                clock = session.new_clock()
+                sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
+                _, row[f"views {attempt}"] = timed(session.encode_views, inputs, sam, clock)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--modes", default="gundam")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no cuDNN there)")
+    parser.add_argument("--setting", choices=SETTINGS, help="one process's measurement (internal)")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    if args.setting:
+        print(json.dumps(measure(args.model, modes, args.setting, args.device)))
+        return
+    import torch
+
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"# First calls of the vision encoders ({where}, torch {torch.__version__}, "
+          f"{args.model} preset (random weights), eager engine, modes {args.modes})\n")  # fmt: skip
+    print(f"`python3 benchmarks/probe_first_calls.py {' '.join(sys.argv[1:])}`\n")
+    for setting in SETTINGS:
+        done = subprocess.run([sys.executable, __file__, "--model", args.model, "--modes", args.modes,
+                               "--setting", setting, "--device", args.device], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+        if done.returncode != 0:
+            print(f"## {setting}: failed\n\n```\n{done.stderr[-3000:]}\n```\n")
+            continue
+        rows = json.loads(done.stdout.strip().splitlines()[-1])
+        columns = ["sam first", "sam second", "views first", "views second"]
+        print(f"## {setting}\n\n| shape | " + " | ".join(f"{c} ms" for c in columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for row in rows:
+            print(f"| {row['shape']} | " + " | ".join(f"{row[c]:.1f}" for c in columns) + " |")
+        sums = {c: sum(float(row[c]) for row in rows) for c in columns}
+        print("| **all shapes** | " + " | ".join(f"**{sums[c]:.1f}**" for c in columns) + " |\n")
+
+
+if __name__ == "__main__":
+    main()
