@@ -1,9 +1,9 @@
 """The imports a worker child needs before it opens a model: torch, transformers' DeepSeek-OCR-2 modules
 (which bring torch.distributed.tensor, sympy and torch._dynamo with them), the engine, its variants, the
-start-up warm-up, the Celery task module and Celery's worker. `dsocr worker`'s parent takes them once, before it forks
-its lanes, so every lane and every Celery child (billiard forks, it does not spawn) starts with them
-done; a child takes them again only where they are missing (`import_for_jobs`), and records what that
-cost in its first worker session (`import_ms`: 0 when it inherited them).
+start-up warm-up, the Celery task module and Celery's worker. `dsocr worker`'s parent takes them once,
+before it forks its lanes, so every lane and every Celery child (billiard forks, it does not spawn)
+starts with them done; a child takes them again only where they are missing (`import_for_jobs`), and
+records what that cost in its first worker session (`import_ms`: 0 when it inherited them).
 
 Importing them initialises no CUDA: each child chooses its GPU after fork (farm/devices.py).
 """
