@@ -15,11 +15,11 @@ them; each start's parts adding up to its total, beside the floor of that device
    FILELIST`: once ready, that list submitted at the regime's concurrency, its cold jobs counted (a
    start is warm when its first jobs are).
 
-The parts of a start are its slowest child's: imports (the worker's parent, before it forks its lanes),
-Celery and the fork (to the child's session start), load, its warm-up's phases (artifacts: packages
-opened; passes: first calls and graph captures, pass 1 with the pages prepared beside it), the batched
-engine's start (each bucket's capture, the admission), and the rest (the page processes' wait, heap
-settling, the session's row).
+The parts of a start are its slowest child's: the CLI and the ledger's check (the worker's command before
+its imports), imports (the worker's parent, before it forks its lanes), Celery and the fork (to the
+child's session start), load, its warm-up's phases (artifacts: packages opened; passes: first calls and
+graph captures, pass 1 with the pages prepared beside it), the batched engine's start (each bucket's
+capture, the admission), and the rest (the page processes' wait, heap settling, the session's row).
 
     source benchmarks/device_env.sh && CXX=/usr/bin/g++ python3 benchmarks/bench_start.py --out $OUT \\
         --compile-cache /tmp/dc --build --ks 1,2,4 --concurrency 1,128 --max-new-tokens 256 \\
@@ -65,7 +65,9 @@ def log(message: str) -> None:
 LANE_READY = re.compile(r"@\S+ ready\.")
 CHILD_OPENED = re.compile(r"child \d+ \(pid \d+\) on")
 CHILD_WARM = re.compile(r"child \d+: .* warm \(")
-PARENT_IMPORTS = re.compile(r"imports inherited \((\d+) ms in the worker's parent\)")
+PARENT_IMPORTS = re.compile(
+    r"imports inherited \((\d+) ms in the worker's parent, begun at ([\d-]+ [\d:.]+) UTC\)"
+)
 
 
 def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], timeout_s: float,
@@ -104,6 +106,8 @@ def start(env: dict[str, str], folder: Path, name: str, worker_args: list[str], 
         proc.wait()
     inherited = PARENT_IMPORTS.search(log_path.read_text(errors="replace"))
     marks["parent_import_s"] = int(inherited.group(1)) / 1e3 if inherited else None
+    if inherited:  # what the worker's command did before: its interpreter and CLI, the ledger's check
+        marks["parent_import_began_s"] = (datetime.fromisoformat(inherited.group(2)) - launched_at).total_seconds()
     marks["log"] = log_path.name
     return marks
 
@@ -165,8 +169,8 @@ def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
 
 
 def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int) -> dict[str, Any]:
-    """The start's total (launch → its last child's `ready_at`) and that child's parts: imports, Celery
-    and the fork, load, the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's
+    """The start's total (launch → its last child's `ready_at`) and that child's parts: the worker
+    command's CLI and ledger check (launch → the parent's imports), imports, Celery and the fork, load, the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's
     sessions in the order they began, its children's start-ups first (a session a first job began after
     them is no part of the start)."""
     ready = [row for row in rows[:children] if row["ready_at"]]
@@ -176,11 +180,12 @@ def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int
     slowest = max(ready, key=lambda row: datetime.fromisoformat(row["ready_at"]))
     total = (datetime.fromisoformat(slowest["ready_at"]) - launched).total_seconds()
     opened = (datetime.fromisoformat(slowest["started_at"]) - launched).total_seconds()
-    imports = marks.get("parent_import_s")
+    imports, before = marks.get("parent_import_s"), marks.get("parent_import_began_s", 0.0)
     if imports is None:  # not inherited: the child imported for itself (its own figure)
         imports = (slowest["import_ms"] or 0) / 1e3
     load, warmup = (slowest["load_ms"] or 0) / 1e3, (slowest["warmup_ms"] or 0) / 1e3
-    parts = {"imports": imports, "Celery and fork": opened - imports, "load": load,
+    parts = {**({"CLI and ledger check": before} if before else {}), "imports": imports,
+             "Celery and fork": opened - before - imports, "load": load,
              **warmup_parts(slowest["warmup"] or "", warmup)}  # fmt: skip
     parts["other"] = total - sum(parts.values())
     artifacts = "prebuilt artifacts" in (slowest["warmup"] or "")
@@ -244,7 +249,7 @@ def ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-PART_ORDER = ("imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
+PART_ORDER = ("CLI and ledger check", "imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
               "passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
 
 

@@ -61,18 +61,19 @@ START_IMPORTS = (
 
 @dataclass(frozen=True)
 class Imported:
-    """What `import_for_jobs` took: how many modules it added to this process and how long that took
-    (0 and 0.0 when every one was there already)."""
+    """What `import_for_jobs` took: how many modules it added to this process, how long that took (0 and
+    0.0 when every one was there already) and when it began (the wall clock, `time.time()`)."""
 
     modules: int
     ms: float
+    began_at: float
 
 
 def import_for_jobs() -> Imported:
     """Import `START_IMPORTS` where this process has not yet."""
-    before, began = len(sys.modules), time.perf_counter()
+    before, began, began_at = len(sys.modules), time.perf_counter(), time.time()
     for name in START_IMPORTS:
         importlib.import_module(name)
     if (modules := len(sys.modules) - before) == 0:
-        return Imported(0, 0.0)
-    return Imported(modules, (time.perf_counter() - began) * 1e3)
+        return Imported(0, 0.0, began_at)
+    return Imported(modules, (time.perf_counter() - began) * 1e3, began_at)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from datetime import UTC, datetime
 from functools import partial
 
 from billiard.process import current_process
@@ -93,8 +94,10 @@ def _open_child(**_: object) -> None:
         if runs_on != device
         else ""
     )
-    imports = (f"imported {imported.modules} modules in {imported.ms:.0f} ms" if imported.modules
-               else f"imports inherited ({spec.preimported.ms:.0f} ms in the worker's parent)")  # fmt: skip
+    parent = spec.preimported
+    began = datetime.fromtimestamp(parent.began_at, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    inherited = f"imports inherited ({parent.ms:.0f} ms in the worker's parent, begun at {began} UTC)"
+    imports = f"imported {imported.modules} modules in {imported.ms:.0f} ms" if imported.modules else inherited
     log.info("child %s (pid %d) on %s%s; %s", index, os.getpid(), device, seen, imports)
     if plan is not None:
         # Before this child reports itself up, so before it is given a message (the pool waits for
