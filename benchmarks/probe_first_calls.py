@@ -25,36 +25,35 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
 SETTINGS = ("cudnn", "no-cudnn")
 
 
 def measure(model: str, modes: list[str], setting: str, device: str) -> list[dict[str, float | str]]:
     import torch
 
-    from dsocr_workers.engine.coldstart.passes import warmup_pages
+    from dsocr_workers.engine.coldstart.passes import shape_name, warmup_pages
     from dsocr_workers.engine.session import DeepSeekOCRSession
     from dsocr_workers.engine.variants import engine_class
 
     if setting == "no-cudnn":
         torch.backends.cuda.enable_cudnn_sdp(False)
     session = DeepSeekOCRSession.from_local(model, device=device, engine=engine_class("eager")())
-    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     crops = session.max_crops()
     rows: list[dict[str, float | str]] = []
 
     def timed(call, *args):  # type: ignore[no-untyped-def]
-        synchronize()
+        session.synchronize()
         began = time.perf_counter()
         out = call(*args)
-        synchronize()
+        session.synchronize()
         return out, (time.perf_counter() - began) * 1e3
 
     with torch.inference_mode():
         for name, image in warmup_pages(session.family, modes, crops):
             page = session.prepare(image, None, name, crops)
             inputs = session.upload(page)
-            cols, rows_ = page.crop_grid
-            row: dict[str, float | str] = {"shape": name if (cols, rows_) == (1, 1) else f"{name}:{cols}x{rows_}"}
+            row: dict[str, float | str] = {"shape": shape_name(name, page)}
             for attempt in ("first", "second"):
                 clock = session.new_clock()
                 sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)

@@ -70,6 +70,12 @@ class WarmPass:
     parts_ms: dict[str, float]  # by part, over the pass's jobs
 
 
+def shape_name(mode: str, page: preprocess.PreparedPage) -> str:
+    """A warm-up page's shape as the passes' logs name it: "mode", or "mode:colsxrows" with tiles."""
+    cols, rows = page.crop_grid
+    return mode if (cols, rows) == (1, 1) else f"{mode}:{cols}x{rows}"
+
+
 def warm_pass(
     session: DeepSeekOCRSession,
     prepared: Iterable[tuple[str, preprocess.PreparedPage]],
@@ -85,8 +91,7 @@ def warm_pass(
     shortest, longest = session.max_positions, 0
     end_early = force_eos_at(WARMUP_EOS_STEP)
     for name, page in prepared:
-        cols, rows = page.crop_grid
-        shape = name if (cols, rows) == (1, 1) else f"{name}:{cols}x{rows}"
+        shape = shape_name(name, page)
         shapes += [shape] if shape not in shapes else []
         began = time.perf_counter()
         result = session.run_on_device(
