@@ -170,9 +170,10 @@ def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
 
 def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int) -> dict[str, Any]:
     """The start's total (launch → its last child's `ready_at`) and that child's parts: the worker
-    command's CLI and ledger check (launch → the parent's imports), imports, Celery and the fork, load, the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's
-    sessions in the order they began, its children's start-ups first (a session a first job began after
-    them is no part of the start)."""
+    command's CLI and ledger check (launch → the parent's imports), imports, Celery and the fork, load,
+    the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's sessions in the order they
+    began, its children's start-ups first (a session a first job began after them is no part of the
+    start)."""
     ready = [row for row in rows[:children] if row["ready_at"]]
     if len(ready) < children:
         return {"children_ready": len(ready)}

@@ -103,5 +103,7 @@ def test_a_lane_starts_its_celery_worker_on_the_parents_imports(subprocess_env, 
     env = {**subprocess_env, **broker_env, "DSOCR_DATABASE_URL": sqlite_url}
     done = subprocess.run([sys.executable, "-c", LANE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    [imported] = [line.removeprefix("lane imported ") for line in done.stdout.splitlines() if "lane imported" in line]
+    [imported] = [
+        line.removeprefix("lane imported ") for line in done.stdout.splitlines() if "lane imported" in line
+    ]
     assert json.loads(imported) == [], imported
