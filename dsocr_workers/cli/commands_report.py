@@ -36,6 +36,9 @@ from dsocr_workers.cli import exits_on_errors, terminal_width
 @click.option("--out", type=click.Path(path_type=Path),
               help="Write here instead of stdout; with --format csv and no --table, a folder: one file per table.")
 @click.option("--table", help="Only this table (its title, e.g. 'Per image'); csv holds one table.")
+@click.option("--kernels", type=click.IntRange(min=1),
+              help="Kernels shown per stage in the kernel tables, the longest first [default: 8] (a profile keeps "
+                   "a stage's longest ones and sums the rest as '(other kernels)').")
 @click.option("--width", type=int,
               help="Table width in characters (format table); default: the terminal's, or, piped or written to a "
                    "file, as wide as each table's content.")
@@ -58,6 +61,7 @@ def report(
     fmt: str,
     out: Path | None,
     table: str | None,
+    kernels: int | None,
     width: int | None,
     html_path: Path | None,
 ) -> None:
@@ -83,6 +87,7 @@ def report(
         exclude_loops=exclude_loops,
         fmt=fmt,
         table=table,
+        kernels=kernels,
         out=out,
         html=html_path,
         width=width or (terminal_width() if out is None else None),

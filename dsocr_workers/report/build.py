@@ -395,6 +395,7 @@ def single_report(
     include_cold: bool = False,
     exclude_loops: bool = False,
     include_profiled: bool = False,
+    kernels: int = kernel_tables.KERNEL_ROWS,
 ) -> Report:
     results = measured(data, include_cold, exclude_loops, include_profiled)
     report = Report(
@@ -423,7 +424,7 @@ def single_report(
         report.tables.append(_cold(data, include_cold))
     if data.profiles or data.step_profiles:
         report.tables += [
-            kernel_tables.kernel_table(data, include_cold),
+            kernel_tables.kernel_table(data, include_cold, kernels),
             kernel_tables.busy_table(data, include_cold),
             kernel_tables.overhead_table(data, include_cold),
         ]
@@ -817,6 +818,7 @@ def comparison_report(
     include_cold: bool = False,
     exclude_loops: bool = False,
     include_profiled: bool = False,
+    kernels: int = kernel_tables.KERNEL_ROWS,
 ) -> Report:
     """B against A. Latency over the (image, repeat) pairs measured in both runs, ratios B/A with the
     interval of a paired bootstrap; accuracy as paired differences B − A; throughput from each run's
@@ -867,7 +869,7 @@ def comparison_report(
         report.tables.append(_omnidocbench_figure_pairs(a, b))
     report.tables.append(_stop_reason_pairs(a, b))
     if (a.profiles and b.profiles) or (a.step_profiles and b.step_profiles):
-        report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold))
+        report.tables.append(kernel_tables.kernel_pairs_table(a, b, include_cold, kernels))
     report.tables.append(_agreement(all_a, all_b))
     if a.run.model != b.run.model:
         report.tables.append(page_differences(a, b, all_a, all_b))

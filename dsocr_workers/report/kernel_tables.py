@@ -27,7 +27,7 @@ from dsocr_workers.stages import BY_COLUMN
 
 E2E = BY_COLUMN["e2e_ms"]
 
-KERNEL_ROWS = 8  # kernels shown per stage, the longest first
+KERNEL_ROWS = 8  # kernels shown per stage by default, the longest first (`dsocr report --kernels`)
 TITLE = "Kernels per stage"
 BUSY_TITLE = "Device busy and idle per stage"
 OVERHEAD_TITLE = "Profiler overhead"
@@ -134,12 +134,12 @@ def _what(data: RunData) -> str:
     return WHAT[activity] if activity else "CUDA kernels and CPU operators: the run's jobs ran on both"
 
 
-def kernel_table(data: RunData, include_cold: bool = False) -> Table:
+def kernel_table(data: RunData, include_cold: bool = False, rows_per_stage: int = KERNEL_ROWS) -> Table:
     jobs, each = profiled(data, include_cold), unit(data)
     rows: list[list[Any]] = []
     for stage in by_stage(summaries(data, include_cold)).values():
         clock_ms = sum(s.event_ms for s in stage.jobs)
-        ranked = sorted(stage.kernel_us, key=lambda k: -sum(stage.kernel_us[k]))[:KERNEL_ROWS]
+        ranked = sorted(stage.kernel_us, key=lambda k: -sum(stage.kernel_us[k]))[:rows_per_stage]
         for name in ranked:
             total_ms = sum(stage.kernel_us[name]) / 1e3
             calls = stage.calls[name]
@@ -283,12 +283,14 @@ def change(ratio: Any) -> str:
     return {"B lower": "faster in B", "B higher": "slower in B"}.get(said, said)
 
 
-def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Table:
+def kernel_pairs_table(
+    a: RunData, b: RunData, include_cold: bool = False, rows_per_stage: int = KERNEL_ROWS
+) -> Table:
     """Per stage and kernel, its time per job in A and in B over the pages profiled in both, B/A with the
     interval of a paired bootstrap; kernels of one run only are named so. Two batched runs: per batch step
     row, B/A of the means over the profiled steps."""
     if unit(a) == unit(b) == "step":
-        return _step_pairs_table(a, b)
+        return _step_pairs_table(a, b, rows_per_stage)
     pages_a, pages_b = _by_page(a, include_cold), _by_page(b, include_cold)
     pages = sorted(pages_a.keys() & pages_b.keys())
     stages_a = by_stage([s for p in pages for s in pages_a[p]])
@@ -300,7 +302,7 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
         ).mean
         return ratio, change(ratio)
 
-    rows = _kernel_pair_rows(stages_a, stages_b, paired)
+    rows = _kernel_pair_rows(stages_a, stages_b, paired, rows_per_stage)
     note = (
         f"{len(pages)} page(s) profiled in both runs; ms/job: the kernel's time per profiled job of those pages; "
         "B/A with a 95% interval over the pages (paired bootstrap). decode: the sampled steps only."
@@ -308,13 +310,14 @@ def kernel_pairs_table(a: RunData, b: RunData, include_cold: bool = False) -> Ta
     return Table(PAIRS_TITLE, ["stage", "kernel", "A ms/job", "B ms/job", "B/A", "change"], rows, note)
 
 
-def _step_pairs_table(a: RunData, b: RunData) -> Table:
+def _step_pairs_table(a: RunData, b: RunData, rows_per_stage: int) -> Table:
     """Per batch step row and kernel, its time per profiled step in A and in B, B/A of the means: no
     interval, as a run's steps pair with none of the other's."""
     rows = _kernel_pair_rows(
         by_stage(profiled_steps(a)),
         by_stage(profiled_steps(b)),
         lambda name, kernel, ms_a, ms_b: (Estimate(ms_b / ms_a), UNPAIRED),
+        rows_per_stage,
     )
     note = (
         f"{len(a.step_profiles)} and {len(b.step_profiles)} profiled batch steps in A and B; ms/step: the kernel's "
@@ -327,6 +330,7 @@ def _kernel_pair_rows(
     stages_a: dict[str, StageRuns],
     stages_b: dict[str, StageRuns],
     ratio_of: Callable[[str, str, float, float], tuple[Estimate, str]],
+    rows_per_stage: int,
 ) -> list[list[Any]]:
     """Per stage, its kernels longest first (in A or B): A's and B's mean ms, and `ratio_of(stage, kernel,
     ms_a, ms_b)`, its B/A and change, where both ran it."""
@@ -335,7 +339,7 @@ def _kernel_pair_rows(
         in_a, in_b = stages_a.get(name), stages_b.get(name)
         kernels = dict.fromkeys([*(in_a.kernel_us if in_a else {}), *(in_b.kernel_us if in_b else {})])
         mean_ms = {k: (_mean_ms(in_a, k), _mean_ms(in_b, k)) for k in kernels}
-        ranked = sorted(kernels, key=lambda k: -max(v or 0.0 for v in mean_ms[k]))[:KERNEL_ROWS]
+        ranked = sorted(kernels, key=lambda k: -max(v or 0.0 for v in mean_ms[k]))[:rows_per_stage]
         for kernel in ranked:
             ms_a, ms_b = mean_ms[kernel]
             if not ms_a or not ms_b:

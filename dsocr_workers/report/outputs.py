@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.report.build import comparison_report, single_report
+from dsocr_workers.report.kernel_tables import KERNEL_ROWS
 from dsocr_workers.report.queries import load_run
 from dsocr_workers.report.render import only_table, render, write_csv_tables
 from dsocr_workers.store.db import open_ledger
@@ -24,6 +25,7 @@ class ReportRequest:
     include_cold: bool = False  # cold results back into the statistics and throughput
     include_profiled: bool = False  # profiled results (submit --profile) back into the latency statistics
     exclude_loops: bool = False  # looping results out of the latency statistics
+    kernels: int | None = None  # kernels shown per stage in the kernel tables (None: KERNEL_ROWS)
     fmt: str = "table"  # report/render.py FORMATS
     table: str | None = None  # only this table, by title
     width: int | None = None  # of the terminal tables
@@ -54,6 +56,7 @@ def write_report(
                 include_cold=request.include_cold,
                 exclude_loops=request.exclude_loops,
                 include_profiled=request.include_profiled,
+                kernels=request.kernels or KERNEL_ROWS,
             )
         else:
             document = single_report(
@@ -62,6 +65,7 @@ def write_report(
                 include_cold=request.include_cold,
                 exclude_loops=request.exclude_loops,
                 include_profiled=request.include_profiled,
+                kernels=request.kernels or KERNEL_ROWS,
             )
     if request.html is not None:
         sides = sides_of(a, b) if b is not None else sides_of(a)

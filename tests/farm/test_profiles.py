@@ -148,6 +148,22 @@ def test_every_nth_job_is_profiled_by_a_worker_and_read_back_from_another_proces
     kernels = json.loads(shown.stdout)["tables"]["Kernels per stage"]
     assert {"vision/sam", "vision/qwen2", "vision/projector"} <= {row["stage"] for row in kernels}
     assert "vision/clip" not in {row["stage"] for row in kernels}
+
+    # --kernels: the rows a stage lists (8 by default), its longest first.
+    def listed(*args: str) -> dict[str, list[str]]:
+        shown = CliRunner().invoke(
+            main, ["report", "--run", a, "--format", "json", "--table", "Kernels per stage", *args], env=env_here
+        )
+        assert shown.exit_code == 0, shown.output
+        by_stage: dict[str, list[str]] = {}
+        for row in json.loads(shown.stdout)["tables"]["Kernels per stage"]:
+            by_stage.setdefault(row["stage"], []).append(row["kernel"])
+        return by_stage
+
+    default, two, more = listed(), listed("--kernels", "2"), listed("--kernels", "20")
+    assert max(map(len, default.values())) == 8 and max(map(len, more.values())) > 8
+    assert two == {stage: kernels[:2] for stage, kernels in default.items()}
+    assert more.keys() == default.keys()
     ocr2_trace = tmp_path / "ocr2.json"
     done = CliRunner().invoke(main, ["trace", "--job", job_id, "--out", str(ocr2_trace)], env=env_here)
     assert done.exit_code == 0, done.output

@@ -22,7 +22,8 @@ from dsocr_workers.settings import Settings
 from dsocr_workers.store.db import open_database
 from dsocr_workers.store.models import BatchStep, Job
 
-OPTIONS = RunOptions(mode="tiny", max_new_tokens=48, engine="eager", concurrency=4)
+# Room for a fifth page: no claim of the four waits for a page to finish.
+OPTIONS = RunOptions(mode="tiny", max_new_tokens=48, engine="eager", concurrency=5)
 PAGES = ("a.png", "b.png", "c.png", "d.png")
 
 
@@ -54,13 +55,16 @@ def test_results_finished_together_are_written_in_one_transaction(sqlite_url, tm
         process.models.warm(job_warmup(OPTIONS))
         process.start_batch(OPTIONS)  # before the claims, as `prepare_for` does
         counted = process.ledger_threads._db = CountedTransactions(process.ledger_threads._db)
-        for job_id in run.job_ids:
-            assert run_in_batch(process, job_id, OPTIONS, more_coming=True).status == "decoding"
-        claims = counted.count
-        # The results thread's first write waits here (the pages have 48 tokens to go) until the engine's
-        # thread has finished all four and handed its steps over (once it is idle).
-        holder.execute("BEGIN IMMEDIATE")
         batch = process.batch
+        # The batch's condition (re-entrant) held across the claims: the engine's thread starts no page
+        # before the writer lock below is held, however loaded the machine.
+        with batch._changed:
+            for job_id in run.job_ids:
+                assert run_in_batch(process, job_id, OPTIONS, more_coming=True).status == "decoding"
+            claims = counted.count
+            # The results thread's first write waits here until the engine's thread has finished all four
+            # and handed its steps over (once it is idle).
+            holder.execute("BEGIN IMMEDIATE")
 
         def release_once_all_finished() -> None:
             while batch.jobs or not batch._idle:
