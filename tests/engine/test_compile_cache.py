@@ -124,6 +124,13 @@ def test_bytecode_that_may_not_be_written_beside_the_sources_is_kept_in_the_comp
     (sources / "probe_module.py").write_text("VALUE = 2\n")
     os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 5,) * 2)
     assert run_bytecode_process(env, "build")[2] == "1 0"
+    # A reinstall or a copy changes the source's modification time, not its content: its bytecode stays
+    # (checked by the source's hash), nothing is written again and an import reads it.
+    os.utime(sources / "probe_module.py", (written[0].stat().st_mtime + 50,) * 2)
+    assert run_bytecode_process(env, "build")[2] == "0 0"
+    verbose = subprocess.run([sys.executable, "-v", "-c", BYTECODE_PROCESS], env=env, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert f"code object from '{written[0]}'" in verbose.stderr
     # Without the variable, Python's own behaviour: nothing read or written anywhere.
     del env[settings.COMPILE_CACHE_DIR.name]
     assert run_bytecode_process(env, "build") == ["None", "None 1", "None None"]

@@ -308,7 +308,9 @@ class RecordedCall:
     name: str
     function: Callable[..., Any]
     args: tuple  # the first call's arguments (its modules, cache and n-gram objects)
-    state: list[Tensor]  # its tensors as they were before the call, copied
+    # Its tensors as they were before the call, copied; one copy of a tensor several calls share (the
+    # batched step's KV cache, met once per bucket), as the first of them met it: an export reads shapes.
+    state: list[Tensor]
 
 
 @dataclass
@@ -319,17 +321,26 @@ class Recorder:
     calls: dict[str, RecordedCall] = field(default_factory=dict)
     decode_needs_graph: bool = False
     capturable: bool = False
+    # The copies by the tensor they copy (its address and layout), with that tensor kept alive so that
+    # no other takes its address: a copy per bucket of a full batch's KV cache would not fit.
+    copies: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             key = region_key(name, args, _dtype_of(args), self.dynamic_tiles)
             if key not in self.calls:
-                with torch.inference_mode(False):  # plain tensors: export traces them under no_grad
-                    state = [tensor.clone() for tensor in REGIONS[name].state(args)]
+                state = [self._copy(tensor) for tensor in REGIONS[name].state(args)]
                 self.calls[key] = RecordedCall(name, function, args, state)
             return function(*args)
 
         return call
+
+    def _copy(self, tensor: Tensor) -> Tensor:
+        layout = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if layout not in self.copies:
+            with torch.inference_mode(False):  # plain tensors: export traces them under no_grad
+                self.copies[layout] = (tensor, tensor.clone())
+        return self.copies[layout][1]
 
     def mark_dynamic(self, tensor: Tensor, dim: int) -> None:
         pass

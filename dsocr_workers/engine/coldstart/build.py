@@ -155,8 +155,11 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         if artifacts.listed_without_gpu(plan, config):
             found = artifacts.lookup(plan, config)  # initialises CUDA: the GPU is part of the match
             if _wanted(found):
-                progress(f"up to date: {found.path}")
-                return BuildReport("up to date", plan, found.path, time.perf_counter() - began, notes=notes)
+                written = write_bytecode()  # of sources whose content changed since (an upgraded package)
+                progress(f"up to date: {found.path}" + (f"; bytecode of {written} modules written" if written else ""))
+                return BuildReport(
+                    "up to date", plan, found.path, time.perf_counter() - began, bytecode_modules=written, notes=notes
+                )
             progress(found.summary)
         progress(f"loading {request.model}")
         session = DeepSeekOCRSession.from_local(

@@ -18,6 +18,7 @@ import fcntl
 import importlib.util
 import logging
 import os
+import py_compile
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,10 @@ BYTECODE_WRITTEN = "written"
 # Held by the writer at work: two builds on one host write one after the other (an flock: released when
 # its holder exits, however it exits).
 BYTECODE_LOCK = "writing.lock"
+# Bytecode checked against its source's hash, not its modification time: a reinstall of the same
+# packages or a copy of the tree changes the times and would make every file's bytecode stale.
+CHECKED = py_compile.PycInvalidationMode.CHECKED_HASH
+CHECKED_FLAGS = 0b11  # the header's flags of such bytecode (PEP 552): hash-based, checked
 # Where `write_bytecode` writes: set by `use_bytecode_cache` in this process.
 _writes_to: Path | None = None
 
@@ -127,7 +132,7 @@ def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
         sys.pycache_prefix = str(_writes_to)  # where compileall writes (cache_from_source reads it)
         try:
             # Every source tried, whichever fails: a list, not all()'s short circuit.
-            failed = [source for source in sources if not compileall.compile_file(source, quiet=2)]
+            failed = [source for source in sources if not compileall.compile_file(source, quiet=2, invalidation_mode=CHECKED)]
         finally:
             sys.pycache_prefix = before
         if failed:
@@ -143,8 +148,8 @@ def _sources(modules: list[ModuleType]) -> list[str]:
 
 
 def _stale(source: str, prefix: Path) -> bool:
-    """No bytecode under `prefix` for `source`, or bytecode of another version of it: the source's
-    modification time in the header differs, as Python itself checks it on import."""
+    """No bytecode under `prefix` for `source`, or not checked bytecode of this content: the source's
+    hash in the header differs, as Python itself checks it on import."""
     before = sys.pycache_prefix
     sys.pycache_prefix = str(prefix)
     try:
@@ -154,6 +159,9 @@ def _stale(source: str, prefix: Path) -> bool:
     try:
         with open(compiled, "rb") as file:
             header = file.read(16)
+        with open(source, "rb") as file:
+            content = file.read()
     except OSError:
         return os.path.isfile(source)
-    return int.from_bytes(header[8:12], "little") != int(os.stat(source).st_mtime) & 0xFFFFFFFF
+    flags = int.from_bytes(header[4:8], "little")
+    return flags != CHECKED_FLAGS or header[8:16] != importlib.util.source_hash(content)
