@@ -1,14 +1,19 @@
-"""A prompt's routed experts alone on one GPU (bf16, the `full` preset's MoE shape: 64 experts, top 6,
-1280 → 896; random weights and a random router): the grouped GEMM kernels of model/grouped_experts.py
-against transformers' `grouped_mm` experts, which the fast engine ran before.
+"""The routed experts alone on one GPU (bf16, the `full` preset's MoE shape: 64 experts, top 6,
+1280 → 896; random weights and a random router) for `--tokens` rows: a prompt's (960: the 2x3 page) or
+a batched decode step's (its pages, 128 at concurrency 128): the grouped GEMM kernels of
+model/grouped_experts.py against transformers' `grouped_mm` experts, which the fast engine ran before.
 
-1. A sweep of the kernels' block configurations (pairs per block 128; output columns 64/128 per kernel;
-   inputs per step 64/128; 2–4 pipeline stages; 8 warps), each run as a CUDA graph, with its largest
-   difference from `grouped_mm`'s output.
-2. The kernels with the defaults and `grouped_mm`, eager and compiled (as the engine's prefill runs
+1. A sweep of the kernels' block configurations (pairs per block `--ms`; output columns 64/128 per
+   kernel; inputs per step 64/128; 2–4 pipeline stages; `--warps`), each run as a CUDA graph, with its
+   largest difference from `grouped_mm`'s output.
+2. The routing's order of the pairs by expert (`expert_blocks`: a stable argsort, a radix sort on the
+   GPU) against a counting sort (one-hot prefix sums), alone, each compiled as the engine compiles its
+   regions and run as a CUDA graph; the two orders must be equal.
+3. The kernels with the defaults and `grouped_mm`, eager and compiled (as the engine's prefill runs
    them), each with its kernels under torch.profiler.
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
+    python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64,128 --warps 4,8 > $OUT/grouped-experts-decode.txt
 
 CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per forward.
 """
@@ -31,7 +36,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E4
 
 from dsocr_workers.engine.regions import capture_graph  # noqa: E402
 from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
-from dsocr_workers.model.grouped_experts import GroupedBlocks, launch_grouped_experts  # noqa: E402
+from dsocr_workers.model.grouped_experts import GroupedBlocks, expert_blocks, launch_grouped_experts  # noqa: E402
 
 
 class TransformersExperts:
@@ -64,10 +69,25 @@ def graph_us(run: Callable[[], torch.Tensor], iters: int = 30) -> tuple[float, t
     return statistics.median(times), out, graph
 
 
+def counting_order(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The pairs' stable order by expert without a sort: each pair's place is its expert's start plus the
+    pairs of that expert before it (a prefix sum over a one-hot [pairs, experts])."""
+    one_hot = (flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)).to(torch.int32)
+    before = (torch.cumsum(one_hot, 0) - one_hot).gather(1, flat.unsqueeze(1).long()).squeeze(1)
+    counts = one_hot.sum(0)
+    place = (torch.cumsum(counts, 0) - counts)[flat.long()] + before
+    pairs = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+    return torch.empty_like(pairs).scatter_(0, place.long(), pairs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=960, help="prompt tokens (the 2x3 page pads to 960)")
+    parser.add_argument("--tokens", type=int, default=960,
+                        help="rows: prompt tokens (the 2x3 page pads to 960) or a decode step's pages")
+    parser.add_argument("--ms", default="128", help="pairs per block to sweep, e.g. 16,32,64,128")
+    parser.add_argument("--warps", default="8", help="warps per program to sweep, e.g. 4,8")
     args = parser.parse_args()
+    ms, warps_list = [int(m) for m in args.ms.split(",")], [int(w) for w in args.warps.split(",")]
     text = PRESETS["full"].text
     experts, hidden, inter, top_k = text.n_routed_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok
     torch.manual_seed(0)
@@ -83,16 +103,26 @@ def main() -> int:
         reference_us, reference, _ = graph_us(lambda: grouped_mm_experts_forward(module, x, index.to(torch.int16), weights))
         print(f"grouped_mm (expert ids int16): {reference_us:.1f} us", flush=True)
         print("\n== 1. sweep: m, gate_up n, down n, k, warps, stages", flush=True)
-        for gate_n, down_n, k, stages in itertools.product((64, 128), (64, 128), (64, 128), (2, 3, 4)):
-            gate_blocks, down_blocks = GroupedBlocks(128, gate_n, k, 8, stages), GroupedBlocks(128, down_n, k, 8, stages)
+        sweep = itertools.product(ms, (64, 128), (64, 128), (64, 128), warps_list, (2, 3, 4))
+        for m, gate_n, down_n, k, warps, stages in sweep:
+            name = f"{m} {gate_n} {down_n} {k} {warps} {stages}"
+            gate_blocks, down_blocks = GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages)
             try:
                 us, out, _ = graph_us(lambda: launch_grouped_experts(x, gate_up, down, index, weights, gate_blocks, down_blocks))  # noqa: B023
             except Exception as exc:  # a configuration past the shared memory, say
-                print(f"128 {gate_n} {down_n} {k} 8 {stages}: failed ({type(exc).__name__})", flush=True)
+                print(f"{name}: failed ({type(exc).__name__})", flush=True)
                 continue
             error = (out.float() - reference.float()).abs().max().item()
-            print(f"128 {gate_n} {down_n} {k} 8 {stages}: {us:.1f} us, max|diff| {error:.3g}", flush=True)
-        print("\n== 2. defaults and grouped_mm, eager and compiled", flush=True)
+            print(f"{name}: {us:.1f} us, max|diff| {error:.3g}", flush=True)
+        print("\n== 2. the pairs' order by expert: argsort against a counting sort, compiled", flush=True)
+        sorted_order = torch.compile(lambda: expert_blocks(index, experts, ms[0])[0])
+        counted_order = torch.compile(lambda: counting_order(index.reshape(-1), experts))
+        for name, run in (("argsort (expert_blocks)", sorted_order), ("counting sort", counted_order)):
+            us, out, _ = graph_us(run)
+            print(f"{name}: {us:.1f} us", flush=True)
+        equal = torch.equal(sorted_order(), counted_order())
+        print(f"orders equal: {equal}", flush=True)
+        print("\n== 3. defaults and grouped_mm, eager and compiled", flush=True)
         runs = {
             "grouped kernels": lambda: launch_grouped_experts(x, gate_up, down, index, weights),
             "grouped_mm": lambda: grouped_mm_experts_forward(module, x, index.to(torch.int16), weights),
