@@ -17,8 +17,9 @@ them; each start's parts adding up to its total, beside the floor of that device
 
 The parts of a start are its slowest child's: the CLI and the ledger's check (the worker's command before
 its imports), imports (the worker's parent, before it forks its lanes), Celery and the fork (to the
-child's session start), load, its warm-up's phases (artifacts: packages opened; passes: first calls and
-graph captures, pass 1 with the pages prepared beside it), the batched engine's start (each bucket's
+child's session start), load, its warm-up's phases (artifacts: packages opened; pass 1: each shape's
+first calls and graph captures, with the pages prepared beside it; later passes: until one comes clean;
+prefill graphs: the LM prefill captures), the batched engine's start (each bucket's
 capture, the admission), and the rest (the page processes' wait, heap settling, the session's row).
 
     source benchmarks/device_env.sh && CXX=/usr/bin/g++ python3 benchmarks/bench_start.py --out $OUT \\
@@ -151,14 +152,16 @@ BATCHED_START = re.compile(r"batched engine: .*?; started in ([\d.]+) s")
 
 def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
     """A worker session's warm-up (`warmup_s`, its record's `warmup` text) in parts adding up to it: the
-    warm-up's phases (artifacts: "load packages"; "passes": their jobs, pass 1's with the pages prepared
-    beside it; "prefill graphs": their LM prefill captures; "wait for the host's compile"),
+    warm-up's phases (artifacts: "load packages"; "pass 1": its jobs, each shape's first calls, with the
+    pages prepared beside it; "later passes": theirs; "prefill graphs": their LM prefill captures; "wait
+    for the host's compile"),
     the batched engine's start, and the rest."""
     parts: dict[str, float] = {}
     for phases in WARMUP_PHASES.findall(text):
         for phase in phases.split(", "):  # "load packages 0.06 s", "pass 1 3.79 s"
             name, seconds, _ = phase.rsplit(" ", 2)
-            key = ("passes" if name.startswith("pass ") else "prefill graphs" if name.startswith("prefill graphs")
+            key = ("pass 1" if name == "pass 1" else "later passes" if name.startswith("pass ")
+                   else "prefill graphs" if name.startswith("prefill graphs")
                    else "artifacts" if name == "load packages" else name)  # fmt: skip
             parts[key] = parts.get(key, 0.0) + float(seconds)
     batched = BATCHED_START.search(text)
@@ -251,7 +254,7 @@ def ints(text: str) -> list[int]:
 
 
 PART_ORDER = ("CLI and ledger check", "imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
-              "passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
+              "pass 1", "later passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
