@@ -5,7 +5,8 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
 
 1. A sweep of the kernels' block configurations (pairs per block `--ms`; output columns 64/128 per
    kernel; inputs per step 64/128; 2–4 pipeline stages; `--warps`), each run as a CUDA graph, with its
-   largest difference from `grouped_mm`'s output.
+   largest difference from `grouped_mm`'s output: 24 configurations per block size and warp count, each
+   a Triton compile of both kernels.
 2. The routing's order of the pairs by expert (`expert_blocks`: a stable argsort, a radix sort on the
    GPU) against a counting sort (one-hot prefix sums), alone, each compiled as the engine compiles its
    regions and run as a CUDA graph; the two orders must be equal.
@@ -13,7 +14,7 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
    them), each with its kernels under torch.profiler.
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
-    python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64,128 --warps 4,8 > $OUT/grouped-experts-decode.txt
+    python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64 --warps 4 > $OUT/grouped-experts-decode.txt
 
 CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per forward.
 """
