@@ -13,7 +13,9 @@ second, in a fresh process per attention setting:
 
 A first call's cost is the host's (graph building, kernel loading), so each call is timed on the host
 clock after synchronising the device; a second call's is the device's, for the steady cost of each
-setting. Milliseconds, markdown to stdout:
+setting. The first process to read cuDNN's libraries (about 1 GB) may read them from disk and every
+later one from the page cache: warm it first (`cat` them) to compare settings, or repeat one
+(`--settings cudnn,cudnn-preloaded,cudnn`). Milliseconds, markdown to stdout:
 
     source benchmarks/device_env.sh && python3 benchmarks/probe_first_calls.py > $OUT/first-calls.md
 """
@@ -88,6 +90,8 @@ def main() -> None:
     parser.add_argument("--model", default="full")
     parser.add_argument("--modes", default="gundam")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no cuDNN there)")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="the settings in the order run, each in a fresh process (one may repeat)")
     parser.add_argument("--setting", choices=SETTINGS, help="one process's measurement (internal)")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -100,7 +104,9 @@ def main() -> None:
     print(f"# First calls of the vision encoders ({where}, torch {torch.__version__}, "
           f"{args.model} preset (random weights), eager engine, modes {args.modes})\n")  # fmt: skip
     print(f"`python3 benchmarks/probe_first_calls.py {' '.join(sys.argv[1:])}`\n")
-    for setting in SETTINGS:
+    for setting in args.settings.split(","):
+        if setting not in SETTINGS:
+            raise SystemExit(f"unknown setting {setting!r}: one of {', '.join(SETTINGS)}")
         done = subprocess.run([sys.executable, __file__, "--model", args.model, "--modes", args.modes,
                                "--setting", setting, "--device", args.device], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
         if done.returncode != 0:

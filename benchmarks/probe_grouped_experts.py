@@ -7,10 +7,10 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
    kernel; inputs per step 64/128; 2–4 pipeline stages; `--warps`), each run as a CUDA graph, with its
    largest difference from `grouped_mm`'s output: 24 configurations per block size and warp count, each
    a Triton compile of both kernels.
-2. The routing's order of the pairs by expert (`expert_blocks`: a stable argsort, a radix sort on the
-   GPU) against a counting sort (one-hot prefix sums), alone, each compiled as the engine compiles its
+2. The routing's order of the pairs by expert (`expert_blocks`: a counting sort, one-hot prefix sums)
+   against a stable argsort (a radix sort on the GPU), alone, each compiled as the engine compiles its
    regions and run as a CUDA graph; the two orders must be equal.
-3. The kernels with the defaults and `grouped_mm`, eager and compiled (as the engine's prefill runs
+3. The kernels with their blocks for this pair count (`blocks_for`) and `grouped_mm`, eager and compiled (as the engine's prefill runs
    them), each with its kernels under torch.profiler.
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
@@ -37,7 +37,12 @@ from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E4
 
 from dsocr_workers.engine.regions import capture_graph  # noqa: E402
 from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
-from dsocr_workers.model.grouped_experts import GroupedBlocks, expert_blocks, launch_grouped_experts  # noqa: E402
+from dsocr_workers.model.grouped_experts import (  # noqa: E402
+    GroupedBlocks,
+    KernelBlocks,
+    expert_blocks,
+    launch_grouped_experts,
+)
 
 
 class TransformersExperts:
@@ -70,15 +75,9 @@ def graph_us(run: Callable[[], torch.Tensor], iters: int = 30) -> tuple[float, t
     return statistics.median(times), out, graph
 
 
-def counting_order(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The pairs' stable order by expert without a sort: each pair's place is its expert's start plus the
-    pairs of that expert before it (a prefix sum over a one-hot [pairs, experts])."""
-    one_hot = (flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)).to(torch.int32)
-    before = (torch.cumsum(one_hot, 0) - one_hot).gather(1, flat.unsqueeze(1).long()).squeeze(1)
-    counts = one_hot.sum(0)
-    place = (torch.cumsum(counts, 0) - counts)[flat.long()] + before
-    pairs = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
-    return torch.empty_like(pairs).scatter_(0, place.long(), pairs)
+def argsort_order(flat: torch.Tensor) -> torch.Tensor:
+    """The pairs' stable order by expert by a sort (expert ids as int16: two radix passes)."""
+    return torch.argsort(flat.to(torch.int16), stable=True).to(torch.int32)
 
 
 def main() -> int:
@@ -107,23 +106,23 @@ def main() -> int:
         sweep = itertools.product(ms, (64, 128), (64, 128), (64, 128), warps_list, (2, 3, 4))
         for m, gate_n, down_n, k, warps, stages in sweep:
             name = f"{m} {gate_n} {down_n} {k} {warps} {stages}"
-            gate_blocks, down_blocks = GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages)
+            blocks = KernelBlocks(GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages))
             try:
-                us, out, _ = graph_us(lambda: launch_grouped_experts(x, gate_up, down, index, weights, gate_blocks, down_blocks))  # noqa: B023
+                us, out, _ = graph_us(lambda: launch_grouped_experts(x, gate_up, down, index, weights, blocks))  # noqa: B023
             except Exception as exc:  # a configuration past the shared memory, say
                 print(f"{name}: failed ({type(exc).__name__})", flush=True)
                 continue
             error = (out.float() - reference.float()).abs().max().item()
             print(f"{name}: {us:.1f} us, max|diff| {error:.3g}", flush=True)
-        print("\n== 2. the pairs' order by expert: argsort against a counting sort, compiled", flush=True)
-        sorted_order = torch.compile(lambda: expert_blocks(index, experts, ms[0])[0])
-        counted_order = torch.compile(lambda: counting_order(index.reshape(-1), experts))
-        for name, run in (("argsort (expert_blocks)", sorted_order), ("counting sort", counted_order)):
+        print("\n== 2. the pairs' order by expert: a counting sort against argsort, compiled", flush=True)
+        counted_order = torch.compile(lambda: expert_blocks(index, experts, ms[0])[0])
+        sorted_order = torch.compile(lambda: argsort_order(index.reshape(-1)))
+        for name, run in (("counting sort (expert_blocks)", counted_order), ("argsort", sorted_order)):
             us, out, _ = graph_us(run)
             print(f"{name}: {us:.1f} us", flush=True)
         equal = torch.equal(sorted_order(), counted_order())
         print(f"orders equal: {equal}", flush=True)
-        print("\n== 3. defaults and grouped_mm, eager and compiled", flush=True)
+        print("\n== 3. the blocks for this pair count and grouped_mm, eager and compiled", flush=True)
         runs = {
             "grouped kernels": lambda: launch_grouped_experts(x, gate_up, down, index, weights),
             "grouped_mm": lambda: grouped_mm_experts_forward(module, x, index.to(torch.int16), weights),

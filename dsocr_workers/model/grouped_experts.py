@@ -33,10 +33,34 @@ class GroupedBlocks:
     stages: int
 
 
-# The fastest of benchmarks/probe_grouped_experts.py's sweep at the full preset's MoE shape, in a CUDA
-# graph (docs/benchmarks.md, prefill experts).
-GATE_UP_BLOCKS = GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3)
-DOWN_BLOCKS = GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3)
+@dataclass(frozen=True)
+class KernelBlocks:
+    """The blocks of both kernels of one call: they walk the same blocks of pairs, so one `m`."""
+
+    gate_up: GroupedBlocks
+    down: GroupedBlocks
+
+    def __post_init__(self) -> None:
+        if self.gate_up.m != self.down.m:
+            raise ValueError("both kernels walk the same blocks of pairs: equal m")
+
+
+# The fastest of benchmarks/probe_grouped_experts.py's sweeps at the full preset's MoE shape, each in a
+# CUDA graph (docs/benchmarks.md): a prompt's (960 tokens, about 90 pairs an expert) and a batched decode
+# step's (128 tokens, about 12 pairs an expert, where blocks of 128 pairs would be mostly padding).
+PROMPT_BLOCKS = KernelBlocks(
+    gate_up=GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3),
+    down=GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3),
+)
+DECODE_BLOCKS = KernelBlocks(
+    gate_up=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3),
+    down=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3),
+)
+
+
+def blocks_for(pairs: int, num_experts: int) -> KernelBlocks:
+    """Decode-sized blocks where the experts' mean pairs fit one of them, else the prompt's."""
+    return DECODE_BLOCKS if pairs <= DECODE_BLOCKS.gate_up.m * num_experts else PROMPT_BLOCKS
 
 
 @triton.jit
@@ -121,14 +145,19 @@ def _grouped_down_kernel(
 def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """The pairs in expert order and, per program block, its expert and its [start, end) in that order:
     (order, block_expert, block_start, block_end). Blocks past the last expert's have start = end = 0."""
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).to(torch.int64)
     pairs = flat.numel()
-    # Expert ids fit int16 (radix sort: 2 passes over the keys instead of int64's 8).
-    keys = flat.to(torch.int16) if num_experts <= torch.iinfo(torch.int16).max else flat
-    order = torch.argsort(keys, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+    # A counting sort instead of a stable argsort (a radix sort on the GPU, several kernels): a pair's
+    # place is its expert's start plus its expert's pairs before it, prefix sums over a one-hot
+    # [experts, pairs] (summed along its rows: a scan along the inner dimension runs in parallel).
+    one_hot = (torch.arange(num_experts, device=flat.device).unsqueeze(1) == flat).to(torch.int32)
+    counts = one_hot.sum(1, dtype=torch.int64)
     expert_start = torch.cumsum(counts, 0) - counts
+    before = (torch.cumsum(one_hot, 1, dtype=torch.int32) - one_hot).gather(0, flat.unsqueeze(0)).squeeze(0)
+    place = expert_start[flat] + before
+    order = torch.empty(pairs, dtype=torch.int32, device=flat.device).scatter_(
+        0, place, torch.arange(pairs, dtype=torch.int32, device=flat.device)
+    )
     blocks = (counts + block_m - 1) // block_m
     blocks_end = torch.cumsum(blocks, 0)
     ids = torch.arange((pairs + block_m - 1) // block_m + num_experts, device=flat.device)
@@ -144,18 +173,17 @@ def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
 
 def launch_grouped_experts(
     hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    gate_up_blocks: GroupedBlocks = GATE_UP_BLOCKS, down_blocks: GroupedBlocks = DOWN_BLOCKS,
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, blocks: KernelBlocks | None = None,
 ) -> torch.Tensor:
     """hidden_states [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; top_k_* [T, k] → [T, H].
-    The block configurations are arguments for a benchmark's sweep."""
-    if gate_up_blocks.m != down_blocks.m:
-        raise ValueError("both kernels walk the same blocks of pairs: equal m")
+    `blocks` by default by the pair count (`blocks_for`); an argument for a benchmark's sweep."""
     tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[1]
     inter = down_proj.shape[2]
     pairs = tokens * top_k
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"  # tf32: not used by 16-bit inputs
+    blocks = blocks or blocks_for(pairs, gate_up_proj.shape[0])
+    gate_up_blocks, down_blocks = blocks.gate_up, blocks.down
     order, block_expert, block_start, block_end = expert_blocks(
         top_k_index, gate_up_proj.shape[0], gate_up_blocks.m
     )

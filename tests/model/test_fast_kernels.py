@@ -53,11 +53,15 @@ def test_selected_experts_match_grouped_mm(tokens):
 )
 def test_a_prompt_goes_to_the_grouped_kernels_with_transformers_result(dtype):
     """Past MAX_PAIRS (token, expert) pairs the implementation hands over to the grouped GEMM kernels:
-    transformers' batched GEMMs' result, for a prompt of many blocks per expert and for one of a few
-    pairs per expert (blocks partly filled, experts left out)."""
+    transformers' batched GEMMs' result, for a decode step's few pairs per expert (decode-sized blocks
+    partly filled, experts left out) and for a prompt of many blocks per expert (the prompt's blocks)."""
+    from dsocr_workers.model.grouped_experts import DECODE_BLOCKS, PROMPT_BLOCKS, blocks_for
+
     model = tiny(SELECTED_EXPERTS).to(dtype)
     moe = model.language_model.layers[1].mlp
-    for tokens in (MAX_PAIRS // model.config.text.num_experts_per_tok + 5, 150):
+    text = model.config.text
+    for tokens, blocks in ((MAX_PAIRS // text.num_experts_per_tok + 5, DECODE_BLOCKS), (150, PROMPT_BLOCKS)):
+        assert blocks_for(tokens * text.num_experts_per_tok, text.n_routed_experts) == blocks
         hidden = torch.randn(
             1,
             tokens,
@@ -96,6 +100,8 @@ def test_expert_blocks_cover_every_pair_once():
         seen += pairs
     assert sorted(seen) == list(range(flat.numel()))
     assert block_expert.shape[0] == -(-flat.numel() // block_m) + experts
+    # the counting sort's order is a stable sort's: pairs of one expert keep their order
+    assert torch.equal(order.long(), torch.argsort(flat, stable=True))
 
 
 def test_fused_decoder_equals_unfused():
