@@ -96,6 +96,22 @@ def test_precompile_of_an_engine_that_compiles_nothing_says_so(tmp_path):
     assert bad.exit_code == 2 and "--modes none: nothing to build" in bad.output
 
 
+def test_a_partial_package_of_a_killed_build_is_removed_and_a_live_builders_is_kept(tmp_path):
+    """A build killed mid-package leaves `.<name>.<pid>.pt2`: the next build removes it, never a live
+    builder's partial nor a finished package."""
+    from dsocr_workers.engine.coldstart.aoti import remove_partial_packages
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead = tmp_path / f".lm_prefill-0123456789ab.{ended.pid}.pt2"
+    live = tmp_path / f".sam-0123456789ab.{os.getpid()}.pt2"
+    finished = tmp_path / "lm_prefill-0123456789ab.pt2"
+    for path in (dead, live, finished):
+        path.write_bytes(b"package")
+    assert remove_partial_packages(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and finished.exists()
+    assert remove_partial_packages(tmp_path / "not built yet") == []
+
 # `dsocr precompile` as a CPU build runs it (argv[1] "build"), or a worker's start after it ("worker"): the fast
 # engine without CUDA graphs and with transformers' expert GEMMs (no Triton here); the worker also decodes
 # a page with the packages and with the regions run by their eager kernels (dynamo's aot_eager: inductor

@@ -387,9 +387,30 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
-        partial.replace(path)
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
     return path
+
+
+def remove_partial_packages(folder: Path) -> list[Path]:
+    """Remove the partial packages in `folder` whose builder process is gone (a build killed before it
+    could remove its own); a live builder's is left alone. Returns what was removed."""
+    removed = []
+    for partial in folder.glob(".*.pt2"):
+        pid = partial.stem.rpartition(".")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0 is not sent: only whether the process exists
+        except ProcessLookupError:
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+        except PermissionError:  # it exists, under another user
+            pass
+    return removed
 
 
 # --- loading ----------------------------------------------------------------------------------------

@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from dsocr_workers.engine.coldstart import artifacts
-from dsocr_workers.engine.coldstart.aoti import Limits, Recorder, build_package, package_name
+from dsocr_workers.engine.coldstart.aoti import (
+    Limits,
+    Recorder,
+    build_package,
+    package_name,
+    remove_partial_packages,
+)
 from dsocr_workers.engine.coldstart.cache import bytecode_directory, use_compile_cache, write_bytecode
 from dsocr_workers.engine.coldstart.passes import warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, cache_root, compile_plan
@@ -181,6 +187,8 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
         )
         here = artifacts.Environment.here(session.device)
         folder = artifacts.packages_folder(plan, config, here)
+        for partial in remove_partial_packages(folder):
+            progress(f"removed {partial.name}, a package left partial by a build cut short")
         limits = Limits(plan.max_crops, session.max_positions)
         built, seconds_each = [], {}
         for number, (key, call) in enumerate(recorder.calls.items(), 1):
