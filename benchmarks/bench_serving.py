@@ -260,7 +260,7 @@ def start_engine(
     record = dict(
         attention=engine.attention,
         prefill=prefill,
-        kv_splits=engine.runner.kv_splits,
+        attention_options=engine.runner.attention_options,
         slots=engine.plan.slots,
         compile_and_capture_s=time.perf_counter() - start,
         plan=engine.plan.describe(),
@@ -368,7 +368,7 @@ def level(
         "attention": engine.attention,
         "prefill": "split" if engine.split_prefill else "whole",
         "admission": admission,
-        "kv_splits": engine.runner.kv_splits,
+        "attention_options": engine.runner.attention_options,
         "requests": requests,
         "wall_s": wall,
         **summary.__dict__,

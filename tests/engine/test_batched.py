@@ -21,7 +21,7 @@ from dsocr_workers.engine.batched import (
 )
 from dsocr_workers.engine.batched.runner import BatchRunner, StepConfig
 from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, buckets_for
-from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, filled_kv_splits
+from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, filled_kernel_options
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
@@ -494,22 +494,25 @@ def _filled_step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_splits: int | None,
+    kernel_options: dict | None,
 ) -> torch.Tensor:
-    cache = FilledSlotsCache([keys], [values], length, visible, kv_splits)
+    cache = FilledSlotsCache([keys], [values], length, visible, kernel_options)  # type: ignore[arg-type]
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
 def test_the_filled_attention_splits_each_row_in_two_once_rows_outnumber_the_multiprocessors():
     """Where FlexAttention would give each row one thread block (rows above the multiprocessors), two;
     below, its own choice (more splits than two) stands."""
-    assert filled_kv_splits(128 * 10, 132) == 2
-    assert filled_kv_splits(133, 132) == 2
-    assert filled_kv_splits(132, 132) is None
-    assert filled_kv_splits(1 * 10, 132) is None
+    assert filled_kernel_options(128 * 10, 132) == {"SPLIT_KV": 2}
+    assert filled_kernel_options(133, 132) == {"SPLIT_KV": 2}
+    assert filled_kernel_options(132, 132) is None
+    assert filled_kernel_options(1 * 10, 132) is None
 
 
-@pytest.mark.parametrize("kv_splits", [None, 2, 4])
+@pytest.mark.parametrize(
+    "kernel_options",
+    [None, {"SPLIT_KV": 2}, {"SPLIT_KV": 4}, {"SPLIT_KV": 2, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}],
+)
 @pytest.mark.parametrize(
     "device",
     [
@@ -522,11 +525,11 @@ def test_the_filled_attention_splits_each_row_in_two_once_rows_outnumber_the_mul
         ),
     ],
 )
-def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device, kv_splits):
+def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(device, kernel_options):
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
     blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots; each row's KV in FlexAttention's
-    own number of splits, or 2 or 4 (`filled_kv_splits`). Either inductor trap of slots.py (the
+    own number of splits, or 2 or 4 (`filled_kernel_options`), or in KV tiles of 32 on a pipeline of 3. Either inductor trap of slots.py (the
     kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5 on
     unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
     torch.manual_seed(0)
@@ -540,7 +543,7 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
         visible[: len(lengths)] = length
         query, key, value = (torch.randn(len(lengths), heads, 1, head_dim, device=device) for _ in range(3))
         keys, values = (c.clone() for c in cache)
-        got = step(keys, values, length, visible, query, key, value, kv_splits)
+        got = step(keys, values, length, visible, query, key, value, kernel_options)
         rows = torch.arange(len(lengths), device=device)
         expected_keys, expected_values = (c[: len(lengths)].clone() for c in cache)
         expected_keys[rows, :, length - 1], expected_values[rows, :, length - 1] = (

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import nvtx
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import FlexKernelOptions
 
 from dsocr_workers.engine.batched.memory import KVPlan
 from dsocr_workers.engine.batched.scheduler import DecodePlan, PrefillPlan, Readback, StepPlan
@@ -31,7 +32,7 @@ from dsocr_workers.engine.batched.slots import (
     SlotState,
     choose_tokens,
     decode_slots,
-    filled_kv_splits,
+    filled_kernel_options,
     reads_filled_slots,
 )
 from dsocr_workers.engine.clock import NVTX_DOMAIN, StageClock
@@ -109,15 +110,15 @@ class BucketSteps:
     options: DecodeOptions
     config: StepConfig
     compiler: Compiler | None = None  # what makes the step (dynamo, packages built ahead); None: eager
-    kv_splits: int | None = field(init=False)  # the filled attention's (`filled_kv_splits`)
+    attention_options: FlexKernelOptions | None = field(init=False)  # the filled attention's kernel's
     _step: Callable[..., Tensor] = field(init=False)
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = field(init=False, default_factory=dict)
     _pool: _POOL_HANDLE | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         keys = self.cache.keys[0]
-        self.kv_splits = (
-            filled_kv_splits(
+        self.attention_options = (
+            filled_kernel_options(
                 keys.shape[0] * keys.shape[1], torch.cuda.get_device_properties(keys.device).multi_processor_count
             )
             if self.config.attention == "filled" and keys.is_cuda
@@ -161,7 +162,7 @@ class BucketSteps:
                     for dim in range(1, tensor.dim()):
                         torch._dynamo.mark_static(tensor, dim)
         return self._step(
-            self.model, keys, values, rows, self.options, self.state.whitelist, visible, self.kv_splits
+            self.model, keys, values, rows, self.options, self.state.whitelist, visible, self.attention_options
         )
 
     def capture(self, buckets: tuple[int, ...]) -> dict[int, float]:
@@ -246,8 +247,8 @@ class BatchRunner:
         return self.config.cuda_graphs
 
     @property
-    def kv_splits(self) -> int | None:
-        return self.steps.kv_splits
+    def attention_options(self) -> FlexKernelOptions | None:
+        return self.steps.attention_options
 
     @property
     def captured(self) -> int:

@@ -175,11 +175,15 @@ class FilledSlotsCache(AttendingCache):
     # misread too, hence `visible`, a graph input of its own (`SlotState.refresh_visible`).
 
     def __init__(
-        self, keys: list[Tensor], values: list[Tensor], length: Tensor, visible: Tensor, kv_splits: int | None
+        self,
+        keys: list[Tensor],
+        values: list[Tensor],
+        length: Tensor,
+        visible: Tensor,
+        kernel_options: FlexKernelOptions | None,
     ) -> None:
         self.keys, self.values = keys, values
-        # SPLIT_KV: read by FlexAttention's decoding lowering (flex_decoding.py), not declared in its TypedDict.
-        self.kernel_options = None if kv_splits is None else cast(FlexKernelOptions, {"SPLIT_KV": kv_splits})
+        self.kernel_options = kernel_options
         self.positions = length - 1
         rows, device = length.shape[0], length.device
         self.rows = torch.arange(rows, device=device)
@@ -260,13 +264,14 @@ def reads_filled_slots(model: OCRModel) -> bool:
     return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
 
 
-def filled_kv_splits(rows: int, multiprocessors: int) -> int | None:
-    """SPLIT_KV for the filled attention's decoding kernel over `rows` (slots x heads) on a GPU of
-    `multiprocessors`; None leaves FlexAttention's own choice, which is one split a row once rows outnumber
-    the multiprocessors."""
+def filled_kernel_options(rows: int, multiprocessors: int) -> FlexKernelOptions | None:
+    """The filled attention's decoding kernel options over `rows` (slots x heads) on a GPU of
+    `multiprocessors`; None leaves FlexAttention's own choices, which give a row one split once rows
+    outnumber the multiprocessors."""
     # With one thread block a row, a batch of staggered lengths waits for the blocks of its longest rows;
-    # two splits even them out (docs/benchmarks.md, "Batched serving through the farm").
-    return 2 if rows > multiprocessors else None
+    # two splits even them out (docs/benchmarks.md, "Batched serving through the farm"). SPLIT_KV is read
+    # by FlexAttention's decoding lowering (flex_decoding.py), not declared in its TypedDict.
+    return cast(FlexKernelOptions, {"SPLIT_KV": 2}) if rows > multiprocessors else None
 
 
 def decode_slots(
@@ -277,12 +282,12 @@ def decode_slots(
     options: DecodeOptions,
     whitelist: Tensor | None,
     visible: Tensor | None = None,
-    kv_splits: int | None = None,
+    kernel_options: FlexKernelOptions | None = None,
 ) -> Tensor:
     """One decode step over a bucket's rows: feed each row's last token at its position, choose the next
     one (`choose_tokens`). The "masked" attention where `visible` is None (`keys`/`values`: every layer's,
     the bucket's slots); else the "filled" one (every slot's keys and values, `visible` every slot's
-    length: `SlotState.visible`; `kv_splits`: `filled_kv_splits`). Returns the tokens, [n]."""
+    length: `SlotState.visible`; `kernel_options`: `filled_kernel_options`). Returns the tokens, [n]."""
     language_model = model.language_model
     positions = rows.length - 1
     fed = rows.tokens.gather(1, positions.unsqueeze(1))  # [n, 1]
@@ -290,7 +295,7 @@ def decode_slots(
     cache: FilledSlotsCache | _StepCache
     mask = None
     if visible is not None:
-        cache = FilledSlotsCache(keys, values, rows.length, visible, kv_splits)
+        cache = FilledSlotsCache(keys, values, rows.length, visible, kernel_options)
     else:
         mask = attention_mask(
             rows.length, keys[0].shape[2], language_model.config._attn_implementation, hidden.dtype

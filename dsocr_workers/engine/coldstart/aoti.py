@@ -235,22 +235,22 @@ class _DecodeStep(_Region):
 
 class _BatchedStep(_Region):
     """The batched engine's step: `function(model, keys, values, rows, options, whitelist, visible,
-    kv_splits)`, writing the slots' tokens, lengths and cache. A package per bucket, every shape static:
+    attention_options)`, writing the slots' tokens, lengths and cache. A package per bucket, every shape static:
     a bucket range dynamic in its row count meets the experts' switch from their GEMV kernels to the
-    grouped GEMM (model/selected_experts.py), which an export cannot guard on. The options and the KV
-    splits are the package's."""
+    grouped GEMM (model/selected_experts.py), which an export cannot guard on. The options and the
+    attention kernel's options are the package's."""
 
     name = "batched_step"
     prefixes = ("language_model.", "lm_head.")
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
-        _, keys, _, rows, options, _, visible, kv_splits = args
+        _, keys, _, rows, options, _, visible, attention_options = args
         return {
             "rows": rows.length.shape[0],
             "slots": keys[0].shape[0],  # "filled": every slot's cache; "masked": the bucket's
             "capacity": keys[0].shape[2],
             "attention": "masked" if visible is None else "filled",
-            "kv_splits": kv_splits,
+            "attention_options": attention_options,
             "options": list(step_key(options)),
         }
 
@@ -261,14 +261,14 @@ class _BatchedStep(_Region):
 
     @contextmanager
     def holding(self, args: tuple, state: list[Tensor]) -> Iterator[tuple]:
-        model, keys, _, _, options, whitelist, visible, kv_splits = args
+        model, keys, _, _, options, whitelist, visible, attention_options = args
         layers = len(keys)
         rest = iter(state[4 + 2 * layers :])
         visible = next(rest) if visible is not None else None
         whitelist = next(rest) if whitelist is not None else None
         rows = SlotRows(*state[:4])
         cache = state[4 : 4 + layers], state[4 + layers : 4 + 2 * layers]
-        yield model, *cache, rows, options, whitelist, visible, kv_splits
+        yield model, *cache, rows, options, whitelist, visible, attention_options
 
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
         return [None] * len(self.state(args))
