@@ -239,7 +239,7 @@ def test_the_batched_steps_buckets_share_one_copy_of_the_slots_cache():
     step = recorder.region("batched_step", lambda *args: ran.append(args[3].length.shape[0]))
     for n in (1, 2, 4):
         rows = SlotRows(tokens[:n], length[:n], length[:n], length[:n])
-        step(model, keys, values, rows, DecodeOptions(), None, visible, 2)
+        step(model, keys, values, rows, DecodeOptions(), None, visible, {"SPLIT_KV": 2})
     calls = list(recorder.calls.values())
     assert ran == [1, 2, 4] and len(calls) == 3
     caches = [call.state[4 : 4 + 2 * layers] for call in calls]
