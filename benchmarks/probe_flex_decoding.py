@@ -33,8 +33,8 @@ from torch.nn.attention.flex_attention import FlexKernelOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.probe_grouped_experts import graph_us  # noqa: E402
 from dsocr_workers.engine.batched.slots import FilledSlotsCache, filled_kernel_options  # noqa: E402
-from dsocr_workers.engine.regions import capture_graph  # noqa: E402
 from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
 
 
@@ -48,28 +48,17 @@ def attend(
     return cache.update_and_attend(query, key, value, 0, query.shape[-1] ** -0.5)
 
 
-def timed_us(run: Callable[[], list[torch.Tensor]], device: torch.device, iters: int = 50) -> tuple[float, torch.Tensor]:
-    """Median µs of `run` (a CUDA graph's replay on a GPU) and its output."""
-    if device.type != "cuda":
-        run()
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            (out,) = run()
-            times.append((time.perf_counter() - began) * 1e6)
-        return statistics.median(times), out
-    graph, (out,) = capture_graph(run, torch.cuda.graph_pool_handle())
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
+def timed_us(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
+    """Median µs of `run` (on a GPU a CUDA graph's replay: probe_grouped_experts' timing) and its output."""
+    if device.type == "cuda":
+        us, out, _ = graph_us(run, iters=50)
+        return us, out
+    run()
     times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+    for _ in range(5):
+        began = time.perf_counter()
+        out = run()
+        times.append((time.perf_counter() - began) * 1e6)
     return statistics.median(times), out
 
 
@@ -133,8 +122,8 @@ def main() -> int:
 
                     def run(keys: torch.Tensor = keys, values: torch.Tensor = values,
                             options: FlexKernelOptions | None = options,
-                            step: Callable[..., torch.Tensor] = step) -> list[torch.Tensor]:
-                        return [step(keys, values, length, length, query, key, value, options)]
+                            step: Callable[..., torch.Tensor] = step) -> torch.Tensor:
+                        return step(keys, values, length, length, query, key, value, options)
 
                     us, out = timed_us(run, device)
                     reference.setdefault(profile, out.clone())
