@@ -31,6 +31,9 @@ With `--admission window,one-a-step` every level also runs with its pages joinin
 the farm's do (claimed and prepared one by one), beside the closed loop's window: with one output length
 the window's pages start, grow and end together (waves), the farm's stay staggered over the whole range;
 the decode steps of 64+ pages and what their attention read are listed per level.
+With `--attention-options 'rule;{...}'` every level runs on an engine of each kernel option set of the
+filled attention (FlexAttention's decoding kernel: SPLIT_KV, BLOCK_N, num_warps, num_stages), the
+engine's own rule beside them: the options probe_flex_decoding.py found, in the whole step.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -71,6 +74,7 @@ from pathlib import Path
 from typing import Any, cast, get_args
 
 import torch
+from torch.nn.attention.flex_attention import FlexKernelOptions
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -95,6 +99,7 @@ TARGET_TPOT_P50_MS = 10.0
 TARGET_BOUND_SHARE = 0.6
 SECONDS_PER_DAY = 86_400
 ADMISSIONS = ("window", "one-a-step")  # how pages join (`--admission`)
+RULE = "rule"  # `--attention-options`: the engine's own (slots.py `filled_kernel_options`)
 # The farm report's widest occupancy band ("64+"): the decode steps compared with the farm's.
 WIDE_OCCUPANCY = 64
 
@@ -236,6 +241,7 @@ def start_engine(
     options: DecodeOptions,
     attention: SlotAttention | None,
     prefill: str,
+    attention_options: FlexKernelOptions | None = None,
 ) -> tuple[BatchedEngine, dict[str, Any]]:
     """The batched engine of one level, sized as the farm sizes a run's batch: `concurrency` slots (fewer
     where the free memory does not hold them), its buckets up to that, its prefills `prefill` ("split" or
@@ -255,6 +261,7 @@ def start_engine(
         cuda_graphs=False if args.no_graphs else None,
         attention=attention,
         split_prefill=prefill == "split",
+        attention_options=attention_options,
     )
     sync()
     record = dict(
@@ -287,10 +294,11 @@ def engine_level(
     admission: str,
     weights: dict[str, Any],
     peak: float | None,
+    attention_options: FlexKernelOptions | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[BatchedOutput]]:
     """One level on an engine of its own (`start_engine`, dropped on return): what to report of the
     engine, the level's row (or why it was skipped) and its outputs."""
-    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill)
+    engine, record = start_engine(session, concurrency, pages, args, options, attention, prefill, attention_options)
     if concurrency > engine.plan.slots:
         return (
             record,
@@ -314,6 +322,13 @@ def engine_level(
         peak,
     )
     return record, row, outputs
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
@@ -431,7 +446,9 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
 def setting(row: dict[str, Any]) -> str:
     """A level's engine in words: its attention, its prefills and, where not the window's, how pages join."""
     joining = ", one page joining a step" if row.get("admission") == "one-a-step" else ""
-    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills{joining}"
+    chosen = row.get("attention_choice", RULE)
+    kernel = "" if chosen == RULE else f", kernel options {chosen}"
+    return f"{row.get('attention')}, {row.get('prefill', 'whole')} prefills{kernel}{joining}"
 
 
 def prefill_figures(row: dict[str, Any]) -> str:
@@ -633,6 +650,14 @@ def main() -> int:
         "staggered), or both (window,one-a-step: each on an engine of its own, side by side)",
     )
     parser.add_argument(
+        "--attention-options",
+        default=RULE,
+        help="the filled attention's kernel options, ';'-separated, each level on an engine of each, side by "
+        "side: 'rule' (the engine's, slots.py filled_kernel_options) or a JSON object of FlexAttention's "
+        "kernel options ({}: its own choices), e.g. "
+        '\'rule;{"SPLIT_KV": 2, "BLOCK_N": 64, "num_stages": 3, "num_warps": 4}\'',
+    )
+    parser.add_argument(
         "--eager-step", action="store_true", help="the batched step uncompiled (still graphed)"
     )
     parser.add_argument(
@@ -657,6 +682,10 @@ def main() -> int:
     admissions = list(dict.fromkeys(args.admission.split(",")))
     if not set(admissions) <= set(ADMISSIONS):
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
+    kernel_choices = list(dict.fromkeys(choice.strip() for choice in args.attention_options.split(";")))
+    for choice in kernel_choices:
+        if choice != RULE and not isinstance(_json_or_none(choice), dict):
+            parser.error(f"--attention-options takes 'rule' or JSON objects, ';'-separated, not {choice!r}")
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
@@ -698,17 +727,20 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    settings = itertools.product(levels, attentions, prefills, admissions)
-    for concurrency, attention, prefill, admission in settings:
+    settings = itertools.product(levels, attentions, kernel_choices, prefills, admissions)
+    for concurrency, attention, chosen, prefill, admission in settings:
         named = {"concurrency": concurrency, "attention": attention or "default", "prefill": prefill,
-                 "admission": admission}  # fmt: skip
+                 "admission": admission, "attention_choice": chosen}  # fmt: skip
+        attention_options = None if chosen == RULE else cast(FlexKernelOptions, json.loads(chosen))
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue
         try:
             record, row, outputs = engine_level(
-                session, concurrency, pages, args, options, attention, prefill, admission, weights, peak
+                session, concurrency, pages, args, options, attention, prefill, admission, weights, peak,
+                attention_options,
             )
+            row["attention_choice"] = chosen
             setup["engines"].append(record)
             report["levels"].append(row)
             if outputs:

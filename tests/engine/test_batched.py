@@ -268,6 +268,8 @@ def test_the_fast_engines_modules_decode_batched_as_alone_on_cpu(session, prepar
         assert any(s.kind == "join" for s in engine.steps)  # split prefills beside the compiled step
     default = engine_for(fast, prepared, 4, options).config  # on a CPU: eager, masked
     assert default.backend is None and not default.cuda_graphs and default.attention == "masked"
+    chosen = engine_for(fast, prepared, 2, options, attention="filled", attention_options={"SPLIT_KV": 2})
+    assert chosen.runner.attention_options == {"SPLIT_KV": 2}  # a benchmark's choice over the engine's rule
     with pytest.raises(InputError, match="fast engine's attention modules"):
         engine_for(session, prepared, 4, options, attention="filled")
 
@@ -456,6 +458,8 @@ def test_buckets_and_bad_arguments(session, prepared):
         engine_for(session, prepared, 2, DecodeOptions(), cuda_graphs=True)
     with pytest.raises(InputError, match="temperature"):
         engine_for(session, prepared, 2, DecodeOptions(temperature=-1))
+    with pytest.raises(InputError, match="for the filled attention only"):  # the masked one runs no FlexAttention
+        engine_for(session, prepared, 2, DecodeOptions(), attention="masked", attention_options={"SPLIT_KV": 2})
 
 
 @pytest.mark.parametrize(

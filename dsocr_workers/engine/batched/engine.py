@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.attention.flex_attention import FlexKernelOptions
 
 from dsocr_workers.engine.batched.memory import DEFAULT_RESERVE_BYTES, KVPlan, plan_kv
 from dsocr_workers.engine.batched.metrics import StepRecord
@@ -87,12 +88,13 @@ class BatchedEngine:
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
         split_prefill: bool = True,
+        attention_options: FlexKernelOptions | None = None,
     ) -> BatchedEngine:
         """An engine whose KV cache holds up to `max_batch` pages of `max_prompt_tokens` prompt and
         `max_new_tokens` output positions, fewer where the device's free memory (less `reserve_bytes`)
         does not hold them (`plan_kv`; the plan is `engine.plan`). `compiled`, `cuda_graphs`,
-        `attention`: `StepConfig.decide`; `split_prefill`: as the constructor's."""
-        config = StepConfig.decide(session, compiled, cuda_graphs, attention)
+        `attention`, `attention_options`: `StepConfig.decide`; `split_prefill`: as the constructor's."""
+        config = StepConfig.decide(session, compiled, cuda_graphs, attention, attention_options)
         free = None
         if session.device.type == "cuda":
             session.synchronize()

@@ -64,6 +64,9 @@ class StepConfig:
     backend: str | None
     cuda_graphs: bool
     attention: SlotAttention
+    # The filled attention's kernel options for a benchmark's side by side; None: the engine's rule for the
+    # GPU (`filled_kernel_options`); {}: FlexAttention's own choices.
+    attention_options: FlexKernelOptions | None = None
 
     @classmethod
     def decide(
@@ -72,11 +75,13 @@ class StepConfig:
         compiled: bool | None = None,
         cuda_graphs: bool | None = None,
         attention: SlotAttention | None = None,
+        attention_options: FlexKernelOptions | None = None,
     ) -> StepConfig:
         """None: the engine's defaults on this device (the session's engine declares what it allows).
         `compiled`: on CUDA where the engine compiles its batched step. `cuda_graphs`: on CUDA where its
         kernels allow them. `attention`: "filled" where the step is compiled on CUDA over the fast
-        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow)."""
+        attention modules (fewer KV bytes read), else "masked" (FlexAttention uncompiled is slow).
+        `attention_options`: the filled attention's kernel options (None: the engine's rule)."""
         engine, model = session.engine, session.model
         cuda = session.device.type == "cuda"
         compiled = (cuda and engine.compiles_batched_step) if compiled is None else compiled
@@ -96,7 +101,9 @@ class StepConfig:
                 f"reading only the slots' filled positions needs the fast engine's attention modules; "
                 f"the {engine.name} engine's attend under a mask (attention='masked')"
             )
-        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention)
+        if attention_options is not None and attention != "filled":
+            raise InputError(f"attention_options={attention_options}: for the filled attention only")
+        return cls(engine.compile_backend() if compiled else None, cuda_graphs, attention, attention_options)
 
 
 @dataclass
@@ -117,13 +124,14 @@ class BucketSteps:
 
     def __post_init__(self) -> None:
         keys = self.cache.keys[0]
-        self.attention_options = (
-            filled_kernel_options(
+        if self.config.attention_options is not None:
+            self.attention_options = self.config.attention_options
+        elif self.config.attention == "filled" and keys.is_cuda:
+            self.attention_options = filled_kernel_options(
                 keys.shape[0] * keys.shape[1], torch.cuda.get_device_properties(keys.device).multi_processor_count
             )
-            if self.config.attention == "filled" and keys.is_cuda
-            else None
-        )
+        else:
+            self.attention_options = None
         # fullgraph: a graph break would be a host round trip inside every step.
         self._step = (
             decode_slots
