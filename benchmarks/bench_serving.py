@@ -324,13 +324,6 @@ def engine_level(
     return record, row, outputs
 
 
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
-
-
 def output_lengths(requests: int, tokens: int, range_ratio: float) -> list[int]:
     """Each request's output tokens: `tokens`, or with `range_ratio` drawn (seeded) from [tokens x (1 -
     range_ratio), tokens], as `vllm bench serve --random-range-ratio` draws them: pages that end at other
@@ -682,10 +675,15 @@ def main() -> int:
     admissions = list(dict.fromkeys(args.admission.split(",")))
     if not set(admissions) <= set(ADMISSIONS):
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
-    kernel_choices = list(dict.fromkeys(choice.strip() for choice in args.attention_options.split(";")))
-    for choice in kernel_choices:
-        if choice != RULE and not isinstance(_json_or_none(choice), dict):
+    kernel_choices: dict[str, FlexKernelOptions | None] = {}  # as given → the options (None: the rule)
+    for choice in (choice.strip() for choice in args.attention_options.split(";")):
+        try:
+            given = None if choice == RULE else json.loads(choice)
+        except json.JSONDecodeError:
+            given = "not JSON"
+        if choice != RULE and not isinstance(given, dict):
             parser.error(f"--attention-options takes 'rule' or JSON objects, ';'-separated, not {choice!r}")
+        kernel_choices[choice] = cast(FlexKernelOptions | None, given)
     if not 0 <= args.tokens_range_ratio < 1:
         parser.error(f"--tokens-range-ratio takes a ratio in [0, 1), not {args.tokens_range_ratio}")
     options = DecodeOptions(no_repeat_ngram_size=args.no_repeat_ngram_size, ignore_eos=True)
@@ -727,11 +725,10 @@ def main() -> int:
     peak = None if peak_tbps is None else peak_tbps * 1e12
     last: dict[str, tuple[int, list[BatchedOutput]]] = {}
     setup["engines"] = []
-    settings = itertools.product(levels, attentions, kernel_choices, prefills, admissions)
-    for concurrency, attention, chosen, prefill, admission in settings:
+    settings = itertools.product(levels, attentions, kernel_choices.items(), prefills, admissions)
+    for concurrency, attention, (chosen, attention_options), prefill, admission in settings:
         named = {"concurrency": concurrency, "attention": attention or "default", "prefill": prefill,
                  "admission": admission, "attention_choice": chosen}  # fmt: skip
-        attention_options = None if chosen == RULE else cast(FlexKernelOptions, json.loads(chosen))
         if time.perf_counter() - began > args.budget_s:
             report["levels"].append({**named, "skipped": f"past --budget-s {args.budget_s:.0f}"})
             continue

@@ -10,8 +10,8 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
 2. The routing's order of the pairs by expert (`expert_blocks`: a counting sort, one-hot prefix sums)
    against a stable argsort (a radix sort on the GPU), alone, each compiled as the engine compiles its
    regions and run as a CUDA graph; the two orders must be equal.
-3. The kernels with their blocks for this pair count (`blocks_for`) and `grouped_mm`, eager and compiled (as the engine's prefill runs
-   them), each with its kernels under torch.profiler.
+3. The kernels with their blocks for this pair count (`blocks_for`) and `grouped_mm`, eager and
+   compiled (as the engine's prefill runs them), each with its kernels under torch.profiler.
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
     python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64 --warps 4 > $OUT/grouped-experts-decode.txt

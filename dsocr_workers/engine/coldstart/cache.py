@@ -116,8 +116,9 @@ def bytecode_directory() -> Path | None:
 def write_bytecode(modules: list[ModuleType] | None = None) -> int | None:
     """The build step's: the bytecode of `modules` (default: every module imported) written into the
     directory `use_bytecode_cache` chose, then the directory marked written (imports read from it from
-    the next start on); only sources whose bytecode is missing or older, under the writers' lock. The
-    count written, or None where there is no such directory (the installation's bytecode serves)."""
+    the next start on); only sources whose bytecode is missing or of other content (`_stale`), under the
+    writers' lock. The count written, or None where there is no such directory (the installation's
+    bytecode serves)."""
     if _writes_to is None:
         return None
     sources = [
