@@ -507,15 +507,15 @@ def _filled_step(
 def test_the_filled_attention_splits_each_row_in_two_once_rows_outnumber_the_multiprocessors():
     """Where FlexAttention would give each row one thread block (rows above the multiprocessors), two;
     below, its own choice (more splits than two) stands."""
-    assert filled_kernel_options(128 * 10, 132) == {"SPLIT_KV": 2}
-    assert filled_kernel_options(133, 132) == {"SPLIT_KV": 2}
+    assert filled_kernel_options(128 * 10, 132) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    assert filled_kernel_options(133, 132) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
     assert filled_kernel_options(132, 132) is None
     assert filled_kernel_options(1 * 10, 132) is None
 
 
 @pytest.mark.parametrize(
     "kernel_options",
-    [None, {"SPLIT_KV": 2}, {"SPLIT_KV": 4}, {"SPLIT_KV": 2, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}],
+    [None, {"SPLIT_KV": 2}, {"SPLIT_KV": 4}, {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}],
 )
 @pytest.mark.parametrize(
     "device",
@@ -533,9 +533,10 @@ def test_the_filled_attention_compiled_with_inductor_reads_what_sdpa_reads(devic
     """The filled attention compiled as the batched step is (inductor, one graph dynamic in the bucket)
     attends like SDPA under a mask of each row's positions 0..length-1: rows inside one block, across
     blocks, a full slot, length 1; buckets of 1, 2 and 6 rows of 8 slots; each row's KV in FlexAttention's
-    own number of splits, or 2 or 4 (`filled_kernel_options`), or in KV tiles of 32 on a pipeline of 3. Either inductor trap of slots.py (the
-    kernel's batch dynamic; a mask reading a tensor computed in the graph) breaks it by errors of ~2.5 on
-    unit-scale values; the CPU tests of the whole step trace with aot_eager and see neither."""
+    own number of splits, or 2 or 4, or the engine's rule (`filled_kernel_options`: tiles of 128 on a
+    pipeline of 2). Either inductor trap of slots.py (the kernel's batch dynamic; a mask reading a tensor
+    computed in the graph) breaks it by errors of ~2.5 on unit-scale values; the CPU tests of the whole
+    step trace with aot_eager and see neither."""
     torch.manual_seed(0)
     slots, heads, capacity, head_dim = 8, 2, 640, 64
     cache = [torch.randn(slots, heads, capacity, head_dim, device=device) for _ in range(2)]

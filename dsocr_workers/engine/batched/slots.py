@@ -268,10 +268,12 @@ def filled_kernel_options(rows: int, multiprocessors: int) -> FlexKernelOptions 
     """The filled attention's decoding kernel options over `rows` (slots x heads) on a GPU of
     `multiprocessors`; None leaves FlexAttention's own choices, which give a row one split once rows
     outnumber the multiprocessors."""
-    # With one thread block a row, a batch of staggered lengths waits for the blocks of its longest rows;
-    # two splits even them out (docs/benchmarks.md, "Batched serving through the farm"). SPLIT_KV is read
-    # by FlexAttention's decoding lowering (flex_decoding.py), not declared in its TypedDict.
-    return cast(FlexKernelOptions, {"SPLIT_KV": 2}) if rows > multiprocessors else None
+    # One thread block a row leaves staggered batches waiting on their longest rows: two splits even them
+    # out; the tile, warps and stages are the fastest of a sweep (docs/benchmarks.md, "The filled
+    # attention's kernel options"). SPLIT_KV is read by flex_decoding.py, not declared in the TypedDict.
+    if rows <= multiprocessors:
+        return None
+    return cast(FlexKernelOptions, {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2})
 
 
 def decode_slots(
