@@ -94,7 +94,7 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
     serving = (farm or {}).get("stats", {}).get("serving")
     if serving:
         lines.append(
-            f"| farm (K = 1) | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
+            f"| farm (K = 1){'' if (farm or {}).get('status') == 'complete' else ', cut short'} | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
             f"{fmt(serving.get('tpot_ms_p50'))} | {fmt(serving.get('itl_ms_p50'))} / {fmt(serving.get('itl_ms_p99'))} | "
             f"{fmt(serving.get('ttft_ms_p50'), 0)} / {fmt(serving.get('ttft_ms_p99'), 0)} |"
         )
@@ -118,9 +118,13 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
         )
     lines.append("")
     farm_tokens = (serving or {}).get("output_tokens_per_s")
+    # A farm cut short by its budget reads a window of its first jobs only: no ratio from it.
+    farm_status = (farm or {}).get("status", "not run")
     for admission in args.admission.split(","):
         steady = engines.get(admission, {}).get("steady_output_tokens_per_s")
-        if not (steady and farm_tokens):
+        if farm_status != "complete":
+            lines.append(f"Farm / {ADMITTED[admission]}: not measured (the farm's run: {farm_status})")
+        elif not (steady and farm_tokens):
             lines.append(f"Farm / {ADMITTED[admission]}: not measured (a side is missing: see the logs)")
         elif admission == "window":
             verdict = "PASS" if farm_tokens / steady >= TARGET else "FAIL"
