@@ -34,6 +34,10 @@ the decode steps of 64+ pages and what their attention read are listed per level
 With `--attention-options 'rule;{...}'` every level runs on an engine of each kernel option set of the
 filled attention (FlexAttention's decoding kernel: SPLIT_KV, BLOCK_N, num_warps, num_stages), the
 engine's own rule beside them: the options probe_flex_decoding.py found, in the whole step.
+With `--profile N` every N-th step of each kind runs under torch.profiler (engine/profiling.py, as a
+farm run's `--profile N`), and each level lists its sampled decode steps of half its concurrency or more
+(at 128 the farm report's 64+ band) kernel by kernel, the levels side by side: ms a step per kernel, the kernels' busy time, the idle time between them. The
+sampled steps are left out of the step's p50; the level's throughput and latencies carry their cost.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -84,12 +88,15 @@ from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageReque
 from dsocr_workers.engine.batched.metrics import StepRecord, percentiles  # noqa: E402
 from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
 from dsocr_workers.engine.coldstart.cache import use_compile_cache  # noqa: E402
+from dsocr_workers.engine.profiling import StepProfiler, StepSample  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
 from dsocr_workers.farm.run_options import PREFILLS  # noqa: E402
+from dsocr_workers.kernels import KernelSummary  # noqa: E402
 from dsocr_workers.model.config import dtype_name  # noqa: E402
 from dsocr_workers.model.preprocess import PreparedPage  # noqa: E402
+from dsocr_workers.report.kernel_tables import by_stage  # noqa: E402
 
 DEFAULT_PAGES = ("datasets/samples/samples.txt", "datasets/omnidocbench/subsets/demo-18.txt")
 # Peak memory bandwidth by GPU name (the vendors' figures: H100 SXM5 HBM3, H200 HBM3e, A100 80GB).
@@ -280,6 +287,8 @@ def start_engine(
     engine.run(
         [PageRequest(f"warm{i}", page, 16) for i, (_, page) in enumerate(pages[:4])], min(4, concurrency)
     )
+    if args.profile:  # after the settling round: its steps are no level's
+        engine.profile_steps(StepProfiler(session.device, StepSample(args.profile)))
     return engine, record
 
 
@@ -370,7 +379,8 @@ def level(
     else:
         positions = bucket * engine.plan.capacity
     bound = step_bound(weights, occupancy, positions, engine.plan.bytes_per_position, peak)
-    wide = [s for s in decode if s.occupancy >= WIDE_OCCUPANCY]
+    profiled = sampled_steps(engine.runner.profiler, steps)
+    wide = [s for s in decode if s.occupancy >= WIDE_OCCUPANCY and s.index not in profiled]
     report = {
         "concurrency": concurrency,
         "attention": engine.attention,
@@ -389,6 +399,8 @@ def level(
         "wide_decode_step_ms_p50": statistics.median(s.ms for s in wide) if wide else None,
         "wide_kv_per_page": sum(s.kv_positions for s in wide) / sum(s.occupancy for s in wide) if wide else None,
         "wide_kv_longest": sum(s.kv_longest for s in wide) / len(wide) if wide else None,
+        "full_step_kernels": step_kernels([profiled[s.index] for s in decode
+                                           if 2 * s.occupancy >= concurrency and s.index in profiled]),  # fmt: skip
         **bound,
         "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
         "pages_per_day": summary.request_throughput * SECONDS_PER_DAY,
@@ -430,6 +442,33 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
             differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
             pages[name] = {"equal": mine == theirs, "first_difference": differ, "tokens": len(theirs)}
     return {"pages": pages, "equal": sum(p["equal"] for p in pages.values()), "compared": len(pages)}
+
+
+def sampled_steps(profiler: StepProfiler | None, steps: list[StepRecord]) -> dict[int, KernelSummary]:
+    """The kernels of `steps` that ran under `profiler` (every one taken, so none is kept past its level),
+    by step index."""
+    if profiler is None:
+        return {}
+    taken = {s.index: (s, profiler.take(s.index)) for s in steps}
+    return {index: sampled.collect(step.ms).summary for index, (step, sampled) in taken.items() if sampled}
+
+
+def step_kernels(summaries: list[KernelSummary]) -> dict[str, Any] | None:
+    """Sampled steps' kernels averaged a step: the steps, their clock, busy and idle ms, and each kernel's
+    calls and ms a step, longest first."""
+    stage = next(iter(by_stage(summaries).values()), None)
+    if stage is None:
+        return None
+    n = len(stage.jobs)
+    kernels = [{"name": name, "calls": stage.calls[name] / n, "ms": sum(us) / n / 1e3}
+               for name, us in stage.kernel_us.items()]  # fmt: skip
+    return {
+        "steps": n,
+        "clock_ms": sum(row.event_ms for row in stage.jobs) / n,
+        "busy_ms": sum(row.busy_ms for row in stage.jobs) / n,
+        "idle_ms": sum(row.idle_ms for row in stage.jobs) / n,
+        "kernels": sorted(kernels, key=lambda k: -k["ms"]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -534,6 +573,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{fmt(row['bound_step_ms'])} | {percent(row['bound_share'])} | {percent(1 - row['decode_share'], 1)} |"
         )
     lines += wide_steps_lines(report)
+    lines += step_kernels_table(report)
     lines += prefills_table(report)
     for engine in dict.fromkeys(setting(row) for row in report["levels"]):
         lines += best_line(report, engine)
@@ -562,6 +602,47 @@ def wide_steps_lines(report: dict[str, Any]) -> list[str]:
                 f"{fmt(row['wide_kv_longest'], 0)}"
             )
     return ["", *lines] if lines else []
+
+
+KERNEL_ROWS = 25  # the sampled steps' longest kernels listed; the rest summed
+KERNEL_NAME = 70  # characters of a kernel's name shown
+
+
+def step_kernels_table(report: dict[str, Any]) -> list[str]:
+    """The levels' sampled decode steps of half their concurrency or more (at 128: the farm report's 64+
+    band) side by side, kernel by kernel: ms a step (calls a step), then the other kernels' sum, the
+    kernels' busy time, the idle time between them and the clock."""
+    profiled = [row for row in report["levels"] if row.get("full_step_kernels")]
+    if not profiled:
+        return []
+    tables = [row["full_step_kernels"] for row in profiled]
+    longest: dict[str, float] = {}
+    for table in tables:
+        for kernel in table["kernels"]:
+            longest[kernel["name"]] = max(longest.get(kernel["name"], 0.0), kernel["ms"])
+    shown = sorted(longest, key=lambda name: -longest[name])[:KERNEL_ROWS]
+    lines = [
+        "",
+        "Sampled decode steps of half the level's concurrency or more, kernel by kernel (`--profile`; ms a step, "
+        "calls a step in brackets):",
+        "",
+        "| kernel | " + " | ".join(f"{row['concurrency']}, {setting(row)} ({t['steps']} steps)"
+                                   for row, t in zip(profiled, tables, strict=True)) + " |",  # fmt: skip
+        "|---|" + "---:|" * len(profiled),
+    ]
+
+    def cell(table: dict[str, Any], name: str) -> str:
+        kernel = next((k for k in table["kernels"] if k["name"] == name), None)
+        return "-" if kernel is None else f"{kernel['ms']:.3f} ({kernel['calls']:.3g})"
+
+    for name in shown:
+        label = name if len(name) <= KERNEL_NAME else name[: KERNEL_NAME - 1] + "…"
+        lines.append(f"| `{label}` | " + " | ".join(cell(t, name) for t in tables) + " |")
+    rest = [sum(k["ms"] for k in t["kernels"] if k["name"] not in shown) for t in tables]
+    lines.append("| the other kernels | " + " | ".join(f"{ms:.3f}" for ms in rest) + " |")
+    for label, key in (("kernels busy", "busy_ms"), ("idle between kernels", "idle_ms"), ("clock", "clock_ms")):
+        lines.append(f"| {label} | " + " | ".join(f"{t[key]:.3f}" for t in tables) + " |")
+    return lines
 
 
 def best_line(report: dict[str, Any], engine: str) -> list[str]:
@@ -656,6 +737,9 @@ def main() -> int:
     parser.add_argument(
         "--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)"
     )
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="every N-th step of each kind under torch.profiler: the 64+ decode steps' kernels "
+                        "per level, side by side (0: none)")  # fmt: skip
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--peak-tbps", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no level past this many seconds")
