@@ -91,8 +91,8 @@ def main() -> int:
     length = torch.empty(slots, dtype=torch.long, device=device)  # the graph's inputs, refilled per profile
     bytes_read = {name: int(lengths.sum()) * heads * head_dim * 2 * cache[0].element_size() for name, lengths in profiles.items()}
 
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    engine = filled_kernel_options(slots * heads, multiprocessors)
+    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    engine = filled_kernel_options(slots * heads, gpu.multi_processor_count, (gpu.major, gpu.minor)) if gpu else None
     configs: list[tuple[str, FlexKernelOptions | None]] = [("FlexAttention's own choice", None), (f"the engine's {engine}", engine)]
     for splits, block_n, warps, stages in itertools.product(
         *(map(int, values.split(",")) for values in (args.splits, args.block_n, args.warps, args.stages))

@@ -505,12 +505,16 @@ def _filled_step(
 
 
 def test_the_filled_attention_splits_each_row_in_two_once_rows_outnumber_the_multiprocessors():
-    """Where FlexAttention would give each row one thread block (rows above the multiprocessors), two;
-    below, its own choice (more splits than two) stands."""
-    assert filled_kernel_options(128 * 10, 132) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
-    assert filled_kernel_options(133, 132) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
-    assert filled_kernel_options(132, 132) is None
-    assert filled_kernel_options(1 * 10, 132) is None
+    """Where FlexAttention would give each row one thread block (rows above the multiprocessors), two, with
+    the tile, warps and stages swept on Hopper there; below, its own choice (more splits than two) stands."""
+    hopper, ada = (9, 0), (8, 9)
+    tuned = {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    assert filled_kernel_options(128 * 10, 132, hopper) == tuned
+    assert filled_kernel_options(133, 132, hopper) == tuned
+    assert filled_kernel_options(132, 132, hopper) is None
+    assert filled_kernel_options(1 * 10, 132, hopper) is None
+    # The tile swept on Hopper stays there: a GPU of 100 KiB of shared memory a multiprocessor gets the splits.
+    assert filled_kernel_options(128 * 10, 142, ada) == {"SPLIT_KV": 2}
 
 
 @pytest.mark.parametrize(

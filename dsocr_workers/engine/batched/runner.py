@@ -127,8 +127,9 @@ class BucketSteps:
         if self.config.attention_options is not None:
             self.attention_options = self.config.attention_options
         elif self.config.attention == "filled" and keys.is_cuda:
+            gpu = torch.cuda.get_device_properties(keys.device)
             self.attention_options = filled_kernel_options(
-                keys.shape[0] * keys.shape[1], torch.cuda.get_device_properties(keys.device).multi_processor_count
+                keys.shape[0] * keys.shape[1], gpu.multi_processor_count, (gpu.major, gpu.minor)
             )
         else:
             self.attention_options = None

@@ -264,16 +264,23 @@ def reads_filled_slots(model: OCRModel) -> bool:
     return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
 
 
-def filled_kernel_options(rows: int, multiprocessors: int) -> FlexKernelOptions | None:
+# The tile, warps and stages swept fastest on an H200 (docs/benchmarks.md, "The filled attention's kernel
+# options"), kept to that architecture: tiles of 128 positions in two stages need shared memory that
+# GPUs with 100 KiB a multiprocessor do not have.
+TUNED_CAPABILITY = (9, 0)
+TUNED_TILE = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+
+
+def filled_kernel_options(rows: int, multiprocessors: int, capability: tuple[int, int]) -> FlexKernelOptions | None:
     """The filled attention's decoding kernel options over `rows` (slots x heads) on a GPU of
-    `multiprocessors`; None leaves FlexAttention's own choices, which give a row one split once rows
-    outnumber the multiprocessors."""
+    `multiprocessors` and compute `capability`; None leaves FlexAttention's own choices, which give a
+    row one split once rows outnumber the multiprocessors."""
     # One thread block a row leaves staggered batches waiting on their longest rows: two splits even them
-    # out; the tile, warps and stages are the fastest of a sweep (docs/benchmarks.md, "The filled
-    # attention's kernel options"). SPLIT_KV is read by flex_decoding.py, not declared in the TypedDict.
+    # out. SPLIT_KV is read by flex_decoding.py, not declared in the TypedDict.
     if rows <= multiprocessors:
         return None
-    return cast(FlexKernelOptions, {"SPLIT_KV": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2})
+    tile = TUNED_TILE if capability == TUNED_CAPABILITY else {}
+    return cast(FlexKernelOptions, {"SPLIT_KV": 2, **tile})
 
 
 def decode_slots(
