@@ -88,7 +88,7 @@ from dsocr_workers.engine.batched import BatchedEngine, BatchedOutput, PageReque
 from dsocr_workers.engine.batched.metrics import StepRecord, percentiles  # noqa: E402
 from dsocr_workers.engine.batched.slots import KV_BLOCK, SlotAttention  # noqa: E402
 from dsocr_workers.engine.coldstart.cache import use_compile_cache  # noqa: E402
-from dsocr_workers.engine.profiling import StepProfiler, StepSample  # noqa: E402
+from dsocr_workers.engine.profiling import SampledStep, StepProfiler, StepSample  # noqa: E402
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at  # noqa: E402
 from dsocr_workers.farm.filelist import read_filelist  # noqa: E402
@@ -399,7 +399,7 @@ def level(
         "wide_decode_step_ms_p50": statistics.median(s.ms for s in wide) if wide else None,
         "wide_kv_per_page": sum(s.kv_positions for s in wide) / sum(s.occupancy for s in wide) if wide else None,
         "wide_kv_longest": sum(s.kv_longest for s in wide) / len(wide) if wide else None,
-        "full_step_kernels": step_kernels([profiled[s.index] for s in decode
+        "full_step_kernels": step_kernels([profiled[s.index].collect(s.ms).summary for s in decode
                                            if 2 * s.occupancy >= concurrency and s.index in profiled]),  # fmt: skip
         **bound,
         "bound_share": None if bound["bound_step_ms"] is None else bound["bound_step_ms"] / step_ms,
@@ -444,13 +444,13 @@ def agreement(batched: list[BatchedOutput], alone: dict[str, list[int]]) -> dict
     return {"pages": pages, "equal": sum(p["equal"] for p in pages.values()), "compared": len(pages)}
 
 
-def sampled_steps(profiler: StepProfiler | None, steps: list[StepRecord]) -> dict[int, KernelSummary]:
-    """The kernels of `steps` that ran under `profiler` (every one taken, so none is kept past its level),
-    by step index."""
+def sampled_steps(profiler: StepProfiler | None, steps: list[StepRecord]) -> dict[int, SampledStep]:
+    """The steps of `steps` that ran under `profiler`, by index (every one taken, so none is kept past its
+    level)."""
     if profiler is None:
         return {}
-    taken = {s.index: (s, profiler.take(s.index)) for s in steps}
-    return {index: sampled.collect(step.ms).summary for index, (step, sampled) in taken.items() if sampled}
+    taken = {s.index: profiler.take(s.index) for s in steps}
+    return {index: sampled for index, sampled in taken.items() if sampled is not None}
 
 
 def step_kernels(summaries: list[KernelSummary]) -> dict[str, Any] | None:
