@@ -141,7 +141,8 @@ def batched(sessions: dict[str, DeepSeekOCRSession], pages: dict[str, list], arg
     peak_tbps = next((v for k, v in PEAK_TBPS.items() if k in env.get("gpu", "")), None)
     # bench_serving's closed loop as it runs by default: every page decodes `--tokens`, whole prompts.
     serving = argparse.Namespace(tokens=args.tokens, reserve_gib=args.reserve_gib, eager_step=False,
-                                 no_graphs=False, min_requests=args.min_requests, tokens_range_ratio=0.0)  # fmt: skip
+                                 no_graphs=False, min_requests=args.min_requests, tokens_range_ratio=0.0,
+                                 profile=0)  # fmt: skip
     attention: SlotAttention = "filled" if args.device.startswith("cuda") else "masked"
     weights = {model: weight_bytes(s) for model, s in sessions.items()}
     names = list(sessions)
