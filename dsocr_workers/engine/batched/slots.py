@@ -264,8 +264,8 @@ def reads_filled_slots(model: OCRModel) -> bool:
     return all(isinstance(layer.self_attn, FusedQKVAttention) for layer in model.language_model.layers)
 
 
-# The tile, warps and stages swept fastest on an H200 (docs/benchmarks.md, "The filled attention's kernel
-# options"), kept to that architecture: tiles of 128 positions in two stages need shared memory that
+# The tile, warps and stages swept fastest on compute capability 9.0 (docs/benchmarks.md, "The filled
+# attention's kernel options"), kept to it: tiles of 128 positions in two stages need shared memory that
 # GPUs with 100 KiB a multiprocessor do not have.
 TUNED_CAPABILITY = (9, 0)
 TUNED_TILE = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
