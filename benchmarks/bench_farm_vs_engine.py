@@ -92,9 +92,11 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
             f"{fmt(engine['ttft_ms']['p50'], 0)} / {fmt(engine['ttft_ms']['p99'], 0)} |"
         )
     serving = (farm or {}).get("stats", {}).get("serving")
+    # A farm cut short by its budget reads a window of its first jobs only: no ratio from it.
+    farm_status = (farm or {}).get("status", "not run")
     if serving:
         lines.append(
-            f"| farm (K = 1){'' if (farm or {}).get('status') == 'complete' else ', cut short'} | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
+            f"| farm (K = 1){'' if farm_status == 'complete' else ', cut short'} | {fmt(serving['output_tokens_per_s'], 0)} | {fmt(serving['output_tokens_per_s'], 0)} | "
             f"{fmt(serving.get('tpot_ms_p50'))} | {fmt(serving.get('itl_ms_p50'))} / {fmt(serving.get('itl_ms_p99'))} | "
             f"{fmt(serving.get('ttft_ms_p50'), 0)} / {fmt(serving.get('ttft_ms_p99'), 0)} |"
         )
@@ -118,8 +120,6 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
         )
     lines.append("")
     farm_tokens = (serving or {}).get("output_tokens_per_s")
-    # A farm cut short by its budget reads a window of its first jobs only: no ratio from it.
-    farm_status = (farm or {}).get("status", "not run")
     for admission in args.admission.split(","):
         steady = engines.get(admission, {}).get("steady_output_tokens_per_s")
         if farm_status != "complete":

@@ -36,8 +36,9 @@ filled attention (FlexAttention's decoding kernel: SPLIT_KV, BLOCK_N, num_warps,
 engine's own rule beside them: the options probe_flex_decoding.py found, in the whole step.
 With `--profile N` every N-th step of each kind runs under torch.profiler (engine/profiling.py, as a
 farm run's `--profile N`), and each level lists its sampled decode steps of half its concurrency or more
-(at 128 the farm report's 64+ band) kernel by kernel, the levels side by side: ms a step per kernel, the kernels' busy time, the idle time between them. The
-sampled steps are left out of the step's p50; the level's throughput and latencies carry their cost.
+(at 128 the farm report's 64+ band) kernel by kernel, the levels side by side: ms a step per kernel, the
+kernels' busy time, the idle time between them. The sampled steps are left out of the step's p50; the
+level's throughput and latencies carry their cost.
 Every level is written into --out (serving.json, serving.md) as soon as it ends, so a run cut short
 (`--budget-s`: no new level starts past it) still reports what it measured.
 
@@ -738,8 +739,8 @@ def main() -> int:
         "--no-graphs", action="store_true", help="the batched step launched op by op (diagnosis)"
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="every N-th step of each kind under torch.profiler: the 64+ decode steps' kernels "
-                        "per level, side by side (0: none)")  # fmt: skip
+                        help="every N-th step of each kind under torch.profiler: the kernels of the decode steps of "
+                        "half the level's concurrency or more, per level, side by side (0: none)")  # fmt: skip
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--peak-tbps", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=330.0, help="start no level past this many seconds")
