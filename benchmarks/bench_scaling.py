@@ -1,9 +1,10 @@
 """Scaling benchmark (issue 8 item 7): one job set through Redis + Celery to K = 1..N GPUs of one host.
 
 For each engine and each K, in this order:
-  1. start `dsocr worker --gpus 0,..,K-1 --queue Q --warmup MODE --model M --engine E --max-new-tokens N`
-     as a subprocess: each child loads the model and warms it (compile + graph capture for the fast
-     engine) before it takes a message; wait until all K children are ready (their worker sessions);
+  1. start `dsocr worker --gpus 0,..,K-1 --queue Q --warmup MODE --model M --engine E --max-new-tokens N
+     [--concurrency C]` as a subprocess: each child loads the model and warms it (compile + graph capture
+     for the fast engine; with C, the first level's concurrency above 1, its batched engine started too)
+     before it takes a message; wait until all K children are ready (their worker sessions);
   2. `dsocr submit` the same job set (file list x repeats) to that queue: a new run; with
      `--concurrency 1,32,128` a run per level, one after another on the same worker, each with at
      least GENERATIONS x level x K jobs (its batches fill, turn over and drain), their Serving figures in
@@ -255,7 +256,9 @@ def submit(args: argparse.Namespace, engine: str, k: int, queue: str, repeats: i
     return last
 
 
-def worker_command(args: argparse.Namespace, engine: str, k: int, queue: str, options: set[str]) -> list[str]:
+def worker_command(
+    args: argparse.Namespace, engine: str, k: int, queue: str, options: set[str], concurrency: int = 1
+) -> list[str]:
     if args.gpus == "cpu":
         devices = ["--gpus", ",".join(["cpu"] * k)]
     else:
@@ -267,6 +270,10 @@ def worker_command(args: argparse.Namespace, engine: str, k: int, queue: str, op
         command += ["--model", args.model, "--engine", engine]
     if "--max-new-tokens" in options and args.max_new_tokens:
         command += ["--max-new-tokens", str(args.max_new_tokens)]
+    # The batched engine of the first level started before the worker is ready: its start is the
+    # worker's, not inside that level's timed run.
+    if "--concurrency" in options and concurrency > 1:
+        command += ["--concurrency", str(concurrency)]
     return command
 
 
@@ -335,7 +342,7 @@ def one_run(
     --run-timeout-s from its submit within it."""
     queue = f"scaling-{engine}-k{k}-{os.getpid()}-{int(time.time())}"
     base: dict[str, Any] = {"engine": engine, "k": k, "queue": queue, "repeats": repeats}
-    command = worker_command(args, engine, k, queue, options)
+    command = worker_command(args, engine, k, queue, options, levels[0])
     base["worker_command"] = shlex.join(command[3:])  # without the interpreter boilerplate
     logpath = tmp / f"worker-{engine}-k{k}.log"
     records: list[dict[str, Any]] = []

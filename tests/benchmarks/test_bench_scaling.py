@@ -164,3 +164,14 @@ def test_best_level_is_the_first_ks_level_with_the_most_output_tokens():
     assert best_level(runs, "fast", 2) == 64
     assert best_level(runs, "fast", 4) is None
     assert best_level(runs, "eager", 1) is None
+
+
+def test_the_worker_starts_the_first_levels_batched_engine_before_it_is_ready(bench: ModuleType) -> None:
+    args = bench.argparse.Namespace(gpus="cpu", worker_loglevel="INFO", warmup="small", model="tiny",
+                                    max_new_tokens=8)  # fmt: skip
+    options = {"--warmup", "--model", "--engine", "--max-new-tokens", "--concurrency"}
+    batched = bench.worker_command(args, "fast", 1, "q", options, 128)
+    assert batched[batched.index("--concurrency") + 1] == "128"
+    assert "--concurrency" not in bench.worker_command(args, "fast", 1, "q", options, 1)
+    # A checkout's worker without the option is started as before.
+    assert "--concurrency" not in bench.worker_command(args, "fast", 1, "q", options - {"--concurrency"}, 128)
