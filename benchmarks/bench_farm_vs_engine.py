@@ -32,14 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import fmt  # noqa: E402
-from benchmarks.bench_scaling import level_repeats, listed_pages  # noqa: E402
+from benchmarks.bench_scaling import GENERATIONS, level_repeats, listed_pages  # noqa: E402
 
 TARGET = 0.97
 
 
-def jobs_for(concurrency: int, pages: int) -> tuple[int, int]:
+def jobs_for(concurrency: int, pages: int, generations: int = GENERATIONS) -> tuple[int, int]:
     """The farm run's repeats of the file list and its job count, as bench_scaling sizes a level at K = 1."""
-    repeats = level_repeats(1, concurrency, 1, pages)
+    repeats = level_repeats(1, concurrency, 1, pages, generations)
     return repeats, repeats * pages
 
 
@@ -146,13 +146,15 @@ def main() -> int:
     parser.add_argument("--compile-cache", default="/tmp/dc", help="DSOCR_COMPILE_CACHE_DIR of both sides")
     parser.add_argument("--admission", default="window", help="the engine alone's: window, one-a-step or both")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
+    parser.add_argument("--generations", type=int, default=GENERATIONS,
+                        help="jobs: this many times the concurrency, on each side (bench_scaling's)")
     parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
     args = parser.parse_args()
     if not set(args.admission.split(",")) <= set(ADMITTED):
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    repeats, jobs = jobs_for(args.concurrency, listed_pages(args.filelist))
+    repeats, jobs = jobs_for(args.concurrency, listed_pages(args.filelist), args.generations)
     python = sys.executable
     engine_out = args.out / "engine"
     run(
@@ -169,7 +171,7 @@ def main() -> int:
     run(
         [python, "benchmarks/bench_scaling.py", "--gpus", "cpu" if args.cpu else "1", "--ks", "1", "--engines", "fast", "--model",
          args.model, "--mode", args.mode, "--filelist", str(args.filelist), "--max-new-tokens",
-         str(args.max_new_tokens), "--repeats", f"fast={repeats}", "--concurrency", str(args.concurrency),
+         str(args.max_new_tokens), "--repeats", f"fast={repeats}", "--generations", str(args.generations), "--concurrency", str(args.concurrency),
          "--compile-cache", args.compile_cache, "--budget-s", str(max(left - 15, 60)), "--run-timeout-s",
          str(max(left - 120, 60)), "--out", str(farm_out)],  # fmt: skip
         args.out / "farm.log",

@@ -327,10 +327,10 @@ def listed_pages(filelist: Path) -> int:
     return sum(1 for line in lines if line and not line.startswith("#"))
 
 
-def level_repeats(repeats: int, concurrency: int, k: int, pages: int) -> int:
+def level_repeats(repeats: int, concurrency: int, k: int, pages: int, generations: int = GENERATIONS) -> int:
     """Repeats of a `pages`-page list for a run at `concurrency` on K workers: at least `repeats`, and
-    enough jobs for the batch to turn over, GENERATIONS x the jobs K workers hold."""
-    return max(repeats, -(-GENERATIONS * concurrency * k // max(pages, 1)))
+    enough jobs for the batch to turn over, `generations` x the jobs K workers hold."""
+    return max(repeats, -(-generations * concurrency * k // max(pages, 1)))
 
 
 def one_run(
@@ -356,7 +356,7 @@ def one_run(
             base["ready_after_s"] = round(time.monotonic() - started, 2)
             log(f"{engine} K={k}: {ready}/{k} worker children ready after {base['ready_after_s']} s")
             for concurrency in levels:
-                repeats_here = level_repeats(repeats, concurrency, k, args.pages)
+                repeats_here = level_repeats(repeats, concurrency, k, args.pages, args.generations)
                 record = {**base, "concurrency": concurrency, "repeats": repeats_here}
                 records.append(record)
                 left = budget_s - (time.monotonic() - started)
@@ -880,6 +880,9 @@ def main() -> int:
     parser.add_argument("--filelist", type=Path, default=REPO / "datasets" / "samples" / "samples.txt")
     parser.add_argument("--repeats", default=",".join(f"{e}={n}" for e, n in DEFAULT_REPEATS.items()),
                         help="N for every engine, or engine=N,...")  # fmt: skip
+    parser.add_argument("--generations", type=int, default=GENERATIONS,
+                        help="a level's jobs: at least this many times its concurrency x K (its batches "
+                             "turn over this often; fewer: a shorter steady window, wider intervals)")  # fmt: skip
     parser.add_argument("--model", default="full")
     parser.add_argument("--mode", default="base")
     parser.add_argument("--warmup", default=None, help="worker --warmup value (default: the mode)")
