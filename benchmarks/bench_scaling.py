@@ -38,7 +38,10 @@ Unless --broker-url / --database-url are given, the script starts its own redis-
 shared Redis or database. DSOCR_COMPILE_CACHE_DIR points at one folder for every worker of the script, as
 a deployment's volume per host (torch's compile cache and, where the installation ships none, Python's
 bytecode): the K = 2 workers reuse what the K = 1 worker compiled (the graph capture is still theirs);
-`--compile-cache DIR` across two invocations measures a restart with a warm cache.
+`--compile-cache DIR` across two invocations measures a restart with a warm cache. `--sweep-dir DIR`
+continues a sweep across invocations (a device call too short for all of it): DIR keeps its ledger and
+its runs, each invocation runs the levels and Ks the earlier ones did not complete (Ks above the
+machine's GPU count left to a later one), and its tables and curves cover them all.
 
 Default job set and why: datasets/samples/samples.txt (7 synthetic pages) in mode `base`. `base` has no
 tiles: every page becomes one 1024x1024 view, so the whole set is ONE vision shape, one prompt length
@@ -683,6 +686,30 @@ def best_level(runs: list[dict[str, Any]], engine: str, k: int) -> int | None:
     return max(served)[1] if served else None
 
 
+# What the calls of one sweep (--sweep-dir) must share for their levels to stand in one table.
+SWEEP_SETTINGS = ("filelist", "model", "mode", "warmup", "max_new_tokens", "ignore_eos", "generations")
+
+
+def earlier_sweep(folder: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The complete runs earlier calls of this sweep recorded in `folder`'s sweep.json (none before its
+    first call); a level cut short there runs again. Raises ValueError naming the settings that differ."""
+    path = folder / "sweep.json"
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    differ = [f"{key} {saved['settings'].get(key)!r} there, {settings.get(key)!r} here" for key in SWEEP_SETTINGS
+              if saved["settings"].get(key) != settings.get(key)]  # fmt: skip
+    if differ:
+        raise ValueError(f"the sweep in {folder} was run with other settings: {'; '.join(differ)}")
+    return [r for r in saved["runs"] if r.get("status") == "complete" and "run_id" in r]
+
+
+def levels_left(done: list[dict[str, Any]], engine: str, k: int, levels: list[int]) -> list[int]:
+    """`levels` of `engine` at K = `k` that no earlier call of the sweep completed."""
+    finished = {r["concurrency"] for r in done if r["engine"] == engine and r["k"] == k}
+    return [c for c in levels if c not in finished]
+
+
 def verdict(ratio: dict[str, Any] | None, target: float) -> str:
     if not ratio or ratio.get("value") is None:
         return "no ratio"
@@ -898,6 +925,10 @@ def main() -> int:
                         help="the Ks after the first run only the first K's best concurrency level (most output "
                              "tokens/s): a sweep on one GPU, then K = 2 and 4 at its best point")  # fmt: skip
     parser.add_argument("--database-url", help="default: a fresh SQLite file in a temporary folder")
+    parser.add_argument("--sweep-dir", type=Path,
+                        help="continue the sweep recorded here (its SQLite ledger and sweep.json, made on its first "
+                             "call): the levels and Ks an earlier call completed are not run again, and the tables and "
+                             "curves cover them all; a device call too short for a whole sweep runs it in parts")  # fmt: skip
     parser.add_argument("--broker-url", help="default: a private redis-server on a free port")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     parser.add_argument("--compile-cache", help="DSOCR_COMPILE_CACHE_DIR shared by all workers (default: temp)")
@@ -925,8 +956,15 @@ def main() -> int:
         print("bench_scaling: --concurrency levels must be at least 1", file=sys.stderr)
         return 2
     args.warmup = args.warmup or args.mode
+    beyond: list[int] = []  # Ks this machine has too few GPUs for: left to a later call of the sweep
     if args.ks:
         ks = [int(x) for x in args.ks.split(",")]
+        if args.gpus != "cpu" and args.sweep_dir:
+            n = count_gpus() if args.gpus == "all" else int(args.gpus)
+            beyond, ks = [k for k in ks if k > n], [k for k in ks if k <= n]
+            if not ks:
+                print(f"bench_scaling: no K of --ks {args.ks} fits this machine's {n} GPU(s)", file=sys.stderr)
+                return 2
     elif args.gpus == "cpu":
         ks = [1]
     else:
@@ -954,16 +992,37 @@ def main() -> int:
             "repeats": repeats, "model": args.model, "mode": args.mode, "warmup": args.warmup,
             "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
             "target_share_per_gpu": TARGET_SHARE_PER_GPU, "concurrency": levels,
-            "scale_at_best": args.scale_at_best,
+            "scale_at_best": args.scale_at_best, "generations": args.generations,
         },  # fmt: skip
         "runs": [],
         "notes": [],
     }
 
+    earlier: list[dict[str, Any]] = []
+    if args.sweep_dir:
+        args.sweep_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            earlier = earlier_sweep(args.sweep_dir, report["settings"])
+        except ValueError as exc:
+            print(f"bench_scaling: {exc}", file=sys.stderr)
+            return 2
+        report["runs"] = earlier
+        calls = sorted({f"{r['call']['date']}, git {(r['call'].get('git_sha') or '-')[:7]}" for r in earlier})
+        if calls:
+            report["notes"].append(f"levels completed by earlier calls of this sweep ({args.sweep_dir}): {'; '.join(calls)}")
+    if beyond:
+        report["notes"].append(f"K = {', '.join(map(str, beyond))} left to a call on a machine with more GPUs")
+    call = {key: report["environment"].get(key) for key in ("date", "git_sha", "gpu")}
+
     def save() -> None:
         report["bench_wall_s"] = time.perf_counter() - _T0
+        report["runs"].sort(key=lambda r: (engines.index(r["engine"]) if r["engine"] in engines else len(engines),
+                                           r["k"], r.get("concurrency", 1)))  # fmt: skip
         json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         md_path.write_text(markdown(report))
+        if args.sweep_dir:
+            saved = {"settings": report["settings"], "runs": report["runs"]}
+            (args.sweep_dir / "sweep.json").write_text(json.dumps(saved, indent=2, default=str) + "\n")
 
     log(f"scaling: engines {engines}, K {ks}, repeats {repeats}, mode {args.mode}; out {json_path}")
     redis_proc = None
@@ -980,6 +1039,10 @@ def main() -> int:
             if args.database_url:  # its schema was checked before Redis started
                 database_url = args.database_url
                 report["settings"]["ledger"] = "given (--database-url)"
+            elif args.sweep_dir:
+                database_url = f"sqlite:///{(args.sweep_dir / 'ledger.db').resolve()}"
+                report["settings"]["ledger"] = "the sweep's SQLite file (--sweep-dir)"
+                prepare_ledger(database_url, create=True)
             else:
                 database_url = f"sqlite:///{tmp / 'ledger.db'}"
                 report["settings"]["ledger"] = "fresh SQLite file"
@@ -1010,7 +1073,9 @@ def main() -> int:
                 report["notes"].append(functions[3])
                 log(f"WARNING: {functions[3]}")
             for engine in engines:
-                base_data: dict[int, Any] = {}  # per concurrency level, the first K's run
+                # Per concurrency level, the first K's run (an earlier call's read back from the sweep's ledger).
+                base_data: dict[int, Any] = {r["concurrency"]: load(db, r["run_id"]) for r in earlier
+                                             if r["engine"] == engine and r["k"] == ks[0]}  # fmt: skip
                 for k in ks:
                     left = args.budget_s - (time.perf_counter() - _T0)
                     if left < 45:
@@ -1028,6 +1093,10 @@ def main() -> int:
                             log(note)
                             continue
                         k_levels = [best]
+                    k_levels = levels_left(earlier, engine, k, k_levels)
+                    if not k_levels:
+                        log(f"{engine} K={k}: every level done by an earlier call of the sweep")
+                        continue
                     try:
                         records = one_run(args, engine, k, repeats[engine], env, tmp, db, options, left - 20,
                                           k_levels)  # fmt: skip
@@ -1035,6 +1104,7 @@ def main() -> int:
                         traceback.print_exc()
                         records = [{"engine": engine, "k": k, "status": "error", "error": f"{type(exc).__name__}: {exc}"}]
                     for record in records:
+                        record["call"] = call
                         if "run_id" in record:
                             try:
                                 data = load(db, record["run_id"])
@@ -1056,7 +1126,7 @@ def main() -> int:
                         target = round(TARGET_SHARE_PER_GPU * r["k"], 2)
                         name = f"{engine}, concurrency {r.get('concurrency', 1)}, K = {r['k']} vs K = 1, target ≥ {target}x"
                         report.setdefault("verdicts", {})[name] = verdict(r.get("stats", {}).get("ratio_to_k1"), target)
-                if len(levels) > 1:
+                if len({r.get("concurrency", 1) for r in report["runs"] if r["engine"] == engine}) > 1:
                     sweep_plot(db, report, engine, out_dir)
             db.dispose()
         finally:

@@ -175,3 +175,26 @@ def test_the_worker_starts_the_first_levels_batched_engine_before_it_is_ready(be
     assert "--concurrency" not in bench.worker_command(args, "fast", 1, "q", options, 1)
     # A checkout's worker without the option is started as before.
     assert "--concurrency" not in bench.worker_command(args, "fast", 1, "q", options - {"--concurrency"}, 128)
+
+
+def test_a_sweep_continued_runs_only_what_its_earlier_calls_did_not_complete(bench: ModuleType, tmp_path: Path) -> None:
+    settings = {"filelist": "demo-18.txt", "model": "full", "mode": "gundam", "warmup": "gundam",
+                "max_new_tokens": 1024, "ignore_eos": True, "generations": 5}  # fmt: skip
+    assert bench.earlier_sweep(tmp_path, settings) == []  # its first call
+    runs = [
+        {"engine": "fast", "k": 1, "concurrency": 256, "status": "complete", "run_id": "a"},
+        {"engine": "fast", "k": 1, "concurrency": 64, "status": "timed out after 80 s with 90/324 final",
+         "run_id": "b"},
+        {"engine": "fast", "k": 1, "concurrency": 32, "status": "skipped: out of --budget-s"},
+        {"engine": "fast", "k": 2, "concurrency": 256, "status": "complete", "run_id": "c"},
+    ]  # fmt: skip
+    (tmp_path / "sweep.json").write_text(bench.json.dumps({"settings": settings, "runs": runs}))
+    done = bench.earlier_sweep(tmp_path, settings)
+    assert [r["run_id"] for r in done] == ["a", "c"]
+    # The level cut short and the one skipped run again; K = 2 at 256 is done, K = 4 is not.
+    assert bench.levels_left(done, "fast", 1, [1, 32, 64, 256]) == [1, 32, 64]
+    assert bench.levels_left(done, "fast", 2, [256]) == []
+    assert bench.levels_left(done, "fast", 4, [256]) == [256]
+    assert bench.levels_left(done, "eager", 1, [256]) == [256]
+    with pytest.raises(ValueError, match="max_new_tokens 1024 there, 512 here"):
+        bench.earlier_sweep(tmp_path, {**settings, "max_new_tokens": 512})
