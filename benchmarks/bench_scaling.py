@@ -710,6 +710,33 @@ def levels_left(done: list[dict[str, Any]], engine: str, k: int, levels: list[in
     return [c for c in levels if c not in finished]
 
 
+def compact_sweep_ledger(database_url: str, run_ids: list[str]) -> None:
+    """Drop the per-token parts of `run_ids`' results (step times, token ids, markup, boxes) once their
+    statistics are recorded in sweep.json, then shrink the SQLite file: what a later call reads back (the
+    K = 1 runs' job times for a ratio, the serving figures for the curve) stays, and the ledger of a whole
+    sweep at 1,024 tokens (~30 KB a job as it was) travels to the next device call within its carry."""
+    import sqlite3
+
+    from sqlalchemy import update
+
+    from dsocr_workers.store.db import open_database
+    from dsocr_workers.store.models import Result
+
+    db = open_database(database_url)
+    try:
+        with db.transaction() as tx:
+            tx.execute(update(Result).where(Result.run_id.in_(run_ids)).values(
+                decode_step_ms=[], token_ids=[], markup="", boxes=[]))  # fmt: skip
+    finally:
+        db.dispose()
+    # VACUUM runs outside any transaction, which the ledger's engine always opens.
+    connection = sqlite3.connect(database_url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        connection.execute("VACUUM")
+    finally:
+        connection.close()
+
+
 def verdict(ratio: dict[str, Any] | None, target: float) -> str:
     if not ratio or ratio.get("value") is None:
         return "no ratio"
@@ -1129,6 +1156,9 @@ def main() -> int:
                 if len({r.get("concurrency", 1) for r in report["runs"] if r["engine"] == engine}) > 1:
                     sweep_plot(db, report, engine, out_dir)
             db.dispose()
+            if args.sweep_dir and not args.database_url:
+                compact_sweep_ledger(database_url, [r["run_id"] for r in report["runs"]
+                                                    if r.get("status") == "complete" and "stats" in r])  # fmt: skip
         finally:
             if redis_proc is not None:
                 redis_proc.terminate()

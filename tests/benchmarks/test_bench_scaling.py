@@ -198,3 +198,41 @@ def test_a_sweep_continued_runs_only_what_its_earlier_calls_did_not_complete(ben
     assert bench.levels_left(done, "eager", 1, [256]) == [256]
     with pytest.raises(ValueError, match="max_new_tokens 1024 there, 512 here"):
         bench.earlier_sweep(tmp_path, {**settings, "max_new_tokens": 512})
+
+
+def test_a_compacted_sweep_ledger_keeps_what_a_later_call_reads_and_shrinks(
+    bench: ModuleType, tmp_path: Path, make_png, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's ledger after its call: the per-token parts of its results go (their statistics are in
+    sweep.json), the figures a later call reads back from it (the serving figures its curve draws, the job
+    times a K > 1 ratio bootstraps) stay as they were, and the file gets smaller."""
+    from dsocr_workers.report.serving import serving
+    from dsocr_workers.report.throughput import steady_state_throughput
+    from dsocr_workers.store.db import open_database
+
+    spec = importlib.util.spec_from_file_location("report_fakes", SCRIPT.parents[1] / "tests/report/fakes.py")
+    assert spec is not None and spec.loader is not None
+    fakes = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, fakes)  # its dataclasses look their module up
+    spec.loader.exec_module(fakes)
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    bench.prepare_ledger(url, create=True)
+    db = open_database(url)
+    pages = {(f"p{i}.png", repeat): fakes.Page(scale=1 + i / 10, steps=1024) for i in range(6) for repeat in range(2)}
+    run_id = fakes.make_run(db, tmp_path, make_png, pages)
+    before = bench.load(db, run_id)
+    db.dispose()
+    size = (tmp_path / "ledger.db").stat().st_size
+
+    bench.compact_sweep_ledger(url, [run_id])
+
+    db = open_database(url)
+    after = bench.load(db, run_id)
+    db.dispose()
+    assert (tmp_path / "ledger.db").stat().st_size < size / 2
+    assert all((r.decode_step_ms, r.token_ids, r.markup, r.boxes) == ([], [], "", []) for r in after.results.values())
+    assert len(after.results) == len(before.results) == 12
+    drawn = [(s.output_tokens_per_s, s.tpot_ms.p50.value, s.ttft_ms.p50.value, s.pages_per_s.value)
+             for s in (serving(before), serving(after))]  # fmt: skip
+    assert drawn[0] == drawn[1] and None not in drawn[0]
+    assert steady_state_throughput(after).value == steady_state_throughput(before).value
