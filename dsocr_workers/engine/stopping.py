@@ -4,6 +4,7 @@ that a scheduler deciding on the host can import it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.result import DecodeOptions, StopReason
@@ -15,6 +16,20 @@ EOS_CHECK_INTERVAL = 8
 # A look for a loop reads the last this many tokens: periods up to a third of it are caught while
 # decoding (a longer loop is still found afterwards, from all the tokens), at a small host cost.
 REPETITION_WINDOW = 2048
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """How one page stops before its budget: at EOS unless `ignore_eos`, at a repetition loop with
+    `stop_on_repetition` (DecodeOptions' fields of those names). The batched engine takes one per page,
+    so pages of runs that differ only in it share a batch."""
+
+    ignore_eos: bool = False
+    stop_on_repetition: bool = False
+
+    @classmethod
+    def of(cls, options: DecodeOptions) -> StopRule:
+        return cls(options.ignore_eos, options.stop_on_repetition)
 
 
 def loop_check_due(steps: int) -> bool:
@@ -35,7 +50,7 @@ def trim_at_eos(tokens: list[int], options: DecodeOptions) -> list[int]:
 
 
 def stop_reason(
-    tokens: Sequence[int], budget: int, ceiling: int, options: DecodeOptions, repeating: bool = False
+    tokens: Sequence[int], budget: int, ceiling: int, options: DecodeOptions | StopRule, repeating: bool = False
 ) -> StopReason | None:
     """Why decoding stops after the last of `tokens` (the output so far), None while it goes on: EOS
     first, then the token budget (`ceiling`: what the model's positions leave), then a loop that the

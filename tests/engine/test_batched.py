@@ -5,6 +5,7 @@ their budget or a loop; the KV plan and the refusal of a page that cannot fit; t
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from dsocr_workers.engine.batched.slots import FilledSlotsCache, SlotCache, fill
 from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
+from dsocr_workers.engine.stopping import StopRule
 from dsocr_workers.errors import InputError
 from tests.engine.test_session import fast_on_cpu, looping_head
 
@@ -290,6 +292,21 @@ def test_eos_frees_the_slot_for_the_next_page(session, prepared, monkeypatch):
         else:
             assert outputs[index].token_ids == tokens and outputs[index].stop_reason == "max_new_tokens"
     assert outputs[0].stop_reason == "eos" and len(outputs[0].token_ids) == 7
+
+
+def test_each_page_stops_by_its_own_rule(session, prepared, monkeypatch):
+    """Pages of runs that differ only in how they stop share a batch: a page that ignores EOS
+    (`PageRequest.stop`) decodes to its budget beside pages that stop at it by the engine's rule."""
+    expected = alone(session, DecodeOptions(ignore_eos=True))
+    stop = expected[0][6]
+    monkeypatch.setattr(stopping, "EOS_TOKEN_ID", stop)
+    engine = engine_for(session, prepared, 2, DecodeOptions())
+    asked = [replace(r, stop=StopRule(ignore_eos=True)) if r.request_id == "0" else r for r in requests(prepared)]
+    outputs = {int(o.request_id): o for o in engine.run(asked, 2)}
+    assert outputs[0].token_ids == expected[0] and outputs[0].stop_reason == "max_new_tokens"
+    for index, tokens in list(enumerate(expected))[1:]:
+        cut = tokens.index(stop) + 1 if stop in tokens else len(tokens)
+        assert outputs[index].token_ids == tokens[:cut]
 
 
 def test_a_loop_stops_every_page_at_the_batch1_step(session, prepared):

@@ -74,7 +74,8 @@ def test_the_warm_up_covers_the_open_runs_decode_graphs(database: Database):
 def test_a_worker_told_its_concurrency_starts_its_batched_engine_at_start(database: Database):
     """`dsocr worker --concurrency 4` (the eager engine on the CPU, its batched step eager): the start-up
     warm-up loads the model, warms it and starts the batched engine, each bucket's step run once, all in
-    one worker session whose record says so; a run at that concurrency joins that engine, starting none."""
+    one worker session whose record says so; a run at that concurrency joins that engine, starting none,
+    however it stops its pages."""
     settings = Settings(database_url=database.engine.url.render_as_string(hide_password=False), queue="q")
     process = JobProcess.open(settings, "cpu", queues=("q",))
     try:
@@ -94,6 +95,11 @@ def test_a_worker_told_its_concurrency_starts_its_batched_engine_at_start(databa
         assert batch is not None and batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager",
                                                              concurrency=4, repeats=3))  # fmt: skip
         assert not batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager", concurrency=2))
+        # A run that stops its pages otherwise joins it too (each page brings its rule); one profiled does not.
+        assert batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager", concurrency=4,
+                                       ignore_eos=True, stop_on_repetition=True))  # fmt: skip
+        assert not batch.serves(RunOptions(mode="tiny", max_new_tokens=8, engine="eager", concurrency=4,
+                                           profile_every=2))  # fmt: skip
         assert list(batch.started.captures_ms) == [1, 2, 4] and batch.started.compiled == 0
         with database.transaction() as tx:
             rows = tx.scalars(select(WorkerSession)).all()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from dsocr_workers.engine.batched.memory import KVPlan
 from dsocr_workers.engine.batched.metrics import SequenceMetrics, StepKind, StepRecord
 from dsocr_workers.engine.result import DecodeOptions, StopReason
-from dsocr_workers.engine.stopping import ends_in_loop, loop_check_due, stop_reason
+from dsocr_workers.engine.stopping import StopRule, ends_in_loop, loop_check_due, stop_reason
 
 if TYPE_CHECKING:
     from dsocr_workers.model.preprocess import PreparedPage
@@ -38,12 +38,14 @@ class NoFreeSlot(RuntimeError):
 @dataclass(frozen=True)
 class PageRequest:
     """A prepared page for the batched engine. `max_new_tokens` None: the engine's budget.
-    `arrival_s`: when it arrived (perf_counter; None: when handed to the engine)."""
+    `arrival_s`: when it arrived (perf_counter; None: when handed to the engine). `stop`: how it stops
+    before its budget (None: as the engine's options say)."""
 
     request_id: str
     page: PreparedPage
     max_new_tokens: int | None = None
     arrival_s: float | None = None
+    stop: StopRule | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ class Scheduler:
         """`split_prefill`: a page joining while more decode than wait is prefilled in two parts over two
         steps (the module docstring); False: every page's prefill in one launch."""
         self.plan, self.options, self.budget_rule = plan, options, budget_rule
+        self._stop = StopRule.of(options)
         self.split_prefill = split_prefill
         self.buckets = buckets_for(plan.slots)
         self.steps: list[StepRecord] = []  # every step read back, in order
@@ -248,9 +251,7 @@ class Scheduler:
     def admit(self, request: PageRequest) -> Admission:
         """The page's budget, checked against a slot (`PageRefused` where it cannot fit)."""
         if request.arrival_s is None:
-            request = PageRequest(
-                request.request_id, request.page, request.max_new_tokens, time.perf_counter()
-            )
+            request = replace(request, arrival_s=time.perf_counter())
         wanted = self.plan.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
         budget, ceiling = self.budget_rule(request.page.prompt_tokens, wanted)
         self.plan.check_fits(request.page.prompt_tokens, budget)
@@ -421,9 +422,9 @@ class Scheduler:
 
     def _stop_reason(self, sequence: _Sequence) -> StopReason | None:
         """The batch-1 rule (engine/stopping.py), with loops looked for at its cadence."""
-        tokens, options = sequence.tokens, self.options
-        repeating = options.stop_on_repetition and loop_check_due(len(tokens) - 1) and ends_in_loop(tokens)
-        return stop_reason(tokens, sequence.budget, sequence.admission.ceiling, options, repeating)
+        tokens, rule = sequence.tokens, sequence.request.stop or self._stop
+        repeating = rule.stop_on_repetition and loop_check_due(len(tokens) - 1) and ends_in_loop(tokens)
+        return stop_reason(tokens, sequence.budget, sequence.admission.ceiling, rule, repeating)
 
     def _finish(self, sequence: _Sequence, reason: StopReason) -> BatchedOutput:
         sequence.stop_reason = reason

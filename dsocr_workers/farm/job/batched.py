@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+from dsocr_workers.engine.stopping import StopRule
 from dsocr_workers.farm.job.batch_steps import StepLog
 from dsocr_workers.farm.job.claims import job_failed
 from dsocr_workers.farm.job.execute import Ran, result_row
@@ -43,7 +44,14 @@ class InFlight:
     claim: ledger.Claim
     claimed_s: float
     page: Future[PreparedJob]
+    stop: StopRule  # its run's: how its page stops before the budget
     handed_over: bool = False
+
+
+def engine_side(options: RunOptions) -> RunOptions:
+    """What of a run's options its batched engine computes: not its repeats, nor its pages' stop rule
+    (each page brings its own: `PageRequest.stop`)."""
+    return replace(options, repeats=1, ignore_eos=False, stop_on_repetition=False)
 
 
 class BatchedJobs:
@@ -111,16 +119,18 @@ class BatchedJobs:
 
     def serves(self, options: RunOptions) -> bool:
         """Whether a job of a run with `options` can join this batch (not one that a failed step ended):
-        what the engine computes is the same (a run's repeats are not)."""
-        return replace(options, repeats=1) == replace(self.options, repeats=1) and self.failed is None
+        what the engine computes is the same (a run's repeats and its page's stop rule are not)."""
+        return engine_side(options) == engine_side(self.options) and self.failed is None
 
-    def add(self, claim: ledger.Claim, claimed_s: float) -> None:
-        """Hand the job's page to the page-preparing processes; it joins the engine once it is back."""
-        options, session = self.options, self.loaded.session
+    def add(self, claim: ledger.Claim, claimed_s: float, options: RunOptions) -> None:
+        """Hand the job (of a run with `options`, which this batch `serves`) to the page-preparing
+        processes; it joins the engine once its page is back."""
+        session = self.loaded.session
         page = self._pages.submit(str(claim.image_path), options.prompt, options.mode_name,
                                   session.new_clock(claim.job_id, marks_steps=False))
+        stop = StopRule.of(options.decode_options)
         with self._changed:
-            self.jobs[claim.job_id] = InFlight(claim, claimed_s, page)
+            self.jobs[claim.job_id] = InFlight(claim, claimed_s, page, stop)
             self._idle = False
             self._changed.notify_all()
             log.info("job %s: in the batch, %d in flight", claim.job_id, len(self.jobs))
@@ -261,7 +271,8 @@ class BatchedJobs:
             ready = [(i, job) for i, job in self.jobs.items() if not job.handed_over and job.page.done()]
         for job_id, job in ready:
             try:
-                self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens))
+                self.engine.submit(PageRequest(job_id, job.page.result().page, self.options.max_new_tokens,
+                                               stop=job.stop))  # fmt: skip
             except Exception as exc:
                 with self._changed:
                     self.jobs.pop(job_id)

@@ -180,7 +180,7 @@ def run_in_batch(process: JobHost, job_id: str, options: RunOptions, more_coming
     except Refused as refusal:
         return refused(refusal.refusal)
     try:
-        process.joinable_batch(options).add(claimed, claimed_s)
+        process.joinable_batch(options).add(claimed, claimed_s, options)
     except Exception as exc:  # a bad page, a batch that cannot hold it or is not open: this job alone
         outcome = job_failed(process.db, claimed, exc, process.settings)
     else:
