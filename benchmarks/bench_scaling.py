@@ -1100,9 +1100,9 @@ def main() -> int:
                 report["notes"].append(functions[3])
                 log(f"WARNING: {functions[3]}")
             for engine in engines:
-                # Per concurrency level, the first K's run (an earlier call's read back from the sweep's ledger).
-                base_data: dict[int, Any] = {r["concurrency"]: load(db, r["run_id"]) for r in earlier
-                                             if r["engine"] == engine and r["k"] == ks[0]}  # fmt: skip
+                base_data: dict[int, Any] = {}  # per concurrency level, the first K's run
+                # An earlier call's first-K runs, read back from the sweep's ledger only for a ratio.
+                earlier_base = {r["concurrency"]: r["run_id"] for r in earlier if r["engine"] == engine and r["k"] == ks[0]}
                 for k in ks:
                     left = args.budget_s - (time.perf_counter() - _T0)
                     if left < 45:
@@ -1137,6 +1137,8 @@ def main() -> int:
                                 data = load(db, record["run_id"])
                                 if k == ks[0]:
                                     base_data[record["concurrency"]] = data
+                                elif record["concurrency"] not in base_data and record["concurrency"] in earlier_base:
+                                    base_data[record["concurrency"]] = load(db, earlier_base[record["concurrency"]])
                                 record["stats"] = run_stats(data, base_data.get(record["concurrency"]) if k != ks[0]
                                                             else None, functions)  # fmt: skip
                                 st = record["stats"]
