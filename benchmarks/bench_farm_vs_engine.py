@@ -11,6 +11,10 @@ the engine alone also runs with its pages joining at most one a step, as the far
 staggered, bench_serving's `--admission`), and the farm's ratio to each is printed. --out gets
 farm-vs-engine.md: that comparison, then both sides' own tables (each with its GPU, versions and tree).
 
+Both sides read `--variants` distinct versions of each listed page (page_variants.py, written under
+--out/pages): on random weights copies of one page decode the same tokens, and copies at the same step
+(a wave over fewer pages than slots) make the routed experts read fewer experts than distinct pages do.
+
     python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
         --compile-cache /tmp/dc [--admission window,one-a-step]
     python3 benchmarks/bench_farm_vs_engine.py --out /tmp/fve --cpu --model tiny --mode small \\
@@ -33,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_engine import fmt  # noqa: E402
 from benchmarks.bench_scaling import GENERATIONS, level_repeats, listed_pages  # noqa: E402
+from benchmarks.page_variants import VARIANTS, write_variants  # noqa: E402
 
 TARGET = 0.97
 
@@ -78,7 +83,8 @@ def farm_run(folder: Path) -> dict[str, Any] | None:
 def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args: argparse.Namespace, jobs: int) -> str:
     lines = [
         f"# The farm against its engine alone: concurrency {args.concurrency}, {jobs} jobs of "
-        f"{args.max_new_tokens} tokens ({args.filelist.name}, {args.mode}, EOS ignored)",
+        f"{args.max_new_tokens} tokens ({args.filelist.name} in {args.variants} variants a page, {args.mode}, "
+        "EOS ignored)",
         "",
         "| | output tok/s (steady window) | output tok/s (own headline) | TPOT p50 ms | ITL p50 / p99 ms "
         "| TTFT p50 / p99 ms |",
@@ -148,18 +154,21 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
     parser.add_argument("--generations", type=int, default=GENERATIONS,
                         help="jobs: this many times the concurrency, on each side (bench_scaling's)")
+    parser.add_argument("--variants", type=int, default=len(VARIANTS),
+                        help="distinct versions of each page (page_variants.py; 1: the list as it is)")
     parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
     args = parser.parse_args()
     if not set(args.admission.split(",")) <= set(ADMITTED):
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    repeats, jobs = jobs_for(args.concurrency, listed_pages(args.filelist), args.generations)
+    pages = args.filelist if args.variants == 1 else write_variants(args.filelist, args.variants, args.out / "pages")
+    repeats, jobs = jobs_for(args.concurrency, listed_pages(pages), args.generations)
     python = sys.executable
     engine_out = args.out / "engine"
     run(
         [python, "benchmarks/bench_serving.py", "--model", args.model, "--mode", args.mode, "--pages",
-         str(args.filelist), "--concurrency", str(args.concurrency), "--tokens", str(args.max_new_tokens),
+         str(pages), "--concurrency", str(args.concurrency), "--tokens", str(args.max_new_tokens),
          "--min-requests", str(jobs), "--batch1-pages", "1", "--admission", args.admission, "--out", str(engine_out),
          *(["--device", "cpu", "--attention", "masked"] if args.cpu else [])],  # fmt: skip
         args.out / "engine.log",
@@ -170,7 +179,7 @@ def main() -> int:
     farm_out = args.out / "farm"
     run(
         [python, "benchmarks/bench_scaling.py", "--gpus", "cpu" if args.cpu else "1", "--ks", "1", "--engines", "fast", "--model",
-         args.model, "--mode", args.mode, "--filelist", str(args.filelist), "--max-new-tokens",
+         args.model, "--mode", args.mode, "--filelist", str(pages), "--max-new-tokens",
          str(args.max_new_tokens), "--repeats", f"fast={repeats}", "--generations", str(args.generations), "--concurrency", str(args.concurrency),
          "--compile-cache", args.compile_cache, "--budget-s", str(max(left - 15, 60)), "--run-timeout-s",
          str(max(left - 120, 60)), "--out", str(farm_out)],  # fmt: skip

@@ -30,7 +30,9 @@ line per setting on stdout as it ends).
 With `--admission window,one-a-step` every level also runs with its pages joining at most one a step, as
 the farm's do (claimed and prepared one by one), beside the closed loop's window: with one output length
 the window's pages start, grow and end together (waves), the farm's stay staggered over the whole range;
-the decode steps of 64+ pages and what their attention read are listed per level.
+the decode steps of 64+ pages and what their attention read are listed per level, with the distinct
+token streams among its pages: on random weights two copies of a page decode the same tokens, so a wave
+over fewer pages than slots feeds copies in lockstep (benchmarks/page_variants.py makes distinct pages).
 With `--attention-options 'rule;{...}'` every level runs on an engine of each kernel option set of the
 filled attention (FlexAttention's decoding kernel: SPLIT_KV, BLOCK_N, num_warps, num_stages), the
 engine's own rule beside them: the options probe_flex_decoding.py found, in the whole step.
@@ -400,6 +402,7 @@ def level(
         "wide_decode_step_ms_p50": statistics.median(s.ms for s in wide) if wide else None,
         "wide_kv_per_page": sum(s.kv_positions for s in wide) / sum(s.occupancy for s in wide) if wide else None,
         "wide_kv_longest": sum(s.kv_longest for s in wide) / len(wide) if wide else None,
+        "distinct_outputs": len({tuple(o.token_ids) for o in outputs}),
         "full_step_kernels": step_kernels([profiled[s.index].collect(s.ms).summary for s in decode
                                            if 2 * s.occupancy >= concurrency and s.index in profiled]),  # fmt: skip
         **bound,
@@ -600,7 +603,8 @@ def wide_steps_lines(report: dict[str, Any]) -> list[str]:
                 f"- {row['concurrency']}, {setting(row)}: {row['wide_decode_steps']} decode steps of "
                 f"{WIDE_OCCUPANCY}+ pages: p50 {fmt(row['wide_decode_step_ms_p50'])} ms; KV positions a page's "
                 f"attention read, mean {fmt(row['wide_kv_per_page'], 0)}, the longest page's "
-                f"{fmt(row['wide_kv_longest'], 0)}"
+                f"{fmt(row['wide_kv_longest'], 0)}; {row['distinct_outputs']} distinct token streams among its "
+                f"{row['requests']} pages"
             )
     return ["", *lines] if lines else []
 
