@@ -36,7 +36,7 @@ def farm_run(status: str, tokens_per_s: float) -> dict[str, Any]:
 
 
 ARGS = argparse.Namespace(concurrency=128, max_new_tokens=1024, filelist=Path("demo-18.txt"), mode="gundam",
-                          admission="window,one-a-step")  # fmt: skip
+                          admission="window,one-a-step", variants=8)  # fmt: skip
 
 
 def test_a_complete_farm_run_is_set_against_each_engine_schedule(bench: ModuleType) -> None:
