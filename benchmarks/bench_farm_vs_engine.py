@@ -11,8 +11,8 @@ the engine alone also runs with its pages joining at most one a step, as the far
 staggered, bench_serving's `--admission`), and the farm's ratio to each is printed. --out gets
 farm-vs-engine.md: that comparison, then both sides' own tables (each with its GPU, versions and tree).
 
-Both sides read `--variants` distinct versions of each listed page (page_variants.py, written under
---out/pages): on random weights copies of one page decode the same tokens, and copies at the same step
+Both sides read `--variants` distinct versions of each listed page (page_variants.py, written to a
+temporary folder): on random weights copies of one page decode the same tokens, and copies at the same step
 (a wave over fewer pages than slots) make the routed experts read fewer experts than distinct pages do.
 
     python3 benchmarks/bench_farm_vs_engine.py --out $OUT --concurrency 128 --max-new-tokens 1024 \\
@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -141,28 +142,9 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--filelist", type=Path, default=REPO / "datasets/omnidocbench/subsets/demo-18.txt")
-    parser.add_argument("--model", default="full")
-    parser.add_argument("--mode", default="gundam")
-    parser.add_argument("--concurrency", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--compile-cache", default="/tmp/dc", help="DSOCR_COMPILE_CACHE_DIR of both sides")
-    parser.add_argument("--admission", default="window", help="the engine alone's: window, one-a-step or both")
-    parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
-    parser.add_argument("--generations", type=int, default=GENERATIONS,
-                        help="jobs: this many times the concurrency, on each side (bench_scaling's)")
-    parser.add_argument("--variants", type=int, default=len(VARIANTS),
-                        help="distinct versions of each page (page_variants.py; 1: the list as it is)")
-    parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
-    args = parser.parse_args()
-    if not set(args.admission.split(",")) <= set(ADMITTED):
-        parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
-    began = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-    pages = args.filelist if args.variants == 1 else write_variants(args.filelist, args.variants, args.out / "pages")
+def both_sides(args: argparse.Namespace, pages: Path, began: float) -> int:
+    """The engine alone, then the farm, on the file list `pages`, within what is left of --budget-s since
+    `began`. Returns the job count of each side."""
     repeats, jobs = jobs_for(args.concurrency, listed_pages(pages), args.generations)
     python = sys.executable
     engine_out = args.out / "engine"
@@ -187,6 +169,34 @@ def main() -> int:
         max(left - 5, 60),
         args.compile_cache,
     )
+    return jobs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--filelist", type=Path, default=REPO / "datasets/omnidocbench/subsets/demo-18.txt")
+    parser.add_argument("--model", default="full")
+    parser.add_argument("--mode", default="gundam")
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--compile-cache", default="/tmp/dc", help="DSOCR_COMPILE_CACHE_DIR of both sides")
+    parser.add_argument("--admission", default="window", help="the engine alone's: window, one-a-step or both")
+    parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (figures meaningless)")
+    parser.add_argument("--generations", type=int, default=GENERATIONS,
+                        help="jobs: this many times the concurrency, on each side (bench_scaling's)")
+    parser.add_argument("--variants", type=int, default=len(VARIANTS),
+                        help="distinct versions of each page (page_variants.py; 1: the list as it is)")
+    parser.add_argument("--budget-s", type=float, default=570, help="both sides within this many seconds")
+    args = parser.parse_args()
+    if not set(args.admission.split(",")) <= set(ADMITTED):
+        parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
+    began = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="farm-vs-engine-pages-") as folder:
+        pages = args.filelist if args.variants == 1 else write_variants(args.filelist, args.variants, Path(folder))
+        jobs = both_sides(args, pages, began)
+    engine_out, farm_out = args.out / "engine", args.out / "farm"
     text = table(engine_rows(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
     print(text)
     # One raw file: the comparison, then each side's own tables (with its GPU, versions and tree).
