@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_farm_vs_engine.py"
-
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    # Loaded from its file: `benchmarks` is also the name of this test folder.
-    sys.path.insert(0, str(SCRIPT.parents[1]))
-    spec = importlib.util.spec_from_file_location("bench_farm_vs_engine", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("bench_farm_vs_engine")
 
 
 def engine_level(tokens_per_s: float) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import importlib.util
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -18,13 +18,8 @@ PG_ADMIN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    # Loaded from its file: `benchmarks` is also the name of this test folder.
-    spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("bench_scaling")
 
 
 def run_script(database_url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -3,8 +3,7 @@ reads."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -13,18 +12,10 @@ from PIL import Image, ImageChops
 
 from dsocr_workers.farm.filelist import read_filelist
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "page_variants.py"
-
 
 @pytest.fixture(scope="module")
-def variants() -> ModuleType:
-    # Loaded from its file: `benchmarks` is also the name of this test folder.
-    sys.path.insert(0, str(SCRIPT.parents[1]))
-    spec = importlib.util.spec_from_file_location("page_variants", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def variants(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("page_variants")
 
 
 def asymmetric_page(path: Path, size: tuple[int, int], dark_corner: tuple[int, int]) -> None:
