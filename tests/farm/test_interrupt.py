@@ -25,9 +25,14 @@ JOBS = 7
 RUN_OPTIONS = ("--mode", "tiny", "--max-new-tokens", "48", "--gpus", "cpu", "--format", "json")
 
 
+# `dsocr run` with SIGINT at its default, as a terminal's foreground process has it: a suite started in
+# the background (`cmd &`) passes SIGINT on ignored, and Python then never raises KeyboardInterrupt.
+AS_IN_A_TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); import dsocr_workers.__main__"
+
+
 def start_run(env: dict[str, str], *options: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "dsocr_workers", "run", str(SAMPLES), *RUN_OPTIONS, *options],
+        [sys.executable, "-c", AS_IN_A_TERMINAL, "run", str(SAMPLES), *RUN_OPTIONS, *options],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
