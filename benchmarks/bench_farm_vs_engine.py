@@ -142,12 +142,11 @@ def table(engines: dict[str, dict[str, Any]], farm: dict[str, Any] | None, args:
     return "\n".join(lines) + "\n"
 
 
-def both_sides(args: argparse.Namespace, pages: Path, began: float) -> int:
-    """The engine alone, then the farm, on the file list `pages`, within what is left of --budget-s since
-    `began`. Returns the job count of each side."""
+def both_sides(args: argparse.Namespace, pages: Path, began: float, engine_out: Path, farm_out: Path) -> int:
+    """The engine alone into `engine_out`, then the farm into `farm_out`, on the file list `pages`, within
+    what is left of --budget-s since `began`. Returns the job count, the same on each side."""
     repeats, jobs = jobs_for(args.concurrency, listed_pages(pages), args.generations)
     python = sys.executable
-    engine_out = args.out / "engine"
     run(
         [python, "benchmarks/bench_serving.py", "--model", args.model, "--mode", args.mode, "--pages",
          str(pages), "--concurrency", str(args.concurrency), "--tokens", str(args.max_new_tokens),
@@ -158,7 +157,6 @@ def both_sides(args: argparse.Namespace, pages: Path, began: float) -> int:
         args.compile_cache,
     )
     left = args.budget_s - (time.perf_counter() - began)
-    farm_out = args.out / "farm"
     run(
         [python, "benchmarks/bench_scaling.py", "--gpus", "cpu" if args.cpu else "1", "--ks", "1", "--engines", "fast", "--model",
          args.model, "--mode", args.mode, "--filelist", str(pages), "--max-new-tokens",
@@ -193,10 +191,10 @@ def main() -> int:
         parser.error(f"--admission takes window, one-a-step or both, not {args.admission}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
+    engine_out, farm_out = args.out / "engine", args.out / "farm"
     with tempfile.TemporaryDirectory(prefix="farm-vs-engine-pages-") as folder:
         pages = args.filelist if args.variants == 1 else write_variants(args.filelist, args.variants, Path(folder))
-        jobs = both_sides(args, pages, began)
-    engine_out, farm_out = args.out / "engine", args.out / "farm"
+        jobs = both_sides(args, pages, began, engine_out, farm_out)
     text = table(engine_rows(engine_out / "serving.json", args.concurrency), farm_run(farm_out), args, jobs)
     print(text)
     # One raw file: the comparison, then each side's own tables (with its GPU, versions and tree).
