@@ -1,4 +1,5 @@
-"""The fast engine's decoder projections, fused: one GEMM for q, k and v, one for gate and up.
+"""The fast engine's decoder projections, fused: one GEMM for q, k and v, one for gate and up, and the
+MoE router as one kernel (model/router.py).
 
 At batch 1 every projection is a small GEMV bound by launch and tail, not by its size (docs/benchmarks.md
 "What limits decode"): reading the three attention inputs, or the MLP's gate and up, as one matrix saves
@@ -23,6 +24,8 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+
+from dsocr_workers.model.router import FusedRouter
 
 
 class AttendingCache(ABC):
@@ -127,7 +130,8 @@ class FusedGateUpMLP(nn.Module):
 
 
 def fuse_projections(language_model: nn.Module) -> None:
-    """Swap every decoder layer's attention and (dense or shared-expert) MLP for the fused modules."""
+    """Swap every decoder layer's attention, (dense or shared-expert) MLP and greedy router for the fused
+    modules."""
     layers: nn.ModuleList = language_model.layers  # type: ignore[assignment]
     for layer in layers:
         layer.self_attn = FusedQKVAttention(layer.self_attn)  # type: ignore[arg-type]
@@ -135,3 +139,5 @@ def fuse_projections(language_model: nn.Module) -> None:
             layer.mlp = FusedGateUpMLP(layer.mlp)
         else:
             layer.mlp.shared_experts = FusedGateUpMLP(layer.mlp.shared_experts)  # type: ignore[union-attr, arg-type]
+            if layer.mlp.gate.topk_method == "greedy":  # type: ignore[union-attr]
+                layer.mlp.gate = FusedRouter(layer.mlp.gate)  # type: ignore[union-attr, arg-type]

@@ -1,6 +1,6 @@
 """The fast engine's decoder kernels against transformers' modules (float32, on the GPU where there is
 one; on a CPU the Triton kernels run in Triton's interpreter, tests/conftest.py): fused projections, the
-selected-experts GEMVs, the two-stage argmax, and the whole decoder with all of them."""
+router kernel, the selected-experts GEMVs, the two-stage argmax, and the whole decoder with all of them."""
 
 from dataclasses import replace
 
@@ -11,6 +11,7 @@ from dsocr_workers.engine.sampling import ARGMAX_ROWS, first_argmax
 from dsocr_workers.model.checkpoint import build_preset
 from dsocr_workers.model.decoder import CACHE_ARGUMENT
 from dsocr_workers.model.fused import FusedGateUpMLP, FusedQKVAttention, fuse_projections
+from dsocr_workers.model.router import FusedRouter
 from dsocr_workers.model.selected_experts import MAX_PAIRS, SELECTED_EXPERTS, selected_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,6 +83,27 @@ def test_a_prompt_goes_to_the_grouped_kernels_with_transformers_result(dtype):
             torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_router_picks_transformers_experts_in_expert_order(tokens):
+    """The router kernel against transformers' router: the same experts for every token (37 tokens span
+    three program blocks), listed in expert order, their weights (scaled) within float32 rounding."""
+    gate = tiny().language_model.layers[1].mlp.gate
+    gate.routed_scaling_factor = 2.5  # the scaling applied once, to the top-k weights
+    hidden = torch.randn(
+        tokens, gate.weight.shape[1], generator=torch.Generator().manual_seed(tokens)
+    ).to(DEVICE)
+    with torch.inference_mode():
+        _, expected_weights, expected_index = gate(hidden)
+        none, weights, index = FusedRouter(gate)(hidden)
+    assert none is None and index.dtype == torch.int64 and weights.dtype == torch.float32
+    assert index.shape == expected_index.shape == (tokens, gate.top_k)
+    assert (index.diff(dim=1) > 0).all()  # expert order
+    expected_index, order = expected_index.sort(dim=1)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(weights, expected_weights.gather(1, order), rtol=1e-5, atol=1e-7)
+    assert weights.sum(1).max() > 2.5 / gate.weight.shape[0]  # scaled scores, not zeros
+
+
 def test_expert_blocks_cover_every_pair_once():
     """The grouped kernels' blocks: every pair in exactly one block of its own expert, no block over
     `m` pairs, the blocks past the last expert's empty."""
@@ -114,6 +136,7 @@ def test_fused_decoder_equals_unfused():
     assert isinstance(layers[0].mlp, FusedGateUpMLP) and isinstance(
         layers[1].mlp.shared_experts, FusedGateUpMLP
     )
+    assert isinstance(layers[1].mlp.gate, FusedRouter)
     embeds = torch.randn(
         1, 9, reference.config.text.hidden_size, generator=torch.Generator().manual_seed(0)
     ).to(DEVICE)
