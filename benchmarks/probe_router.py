@@ -2,7 +2,8 @@
 states, the weight in bf16 as the model holds it): transformers' router (float32 GEMM, softmax, top-k)
 against the fused kernel of model/router.py, each compiled as the engine compiles its step and replayed
 as a CUDA graph, at a decode step's token counts and a prompt's; the experts chosen must be equal and
-the weights within float32 rounding. Then each one's kernels under torch.profiler.
+the weights within float32 rounding; each one's kernels under torch.profiler. Then a sweep of the fused
+kernel's blocks (tokens per program 1/2/4, hidden inputs per loop step 128/256, 4/8 warps).
 
     python benchmarks/probe_router.py --tokens 1,128,256,960 > $OUT/router.txt
 
@@ -12,6 +13,7 @@ CUDA events around a CUDA graph's replay, median of 50 after 5; microseconds per
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr
 from benchmarks.probe_grouped_experts import graph_us  # noqa: E402
 from dsocr_workers.model.decoder import text_config  # noqa: E402
 from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
-from dsocr_workers.model.router import FusedRouter  # noqa: E402
+from dsocr_workers.model.router import FusedRouter, RouteBlocks, launch_route  # noqa: E402
 
 
 def main() -> int:
@@ -65,6 +67,18 @@ def main() -> int:
             same = torch.equal(ref_i, got_i)
             print(f"experts equal: {same}; max|weight diff| {(ref_w.gather(1, order) - got_w).abs().max().item():.3g}",
                   flush=True)
+            print("sweep: tokens per program, k, warps", flush=True)
+            for block_tokens, k, warps in itertools.product((1, 2, 4), (128, 256), (4, 8)):
+                blocks = RouteBlocks(block_tokens, k, warps)
+                try:
+                    us, out, _ = graph_us(lambda: torch.cat([o.float() for o in launch_route(  # noqa: B023
+                        x, reference.weight, config.num_experts_per_tok, fused.routed_scaling_factor, blocks)], 1),  # noqa: B023
+                        iters=50)
+                except Exception as exc:  # a configuration past the registers, say
+                    print(f"{block_tokens} {k} {warps}: failed ({type(exc).__name__})", flush=True)
+                    continue
+                print(f"{block_tokens} {k} {warps}: {us:.1f} us, same: {torch.equal(out, outputs['fused router, compiled'])}",
+                      flush=True)
     return 0
 
 

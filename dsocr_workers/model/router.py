@@ -3,7 +3,9 @@
 transformers' router runs a float32 GEMM (cuBLAS, with a split-K reduction at a batched decode step's
 shape), the softmax and a top-k as separate kernels, several microseconds each at 128 tokens: over a
 step's 11 MoE layers a few percent of it (docs/benchmarks.md, the step kernel by kernel). One Triton
-program here takes a block of tokens through all of them.
+program here takes a token through all of them: its logits as a GEMV over the router's weights (a
+float32 `tl.dot` runs on the CUDA cores, several times slower at these shapes), then the rest in
+registers.
 
 Numerics follow transformers' router: logits in float32 without TF32, the softmax in float32, the top-k
 weights scaled by `routed_scaling_factor`; the k experts of a token come in expert order, as the CUDA
@@ -13,6 +15,8 @@ runs only under Triton's interpreter (the tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,9 +24,17 @@ from torch import nn
 from torch.library import triton_op, wrap_triton
 from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2TextTopkRouter
 
-BLOCK_TOKENS = 16  # tl.dot's smallest M
-BLOCK_HIDDEN = 64
-WARPS = 8
+
+@dataclass(frozen=True)
+class RouteBlocks:
+    """One program: `tokens` tokens against every expert, `k` hidden inputs per loop step."""
+
+    tokens: int
+    k: int
+    warps: int
+
+
+ROUTE_BLOCKS = RouteBlocks(tokens=1, k=256, warps=8)
 
 
 @triton.jit
@@ -30,8 +42,8 @@ def _route_kernel(
     x_ptr, w_ptr, weight_ptr, index_ptr, tokens, hidden, num_experts, scale,
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """For each token t of this block: scores = softmax(x[t] · Wᵀ) over the experts (W [E, hidden]
-    float32); index[t] = its top-k experts in expert order, weight[t] = their scores × scale."""
+    """For each token t of this block: scores = softmax(x[t] · Wᵀ) over the experts (W [E, hidden], read
+    as float32); index[t] = its top-k experts in expert order, weight[t] = their scores × scale."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
     experts = tl.arange(0, EXPERTS)
@@ -42,9 +54,9 @@ def _route_kernel(
         k_ok = ks < hidden
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * hidden + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[None, :] * hidden + ks[:, None],
-                    mask=k_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
-        logits = tl.dot(x, w, logits, input_precision="ieee")
+        w = tl.load(w_ptr + experts[:, None] * hidden + ks[None, :],
+                    mask=expert_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        logits += tl.sum(x[:, None, :] * w[None, :, :], 2)
     logits = tl.where(expert_ok[None, :], logits, float("-inf"))
     exps = tl.exp(logits - tl.max(logits, 1)[:, None])
     scores = exps / tl.sum(exps, 1)[:, None]
@@ -61,22 +73,30 @@ def _route_kernel(
     tl.store(weight_ptr + slot, scores * scale, mask=keep)
 
 
-@triton_op("dsocr::route", mutates_args=())
-def route(
-    hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float
+def launch_route(
+    hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float,
+    blocks: RouteBlocks = ROUTE_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden_states [T, hidden]; weight [E, hidden], read as float32 → (weights [T, k] float32, index
-    [T, k] int64)."""
+    [T, k] int64). `blocks`: an argument for the probe's sweep (benchmarks/probe_router.py)."""
     tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden_states.device)
     index = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden_states.device)
-    wrap_triton(_route_kernel)[(triton.cdiv(tokens, BLOCK_TOKENS),)](
+    wrap_triton(_route_kernel)[(triton.cdiv(tokens, blocks.tokens),)](
         hidden_states.contiguous(), weight.contiguous(), weights, index, tokens, hidden, num_experts, scale,
-        TOP_K=top_k, EXPERTS=max(16, triton.next_power_of_2(num_experts)), BLOCK_T=BLOCK_TOKENS,
-        BLOCK_K=BLOCK_HIDDEN, num_warps=WARPS,
+        TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_T=blocks.tokens, BLOCK_K=blocks.k,
+        num_warps=blocks.warps,
     )
     return weights, index
+
+
+@triton_op("dsocr::route", mutates_args=())
+def route(
+    hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`launch_route` as an operator torch.compile traces into its graph."""
+    return launch_route(hidden_states, weight, top_k, scale)
 
 
 class FusedRouter(nn.Module):
