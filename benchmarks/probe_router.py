@@ -3,7 +3,7 @@ states, the weight in bf16 as the model holds it): transformers' router (float32
 against the fused kernel of model/router.py, each compiled as the engine compiles its step and replayed
 as a CUDA graph, at a decode step's token counts and a prompt's; the experts chosen must be equal and
 the weights within float32 rounding; each one's kernels under torch.profiler. Then a sweep of the fused
-kernel's blocks (tokens per program 1/2/4, hidden inputs per loop step 128/256, 4/8 warps).
+kernel's blocks (tokens per program 16/32, hidden inputs per loop step 64/128/256, 2/4 warps).
 
     python benchmarks/probe_router.py --tokens 1,128,256,960 > $OUT/router.txt
 
@@ -68,7 +68,7 @@ def main() -> int:
             print(f"experts equal: {same}; max|weight diff| {(ref_w.gather(1, order) - got_w).abs().max().item():.3g}",
                   flush=True)
             print("sweep: tokens per program, k, warps", flush=True)
-            for block_tokens, k, warps in itertools.product((1, 2, 4), (128, 256), (4, 8)):
+            for block_tokens, k, warps in itertools.product((16, 32), (64, 128, 256), (2, 4)):
                 blocks = RouteBlocks(block_tokens, k, warps)
                 try:
                     us, out, _ = graph_us(lambda: torch.cat([o.float() for o in launch_route(  # noqa: B023

@@ -3,9 +3,12 @@
 transformers' router runs a float32 GEMM (cuBLAS, with a split-K reduction at a batched decode step's
 shape), the softmax and a top-k as separate kernels, several microseconds each at 128 tokens: over a
 step's 11 MoE layers a few percent of it (docs/benchmarks.md, the step kernel by kernel). One Triton
-program here takes a token through all of them: its logits as a GEMV over the router's weights (a
-float32 `tl.dot` runs on the CUDA cores, several times slower at these shapes), then the rest in
-registers.
+program here takes a block of tokens through all of them.
+
+The logits are a `tl.dot` of the hidden states and the weights in their own 16-bit dtype, accumulated in
+float32: the product of two bfloat16 numbers is exact in float32, so this equals transformers' float32
+GEMM of the upcast operands up to the order of the sums, on the tensor cores (a float32 `tl.dot` runs on
+the CUDA cores, several times slower than the kernels it replaces).
 
 Numerics follow transformers' router: logits in float32 without TF32, the softmax in float32, the top-k
 weights scaled by `routed_scaling_factor`; the k experts of a token come in expert order, as the CUDA
@@ -27,23 +30,26 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr
 
 @dataclass(frozen=True)
 class RouteBlocks:
-    """One program: `tokens` tokens against every expert, `k` hidden inputs per loop step."""
+    """One program: `tokens` tokens (at least 16, `tl.dot`'s rows) against every expert, `k` hidden inputs
+    per loop step."""
 
     tokens: int
     k: int
     warps: int
 
 
-ROUTE_BLOCKS = RouteBlocks(tokens=1, k=256, warps=8)
+ROUTE_BLOCKS = RouteBlocks(tokens=16, k=128, warps=4)
 
 
 @triton.jit
 def _route_kernel(
     x_ptr, w_ptr, weight_ptr, index_ptr, tokens, hidden, num_experts, scale,
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """For each token t of this block: scores = softmax(x[t] · Wᵀ) over the experts (W [E, hidden], read
-    as float32); index[t] = its top-k experts in expert order, weight[t] = their scores × scale."""
+    """For each token t of this block: scores = softmax(x[t] · Wᵀ) over the experts (x and W [E, hidden]
+    of one dtype, the sums in float32); index[t] = its top-k experts in expert order, weight[t] = their
+    scores × scale."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
     experts = tl.arange(0, EXPERTS)
@@ -53,10 +59,10 @@ def _route_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * hidden + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * hidden + ks[None, :],
-                    mask=expert_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        logits += tl.sum(x[:, None, :] * w[None, :, :], 2)
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + experts[None, :] * hidden + ks[:, None],
+                    mask=k_ok[:, None] & expert_ok[None, :], other=0.0)
+        logits = tl.dot(x, w, logits, input_precision=PRECISION)
     logits = tl.where(expert_ok[None, :], logits, float("-inf"))
     exps = tl.exp(logits - tl.max(logits, 1)[:, None])
     scores = exps / tl.sum(exps, 1)[:, None]
@@ -81,11 +87,14 @@ def launch_route(
     [T, k] int64). `blocks`: an argument for the probe's sweep (benchmarks/probe_router.py)."""
     tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
+    if weight.dtype != hidden_states.dtype or weight.dtype == torch.float32:
+        hidden_states, weight = hidden_states.float(), weight.float()
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden_states.device)
     index = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden_states.device)
     wrap_triton(_route_kernel)[(triton.cdiv(tokens, blocks.tokens),)](
         hidden_states.contiguous(), weight.contiguous(), weights, index, tokens, hidden, num_experts, scale,
-        TOP_K=top_k, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_T=blocks.tokens, BLOCK_K=blocks.k,
+        TOP_K=top_k, EXPERTS=max(16, triton.next_power_of_2(num_experts)), BLOCK_T=blocks.tokens,
+        BLOCK_K=blocks.k, PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit
         num_warps=blocks.warps,
     )
     return weights, index
