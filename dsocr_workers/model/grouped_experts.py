@@ -46,21 +46,27 @@ class KernelBlocks:
 
 
 # The fastest of benchmarks/probe_grouped_experts.py's sweeps at the full preset's MoE shape, each in a
-# CUDA graph (docs/benchmarks.md): a prompt's (960 tokens, about 90 pairs an expert) and a batched decode
-# step's (128 tokens, about 12 pairs an expert, where blocks of 128 pairs would be mostly padding).
-PROMPT_BLOCKS = KernelBlocks(
-    gate_up=GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3),
-    down=GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3),
-)
-DECODE_BLOCKS = KernelBlocks(
-    gate_up=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3),
-    down=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3),
+# CUDA graph (docs/benchmarks.md), by the experts' mean pairs: about 12 (a batched decode step of 128
+# pages), 24 (256 pages), 48 (512 tokens) and 90 (a 960-token prompt). Smallest blocks first.
+GROUPED_BLOCKS = (
+    KernelBlocks(gate_up=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3),
+                 down=GroupedBlocks(m=16, n=64, k=64, warps=4, stages=3)),
+    KernelBlocks(gate_up=GroupedBlocks(m=32, n=64, k=128, warps=4, stages=3),
+                 down=GroupedBlocks(m=32, n=64, k=128, warps=4, stages=3)),
+    KernelBlocks(gate_up=GroupedBlocks(m=64, n=64, k=64, warps=4, stages=3),
+                 down=GroupedBlocks(m=64, n=128, k=64, warps=4, stages=3)),
+    KernelBlocks(gate_up=GroupedBlocks(m=128, n=64, k=64, warps=8, stages=3),
+                 down=GroupedBlocks(m=128, n=128, k=64, warps=8, stages=3)),
 )
 
 
 def blocks_for(pairs: int, num_experts: int) -> KernelBlocks:
-    """Decode-sized blocks where the experts' mean pairs fit one of them, else the prompt's."""
-    return DECODE_BLOCKS if pairs <= DECODE_BLOCKS.gate_up.m * num_experts else PROMPT_BLOCKS
+    """The smallest blocks that hold the experts' mean pairs (larger ones would compute mostly padding),
+    else the largest."""
+    for blocks in GROUPED_BLOCKS:
+        if pairs <= blocks.gate_up.m * num_experts:
+            return blocks
+    return GROUPED_BLOCKS[-1]
 
 
 @triton.jit

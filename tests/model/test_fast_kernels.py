@@ -54,14 +54,16 @@ def test_selected_experts_match_grouped_mm(tokens):
 )
 def test_a_prompt_goes_to_the_grouped_kernels_with_transformers_result(dtype):
     """Past MAX_PAIRS (token, expert) pairs the implementation hands over to the grouped GEMM kernels:
-    transformers' batched GEMMs' result, for a decode step's few pairs per expert (decode-sized blocks
-    partly filled, experts left out) and for a prompt of many blocks per expert (the prompt's blocks)."""
-    from dsocr_workers.model.grouped_experts import DECODE_BLOCKS, PROMPT_BLOCKS, blocks_for
+    transformers' batched GEMMs' result, for each size of their blocks, from a decode step's few pairs
+    per expert (blocks partly filled, experts left out) to a prompt's many blocks per expert."""
+    from dsocr_workers.model.grouped_experts import GROUPED_BLOCKS, blocks_for
 
     model = tiny(SELECTED_EXPERTS).to(dtype)
     moe = model.language_model.layers[1].mlp
     text = model.config.text
-    for tokens, blocks in ((MAX_PAIRS // text.num_experts_per_tok + 5, DECODE_BLOCKS), (150, PROMPT_BLOCKS)):
+    sizes = [MAX_PAIRS // text.num_experts_per_tok + 5, 70, 150, 300]  # mean pairs 9.8, 26, 56, 113
+    assert text.n_routed_experts == 8 and text.num_experts_per_tok == 3
+    for tokens, blocks in zip(sizes, GROUPED_BLOCKS, strict=True):
         assert blocks_for(tokens * text.num_experts_per_tok, text.n_routed_experts) == blocks
         hidden = torch.randn(
             1,
