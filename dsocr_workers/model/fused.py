@@ -129,9 +129,9 @@ class FusedGateUpMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def fuse_projections(language_model: nn.Module) -> None:
-    """Swap every decoder layer's attention, (dense or shared-expert) MLP and greedy router for the fused
-    modules."""
+def fuse_projections(language_model: nn.Module, router: bool = True) -> None:
+    """Swap every decoder layer's attention, (dense or shared-expert) MLP and, with `router`, greedy router
+    for the fused modules."""
     layers: nn.ModuleList = language_model.layers  # type: ignore[assignment]
     for layer in layers:
         layer.self_attn = FusedQKVAttention(layer.self_attn)  # type: ignore[arg-type]
@@ -139,5 +139,5 @@ def fuse_projections(language_model: nn.Module) -> None:
             layer.mlp = FusedGateUpMLP(layer.mlp)
         else:
             layer.mlp.shared_experts = FusedGateUpMLP(layer.mlp.shared_experts)  # type: ignore[union-attr, arg-type]
-            if layer.mlp.gate.topk_method == "greedy":  # type: ignore[union-attr]
+            if router and layer.mlp.gate.topk_method == "greedy":  # type: ignore[union-attr]
                 layer.mlp.gate = FusedRouter(layer.mlp.gate)  # type: ignore[union-attr, arg-type]

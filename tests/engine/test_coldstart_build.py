@@ -131,6 +131,8 @@ from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.engine.variants.fast import FastEngine
 
 class CpuFast(FastEngine):
+    router_kernel = False
+
     def kernels(self):
         return {**super().kernels(), "experts_implementation": "batched_mm"}
 

@@ -220,9 +220,11 @@ def test_auto_engine_is_eager_on_a_cpu_without_a_note(preset):
 class CpuFast(FastEngine):
     """The fast engine's modules (SDPA attention, fused projections, folded SAM attention) and its compiled
     regions on the CPU. dynamo's aot_eager traces without generating code (inductor takes minutes over a
-    whole model on a CPU). The routed experts are transformers' batched GEMMs: the selected-experts Triton
-    kernels run on a CPU only in Triton's interpreter, which a compiled graph cannot trace
-    (tests/model/test_fast_kernels.py checks them uncompiled here, compiled on a GPU)."""
+    whole model on a CPU). The routed experts are transformers' batched GEMMs and the router is
+    transformers': the Triton kernels run on a CPU only in Triton's interpreter, which a compiled graph
+    cannot trace (tests/model/test_fast_kernels.py checks them uncompiled here, compiled on a GPU)."""
+
+    router_kernel = False
 
     def kernels(self) -> dict[str, str]:
         return {**super().kernels(), "experts_implementation": "batched_mm"}

@@ -60,6 +60,9 @@ class FastEngine(Engine):
 
     name = "fast"
     needs_cuda = "compiled CUDA-graph decode"
+    # The MoE router as one Triton kernel (model/router.py). Off for the tests' CPU subclasses: on a CPU
+    # Triton runs only in its interpreter, which a compiled graph cannot trace.
+    router_kernel = True
     compiles_batched_step = True
     graphs_batched_step = True
 
@@ -67,8 +70,8 @@ class FastEngine(Engine):
         return {"attn_implementation": "sdpa", "experts_implementation": SELECTED_EXPERTS}
 
     def after_load(self, model: OCRModel) -> None:
-        """Fused decoder projections (`model.fused`), then SAM's swaps (`fast_vision_modules`)."""
-        fuse_projections(model.language_model)
+        """Fused decoder projections and router (`model.fused`), then SAM's swaps (`fast_vision_modules`)."""
+        fuse_projections(model.language_model, router=self.router_kernel)
         fast_vision_modules(model)
 
     def runners(self, model: OCRModel, device: torch.device, compiler: Compiler | None = None) -> Runners:
