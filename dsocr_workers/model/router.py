@@ -83,11 +83,12 @@ def launch_route(
     hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, scale: float,
     blocks: RouteBlocks = ROUTE_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden_states [T, hidden]; weight [E, hidden], read as float32 → (weights [T, k] float32, index
-    [T, k] int64). `blocks`: an argument for the probe's sweep (benchmarks/probe_router.py)."""
+    """hidden_states [T, hidden]; weight [E, hidden], both read in their dtype where it is the same, else
+    as float32 → (weights [T, k] float32, index [T, k] int64). `blocks`: an argument for the probe's sweep
+    (benchmarks/probe_router.py)."""
     tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
-    if weight.dtype != hidden_states.dtype or weight.dtype == torch.float32:
+    if weight.dtype != hidden_states.dtype:
         hidden_states, weight = hidden_states.float(), weight.float()
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden_states.device)
     index = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden_states.device)
