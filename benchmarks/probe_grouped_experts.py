@@ -7,16 +7,14 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
    kernel; inputs per step 64/128; 2–4 pipeline stages; `--warps`), each run as a CUDA graph, with its
    largest difference from `grouped_mm`'s output: 24 configurations per block size and warp count, each
    a Triton compile of both kernels.
-2. The routing's order of the pairs by expert and the blocks' table (`expert_blocks`: one Triton
-   program) against the torch counting sort it replaced (one-hot prefix sums, compiled as the engine
-   compiles its regions: five kernels) and a stable argsort's order alone, each run as a CUDA graph;
-   the kernel's table must equal the counting sort's.
+2. The routing's order of the pairs by expert (`expert_blocks`: a counting sort, one-hot prefix sums)
+   against a stable argsort (a radix sort on the GPU), alone, each compiled as the engine compiles its
+   regions and run as a CUDA graph; the two orders must be equal.
 3. The kernels with their blocks for this pair count (`blocks_for`) and `grouped_mm`, eager and
    compiled (as the engine's prefill runs them), each with its kernels under torch.profiler.
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
     python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64 --warps 4 > $OUT/grouped-experts-decode.txt
-    python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16 --no-sweep  # sections 2 and 3 only
 
 CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per forward.
 """
@@ -77,30 +75,6 @@ def graph_us(run: Callable[[], torch.Tensor], iters: int = 30) -> tuple[float, t
     return statistics.median(times), out, graph
 
 
-def counting_sort_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """`expert_blocks`' outputs from torch operations, as the engine computed them before its kernel."""
-    flat = top_k_index.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    one_hot = (torch.arange(num_experts, device=flat.device).unsqueeze(1) == flat).to(torch.int32)
-    counts = one_hot.sum(1, dtype=torch.int64)
-    expert_start = torch.cumsum(counts, 0) - counts
-    before = (torch.cumsum(one_hot, 1, dtype=torch.int32) - one_hot).gather(0, flat.unsqueeze(0)).squeeze(0)
-    order = torch.empty(pairs, dtype=torch.int32, device=flat.device).scatter_(
-        0, expert_start[flat] + before, torch.arange(pairs, dtype=torch.int32, device=flat.device)
-    )
-    blocks = (counts + block_m - 1) // block_m
-    blocks_end = torch.cumsum(blocks, 0)
-    ids = torch.arange((pairs + block_m - 1) // block_m + num_experts, device=flat.device)
-    expert = torch.searchsorted(blocks_end, ids, right=True)
-    active = expert < num_experts
-    expert = expert.clamp(max=num_experts - 1)
-    start = expert_start[expert] + (ids - (blocks_end[expert] - blocks[expert])) * block_m
-    end = torch.minimum(start + block_m, expert_start[expert] + counts[expert])
-    zero = torch.zeros_like(start)
-    return (order, expert.to(torch.int32), torch.where(active, start, zero).to(torch.int32),
-            torch.where(active, end, zero).to(torch.int32))
-
-
 def argsort_order(flat: torch.Tensor) -> torch.Tensor:
     """The pairs' stable order by expert by a sort (expert ids as int16: two radix passes)."""
     return torch.argsort(flat.to(torch.int16), stable=True).to(torch.int32)
@@ -112,7 +86,6 @@ def main() -> int:
                         help="rows: prompt tokens (the 2x3 page pads to 960) or a decode step's pages")
     parser.add_argument("--ms", default="128", help="pairs per block to sweep, e.g. 16,32,64,128")
     parser.add_argument("--warps", default="8", help="warps per program to sweep, e.g. 4,8")
-    parser.add_argument("--no-sweep", action="store_true", help="skip section 1")
     args = parser.parse_args()
     ms, warps_list = [int(m) for m in args.ms.split(",")], [int(w) for w in args.warps.split(",")]
     text = PRESETS["full"].text
@@ -131,8 +104,6 @@ def main() -> int:
         print(f"grouped_mm (expert ids int16): {reference_us:.1f} us", flush=True)
         print("\n== 1. sweep: m, gate_up n, down n, k, warps, stages", flush=True)
         sweep = itertools.product(ms, (64, 128), (64, 128), (64, 128), warps_list, (2, 3, 4))
-        if args.no_sweep:
-            sweep = iter(())
         for m, gate_n, down_n, k, warps, stages in sweep:
             name = f"{m} {gate_n} {down_n} {k} {warps} {stages}"
             blocks = KernelBlocks(GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages))
@@ -143,17 +114,14 @@ def main() -> int:
                 continue
             error = (out.float() - reference.float()).abs().max().item()
             print(f"{name}: {us:.1f} us, max|diff| {error:.3g}", flush=True)
-        print("\n== 2. the pairs' order and the blocks' table: one kernel, the torch counting sort, argsort", flush=True)
-        for m in ms:
-            kernel_us, kernel_table, _ = graph_us(lambda: torch.cat(expert_blocks(index, experts, m)))  # noqa: B023
-            counted = torch.compile(lambda: torch.cat(counting_sort_blocks(index, experts, m)))  # noqa: B023
-            counted_us, counted_table, _ = graph_us(counted)
-            print(f"blocks of {m}: expert_blocks (one kernel) {kernel_us:.1f} us, "
-                  f"the torch counting sort compiled {counted_us:.1f} us, "
-                  f"tables equal: {torch.equal(kernel_table, counted_table)}", flush=True)
-        sorted_us, sorted_order, _ = graph_us(torch.compile(lambda: argsort_order(index.reshape(-1))))
-        print(f"argsort's order alone, compiled: {sorted_us:.1f} us, "
-              f"equal: {torch.equal(sorted_order, expert_blocks(index, experts, ms[0])[0])}", flush=True)
+        print("\n== 2. the pairs' order by expert: a counting sort against argsort, compiled", flush=True)
+        counted_order = torch.compile(lambda: expert_blocks(index, experts, ms[0])[0])
+        sorted_order = torch.compile(lambda: argsort_order(index.reshape(-1)))
+        for name, run in (("counting sort (expert_blocks)", counted_order), ("argsort", sorted_order)):
+            us, out, _ = graph_us(run)
+            print(f"{name}: {us:.1f} us", flush=True)
+        equal = torch.equal(sorted_order(), counted_order())
+        print(f"orders equal: {equal}", flush=True)
         print("\n== 3. the blocks for this pair count and grouped_mm, eager and compiled", flush=True)
         runs = {
             "grouped kernels": lambda: launch_grouped_experts(x, gate_up, down, index, weights),

@@ -148,59 +148,33 @@ def _grouped_down_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _expert_blocks_kernel(
-    index_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, pairs, num_experts, grid_blocks,
-    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, GRID: tl.constexpr,
-):
-    """One program: order = the pairs sorted by expert, stably (a sort of expert · PAIRS + pair keys);
-    per program block of the grouped kernels its expert and its [start, end) in that order (as a
-    `searchsorted` of the block index in the experts' cumulative block counts)."""
-    slots = tl.arange(0, PAIRS)
-    slot_ok = slots < pairs
-    experts = tl.load(index_ptr + slots, mask=slot_ok, other=num_experts).to(tl.int32)  # padding: bin E
-    keys = tl.sort(experts * PAIRS + slots)
-    tl.store(order_ptr + slots, keys % PAIRS, mask=slot_ok)
-    bins = tl.arange(0, BINS)
-    counts = tl.where(bins < num_experts, tl.histogram(experts, BINS), 0)
-    starts = tl.cumsum(counts, 0) - counts
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    blocks_end = tl.cumsum(blocks, 0)
-    ids = tl.arange(0, GRID)
-    expert = tl.sum((blocks_end[None, :] <= ids[:, None]).to(tl.int32), 1)
-    active = expert < num_experts
-    own = bins[None, :] == expert[:, None]
-    expert_start = tl.sum(tl.where(own, starts[None, :], 0), 1)
-    first_block = tl.sum(tl.where(own, (blocks_end - blocks)[None, :], 0), 1)
-    start = expert_start + (ids - first_block) * BLOCK_M
-    end = tl.minimum(start + BLOCK_M, expert_start + tl.sum(tl.where(own, counts[None, :], 0), 1))
-    id_ok = ids < grid_blocks
-    tl.store(block_expert_ptr + ids, tl.minimum(expert, num_experts - 1), mask=id_ok)
-    tl.store(block_start_ptr + ids, tl.where(active, start, 0), mask=id_ok)
-    tl.store(block_end_ptr + ids, tl.where(active, end, 0), mask=id_ok)
-
-
 def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """The pairs in expert order and, per program block, its expert and its [start, end) in that order:
-    (order, block_expert, block_start, block_end), int32. Blocks past the last expert's have start = end
-    = 0. One kernel: the five or more of torch operations it replaces cost about as much as the router
-    (docs/benchmarks.md)."""
-    flat = top_k_index.reshape(-1).contiguous()
+    (order, block_expert, block_start, block_end). Blocks past the last expert's have start = end = 0."""
+    flat = top_k_index.reshape(-1).to(torch.int64)
     pairs = flat.numel()
-    slots = triton.next_power_of_2(pairs)
-    if (num_experts + 1) * slots >= 2**31:
-        raise ValueError(f"{pairs} pairs of {num_experts} experts: the sort keys pass int32")
-    grid_blocks = triton.cdiv(pairs, block_m) + num_experts
-    order = torch.empty(pairs, dtype=torch.int32, device=flat.device)
-    block_expert, block_start, block_end = (
-        torch.empty(grid_blocks, dtype=torch.int32, device=flat.device) for _ in range(3)
+    # A counting sort instead of a stable argsort (a radix sort on the GPU, several kernels): a pair's
+    # place is its expert's start plus its expert's pairs before it, prefix sums over a one-hot
+    # [experts, pairs] (summed along its rows: a scan along the inner dimension runs in parallel).
+    one_hot = (torch.arange(num_experts, device=flat.device).unsqueeze(1) == flat).to(torch.int32)
+    counts = one_hot.sum(1, dtype=torch.int64)
+    expert_start = torch.cumsum(counts, 0) - counts
+    before = (torch.cumsum(one_hot, 1, dtype=torch.int32) - one_hot).gather(0, flat.unsqueeze(0)).squeeze(0)
+    place = expert_start[flat] + before
+    order = torch.empty(pairs, dtype=torch.int32, device=flat.device).scatter_(
+        0, place, torch.arange(pairs, dtype=torch.int32, device=flat.device)
     )
-    wrap_triton(_expert_blocks_kernel)[(1,)](
-        flat, order, block_expert, block_start, block_end, pairs, num_experts, grid_blocks,
-        BLOCK_M=block_m, PAIRS=slots, BINS=triton.next_power_of_2(num_experts + 1),
-        GRID=triton.next_power_of_2(grid_blocks), num_warps=4,
-    )
-    return order, block_expert, block_start, block_end
+    blocks = (counts + block_m - 1) // block_m
+    blocks_end = torch.cumsum(blocks, 0)
+    ids = torch.arange((pairs + block_m - 1) // block_m + num_experts, device=flat.device)
+    expert = torch.searchsorted(blocks_end, ids, right=True)
+    active = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    start = expert_start[expert] + (ids - (blocks_end[expert] - blocks[expert])) * block_m
+    end = torch.minimum(start + block_m, expert_start[expert] + counts[expert])
+    zero = torch.zeros_like(start)
+    return (order, expert.to(torch.int32), torch.where(active, start, zero).to(torch.int32),
+            torch.where(active, end, zero).to(torch.int32))
 
 
 def launch_grouped_experts(
