@@ -106,15 +106,20 @@ def test_fused_router_picks_transformers_experts_in_expert_order(tokens):
     assert weights.sum(1).max() > 2.5 / gate.weight.shape[0]  # scaled scores, not zeros
 
 
-def test_expert_blocks_cover_every_pair_once():
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m"),
+    [(23, 3, 8, 4), (128, 6, 64, 16), (341, 6, 64, 128)],  # the last two: a decode step's, a prompt's
+)
+def test_expert_blocks_cover_every_pair_once(tokens, top_k, experts, block_m):
     """The grouped kernels' blocks: every pair in exactly one block of its own expert, no block over
     `m` pairs, the blocks past the last expert's empty."""
     from dsocr_workers.model.grouped_experts import expert_blocks
 
-    experts, block_m = 8, 4
-    index = torch.randint(0, experts, (23, 3), generator=torch.Generator().manual_seed(0))
+    index = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
     index[:, 0] = 5  # one expert with many pairs (several blocks); some experts may get none
-    order, block_expert, start, end = expert_blocks(index, experts, block_m)
+    index[index == 3] = 4  # and one none at all
+    order, block_expert, start, end = expert_blocks(index.to(DEVICE), experts, block_m)
+    order, block_expert, start, end = order.cpu(), block_expert.cpu(), start.cpu(), end.cpu()
     flat = index.reshape(-1)
     seen = []
     for e, s, t in zip(block_expert.tolist(), start.tolist(), end.tolist(), strict=True):
