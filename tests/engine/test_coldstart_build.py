@@ -112,6 +112,19 @@ def test_a_partial_package_of_a_killed_build_is_removed_and_a_live_builders_is_k
     assert not dead.exists() and live.exists() and finished.exists()
     assert remove_partial_packages(tmp_path / "not built yet") == []
 
+
+def test_packages_that_do_not_load_are_named_with_the_reason_and_those_after_them_too(tmp_path):
+    """The build opens its packages in a child process before its own check (a loader that crashes kills
+    the child, not the build): the first that fails, and those after it, unchecked, are named, with why."""
+    from dsocr_workers.engine.coldstart.aoti import check_packages_load
+
+    first, second = tmp_path / "lm_layer-0123456789ab.pt2", tmp_path / "sam_block-0123456789ab.pt2"
+    first.write_bytes(b"not a zip archive")
+    second.write_bytes(b"")
+    check = check_packages_load([first, second], torch.device("cpu"))
+    assert check.not_loaded == (first, second)
+    assert "Error" in check.reason or "killed by" in check.reason, check.reason
+
 # `dsocr precompile` as a CPU build runs it (argv[1] "build"), or a worker's start after it ("worker"): the fast
 # engine without CUDA graphs and with transformers' expert GEMMs (no Triton here); the worker also decodes
 # a page with the packages and with the regions run by their eager kernels (dynamo's aot_eager: inductor

@@ -18,6 +18,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -423,6 +426,44 @@ def load_package(path: Path, device: torch.device) -> Any:
     synchronisation is refused inside a CUDA graph capture, and a session runs one region at a time."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, index)
+
+
+# A child that opens packages as a worker does: with the engines' modules imported, which register the
+# operators the packages call.
+_OPEN_PACKAGES = """
+import sys, torch
+from pathlib import Path
+import dsocr_workers.engine.session, dsocr_workers.engine.variants.fast
+from dsocr_workers.engine.coldstart.aoti import load_package
+for path in sys.argv[2:]:
+    load_package(Path(path), torch.device(sys.argv[1]))
+    print(path, flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class LoadCheck:
+    """Packages opened in a child process: those not shown to load (the first that failed and the ones
+    after it) and why. A package whose wrapper crashes its loader (one built by a C++ compiler whose
+    packages do not load: docs/architecture.md) kills the child, not the caller."""
+
+    not_loaded: tuple[Path, ...]
+    reason: str
+
+
+def check_packages_load(paths: list[Path], device: torch.device) -> LoadCheck:
+    child = subprocess.run(
+        [sys.executable, "-c", _OPEN_PACKAGES, str(device), *map(str, paths)], capture_output=True, text=True
+    )
+    if child.returncode == 0:
+        return LoadCheck((), "")
+    loaded = len(child.stdout.split())
+    if child.returncode < 0:
+        reason = f"its loader was killed by {signal.Signals(-child.returncode).name}"
+    else:
+        lines = child.stderr.strip().splitlines()
+        reason = lines[-1] if lines else f"exit status {child.returncode}"
+    return LoadCheck(tuple(paths[loaded:]), reason)
 
 
 @dataclass

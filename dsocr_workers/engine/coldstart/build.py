@@ -13,8 +13,9 @@ with the Python bytecode of every module it imported where the installation has 
 Idempotent: a plan whose manifest is there for this environment, with every artifact this build would
 make, is "up to date" without loading the model; two builds of one plan on one host take turns, and a
 worker that compiles it meanwhile waits for them (`artifacts.host_lock`).
-`CXX` names the C++ compiler of each package's wrapper (else `c++`): one whose packages do not load fails
-the check above, before any manifest exists (docs/architecture.md, the cold start).
+`CXX` names the C++ compiler of each package's wrapper (else `c++`): packages that do not load (their
+loader crashes) are found by opening them in a child process before the check above, and removed, before
+any manifest exists (docs/architecture.md, the cold start).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dsocr_workers.engine.coldstart.aoti import (
     Limits,
     Recorder,
     build_package,
+    check_packages_load,
     package_name,
     remove_partial_packages,
 )
@@ -202,6 +204,15 @@ def build(request: BuildRequest, progress: Callable[[str], None] = log.info) -> 
             seconds_each[path.name] = round(time.perf_counter() - started, 1)
             progress(f"package {number}/{len(recorder.calls)}: {key} in {seconds_each[path.name]} s")
         del recorder, pages  # the recorded calls hold copies of their inputs
+        opened = check_packages_load([Path(artifact.path) for artifact in built], session.device)
+        if opened.not_loaded:
+            for package in opened.not_loaded:
+                package.unlink(missing_ok=True)  # so that the next build makes them again
+            raise FailuresError(
+                f"package {opened.not_loaded[0].name} does not load ({opened.reason}); built with "
+                f"{artifacts.compiler_version()}. Removed it and the {len(opened.not_loaded) - 1} not checked "
+                "after it: set CXX to a compiler whose packages load and build again"
+            )
         manifest = artifacts.manifest(plan, config, tuple(built), time.perf_counter() - began, here)
         path = artifacts.manifest_path(plan, config, here)
         # The worker's own start on these packages, before any worker may find them.
