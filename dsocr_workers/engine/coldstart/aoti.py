@@ -457,7 +457,8 @@ def check_packages_load(paths: list[Path], device: torch.device) -> LoadCheck:
     )
     if child.returncode == 0:
         return LoadCheck((), "")
-    loaded = len(child.stdout.split())
+    opened = {line.strip() for line in child.stdout.splitlines()}  # an import's own print is no path
+    loaded = sum(str(path) in opened for path in paths)
     if child.returncode < 0:
         reason = f"its loader was killed by {signal.Signals(-child.returncode).name}"
     else:
