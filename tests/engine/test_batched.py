@@ -27,6 +27,7 @@ from dsocr_workers.engine.result import DecodeOptions, InferenceResult
 from dsocr_workers.engine.sampling import ban_repeated_ngrams
 from dsocr_workers.engine.session import DeepSeekOCRSession, DeviceRun
 from dsocr_workers.engine.stopping import StopRule
+from dsocr_workers.engine.verify import NEAR_TIE, one_shot_scores
 from dsocr_workers.errors import InputError
 from tests.engine.test_session import fast_on_cpu, looping_head
 
@@ -686,18 +687,21 @@ def test_bf16_batched_tokens_are_batch1s_where_every_row_is_computed_alike():
         assert first is None and len(alone_tokens) == len(batched_tokens) == 32  # fmt: skip
 
 
+def router_logits(router, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A MoE router's logits in float32 for the hidden states its forward hook was given, [tokens, experts]."""
+    return inputs[0].reshape(-1, router.weight.shape[1]).float() @ router.weight.float().T
+
+
 def router_gaps(session, image, tokens: list[int], options: DecodeOptions, mode: str) -> list[tuple[float, int, int]]:
     """Each MoE router's decision at every position of the cache-free forward over prompt + `tokens`
     (`one_shot_scores`): (the gap between its k-th and (k+1)-th logit over the k-th's scale, layer,
     position), closest first."""
-    from dsocr_workers.engine.verify import one_shot_scores
 
     gaps: list[tuple[float, int, int]] = []
 
     def record(layer: int):
         def hook(router, inputs, _output):
-            logits = inputs[0].reshape(-1, router.weight.shape[1]).float() @ router.weight.float().T
-            top = logits.topk(router.top_k + 1, dim=-1).values
+            top = router_logits(router, inputs).topk(router.top_k + 1, dim=-1).values
             gap = (top[:, -2] - top[:, -1]) / top[:, -2].abs().clamp(min=1.0)
             gaps.extend((float(g), layer, position) for position, g in enumerate(gap.cpu()))
         return hook
@@ -717,12 +721,10 @@ def router_gaps(session, image, tokens: list[int], options: DecodeOptions, mode:
 def scores_with_flipped_route(session, image, tokens, options, mode, layer: int, position: int) -> torch.Tensor:
     """`one_shot_scores` with one router decision taken the other way: at `position` of `layer`, the
     weakest expert chosen swapped for the strongest left out, at its own routing weight."""
-    from dsocr_workers.engine.verify import one_shot_scores
 
     def flip(router, inputs, output):
         logits, weights, index = output
-        x = inputs[0].reshape(-1, router.weight.shape[1])[position].float()
-        scores = (x @ router.weight.float().T).softmax(-1)
+        scores = router_logits(router, inputs)[position].softmax(-1)
         ranked = scores.argsort(descending=True)
         weakest, strongest_left_out = ranked[router.top_k - 1], ranked[router.top_k]
         weights, index = weights.clone(), index.clone()
@@ -751,7 +753,6 @@ def test_cuda_bf16_batched_tokens_leave_batch1s_only_at_near_ties():
     position or cache: either both picks score within twice bf16's rounding of each other, or a MoE
     router's k-th and (k+1)-th experts do at some position, and taking that routing the other way
     brings the picks within it (the routed experts then move the logits by more than a rounding)."""
-    from dsocr_workers.engine.verify import NEAR_TIE, one_shot_scores
 
     fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="bfloat16", engine="fast")
     options = DecodeOptions(ignore_eos=True)
