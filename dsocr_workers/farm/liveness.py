@@ -89,8 +89,9 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def beat(self, now: datetime | None = None) -> Beat:
-        """One beat, in the caller's thread (the heartbeat thread, or a test)."""
-        now = now or utcnow()
+        """One beat, in the caller's thread (the heartbeat thread, or a test, whose `now` stands for the
+        clock)."""
+        given, now = now, now or utcnow()
         row = {
             "id": self.owner,
             "host": socket.gethostname(),
@@ -109,10 +110,14 @@ class Heartbeat:
         if self.sweep is None:
             return Beat(renewed, [], [], [], [])
         with self.db.transaction() as tx:
+            # The clock read again once the transaction has begun (on SQLite: holds the write lock), so
+            # a job brought back is `queued_at` just before its message is published, not a lock wait
+            # before it, while other lanes fetch and claim.
+            tx.connection()
             expired = ledger.expire_leases(
                 tx,
                 max_attempts=self.settings.max_attempts,
-                now=now,
+                now=given or utcnow(),
                 queues=self.sweep.queues,
                 spare_owner=self.owner,
             )
