@@ -1,10 +1,13 @@
 """A heartbeat's sweep on the embedded default (SQLite) and the real Redis: the labels of the messages it
 sends are read in the sweep's own transaction (a second one would wait on SQLite's write lock until its
-busy timeout); a message a worker died holding before its child reserved or claimed the job goes back to
+busy timeout), and a job it brings back is queued as of that transaction, not of a wait for the lock; a
+message a worker died holding before its child reserved or claimed the job goes back to
 the head of its queue a lease after its delivery, and none that a live process stands for does."""
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -62,6 +65,36 @@ def test_a_sqlite_sweep_requeues_a_dead_holders_job_at_once_with_its_label(sqlit
     assert time.monotonic() - started < 5  # not a wait on the write lock
     assert beat.requeued == [(job_id, queue)]
     assert sent == {job_id: "{'run': 'r1', 'image': 'a.png', 'repeat': 0}"}
+    db.dispose()
+
+
+def test_a_sweep_that_waited_for_the_write_lock_queues_the_job_once_it_holds_the_lock(sqlite_url, farm_app):
+    """A job brought back is `queued_at` when the sweep's transaction has the write lock, just before its
+    message is published, not when the beat began: lanes fetch and claim while a sweep waits for the lock,
+    and a claim then must not read as one after the job was queued again (the R3 kill test counts them)."""
+    app, queue = farm_app
+    db = open_database(sqlite_url)
+    (job_id,) = add_run(db, queue, ["a.png"])
+    with db.transaction() as session:
+        ledger.claim_job(session, job_id, "h:1:dead", lease_s=1, max_attempts=3, is_dead=lambda o: False)
+    time.sleep(1.2)  # its lease runs out on the real clock, which the beat below reads
+    sweep = Sweep((queue,), lambda session, jobs: None, delivered=partial(delivered_messages, app, (queue,)),
+                  take_back=partial(take_back_messages, app))  # fmt: skip
+    heartbeat = Heartbeat(db, "h:2:live", Settings(), device="cpu", queues=(queue,), sweep=sweep)
+    writer = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # another process's write under way
+    beats = []
+    beating = threading.Thread(target=lambda: beats.append(heartbeat.beat()))
+    beating.start()
+    time.sleep(1.0)
+    released = utcnow()
+    writer.execute("COMMIT")
+    beating.join(timeout=30)
+    writer.close()
+    assert beats and beats[0].requeued == [(job_id, queue)]
+    with db.transaction() as session:
+        queued_at = session.get_one(Job, job_id).queued_at
+    assert queued_at is not None and queued_at >= released, (queued_at, released)
     db.dispose()
 
 
