@@ -91,20 +91,20 @@ class Heartbeat:
     def beat(self, now: datetime | None = None) -> Beat:
         """One beat, in the caller's thread (the heartbeat thread, or a test, whose `now` stands for the
         clock)."""
-        given, now = now, now or utcnow()
+        beat_at = now or utcnow()
         row = {
             "id": self.owner,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "device": self.device,
             "queues": ",".join(self.queues),
-            "started_at": now,
-            "heartbeat_at": now,
+            "started_at": beat_at,
+            "heartbeat_at": beat_at,
         }
         with self.db.transaction() as tx:
             upsert(tx, WorkerProcess, row, ["id"], ["heartbeat_at"])
             renewed = ledger.renew_leases(
-                tx, self.owner, self.settings.lease_s, now, let_go=list(self._let_go)
+                tx, self.owner, self.settings.lease_s, beat_at, let_go=list(self._let_go)
             )
         self.registered = True
         if self.sweep is None:
@@ -117,7 +117,7 @@ class Heartbeat:
             expired = ledger.expire_leases(
                 tx,
                 max_attempts=self.settings.max_attempts,
-                now=given or utcnow(),
+                now=now or utcnow(),
                 queues=self.sweep.queues,
                 spare_owner=self.owner,
             )
@@ -131,7 +131,7 @@ class Heartbeat:
             log.warning("job %s: the worker that fetched it stopped beating; back on %s", job_id, queue)
         for job_id in expired.poisoned:
             log.warning("job %s: its worker stopped beating at the attempt cap; poisoned", job_id)
-        orphaned = self._take_back_orphans(now, brought_back={job_id for job_id, _ in expired.to_bring_back})
+        orphaned = self._take_back_orphans(beat_at, brought_back={job_id for job_id, _ in expired.to_bring_back})
         for job_id in orphaned:
             log.warning(
                 "job %s: its message sat with a worker that never took the job up; back on its queue", job_id
