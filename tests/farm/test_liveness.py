@@ -1,8 +1,8 @@
 """A heartbeat's sweep on the embedded default (SQLite) and the real Redis: the labels of the messages it
 sends are read in the sweep's own transaction (a second one would wait on SQLite's write lock until its
 busy timeout), and a job it brings back is queued as of that transaction, not of a wait for the lock; a
-message a worker died holding before its child reserved or claimed the job goes back to
-the head of its queue a lease after its delivery, and none that a live process stands for does."""
+message a worker died holding before its child reserved or claimed the job goes back to the head of its
+queue a lease after its delivery, and none that a live process stands for does."""
 
 from __future__ import annotations
 
