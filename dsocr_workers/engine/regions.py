@@ -279,13 +279,22 @@ def capture_graph(
     of the captured call (replays overwrite them)."""
     run()  # compiles what is new and settles the allocator: nothing may compile during a capture
     graph = torch.cuda.CUDAGraph()
+    # Captured as `torch.cuda.graph` does, less its emptying of the allocators' caches at every capture:
+    # a warm-up captures dozens of graphs in a row, and each emptying made the next jobs allocate anew.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     # cuBLAS keeps per-stream workspaces outside any graph pool, which inductor's graph trees free when
     # they record; cleared before and after, as the graph trees do, the capture allocates its own
     # workspace in this pool (otherwise a replay may run into freed memory).
     torch._C._cuda_clearCublasWorkspaces()
     try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = run()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                outputs = run()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
     finally:
         torch._C._cuda_clearCublasWorkspaces()
     return graph, outputs

@@ -13,6 +13,7 @@ from PIL import Image, ImageDraw
 from dsocr_workers.engine import generate
 from dsocr_workers.engine.clock import StageClock
 from dsocr_workers.engine.coldstart.warmup import warm
+from dsocr_workers.engine.regions import capture_graph
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
@@ -658,6 +659,22 @@ def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
         torch.testing.assert_close(embeds[-1], encode(eager, image), rtol=2e-3, atol=2e-3)
     assert not torch.equal(embeds[0], embeds[3])  # the flipped page: the replay saw its own pixels
     torch.testing.assert_close(embeds[4], embeds[0], rtol=0, atol=0)  # and a replay is deterministic
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph captures")
+def test_cuda_a_capture_keeps_the_allocators_cache_and_replays_its_inputs():
+    """A capture leaves the blocks the caching allocator holds (`torch.cuda.graph` empties its cache at
+    every capture, and the next jobs then allocate anew), and its graph replays what its inputs hold."""
+    source = torch.arange(1024, dtype=torch.float32, device="cuda")
+    freed = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del freed  # back in the allocator's cache, not the driver's
+    reserved = torch.cuda.memory_reserved()
+    graph, (doubled,) = capture_graph(lambda: [source * 2], torch.cuda.graph_pool_handle())
+    assert torch.cuda.memory_reserved() >= reserved
+    source.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(doubled, torch.full_like(source, 6.0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a division by a scalar multiplies there")
