@@ -1,8 +1,9 @@
-"""What a warm-up's first call of each page shape costs in the vision encoders, and how much of it is
-cuDNN's attention (its graph built for each new shape on first use): the `full` preset on one GPU, the
-eager engine (the same attention operators the packages call), the pages of the warm-up's `--modes`
-(coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls timed twice, first and
-second, in a fresh process per attention setting:
+"""What a warm-up's first call of each page shape costs in the vision encoders and the LM prefill's
+attention, and how much of it is cuDNN's attention (its graph built for each new shape on first use): the
+`full` preset on one GPU, the eager engine (the same attention operators the packages call), the pages of
+the warm-up's `--modes` (coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls and
+the causal attention of the layer-by-layer LM prefill at the page's padded prompt length (engine/regions.py:
+one layer's query, key and value, random) timed twice, first and second, in a fresh process per setting:
 
 - `cudnn`: PyTorch's own choice (cuDNN's attention where it takes the shapes, as on an H100 or H200);
 - `no-cudnn`: cuDNN's attention turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), so the
@@ -10,6 +11,9 @@ second, in a fresh process per attention setting:
 - `cudnn-preloaded`: PyTorch's choice, with cuDNN's libraries (those its first use would load) loaded
   before CUDA starts, as a worker's parent could load them before it forks its children: how much of
   the first use is loading them (the load's own time is printed with the table).
+- `flash-first`: the flash kernel first where it takes the shapes (the same head dim for query, key and
+  value, no mask: the views and the LM prefill, not SAM's folded attention), then cuDNN's
+  (`sdpa_kernel(..., set_priority=True)` held for the whole process);
 - `cudnn-threaded`: PyTorch's choice, each shape's SAM first run once in a thread of its own, all at
   once, before the timed calls on the main thread: what of a first use a helper thread leaves done for
   the thread that serves (PyTorch keeps cuDNN's attention graphs per thread; the libraries, the CUDA
@@ -35,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
-SETTINGS = ("cudnn", "no-cudnn", "cudnn-preloaded", "cudnn-threaded")
+SETTINGS = ("cudnn", "no-cudnn", "flash-first", "cudnn-preloaded", "cudnn-threaded")
 
 
 def preload_cudnn() -> tuple[int, float]:
@@ -62,11 +66,18 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
     preloaded = preload_cudnn() if setting == "cudnn-preloaded" else None
 
     from dsocr_workers.engine.coldstart.passes import shape_name, warmup_pages
+    from dsocr_workers.engine.regions import padded_length
     from dsocr_workers.engine.session import DeepSeekOCRSession
     from dsocr_workers.engine.variants import engine_class
 
     if setting == "no-cudnn":
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if setting == "flash-first":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]  # fmt: skip
+        sdpa_kernel(order, set_priority=True).__enter__()  # for the process's life: never left
     session = DeepSeekOCRSession.from_local(model, device=device, engine=engine_class("eager")())
     crops = session.max_crops()
     rows: list[dict[str, float | str]] = []
@@ -78,6 +89,11 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
         out = call(*args)
         session.synchronize()
         return out, (time.perf_counter() - began) * 1e3
+
+    attention = session.model.language_model.layers[0].self_attn
+
+    def causal(query, key, value):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
 
     with torch.inference_mode():
         pages = [(name, session.prepare(image, None, name, crops))
@@ -99,10 +115,14 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
         for name, page in pages:
             inputs = session.upload(page)
             row: dict[str, float | str] = {"shape": shape_name(name, page)}
+            length = padded_length(page.prompt_tokens, session.max_positions)
+            qkv = torch.randn(3, 1, attention.config.num_attention_heads, length, attention.head_dim,
+                              device=session.device, dtype=session.dtype)  # fmt: skip
             for attempt in ("first", "second"):
                 clock = session.new_clock()
                 sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
                 _, row[f"views {attempt}"] = timed(session.encode_views, inputs, sam, clock)
+                _, row[f"lm {attempt}"] = timed(causal, *qkv)
             rows.append(row)
     return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms}
 
@@ -136,7 +156,7 @@ def main() -> None:
             continue
         measured = json.loads(done.stdout.strip().splitlines()[-1])
         rows, preloaded = measured["rows"], measured["preloaded"]
-        columns = ["sam first", "sam second", "views first", "views second"]
+        columns = ["sam first", "sam second", "views first", "views second", "lm first", "lm second"]
         print(f"## {setting}\n")
         if preloaded is not None:
             print(f"{preloaded[0]} cuDNN libraries loaded before CUDA started, in {preloaded[1]:.1f} ms\n")
