@@ -11,9 +11,9 @@ one layer's query, key and value, random) timed twice, first and second, in a fr
 - `cudnn-preloaded`: PyTorch's choice, with cuDNN's libraries (those its first use would load) loaded
   before CUDA starts, as a worker's parent could load them before it forks its children: how much of
   the first use is loading them (the load's own time is printed with the table).
-- `flash-first`: the flash kernel first where it takes the shapes (the same head dim for query, key and
-  value, no mask: the views and the LM prefill, not SAM's folded attention), then cuDNN's
-  (`sdpa_kernel(..., set_priority=True)` held for the whole process);
+- `no-cudnn-views-lm`: cuDNN's attention off around the views and the LM prefill's attention (the flash
+  kernel takes them: the same head dim for query, key and value, no mask), on for SAM (whose folded
+  attention the flash kernel does not take), as the fast engine chooses (engine/attention.py);
 - `cudnn-threaded`: PyTorch's choice, each shape's SAM first run once in a thread of its own, all at
   once, before the timed calls on the main thread: what of a first use a helper thread leaves done for
   the thread that serves (PyTorch keeps cuDNN's attention graphs per thread; the libraries, the CUDA
@@ -23,7 +23,10 @@ A first call's cost is the host's (graph building, kernel loading), so each call
 clock after synchronising the device; a second call's is the device's, for the steady cost of each
 setting. The first process to read cuDNN's libraries (about 1 GB) may read them from disk and every
 later one from the page cache: warm it first (`cat` them) to compare settings, or repeat one
-(`--settings cudnn,cudnn-preloaded,cudnn`). Milliseconds, markdown to stdout:
+(`--settings cudnn,cudnn-preloaded,cudnn`). `--profile-shape N`: the Nth shape's first calls (from 1;
+past the first, which pays the process's own first use) also run under torch.profiler, and its host
+operators and CUDA runtime calls are listed by their own time: where a first call spends it. Milliseconds,
+markdown to stdout:
 
     source benchmarks/device_env.sh && python3 benchmarks/probe_first_calls.py > $OUT/first-calls.md
 """
@@ -39,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
-SETTINGS = ("cudnn", "no-cudnn", "flash-first", "cudnn-preloaded", "cudnn-threaded")
+SETTINGS = ("cudnn", "no-cudnn", "no-cudnn-views-lm", "cudnn-preloaded", "cudnn-threaded")
 
 
 def preload_cudnn() -> tuple[int, float]:
@@ -57,8 +60,10 @@ def preload_cudnn() -> tuple[int, float]:
     return len(libraries), (time.perf_counter() - began) * 1e3
 
 
-def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
-    """The setting's rows (a shape's first and second calls) and what a preload or the threads took."""
+def measure(model: str, modes: list[str], setting: str, device: str, profile_shape: int = 0) -> dict:
+    """The setting's rows (a shape's first and second calls), what a preload or the threads took, and the
+    profiled first calls' table of the `profile_shape`th shape (from 1; 0: none)."""
+    import contextlib
     import threading
 
     import torch
@@ -72,16 +77,17 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
 
     if setting == "no-cudnn":
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if setting == "flash-first":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]  # fmt: skip
-        sdpa_kernel(order, set_priority=True).__enter__()  # for the process's life: never left
+    without_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def views_and_lm():  # type: ignore[no-untyped-def]
+        return sdpa_kernel(without_cudnn) if setting == "no-cudnn-views-lm" else contextlib.nullcontext()
     session = DeepSeekOCRSession.from_local(model, device=device, engine=engine_class("eager")())
     crops = session.max_crops()
     rows: list[dict[str, float | str]] = []
     threaded_ms: float | None = None
+    profiled = ""
 
     def timed(call, *args):  # type: ignore[no-untyped-def]
         session.synchronize()
@@ -112,7 +118,7 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
                 thread.join()
             session.synchronize()
             threaded_ms = (time.perf_counter() - began) * 1e3
-        for name, page in pages:
+        for index, (name, page) in enumerate(pages, start=1):
             inputs = session.upload(page)
             row: dict[str, float | str] = {"shape": shape_name(name, page)}
             length = padded_length(page.prompt_tokens, session.max_positions)
@@ -120,11 +126,18 @@ def measure(model: str, modes: list[str], setting: str, device: str) -> dict:
                               device=session.device, dtype=session.dtype)  # fmt: skip
             for attempt in ("first", "second"):
                 clock = session.new_clock()
-                sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
-                _, row[f"views {attempt}"] = timed(session.encode_views, inputs, sam, clock)
-                _, row[f"lm {attempt}"] = timed(causal, *qkv)
+                tracing = index == profile_shape and attempt == "first"
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) if tracing else contextlib.nullcontext() as trace:
+                    sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
+                    with views_and_lm():
+                        _, row[f"views {attempt}"] = timed(session.encode_views, inputs, sam, clock)
+                        _, row[f"lm {attempt}"] = timed(causal, *qkv)
+                if tracing:
+                    averages = trace.key_averages()
+                    profiled = f"{row['shape']}\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
             rows.append(row)
-    return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms}
+    return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "profiled": profiled}
 
 
 def main() -> None:
@@ -135,10 +148,11 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help="the settings in the order run, each in a fresh process (one may repeat)")
     parser.add_argument("--setting", choices=SETTINGS, help="one process's measurement (internal)")
+    parser.add_argument("--profile-shape", type=int, default=0, help="the shape (from 1) whose first calls are profiled")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if args.setting:
-        print(json.dumps(measure(args.model, modes, args.setting, args.device)))
+        print(json.dumps(measure(args.model, modes, args.setting, args.device, args.profile_shape)))
         return
     import torch
 
@@ -150,7 +164,8 @@ def main() -> None:
         if setting not in SETTINGS:
             raise SystemExit(f"unknown setting {setting!r}: one of {', '.join(SETTINGS)}")
         done = subprocess.run([sys.executable, __file__, "--model", args.model, "--modes", args.modes,
-                               "--setting", setting, "--device", args.device], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+                               "--setting", setting, "--device", args.device, "--profile-shape",
+                               str(args.profile_shape)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
         if done.returncode != 0:
             print(f"## {setting}: failed\n\n```\n{done.stderr[-3000:]}\n```\n")
             continue
@@ -168,6 +183,9 @@ def main() -> None:
             print(f"| {row['shape']} | " + " | ".join(f"{row[c]:.1f}" for c in columns) + " |")
         sums = {c: sum(float(row[c]) for row in rows) for c in columns}
         print("| **all shapes** | " + " | ".join(f"**{sums[c]:.1f}**" for c in columns) + " |\n")
+        if measured["profiled"]:
+            shape, _, table = measured["profiled"].partition("\n")
+            print(f"The first calls of {shape} under torch.profiler, by own host time:\n\n```\n{table}\n```\n")
 
 
 if __name__ == "__main__":
