@@ -3,7 +3,8 @@ attention, and how much of it is cuDNN's attention (its graph built for each new
 `full` preset on one GPU, the eager engine (the same attention operators the packages call), the pages of
 the warm-up's `--modes` (coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls and
 the causal attention of the layer-by-layer LM prefill at the page's padded prompt length (engine/regions.py:
-one layer's query, key and value, random) timed twice, first and second, in a fresh process per setting:
+one layer's query, key and value, random) timed twice, first and second, in a fresh process per setting,
+and on a GPU the attention's steady call ("lm steady": the median of 50 between CUDA events):
 
 - `cudnn`: PyTorch's own choice (cuDNN's attention where it takes the shapes, as on an H100 or H200);
 - `no-cudnn`: cuDNN's attention turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), so the
@@ -13,7 +14,8 @@ one layer's query, key and value, random) timed twice, first and second, in a fr
   the first use is loading them (the load's own time is printed with the table).
 - `no-cudnn-views-lm`: cuDNN's attention off around the views and the LM prefill's attention (the flash
   kernel takes them: the same head dim for query, key and value, no mask), on for SAM (whose folded
-  attention the flash kernel does not take), as the fast engine chooses (engine/attention.py);
+  attention the flash kernel does not take): the fast engine's choice for the LM prefill
+  (engine/regions.py `prefill_attention`), its views keep PyTorch's;
 - `cudnn-threaded`: PyTorch's choice, each shape's SAM first run once in a thread of its own, all at
   once, before the timed calls on the main thread: what of a first use a helper thread leaves done for
   the thread that serves (PyTorch keeps cuDNN's attention graphs per thread; the libraries, the CUDA
@@ -58,6 +60,23 @@ def preload_cudnn() -> tuple[int, float]:
     for library in libraries:
         ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
     return len(libraries), (time.perf_counter() - began) * 1e3
+
+
+def steady_ms(call, args, repeats: int = 50) -> float:  # type: ignore[no-untyped-def]
+    """The median of `repeats` calls after the first two, each between CUDA events."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        call(*args)
+        ended.record()
+        ended.synchronize()
+        times.append(began.elapsed_time(ended))
+    return statistics.median(times)
 
 
 def measure(model: str, modes: list[str], setting: str, device: str, profile_shape: int = 0) -> dict:
@@ -136,6 +155,9 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                 if tracing:
                     averages = trace.key_averages()
                     profiled = f"{row['shape']}\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
+            if session.device.type == "cuda":  # the steady call on the device's clock: the kernel's own cost
+                with views_and_lm():
+                    row["lm steady"] = steady_ms(causal, qkv)
             rows.append(row)
     return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "profiled": profiled}
 
@@ -172,6 +194,7 @@ def main() -> None:
         measured = json.loads(done.stdout.strip().splitlines()[-1])
         rows, preloaded = measured["rows"], measured["preloaded"]
         columns = ["sam first", "sam second", "views first", "views second", "lm first", "lm second"]
+        columns += ["lm steady"] if "lm steady" in rows[0] else []
         print(f"## {setting}\n")
         if preloaded is not None:
             print(f"{preloaded[0]} cuDNN libraries loaded before CUDA started, in {preloaded[1]:.1f} ms\n")
