@@ -7,21 +7,15 @@ encoders (docs/benchmarks.md, cold start). A tile group's batch dimension is mar
 per block kind serves every crop grid. The LM prefill likewise, layer by layer, dynamic in the prompt
 length. Called block by block, the host becomes the bound; `GraphedVision` and `GraphedPrefill` capture
 a page shape's blocks (a padded prompt length's layers) once into CUDA graphs and replay them.
-
-The LM prefill's attention runs without cuDNN's (`prefill_attention`): cuDNN builds a graph for each new
-shape at its first call, which a worker's warm-up would pay once for every padded prompt length; the
-flash kernel, which takes the prefill's causal attention, has no such first cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -48,20 +42,14 @@ def _view_block_views(layer: Any, groups: list[torch.Tensor]) -> list[torch.Tens
     return layer.forward_views(groups)
 
 
-def prefill_attention() -> AbstractContextManager[None]:
-    """SDPA's kernels for the LM prefill: all but cuDNN's (the module's docstring says why)."""
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def _lm_layer(
     layer: torch.nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
     cache_layer: StaticLayer,
 ) -> torch.Tensor:
     # No mask: the fused attention attends causally over the prompt it writes to `cache_layer`.
-    with prefill_attention():
-        return layer(
-            hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer}
-        )
+    return layer(
+        hidden, attention_mask=None, position_embeddings=position_embeddings, **{CACHE_ARGUMENT: cache_layer}
+    )
 
 
 # Distinct view sizes × block kinds a worker meets (the fixed modes' global views and gundam's tiles,

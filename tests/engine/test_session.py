@@ -638,26 +638,6 @@ def test_cuda_prefill_graphs_replay_each_prompt_length_with_its_own_embeddings()
     assert tall.crop_grid == (1, 4) and not tall.cold, tall.cold_reasons
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cuDNN's and the flash attention kernels")
-def test_cuda_the_lm_prefill_attends_without_cudnns_attention():
-    """The fast engine's LM prefill runs the flash kernel, never cuDNN's attention (which builds a graph at
-    each new prompt length's first call), compiled as well as captured."""
-    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", engine="fast")  # bfloat16: flash takes it
-    model, hidden = fast.model, fast.model.config.text.hidden_size
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.inference_mode():
-        for length in (53, 81):  # the first compiles and captures its length, the second replays
-            embeds = torch.randn(1, length, hidden, device="cuda", dtype=fast.dtype)
-            buffers = fast.buffers_for(1024 - 8)
-            buffers.cache.reset()
-            with torch.profiler.profile(activities=activities) as trace:
-                fast.runners.prefill(model, embeds, buffers.cache)
-                torch.cuda.synchronize()
-            kernels = [event.name for event in trace.events() if event.device_type == torch.autograd.DeviceType.CUDA]
-            assert any("flash_fwd" in name for name in kernels), kernels
-            assert not any("cudnn" in name.lower() for name in kernels), kernels
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fast engine's vision graphs")
 def test_cuda_vision_graphs_replay_each_page_shape_with_its_own_pixels():
     """Vision is captured once per page shape and replayed with the pixels copied in: every grid, and a

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import torch
 from dsocr_workers.engine.batched.slots import SlotRows
 from dsocr_workers.engine.coldstart.plan import CompilePlan
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
-from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler, prefill_attention
+from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
 from dsocr_workers.engine.sampling import step_key
 from dsocr_workers.model.config import dtype_name
 
@@ -97,12 +97,6 @@ class _Region(ABC):
     @staticmethod
     def unflatten(flat: list[Tensor]) -> Any:
         return flat[0]
-
-    @staticmethod
-    def attention() -> AbstractContextManager[Any]:
-        """SDPA's kernels as the region's function chooses them: the export and the compilation choose
-        the package's kernels under the same (PyTorch's by default)."""
-        return nullcontext()
 
 
 def _tiles(batch: int, dynamic_tiles: bool) -> int | str:
@@ -183,10 +177,6 @@ class _LmLayer(_Region):
     """An LM prefill layer: `function(layer, hidden, (cos, sin), cache_layer)`, writing the cache layer."""
 
     name = "lm_layer"
-
-    @staticmethod
-    def attention() -> AbstractContextManager[Any]:
-        return prefill_attention()
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
         return {"kind": type(args[0].mlp).__name__}
@@ -388,7 +378,7 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
     """Export the recorded call and compile it into the package `path`, which appears whole or not at
     all (a build cut short leaves no package another build would take for done)."""
     named = weights_of(call.name, call.args)
-    with torch.no_grad(), REGIONS[call.name].attention():
+    with torch.no_grad():
         weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
         state = [tensor.clone() for tensor in call.state]
         dynamic = REGIONS[call.name].dynamic(call.args, limits, dynamic_tiles) + [None] * len(weights)
