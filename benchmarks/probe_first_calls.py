@@ -4,7 +4,8 @@ attention, and how much of it is cuDNN's attention (its graph built for each new
 the warm-up's `--modes` (coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls and
 the causal attention of the layer-by-layer LM prefill at the page's padded prompt length (engine/regions.py:
 one layer's query, key and value, random) timed twice, first and second, in a fresh process per setting,
-and on a GPU the attention's steady call ("lm steady": the median of 50 between CUDA events):
+and on a GPU the steady calls of the views and the LM attention ("steady": the median of 20 and 50 calls
+between CUDA events):
 
 - `cudnn`: PyTorch's own choice (cuDNN's attention where it takes the shapes, as on an H100 or H200);
 - `no-cudnn`: cuDNN's attention turned off (`torch.backends.cuda.enable_cudnn_sdp(False)`), so the
@@ -14,8 +15,7 @@ and on a GPU the attention's steady call ("lm steady": the median of 50 between 
   the first use is loading them (the load's own time is printed with the table).
 - `no-cudnn-views-lm`: cuDNN's attention off around the views and the LM prefill's attention (the flash
   kernel takes them: the same head dim for query, key and value, no mask), on for SAM (whose folded
-  attention the flash kernel does not take): the fast engine's choice for the LM prefill
-  (engine/regions.py `prefill_attention`), its views keep PyTorch's;
+  attention the flash kernel does not take);
 - `cudnn-threaded`: PyTorch's choice, each shape's SAM first run once in a thread of its own, all at
   once, before the timed calls on the main thread: what of a first use a helper thread leaves done for
   the thread that serves (PyTorch keeps cuDNN's attention graphs per thread; the libraries, the CUDA
@@ -155,8 +155,9 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                 if tracing:
                     averages = trace.key_averages()
                     profiled = f"{row['shape']}\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25)
-            if session.device.type == "cuda":  # the steady call on the device's clock: the kernel's own cost
+            if session.device.type == "cuda":  # the steady calls on the device's clock: the kernels' own cost
                 with views_and_lm():
+                    row["views steady"] = steady_ms(session.encode_views, (inputs, sam, clock), repeats=20)
                     row["lm steady"] = steady_ms(causal, qkv)
             rows.append(row)
     return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "profiled": profiled}
@@ -194,7 +195,7 @@ def main() -> None:
         measured = json.loads(done.stdout.strip().splitlines()[-1])
         rows, preloaded = measured["rows"], measured["preloaded"]
         columns = ["sam first", "sam second", "views first", "views second", "lm first", "lm second"]
-        columns += ["lm steady"] if "lm steady" in rows[0] else []
+        columns += ["views steady", "lm steady"] if "lm steady" in rows[0] else []
         print(f"## {setting}\n")
         if preloaded is not None:
             print(f"{preloaded[0]} cuDNN libraries loaded before CUDA started, in {preloaded[1]:.1f} ms\n")
@@ -203,9 +204,9 @@ def main() -> None:
         print("| shape | " + " | ".join(f"{c} ms" for c in columns) + " |")
         print("|---|" + "---:|" * len(columns))
         for row in rows:
-            print(f"| {row['shape']} | " + " | ".join(f"{row[c]:.1f}" for c in columns) + " |")
+            print(f"| {row['shape']} | " + " | ".join(f"{row[c]:.3f}" if "steady" in c else f"{row[c]:.1f}" for c in columns) + " |")
         sums = {c: sum(float(row[c]) for row in rows) for c in columns}
-        print("| **all shapes** | " + " | ".join(f"**{sums[c]:.1f}**" for c in columns) + " |\n")
+        print("| **all shapes** | " + " | ".join(f"**{sums[c]:.3f}**" if "steady" in c else f"**{sums[c]:.1f}**" for c in columns) + " |\n")
         if measured["profiled"]:
             shape, _, table = measured["profiled"].partition("\n")
             print(f"The first calls of {shape} under torch.profiler, by own host time:\n\n```\n{table}\n```\n")
