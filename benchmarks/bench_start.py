@@ -316,6 +316,12 @@ def main() -> int:
     parser.add_argument("--first-jobs", help="a file list submitted to each worker once ready, at its regime's "
                                              "concurrency: how many of its jobs were cold")  # fmt: skip
     args = parser.parse_args()
+    if args.first_jobs:  # before minutes of build and starts: a list whose pages were not carried fails now
+        from dsocr_workers.farm.filelist import read_filelist
+
+        listed = read_filelist(args.first_jobs)
+        if listed.bad or not listed.images:
+            raise SystemExit(f"--first-jobs {args.first_jobs}: {listed.describe_bad() or 'no images listed'}")
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
