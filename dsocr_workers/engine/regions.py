@@ -11,6 +11,8 @@ a page shape's blocks (a padded prompt length's layers) once into CUDA graphs an
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,14 +83,42 @@ class Compiler(Protocol):
     def mark_dynamic(self, tensor: torch.Tensor, dim: int) -> None: ...
 
 
+def dynamo_graphs() -> int:
+    """The graphs dynamo has compiled in this process: 0 where it was never imported (a start from
+    packages never imports it)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
+
+
+@dataclass(frozen=True)
+class RegionCompile:
+    """A region's call that compiled new graphs: how many, and the call's host time (the compilation,
+    host work, and the launch of what it compiled)."""
+
+    region: str
+    graphs: int
+    seconds: float
+
+
+def compiled_by_region(compiles: list[RegionCompile]) -> dict[str, tuple[int, float]]:
+    """Per region, in the order first compiled: the graphs `compiles` made and their calls' seconds."""
+    totals: dict[str, tuple[int, float]] = {}
+    for record in compiles:
+        graphs, seconds = totals.get(record.region, (0, 0.0))
+        totals[record.region] = (graphs + record.graphs, seconds + record.seconds)
+    return totals
+
+
 @dataclass
 class TorchCompiler:
     """torch.compile with `backend`, each region compiled at its first call: nothing of dynamo is set up
-    until a region runs."""
+    until a region runs. `compiles`: each call that compiled new graphs, in order (dynamo recompiles a
+    region for a new shape at any call)."""
 
     backend: str
     decode_needs_graph: bool = False
     capturable: bool = True
+    compiles: list[RegionCompile] = field(default_factory=list)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         compiled: Callable[..., Any] | None = None
@@ -98,7 +128,11 @@ class TorchCompiler:
             if compiled is None:
                 configure_dynamo()
                 compiled = torch.compile(function, backend=self.backend, **options)
-            return compiled(*args)
+            before, began = dynamo_graphs(), time.perf_counter()
+            out = compiled(*args)
+            if graphs := dynamo_graphs() - before:
+                self.compiles.append(RegionCompile(name, graphs, time.perf_counter() - began))
+            return out
 
         return call
 

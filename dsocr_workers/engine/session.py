@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +30,7 @@ from dsocr_workers.engine.device import make_current, resolve_device, resolve_dt
 from dsocr_workers.engine.generate import DecodeBuffers, EosWatch, RepetitionWatch, cache_bucket, choose_token
 from dsocr_workers.engine.loops import find_loop
 from dsocr_workers.engine.profiling import JobProfiler
-from dsocr_workers.engine.regions import Compiler
+from dsocr_workers.engine.regions import Compiler, dynamo_graphs
 from dsocr_workers.engine.result import (
     DecodeOptions,
     DeviceSpan,
@@ -731,10 +730,7 @@ class DeepSeekOCRSession:
         graphs = self.runners.prefill_graphs
         prefill_graphs = graphs.captured if graphs is not None else 0
         decode_graphs = getattr(self.runners.decode_step, "captured", 0)  # GraphedDecode's
-        # dynamo's count where dynamo is imported: a session that loaded its regions never imports it.
-        dynamo = sys.modules.get("torch._dynamo.utils")
-        compiled = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
-        return _ColdProbe(compiled, prefill_graphs, decode_graphs, reserved)
+        return _ColdProbe(dynamo_graphs(), prefill_graphs, decode_graphs, reserved)
 
     def _cold_reasons(self, before: _ColdProbe) -> tuple[str, ...]:
         """Why this job met a cold path, if it did: read from counters, never from timings."""

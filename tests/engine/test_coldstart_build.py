@@ -223,7 +223,7 @@ def test_a_build_makes_packages_a_fresh_worker_loads_and_decodes_with_as_eager(t
     assert worker["outcome"] == "up to date" and worker["manifest"] == built["manifest"]
     warmup = worker["warmup"]
     assert warmup["artifacts"].startswith("prebuilt artifacts (dsocr precompile, ") and warmup["still_cold"] == []
-    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"]) == (6, [], False)
+    assert (warmup["packages"], warmup["packages_missed"], worker["dynamo"], warmup["compiled"]) == (6, [], False, {})
     assert list(warmup["phases_ms"])[:2] == ["load packages", "pass 1"]
     started = worker["batched_start"]
     assert (list(started["captures_ms"]), started["compiled"], started["packages_missed"]) == (["1", "2"], 0, [])

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 from dsocr_workers.engine import generate
 from dsocr_workers.engine.clock import StageClock
 from dsocr_workers.engine.coldstart.warmup import warm
-from dsocr_workers.engine.regions import capture_graph
+from dsocr_workers.engine.regions import capture_graph, dynamo_graphs
 from dsocr_workers.engine.result import DecodeOptions, ModelSource
 from dsocr_workers.engine.session import DeepSeekOCRSession, force_eos_at
 from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
@@ -293,6 +293,23 @@ def test_one_compiled_decode_step_serves_every_cache_bucket(session):
         reference = session.run_inference(page(600, 480), mode="tiny", max_new_tokens=max_new_tokens, infer=options,
                                           after_step=eos_at_6)
         assert job.token_ids == reference.token_ids == first.token_ids
+
+
+def test_a_warm_up_that_compiles_names_what_dynamo_compiled_and_its_time(session, caplog):
+    """A warm-up that compiles (no packages) records each region's compiling calls: its log line and the
+    worker session's record say which regions compiled how many graphs in how long."""
+    fast = fast_on_cpu(session.source)  # the decode step compiled (vision and prefill left to other tests)
+    jobs = DecodeOptions(no_repeat_ngram_size=11)  # a ban no other test compiles: the decode step compiles here
+    before = dynamo_graphs()
+    with caplog.at_level(logging.INFO, logger="dsocr_workers.engine.coldstart.warmup"):
+        report = warm(fast, ["tiny"], max_new_tokens=8, infer=jobs)
+    assert list(report.compiled) == ["decode_step"]
+    graphs, seconds = report.compiled["decode_step"]
+    assert graphs == dynamo_graphs() - before >= 1 and seconds > 0
+    assert f"compiled by dynamo: decode_step {graphs} graph" in report.describe()
+    assert "compiled by dynamo: decode_step" in caplog.text
+    # A second warm-up compiles nothing and says nothing of it.
+    assert warm(fast, ["tiny"], max_new_tokens=8, infer=jobs).compiled == {}
 
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):

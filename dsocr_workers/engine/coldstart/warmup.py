@@ -18,7 +18,6 @@ step per bucket captured (from the same packages), its admission's prefills capt
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.aoti import PackagedRegions
 from dsocr_workers.engine.coldstart.passes import capture_prefills, warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
-from dsocr_workers.engine.regions import TorchCompiler
+from dsocr_workers.engine.regions import TorchCompiler, compiled_by_region, dynamo_graphs
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.model.preprocess import PreparedPage
@@ -71,12 +70,29 @@ class WarmupReport:
     packages_missed: tuple[str, ...] = ()
     phases_ms: dict[str, float] = field(default_factory=dict)
     prefill_graphs: int = 0
+    # What dynamo compiled in the warm-up, per region (regions.py `compiled_by_region`): its graphs and
+    # the compiling calls' seconds. Empty from packages.
+    compiled: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """Its time and phases in words, for the log and the worker session's record."""
         phases = ", ".join(f"{name} {ms / 1e3:.2f} s" for name, ms in self.phases_ms.items())
         captured = f"; {self.prefill_graphs} LM prefill graphs captured" if self.prefill_graphs else ""
-        return f"warm-up {self.ms / 1e3:.2f} s ({phases}){captured}"
+        compiled = ", ".join(
+            f"{region} {graphs} graph{'s' if graphs > 1 else ''} in {seconds:.1f} s"
+            for region, (graphs, seconds) in self.compiled.items()
+        )
+        compiled = f"; compiled by dynamo: {compiled}" if compiled else ""
+        return f"warm-up {self.ms / 1e3:.2f} s ({phases}){captured}{compiled}"
+
+
+def dynamo_compiler(session: DeepSeekOCRSession) -> TorchCompiler | None:
+    """What compiles the session's regions with dynamo, where anything does: its engine's own compiler,
+    or the fallback of its packages."""
+    compiler = session.runners.compiler
+    if isinstance(compiler, PackagedRegions):
+        compiler = compiler.fallback
+    return compiler if isinstance(compiler, TorchCompiler) else None
 
 
 def session_plan(
@@ -152,6 +168,8 @@ def warm(
             log.exception("the prebuilt artifacts %s do not load", found.path)
             found = replace(found, manifest=None, reason=f"artifacts unusable ({type(exc).__name__}: {exc})")
         phases["load packages"] = (time.perf_counter() - began) * 1e3
+    dynamo = dynamo_compiler(session)
+    compiles_before = len(dynamo.compiles) if dynamo is not None else 0
     if plan is not None and found is not None:
         say = log.info if found.manifest is not None else log.warning
         say("warm-up of %s: %s", artifacts.describe(plan), found.summary)
@@ -207,6 +225,7 @@ def warm(
         tuple(regions.missed) if regions else (),
         phases,
         graphs.captured - graphs_before if graphs is not None else 0,
+        compiled_by_region(dynamo.compiles[compiles_before:]) if dynamo is not None else {},
     )
     log.info("%s", report.describe())
     return report
@@ -248,11 +267,6 @@ def describe_prefill(split_prefill: bool) -> str:
     return "prefills split while pages decode (sam, then join)" if split_prefill else "whole prefills"
 
 
-def _graphs_compiled() -> int:
-    dynamo = sys.modules.get("torch._dynamo.utils")  # a start from packages never imports it
-    return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
-
-
 def _add_packages(session: DeepSeekOCRSession, regions: PackagedRegions, plan: CompilePlan) -> None:
     """A worker warmed from another concurrency's packages that starts a batched engine: the packages
     built for `plan`, where built, so that its step loads instead of compiling."""
@@ -284,7 +298,7 @@ def start_batched(
     `StepConfig.decide`'s; `split_prefill`: `BatchedEngine`'s."""
     from dsocr_workers.engine.batched import BatchedEngine
 
-    began, graphs_before = time.perf_counter(), _graphs_compiled()
+    began, graphs_before = time.perf_counter(), dynamo_graphs()
     regions = session.compiler if isinstance(session.compiler, PackagedRegions) else None
     missed = len(regions.missed) if regions is not None else 0
     if regions is not None and regions.plan is not None and regions.plan.concurrency != concurrency:
@@ -308,7 +322,7 @@ def start_batched(
         engine.captures_ms,
         engine.runner.cuda_graphs,
         (ended - admitting) * 1e3,
-        _graphs_compiled() - graphs_before,
+        dynamo_graphs() - graphs_before,
         tuple(regions.missed[missed:]) if regions is not None else (),
         f"batched engine: concurrency {concurrency}, {engine.plan.describe()}, {engine.attention} attention, "
         f"{describe_prefill(split_prefill)}, {graphs} for buckets {', '.join(map(str, engine.buckets))}",

@@ -49,12 +49,13 @@ class Runners:
     """What a job's steps call: `prefill(model, embeds, cache) -> logits` (engine/generate.py prefill's
     signature) and `decode_step(model, cache, ban, options)` (decode_one_token's). `prefill_graphs`:
     where the LM prefill is replayed as a CUDA graph per padded prompt length, the graphs a warm-up
-    captures ahead of jobs."""
+    captures ahead of jobs. `compiler`: what made the compiled regions among them (None: none)."""
 
     vision: Vision
     prefill: Callable[..., torch.Tensor]
     decode_step: Callable[..., torch.Tensor]
     prefill_graphs: GraphedPrefill | None = None
+    compiler: Compiler | None = None
 
 
 @dataclass(frozen=True)

@@ -90,15 +90,18 @@ class FastEngine(Engine):
         if graphs and compiler.decode_needs_graph:
             decode = GraphedDecode(decode)
         if settings.decode_only:
-            return Runners(Vision.per_group(model), prefill, decode)
+            return Runners(Vision.per_group(model), prefill, decode, compiler=compiler)
         regions = RegionalVision(model, compiler, settings.dynamic_tiles)
         if graphs:
             graphed, prefill_graphs = GraphedVision(regions), GraphedPrefill(RegionalPrefill(compiler))
             return Runners(
-                Vision(graphed.sam, graphed.views, model.project), prefill_graphs, decode, prefill_graphs
+                Vision(graphed.sam, graphed.views, model.project), prefill_graphs, decode, prefill_graphs, compiler
             )
         return Runners(
-            Vision(regions.encode_sam, regions.encode_views, model.project), RegionalPrefill(compiler), decode
+            Vision(regions.encode_sam, regions.encode_views, model.project),
+            RegionalPrefill(compiler),
+            decode,
+            compiler=compiler,
         )
 
     def decode_function(self) -> Callable[..., torch.Tensor]:
