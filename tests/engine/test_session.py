@@ -23,6 +23,7 @@ from dsocr_workers.model.checkpoint import save_preset
 from dsocr_workers.model.config import EOS_TOKEN_ID
 from dsocr_workers.model.decoder import CACHE_ARGUMENT
 from dsocr_workers.model.deepseek_ocr.config import PRESETS
+from tests.engine.test_clock import small_host_gap
 
 
 def page(width: int, height: int) -> Image.Image:
@@ -168,7 +169,9 @@ def test_a_page_prepared_ahead_runs_as_the_same_job(session):
     assert ahead.timings.page_wait_ms >= 200 and whole.timings.page_wait_ms < ahead.timings.page_wait_ms - 100
     for t in (ahead.timings, untimed.timings, whole.timings):
         assert sum(t.parts_ms.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
-        assert 0 <= t.host_gap_ms <= max(5.0, 0.05 * t.e2e_ms)
+        # Far below the 200-ms wait, which it would hold had the wait leaked in (how small the gap is
+        # otherwise, over a loaded machine's preemptions: tests/engine/test_clock.py `small_host_gap`).
+        assert 0 <= t.host_gap_ms < 100
         assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.ttft_from_device_start_ms)
     span = ahead.device_span
     assert span is not None and span.started_s < span.first_token_s < span.finished_s
@@ -410,9 +413,11 @@ def test_parts_add_up_to_end_to_end(session):
     assert all(parts[name] > 0 for name in ("preprocess", "setup", "prefill", "first_token", "decode",
                                             "readback", "postprocess"))
     assert sum(parts.values()) == pytest.approx(t.e2e_ms, abs=1e-6)
-    # The gap is host glue between stages on the CPU: small and never negative (a loaded machine may
-    # preempt the process between two stages, hence the slack).
-    assert 0 <= t.host_gap_ms <= max(5.0, 0.05 * t.e2e_ms)
+    # The gap is host glue between stages on the CPU: never negative, and small in one of a few jobs (a
+    # loaded machine may preempt the process between two stages of any one job).
+    assert t.host_gap_ms >= 0
+    again = lambda: session.run_inference(page(1000, 800), max_new_tokens=10, infer=DecodeOptions(ignore_eos=True)).timings  # noqa: E731
+    assert small_host_gap(t, again)
     assert t.ttft_ms == pytest.approx(t.preprocess_ms + t.setup_ms + t.prefill_ms + t.first_token_ms, rel=0.02)
     assert result.wasted_steps == 0 and t.wasted_decode_ms == 0
     assert result.memory is None  # allocator statistics are CUDA's
