@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -112,13 +113,14 @@ def compiled_by_region(compiles: list[RegionCompile]) -> dict[str, tuple[int, fl
 @dataclass
 class TorchCompiler:
     """torch.compile with `backend`, each region compiled at its first call: nothing of dynamo is set up
-    until a region runs. `compiles`: each call that compiled new graphs, in order (dynamo recompiles a
-    region for a new shape at any call)."""
+    until a region runs."""
 
     backend: str
     decode_needs_graph: bool = False
     capturable: bool = True
-    compiles: list[RegionCompile] = field(default_factory=list)
+    # Where the calls that compile new graphs are recorded while `recording`: None outside it, so that
+    # a job's calls (a decode step per token) do no bookkeeping.
+    _compiles: list[RegionCompile] | None = field(default=None, init=False, repr=False)
 
     def region(self, name: str, function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
         compiled: Callable[..., Any] | None = None
@@ -128,13 +130,25 @@ class TorchCompiler:
             if compiled is None:
                 configure_dynamo()
                 compiled = torch.compile(function, backend=self.backend, **options)
+            if self._compiles is None:
+                return compiled(*args)
             before, began = dynamo_graphs(), time.perf_counter()
             out = compiled(*args)
-            if graphs := dynamo_graphs() - before:
-                self.compiles.append(RegionCompile(name, graphs, time.perf_counter() - began))
+            if graphs := dynamo_graphs() - before:  # dynamo recompiles a region for a new shape at any call
+                self._compiles.append(RegionCompile(name, graphs, time.perf_counter() - began))
             return out
 
         return call
+
+    @contextmanager
+    def recording(self) -> Iterator[list[RegionCompile]]:
+        """The calls that compile new graphs meanwhile, in order, in the list it yields."""
+        compiles: list[RegionCompile] = []
+        self._compiles = compiles
+        try:
+            yield compiles
+        finally:
+            self._compiles = None
 
     def mark_dynamic(self, tensor: torch.Tensor, dim: int) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)

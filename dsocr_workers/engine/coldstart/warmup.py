@@ -168,8 +168,6 @@ def warm(
             log.exception("the prebuilt artifacts %s do not load", found.path)
             found = replace(found, manifest=None, reason=f"artifacts unusable ({type(exc).__name__}: {exc})")
         phases["load packages"] = (time.perf_counter() - began) * 1e3
-    dynamo = dynamo_compiler(session)
-    compiles_before = len(dynamo.compiles) if dynamo is not None else 0
     if plan is not None and found is not None:
         say = log.info if found.manifest is not None else log.warning
         say("warm-up of %s: %s", artifacts.describe(plan), found.summary)
@@ -184,6 +182,8 @@ def warm(
         if plan is not None and regions is None:  # dynamo compiles: one process of the host at a time
             compiling.enter_context(artifacts.host_lock(plan, session.loaded.config, shared_wait=True))
             phase_ends("wait for the host's compile")
+        dynamo = dynamo_compiler(session)
+        compiles = compiling.enter_context(dynamo.recording()) if dynamo is not None else []
         # Pass 1 runs each page as soon as it is prepared, on a thread beside it: the host's preprocessing
         # of the next page overlaps this page's first calls. The later passes take the same pages.
         preparing = ThreadPoolExecutor(1, thread_name_prefix="dsocr-warm-pages")
@@ -225,7 +225,7 @@ def warm(
         tuple(regions.missed) if regions else (),
         phases,
         graphs.captured - graphs_before if graphs is not None else 0,
-        compiled_by_region(dynamo.compiles[compiles_before:]) if dynamo is not None else {},
+        compiled_by_region(compiles),
     )
     log.info("%s", report.describe())
     return report
