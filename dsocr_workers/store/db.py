@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,8 +63,6 @@ class Database:
             with self.sessions.begin() as tx:
                 yield tx
         except OperationalError as exc:
-            if _interrupted(exc):  # Ctrl-C in a wait for SQLite's lock: reported as the lock, still Ctrl-C
-                raise KeyboardInterrupt from exc
             raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
@@ -73,21 +71,6 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
-
-
-def _interrupted(exc: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is in `exc`'s chain (its driver's error raised while handling one)."""
-    pending: list[object] = [exc]
-    seen: set[int] = set()
-    while pending:
-        link = pending.pop()
-        if not isinstance(link, BaseException) or id(link) in seen:
-            continue
-        if isinstance(link, KeyboardInterrupt):
-            return True
-        seen.add(id(link))
-        pending += [getattr(link, "orig", None), link.__context__, link.__cause__]
-    return False
 
 
 # `dsocr run` makes the embedded default's ledger itself; a server's is made by `dsocr db upgrade` only.
@@ -191,6 +174,13 @@ def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> None:
+        # Ctrl-C mid-statement: SQLAlchemy closes the connection but not the statement's cursor, and SQLite
+        # keeps a closed connection's write lock while a statement of it is open (its traceback holds it).
+        if not isinstance(context.original_exception, Exception) and context.execution_context is not None:
+            context.execution_context.cursor.close()
 
 
 # --- schema (Alembic) ---------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import event, select, text
 
 from dsocr_workers.cli import main
-from dsocr_workers.errors import TransientError
 from dsocr_workers.store.db import SchemaError, open_database, open_ledger
+from dsocr_workers.store.models import Run
 
 COMMANDS = {
     "report": ["report", "--run", "latest"],
@@ -91,26 +91,32 @@ def test_runs_reads_an_existing_ledger(sqlite_url):
     assert code == 0 and "no dsocr database" not in output, output
 
 
-def test_ctrl_c_that_the_driver_reports_as_the_lock_stays_ctrl_c(sqlite_url):
-    """pysqlite may raise "database is locked" while a KeyboardInterrupt is being handled (Ctrl-C in a wait
-    for SQLite's lock): that is Ctrl-C, not an outage to retry; a lock alone is an outage."""
+def test_ctrl_c_mid_statement_leaves_no_lock_behind(sqlite_url):
+    """Ctrl-C inside a statement of a write transaction: SQLAlchemy drops that connection, and while the
+    KeyboardInterrupt is still being handled (its traceback holds the statement's cursor) another
+    connection takes SQLite's write lock at once, as `dsocr run` marks its run interrupted."""
     db = open_database(sqlite_url)
+    interrupting = False
 
-    def locked(during_ctrl_c: bool) -> sqlite3.OperationalError:
-        try:
-            if during_ctrl_c:
-                raise KeyboardInterrupt
-            raise sqlite3.OperationalError("database is locked")
-        except BaseException:
-            try:
-                raise sqlite3.OperationalError("database is locked")
-            except sqlite3.OperationalError as error:
-                return error
+    @event.listens_for(db.engine, "after_cursor_execute")
+    def ctrl_c(*_: object) -> None:
+        if interrupting:
+            raise KeyboardInterrupt
 
     try:
-        with pytest.raises(KeyboardInterrupt), db.transaction():
-            raise OperationalError("SELECT 1", {}, locked(during_ctrl_c=True))
-        with pytest.raises(TransientError, match="database is locked"), db.transaction():
-            raise OperationalError("SELECT 1", {}, locked(during_ctrl_c=False))
+        with pytest.raises(KeyboardInterrupt) as interrupt, db.transaction() as tx:
+            tx.execute(text("CREATE TABLE written (x)"))  # the transaction has written
+            interrupting = True
+            tx.execute(text("SELECT 1 UNION ALL SELECT 2"))  # a row still to read: the statement open
+        interrupting = False
+        assert interrupt.traceback  # still alive, as in an `except KeyboardInterrupt:` block
+        other = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=1, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # "database is locked" after 1 s while the lock is held
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        with db.transaction() as tx:  # the engine goes on with a new connection
+            assert tx.execute(select(Run.id)).all() == []
     finally:
         db.dispose()
