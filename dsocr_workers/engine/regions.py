@@ -14,11 +14,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -37,12 +38,20 @@ def _sam_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return layer(hidden)
 
 
+def views_attention() -> AbstractContextManager[None]:
+    """The view encoders' attention kernels: flash, memory-efficient or math, never cuDNN's, whose plans
+    for each new shape make a page's first calls slow and whose steady kernels are no faster here."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _view_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return layer(hidden)
+    with views_attention():
+        return layer(hidden)
 
 
 def _view_block_views(layer: Any, groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    return layer.forward_views(groups)
+    with views_attention():
+        return layer.forward_views(groups)
 
 
 def _lm_layer(
@@ -198,7 +207,8 @@ class RegionalVision:
         views, two groups (the global view and the tiles) run each layer together."""
         blocks = self._blocks
         if blocks is None:
-            return [self.model.encode_views(group) for group in features]
+            with views_attention():
+                return [self.model.encode_views(group) for group in features]
         hidden = [blocks.enter(group) for group in features]
         for layer in blocks.layers:
             if len(hidden) > 1 and blocks.packs_views:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import torch
 from dsocr_workers.engine.batched.slots import SlotRows
 from dsocr_workers.engine.coldstart.plan import CompilePlan
 from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
-from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler
+from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler, views_attention
 from dsocr_workers.engine.sampling import step_key
 from dsocr_workers.model.config import dtype_name
 
@@ -90,6 +90,11 @@ class _Region(ABC):
     @abstractmethod
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]: ...
 
+    def attention(self) -> AbstractContextManager[None]:
+        """The attention kernels its export may choose (the region's own choice is made again when the
+        exported graph is decomposed, outside the region's function)."""
+        return nullcontext()
+
     @staticmethod
     def flatten(out: Any) -> tuple[Tensor, ...]:
         return (out,)
@@ -132,6 +137,9 @@ class _Block(_Region):
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
         return [{0: _tile_dim(limits)} if _tiles(args[1].shape[0], dynamic_tiles) == "tiles" else None]
 
+    def attention(self) -> AbstractContextManager[None]:
+        return nullcontext() if self.name == "sam_block" else views_attention()
+
 
 class _ViewGroups(_Region):
     """A view encoder's block over a page's view groups at once: `function(layer, groups)`."""
@@ -151,6 +159,9 @@ class _ViewGroups(_Region):
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
         tiles = _tile_dim(limits)
         return [{0: tiles} if _tiles(group.shape[0], dynamic_tiles) == "tiles" else None for group in args[1]]
+
+    def attention(self) -> AbstractContextManager[None]:
+        return views_attention()
 
     @staticmethod
     def flatten(out: Any) -> tuple[Tensor, ...]:
@@ -378,7 +389,7 @@ def build_package(call: RecordedCall, limits: Limits, dynamic_tiles: bool, path:
     """Export the recorded call and compile it into the package `path`, which appears whole or not at
     all (a build cut short leaves no package another build would take for done)."""
     named = weights_of(call.name, call.args)
-    with torch.no_grad():
+    with torch.no_grad(), REGIONS[call.name].attention():
         weights = [tensor.clone() for _, tensor in named]  # plain tensors (a preset's are inference tensors)
         state = [tensor.clone() for tensor in call.state]
         dynamic = REGIONS[call.name].dynamic(call.args, limits, dynamic_tiles) + [None] * len(weights)
