@@ -100,6 +100,36 @@ def dynamo_graphs() -> int:
     return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
 
 
+# dynamo's and inductor's own timers that divide a compilation: dynamo's whole, its backend's (AOT
+# autograd and inductor), inductor's, its code generation, loading the generated modules, and the wait
+# for the kernels compiled in its pool of processes.
+COMPILE_TIMERS = (
+    "_compile.compile_inner",
+    "OutputGraph.call_user_compiler",
+    "fx_codegen_and_compile",
+    "GraphLowering.codegen",
+    "PyCodeCache.load_by_key_path",
+    "async_compile.wait",
+)
+
+
+def compile_timers() -> dict[str, float]:
+    """`COMPILE_TIMERS`' seconds so far in this process (dynamo's `compile_times`): {} where dynamo was
+    never imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {}
+    names, seconds = utils.compile_times(repr="csv", aggregate=True)
+    totals = dict(zip(names, seconds, strict=True))
+    return {name: float(totals[name]) for name in COMPILE_TIMERS if name in totals}
+
+
+def timers_since(before: dict[str, float]) -> dict[str, float]:
+    """`compile_timers()` less `before`, the timers that moved only."""
+    return {name: seconds - before.get(name, 0.0) for name, seconds in compile_timers().items()
+            if seconds > before.get(name, 0.0)}
+
+
 @dataclass(frozen=True)
 class RegionCompile:
     """A region's call that compiled new graphs: how many, and the call's host time (the compilation,

@@ -311,8 +311,13 @@ def test_a_warm_up_that_compiles_names_what_dynamo_compiled_and_its_time(session
     assert graphs == dynamo_graphs() - before >= 1 and seconds > 0
     assert f"compiled by dynamo: decode_step {graphs} graph" in report.describe()
     assert "compiled by dynamo: decode_step" in caplog.text
+    # dynamo's own timers divide that time: all of its compilation, of which its backend's.
+    timers = report.compile_timers
+    assert 0 < timers["OutputGraph.call_user_compiler"] < timers["_compile.compile_inner"] <= seconds
+    assert f"(its timers: _compile.compile_inner {timers['_compile.compile_inner']:.1f} s" in report.describe()
     # A second warm-up compiles nothing and says nothing of it.
-    assert warm(fast, ["tiny"], max_new_tokens=8, infer=jobs).compiled == {}
+    again = warm(fast, ["tiny"], max_new_tokens=8, infer=jobs)
+    assert (again.compiled, again.compile_timers) == ({}, {}) and "its timers" not in again.describe()
 
 
 def test_fast_vision_compiles_once_for_every_crop_grid_on_cpu(session):

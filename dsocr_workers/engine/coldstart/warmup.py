@@ -32,7 +32,13 @@ from dsocr_workers.engine.coldstart import artifacts
 from dsocr_workers.engine.coldstart.aoti import PackagedRegions
 from dsocr_workers.engine.coldstart.passes import capture_prefills, warm_options, warm_pass, warmup_pages
 from dsocr_workers.engine.coldstart.plan import CompilePlan, compile_plan
-from dsocr_workers.engine.regions import TorchCompiler, compiled_by_region, dynamo_graphs
+from dsocr_workers.engine.regions import (
+    TorchCompiler,
+    compile_timers,
+    compiled_by_region,
+    dynamo_graphs,
+    timers_since,
+)
 from dsocr_workers.engine.result import DecodeOptions
 from dsocr_workers.engine.session import DeepSeekOCRSession
 from dsocr_workers.model.preprocess import PreparedPage
@@ -73,6 +79,8 @@ class WarmupReport:
     # What dynamo compiled in the warm-up, per region (regions.py `compiled_by_region`): its graphs and
     # the compiling calls' seconds. Empty from packages.
     compiled: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Where those seconds went by dynamo's and inductor's own timers (regions.py `COMPILE_TIMERS`).
+    compile_timers: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         """Its time and phases in words, for the log and the worker session's record."""
@@ -83,7 +91,9 @@ class WarmupReport:
             for region, (graphs, seconds) in self.compiled.items()
         )
         compiled = f"; compiled by dynamo: {compiled}" if compiled else ""
-        return f"warm-up {self.ms / 1e3:.2f} s ({phases}){captured}{compiled}"
+        timers = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.compile_timers.items())
+        timers = f" (its timers: {timers})" if compiled and timers else ""
+        return f"warm-up {self.ms / 1e3:.2f} s ({phases}){captured}{compiled}{timers}"
 
 
 def dynamo_compiler(session: DeepSeekOCRSession) -> TorchCompiler | None:
@@ -184,6 +194,7 @@ def warm(
             phase_ends("wait for the host's compile")
         dynamo = dynamo_compiler(session)
         compiles = compiling.enter_context(dynamo.recording()) if dynamo is not None else []
+        timers_before = compile_timers()
         # Pass 1 runs each page as soon as it is prepared, on a thread beside it: the host's preprocessing
         # of the next page overlaps this page's first calls. The later passes take the same pages.
         preparing = ThreadPoolExecutor(1, thread_name_prefix="dsocr-warm-pages")
@@ -226,6 +237,7 @@ def warm(
         phases,
         graphs.captured - graphs_before if graphs is not None else 0,
         compiled_by_region(compiles),
+        timers_since(timers_before) if compiles else {},
     )
     log.info("%s", report.describe())
     return report
