@@ -6,8 +6,6 @@ Variants of the fast engine, `full` preset (RANDOM weights) in bf16, the anchors
   grouped  transformers' grouped_mm experts, q/k/v and gate/up as separate GEMMs (the engine before)
   fused    + q/k/v and gate/up each read as one matrix (model/fused.py)
   fast     + Triton GEMVs over the selected experts (model/selected_experts.py): `engine="fast"` as shipped
-  fast_model_forward  `fast` compiling the language model's own forward for its step (every layer traced;
-           generate.decode_one_token) instead of its fused layers as nested compile regions
   fast_math  an experiment: `fast` with its decode step compiled under SDPA's math backend (inductor
            then writes decode attention itself, instead of a cuDNN flash kernel that runs one block per
            head at one query)
@@ -16,8 +14,7 @@ Every variant picks tokens with the same two-stage argmax (engine/sampling.py `f
 Sections, each written to --out as soon as it ends (decode-<UTC date>.json/.md):
   1. kernel sweep: the selected-experts kernels alone at batch 1 for a few block sizes (µs per call,
      CUDA events over 200 calls after 20 warm-up calls).
-  2. rounds: after warm-up (compilation, graph capture; reported apart, with what dynamo compiled per
-     region and its timers), rounds of one job per variant in
+  2. rounds: after warm-up (compilation, graph capture; reported apart), rounds of one job per variant in
      shuffled order until the time budget. Per job the median of its decode steps (CUDA events); per
      variant the median over jobs with a 95% bootstrap interval (scipy.stats.bootstrap); the ratio of
      each variant to `grouped` from the per-round ratios, with its interval.
@@ -43,7 +40,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -58,12 +54,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks import bench_engine  # noqa: E402
 from benchmarks.bench_engine import environment, sync, synthetic_page  # noqa: E402
 from dsocr_workers.engine.generate import decode_one_token  # noqa: E402
-from dsocr_workers.engine.regions import (  # noqa: E402
-    TorchCompiler,
-    compile_timers,
-    compiled_by_region,
-    timers_since,
-)
 from dsocr_workers.engine.result import DecodeOptions, ModelSource  # noqa: E402
 from dsocr_workers.engine.session import DeepSeekOCRSession  # noqa: E402
 from dsocr_workers.engine.variants.fast import FastEngine  # noqa: E402
@@ -72,7 +62,7 @@ from dsocr_workers.model.checkpoint import build_preset  # noqa: E402
 from dsocr_workers.model.fused import fuse_projections  # noqa: E402
 from dsocr_workers.report.stats import Estimate, Summary  # noqa: E402
 
-VARIANTS = ("grouped", "fused", "fast", "fast_model_forward", "fast_math")
+VARIANTS = ("grouped", "fused", "fast", "fast_math")
 TARGET_MS_PER_TOKEN = 1.0
 SEED = 20261123
 _T0 = time.perf_counter()
@@ -94,25 +84,16 @@ class MathAttentionEngine(FastEngine):
         return math_attention_step
 
 
-class ModelForwardEngine(FastEngine):
-    """fast_model_forward, and the engine of `grouped` and `fused`: the fast engine compiling the language
-    model's own forward as its decode step (which needs no fused attention)."""
-
-    def decode_function(self) -> Callable[..., torch.Tensor]:
-        return decode_one_token
-
-
 def build_variant(name: str, model: str, device: str) -> DeepSeekOCRSession:
     if name.startswith("fast"):
-        engines = {"fast_math": MathAttentionEngine, "fast_model_forward": ModelForwardEngine}
-        engine = engines.get(name, FastEngine)()
+        engine = MathAttentionEngine() if name == "fast_math" else FastEngine()
         return DeepSeekOCRSession.from_local(model, device=device, dtype=torch.bfloat16, engine=engine)
     loaded = build_preset(model, seed=0, device=torch.device(device), dtype=torch.bfloat16,
                           attn_implementation="sdpa", experts_implementation="grouped_mm")  # fmt: skip
     if name == "fused":
         fuse_projections(loaded.model.language_model)
     source = ModelSource("preset", model, random_weights=True, seed=0, fingerprint=loaded.fingerprint)
-    return DeepSeekOCRSession(loaded, source, torch.device(device), torch.bfloat16, ModelForwardEngine())
+    return DeepSeekOCRSession(loaded, source, torch.device(device), torch.bfloat16, FastEngine())
 
 
 def decode_ms_per_token(result: Any) -> float:
@@ -306,18 +287,6 @@ def markdown(report: dict[str, Any]) -> str:
         f"Command: `{report['command']}`",
         "",
     ]
-    if compiled := report.get("compiled"):
-        lines += ["**What each variant's warm-up compiled** (dynamo, by region: graphs, its calls' s; then dynamo's "
-                  "whole compilation and its backend's, s). A variant compiles what an earlier one in the "
-                  "process compiled already only where its code differs.", "",
-                  "| variant | warm-up s | by region | dynamo s | backend s |", "|---|---:|---|---:|---:|"]  # fmt: skip
-        for name, entry in compiled.items():
-            regions = ", ".join(f"{r} {g} graph(s) {sec:.1f} s" for r, (g, sec) in entry["by_region"].items()) or "–"
-            timers = entry["timers"]
-            lines.append(f"| {name} | {report['warmup_s'].get(name, 0):.1f} | {regions} | "
-                         f"{timers.get('_compile.compile_inner', 0):.1f} | "
-                         f"{timers.get('OutputGraph.call_user_compiler', 0):.1f} |")  # fmt: skip
-        lines.append("")
     rounds = report.get("rounds", {})
     if "variants" in rounds:
         lines += [
@@ -420,13 +389,8 @@ def main() -> int:
             began = time.perf_counter()
             try:
                 session = build_variant(name, args.model, args.device)
-                timers, compiler = compile_timers(), session.runners.compiler
-                with compiler.recording() if isinstance(compiler, TorchCompiler) else nullcontext([]) as compiles:
-                    for _ in range(2):
-                        timed_job(session, page, args.tokens)
-                report.setdefault("compiled", {})[name] = {
-                    "by_region": compiled_by_region(compiles), "timers": timers_since(timers)
-                }
+                for _ in range(2):
+                    timed_job(session, page, args.tokens)
             except Exception as exc:
                 traceback.print_exc()
                 report.setdefault("variant_errors", {})[name] = f"{type(exc).__name__}: {exc}"

@@ -21,7 +21,6 @@ from dsocr_workers.engine.sampling import NGramBan, select_token
 from dsocr_workers.engine.stopping import REPETITION_WINDOW, ends_in_loop, loop_check_due
 from dsocr_workers.model.config import EOS_TOKEN_ID
 from dsocr_workers.model.decoder import CACHE_ARGUMENT
-from dsocr_workers.model.fused import decode_layer
 from dsocr_workers.model.interface import OCRModel
 
 MIN_CACHE_BUCKET = 1024
@@ -39,6 +38,16 @@ def cache_bucket(needed: int, max_positions: int) -> int:
     while bucket < needed:
         bucket *= 2
     return min(bucket, max_positions)
+
+
+class _BucketLayer(StaticLayer):
+    """transformers' static cache layer, telling the attention mask its length as the size of its
+    tensors rather than as the Python int it was built with: a compiled step would take that int as a
+    constant, the same in every bucket, and compile again for the next one."""
+
+    def get_mask_sizes(self, *args: object, **kwargs: object) -> tuple[int, int]:
+        assert self.keys is not None, "allocated by early_initialization"
+        return self.keys.shape[2], 0
 
 
 @dataclass
@@ -77,10 +86,11 @@ class DecodeBuffers:
         # One compiled decode step for every bucket: the capacity is a symbol from the first compilation,
         # not a constant that the second bucket would compile again.
         torch._dynamo.maybe_mark_dynamic(tokens, 0)
-        layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # full attention, every one
-        for layer in layers:
-            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        for layer in cache.layers:
+            if type(layer) is StaticLayer:  # every layer of this model: full attention
+                layer.__class__ = _BucketLayer
+                torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+                torch._dynamo.maybe_mark_dynamic(layer.values, 2)
         length = torch.zeros((), dtype=torch.int64, device=device)
         prompt_length = torch.zeros((), dtype=torch.int64, device=device)
         if device.type == "cuda":
@@ -248,30 +258,3 @@ def decode_one_token(
         inputs_embeds=model.embed(token), position_ids=position, use_cache=True, **{CACHE_ARGUMENT: cache}
     ).last_hidden_state
     return choose_token(model.logits(hidden[:, -1]), ban, options)
-
-
-# dynamo traces a layer once per kind (dense, MoE) and stamps the trace out for the others: compiling the
-# one-graph step then grows with the kinds of layer rather than their count.
-_decode_layer = torch.compiler.nested_compile_region(decode_layer)
-
-
-def fused_decode_one_token(
-    model: OCRModel, cache: StaticCache, ban: NGramBan, options: DecodeOptions
-) -> torch.Tensor:
-    """`decode_one_token` over the fast engine's fused layers (model/fused.py `decode_layer`), each a
-    nested compile region, with the mask over the cache's visible slots made here."""
-    position = (ban.length - 1).view(1, 1)
-    token = ban.tokens[position.view(1)].view(1, 1)
-    language_model = model.language_model
-    hidden = model.embed(token)
-    cos, sin = language_model.rotary_emb(hidden, position)
-    layers: list[StaticLayer] = cache.layers  # type: ignore[assignment]  # as DecodeBuffers allocates
-    keys = layers[0].keys
-    assert keys is not None, "allocated by early_initialization"
-    capacity = keys.shape[2]
-    visible = (torch.arange(capacity, device=hidden.device) <= position.view(1)).view(1, 1, 1, capacity)
-    for layer, cache_layer in zip(language_model.layers, layers, strict=True):
-        hidden = _decode_layer(
-            layer, hidden, cos, sin, cache_layer.keys, cache_layer.values, cache_layer.cumulative_length, visible
-        )
-    return choose_token(model.logits(language_model.norm(hidden[:, -1])), ban, options)

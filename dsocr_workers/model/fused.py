@@ -115,40 +115,6 @@ class FusedQKVAttention(nn.Module):
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
-def decode_layer(
-    layer: Any,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    filled: torch.Tensor,
-    visible: torch.Tensor,
-) -> torch.Tensor:
-    """A fused decoder layer at one decode position: transformers' decoder layer with its attention written
-    out over the layer's own cache tensors (`keys`, `values` [1, heads, capacity, head_dim], `filled` its
-    0-d fill count), so that its inputs are tensors and modules only. The position's key and value go to
-    slot `filled`, which advances, as `StaticLayer.update` does; the query attends over the `visible` slots
-    ([1, 1, 1, capacity] bool), as the model's causal mask over a static cache does."""
-    attention: FusedQKVAttention = layer.self_attn
-    residual = hidden
-    query, key, value = (
-        part.view(1, 1, -1, attention.head_dim).transpose(1, 2)
-        for part in attention.qkv_proj(layer.input_layernorm(hidden)).split(attention.split, dim=-1)
-    )
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    slot = filled.view(1)
-    keys.index_copy_(2, slot, key)
-    values.index_copy_(2, slot, value)
-    filled.add_(1)
-    output = nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=visible, scale=attention.scaling,
-        enable_gqa=attention.num_key_value_groups > 1,
-    )
-    hidden = residual + attention.o_proj(output.transpose(1, 2).reshape(1, 1, -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
 class FusedGateUpMLP(nn.Module):
     """transformers' DeepseekOcr2TextMLP (dense layer, shared experts) with gate and up as one matrix."""
 

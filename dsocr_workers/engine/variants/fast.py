@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsocr_workers.engine.generate import fused_decode_one_token, prefill
+from dsocr_workers.engine.generate import decode_one_token, prefill
 from dsocr_workers.engine.regions import (
     Compiler,
     GraphedDecode,
@@ -79,9 +79,8 @@ class FastEngine(Engine):
         block, dynamic in the tile count, and on CUDA replayed as a CUDA graph per page shape. The
         projector (a concatenation and one linear layer) stays eager: compiled, it ran slower. LM
         prefill: compiled layer by layer, one graph per kind of layer, dynamic in the prompt length.
-        Decode: one graph for every cache bucket (fullgraph: a break would be a host round trip per
-        token), its layers traced once per kind of layer (`generate.fused_decode_one_token`), replayed as
-        a CUDA graph. `compiler`: what makes those regions, dynamo by default; AOTInductor
+        Decode: one graph per cache bucket (fullgraph: a break would be a host round trip per token),
+        replayed as a CUDA graph. `compiler`: what makes those regions, dynamo by default; AOTInductor
         packages built ahead (engine/coldstart/aoti.py)."""
         settings, backend = self.compile, self.compile_backend()
         compiler = compiler or TorchCompiler(backend)
@@ -108,7 +107,7 @@ class FastEngine(Engine):
     def decode_function(self) -> Callable[..., torch.Tensor]:
         """The decode step it compiles (engine/generate.py); a subclass may compile another of its
         signature."""
-        return fused_decode_one_token
+        return decode_one_token
 
     def compiled(self) -> InductorGraphs | None:
         backend = self.compile_backend()
