@@ -173,8 +173,8 @@ def warmup_parts(text: str, warmup_s: float) -> dict[str, float]:
 
 def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int) -> dict[str, Any]:
     """The start's total (launch → its last child's `ready_at`) and that child's parts: the worker
-    command's CLI and ledger check (launch → the parent's imports), imports, Celery and the fork, load,
-    the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's sessions in the order they
+    command's CLI (launch → the parent's imports), imports (the ledger check beside them), Celery and the
+    fork, load, the warm-up's parts (`warmup_parts`), adding up to it. `rows`: the worker's sessions in the order they
     began, its children's start-ups first (a session a first job began after them is no part of the
     start)."""
     ready = [row for row in rows[:children] if row["ready_at"]]
@@ -188,7 +188,7 @@ def start_parts(marks: dict[str, Any], rows: list[dict[str, Any]], children: int
     if imports is None:  # not inherited: the child imported for itself (its own figure)
         imports = (slowest["import_ms"] or 0) / 1e3
     load, warmup = (slowest["load_ms"] or 0) / 1e3, (slowest["warmup_ms"] or 0) / 1e3
-    parts = {**({"CLI and ledger check": before} if before else {}), "imports": imports,
+    parts = {**({"CLI": before} if before else {}), "imports": imports,
              "Celery and fork": opened - before - imports, "load": load,
              **warmup_parts(slowest["warmup"] or "", warmup)}  # fmt: skip
     parts["other"] = total - sum(parts.values())
@@ -253,7 +253,7 @@ def ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-PART_ORDER = ("CLI and ledger check", "imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
+PART_ORDER = ("CLI", "imports", "Celery and fork", "load", "wait for the host's compile", "artifacts",
               "pass 1", "later passes", "prefill graphs", "batched start", "rest of warm-up", "other")  # fmt: skip
 
 

@@ -6,6 +6,10 @@ starts with them done; a child takes them again only where they are missing (`im
 records what that cost in its first worker session (`import_ms`: 0 when it inherited them).
 
 Importing them initialises no CUDA: each child chooses its GPU after fork (farm/devices.py).
+
+Some packages transformers imports at module level wherever they are installed serve features no job
+uses (scikit-learn for assisted decoding's ROC curve, torchvision's and torchaudio's IO); where they are
+not imported yet they are left out of the process (`LEFT_OUT`), as if not installed.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsocr_workers.engine.variants import REGISTRY
@@ -44,6 +49,7 @@ LANE_IMPORTS = (
 )
 
 START_IMPORTS = (
+    "torch",  # first: the longest, and what a start refused while it imports still pays
     "dsocr_workers.farm.celery.tasks",
     *LANE_IMPORTS,
     "dsocr_workers.engine.session",
@@ -59,6 +65,11 @@ START_IMPORTS = (
 )
 
 
+# Packages left out of a worker's processes: with scipy and pandas under it, scikit-learn alone was over
+# 1 s of a start's imports on a host that has it (docs/benchmarks.md, "Start-up and cold start").
+LEFT_OUT = ("sklearn", "torchvision", "torchaudio")
+
+
 @dataclass(frozen=True)
 class Imported:
     """What `import_for_jobs` took: how many modules it added to this process, how long that took (0 and
@@ -69,10 +80,17 @@ class Imported:
     began_at: float
 
 
-def import_for_jobs() -> Imported:
-    """Import `START_IMPORTS` where this process has not yet."""
+def import_for_jobs(stop: Callable[[], bool] = lambda: False) -> Imported:
+    """Import `START_IMPORTS` where this process has not yet, leaving `LEFT_OUT` out; `stop()` is asked
+    before each (true: the rest are not imported)."""
+    for name in LEFT_OUT:
+        # None in sys.modules: an import of it fails and `importlib.util.find_spec` (which transformers'
+        # availability checks ask) finds nothing.
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     before, began, began_at = len(sys.modules), time.perf_counter(), time.time()
     for name in START_IMPORTS:
+        if stop():
+            break
         importlib.import_module(name)
     if (modules := len(sys.modules) - before) == 0:
         return Imported(0, 0.0, began_at)

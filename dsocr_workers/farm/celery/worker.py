@@ -2,7 +2,9 @@
 child. The parents never touch CUDA; each child opens its own device, ledger connection and model after
 fork, from the one `WorkerSpec` its lane inherits. Before it starts the lanes, this process imports what
 the children need (torch, transformers, the engine: farm/celery/preimport.py), so that every lane and
-child forks with those imports done and a child's start goes straight to its model.
+child forks with those imports done and a child's start goes straight to its model. The ledger check runs
+beside those imports, in a process forked before them (`LedgerCheck`): a refused start stops at the
+import after the refusal.
 
 A worker per device, rather than one parent with a child per device: a lane fetches one message beyond
 the one its child runs, and with one child that message is surely the child's next job, so the child
@@ -20,24 +22,26 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.sharedctypes import RawArray
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.platforms import set_pdeathsig
 
 from dsocr_workers.errors import InputError
 from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
-from dsocr_workers.farm.job.warm import Warmup, plan_warmup
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name
-from dsocr_workers.store.db import open_ledger
+
+if TYPE_CHECKING:  # the ledger's modules (SQLAlchemy, alembic) are imported by the check's process
+    from dsocr_workers.farm.job.warm import Warmup
 
 # How long a child may load and warm up before it reports itself up (Celery's default kills it after
 # seconds): the fast engine compiles every shape of a mode.
@@ -177,12 +181,65 @@ def check_ledger(
 ) -> Warmup | None:
     """Refuse to start against a database that is down or has an old schema; returns the children's
     start-up warm-up plan (farm/job/warm.py) for the runs open on `queues`. Leaves no connection open."""
+    from dsocr_workers.farm.job.warm import plan_warmup
+    from dsocr_workers.store.db import open_ledger
+
     db = open_ledger(settings.database_url)
     try:
         plan = plan_warmup(db, queues, warmup, fallback)
     finally:
         db.dispose()
     return plan
+
+
+@dataclass(frozen=True)
+class LedgerCheck:
+    """`check_ledger` in a process forked for it, so that its imports and its round trips to the database
+    run beside the parent's imports; its outcome comes back through a pipe."""
+
+    process: multiprocessing.process.BaseProcess
+    outcome: Connection
+
+    @classmethod
+    def start(cls, settings: Settings, queues: list[str], warmup: str, fallback: RunOptions) -> LedgerCheck:
+        context = multiprocessing.get_context("fork")
+        outcome, sender = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_check_and_send, args=(sender, settings, queues, warmup, fallback), name="dsocr-ledger-check"
+        )
+        process.start()
+        sender.close()
+        return cls(process, outcome)
+
+    def refused(self) -> bool:
+        """Whether the check has ended and refused (or died)."""
+        return not self.process.is_alive() and self.process.exitcode != 0
+
+    def result(self) -> Warmup | None:
+        """The plan, once the check is done; raises what refused it."""
+        try:
+            passed, value = self.outcome.recv()
+        except EOFError:  # the process died before it could say
+            passed, value = False, RuntimeError(f"the ledger check died (exit status {self.process.exitcode})")
+        finally:
+            self.outcome.close()
+            self.process.join()
+        if not passed:
+            raise value
+        return value
+
+
+def _check_and_send(
+    sender: Connection, settings: Settings, queues: list[str], warmup: str, fallback: RunOptions
+) -> None:
+    try:
+        sender.send((True, check_ledger(settings, queues, warmup, fallback)))
+    except Exception as exc:
+        try:
+            sender.send((False, exc))
+        except Exception:  # an exception that does not pickle: its message
+            sender.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+        sys.exit(1)
 
 
 def start_worker(
@@ -201,8 +258,9 @@ def start_worker(
     (their token budget, ban and concurrency: above 1, their batched engine started too). `events`:
     visible in Flower."""
     queue_names = [check_queue_name(queue) for queue in queues] or [settings.queue]
-    plan = check_ledger(settings, queue_names, warmup, fallback)
-    imported = import_for_jobs()  # after the checks: a refused start pays no import
+    check = LedgerCheck.start(settings, queue_names, warmup, fallback)
+    imported = import_for_jobs(stop=check.refused)
+    plan = check.result()
     # Frozen, the imported objects are never scanned by a lane's collections nor copied by them into
     # the lane's or the child's own pages (gc.freeze's documented use before fork).
     gc.freeze()
