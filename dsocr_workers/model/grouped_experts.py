@@ -69,6 +69,15 @@ def blocks_for(pairs: int, num_experts: int) -> KernelBlocks:
     return GROUPED_BLOCKS[-1]
 
 
+def tokens_for(blocks: KernelBlocks, top_k: int, num_experts: int) -> tuple[int, int | None]:
+    """The token counts whose pairs `blocks_for` gives `blocks`: [low, high], high None for the largest
+    blocks (no bound)."""
+    index = GROUPED_BLOCKS.index(blocks)
+    low = GROUPED_BLOCKS[index - 1].gate_up.m * num_experts // top_k + 1 if index else 1
+    high = blocks.gate_up.m * num_experts // top_k if index < len(GROUPED_BLOCKS) - 1 else None
+    return low, high
+
+
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, order_ptr, block_expert_ptr, block_start_ptr, block_end_ptr, out_ptr,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -351,3 +353,89 @@ def test_a_plan_names_its_family_and_a_deepseek_ocr_build_is_never_deepseek_ocr2
     assert bad.exit_code == 2 and "modes of DeepSeek-OCR-2 (ocr2-tiny): gundam, base, small" in bad.output
     eager = CliRunner().invoke(main, [*precompile, "gundam"], env=env)
     assert eager.exit_code == 0 and eager.stdout.strip() == "nothing to compile: -", eager.output
+
+
+def test_the_moe_prefill_layer_has_a_package_per_block_size_of_its_experts_kernels():
+    """A package fixes the grouped experts kernels' blocks as it is traced: the MoE layer's packages are
+    keyed by the blocks `blocks_for` gives the padded prompt, each exported over exactly the padded
+    lengths that choose them (the `full` preset's 64 experts, 6 a token); the dense layer has one."""
+    from dsocr_workers.engine.coldstart.aoti import Limits, _positions_dim, region_key
+    from dsocr_workers.engine.regions import PREFILL_BUCKET
+    from dsocr_workers.model.checkpoint import build_preset
+    from dsocr_workers.model.grouped_experts import GROUPED_BLOCKS, blocks_for, tokens_for
+
+    layers = build_preset("tiny", device="cpu", dtype=torch.float32).model.language_model.layers
+    dense, moe = layers[0], layers[1]
+
+    def key(layer: torch.nn.Module, padded: int) -> dict:
+        return json.loads(region_key("lm_layer", (layer, torch.zeros(1, padded, 4)), torch.float32, True))
+
+    text = moe.mlp.config
+    pairs = {padded: key(moe, padded).get("expert_block_pairs") for padded in range(64, 1025, 64)}
+    assert pairs == {p: blocks_for(p * text.num_experts_per_tok, text.n_routed_experts).gate_up.m for p in pairs}
+    assert len(set(pairs.values())) == 3  # the tiny preset: 32 pairs at 64 positions, 64 at 128, 128 past
+    assert {json.dumps(key(dense, padded)) for padded in (64, 1024)} == {json.dumps({"dtype": "float32", "kind": "DeepseekOcr2TextMLP", "region": "lm_layer"})}  # fmt: skip
+
+    limits = Limits(max_crops=9, max_positions=8192)
+    spans = []
+    for blocks in GROUPED_BLOCKS:
+        dim = _positions_dim(limits, tokens_for(blocks, top_k=6, num_experts=64))
+        span = range(dim.min, dim.max + 1, PREFILL_BUCKET)
+        assert {blocks_for(padded * 6, 64) for padded in span} == {blocks}
+        spans += span
+    assert spans == list(range(64, 8193, 64))  # every padded length in exactly one package
+    assert _positions_dim(Limits(9, 64), tokens_for(GROUPED_BLOCKS[0], 6, 64)) is None  # one length: static
+
+
+# A package's kernel launches name their constants (`'BLOCK_M': 32`) in its generated sources.
+BLOCK_M = re.compile(r"""['"]?BLOCK_M['"]?\s*[:=]\s*(\d+)""")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: AOTInductor packages of Triton kernels")
+def test_cuda_moe_prefill_packages_hold_the_blocks_their_lengths_choose(tmp_path):
+    """Prompts of three block sizes recorded (the tiny preset: 64, 128 and 192 padded positions take 32-,
+    64- and 128-pair blocks): a package each for the MoE layer, compiled with those blocks only, and from
+    the packages every length of each range prefills as the eager layers do, no length missed."""
+    from dsocr_workers.engine import generate
+    from dsocr_workers.engine.coldstart.aoti import (
+        Limits,
+        PackagedRegions,
+        Recorder,
+        build_package,
+        package_name,
+    )
+    from dsocr_workers.engine.regions import TorchCompiler
+    from dsocr_workers.engine.session import DeepSeekOCRSession
+
+    fast = DeepSeekOCRSession.from_local("tiny", device="cuda", dtype="float32", engine="fast")
+    model, hidden = fast.model, fast.model.config.text.hidden_size
+    recorder = Recorder()
+    fast.use_compiler(recorder)
+
+    def prompt(length: int) -> torch.Tensor:
+        return torch.randn(1, length, hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(length))
+
+    with torch.inference_mode():
+        for length in (53, 81, 150):
+            fast.runners.prefill(model, prompt(length), fast.buffers_for(1016).cache)
+    moe = {key: call for key, call in recorder.calls.items() if "expert_block_pairs" in key}
+    assert sorted(json.loads(key)["expert_block_pairs"] for key in moe) == [32, 64, 128]
+    paths = {}
+    for key, call in moe.items():
+        paths[key] = build_package(call, Limits(3, fast.max_positions), True, tmp_path / package_name(key))
+        with zipfile.ZipFile(paths[key]) as package:
+            sources = [package.read(name).decode(errors="replace") for name in package.namelist()
+                       if name.endswith((".cpp", ".py", ".json", ".h"))]  # fmt: skip
+        found = {int(m) for text in sources if "grouped_gate_up_kernel" in text for m in BLOCK_M.findall(text)}
+        assert found == {json.loads(key)["expert_block_pairs"]}, (key, found)
+    del recorder, moe
+    packaged = PackagedRegions.load(paths, torch.device("cuda", 0), TorchCompiler("aot_eager"))
+    fast.use_compiler(packaged)
+    with torch.inference_mode():
+        for length in (20, 64, 70, 128, 140, 192, 300):  # padded 64, 64, 128, 128, 192, 192, 320
+            embeds = prompt(length)
+            ours, reference = fast.buffers_for(1016), generate.DecodeBuffers.allocate(model, 1024, fast.device)
+            logits = fast.runners.prefill(model, embeds, ours.cache)
+            torch.testing.assert_close(logits, generate.prefill(model, embeds, reference.cache), rtol=1e-4, atol=1e-4)
+    # The dense layer ran through dynamo (no package built for it here); every MoE length had its package.
+    assert [json.loads(key)["kind"] for key in packaged.missed] == ["FusedGateUpMLP"], packaged.missed

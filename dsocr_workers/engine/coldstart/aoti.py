@@ -36,6 +36,7 @@ from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler, views_attention
 from dsocr_workers.engine.sampling import step_key
 from dsocr_workers.model.config import dtype_name
+from dsocr_workers.model.grouped_experts import KernelBlocks, blocks_for, tokens_for
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +173,16 @@ class _ViewGroups(_Region):
         return list(flat)
 
 
-def _positions_dim(limits: Limits) -> Any:
-    return PREFILL_BUCKET * torch.export.Dim(
-        "blocks", min=1, max=max(limits.max_positions // PREFILL_BUCKET, 2)
-    )
+def _positions_dim(limits: Limits, tokens: tuple[int, int | None] = (1, None)) -> Any:
+    """The padded prompt lengths (multiples of `PREFILL_BUCKET`) within `tokens`' [low, high] as a
+    dimension; None where a single length is in range (the dimension static)."""
+    low, high = tokens
+    most = limits.max_positions // PREFILL_BUCKET
+    first = -(-low // PREFILL_BUCKET)
+    last = max(most, 2) if high is None else min(most, high // PREFILL_BUCKET)  # a dimension spans two
+    if first >= last:
+        return None
+    return PREFILL_BUCKET * torch.export.Dim("blocks", min=first, max=last)
 
 
 def _capacity_dim(limits: Limits) -> Any:
@@ -184,13 +191,26 @@ def _capacity_dim(limits: Limits) -> Any:
     )
 
 
+def _expert_blocks(args: tuple) -> KernelBlocks | None:
+    """The blocks the MoE layer's grouped experts kernels take for the call's prompt (None: no routed
+    experts). The choice is made as the kernels are traced, so a package holds one."""
+    layer, hidden = args[0], args[1]
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        return None
+    return blocks_for(hidden.shape[1] * layer.mlp.config.num_experts_per_tok, experts.num_experts)
+
+
 class _LmLayer(_Region):
-    """An LM prefill layer: `function(layer, hidden, (cos, sin), cache_layer)`, writing the cache layer."""
+    """An LM prefill layer: `function(layer, hidden, (cos, sin), cache_layer)`, writing the cache layer. A
+    package per kind of layer, and for the MoE layer per block size of its grouped experts kernels, over
+    the prompt lengths that choose it."""
 
     name = "lm_layer"
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
-        return {"kind": type(args[0].mlp).__name__}
+        blocks = _expert_blocks(args)
+        return {"kind": type(args[0].mlp).__name__, **({"expert_block_pairs": blocks.gate_up.m} if blocks else {})}
 
     def state(self, args: tuple) -> list[Tensor]:
         _, hidden, (cos, sin), cache_layer = args
@@ -203,9 +223,17 @@ class _LmLayer(_Region):
             yield layer, state[0], (state[1], state[2]), cache_layer
 
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
-        positions, capacity = _positions_dim(limits), _capacity_dim(limits)
+        blocks = _expert_blocks(args)
+        layer = args[0]
+        tokens = (
+            tokens_for(blocks, layer.mlp.config.num_experts_per_tok, layer.mlp.experts.num_experts)
+            if blocks
+            else (1, None)
+        )
+        positions, capacity = _positions_dim(limits, tokens), _capacity_dim(limits)
         cache = [{2: capacity} if tensor.dim() >= 3 else None for tensor in self.state(args)[3:]]
-        return [{1: positions}, {1: positions}, {1: positions}, *cache]
+        prompt = {1: positions} if positions is not None else None
+        return [prompt, prompt, prompt, *cache]
 
 
 class _DecodeStep(_Region):
