@@ -15,6 +15,7 @@ model/grouped_experts.py against transformers' `grouped_mm` experts, which the f
 
     python benchmarks/probe_grouped_experts.py --tokens 960 > $OUT/grouped-experts.txt
     python benchmarks/probe_grouped_experts.py --tokens 128 --ms 16,32,64 --warps 4 > $OUT/grouped-experts-decode.txt
+    python benchmarks/probe_grouped_experts.py --tokens 640 --shipped  # 1. over the engine's blocks only
 
 CUDA events around a CUDA graph's replay, median of 30 after 5; microseconds per forward.
 """
@@ -38,8 +39,10 @@ from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E4
 from dsocr_workers.engine.regions import capture_graph  # noqa: E402
 from dsocr_workers.model.deepseek_ocr.config import PRESETS  # noqa: E402
 from dsocr_workers.model.grouped_experts import (  # noqa: E402
+    GROUPED_BLOCKS,
     GroupedBlocks,
     KernelBlocks,
+    blocks_for,
     expert_blocks,
     launch_grouped_experts,
 )
@@ -86,6 +89,9 @@ def main() -> int:
                         help="rows: prompt tokens (the 2x3 page pads to 960) or a decode step's pages")
     parser.add_argument("--ms", default="128", help="pairs per block to sweep, e.g. 16,32,64,128")
     parser.add_argument("--warps", default="8", help="warps per program to sweep, e.g. 4,8")
+    parser.add_argument("--shipped", action="store_true",
+                        help="section 1 over the engine's blocks (GROUPED_BLOCKS, whichever `blocks_for` picks "
+                             "at this pair count) in place of the sweep, and nothing else")
     args = parser.parse_args()
     ms, warps_list = [int(m) for m in args.ms.split(",")], [int(w) for w in args.warps.split(",")]
     text = PRESETS["full"].text
@@ -104,9 +110,15 @@ def main() -> int:
         print(f"grouped_mm (expert ids int16): {reference_us:.1f} us", flush=True)
         print("\n== 1. sweep: m, gate_up n, down n, k, warps, stages", flush=True)
         sweep = itertools.product(ms, (64, 128), (64, 128), (64, 128), warps_list, (2, 3, 4))
-        for m, gate_n, down_n, k, warps, stages in sweep:
-            name = f"{m} {gate_n} {down_n} {k} {warps} {stages}"
-            blocks = KernelBlocks(GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages))
+        configs = [
+            KernelBlocks(GroupedBlocks(m, gate_n, k, warps, stages), GroupedBlocks(m, down_n, k, warps, stages))
+            for m, gate_n, down_n, k, warps, stages in sweep
+        ]
+        chosen = blocks_for(args.tokens * top_k, experts)
+        for blocks in GROUPED_BLOCKS if args.shipped else configs:
+            gate, down_blocks = blocks.gate_up, blocks.down
+            name = f"{gate.m} {gate.n} {down_blocks.n} {gate.k} {gate.warps} {gate.stages}"
+            name += " (blocks_for's)" if blocks == chosen else ""
             try:
                 us, out, _ = graph_us(lambda: launch_grouped_experts(x, gate_up, down, index, weights, blocks))  # noqa: B023
             except Exception as exc:  # a configuration past the shared memory, say
@@ -114,6 +126,8 @@ def main() -> int:
                 continue
             error = (out.float() - reference.float()).abs().max().item()
             print(f"{name}: {us:.1f} us, max|diff| {error:.3g}", flush=True)
+        if args.shipped:
+            return 0
         print("\n== 2. the pairs' order by expert: a counting sort against argsort, compiled", flush=True)
         counted_order = torch.compile(lambda: expert_blocks(index, experts, ms[0])[0])
         sorted_order = torch.compile(lambda: argsort_order(index.reshape(-1)))
