@@ -402,6 +402,7 @@ def test_cuda_moe_prefill_packages_hold_the_blocks_their_lengths_choose(tmp_path
         PackagedRegions,
         Recorder,
         build_package,
+        check_packages_load,
         package_name,
     )
     from dsocr_workers.engine.regions import TorchCompiler
@@ -429,6 +430,9 @@ def test_cuda_moe_prefill_packages_hold_the_blocks_their_lengths_choose(tmp_path
         found = {int(m) for text in sources if "grouped_gate_up_kernel" in text for m in BLOCK_M.findall(text)}
         assert found == {json.loads(key)["expert_block_pairs"]}, (key, found)
     del recorder, moe
+    # Opened in a child first, as a build checks them: a wrapper built by a compiler whose packages do not
+    # load (CXX) crashes its loader.
+    assert check_packages_load(list(paths.values()), torch.device("cuda", 0)).not_loaded == ()
     packaged = PackagedRegions.load(paths, torch.device("cuda", 0), TorchCompiler("aot_eager"))
     fast.use_compiler(packaged)
     with torch.inference_mode():
