@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.platforms import set_pdeathsig
 
-from dsocr_workers.errors import InputError
+from dsocr_workers.errors import DsocrError, InputError
 from dsocr_workers.farm.celery.preimport import Imported, import_for_jobs
 from dsocr_workers.farm.run_options import RunOptions
 from dsocr_workers.settings import Settings, check_queue_name
@@ -221,6 +221,8 @@ class LedgerCheck:
             passed, value = self.outcome.recv()
         except EOFError:  # the process died before it could say
             passed, value = False, RuntimeError(f"the ledger check died (exit status {self.process.exitcode})")
+        except Exception as exc:  # an answer that does not unpickle here
+            passed, value = False, RuntimeError(f"the ledger check's answer could not be read: {exc!r}")
         finally:
             self.outcome.close()
             self.process.join()
@@ -235,6 +237,8 @@ def _check_and_send(
     try:
         sender.send((True, check_ledger(settings, queues, warmup, fallback)))
     except Exception as exc:
+        if not isinstance(exc, DsocrError):  # a fault, not a refusal: its traceback, which stays here
+            log.exception("the ledger check failed")
         try:
             sender.send((False, exc))
         except Exception:  # an exception that does not pickle: its message
