@@ -20,6 +20,14 @@ between CUDA events):
   once, before the timed calls on the main thread: what of a first use a helper thread leaves done for
   the thread that serves (PyTorch keeps cuDNN's attention graphs per thread; the libraries, the CUDA
   modules and any kernels cuDNN compiles are the process's). The threads' wall time is printed.
+- `cudnn-replayed`: PyTorch's choice; each shape's SAM first run once on a helper thread that records
+  the cuDNN attention calls it makes (their arguments' shapes, strides and dtypes), then those calls
+  made again on the main thread with empty tensors of the same layout, before the timed calls: whether
+  a shape's first cost can be paid ahead from a record alone, with no model code (as a worker's child
+  could, beside its imports). The replay's own time is printed.
+
+`--fast-modules`: the fast engine's vision modules (SAM's relative positions folded into its attention's
+query and key channels, model/sam_attention.py), uncompiled, in place of transformers' modules.
 
 A first call's cost is the host's (graph building, kernel loading), so each call is timed on the host
 clock after synchronising the device; a second call's is the device's, for the steady cost of each
@@ -44,7 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
-SETTINGS = ("cudnn", "no-cudnn", "no-cudnn-views-lm", "cudnn-preloaded", "cudnn-threaded")
+SETTINGS = ("cudnn", "no-cudnn", "no-cudnn-views-lm", "cudnn-preloaded", "cudnn-threaded", "cudnn-replayed")
 
 
 def preload_cudnn() -> tuple[int, float]:
@@ -79,7 +87,46 @@ def steady_ms(call, args, repeats: int = 50) -> float:  # type: ignore[no-untype
     return statistics.median(times)
 
 
-def measure(model: str, modes: list[str], setting: str, device: str, profile_shape: int = 0) -> dict:
+def recorded_attention(run) -> list[tuple]:  # type: ignore[no-untyped-def]
+    """`run()` on a thread of its own, recording its cuDNN attention calls: (op, tensors' (shape, stride,
+    dtype), the other arguments) each."""
+    import threading
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple] = []
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is cudnn:
+                calls.append((func, [(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                                     for a in args], dict(kwargs or {})))  # fmt: skip
+            return func(*args, **(kwargs or {}))
+
+    def recording() -> None:
+        with torch.inference_mode(), Record():
+            run()
+
+    thread = threading.Thread(target=recording)
+    thread.start()
+    thread.join()
+    return calls
+
+
+def replay_attention(calls: list[tuple], device: object) -> None:
+    """The recorded calls again on this thread, on empty tensors of their layouts."""
+    import torch
+
+    for func, args, kwargs in calls:
+        tensors = [torch.empty_strided(a[0], a[1], dtype=a[2], device=device) if isinstance(a, tuple) and len(a) == 3
+                   and isinstance(a[2], torch.dtype) else a for a in args]  # fmt: skip
+        func(*tensors, **kwargs)
+
+
+def measure(model: str, modes: list[str], setting: str, device: str, profile_shape: int = 0,
+            fast_modules: bool = False) -> dict:  # fmt: skip
     """The setting's rows (a shape's first and second calls), what a preload or the threads took, and the
     profiled first calls' table of the `profile_shape`th shape (from 1; 0: none)."""
     import contextlib
@@ -102,10 +149,17 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
 
     def views_and_lm():  # type: ignore[no-untyped-def]
         return sdpa_kernel(without_cudnn) if setting == "no-cudnn-views-lm" else contextlib.nullcontext()
-    session = DeepSeekOCRSession.from_local(model, device=device, engine=engine_class("eager")())
+    if fast_modules:
+        from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
+
+        engine = FastEngine(FastCompile(decode_only=True))
+    else:
+        engine = engine_class("eager")()
+    session = DeepSeekOCRSession.from_local(model, device=device, engine=engine)
     crops = session.max_crops()
     rows: list[dict[str, float | str]] = []
     threaded_ms: float | None = None
+    replayed: tuple[int, float] | None = None
     profiled = ""
 
     def timed(call, *args):  # type: ignore[no-untyped-def]
@@ -137,6 +191,17 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                 thread.join()
             session.synchronize()
             threaded_ms = (time.perf_counter() - began) * 1e3
+        if setting == "cudnn-replayed":
+            def run_pages() -> None:
+                for _, page in pages:
+                    session.encode_sam(session.upload(page), session.new_clock())
+
+            calls = recorded_attention(run_pages)
+            session.synchronize()
+            began = time.perf_counter()
+            replay_attention(calls, session.device)
+            session.synchronize()
+            replayed = (len(calls), (time.perf_counter() - began) * 1e3)
         for index, (name, page) in enumerate(pages, start=1):
             inputs = session.upload(page)
             row: dict[str, float | str] = {"shape": shape_name(name, page)}
@@ -160,7 +225,8 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                     row["views steady"] = steady_ms(session.encode_views, (inputs, sam, clock), repeats=20)
                     row["lm steady"] = steady_ms(causal, qkv)
             rows.append(row)
-    return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "profiled": profiled}
+    return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "replayed": replayed,
+            "profiled": profiled}
 
 
 def main() -> None:
@@ -172,23 +238,27 @@ def main() -> None:
                         help="the settings in the order run, each in a fresh process (one may repeat)")
     parser.add_argument("--setting", choices=SETTINGS, help="one process's measurement (internal)")
     parser.add_argument("--profile-shape", type=int, default=0, help="the shape (from 1) whose first calls are profiled")
+    parser.add_argument("--fast-modules", action="store_true",
+                        help="the fast engine's vision modules, uncompiled, in place of transformers'")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if args.setting:
-        print(json.dumps(measure(args.model, modes, args.setting, args.device, args.profile_shape)))
+        print(json.dumps(measure(args.model, modes, args.setting, args.device, args.profile_shape, args.fast_modules)))
         return
     import torch
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"# First calls of the vision encoders ({where}, torch {torch.__version__}, "
-          f"{args.model} preset (random weights), eager engine, modes {args.modes})\n")  # fmt: skip
+          f"{args.model} preset (random weights), {'the fast engine' if args.fast_modules else 'eager engine'}'s "
+          f"modules, modes {args.modes})\n")  # fmt: skip
     print(f"`python3 benchmarks/probe_first_calls.py {' '.join(sys.argv[1:])}`\n")
     for setting in args.settings.split(","):
         if setting not in SETTINGS:
             raise SystemExit(f"unknown setting {setting!r}: one of {', '.join(SETTINGS)}")
         done = subprocess.run([sys.executable, __file__, "--model", args.model, "--modes", args.modes,
                                "--setting", setting, "--device", args.device, "--profile-shape",
-                               str(args.profile_shape)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+                               str(args.profile_shape), *(["--fast-modules"] if args.fast_modules else [])],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
         if done.returncode != 0:
             print(f"## {setting}: failed\n\n```\n{done.stderr[-3000:]}\n```\n")
             continue
@@ -199,6 +269,9 @@ def main() -> None:
         print(f"## {setting}\n")
         if preloaded is not None:
             print(f"{preloaded[0]} cuDNN libraries loaded before CUDA started, in {preloaded[1]:.1f} ms\n")
+        if measured["replayed"] is not None:
+            calls, ms = measured["replayed"]
+            print(f"{calls} recorded cuDNN attention calls replayed on the main thread first: {ms:.1f} ms\n")
         if measured["threaded_ms"] is not None:
             print(f"Each shape's SAM in a thread of its own, all at once, first: {measured['threaded_ms']:.1f} ms\n")
         print("| shape | " + " | ".join(f"{c} ms" for c in columns) + " |")
