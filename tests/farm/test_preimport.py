@@ -118,3 +118,20 @@ def test_a_lane_starts_its_celery_worker_on_the_parents_imports(subprocess_env, 
         line.removeprefix("lane imported ") for line in done.stdout.splitlines() if "lane imported" in line
     ]
     assert json.loads(imported) == [], imported
+
+
+def test_a_process_that_imported_transformers_first_keeps_every_package(subprocess_env, tmp_path):
+    # Its availability checks have run: leaving a package out then would only make it unimportable.
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text("")
+    env = {**subprocess_env, "PYTHONPATH": f"{subprocess_env['PYTHONPATH']}{os.pathsep}{tmp_path}"}
+    code = (
+        "import sys, transformers\n"
+        "from dsocr_workers.farm.celery.preimport import LEFT_OUT, import_for_jobs\n"
+        "import_for_jobs()\n"
+        "import sklearn\n"
+        "print([name for name in LEFT_OUT if name in sys.modules and sys.modules[name] is None])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -8,8 +8,9 @@ records what that cost in its first worker session (`import_ms`: 0 when it inher
 Importing them initialises no CUDA: each child chooses its GPU after fork (farm/devices.py).
 
 Some packages transformers imports at module level wherever they are installed serve features no job
-uses (scikit-learn for assisted decoding's ROC curve, torchvision's and torchaudio's IO); where they are
-not imported yet they are left out of the process (`LEFT_OUT`), as if not installed.
+uses (scikit-learn for assisted decoding's ROC curve, torchvision's and torchaudio's IO); in a process
+that has not imported transformers yet, those not imported either are left out (`LEFT_OUT`), as if not
+installed.
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ class Imported:
 def import_for_jobs(stop: Callable[[], bool] = lambda: False) -> Imported:
     """Import `START_IMPORTS` where this process has not yet, leaving `LEFT_OUT` out; `stop()` is asked
     before each (true: the rest are not imported)."""
-    for name in LEFT_OUT:
-        # None in sys.modules: an import of it fails and `importlib.util.find_spec` (which transformers'
-        # availability checks ask) finds nothing.
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    if "transformers" not in sys.modules:  # once it is, its checks have run: leaving them out saves nothing
+        for name in LEFT_OUT:
+            # None in sys.modules: an import of it fails and `importlib.util.find_spec` (which transformers'
+            # availability checks ask) finds nothing.
+            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     before, began, began_at = len(sys.modules), time.perf_counter(), time.time()
     for name in START_IMPORTS:
         if stop():
