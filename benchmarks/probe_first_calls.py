@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
@@ -87,9 +88,17 @@ def steady_ms(call, args, repeats: int = 50) -> float:  # type: ignore[no-untype
     return statistics.median(times)
 
 
+class Layout(NamedTuple):
+    """A recorded tensor argument: what a replay's empty tensor takes from it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+
+
 def recorded_attention(run) -> list[tuple]:  # type: ignore[no-untyped-def]
-    """`run()` on a thread of its own, recording its cuDNN attention calls: (op, tensors' (shape, stride,
-    dtype), the other arguments) each."""
+    """`run()` on a thread of its own, recording its cuDNN attention calls: (op, its arguments with each
+    tensor as its `Layout`, its keyword arguments) each."""
     import threading
 
     import torch
@@ -101,8 +110,8 @@ def recorded_attention(run) -> list[tuple]:  # type: ignore[no-untyped-def]
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is cudnn:
-                calls.append((func, [(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                                     for a in args], dict(kwargs or {})))  # fmt: skip
+                calls.append((func, [Layout(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor)
+                                     else a for a in args], dict(kwargs or {})))  # fmt: skip
             return func(*args, **(kwargs or {}))
 
     def recording() -> None:
@@ -120,8 +129,8 @@ def replay_attention(calls: list[tuple], device: object) -> None:
     import torch
 
     for func, args, kwargs in calls:
-        tensors = [torch.empty_strided(a[0], a[1], dtype=a[2], device=device) if isinstance(a, tuple) and len(a) == 3
-                   and isinstance(a[2], torch.dtype) else a for a in args]  # fmt: skip
+        tensors = [torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=device) if isinstance(a, Layout)
+                   else a for a in args]  # fmt: skip
         func(*tensors, **kwargs)
 
 

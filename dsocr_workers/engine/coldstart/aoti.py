@@ -36,7 +36,7 @@ from dsocr_workers.engine.generate import MIN_CACHE_BUCKET
 from dsocr_workers.engine.regions import PREFILL_BUCKET, Compiler, views_attention
 from dsocr_workers.engine.sampling import step_key
 from dsocr_workers.model.config import dtype_name
-from dsocr_workers.model.grouped_experts import KernelBlocks, blocks_for, tokens_for
+from dsocr_workers.model.grouped_experts import blocks_for, tokens_for
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +191,12 @@ def _capacity_dim(limits: Limits) -> Any:
     )
 
 
-def _expert_blocks(args: tuple) -> KernelBlocks | None:
-    """The blocks the MoE layer's grouped experts kernels take for the call's prompt (None: no routed
-    experts). The choice is made as the kernels are traced, so a package holds one."""
-    layer, hidden = args[0], args[1]
+def _routing(layer: Any) -> tuple[int, int] | None:
+    """The MoE layer's experts a token takes and its routed experts (None: a dense layer). Its grouped
+    experts kernels' blocks follow from them and the prompt's length as the kernels are traced, so a
+    package holds one block size."""
     experts = getattr(layer.mlp, "experts", None)
-    if experts is None:
-        return None
-    return blocks_for(hidden.shape[1] * layer.mlp.config.num_experts_per_tok, experts.num_experts)
+    return None if experts is None else (layer.mlp.config.num_experts_per_tok, experts.num_experts)
 
 
 class _LmLayer(_Region):
@@ -209,8 +207,11 @@ class _LmLayer(_Region):
     name = "lm_layer"
 
     def key(self, args: tuple, dynamic_tiles: bool) -> dict:
-        blocks = _expert_blocks(args)
-        return {"kind": type(args[0].mlp).__name__, **({"expert_block_pairs": blocks.gate_up.m} if blocks else {})}
+        layer, hidden = args[0], args[1]
+        key: dict[str, str | int] = {"kind": type(layer.mlp).__name__}
+        if routing := _routing(layer):
+            key["expert_block_pairs"] = blocks_for(hidden.shape[1] * routing[0], routing[1]).gate_up.m
+        return key
 
     def state(self, args: tuple) -> list[Tensor]:
         _, hidden, (cos, sin), cache_layer = args
@@ -223,13 +224,11 @@ class _LmLayer(_Region):
             yield layer, state[0], (state[1], state[2]), cache_layer
 
     def dynamic(self, args: tuple, limits: Limits, dynamic_tiles: bool) -> list[dict | None]:
-        blocks = _expert_blocks(args)
-        layer = args[0]
-        tokens = (
-            tokens_for(blocks, layer.mlp.config.num_experts_per_tok, layer.mlp.experts.num_experts)
-            if blocks
-            else (1, None)
-        )
+        layer, hidden = args[0], args[1]
+        tokens: tuple[int, int | None] = (1, None)
+        if routing := _routing(layer):
+            top_k, experts = routing
+            tokens = tokens_for(blocks_for(hidden.shape[1] * top_k, experts), top_k, experts)
         positions, capacity = _positions_dim(limits, tokens), _capacity_dim(limits)
         cache = [{2: capacity} if tensor.dim() >= 3 else None for tensor in self.state(args)[3:]]
         prompt = {1: positions} if positions is not None else None
