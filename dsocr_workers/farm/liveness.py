@@ -4,7 +4,8 @@ Each beat (every `DSOCR_HEARTBEAT_SECONDS`) renews the lease of every job this p
 its `worker_processes` row, so a job whose worker lives never loses its lease. In a Celery worker it
 also sweeps its queues: a job whose lease expired (its holder stopped beating) is queued again or
 poisoned at the attempt cap; a reservation that expired is dropped; a message delivered long ago whose
-job nobody reserved or claimed is taken back. The dead worker's messages go back to the head of their
+job nobody reserved or claimed is taken back; a process found dead has the messages it may have taken
+from Redis sent again. The dead worker's messages go back to the head of their
 queues rather than waiting out the visibility timeout, inside the sweep's transaction (a broker error
 rolls the change back for the next sweep). A dead worker's job is back in its queue at most lease +
 heartbeat after its last beat. A beat is one short transaction.
@@ -17,7 +18,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sqlalchemy import update
@@ -47,6 +48,8 @@ class Sweep:
     delivered: Callable[[], dict[str, float]]
     # Puts these jobs' unacknowledged messages back at the head of their queues; returns those it moved.
     take_back: Callable[[list[str]], set[str]]
+    # The job ids of every message Redis holds for these queues: waiting in them, or delivered.
+    held: Callable[[tuple[str, ...]], set[str]]
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Beat:
     poisoned: list[str]  # the same at the attempt cap
     unreserved: list[tuple[str, str]]  # (job id, queue) fetched by a dead worker to run next, sent again
     orphaned: list[str]  # jobs whose message a worker held past `orphaned_after_s`, nobody on the job
+    resent: list[tuple[str, str]] = field(default_factory=list)  # (job id, queue) lost with a dead process
 
 
 # A lane fetches its first two messages while its child still imports, which can take longer than a
@@ -100,9 +104,10 @@ class Heartbeat:
             "queues": ",".join(self.queues),
             "started_at": beat_at,
             "heartbeat_at": beat_at,
+            "found_dead_at": None,  # a process that beats again is alive: it can be found dead again
         }
         with self.db.transaction() as tx:
-            upsert(tx, WorkerProcess, row, ["id"], ["heartbeat_at"])
+            upsert(tx, WorkerProcess, row, ["id"], ["heartbeat_at", "found_dead_at"])
             renewed = ledger.renew_leases(
                 tx, self.owner, self.settings.lease_s, beat_at, let_go=list(self._let_go)
             )
@@ -136,7 +141,27 @@ class Heartbeat:
             log.warning(
                 "job %s: its message sat with a worker that never took the job up; back on its queue", job_id
             )
-        return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned)
+        resent = self._resend_lost(now or utcnow())
+        for job_id, queue in resent:
+            log.warning("job %s: its message was lost with a dead worker; sent again on %s", job_id, queue)
+        return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned, resent)
+
+    def _resend_lost(self, now: datetime) -> list[tuple[str, str]]:
+        """kombu pops a message from its queue before it records it as delivered: a worker killed in
+        between takes the message with it, and only the ledger still knows the job as queued. A process
+        found dead (silent for a lease, never stopped) has its queues' queued jobs checked against Redis
+        once, and each one Redis holds no message for is sent again (a duplicate is refused by the claim)."""
+        assert self.sweep is not None
+        with self.db.transaction() as tx:  # a broker error rolls the finding back: the next sweep repeats it
+            queues = ledger.find_dead_processes(tx, self.sweep.queues, silent_for_s=self.settings.lease_s, now=now)
+            if not queues:
+                return []
+            queued = ledger.queued_on(tx, queues)  # read before the broker; claimed since: dropped below
+            held = self.sweep.held(tuple(sorted(queues)))
+            lost = ledger.waiting_on_queues(tx, [job_id for job_id, _ in queued if job_id not in held])
+            if lost:
+                self.sweep.publish(tx, lost)
+        return lost
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
         """The messages a worker died holding before its child reserved or claimed their jobs, which only

@@ -33,6 +33,7 @@ from dsocr_workers.store.models import (
     Profile,
     Result,
     Run,
+    WorkerProcess,
     utcnow,
 )
 from dsocr_workers.store.upsert import upsert
@@ -511,6 +512,43 @@ def waiting_on_queues(tx: Session, job_ids: Iterable[str]) -> list[tuple[str, st
             select(Job.id, Run.queue)
             .join(Run, Job.run_id == Run.id)
             .where(Job.id.in_(ids[start : start + 500]), Job.state.in_(WAITING_STATES))
+        )
+    ]
+
+
+def find_dead_processes(
+    tx: Session, queues: Iterable[str], *, silent_for_s: float, now: datetime | None = None
+) -> set[str]:
+    """Mark as found dead every process serving any of `queues` that has not beaten for `silent_for_s`
+    and never stopped cleanly; returns the queues they served. Guarded on what was read, so of several
+    sweepers exactly one finds each."""
+    now = now or utcnow()
+    silent = (
+        WorkerProcess.stopped_at.is_(None)
+        & WorkerProcess.found_dead_at.is_(None)
+        & (WorkerProcess.heartbeat_at <= now - timedelta(seconds=silent_for_s))
+    )
+    swept = set(queues)
+    found: set[str] = set()
+    for process_id, served in tx.execute(select(WorkerProcess.id, WorkerProcess.queues).where(silent)).all():
+        theirs = set(served.split(","))
+        if not theirs & swept:
+            continue
+        guarded = update(WorkerProcess).where(WorkerProcess.id == process_id, silent).values(found_dead_at=now)
+        if _rowcount(tx.execute(guarded)) == 1:
+            found |= theirs
+    return found
+
+
+def queued_on(tx: Session, queues: Iterable[str]) -> list[tuple[str, str]]:
+    """(job id, queue) of every job `queued` in a run on `queues`: its message was sent (a `pending` job's
+    may not have been yet)."""
+    return [
+        (job_id, queue)
+        for job_id, queue in tx.execute(
+            select(Job.id, Run.queue)
+            .join(Run, Job.run_id == Run.id)
+            .where(Run.queue.in_(list(queues)), Job.state == "queued")
         )
     ]
 

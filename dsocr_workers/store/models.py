@@ -165,6 +165,8 @@ class WorkerProcess(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     stopped_at: Mapped[datetime | None]  # a clean shutdown; a killed process never sets it
+    # When a sweep found it silent for a lease and not stopped (farm/liveness.py); a beat clears it.
+    found_dead_at: Mapped[datetime | None]
 
 
 class WorkerSession(Base):

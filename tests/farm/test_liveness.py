@@ -2,10 +2,12 @@
 sends are read in the sweep's own transaction (a second one would wait on SQLite's write lock until its
 busy timeout), and a job it brings back is queued as of that transaction, not of a wait for the lock; a
 message a worker died holding before its child reserved or claimed the job goes back to the head of its
-queue a lease after its delivery, and none that a live process stands for does."""
+queue a lease after its delivery, and none that a live process stands for does; a message a dead worker
+took from its queue without recording it as delivered is sent again by the sweep that finds it dead."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -17,13 +19,13 @@ import pytest
 import redis
 
 from dsocr_workers.farm.celery.app import create_app
-from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
-from dsocr_workers.farm.celery.messages import job_labels, send_job_messages
+from dsocr_workers.farm.celery.broker import delivered_messages, job_ids_held, take_back_messages
+from dsocr_workers.farm.celery.messages import bring_back_job_messages, job_labels, send_job_messages
 from dsocr_workers.farm.liveness import Heartbeat, Sweep, orphaned_after_s
 from dsocr_workers.settings import Settings
 from dsocr_workers.store import ledger
 from dsocr_workers.store.db import open_database
-from dsocr_workers.store.models import Job, Run, job_id_for, utcnow
+from dsocr_workers.store.models import Job, Run, WorkerProcess, job_id_for, utcnow
 
 
 def add_run(db, queue: str, images: list[str]) -> list[str]:
@@ -58,7 +60,7 @@ def test_a_sqlite_sweep_requeues_a_dead_holders_job_at_once_with_its_label(sqlit
         ledger.claim_job(session, job_id, "h:1:dead", lease_s=60, max_attempts=3, is_dead=lambda o: False)
     sent: dict[str, str] = {}
     sweep = Sweep((queue,), lambda session, jobs: sent.update(job_labels(session, [j for j, _ in jobs])),
-                  delivered=partial(delivered_messages, app, (queue,)), take_back=partial(take_back_messages, app))  # fmt: skip
+                  delivered=partial(delivered_messages, app, (queue,)), take_back=partial(take_back_messages, app), held=lambda queues: set())  # fmt: skip
     heartbeat = Heartbeat(db, "h:2:live", Settings(), device="cpu", queues=(queue,), sweep=sweep)
     started = time.monotonic()
     beat = heartbeat.beat(utcnow() + timedelta(seconds=61))
@@ -79,7 +81,7 @@ def test_a_sweep_that_waited_for_the_write_lock_queues_the_job_once_it_holds_the
         ledger.claim_job(session, job_id, "h:1:dead", lease_s=1, max_attempts=3, is_dead=lambda o: False)
     time.sleep(1.2)  # its lease runs out on the real clock, which the beat below reads
     sweep = Sweep((queue,), lambda session, jobs: None, delivered=partial(delivered_messages, app, (queue,)),
-                  take_back=partial(take_back_messages, app))  # fmt: skip
+                  take_back=partial(take_back_messages, app), held=lambda queues: set())  # fmt: skip
     heartbeat = Heartbeat(db, "h:2:live", Settings(), device="cpu", queues=(queue,), sweep=sweep)
     writer = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")  # another process's write under way
@@ -113,7 +115,7 @@ def test_a_message_held_a_lease_with_nobody_on_its_job_goes_back_to_the_head_of_
             ledger.claim_job(session, running, "h:1:dead", lease_s=settings.lease_s, max_attempts=3,
                              is_dead=lambda o: False)  # fmt: skip
         sweep = Sweep((queue,), lambda session, jobs: None, delivered=partial(delivered_messages, app, (queue,)),
-                      take_back=partial(take_back_messages, app))  # fmt: skip
+                      take_back=partial(take_back_messages, app), held=lambda queues: set())  # fmt: skip
         live = Heartbeat(db, "h:2:live", settings, device="cpu", queues=(queue,), sweep=sweep)
         # Delivered just now: a live lane's child is reserving it, or claiming it.
         assert live.beat().orphaned == []
@@ -144,3 +146,42 @@ def test_a_retry_held_for_its_countdown_is_due_at_its_eta(farm_app):
         due = delivered_messages(app, (queue,))
     assert set(due) == {"x"} and 590 < due["x"] - time.time() < 610
     assert delivered_messages(app, ("another-queue",)) == {}
+
+
+def test_a_message_lost_with_a_dead_worker_is_sent_again_by_the_sweep_that_finds_it_dead(sqlite_url, farm_app):
+    app, queue = farm_app
+    db = open_database(sqlite_url)
+    lost, waiting, other = add_run(db, queue, ["a.png", "b.png", "c.png"])
+    send_job_messages(app, [(job_id, queue) for job_id in (lost, waiting, other)], [], {})
+    settings = Settings()
+    prefix = app.conf.broker_transport_options["global_keyprefix"]
+    client = redis.Redis.from_url(app.conf.broker_url)
+    # A worker pops a message with BRPOP and records it as delivered next: killed in between, it took the
+    # message with it. RPOP is that pop.
+    Heartbeat(db, "h:1:dead", settings, device="cpu", queues=(queue,)).beat()
+    assert job_id_of(client.rpop(prefix + queue)) == lost
+    sweep = Sweep((queue,), partial(bring_back_job_messages, app), delivered=partial(delivered_messages, app, (queue,)),
+                  take_back=partial(take_back_messages, app),
+                  held=partial(job_ids_held, app.conf.broker_url, prefix))  # fmt: skip
+    live = Heartbeat(db, "h:2:live", settings, device="cpu", queues=(queue,), sweep=sweep)
+    assert live.beat().resent == []  # the dead one beat just now: alive as far as anyone can tell
+    silent = utcnow() + timedelta(seconds=settings.lease_s + 1)
+    assert live.beat(silent).resent == [(lost, queue)]
+    assert sorted(job_id_of(raw) for raw in client.lrange(prefix + queue, 0, -1)) == sorted([lost, waiting, other])
+    assert live.beat(silent + timedelta(seconds=1)).resent == []  # found dead once
+    with db.transaction() as session:
+        assert session.get_one(WorkerProcess, "h:1:dead").found_dead_at is not None
+    client.rpop(prefix + queue)
+    # A process that beats again is alive, and found dead again once it falls silent.
+    Heartbeat(db, "h:1:dead", settings, device="cpu", queues=(queue,)).beat(silent)
+    with db.transaction() as session:
+        assert session.get_one(WorkerProcess, "h:1:dead").found_dead_at is None
+    later = silent + timedelta(seconds=settings.lease_s + 1)
+    assert len(live.beat(later).resent) == 1
+    client.close()
+    db.dispose()
+
+
+def job_id_of(raw: bytes) -> str:
+    """The job id of a raw message in a queue's list (task ids are job ids)."""
+    return json.loads(raw)["headers"]["id"]

@@ -135,3 +135,9 @@ def job_ids_in_broker(broker_url: str, key_prefix: str, queues: Iterable[str]) -
         return waiting, delivered
     finally:
         client.close()
+
+
+def job_ids_held(broker_url: str, key_prefix: str, queues: Iterable[str]) -> set[str]:
+    """The job ids of every message Redis holds for these queues, waiting or delivered."""
+    waiting, delivered = job_ids_in_broker(broker_url, key_prefix, queues)
+    return waiting | delivered

@@ -25,7 +25,7 @@ from celery.worker.request import Request
 from sqlalchemy.orm import Session
 
 from dsocr_workers.errors import InputError, TransientError
-from dsocr_workers.farm.celery.broker import delivered_messages, take_back_messages
+from dsocr_workers.farm.celery.broker import delivered_messages, job_ids_held, take_back_messages
 from dsocr_workers.farm.celery.messages import RUN_JOB, bring_back_job_messages
 from dsocr_workers.farm.celery.preimport import import_for_jobs
 from dsocr_workers.farm.celery.worker import handed_spec, refuse_to_work
@@ -81,6 +81,7 @@ def _open_child(**_: object) -> None:
             bring_back,
             delivered=partial(delivered_messages, run_job.app, queues),
             take_back=partial(take_back_messages, run_job.app),
+            held=partial(job_ids_held, settings.broker_url, settings.broker_key_prefix),
         ),
     )
     threading.Thread(
