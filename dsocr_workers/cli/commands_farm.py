@@ -184,7 +184,9 @@ def submit(filelist: Path, queue: str | None, **kw: Any) -> None:
     """Validate FILELIST, record a run and its jobs, and enqueue one job per image and repeat."""
     from dsocr_workers.farm.submit import submit_run
     from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import defer_ctrl_c_to_transaction_ends
 
+    defer_ctrl_c_to_transaction_ends()  # Ctrl-C while sending: what was sent is still marked queued
     submission = submit_run(
         Settings.from_env(),
         run_request(filelist, kw),
@@ -311,7 +313,9 @@ def run(filelist: Path, gpus: str, queue: str | None, fmt: str, **kw: Any) -> No
     which); 2 bad input or settings; 3 the database unavailable; 130 interrupted."""
     from dsocr_workers.farm.local_run import record_local_run
     from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import defer_ctrl_c_to_transaction_ends
 
+    defer_ctrl_c_to_transaction_ends()  # Ctrl-C hands the jobs back: their ledger is left writable
     settings = Settings.from_env()
     try:
         local = record_local_run(settings, run_request(filelist, kw), gpus=gpus, queue=queue, on_bad_lines=warn)
@@ -333,7 +337,9 @@ def resume(run_ref: str, gpus: str, fmt: str) -> None:
     Exit status as `dsocr run`'s."""
     from dsocr_workers.farm.local_run import resume_local_run
     from dsocr_workers.settings import Settings
+    from dsocr_workers.store.db import defer_ctrl_c_to_transaction_ends
 
+    defer_ctrl_c_to_transaction_ends()
     settings = Settings.from_env()
     work_and_report(settings, resume_local_run(settings, run_ref, gpus=gpus), fmt)
 

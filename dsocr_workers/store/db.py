@@ -4,19 +4,26 @@ SQLite is set up for several writer processes on one machine: WAL (readers never
 a 30 s busy timeout, and `BEGIN IMMEDIATE` so that a transaction takes the write lock when it starts —
 a deferred transaction that reads and then writes can fail at once with "database is locked" instead of
 waiting for the busy timeout.
+
+Ctrl-C raises KeyboardInterrupt wherever the main thread is; inside a ledger statement it can leave
+SQLite's write lock held by a connection SQLAlchemy closed with the statement still open, and the
+process's next writes wait out the busy timeout. A command that writes after Ctrl-C (`dsocr run` hands
+its jobs back, `dsocr submit` marks what it sent) calls `defer_ctrl_c_to_transaction_ends`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import URL, ExceptionContext, make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -59,18 +66,54 @@ class Database:
     def transaction(self) -> Iterator[Session]:
         """A session in one transaction: committed on success, rolled back on error. A lost or refused
         connection comes out as TransientError so the caller can retry later."""
-        try:
-            with self.sessions.begin() as tx:
-                yield tx
-        except OperationalError as exc:
-            raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise TransientError(f"database connection lost ({redacted(self.url)}): {exc.orig}") from exc
-            raise
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        with _ctrl_c_held() if on_main_thread else nullcontext():
+            try:
+                with self.sessions.begin() as tx:
+                    yield tx
+            except OperationalError as exc:
+                raise TransientError(f"database unavailable ({redacted(self.url)}): {exc.orig}") from exc
+            except DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise TransientError(f"database connection lost ({redacted(self.url)}): {exc.orig}") from exc
+                raise
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+# Signal handlers run on the main thread only: these two are the main thread's.
+_main_thread_transactions = 0  # transactions of the main thread under way (nested: several engines)
+_ctrl_c_pending = False  # Ctrl-C came during one of them
+
+
+def defer_ctrl_c_to_transaction_ends() -> None:
+    """From now on in this process, Ctrl-C during a ledger transaction of the main thread raises
+    KeyboardInterrupt once that transaction has ended (committed or rolled back), elsewhere at once.
+    Nothing changes where SIGINT is not Python's default handler (ignored, as in a background job)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_ctrl_c)
+
+
+def _on_ctrl_c(_signum: int, _frame: object) -> None:
+    global _ctrl_c_pending
+    if _main_thread_transactions:
+        _ctrl_c_pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    global _main_thread_transactions, _ctrl_c_pending
+    _main_thread_transactions += 1
+    try:
+        yield
+    finally:
+        _main_thread_transactions -= 1
+        if not _main_thread_transactions and _ctrl_c_pending:
+            _ctrl_c_pending = False
+            raise KeyboardInterrupt
 
 
 # `dsocr run` makes the embedded default's ledger itself; a server's is made by `dsocr db upgrade` only.
@@ -174,13 +217,6 @@ def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-    @event.listens_for(engine, "handle_error")
-    def _on_error(context: ExceptionContext) -> None:
-        # Ctrl-C mid-statement: SQLAlchemy closes the connection but not the statement's cursor, and SQLite
-        # keeps a closed connection's write lock while a statement of it is open (its traceback holds it).
-        if not isinstance(context.original_exception, Exception) and context.execution_context is not None:
-            context.execution_context.cursor.close()
 
 
 # --- schema (Alembic) ---------------------------------------------------------------------------------

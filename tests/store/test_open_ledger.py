@@ -4,16 +4,18 @@ of a DSOCR_DATABASE_URL that names a missing one."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from sqlalchemy import event, select, text
+from sqlalchemy import text
 
 from dsocr_workers.cli import main
-from dsocr_workers.store.db import SchemaError, open_database, open_ledger
-from dsocr_workers.store.models import Run
+from dsocr_workers.store.db import SchemaError, defer_ctrl_c_to_transaction_ends, open_database, open_ledger
 
 COMMANDS = {
     "report": ["report", "--run", "latest"],
@@ -91,32 +93,30 @@ def test_runs_reads_an_existing_ledger(sqlite_url):
     assert code == 0 and "no dsocr database" not in output, output
 
 
-def test_ctrl_c_mid_statement_leaves_no_lock_behind(sqlite_url):
-    """Ctrl-C inside a statement of a write transaction: SQLAlchemy drops that connection, and while the
-    KeyboardInterrupt is still being handled (its traceback holds the statement's cursor) another
-    connection takes SQLite's write lock at once, as `dsocr run` marks its run interrupted."""
+def test_ctrl_c_in_a_transaction_comes_at_its_end_and_leaves_the_ledger_writable(sqlite_url):
+    """Ctrl-C (a real SIGINT to this process) inside a write transaction, with the deferral `dsocr run`
+    and `dsocr submit` install: the transaction goes on and commits, then KeyboardInterrupt; another
+    connection takes SQLite's write lock at once while it is handled, as `dsocr run` hands back its jobs.
+    Outside a transaction Ctrl-C interrupts at once."""
     db = open_database(sqlite_url)
-    interrupting = False
-
-    @event.listens_for(db.engine, "after_cursor_execute")
-    def ctrl_c(*_: object) -> None:
-        if interrupting:
-            raise KeyboardInterrupt
-
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's foreground process
     try:
+        defer_ctrl_c_to_transaction_ends()
         with pytest.raises(KeyboardInterrupt) as interrupt, db.transaction() as tx:
-            tx.execute(text("CREATE TABLE written (x)"))  # the transaction has written
-            interrupting = True
-            tx.execute(text("SELECT 1 UNION ALL SELECT 2"))  # a row still to read: the statement open
-        interrupting = False
+            tx.execute(text("CREATE TABLE written (x)"))
+            os.kill(os.getpid(), signal.SIGINT)
+            tx.execute(text("INSERT INTO written VALUES (1)"))
         assert interrupt.traceback  # still alive, as in an `except KeyboardInterrupt:` block
         other = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), timeout=1, isolation_level=None)
         try:
             other.execute("BEGIN IMMEDIATE")  # "database is locked" after 1 s while the lock is held
+            assert other.execute("SELECT x FROM written").fetchall() == [(1,)]
             other.execute("ROLLBACK")
         finally:
             other.close()
-        with db.transaction() as tx:  # the engine goes on with a new connection
-            assert tx.execute(select(Run.id)).all() == []
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
     finally:
+        signal.signal(signal.SIGINT, previous)
         db.dispose()
