@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 PARENT = """
-import importlib.util, json, os, sys, threading
+import gc, importlib.util, json, os, sys, threading
 from dsocr_workers.farm.celery.preimport import LEFT_OUT, import_for_jobs
 from dsocr_workers.farm.devices import count_gpus, open_device, see_only_this_gpu
 installed = [name for name in LEFT_OUT if importlib.util.find_spec(name) is not None]
@@ -26,10 +26,11 @@ seen = {
     "cuda_initialized": torch.cuda.is_initialized(), "python_threads": threading.active_count(),
     "transformers_model": "transformers.models.deepseek_ocr2.modeling_deepseek_ocr2" in sys.modules,
     "scorer": "dsocr_workers.quality.scoring" in sys.modules,
+    "collecting": gc.isenabled(),
     "left_out": {name: [name in installed, importlib.util.find_spec(name) is None] for name in LEFT_OUT},
 }
 import transformers.utils
-seen["transformers_sees_sklearn"] = transformers.utils.is_sklearn_available()
+seen["transformers_sees"] = [transformers.utils.is_sklearn_available(), transformers.utils.is_scipy_available()]
 if count_gpus():  # counted as the worker's parent counts them: nvidia-smi, not CUDA
     pid = os.fork()
     if pid == 0:  # as a Celery child does (farm/celery/tasks.py)
@@ -42,7 +43,7 @@ print(json.dumps(seen))
 
 def test_the_parents_imports_leave_cuda_alone_and_a_child_has_none_left(subprocess_env, tmp_path):
     # Each left-out package installed, as a package that says so if it is ever imported.
-    for name in ("sklearn", "torchvision", "torchaudio"):
+    for name in ("sklearn", "scipy", "torchvision", "torchaudio"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"print('imported {name}')\n")
     env = {**subprocess_env, "PYTHONPATH": f"{subprocess_env['PYTHONPATH']}{os.pathsep}{tmp_path}"}
@@ -54,8 +55,9 @@ def test_the_parents_imports_leave_cuda_alone_and_a_child_has_none_left(subproce
     assert not seen["scorer"]  # a child scores in its scoring process (farm/job/scoring_process.py)
     assert seen["second"] == [0, 0.0]
     # Installed, yet not imported and not found by transformers' checks after the parent's imports.
-    assert seen["left_out"] == {name: [True, True] for name in ("sklearn", "torchvision", "torchaudio")}
-    assert not seen["transformers_sees_sklearn"] and "imported" not in done.stdout
+    assert seen["left_out"] == {name: [True, True] for name in ("sklearn", "scipy", "torchvision", "torchaudio")}
+    assert seen["transformers_sees"] == [False, False] and "imported" not in done.stdout
+    assert seen["collecting"]  # the collector, off during the imports, is on again
     # torch maps the CUDA libraries (and numpy's BLAS may start OS threads) at import; what a fork must
     # not carry is CUDA's state or a Python thread in the middle of something.
     assert not seen["cuda_initialized"] and seen["python_threads"] == 1, seen

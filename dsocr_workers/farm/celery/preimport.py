@@ -8,13 +8,18 @@ records what that cost in its first worker session (`import_ms`: 0 when it inher
 Importing them initialises no CUDA: each child chooses its GPU after fork (farm/devices.py).
 
 Some packages transformers imports at module level wherever they are installed serve features no job
-uses (scikit-learn for assisted decoding's ROC curve, torchvision's and torchaudio's IO); in a process
-that has not imported transformers yet, those not imported either are left out (`LEFT_OUT`), as if not
-installed.
+uses (scikit-learn for assisted decoding's ROC curve, SciPy for object detection's losses, torchvision's
+and torchaudio's IO); in a process that has not imported transformers yet, those not imported either are
+left out (`LEFT_OUT`), as if not installed. A child scores pages in a fresh interpreter of its own
+(farm/job/scoring_process.py), which has SciPy.
+
+The cyclic garbage collector is off while they import: each of its full collections walks every object
+torch has made so far, and the imports allocate enough to set off several (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 import time
@@ -68,7 +73,7 @@ START_IMPORTS = (
 
 # Packages left out of a worker's processes: with scipy and pandas under it, scikit-learn alone was over
 # 1 s of a start's imports on a host that has it (docs/benchmarks.md, "Start-up and cold start").
-LEFT_OUT = ("sklearn", "torchvision", "torchaudio")
+LEFT_OUT = ("sklearn", "scipy", "torchvision", "torchaudio")
 
 
 @dataclass(frozen=True)
@@ -90,10 +95,16 @@ def import_for_jobs(stop: Callable[[], bool] = lambda: False) -> Imported:
             # availability checks ask) finds nothing.
             sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     before, began, began_at = len(sys.modules), time.perf_counter(), time.time()
-    for name in START_IMPORTS:
-        if stop():
-            break
-        importlib.import_module(name)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for name in START_IMPORTS:
+            if stop():
+                break
+            importlib.import_module(name)
+    finally:
+        if collecting:
+            gc.enable()
     if (modules := len(sys.modules) - before) == 0:
         return Imported(0, 0.0, began_at)
     return Imported(modules, (time.perf_counter() - began) * 1e3, began_at)
