@@ -1,6 +1,6 @@
 """`dsocr worker`'s parent imports what its children need before it forks them (farm/celery/preimport.py):
-in a fresh interpreter, as the parent does, the imports leave CUDA uninitialised and no Python thread
-running, a second call (a forked child's) imports nothing, opening a model of any family on any engine
+in a fresh interpreter, as the parent does, the imports leave CUDA uninitialised, no Python thread
+running and the garbage collector on again, a second call (a forked child's) imports nothing, opening a model of any family on any engine
 imports nothing more, and on a GPU host a child forked afterwards chooses its GPU and opens it. A lane
 starts its Celery worker without Celery's command line and its plugins. That a real worker's children
 inherit the imports is checked by their recorded `import_ms` (tests/farm/test_workers.py). The scorer is
