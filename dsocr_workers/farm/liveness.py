@@ -119,10 +119,11 @@ class Heartbeat:
             # a job brought back is `queued_at` just before its message is published, not a lock wait
             # before it, while other lanes fetch and claim.
             tx.connection()
+            swept_at = now or utcnow()
             expired = ledger.expire_leases(
                 tx,
                 max_attempts=self.settings.max_attempts,
-                now=now or utcnow(),
+                now=swept_at,
                 queues=self.sweep.queues,
                 spare_owner=self.owner,
             )
@@ -130,6 +131,7 @@ class Heartbeat:
                 self.sweep.publish(
                     tx, expired.to_bring_back
                 )  # raises: rolled back, the next sweep tries again
+            resent = self._resend_lost(tx, swept_at)
         for job_id, queue in expired.requeued:
             log.warning("job %s: its worker stopped beating; queued again on %s", job_id, queue)
         for job_id, queue in expired.unreserved:
@@ -141,26 +143,25 @@ class Heartbeat:
             log.warning(
                 "job %s: its message sat with a worker that never took the job up; back on its queue", job_id
             )
-        resent = self._resend_lost(now or utcnow())
         for job_id, queue in resent:
             log.warning("job %s: its message was lost with a dead worker; sent again on %s", job_id, queue)
         return Beat(renewed, expired.requeued, expired.poisoned, expired.unreserved, orphaned, resent)
 
-    def _resend_lost(self, now: datetime) -> list[tuple[str, str]]:
+    def _resend_lost(self, tx: Session, now: datetime) -> list[tuple[str, str]]:
         """kombu pops a message from its queue before it records it as delivered: a worker killed in
         between takes the message with it, and only the ledger still knows the job as queued. A process
         found dead (silent for a lease, never stopped) has its queues' queued jobs checked against Redis
-        once, and each one Redis holds no message for is sent again (a duplicate is refused by the claim)."""
+        once, and each one Redis holds no message for is sent again (a duplicate is refused by the claim).
+        In the sweep's transaction `tx`: a broker error rolls the finding back, and the next sweep repeats it."""
         assert self.sweep is not None
-        with self.db.transaction() as tx:  # a broker error rolls the finding back: the next sweep repeats it
-            queues = ledger.find_dead_processes(tx, self.sweep.queues, silent_for_s=self.settings.lease_s, now=now)
-            if not queues:
-                return []
-            queued = ledger.queued_on(tx, queues)  # read before the broker; claimed since: dropped below
-            held = self.sweep.held(tuple(sorted(queues)))
-            lost = ledger.waiting_on_queues(tx, [job_id for job_id, _ in queued if job_id not in held])
-            if lost:
-                self.sweep.publish(tx, lost)
+        queues = ledger.find_dead_processes(tx, self.sweep.queues, silent_for_s=self.settings.lease_s, now=now)
+        if not queues:
+            return []
+        queued = ledger.queued_on(tx, queues)  # read before the broker; claimed since: dropped below
+        held = self.sweep.held(tuple(sorted(queues)))
+        lost = ledger.waiting_on_queues(tx, [job_id for job_id, _ in queued if job_id not in held])
+        if lost:
+            self.sweep.publish(tx, lost)
         return lost
 
     def _take_back_orphans(self, now: datetime, brought_back: set[str]) -> list[str]:
