@@ -4,7 +4,7 @@ attention, and how much of it is cuDNN's attention (its graph built for each new
 the warm-up's `--modes` (coldstart/passes.py `warmup_pages`), each shape's SAM and view-encoder calls and
 the causal attention of the layer-by-layer LM prefill at the page's padded prompt length (engine/regions.py:
 one layer's query, key and value, random) timed twice, first and second, in a fresh process per setting,
-and on a GPU the steady calls of the views and the LM attention ("steady": the median of 20 and 50 calls
+and on a GPU the steady calls of SAM, the views and the LM attention ("steady": the median of 20 calls, 50 for the LM attention,
 between CUDA events):
 
 - `cudnn`: PyTorch's own choice (cuDNN's attention where it takes the shapes, as on an H100 or H200);
@@ -25,6 +25,12 @@ between CUDA events):
   made again on the main thread with empty tensors of the same layout, before the timed calls: whether
   a shape's first cost can be paid ahead from a record alone, with no model code (as a worker's child
   could, beside its imports). The replay's own time is printed.
+- `no-cudnn-sam`: cuDNN off around SAM (`torch.backends.cudnn.flags(enabled=False)`), so its patch
+  embedding and neck convolutions run PyTorch's own kernels (im2col and cuBLAS) instead of cuDNN's plans,
+  which PyTorch builds per shape and keeps per thread: how much of SAM's first calls those plans are;
+- `no-cudnn-attention-sam`: cuDNN's attention off around SAM (`sdpa_kernel` with the memory-efficient,
+  flash and math kernels; the fast modules' folded query and key are wider than the value, which the
+  flash kernel does not take): SAM's first calls without cuDNN's attention graphs, and its steady cost.
 
 `--fast-modules`: the fast engine's vision modules (SAM's relative positions folded into its attention's
 query and key channels, model/sam_attention.py), uncompiled, in place of transformers' modules.
@@ -53,7 +59,8 @@ from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, installed or not
-SETTINGS = ("cudnn", "no-cudnn", "no-cudnn-views-lm", "cudnn-preloaded", "cudnn-threaded", "cudnn-replayed")
+SETTINGS = ("cudnn", "no-cudnn", "no-cudnn-views-lm", "cudnn-preloaded", "cudnn-threaded", "cudnn-replayed",
+            "no-cudnn-sam", "no-cudnn-attention-sam")
 
 
 def preload_cudnn() -> tuple[int, float]:
@@ -158,6 +165,11 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
 
     def views_and_lm():  # type: ignore[no-untyped-def]
         return sdpa_kernel(without_cudnn) if setting == "no-cudnn-views-lm" else contextlib.nullcontext()
+
+    def sam_kernels():  # type: ignore[no-untyped-def]
+        if setting == "no-cudnn-sam":
+            return torch.backends.cudnn.flags(enabled=False)
+        return sdpa_kernel(without_cudnn) if setting == "no-cudnn-attention-sam" else contextlib.nullcontext()
     if fast_modules:
         from dsocr_workers.engine.variants.fast import FastCompile, FastEngine
 
@@ -222,7 +234,8 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                 tracing = index == profile_shape and attempt == "first"
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 with torch.profiler.profile(activities=activities) if tracing else contextlib.nullcontext() as trace:
-                    sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
+                    with sam_kernels():
+                        sam, row[f"sam {attempt}"] = timed(session.encode_sam, inputs, clock)
                     with views_and_lm():
                         _, row[f"views {attempt}"] = timed(session.encode_views, inputs, sam, clock)
                         _, row[f"lm {attempt}"] = timed(causal, *qkv)
@@ -233,6 +246,8 @@ def measure(model: str, modes: list[str], setting: str, device: str, profile_sha
                 with views_and_lm():
                     row["views steady"] = steady_ms(session.encode_views, (inputs, sam, clock), repeats=20)
                     row["lm steady"] = steady_ms(causal, qkv)
+                with sam_kernels():
+                    row["sam steady"] = steady_ms(session.encode_sam, (inputs, clock), repeats=20)
             rows.append(row)
     return {"rows": rows, "preloaded": preloaded, "threaded_ms": threaded_ms, "replayed": replayed,
             "profiled": profiled}
@@ -274,7 +289,7 @@ def main() -> None:
         measured = json.loads(done.stdout.strip().splitlines()[-1])
         rows, preloaded = measured["rows"], measured["preloaded"]
         columns = ["sam first", "sam second", "views first", "views second", "lm first", "lm second"]
-        columns += ["views steady", "lm steady"] if "lm steady" in rows[0] else []
+        columns += ["sam steady", "views steady", "lm steady"] if "lm steady" in rows[0] else []
         print(f"## {setting}\n")
         if preloaded is not None:
             print(f"{preloaded[0]} cuDNN libraries loaded before CUDA started, in {preloaded[1]:.1f} ms\n")
