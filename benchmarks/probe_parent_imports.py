@@ -9,11 +9,16 @@ new random order each round, each process timing `import_for_jobs()` alone.
 
     python3 benchmarks/probe_parent_imports.py --rounds 8 --out benchmarks/results
 
-A first round, not counted, writes the bytecode the variants' imports lack (where PYTHONPYCACHEPREFIX
-points, if set: on a GPU image whose packages cannot be written, as a worker's build writes its bytecode
-into the compile cache) and reads every file once. Prints each process's time, then the median of each
-variant and the median paired difference to `shipped`; writes the same as markdown and JSON into --out
+Each process first takes the bytecode as `dsocr` does (`use_bytecode_cache`): with `--compile-cache
+DIR` on an installation that has none and may not be written (the GPU image; Python there runs with
+PYTHONDONTWRITEBYTECODE), from DIR/python-bytecode, which a first process, not counted, writes after
+importing every variant's modules (`write_bytecode`, as the build step does); the other variants then
+run once, not counted either, to read every file once. Without it, a process that compiles every source
+takes three to four times as long. Prints each process's time, then the median of each variant and the
+median paired difference to `shipped`; writes the same as markdown and JSON into --out
 (parent-imports-<UTC>.{md,json}), with the command, host, Python, torch and transformers versions.
+
+    python3 benchmarks/probe_parent_imports.py --rounds 8 --compile-cache /tmp/dc --out $OUT   # on a GPU
 """
 
 from __future__ import annotations
@@ -37,19 +42,24 @@ VARIANTS = {
     "collector-on": "import gc; gc.disable = lambda: None",
     "left-in": "p.LEFT_OUT = ()",
 }
+# As `dsocr`'s entry point does before any heavy import: the bytecode from the compile cache where the
+# installation has none and may not be written (engine/coldstart/cache.py).
 TIMED = """
 import json, time
+from dsocr_workers.engine.coldstart.cache import use_bytecode_cache, write_bytecode
+use_bytecode_cache()
 import dsocr_workers.farm.celery.preimport as p
 {change}
 began = time.perf_counter()
 imported = p.import_for_jobs()
 print(json.dumps({{"s": time.perf_counter() - began, "modules": imported.modules}}))
+{after}
 """
 
 
-def one_process(variant: str) -> dict[str, float]:
+def one_process(variant: str, after: str = "") -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", TIMED.format(change=VARIANTS[variant])],
+        [sys.executable, "-c", TIMED.format(change=VARIANTS[variant], after=after)],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -59,11 +69,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="folder for parent-imports-<UTC>.{md,json}")
+    parser.add_argument("--compile-cache", type=Path, default=None,
+                        help="DSOCR_COMPILE_CACHE_DIR for the processes: where the bytecode goes (as a worker's)")
     args = parser.parse_args()
     import torch
     import transformers
 
     began = datetime.now(UTC)
+    if args.compile_cache is not None:
+        os.environ["DSOCR_COMPILE_CACHE_DIR"] = str(args.compile_cache)
+    one_process("left-in", after="write_bytecode()")  # every variant's modules
     for variant in VARIANTS:
         one_process(variant)
     rounds: list[dict[str, dict[str, float]]] = []
@@ -76,7 +91,8 @@ def main() -> None:
         f"# {platform.node()}, {began:%Y-%m-%d %H:%M} UTC, {args.rounds} rounds; Python {platform.python_version()}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}",
         f"# {'PYTHONPYCACHEPREFIX=' + os.environ['PYTHONPYCACHEPREFIX'] + ' ' if os.environ.get('PYTHONPYCACHEPREFIX') else ''}"
-        f"python3 benchmarks/probe_parent_imports.py --rounds {args.rounds}",
+        f"python3 benchmarks/probe_parent_imports.py --rounds {args.rounds}"
+        f"{' --compile-cache ' + str(args.compile_cache) if args.compile_cache else ''}",
         "",
         "| variant | modules | median s | min s | max s | paired difference to shipped, median s |",
         "|---|---:|---:|---:|---:|---:|",
